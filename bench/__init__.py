@@ -1,0 +1,1 @@
+"""The microbenchmark suite. Installed as ``distllm.bench``; run with ``distllm bench``."""

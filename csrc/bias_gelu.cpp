@@ -1,0 +1,108 @@
+// CPU bias + GeLU epilogue and its derivative, registered as torch.library ops:
+//   distllm::bias_gelu(x, bias?, approximate)             -> gelu(x + bias)
+//   distllm::bias_gelu_backward(grad, x, bias?, approximate) -> grad * gelu'(x + bias)
+// x is (..., N) and bias (N,); the pre-activation x + bias is never materialised.
+// One pass over memory, OpenMP over rows (at::parallel_for), vectorisable inner loop.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include "gelu.h"
+
+namespace distllm {
+
+GeluKind parse_approximate(c10::string_view approximate) {
+  if (approximate == "none") return GeluKind::Exact;
+  if (approximate == "tanh") return GeluKind::Tanh;
+  TORCH_CHECK(false, "approximate must be 'none' or 'tanh', got '", std::string(approximate), "'");
+}
+
+void check_bias(const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() >= 1, "bias_gelu: x must have at least 1 dimension");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == x.size(-1), "bias_gelu: bias must be (",
+                x.size(-1), ",), got ", bias->sizes());
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type(), "bias_gelu: bias dtype ",
+                bias->scalar_type(), " differs from x dtype ", x.scalar_type());
+    TORCH_CHECK(bias->device() == x.device(), "bias_gelu: bias and x are on different devices");
+  }
+}
+
+namespace {
+
+// kBackward=false: out = gelu(x + b); kBackward=true: out = g * gelu'(x + b).
+template <typename scalar_t, bool kBackward>
+void run_cpu(const at::Tensor& x, const c10::optional<at::Tensor>& bias, const at::Tensor* grad,
+             at::Tensor& out, GeluKind kind) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t n = x.size(-1);
+  const int64_t rows = n == 0 ? 0 : x.numel() / n;
+  const scalar_t* xp = x.const_data_ptr<scalar_t>();          // (rows, n) contiguous
+  const scalar_t* bp = bias ? bias->const_data_ptr<scalar_t>() : nullptr;  // (n,) or null
+  const scalar_t* gp = grad ? grad->const_data_ptr<scalar_t>() : nullptr;  // (rows, n)
+  scalar_t* op = out.mutable_data_ptr<scalar_t>();              // (rows, n)
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t off = r * n;
+      for (int64_t j = 0; j < n; ++j) {
+        acc_t u = static_cast<acc_t>(xp[off + j]);
+        if (bp) u += static_cast<acc_t>(bp[j]);
+        if constexpr (kBackward) {
+          op[off + j] = static_cast<scalar_t>(static_cast<acc_t>(gp[off + j]) * gelu_bwd<acc_t>(u, kind));
+        } else {
+          op[off + j] = static_cast<scalar_t>(gelu_fwd<acc_t>(u, kind));
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor bias_gelu_cpu(const at::Tensor& x_in, const c10::optional<at::Tensor>& bias_in,
+                         c10::string_view approximate) {
+  check_bias(x_in, bias_in);
+  const GeluKind kind = parse_approximate(approximate);
+  const at::Tensor x = x_in.contiguous();
+  c10::optional<at::Tensor> bias;
+  if (bias_in) bias = bias_in->contiguous();
+  at::Tensor out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_gelu_cpu", [&] {
+    run_cpu<scalar_t, false>(x, bias, nullptr, out, kind);
+  });
+  return out;
+}
+
+at::Tensor bias_gelu_backward_cpu(const at::Tensor& grad_in, const at::Tensor& x_in,
+                                  const c10::optional<at::Tensor>& bias_in,
+                                  c10::string_view approximate) {
+  check_bias(x_in, bias_in);
+  TORCH_CHECK(grad_in.sizes() == x_in.sizes(), "bias_gelu_backward: grad ", grad_in.sizes(),
+              " and x ", x_in.sizes(), " differ in shape");
+  TORCH_CHECK(grad_in.scalar_type() == x_in.scalar_type(), "bias_gelu_backward: dtype mismatch");
+  const GeluKind kind = parse_approximate(approximate);
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor grad = grad_in.contiguous();
+  c10::optional<at::Tensor> bias;
+  if (bias_in) bias = bias_in->contiguous();
+  at::Tensor out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_gelu_bwd_cpu", [&] {
+    run_cpu<scalar_t, true>(x, bias, &grad, out, kind);
+  });
+  return out;
+}
+
+}  // namespace distllm
+
+TORCH_LIBRARY_FRAGMENT(distllm, m) {
+  m.def("bias_gelu(Tensor x, Tensor? bias, str approximate) -> Tensor");
+  m.def("bias_gelu_backward(Tensor grad, Tensor x, Tensor? bias, str approximate) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(distllm, CPU, m) {
+  m.impl("bias_gelu", &distllm::bias_gelu_cpu);
+  m.impl("bias_gelu_backward", &distllm::bias_gelu_backward_cpu);
+}

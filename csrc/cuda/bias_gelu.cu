@@ -1,0 +1,88 @@
+// CUDA bias + GeLU epilogue and its derivative (the same ops as csrc/bias_gelu.cpp):
+//   distllm::bias_gelu(x, bias?, approximate), distllm::bias_gelu_backward(grad, x, bias?, approximate)
+// One thread per element with a grid-stride loop; arithmetic in float (double for double).
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include "../gelu.h"
+
+namespace distllm {
+
+template <typename scalar_t, bool kBackward>
+__global__ void bias_gelu_kernel(const scalar_t* __restrict__ x,     // (rows, n)
+                                 const scalar_t* __restrict__ bias,  // (n,) or nullptr
+                                 const scalar_t* __restrict__ grad,  // (rows, n), backward only
+                                 scalar_t* __restrict__ out,         // (rows, n)
+                                 int64_t total, int64_t n, GeluKind kind) {
+  using acc_t = at::opmath_type<scalar_t>;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(blockDim.x) * gridDim.x) {
+    acc_t u = static_cast<acc_t>(x[i]);
+    if (bias != nullptr) u += static_cast<acc_t>(bias[i % n]);
+    if constexpr (kBackward) {
+      out[i] = static_cast<scalar_t>(static_cast<acc_t>(grad[i]) * gelu_bwd<acc_t>(u, kind));
+    } else {
+      out[i] = static_cast<scalar_t>(gelu_fwd<acc_t>(u, kind));
+    }
+  }
+}
+
+static GeluKind parse_kind(c10::string_view approximate) {
+  if (approximate == "none") return GeluKind::Exact;
+  TORCH_CHECK(approximate == "tanh", "approximate must be 'none' or 'tanh'");
+  return GeluKind::Tanh;
+}
+
+template <bool kBackward>
+static at::Tensor launch(const at::Tensor* grad_in, const at::Tensor& x_in,
+                         const c10::optional<at::Tensor>& bias_in, c10::string_view approximate) {
+  TORCH_CHECK(x_in.is_cuda(), "bias_gelu (CUDA): x must be a CUDA tensor");
+  if (bias_in) {
+    TORCH_CHECK(bias_in->dim() == 1 && bias_in->size(0) == x_in.size(-1),
+                "bias_gelu: bias must be (", x_in.size(-1), ",)");
+    TORCH_CHECK(bias_in->scalar_type() == x_in.scalar_type(), "bias_gelu: bias dtype differs from x");
+  }
+  const GeluKind kind = parse_kind(approximate);
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor grad;
+  if (grad_in) grad = grad_in->contiguous();
+  c10::optional<at::Tensor> bias;
+  if (bias_in) bias = bias_in->contiguous();
+  at::Tensor out = at::empty_like(x);
+  const int64_t total = x.numel();
+  if (total == 0) return out;
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((total + threads - 1) / threads, 65535LL * 8);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_gelu_cuda", [&] {
+    bias_gelu_kernel<scalar_t, kBackward><<<blocks, threads, 0, stream>>>(
+        x.const_data_ptr<scalar_t>(), bias ? bias->const_data_ptr<scalar_t>() : nullptr,
+        grad_in ? grad.const_data_ptr<scalar_t>() : nullptr, out.mutable_data_ptr<scalar_t>(),
+        total, x.size(-1), kind);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor bias_gelu_cuda(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
+                          c10::string_view approximate) {
+  return launch<false>(nullptr, x, bias, approximate);
+}
+
+at::Tensor bias_gelu_backward_cuda(const at::Tensor& grad, const at::Tensor& x,
+                                   const c10::optional<at::Tensor>& bias, c10::string_view approximate) {
+  TORCH_CHECK(grad.sizes() == x.sizes(), "bias_gelu_backward: grad and x differ in shape");
+  return launch<true>(&grad, x, bias, approximate);
+}
+
+}  // namespace distllm
+
+TORCH_LIBRARY_IMPL(distllm, CUDA, m) {
+  m.impl("bias_gelu", &distllm::bias_gelu_cuda);
+  m.impl("bias_gelu_backward", &distllm::bias_gelu_backward_cuda);
+}

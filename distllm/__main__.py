@@ -1,0 +1,3 @@
+from distllm.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,146 @@
+"""Run a function on N gloo ranks, for tests and benchmarks.
+
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes, each with
+``torch.distributed`` initialised on gloo through a file rendezvous, calls
+``fn(*args)`` (or ``fn(rank, *args)`` with ``pass_rank=True``) and returns the per-rank
+results in rank order. A rank that raises, dies or overruns ``timeout`` ends the whole run:
+every other rank is killed (no process is left behind) and the failing rank's traceback
+is in the raised :class:`DistributedFailure`.
+
+``fn`` must be importable by name (a module-level function), since ranks are started
+from a fork server that has only imported torch.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["run_distributed", "DistributedFailure"]
+
+
+class DistributedFailure(AssertionError):
+    """A rank failed, died or timed out; the message carries its traceback."""
+
+
+_CTX = None
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed"])
+    return _CTX
+
+
+def _rank_main(fn, rank, world, init_file, args, kwargs, results, threads, setup, pass_rank,
+               env, timeout):
+    try:
+        os.environ.update(env)
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+        if setup is not None:
+            setup(rank, world)
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        try:
+            out = fn(rank, *args, **kwargs) if pass_rank else fn(*args, **kwargs)
+            results.put((rank, "ok", out))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report everything, including SystemExit
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 180.0,
+    threads: int = 1,
+    setup: Callable[[int, int], None] | None = None,
+    pass_rank: bool = False,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn`` on ``world_size`` gloo ranks and return their results in rank order.
+
+    Args:
+        timeout: seconds for the whole run; also the collective timeout of each rank.
+        threads: ``torch.set_num_threads`` in each rank.
+        setup: ``setup(rank, world)`` runs in the rank before the process group starts
+            (e.g. to enter a network namespace).
+        env: extra environment variables for the ranks.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: it must be at least 1")
+    ctx = _context()
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="distllm-rdzv-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(fn, r, world_size, init_file, args, kwargs, results, threads, setup,
+                      pass_rank, dict(env or {}), timeout),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            return _collect(procs, results, world_size, timeout, getattr(fn, "__name__", str(fn)))
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(timeout=10)
+
+
+def _collect(procs, results, world_size, timeout, name) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    out: dict[int, Any] = {}
+    while len(out) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = sorted(set(range(world_size)) - set(out))
+            raise DistributedFailure(
+                f"{name}: timed out after {timeout:.0f}s; ranks {missing} never finished "
+                "(a hang in a collective, or a rank waiting on a message never sent)"
+            )
+        try:
+            rank, kind, payload = results.get(timeout=min(remaining, 0.5))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
+            if dead:
+                # give its queued traceback, if any, a moment to arrive
+                try:
+                    rank, kind, payload = results.get(timeout=2.0)
+                except queue.Empty:
+                    r = dead[0]
+                    raise DistributedFailure(
+                        f"{name}: rank {r} died with exit code {procs[r].exitcode} "
+                        "and no traceback (killed by a signal, or os._exit)"
+                    ) from None
+            else:
+                continue
+        if kind == "error":
+            raise DistributedFailure(f"{name}: rank {rank} of {world_size} failed:\n{payload}")
+        out[rank] = payload
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,1 @@
+"""Triton kernels (pure compute, no torch.distributed). Installed as ``distllm.kernels``."""

@@ -1,0 +1,31 @@
+"""Test setup: Triton runs through its interpreter where no GPU is present; tests marked
+``gpu`` need CUDA and are deselected by ``make test`` (bench/gpu_check.sh runs them)."""
+
+from __future__ import annotations
+
+import os
+
+# Must be set before triton is first imported (anywhere) in this process.
+if "TRITON_INTERPRET" not in os.environ:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+    except ImportError:
+        pass
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    gpu = [it for it in items if it.get_closest_marker("gpu")]
+    if gpu and "not gpu" not in (config.getoption("-m") or ""):
+        raise pytest.UsageError(
+            f"{len(gpu)} tests are marked gpu but no CUDA device is visible: "
+            "run with -m 'not gpu' (as `make test` does) or on a GPU (bench/gpu_check.sh)"
+        )

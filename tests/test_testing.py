@@ -1,0 +1,55 @@
+"""The distributed test harness itself: results in rank order, a failing rank's traceback,
+a hang turned into a timeout, and no process left behind."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distllm.testing import DistributedFailure, run_distributed
+
+
+def _sum_ranks():
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank(), float(t), os.getpid()
+
+
+def _fail_on_rank1():
+    if dist.get_rank() == 1:
+        raise RuntimeError("boom on rank one")
+    dist.barrier()  # rank 0 would hang here without the harness
+
+
+def _hang_on_rank0(pid_dir):
+    with open(os.path.join(pid_dir, str(dist.get_rank())), "w") as f:
+        f.write(str(os.getpid()))
+    if dist.get_rank() == 0:
+        time.sleep(120)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_results_in_rank_order(world):
+    out = run_distributed(_sum_ranks, world, timeout=120)
+    assert [r for r, _, _ in out] == list(range(world))
+    assert all(s == world * (world + 1) / 2 for _, s, _ in out)
+
+
+def test_failing_rank_traceback():
+    with pytest.raises(DistributedFailure, match=r"(?s)rank 1 of 2 failed.*boom on rank one"):
+        run_distributed(_fail_on_rank1, 2, timeout=60)
+
+
+def test_hang_times_out_and_leaves_no_process(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(DistributedFailure, match=r"timed out.*ranks \[0\]"):
+        run_distributed(_hang_on_rank0, 2, str(tmp_path), timeout=8)
+    assert time.monotonic() - t0 < 30
+    pids = [int((tmp_path / str(r)).read_text()) for r in range(2)]
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
