@@ -1,0 +1,233 @@
+"""Typed configuration of a training run: parallel layout, optimiser, and the run itself.
+
+Every field has a docstring; ``__post_init__`` checks name the knob to change. The command
+line (:mod:`distllm.train.cli`) is a thin layer that fills these dataclasses. Checks that need
+the world size (``tp*pp*dp``) or the model (heads, layers) are in :func:`check_layout`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+__all__ = [
+    "ParallelConfig",
+    "OptimConfig",
+    "TrainConfig",
+    "SCHEDULES",
+    "DTYPES",
+    "ACTIVATION_CHECKPOINTING",
+    "check_layout",
+]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+DTYPES = ("float32", "bfloat16", "float64")
+ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
+OVERLAP = ("auto", "chunked", "none")
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r}: it must be a positive integer")
+
+
+@dataclass
+class ParallelConfig:
+    """How the model and the batch are split over ranks: the ``(pp, dp, tp)`` mesh."""
+
+    tp: int = 1
+    """Tensor-parallel size: ranks that split every weight matrix (consecutive ranks)."""
+    pp: int = 1
+    """Pipeline-parallel size: stages the layer list is cut into."""
+    dp: int = -1
+    """Data-parallel size; -1 takes every remaining rank (world // (tp*pp))."""
+    zero: int = 0
+    """ZeRO stage over the DP group: 0 = plain DDP, 1 = optimizer states sharded,
+    2 = + gradients sharded, 3 = + parameters sharded."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zb-h1 (used when pp > 1)."""
+    micro_batches: int = 0
+    """Micro-batches per step and DP rank; 0 picks max(1, pp) (gpipe/1f1b) or 2*pp."""
+    virtual_stages: int = 2
+    """Model chunks per rank for interleaved-1f1b (ignored by the other schedules)."""
+    sequence_parallel: bool = False
+    """Keep LayerNorm/dropout activations sharded along the sequence inside a TP group."""
+    overlap: str = "auto"
+    """Row-parallel GEMM + all-reduce overlap: auto (measured), chunked, or none."""
+    bucket_cap_mb: float = 25.0
+    """Data-parallel gradient bucket size in MiB."""
+    timeout_s: float = 300.0
+    """Collective timeout in seconds: a dead rank ends the job after at most this long."""
+
+    def __post_init__(self) -> None:
+        _positive("tp", self.tp)
+        _positive("pp", self.pp)
+        if not isinstance(self.dp, int) or (self.dp < 1 and self.dp != -1):
+            raise ValueError(f"dp={self.dp!r}: it must be a positive integer, or -1 to infer it")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero={self.zero!r}: choose a ZeRO stage in {{0, 1, 2, 3}}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        if self.overlap not in OVERLAP:
+            raise ValueError(f"overlap={self.overlap!r}: choose one of {', '.join(OVERLAP)}")
+        if self.micro_batches < 0:
+            raise ValueError(f"micro_batches={self.micro_batches}: use 0 (auto) or a count >= 1")
+        if self.micro_batches == 0:
+            self.micro_batches = 2 * self.pp if self.schedule == "interleaved-1f1b" else self.pp
+        if self.pp > 1 and self.schedule in ("1f1b", "interleaved-1f1b", "zb-h1"):
+            if self.micro_batches < self.pp:
+                raise ValueError(
+                    f"micro_batches={self.micro_batches} < pp={self.pp}: the {self.schedule} "
+                    f"schedule needs at least pp micro-batches; raise --micro-batches to "
+                    f">= {self.pp} or use --schedule gpipe"
+                )
+        _positive("virtual_stages", self.virtual_stages)
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s={self.timeout_s}: it must be positive seconds")
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """Model chunks a pipeline rank holds (v for interleaved-1f1b, else 1)."""
+        return self.virtual_stages if (self.pp > 1 and self.schedule == "interleaved-1f1b") else 1
+
+    def layout(self) -> str:
+        """Short name of the layout, e.g. ``tp2.pp2.dp1.zero0``."""
+        return f"tp{self.tp}.pp{self.pp}.dp{self.dp}.zero{self.zero}"
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up then cosine decay, and global-norm gradient clipping."""
+
+    lr: float = 3e-3
+    """Peak learning rate, reached after the warm-up."""
+    min_lr_ratio: float = 0.1
+    """The cosine decays to lr * min_lr_ratio at the last step."""
+    warmup_steps: int = -1
+    """Linear warm-up steps; -1 uses 5% of the steps (at least 1)."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay on matrices (not on biases, norms)."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (across TP, PP and DP) to this; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr={self.lr}: it must be a positive finite number")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio={self.min_lr_ratio}: choose a value in [0, 1]")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay={self.weight_decay}: it must be >= 0")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: choose a value in [0, 1)")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip={self.grad_clip}: use 0 to disable, or a positive norm")
+        if self.warmup_steps < -1:
+            raise ValueError(f"warmup_steps={self.warmup_steps}: use -1 (auto) or >= 0")
+
+
+@dataclass
+class TrainConfig:
+    """One training run."""
+
+    model: str = "tiny"
+    """GPT preset name (see ``distllm.models.GPTConfig.presets()``)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The parallel layout."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    global_batch: int = 32
+    """Sequences per optimizer step, over all DP ranks and micro-batches."""
+    seq_len: int = 0
+    """Tokens per sequence; 0 uses the preset's context length."""
+    steps: int = 300
+    """Optimizer steps to run (in total, counting steps done before a resume)."""
+    seed: int = 1234
+    """Seed of the initial weights and of the data order."""
+    dtype: str = "float32"
+    """Compute dtype: float32, bfloat16 (with fp32 master weights) or float64."""
+    activation_checkpointing: str = "none"
+    """Recompute activations in backward: none, selective (attention core) or full (blocks)."""
+    data: str | None = None
+    """A text file or a folder of text files; None uses the Python standard library's sources."""
+    out: str = "runs/train"
+    """Output folder: metrics.jsonl and checkpoints."""
+    resume: bool = False
+    """Resume from the newest complete checkpoint in ``out``."""
+    save_every: int = 0
+    """Save a checkpoint every this many steps (0: only at the end)."""
+    save_final: bool = True
+    """Save a checkpoint after the last step."""
+    eval_batches: int = 8
+    """Global batches of held-out data used for the validation loss at the end (0: none)."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    deterministic: bool = False
+    """Ask torch for deterministic kernels (exact resume in float32)."""
+
+    def __post_init__(self) -> None:
+        _positive("global_batch", self.global_batch)
+        if self.seq_len < 0:
+            raise ValueError(f"seq_len={self.seq_len}: use 0 (the preset's) or a positive length")
+        _positive("steps", self.steps)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ValueError(
+                f"activation_checkpointing={self.activation_checkpointing!r}: choose one of "
+                f"{', '.join(ACTIVATION_CHECKPOINTING)}"
+            )
+        if self.save_every < 0:
+            raise ValueError(f"save_every={self.save_every}: use 0 (end only) or a step count")
+        if self.eval_batches < 0:
+            raise ValueError(f"eval_batches={self.eval_batches}: it must be >= 0")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_layout(cfg: TrainConfig, world: int, *, n_layers: int, n_heads: int, hidden: int,
+                 seq_len: int) -> int:
+    """Checks that need the world size and the model; returns the resolved ``dp``."""
+    p = cfg.parallel
+    if world % (p.tp * p.pp) != 0:
+        raise ValueError(
+            f"tp*pp = {p.tp}*{p.pp} = {p.tp * p.pp} does not divide the world size {world}: "
+            f"choose --tp/--pp whose product divides {world}, or change --nproc"
+        )
+    dp = world // (p.tp * p.pp) if p.dp == -1 else p.dp
+    if p.tp * p.pp * dp != world:
+        raise ValueError(
+            f"tp*pp*dp = {p.tp}*{p.pp}*{dp} = {p.tp * p.pp * dp} does not match the world size "
+            f"{world}: set --dp -1 to infer it, or make the product {world}"
+        )
+    if n_heads % p.tp or hidden % p.tp:
+        raise ValueError(
+            f"the model has {n_heads} heads and hidden size {hidden}, not divisible by tp={p.tp}: "
+            f"choose --tp dividing {n_heads}"
+        )
+    chunks = p.pp * p.chunks_per_rank
+    if n_layers < chunks:
+        raise ValueError(
+            f"{n_layers} layers cannot fill pp*v = {chunks} pipeline chunks: lower --pp "
+            f"(or --virtual-stages), or use a deeper --model"
+        )
+    per_rank = cfg.global_batch // dp if cfg.global_batch % dp == 0 else 0
+    if per_rank == 0 or per_rank % p.micro_batches:
+        raise ValueError(
+            f"global_batch={cfg.global_batch} is not divisible by dp*micro_batches = "
+            f"{dp}*{p.micro_batches} = {dp * p.micro_batches}: choose --global-batch a multiple "
+            f"of {dp * p.micro_batches}, or change --micro-batches"
+        )
+    if p.sequence_parallel and seq_len % p.tp:
+        raise ValueError(
+            f"seq_len={seq_len} is not divisible by tp={p.tp}, which sequence parallelism "
+            f"needs: choose --seq-len a multiple of {p.tp} or drop --sequence-parallel"
+        )
+    return dp

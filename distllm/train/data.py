@@ -1,0 +1,184 @@
+"""Training data: a byte-level tokenizer, the default corpus, and a resumable DP-aware loader.
+
+The default corpus is the Python standard library's own ``.py`` sources, read from the
+running interpreter's installation (``sysconfig.get_paths()["stdlib"]``): real text present on
+every machine with Python, deterministic for a given Python version. Files are read in sorted
+order and joined with a blank line; the last ``val_fraction`` of the bytes is held out for the
+validation loss.
+
+The loader cuts the training bytes into non-overlapping windows of ``seq_len + 1`` tokens
+(inputs and shifted targets), shuffles the windows once per epoch with a generator seeded by
+``(seed, epoch)``, and hands out global batches in that order; DP rank ``r`` takes rows
+``[r*B/dp, (r+1)*B/dp)`` of each global batch ``B``. The order depends only on the seed and the
+global batch, never on the layout, so every layout sees the same data. Its position
+(``epoch``, ``index``) is a small state dict that a checkpoint saves and restores.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "ByteTokenizer",
+    "padded_vocab_size",
+    "Corpus",
+    "load_corpus",
+    "BatchLoader",
+    "default_corpus_files",
+]
+
+TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".json", ".csv", ".c", ".h", ".html", ".tex")
+
+
+def padded_vocab_size(vocab: int, tp: int, multiple: int = 64) -> int:
+    """``vocab`` rounded up to a multiple of ``multiple * tp`` (each TP shard a multiple of 64)."""
+    m = multiple * tp
+    return (vocab + m - 1) // m * m
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer: token ``i`` is byte ``i``; 256 tokens, no merges, lossless."""
+
+    vocab_size = 256
+
+    def encode(self, text: str | bytes) -> torch.Tensor:
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+    def decode(self, ids: torch.Tensor | list[int]) -> str:
+        values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        return bytes(int(v) & 0xFF for v in values).decode("utf-8", errors="replace")
+
+
+def default_corpus_files() -> list[Path]:
+    """The standard library's ``.py`` files of the running interpreter, sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"the Python standard library folder {root} is missing, so there is no default "
+            f"corpus: pass --data PATH (a text file or a folder of text files)"
+        )
+    return sorted(p for p in root.rglob("*.py")
+                  if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+
+
+def _files_of(path: str) -> list[Path]:
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"--data {path}: no such file or folder")
+    if p.is_file():
+        return [p]
+    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
+    if not files:
+        raise ValueError(f"--data {path}: the folder holds no text files "
+                         f"({', '.join(TEXT_SUFFIXES)})")
+    return files
+
+
+@dataclass
+class Corpus:
+    """Token ids of the training and validation parts (int64 CPU tensors) and where they came
+    from."""
+
+    train: torch.Tensor
+    val: torch.Tensor
+    source: str
+    n_files: int
+
+
+def load_corpus(path: str | None = None, *, val_fraction: float = 0.02,
+                min_tokens: int = 64) -> Corpus:
+    """Read ``path`` (a file, a folder, or None for the standard library) into token ids."""
+    files = default_corpus_files() if path is None else _files_of(path)
+    chunks = []
+    for f in files:
+        try:
+            chunks.append(f.read_bytes())
+        except OSError as exc:  # an unreadable file in a folder is skipped, not fatal
+            if path is not None and Path(path).is_file():
+                raise FileNotFoundError(f"--data {path}: cannot read it ({exc})") from exc
+    data = b"\n\n".join(c for c in chunks if c)
+    source = "python-stdlib" if path is None else os.fspath(path)
+    if len(data) < min_tokens:
+        raise ValueError(
+            f"--data {source}: {len(data)} bytes of text, too few to train on (need at least "
+            f"{min_tokens}); pass a bigger file or folder"
+        )
+    ids = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    n_val = max(int(len(ids) * val_fraction), min(len(ids) // 2, 4096))
+    return Corpus(train=ids[:-n_val], val=ids[-n_val:], source=source, n_files=len(files))
+
+
+class BatchLoader:
+    """Global batches of ``(inputs, targets)``, each DP rank taking its rows; resumable.
+
+    ``next()`` returns this rank's ``(B/dp, seq_len)`` int64 inputs and targets. Collective:
+    none (every rank derives the same order from the seed).
+    """
+
+    def __init__(self, tokens: torch.Tensor, *, seq_len: int, global_batch: int, dp: int = 1,
+                 dp_rank: int = 0, seed: int = 0, shuffle: bool = True):
+        if global_batch % dp:
+            raise ValueError(f"global_batch={global_batch} is not divisible by dp={dp}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.global_batch = global_batch
+        self.dp, self.dp_rank = dp, dp_rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.n_windows = (len(tokens) - 1) // seq_len
+        if self.n_windows < global_batch:
+            raise ValueError(
+                f"the data holds {self.n_windows} sequences of {seq_len + 1} tokens, fewer than "
+                f"one global batch of {global_batch}: lower --global-batch or --seq-len, or "
+                f"pass more --data"
+            )
+        self.epoch = 0
+        self.index = 0  # next window (in this epoch's order) to hand out
+        self._order: torch.Tensor | None = None
+
+    def _epoch_order(self) -> torch.Tensor:
+        if self._order is None:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+                self._order = torch.randperm(self.n_windows, generator=g)
+            else:
+                self._order = torch.arange(self.n_windows)
+        return self._order
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.index + self.global_batch > self.n_windows:  # drop the ragged tail
+            self.epoch, self.index, self._order = self.epoch + 1, 0, None
+        per_rank = self.global_batch // self.dp
+        lo = self.index + self.dp_rank * per_rank
+        windows = self._epoch_order()[lo:lo + per_rank]
+        self.index += self.global_batch
+        # (b, 1) * seq + (1, seq+1) -> (b, seq+1) token offsets
+        offs = windows[:, None] * self.seq_len + torch.arange(self.seq_len + 1)[None, :]
+        seqs = self.tokens[offs].long()
+        return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+
+    def __iter__(self):
+        while True:
+            yield self.next()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed,
+                "global_batch": self.global_batch, "seq_len": self.seq_len}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for key in ("global_batch", "seq_len"):
+            if int(state[key]) != getattr(self, key):
+                raise ValueError(
+                    f"the checkpoint's data loader used {key}={int(state[key])}, this run "
+                    f"{getattr(self, key)}: resume with --{key.replace('_', '-')} "
+                    f"{int(state[key])}"
+                )
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self.seed = int(state["seed"])
+        self._order = None
