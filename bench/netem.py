@@ -297,15 +297,17 @@ def _allreduce_rank(nbytes: int, reps: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
-    dist.all_reduce(x)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x = torch.full((nbytes // 4,), float(rank + 1))
+    dist.all_reduce(x)  # also the warm-up
+    correct = bool((x == world * (world + 1) / 2).all())
     times = []
     for _ in range(reps):
         dist.barrier()
         t0 = time.perf_counter()
         dist.all_reduce(x)
         times.append(time.perf_counter() - t0)
-    return {"times_s": times, "local_addrs": _tcp_local_addrs()}
+    return {"times_s": times, "local_addrs": _tcp_local_addrs(), "correct": correct}
 
 
 def _tcp_local_addrs() -> list[str]:
@@ -333,7 +335,8 @@ def measure_allreduce(net: EmulatedNetwork | None, nranks: int = 2, nbytes: int 
                           setup=net.setup if use else None, env=net.env if use else None)
     med = statistics.median(max(r["times_s"][i] for r in res) for i in range(reps))
     return {"median_ms": med * 1e3, "algbw_gbit": nbytes * 8 / med / 1e9,
-            "local_addrs": [r["local_addrs"] for r in res]}
+            "local_addrs": [r["local_addrs"] for r in res],
+            "correct": all(r["correct"] for r in res)}
 
 
 def main(argv: list[str] | None = None) -> int:

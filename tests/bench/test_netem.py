@@ -1,0 +1,150 @@
+"""The emulated cluster link: rate parsing, rate-limited gloo all-reduce in namespaces
+(2 ranks on a veth pair, 4 through a bridge), and removal of everything it creates."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from distllm.bench.netem import (
+    IFNAME,
+    SUBNET,
+    EmulatedNetwork,
+    _EnterNetns,
+    _list_netns,
+    cleanup_stale,
+    measure_allreduce,
+    parse_rate,
+)
+
+NBYTES = 8 << 20  # 8 MiB of float32
+
+
+def _need_root() -> None:
+    """Network namespaces need root: elsewhere the emulated link is legitimately absent."""
+    if os.geteuid() != 0:
+        pytest.skip("not root: network namespaces cannot be created in this environment")
+
+
+def _open(nranks: int, rate: str | None) -> EmulatedNetwork:
+    _need_root()
+    net = EmulatedNetwork(nranks=nranks, rate=rate).__enter__()
+    assert net.available, f"running as root, yet the emulated network failed: {net.reason}"
+    assert net.env == {"GLOO_SOCKET_IFNAME": IFNAME} and net.setup is not None
+    return net
+
+
+def test_parse_rate():
+    assert parse_rate("2gbit") == 2 * 10**9
+    assert parse_rate("10gbit") == 10**10
+    assert parse_rate("500mbit") == 5 * 10**8
+    assert parse_rate("1gbps") == 8 * 10**9  # tc's convention: bps is bytes per second
+    assert parse_rate(" 2.5GBit ") == 2_500_000_000
+    assert parse_rate("64kbit") == 64_000
+    assert parse_rate(10**9) == 10**9
+    for bad in ["", "fast", "2 gigabit", "-1gbit", "1e9", "0gbit", "gbit", None, True]:
+        with pytest.raises(ValueError, match=r"--net .*e\.g\. '2gbit'"):
+            parse_rate(bad)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="nranks"):
+        EmulatedNetwork(nranks=0)
+    with pytest.raises(ValueError, match="delay_ms"):
+        EmulatedNetwork(nranks=2, delay_ms=-1.0)
+    with pytest.raises(ValueError, match="--net"):
+        EmulatedNetwork(nranks=2, rate="2gbitz")
+    with pytest.raises(ValueError, match=r"EmulatedNetwork\(nranks=\.\.\.\)"):
+        _EnterNetns(("a", "b"))(0, 4)
+    net = EmulatedNetwork(nranks=2)  # not entered: nothing created, nothing usable
+    assert not net.available and net.setup is None and net.env == {} and net.reason
+
+
+def test_two_ranks_rate_limited_and_removed():
+    """8 MiB all-reduce over a 1 Gbit/s veth pair: gloo binds to the namespace interface,
+    the time is bandwidth-bound (each rank sends ~8 MiB), far slower than loopback."""
+    rate = 10**9
+    lo = measure_allreduce(None, 2, NBYTES, reps=3)
+    net = _open(2, "1gbit")
+    names = list(net.namespaces)
+    try:
+        assert len(names) == 2 and all(n in _list_netns() for n in names)
+        link = measure_allreduce(net, 2, NBYTES, reps=3)
+    finally:
+        net.__exit__(None, None, None)
+    assert not any(n in _list_netns() for n in names), "namespaces left behind"
+    assert not net.available and net.setup is None and net.env == {}
+    assert link["correct"] and lo["correct"]
+    assert link["local_addrs"] == [[f"{SUBNET}.1"], [f"{SUBNET}.2"]], link
+    ideal_ms = NBYTES * 8 / rate * 1e3  # ring all-reduce of 2 ranks: N bytes out per rank
+    ratio = ideal_ms / link["median_ms"]  # achieved fraction of the link rate
+    assert 0.3 <= ratio <= 1.2, f"{link['median_ms']:.1f} ms vs ideal {ideal_ms:.1f} ms"
+    assert link["median_ms"] > 1.5 * lo["median_ms"], (link, lo)
+
+
+def test_four_ranks_through_a_bridge():
+    net = _open(4, "2gbit")
+    names = list(net.namespaces)
+    try:
+        assert len(names) == 5  # four ranks and the bridge's
+        link = measure_allreduce(net, 4, NBYTES, reps=2)
+    finally:
+        net.__exit__(None, None, None)
+    assert not any(n in _list_netns() for n in names), "namespaces left behind"
+    assert link["correct"]
+    assert link["local_addrs"] == [[f"{SUBNET}.{r + 1}"] for r in range(4)], link
+    ideal_ms = 2 * 3 / 4 * NBYTES * 8 / 2e9 * 1e3  # ring: 2 (n-1)/n N bytes out per rank
+    assert 0.3 <= ideal_ms / link["median_ms"] <= 1.2, (link["median_ms"], ideal_ms)
+
+
+def test_removed_after_exception_and_stale_cleanup():
+    _need_root()
+    with pytest.raises(RuntimeError, match="boom"):
+        with EmulatedNetwork(nranks=3, rate="1gbit") as net:
+            assert net.available, net.reason
+            names = list(net.namespaces)
+            raise RuntimeError("boom")
+    assert names and not any(n in _list_netns() for n in names)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale, live = f"dlnet-{dead.pid}-abc123-0", f"dlnet-{os.getpid()}-abc123-br"
+    for n in (stale, live):
+        subprocess.run(["ip", "netns", "add", n], check=True)
+    try:
+        removed = cleanup_stale()
+        assert stale in removed and stale not in _list_netns()
+        assert live in _list_netns(), "a namespace of a live process was removed"
+    finally:
+        for n in (stale, live):
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+
+
+_CHILD = """
+import sys, time
+from distllm.bench.netem import EmulatedNetwork
+with EmulatedNetwork(nranks=2, rate="1gbit") as net:
+    assert net.available, net.reason
+    print(" ".join(net.namespaces), flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_removed_when_the_process_is_signalled(sig):
+    _need_root()
+    p = subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, text=True)
+    try:
+        names = p.stdout.readline().split()
+        assert len(names) == 2 and all(n in _list_netns() for n in names)
+        p.send_signal(sig)
+        p.wait(timeout=20)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    time.sleep(0.1)
+    assert not any(n in _list_netns() for n in names), f"left behind after {sig.name}"
