@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from distllm.bench.netem import (
     IFNAME,
     SUBNET,
