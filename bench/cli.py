@@ -1,0 +1,172 @@
+"""``distllm bench``: run the microbenchmark suites, write results, report and plots.
+
+Output in ``--out DIR`` (default ``runs/bench-<UTC time>``): ``results.json`` and
+``results.csv`` (one row per case and variant, with the machine), ``REPORT.md`` (a table per
+suite with speed-ups and a verdict per case), ``<suite>_speedup.png`` and, for the overlap
+suites, ``<suite>_timeline.png``; with ``--compare OLD_DIR`` also ``COMPARE.md``. A markdown
+table goes to stdout. ``--doctor`` instead profiles a small distllm.nn model on 2 gloo ranks
+and reports, per layer, how much of each collective was hidden (see distllm.bench.doctor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+
+__all__ = ["add_arguments", "run"]
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16", "half": "float16", "float64": "float64"}
+_SHAPE = re.compile(r"^\s*\d+(\s*,\s*\d+)+\s*$")
+_RATE = re.compile(r"^\s*\d+(\.\d+)?\s*([kmg]?bit|[kmg]?bps)?\s*$", re.IGNORECASE)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from distllm.bench.suite import SUITES
+
+    p.add_argument("--suite", default="all",
+                   help=f"comma-separated suites or 'all' (default): {', '.join(SUITES)}")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny shapes, few repetitions: the whole suite in minutes on 2 cores")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--shapes", default=None,
+                   help="a preset name understood by the suites, or explicit 'M,K,N;M,K,N'")
+    p.add_argument("--net", default=None, metavar="RATE",
+                   help="emulated link for multi-rank suites, e.g. 2gbit (root + iproute2)")
+    p.add_argument("--reps", type=int, default=None, help="override each suite's repetitions")
+    p.add_argument("--out", default=None, metavar="DIR", help="default runs/bench-<time>")
+    p.add_argument("--compare", default=None, metavar="OLD_DIR",
+                   help="compare with an earlier run's folder; writes COMPARE.md")
+    p.add_argument("--fail-on-regression", action="store_true",
+                   help="with --compare: exit 1 when a regression beyond the spread is found")
+    p.add_argument("--tolerance", type=float, default=0.0,
+                   help="with --compare: extra relative margin before a change counts (0.05=5%%)")
+    p.add_argument("--list", action="store_true", help="list the suites and whether each runs")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--doctor", action="store_true",
+                   help="profile a small distllm.nn model on 2 gloo ranks and report, per "
+                        "layer, how much communication was hidden; fails if an asked-for "
+                        "overlap does not happen")
+    p.add_argument("--overlap", default="chunked", choices=["auto", "chunked", "none"],
+                   help="with --doctor: the overlap mode the model's layers are built with")
+    p.add_argument("--require-overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --doctor: fail unless every overlap-capable layer overlaps "
+                        "(default: only layers built with overlap='chunked' must)")
+    p.add_argument("--steps", type=int, default=3, help="with --doctor: steps to profile")
+
+
+def _check_rate(rate: str) -> None:
+    try:
+        from distllm.bench.netem import parse_rate
+    except ImportError:
+        if not _RATE.match(rate):
+            raise ValueError(f"--net {rate!r}: give a rate like 2gbit or 500mbit") from None
+        return
+    try:
+        parse_rate(rate)
+    except ValueError as exc:
+        raise ValueError(f"--net {rate!r}: {exc}") from None
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Validate the knobs; each error names the option and what works."""
+    if args.dtype not in _DTYPES:
+        raise ValueError(f"--dtype {args.dtype!r} is unknown; use one of float32, bfloat16, "
+                         "float16")
+    args.dtype = _DTYPES[args.dtype]
+    if args.shapes and "," in args.shapes:
+        bad = [s for s in args.shapes.split(";") if s.strip() and not _SHAPE.match(s)]
+        if bad:
+            raise ValueError(f"--shapes: {bad[0]!r} is not a list of integers; write "
+                             "'M,K,N;M,K,N' (e.g. '128,256,512;7,769,1000') or a preset name")
+    if args.net:
+        _check_rate(args.net)
+    if args.reps is not None and args.reps < 1:
+        raise ValueError(f"--reps {args.reps}: must be >= 1")
+    if args.fail_on_regression and not args.compare:
+        raise ValueError("--fail-on-regression needs --compare OLD_DIR")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: torch sees no CUDA device here; use --device cpu")
+
+
+def _list() -> int:
+    from distllm.bench.suite import availability
+
+    for name, ok, why in availability():
+        print(f"{name:12s} {'available  ' if ok else 'UNAVAILABLE'}  {why}")
+    return 0
+
+
+def _stdout_tables(rows: list[dict]) -> str:
+    from distllm.bench.report import by_case, suite_table, verdict
+
+    parts = []
+    for s in dict.fromkeys(r["suite"] for r in rows):
+        srows = [r for r in rows if r["suite"] == s]
+        parts += [f"## {s}", "", suite_table(srows), ""]
+        parts += [f"- `{c}`: {verdict(cr)}" for (_, c), cr in by_case(srows).items()] + [""]
+    return "\n".join(parts)
+
+
+def _compare(args: argparse.Namespace, rows: list[dict], machine: dict, out: Path) -> int:
+    from distllm.bench.compare import compare_rows, compare_table, load_results, regressions
+
+    old_rows, old_machine = load_results(args.compare)
+    changes = compare_rows(old_rows, rows, tolerance=args.tolerance)
+    table = compare_table(changes, old_machine, machine)
+    (out / "COMPARE.md").write_text(f"# Changes against {args.compare}\n\n{table}\n")
+    print(f"\n## Changes against {args.compare}\n\n{table}")
+    regs = regressions(changes)
+    if regs and args.fail_on_regression:
+        print(f"distllm bench: {len(regs)} regression(s) beyond the measured spread",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from distllm.bench import plots, report
+    from distllm.bench.harness import BenchConfig, write_rows
+    from distllm.bench.suite import SUITES, parse_suites, run_suites
+
+    if args.list:
+        return _list()
+    _check(args)
+    if args.doctor:
+        from distllm.bench.doctor import cli_main
+
+        return cli_main(args)
+    names = parse_suites(args.suite)
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or f"runs/bench-{stamp}")
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = BenchConfig(quick=args.quick, device=args.device, dtype=args.dtype,
+                      shapes=args.shapes, net=args.net, out=out, reps=args.reps)
+    load0 = report.loadavg()
+    res = run_suites(names, cfg, progress=not args.no_progress)
+    rows = report.annotate(res.rows)
+    jp, _ = write_rows(rows, out)
+    data = json.loads(jp.read_text())
+    meta = {"command": "distllm bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+            if sys.argv[1:2] == ["bench"] else None,
+            "suites": names, "elapsed_s": res.elapsed_s,
+            "loadavg": f"{load0} / {report.loadavg()}", "config": {
+                k: str(v) if isinstance(v, Path) else v for k, v in vars(cfg).items()}}
+    data["run"] = meta
+    jp.write_text(json.dumps(data, indent=1, default=str))
+    pngs = plots.plot_all(rows, out, {n for n in names if SUITES[n].overlap})
+    report.write_report(rows, data["machine"], out, meta,
+                        {n: SUITES[n].title for n in names}, pngs)
+    print(_stdout_tables(rows))
+    print(f"wrote {out}/: results.json results.csv REPORT.md "
+          + " ".join(p for ps in pngs.values() for p in ps))
+    return _compare(args, rows, data["machine"], out) if args.compare else 0

@@ -1,0 +1,157 @@
+"""``distllm bench --compare OLD_DIR``: what changed against an earlier run.
+
+Rows are matched by (suite, case, variant). Two kinds of regression are flagged, both only
+beyond the measured spread (the p10..p90 bands of the two runs must not overlap):
+
+- ``slower``: the variant's time rose: ``new.p10 > old.p90 * (1 + tolerance)``. Absolute
+  times from two runs only mean something on the same machine; the table says when the
+  machines differ.
+- ``lost speed-up``: a fused variant's speed-up over the unfused one (a ratio measured
+  within each run, so comparable across machines and load) fell beyond both runs' bands.
+
+A variant that ran before and now does not (unavailable or error) is flagged ``lost``.
+Improvements are the mirror images; everything else is ``same``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from distllm.bench.report import by_case, role_of, speedup_band
+
+__all__ = ["Change", "load_results", "compare_rows", "compare_table", "regressions"]
+
+_REGRESSIONS = ("slower", "lost speed-up", "lost")
+
+
+@dataclass
+class Change:
+    suite: str
+    case: str
+    variant: str
+    kind: str  # slower | lost speed-up | lost | faster | gained speed-up | same | new | gone
+    old_ms: float | None = None
+    new_ms: float | None = None
+    old_speedup: float | None = None
+    new_speedup: float | None = None
+    note: str = ""
+
+    @property
+    def regression(self) -> bool:
+        return self.kind in _REGRESSIONS
+
+
+def load_results(path: str | Path) -> tuple[list[dict], dict]:
+    """Rows and machine from ``DIR/results.json`` (or a results.json path)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "results.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"--compare: no results.json at {p} (give the --out folder of "
+                                "an earlier `distllm bench` run)")
+    data = json.loads(p.read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise ValueError(f"--compare: {p} is not a distllm bench results.json (no 'rows')")
+    return data["rows"], data.get("machine") or {}
+
+
+def _ok(r: dict | None) -> bool:
+    return bool(r) and r.get("status") == "ok" and isinstance(r.get("ms"), int | float) \
+        and r["ms"] > 0
+
+
+def _speedups(rows: list[dict]) -> dict[tuple, tuple[float, float, float]]:
+    """(suite, case, variant) -> speed-up band over the case's fastest unfused variant."""
+    out = {}
+    for (suite, case), crows in by_case(rows).items():
+        base = [r for r in crows if _ok(r) and role_of(r) == "unfused"]
+        if not base:
+            continue
+        b = min(base, key=lambda r: r["ms"])
+        for r in crows:
+            if _ok(r) and role_of(r) == "fused":
+                out[(suite, case, str(r["variant"]))] = speedup_band(b, r)
+    return out
+
+
+def _key(r: dict) -> tuple[str, str, str]:
+    return (str(r.get("suite")), str(r.get("case")), str(r.get("variant")))
+
+
+def _time_kind(o: dict, n: dict, tol: float) -> str:
+    o10, o90 = o.get("ms_p10") or o["ms"], o.get("ms_p90") or o["ms"]
+    n10, n90 = n.get("ms_p10") or n["ms"], n.get("ms_p90") or n["ms"]
+    if n10 > o90 * (1 + tol):
+        return "slower"
+    if n90 * (1 + tol) < o10:
+        return "faster"
+    return "same"
+
+
+def compare_rows(old: list[dict], new: list[dict], tolerance: float = 0.0) -> list[Change]:
+    """One :class:`Change` per (suite, case, variant) present in either run."""
+    olds = {_key(r): r for r in old}
+    news = {_key(r): r for r in new}
+    osp, nsp = _speedups(old), _speedups(new)
+    out = []
+    for k in list(dict.fromkeys([*olds, *news])):
+        o, n = olds.get(k), news.get(k)
+        c = Change(*k, kind="same", old_ms=o.get("ms") if o else None,
+                   new_ms=n.get("ms") if n else None,
+                   old_speedup=osp[k][1] if k in osp else None,
+                   new_speedup=nsp[k][1] if k in nsp else None)
+        if _ok(o) and not _ok(n):
+            c.kind = "lost" if n else "gone"
+            c.note = str((n or {}).get("reason") or "not in the new run")
+        elif _ok(n) and not _ok(o):
+            c.kind, c.note = "new", "" if not o else f"was {o.get('status')}"
+        elif _ok(o) and _ok(n):
+            c.kind = _time_kind(o, n, tolerance)
+            if k in osp and k in nsp and c.kind != "slower":
+                (olo, _, ohi), (nlo, _, nhi) = osp[k], nsp[k]
+                if nhi * (1 + tolerance) < olo:
+                    c.kind = "lost speed-up"
+                elif c.kind == "same" and nlo > ohi * (1 + tolerance):
+                    c.kind = "gained speed-up"
+        else:
+            c.note = "not measured in either run"
+        out.append(c)
+    return out
+
+
+def regressions(changes: list[Change]) -> list[Change]:
+    return [c for c in changes if c.regression]
+
+
+def _f(x: float | None, fmt: str = "{:.3g}") -> str:
+    return "" if x is None else fmt.format(x)
+
+
+def compare_table(changes: list[Change], old_machine: dict | None = None,
+                  new_machine: dict | None = None) -> str:
+    """Markdown: a header about the two runs, then one line per change (regressions first)."""
+    lines = []
+    om, nm = old_machine or {}, new_machine or {}
+    if om or nm:
+        lines.append(f"Old run: {om.get('time')} git {om.get('git')} on {om.get('host_cpu')} "
+                     f"/ {om.get('gpu')}; new run: {nm.get('time')} git {nm.get('git')} on "
+                     f"{nm.get('host_cpu')} / {nm.get('gpu')}.")
+        if (om.get("host_cpu"), om.get("gpu")) != (nm.get("host_cpu"), nm.get("gpu")):
+            lines.append("The machines differ: compare the speed-up columns, not the times.")
+        lines.append("")
+    regs = regressions(changes)
+    lines.append(f"{len(regs)} regression(s) beyond the measured spread, "
+                 f"{len(changes)} rows compared.")
+    lines += ["", "| suite | case | variant | old ms | new ms | change | old speed-up | "
+              "new speed-up | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    order = sorted(changes, key=lambda c: (not c.regression, c.kind == "same"))
+    for c in order:
+        ch = f"{100 * (c.new_ms / c.old_ms - 1):+.1f}%" if c.old_ms and c.new_ms else ""
+        flag = f"**REGRESSION ({c.kind})**" if c.regression else c.kind
+        note = f" — {c.note}" if c.note else ""
+        lines.append(f"| {c.suite} | {c.case} | {c.variant} | {_f(c.old_ms)} | {_f(c.new_ms)} "
+                     f"| {ch} | {_f(c.old_speedup, '{:.2f}x')} | {_f(c.new_speedup, '{:.2f}x')} "
+                     f"| {flag}{note} |".replace("\n", " "))
+    return "\n".join(lines)

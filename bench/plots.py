@@ -1,0 +1,174 @@
+"""PNG plots for ``distllm bench`` (matplotlib, Agg backend: no display needed).
+
+- ``<suite>_speedup.png``: per suite, the speed-up of each fused and peer variant over the
+  unfused one against the case (shape), with the p10..p90 band as error bars; a suite with
+  no unfused baseline is drawn as time (ms) per case instead.
+- ``<suite>_timeline.png``: for the overlap suites, one step drawn as bars on lanes, so that a
+  reader sees how much communication runs under compute.
+
+Timeline contract (for benchmark modules): a row may carry
+``row["extra"]["timeline"] = [{"lane": "compute" | "comm", "name": str, "start_ms": float,
+"end_ms": float}, ...]`` for one representative step, times relative to the step's start
+(any origin works: the plot subtracts the smallest ``start_ms``). Other lane names are
+allowed (e.g. ``"comm:bucket"``, ``"rank1 compute"``); each distinct lane is one row of
+bars. Rows of one case with a timeline are drawn one above the other, so the sequential and
+overlapped variants can be compared by eye.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from distllm.bench.report import by_case, role_of, speedup_band
+
+__all__ = ["plot_all", "plot_speedup", "plot_timeline"]
+
+_MAX_TIMELINES = 4
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _ok(r: dict) -> bool:
+    return r.get("status") == "ok" and isinstance(r.get("ms"), int | float) and r["ms"] > 0
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def _speedup_series(rows: list[dict]) -> tuple[list[str], dict[str, list[tuple]]]:
+    """cases, and per variant a list of (case index, lo, mid, hi) speed-ups over unfused."""
+    cases = by_case(rows)
+    labels = [c for (_, c) in cases]
+    series: dict[str, list[tuple]] = {}
+    for i, crows in enumerate(cases.values()):
+        base = [r for r in crows if _ok(r) and role_of(r) == "unfused"]
+        if not base:
+            continue
+        b = min(base, key=lambda r: r["ms"])
+        for r in crows:
+            if _ok(r) and role_of(r) in ("fused", "peer", "ideal"):
+                series.setdefault(str(r["variant"]), []).append((i, *speedup_band(b, r)))
+    return labels, series
+
+
+def plot_speedup(rows: list[dict], suite: str, out_dir: Path) -> Path | None:
+    """Draw ``<suite>_speedup.png`` (or time per case with no baseline); None if no data."""
+    labels, series = _speedup_series(rows)
+    timed = not series
+    if timed:
+        for i, crows in enumerate(by_case(rows).values()):
+            for r in crows:
+                if _ok(r):
+                    ms = r["ms"]
+                    lo, hi = r.get("ms_p10") or ms, r.get("ms_p90") or ms
+                    series.setdefault(str(r["variant"]), []).append((i, lo, ms, hi))
+    if not series:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(labels) + 3), 4.2))
+    n = len(series)
+    for j, (name, pts) in enumerate(series.items()):
+        dx = (j - (n - 1) / 2) * 0.08
+        xs = [p[0] + dx for p in pts]
+        mids = [p[2] for p in pts]
+        err = [[m - p[1] for m, p in zip(mids, pts, strict=True)],
+               [p[3] - m for m, p in zip(mids, pts, strict=True)]]
+        ax.errorbar(xs, mids, yerr=err, marker="o", capsize=3, label=name,
+                    linestyle="--" if "ideal" in name else "-")
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+    if timed:
+        ax.set_ylabel("time per call, ms (median, p10..p90)")
+        ax.set_yscale("log")
+    else:
+        ax.axhline(1.0, color="grey", linewidth=1)
+        ax.set_ylabel("speed-up over unfused (x)")
+    ax.set_title(f"{suite}: {'time' if timed else 'speed-up'} by case")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    p = Path(out_dir) / f"{_safe(suite)}_speedup.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+def _timeline_rows(rows: list[dict]) -> list[dict]:
+    """Rows of the first case that has any timeline, at most ``_MAX_TIMELINES``."""
+    for crows in by_case(rows).values():
+        tl = [r for r in crows if isinstance(r.get("extra"), dict)
+              and isinstance(r["extra"].get("timeline"), list) and r["extra"]["timeline"]]
+        if tl:
+            return tl[:_MAX_TIMELINES]
+    return []
+
+
+def _draw_lanes(ax, events: list[dict]) -> None:
+    t0 = min(float(e["start_ms"]) for e in events)
+    lanes = list(dict.fromkeys(str(e.get("lane", "?")) for e in events))
+    colors = {"compute": "tab:blue", "comm": "tab:orange"}
+    for y, lane in enumerate(lanes):
+        col = colors.get(lane.split(":")[0].split()[-1], f"C{y + 2}")
+        for e in (e for e in events if str(e.get("lane", "?")) == lane):
+            s, w = float(e["start_ms"]) - t0, float(e["end_ms"]) - float(e["start_ms"])
+            ax.broken_barh([(s, w)], (y - 0.35, 0.7), facecolors=col, edgecolor="black",
+                           linewidth=0.4)
+            if e.get("name"):
+                ax.text(s + w / 2, y, str(e["name"]), ha="center", va="center", fontsize=6,
+                        clip_on=True)
+    ax.set_yticks(range(len(lanes)))
+    ax.set_yticklabels(lanes, fontsize=8)
+    ax.set_ylim(-0.6, len(lanes) - 0.4)
+    ax.grid(axis="x", alpha=0.3)
+
+
+def plot_timeline(rows: list[dict], suite: str, out_dir: Path) -> Path | None:
+    """Draw ``<suite>_timeline.png`` from rows' ``extra.timeline``; None if none has one."""
+    tl = _timeline_rows(rows)
+    if not tl:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(len(tl), 1, figsize=(9, 1.0 + 1.3 * len(tl)), squeeze=False,
+                             sharex=True)
+    for ax, r in zip(axes[:, 0], tl, strict=True):
+        _draw_lanes(ax, r["extra"]["timeline"])
+        hid = r.get("hidden_frac")
+        hid_s = f", {100 * hid:.0f}% of comm hidden" if isinstance(hid, int | float) else ""
+        ax.set_title(f"{r['variant']} ({r.get('case')}){hid_s}", fontsize=9)
+    axes[-1, 0].set_xlabel("ms from the start of the step")
+    fig.suptitle(f"{suite}: one step, compute and communication", fontsize=10)
+    fig.tight_layout()
+    p = Path(out_dir) / f"{_safe(suite)}_timeline.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+def plot_all(rows: list[dict], out_dir: Path, overlap_suites: set[str] | None = None
+             ) -> dict[str, list[str]]:
+    """Every plot for every suite in ``rows``; returns suite -> PNG file names written.
+
+    Timelines are drawn for any suite whose rows carry one (``overlap_suites`` only limits
+    which suites are looked at when given)."""
+    out: dict[str, list[str]] = {}
+    for s in dict.fromkeys(r["suite"] for r in rows):
+        srows = [r for r in rows if r["suite"] == s]
+        names = []
+        p = plot_speedup(srows, s, out_dir)
+        if p is not None:
+            names.append(p.name)
+        if overlap_suites is None or s in overlap_suites:
+            p = plot_timeline(srows, s, out_dir)
+            if p is not None:
+                names.append(p.name)
+        out[s] = names
+    return out

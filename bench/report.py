@@ -1,0 +1,216 @@
+"""REPORT.md: one table per suite with the speed-ups of fused over unfused and over the peer,
+and a one-line verdict per case.
+
+Each variant has a *role*, taken from ``row["extra"]["role"]`` when the benchmark module
+sets it, else guessed from its name (:func:`role_of`):
+
+- ``unfused``: the plain path being replaced (``unfused``, ``sequential``, ``no_overlap``,
+  ``none``, ``eager``, ``reference``, ``baseline``);
+- ``peer``: the best outside equivalent (``torch_*``, ``onednn``, ``addmm``, ``fsdp``, ...);
+- ``ideal``: a bound computed from measured parts (``ideal``), never a contender;
+- ``part``: a component timed alone (``*_only``, ``*_alone``, ``gemm``, ``allreduce``);
+- ``fused``: everything else (the distllm paths: ``fused``, ``overlap``, ``chunked``, ``auto``).
+
+Speed-ups are ratios of medians measured in the same run (``unfused.ms / variant.ms``).
+A win counts only when the p10..p90 bands do not overlap.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from distllm.bench.harness import _fmt
+
+__all__ = ["role_of", "annotate", "verdict", "suite_table", "write_report", "by_case",
+           "speedup_band"]
+
+_IDEAL = ("ideal",)
+_PART = ("_only", "_alone", "alone", "part:")
+_UNFUSED = ("unfused", "sequential", "no_overlap", "nooverlap", "no-overlap", "eager",
+            "reference", "baseline", "serial")
+_PEER = ("torch", "onednn", "addmm", "fsdp", "peer", "megatron", "cublas", "dtensor",
+         "pipelining", "transformer_engine")
+_PART_EXACT = ("gemm", "allreduce", "all_reduce", "comm", "compute", "gemm_chunked")
+
+
+def role_of(r: dict) -> str:
+    """``fused`` | ``unfused`` | ``peer`` | ``ideal`` | ``part`` for a row (see module doc)."""
+    extra = r.get("extra") or {}
+    if isinstance(extra, dict) and extra.get("role"):
+        return str(extra["role"])
+    v = str(r.get("variant", "")).lower()
+    if v in ("-", ""):
+        return "-"
+    if any(k in v for k in _IDEAL):
+        return "ideal"
+    if v in _PART_EXACT or any(k in v for k in _PART):
+        return "part"
+    if any(k in v for k in _UNFUSED) or v == "none" or v.endswith(("_none", "=none")):
+        return "unfused"
+    if any(k in v for k in _PEER):
+        return "peer"
+    return "fused"
+
+
+def by_case(rows: Iterable[dict]) -> OrderedDict[tuple[str, str], list[dict]]:
+    """Rows grouped by (suite, case), first-seen order."""
+    out: OrderedDict[tuple[str, str], list[dict]] = OrderedDict()
+    for r in rows:
+        out.setdefault((r.get("suite"), str(r.get("case"))), []).append(r)
+    return out
+
+
+def _ok(r: dict) -> bool:
+    return r.get("status") == "ok" and isinstance(r.get("ms"), int | float) and r["ms"] > 0
+
+
+def _best(rows: list[dict], role: str) -> dict | None:
+    c = [r for r in rows if _ok(r) and role_of(r) == role]
+    return min(c, key=lambda r: r["ms"]) if c else None
+
+
+def _band(r: dict) -> tuple[float, float]:
+    return (r.get("ms_p10") or r["ms"], r.get("ms_p90") or r["ms"])
+
+
+def speedup_band(base: dict, r: dict) -> tuple[float, float, float]:
+    """(low, median, high) of ``base.ms / r.ms`` from the two p10..p90 bands."""
+    (b10, b90), (r10, r90) = _band(base), _band(r)
+    return b10 / r90, base["ms"] / r["ms"], b90 / r10
+
+
+def annotate(rows: list[dict]) -> list[dict]:
+    """Fill ``speedup_vs_unfused`` (if the module did not), ``extra.role`` and
+    ``extra.speedup_vs_peer`` in place, per case; returns ``rows``."""
+    for case_rows in by_case(rows).values():
+        base, peer = _best(case_rows, "unfused"), _best(case_rows, "peer")
+        for r in case_rows:
+            extra = r["extra"] if isinstance(r.get("extra"), dict) else {}
+            extra["role"] = role_of(r)
+            if _ok(r) and peer is not None and r is not peer:
+                extra["speedup_vs_peer"] = peer["ms"] / r["ms"]
+            r["extra"] = extra
+            if _ok(r) and base is not None and r.get("speedup_vs_unfused") is None:
+                r["speedup_vs_unfused"] = base["ms"] / r["ms"]
+    return rows
+
+
+def _auto_note(rows: list[dict], base: dict | None) -> str:
+    auto = next((r for r in rows if _ok(r) and "auto" in str(r["variant"]).lower()), None)
+    if auto is None or base is None or auto is base:
+        return ""
+    lo, mid, hi = speedup_band(base, auto)
+    if hi < 1.0:
+        return f"; auto is {1 / mid:.2f}x slower than unfused (a miss)"
+    return f"; auto runs at {mid:.2f}x of unfused"
+
+
+def verdict(rows: list[dict]) -> str:
+    """One line for one case: who wins, by how much, and whether it is beyond the spread."""
+    bad = [r for r in rows if r.get("status") != "ok"]
+    fused, base = _best(rows, "fused"), _best(rows, "unfused")
+    if base is None:
+        ok = sorted((r for r in rows if _ok(r) and role_of(r) not in ("ideal", "part")),
+                    key=lambda r: r["ms"])
+        if len(ok) >= 2:
+            lo, mid, _ = speedup_band(ok[1], ok[0])
+            sure = "" if lo > 1.0 else ", within the spread"
+            return f"fastest: {ok[0]['variant']} ({mid:.2f}x over {ok[1]['variant']}{sure})"
+        if ok:
+            return f"measured: {ok[0]['variant']} only (no unfused baseline in this case)"
+        why = bad[0].get("reason") if bad else "no rows"
+        return f"not measured here: {why}"
+    if fused is None:
+        return f"no fused variant ran here ({'; '.join(str(r.get('reason')) for r in bad) or '-'})"
+    lo, mid, hi = speedup_band(base, fused)
+    name, note = fused["variant"], _auto_note(rows, base)
+    if lo > 1.0:
+        line = f"{name} wins by {mid:.2f}x — use it"
+    elif hi < 1.0:
+        line = f"{name} loses ({mid:.2f}x, {1 / mid:.2f}x slower) — keep unfused"
+    else:
+        line = f"no gain here ({mid:.2f}x, within the spread) — unfused is as good"
+    peer = _best(rows, "peer")
+    if peer is not None:
+        plo, pmid, phi = speedup_band(peer, fused)
+        tag = "ahead of" if plo > 1.0 else "behind" if phi < 1.0 else "level with"
+        line += f"; {tag} {peer['variant']} ({pmid:.2f}x)"
+    return line + note
+
+
+_COLS = ["case", "variant", "role", "ms", "p10..p90", "TFLOP/s", "GB/s", "hidden",
+         "peak MB", "vs unfused", "vs peer", "status"]
+
+
+def _cells(r: dict) -> list[str]:
+    extra = r.get("extra") if isinstance(r.get("extra"), dict) else {}
+    band = f"{_fmt(r.get('ms_p10'))}..{_fmt(r.get('ms_p90'))}" if r.get("ms_p10") else ""
+    hid = r.get("hidden_frac")
+    status = r.get("status") or ""
+    if status != "ok" and r.get("reason"):
+        status = f"{status}: {str(r['reason'])[:160]}"
+    sp = r.get("speedup_vs_unfused")
+    spp = extra.get("speedup_vs_peer")
+    return [str(r.get("case")), str(r.get("variant")), role_of(r), _fmt(r.get("ms")), band,
+            _fmt(r.get("tflops")), _fmt(r.get("gbps")),
+            f"{100 * hid:.0f}%" if isinstance(hid, int | float) else "",
+            _fmt(r.get("peak_mem_mb")), f"{sp:.2f}x" if sp else "",
+            f"{spp:.2f}x" if spp else "", status.replace("|", "/").replace("\n", " ")]
+
+
+def suite_table(rows: list[dict]) -> str:
+    """A markdown table of one suite's rows (one line per case and variant)."""
+    lines = ["| " + " | ".join(_COLS) + " |", "|" + "---|" * len(_COLS)]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _header(machine: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    m = machine
+    out = ["# distllm bench report", ""]
+    if meta.get("command"):
+        out += [f"Command: `{meta['command']}`", ""]
+    out.append(f"- time: {m.get('time')}, git {m.get('git')}; torch {m.get('torch')} "
+               f"(CUDA {m.get('cuda')}), triton {m.get('triton')}, Python {m.get('python')}")
+    out.append(f"- machine: {m.get('host_cpu')}, {m.get('cores')} cores; GPU: {m.get('gpu')}")
+    if meta.get("loadavg") is not None:
+        out.append(f"- load average at start / end: {meta['loadavg']} (other processes on "
+                   "the machine disturb absolute times; ratios within a run stay comparable)")
+    out += ["- speed-ups are ratios of medians from the same run; 'wins' means the p10..p90 "
+            "bands do not overlap", ""]
+    return out
+
+
+def write_report(rows: list[dict], machine: dict[str, Any], out_dir: Path,
+                 meta: dict[str, Any] | None = None, titles: dict[str, str] | None = None,
+                 plots: dict[str, list[str]] | None = None) -> Path:
+    """Write ``out_dir/REPORT.md`` and return its path. ``plots`` maps suite -> PNG names."""
+    meta, titles, plots = meta or {}, titles or {}, plots or {}
+    lines = _header(machine, meta)
+    suites = list(OrderedDict.fromkeys(r["suite"] for r in rows))
+    for s in suites:
+        srows = [r for r in rows if r["suite"] == s]
+        secs = (meta.get("elapsed_s") or {}).get(s)
+        took = f" ({secs:.1f} s)" if isinstance(secs, int | float) else ""
+        lines += [f"## {s}: {titles.get(s, '')}{took}".rstrip(": "), "", suite_table(srows), ""]
+        lines += ["Verdicts:", ""]
+        for (_, case), crows in by_case(srows).items():
+            lines.append(f"- `{case}`: {verdict(crows)}")
+        lines.append("")
+        lines += [f"![{p}]({p})" for p in plots.get(s, [])]
+        if plots.get(s):
+            lines.append("")
+    p = Path(out_dir) / "REPORT.md"
+    p.write_text("\n".join(lines))
+    return p
+
+
+def loadavg() -> str | None:
+    try:
+        return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return None
