@@ -178,7 +178,9 @@ class EmulatedNetwork:
         self.tag = f"{PREFIX}-{os.getpid()}-{secrets.token_hex(3)}"
         self.namespaces: list[str] = []  # every namespace created, in creation order
         self._lock = threading.Lock()
+        self._owner = os.getpid()  # a forked child must not tear the network down
         self._old_sigterm = None
+        self._our_sigterm = None
 
     # ---- lifecycle -------------------------------------------------------------------
     def __enter__(self) -> EmulatedNetwork:
@@ -209,6 +211,8 @@ class EmulatedNetwork:
 
     def close(self) -> None:
         """Delete every namespace (and with them the links) this object created."""
+        if os.getpid() != self._owner:
+            return
         with self._lock:
             names, self.namespaces = self.namespaces, []
             for name in reversed(names):
@@ -230,11 +234,14 @@ class EmulatedNetwork:
             raise SystemExit(128 + signum)
 
         self._old_sigterm = signal.signal(signal.SIGTERM, _on_term)
+        self._our_sigterm = _on_term
 
     def _restore_sigterm(self) -> None:
-        if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
+        if self._our_sigterm is None or threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is self._our_sigterm:  # not replaced since
             signal.signal(signal.SIGTERM, self._old_sigterm)
-            self._old_sigterm = None
+        self._old_sigterm = self._our_sigterm = None
 
     # ---- building --------------------------------------------------------------------
     def _add_ns(self, name: str) -> None:

@@ -107,6 +107,12 @@ def test_removed_after_exception_and_stale_cleanup():
         with EmulatedNetwork(nranks=3, rate="1gbit") as net:
             assert net.available, net.reason
             names = list(net.namespaces)
+            pid = os.fork()
+            if pid == 0:  # a forked child's exit must not remove the parent's network
+                net.close()
+                os._exit(0)
+            os.waitpid(pid, 0)
+            assert all(n in _list_netns() for n in names), "a forked child removed them"
             raise RuntimeError("boom")
     assert names and not any(n in _list_netns() for n in names)
     dead = subprocess.Popen(["true"])
