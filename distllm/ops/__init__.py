@@ -18,5 +18,9 @@ __all__ = list(_LAZY)
 
 def __getattr__(name: str):
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        # importing distllm.ops.<op> binds the submodule as an attribute of this package;
+        # rebind the public name to the function so that `from distllm.ops import <op>` works
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'distllm.ops' has no attribute {name!r}")
