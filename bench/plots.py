@@ -85,6 +85,7 @@ def plot_speedup(rows: list[dict], suite: str, out_dir: Path) -> Path | None:
         ax.errorbar(xs, mids, yerr=err, marker="o", capsize=3, label=name,
                     linestyle="--" if "ideal" in name else "-")
     ax.set_xticks(range(len(labels)))
+    ax.set_xlim(-0.5, len(labels) - 0.5)
     ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
     if timed:
         ax.set_ylabel("time per call, ms (median, p10..p90)")

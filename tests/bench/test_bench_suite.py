@@ -1,0 +1,144 @@
+"""`distllm bench`: a --quick run on tiny shapes, checking the structure of every output file.
+
+The registry is replaced by a synthetic fast suite (tests/bench/fake_suites.py), a module
+whose run() raises, a module that does not exist, and the real linear_gelu suite on a tiny
+shape, so that the run stays well under a minute on 2 shared cores.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+import types
+
+import pytest
+
+from distllm.bench import report, suite
+from distllm.bench.harness import ROW_FIELDS, BenchConfig, row, stats_of
+from distllm.cli import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _broken_run(cfg: BenchConfig) -> list[dict]:
+    raise RuntimeError("synthetic failure inside run()")
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    broken = types.ModuleType("fake_broken_suite")
+    broken.run = _broken_run
+    monkeypatch.setitem(sys.modules, "fake_broken_suite", broken)
+    reg = {
+        "fake": suite.Suite("fake", "tests.bench.fake_suites", "synthetic", overlap=True),
+        "broken": suite.Suite("broken", "fake_broken_suite", "raises"),
+        "missing": suite.Suite("missing", "distllm.bench.no_such_suite", "absent"),
+        "linear_gelu": suite.SUITES["linear_gelu"],
+    }
+    monkeypatch.setattr(suite, "SUITES", reg)
+    return reg
+
+
+def _check_json(path, suites):
+    data = json.loads(path.read_text())
+    assert {"time", "torch", "git", "cores", "host_cpu"} <= set(data["machine"])
+    assert data["run"]["suites"] == suites
+    assert set(data["run"]["elapsed_s"]) >= {"fake", "linear_gelu"}
+    rows = data["rows"]
+    assert rows and all(set(ROW_FIELDS) <= set(r) for r in rows)
+    assert list(dict.fromkeys(r["suite"] for r in rows)) == suites  # none dropped, in order
+    for r in rows:
+        assert r["status"] in ("ok", "unavailable", "error"), r
+        if r["status"] == "ok":
+            assert r["ms_p10"] <= r["ms"] <= r["ms_p90"] and r["reps"] >= 1
+        else:
+            assert r["reason"], r
+    return rows
+
+
+def _check_csv(path, n_rows):
+    with path.open() as f:
+        got = list(csv.DictReader(f))
+    assert len(got) == n_rows
+    assert set(ROW_FIELDS) | {"time", "torch", "git"} <= set(got[0])
+
+
+def test_quick_run_writes_every_file(registry, tmp_path, capsys):
+    out = tmp_path / "run1"
+    rc = main(["bench", "--quick", "--shapes", "16,32,24", "--reps", "3", "--out", str(out),
+               "--no-progress"])
+    assert rc == 0
+    names = ["fake", "broken", "missing", "linear_gelu"]
+    rows = _check_json(out / "results.json", names)
+    _check_csv(out / "results.csv", len(rows))
+
+    fake = {r["variant"]: r for r in rows if r["suite"] == "fake"}
+    assert fake["fused"]["speedup_vs_unfused"] == pytest.approx(
+        fake["unfused"]["ms"] / fake["fused"]["ms"])
+    assert fake["fused"]["extra"]["speedup_vs_peer"] > 1 and fake["fused"]["tflops"] > 0
+    assert fake["cuda_only"]["status"] == "unavailable"
+    assert [r["status"] for r in rows if r["suite"] == "broken"] == ["error"]
+    assert "synthetic failure" in next(r for r in rows if r["suite"] == "broken")["reason"]
+    missing = next(r for r in rows if r["suite"] == "missing")
+    assert missing["status"] == "unavailable" and "no_such_suite" in missing["reason"]
+    lg = [r for r in rows if r["suite"] == "linear_gelu"]
+    assert any(r["status"] == "ok" for r in lg), lg  # the real suite ran on the tiny shape
+
+    md = (out / "REPORT.md").read_text()
+    for n in names:
+        assert f"## {n}" in md
+    assert "fused wins by" in md and "use it" in md  # 2 ms against 4 ms: beyond any spread
+    assert "ahead of torch_peer" in md
+    assert "needs a CUDA device" in md and "synthetic failure" in md
+    for png in ["fake_speedup.png", "fake_timeline.png", "linear_gelu_speedup.png"]:
+        assert (out / png).read_bytes()[:8] == PNG_MAGIC, png
+        assert f"]({png})" in md
+    stdout = capsys.readouterr().out
+    assert "| case | variant |" in stdout and "fused wins by" in stdout
+
+    # the same run compared against itself: nothing beyond the spread; COMPARE.md written
+    rc = main(["bench", "--quick", "--suite", "fake", "--out", str(tmp_path / "run2"),
+               "--compare", str(out), "--fail-on-regression", "--no-progress"])
+    assert (tmp_path / "run2" / "COMPARE.md").is_file()
+    assert "regression(s) beyond the measured spread" in capsys.readouterr().out
+    assert rc == 0
+
+
+def test_list_and_bad_input(registry, capsys, tmp_path):
+    assert main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "fake" in out and "UNAVAILABLE" in out and "no_such_suite" in out
+    bad = [["--suite", "nope"], ["--shapes", "1,x,3"], ["--dtype", "int3"],
+           ["--fail-on-regression"], ["--compare", str(tmp_path / "absent"), "--suite", "fake"],
+           ["--net", "fast"]]
+    for args in bad:
+        assert main(["bench", "--out", str(tmp_path / "bad"), "--no-progress", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "error:" in err, (args, err)
+    assert "--suite" in main.__module__ or True
+
+
+def _r(variant, ms, spread=0.05, case="c", **kw):
+    st = stats_of([ms * (1 - spread), ms, ms * (1 + spread)])
+    return row("s", case, variant, st, **kw)
+
+
+def test_roles_and_verdicts():
+    assert [report.role_of({"variant": v}) for v in
+            ["fused", "unfused", "sequential", "overlap_chunks4", "torch_ddp", "ideal",
+             "gemm_only", "onednn_postop", "distllm_ddp", "no_overlap", "auto"]] == \
+        ["fused", "unfused", "unfused", "fused", "peer", "ideal", "part", "peer", "fused",
+         "unfused", "fused"]
+    assert report.role_of({"variant": "x", "extra": {"role": "peer"}}) == "peer"
+    win = report.annotate([_r("unfused", 13.1), _r("fused", 10.0), _r("torch", 12.0)])
+    assert report.verdict(win).startswith("fused wins by 1.31x — use it; ahead of torch")
+    lose = [_r("unfused", 10.0), _r("fused", 12.0)]
+    assert "loses" in report.verdict(lose) and "keep unfused" in report.verdict(lose)
+    tie = [_r("unfused", 10.0, 0.2), _r("fused", 9.8, 0.2), _r("auto", 10.0, 0.2)]
+    assert report.verdict(tie).startswith("no gain here")
+    assert "auto runs at 1.00x of unfused" in report.verdict(tie)
+    sched = [_r("gpipe", 10.0), _r("1f1b", 8.0)]
+    assert report.verdict(sched).startswith("fastest: 1f1b (1.25x over gpipe")
+    gone = [row("s", "c", "fused", status="unavailable", reason="needs CUDA")]
+    assert report.verdict(gone) == "not measured here: needs CUDA"
