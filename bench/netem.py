@@ -156,7 +156,7 @@ class EmulatedNetwork:
     """Rate-limited links between ``nranks`` rank processes, for the life of a ``with``.
 
     Args:
-        nranks: number of ranks (>= 1); 2 get a veth pair, more a bridge.
+        nranks: number of ranks (>= 1); 2 get a veth pair, more a bridge (1: a lone veth).
         rate: link rate per direction, e.g. ``"2gbit"`` (see :func:`parse_rate`);
             None leaves the links unshaped.
         delay_ms: one-way delay added with ``netem`` on each rank's egress (None: none).
@@ -266,9 +266,13 @@ class EmulatedNetwork:
                 _ip("link", "set", f"p{r}", "master", "br0", "up", ns=br)
                 self._shape(br, f"p{r}")  # the switch port towards rank r: its ingress
             _ip("link", "set", "br0", "up", ns=br)
+        elif self.nranks == 1:  # a veth with its peer beside it: the interface gloo expects
+            _ip("link", "add", IFNAME, "type", "veth", "peer", "name", "dl0p", ns=ranks[0])
+            _ip("link", "set", "dl0p", "up", ns=ranks[0])
         for r, ns in enumerate(ranks):
-            if self.nranks == 1:
-                _ip("link", "add", IFNAME, "type", "dummy", ns=ns)
+            # IPv4 only on the link, so that gloo cannot pick an IPv6 link-local address
+            subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw",
+                            f"net.ipv6.conf.{IFNAME}.disable_ipv6=1"], capture_output=True)
             _ip("addr", "add", f"{SUBNET}.{r + 1}/24", "dev", IFNAME, ns=ns)
             _ip("link", "set", IFNAME, "up", ns=ns)
             self._shape(ns, IFNAME)  # the rank's egress

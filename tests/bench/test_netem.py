@@ -86,6 +86,15 @@ def test_two_ranks_rate_limited_and_removed():
     assert link["median_ms"] > 1.5 * lo["median_ms"], (link, lo)
 
 
+def test_one_rank():
+    net = _open(1, "1gbit")
+    try:
+        one = measure_allreduce(net, 1, 1 << 16, reps=1)
+    finally:
+        net.__exit__(None, None, None)
+    assert one["correct"] and not net.namespaces
+
+
 def test_four_ranks_through_a_bridge():
     net = _open(4, "2gbit")
     names = list(net.namespaces)
