@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from distllm.bench import compare, suite
 from distllm.bench.harness import row, stats_of
+
 from distllm.cli import main
 
 

@@ -13,9 +13,9 @@ import sys
 import types
 
 import pytest
-
 from distllm.bench import report, suite
 from distllm.bench.harness import ROW_FIELDS, BenchConfig, row, stats_of
+
 from distllm.cli import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
