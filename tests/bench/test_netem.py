@@ -162,3 +162,18 @@ def test_removed_when_the_process_is_signalled(sig):
             p.kill()
     time.sleep(0.1)
     assert not any(n in _list_netns() for n in names), f"left behind after {sig.name}"
+
+
+def test_delay_needs_netem():
+    """A delay is added by netem under the tbf; a kernel without sch_netem makes the whole
+    network unavailable with that reason (and nothing is left behind)."""
+    _need_root()
+    with EmulatedNetwork(nranks=2, rate="1gbit", delay_ms=1.0) as net:
+        names = list(net.namespaces)
+        if net.available:
+            out = subprocess.run(["tc", "-n", names[0], "qdisc", "show", "dev", IFNAME],
+                                 capture_output=True, text=True, check=True).stdout
+            assert "netem" in out and "delay 1ms" in out and "tbf" in out, out
+        else:
+            assert "netem" in net.reason and not net.namespaces, net.reason
+    assert not any(n in _list_netns() for n in names)
