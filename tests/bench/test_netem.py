@@ -176,4 +176,4 @@ def test_delay_needs_netem():
             assert "netem" in out and "delay 1ms" in out and "tbf" in out, out
         else:
             assert "netem" in net.reason and not net.namespaces, net.reason
-    assert not any(n in _list_netns() for n in names)
+    assert not [n for n in _list_netns() if n.startswith(net.tag)], "left behind"
