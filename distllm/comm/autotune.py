@@ -1,0 +1,116 @@
+"""``overlap="auto"``: choose the chunk count of an overlap engine (or no overlap) from a
+measurement on the real tensors, cached per (collective, shape, dtype, device, group).
+
+The candidates are timed interleaved (compute alone, sequential, then each chunk count);
+every rank's timings are reduced with MAX over the group so that all ranks choose the
+same schedule (a mismatch would pair different collectives). A chunked schedule is chosen
+only when it beats the sequential one by more than ``margin`` (3%); otherwise the layer
+falls back to no overlap and says so once through ``logging.getLogger("distllm")``.
+
+The cache is a measurement record (not configuration): :func:`clear_cache` empties it.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from distllm.comm.overlap import CommContext, NullComm
+
+__all__ = ["Choice", "choose", "clear_cache", "CANDIDATES"]
+
+log = logging.getLogger("distllm")
+
+CANDIDATES = (2, 4, 8)
+_CACHE: dict[tuple, Choice] = {}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The outcome of one measurement: ``chunks`` (0 = no overlap), the medians (ms) of the
+    compute alone, of the sequential schedule and of the chosen one, and the reason."""
+
+    chunks: int
+    compute_ms: float
+    sequential_ms: float
+    chosen_ms: float
+    reason: str
+
+    @property
+    def comm_ms(self) -> float:
+        """Standalone communication time: sequential minus compute."""
+        return max(0.0, self.sequential_ms - self.compute_ms)
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
+
+
+def _timed(fn: Callable[[], object], cuda: bool) -> float:
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _measure(run: Callable[[CommContext, int], object], comm: CommContext, rows: int,
+             cuda: bool, reps: int, extra: int) -> tuple[list[str], list[float]]:
+    null = NullComm(comm)
+    cands = sorted({c for c in (*CANDIDATES, extra) if 2 <= c <= rows})
+    variants: dict[str, Callable[[], object]] = {
+        "compute": lambda: run(null, 1),
+        "sequential": lambda: run(comm, 0),
+    }
+    for c in cands:
+        variants[str(c)] = lambda c=c: run(comm, c)
+    names = list(variants)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(reps + 1):  # round 0 is warm-up
+        for n in names if i % 2 else names[::-1]:
+            dist.barrier(group=comm.group)
+            t = _timed(variants[n], cuda)
+            if i:
+                samples[n].append(t)
+    med = torch.tensor([statistics.median(samples[n]) for n in names], dtype=torch.float64)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX, group=comm.group)
+    return names, med.tolist()
+
+
+def choose(key: tuple, run: Callable[[CommContext, int], object], comm: CommContext, rows: int,
+           cuda: bool, what: str, chunks_hint: int = 4, reps: int = 3,
+           margin: float = 0.03) -> Choice:
+    """The cached :class:`Choice` for ``key``; measured on first use.
+
+    ``run(comm, chunks)`` runs the schedule once (``chunks=0``: sequential); ``rows`` bounds
+    the chunk counts tried; ``what`` names the layer in the log line.
+    """
+    full_key = (comm.backend, comm.ranks, *key)
+    if full_key in _CACHE:
+        return _CACHE[full_key]
+    if comm.world == 1:
+        ch = Choice(0, 0.0, 0.0, 0.0, "tp=1: nothing to communicate")
+    else:
+        names, med = _measure(run, comm, rows, cuda, reps, chunks_hint)
+        t = dict(zip(names, med, strict=True))
+        chunked = {n: v for n, v in t.items() if n not in ("compute", "sequential")}
+        best = min(chunked, key=chunked.get) if chunked else None
+        if best is not None and t[best] < t["sequential"] * (1 - margin):
+            ch = Choice(int(best), t["compute"], t["sequential"], t[best],
+                        f"{best} chunks: {t[best]:.2f} ms vs sequential {t['sequential']:.2f} ms")
+        else:
+            why = (f"best chunked {t[best]:.2f} ms" if best else "too few rows to chunk")
+            ch = Choice(0, t["compute"], t["sequential"], t["sequential"],
+                        f"no overlap: {why} vs sequential {t['sequential']:.2f} ms")
+            log.warning("%s %s on %s x%d: overlap falls back to none (%s)", what, key,
+                     comm.backend, comm.world, ch.reason)
+    _CACHE[full_key] = ch
+    return ch

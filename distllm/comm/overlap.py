@@ -1,0 +1,309 @@
+"""Overlap engines: a GEMM split into chunks, each chunk's collective running while the next
+chunk computes.
+
+Three engines, one per collective, each with a sequential twin (``chunks=0``):
+
+* :func:`matmul_all_reduce` - ``all_reduce(a @ B)``: the row-parallel forward (tensor
+  parallelism without sequence parallelism) and the column-parallel input gradient.
+  Schedule for chunks ``c``::
+
+      GEMM(rows 0)  GEMM(rows 1)  ...  GEMM(rows c-1)  then()      wait all
+                    AR(rows 0)    AR(rows 1) ...       AR(rows c-1)
+
+  ``then`` (e.g. the weight-gradient GEMM of the column-parallel backward) runs after the
+  last launch, so that the last chunk's all-reduce is hidden too.
+* :func:`allgather_matmul` - ``all_gather(a, dim=1) @ B``: the sequence-parallel
+  column-parallel forward (and row-parallel backward). The local shard's GEMM runs while
+  chunk 0 of the other ranks' shards arrives; chunk ``j``'s GEMM runs while ``j+1`` arrives.
+* :func:`matmul_reduce_scatter` - ``reduce_scatter(a @ B, dim=1)``: the sequence-parallel
+  row-parallel forward (and column-parallel backward); chunk ``j`` of every destination's
+  rows is computed, then reduce-scattered while chunk ``j+1`` computes.
+
+Asynchrony: on CPU (gloo) every collective is an ``async_op=True`` work handle that gloo
+progresses on its own threads while this thread runs the next GEMM. On CUDA each collective
+is issued on a communication stream that first waits on an event recorded after the chunk's
+GEMM on the compute stream; ``wait`` makes the compute stream wait on an event recorded after
+the collective (the host never blocks).
+
+The GEMM is a callback ``mm(a_rows, out_rows)`` writing ``a_rows @ B`` into a row slice of
+the output (a contiguous ``(m, n)`` view), so the same engine serves forward and backward.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = ["CommContext", "NullComm", "OverlapCounter", "OverlapStats", "chunk_bounds",
+           "matmul_all_reduce", "allgather_matmul", "matmul_reduce_scatter", "run_engine"]
+
+MatMul = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+@dataclass
+class OverlapCounter:
+    """What one direction (forward or backward) of a layer ran, accumulated over calls.
+
+    Fields: ``calls``; ``overlapped`` (calls that ran an overlapped schedule); ``mode`` and
+    ``chunks`` of the last call (``mode`` is ``chunked``, ``none`` or ``local`` for tp=1);
+    ``wait_ms`` the host time blocked waiting on collectives (CPU only: on CUDA the host does
+    not block); ``comm_ms_est`` the standalone communication time of these calls as measured
+    by ``overlap="auto"`` (0 when not measured); ``reason`` why overlap is off, if it is.
+    """
+
+    calls: int = 0
+    overlapped: int = 0
+    mode: str = "none"
+    chunks: int = 0
+    wait_ms: float = 0.0
+    comm_ms_est: float = 0.0
+    reason: str = ""
+
+    @property
+    def hidden_ms(self) -> float | None:
+        """Estimated communication time hidden behind compute (``comm_ms_est - wait_ms``)."""
+        if not self.comm_ms_est:
+            return None
+        return max(0.0, self.comm_ms_est - self.wait_ms)
+
+    @property
+    def hidden_frac(self) -> float | None:
+        h = self.hidden_ms
+        return None if h is None else h / self.comm_ms_est
+
+    def record(self, mode: str, chunks: int, wait_ms: float, comm_ms_est: float = 0.0) -> None:
+        self.calls += 1
+        self.overlapped += mode == "chunked"
+        self.mode, self.chunks = mode, chunks
+        self.wait_ms += wait_ms
+        self.comm_ms_est += comm_ms_est
+
+
+@dataclass
+class OverlapStats:
+    """Per-layer record of overlap: ``forward`` and ``backward`` :class:`OverlapCounter`."""
+
+    forward: OverlapCounter = field(default_factory=OverlapCounter)
+    backward: OverlapCounter = field(default_factory=OverlapCounter)
+
+    def reset(self) -> None:
+        self.forward, self.backward = OverlapCounter(), OverlapCounter()
+
+    def as_dict(self) -> dict:
+        out = {}
+        for name in ("forward", "backward"):
+            c = getattr(self, name)
+            out[name] = {**asdict(c), "hidden_ms": c.hidden_ms, "hidden_frac": c.hidden_frac}
+        return out
+
+
+def chunk_bounds(n: int, chunks: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of ``min(chunks, n)`` near-equal pieces of ``n`` rows (sizes differ by
+    at most one, larger first, as ``torch.tensor_split``)."""
+    c = max(1, min(chunks, n))
+    q, r = divmod(n, c)
+    out, s = [], 0
+    for i in range(c):
+        e = s + q + (i < r)
+        out.append((s, e))
+        s = e
+    return out
+
+
+class _Handle:
+    def __init__(self, work=None, event=None):
+        self.work, self.event = work, event
+
+    def wait(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream(self.event.device).wait_event(self.event)
+        elif self.work is not None:
+            self.work.wait()
+
+
+class CommContext:
+    """A process group plus the means to run its collectives asynchronously (gloo work
+    handles on CPU; a communication stream with events on CUDA)."""
+
+    def __init__(self, group: ProcessGroup):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.backend = str(dist.get_backend(group))
+        self.ranks = tuple(dist.get_process_group_ranks(group))
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.wait_ms = 0.0  # accumulated by wait(); read and reset by the caller
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
+
+    def _issue(self, op: str, out: torch.Tensor, inp: torch.Tensor | None, async_op: bool):
+        if op == "all_reduce":
+            return dist.all_reduce(out, group=self.group, async_op=async_op)
+        if op == "all_gather":
+            return dist.all_gather_single(out, inp, group=self.group, async_op=async_op)
+        if op == "reduce_scatter":
+            return dist.reduce_scatter_single(out, inp, group=self.group, async_op=async_op)
+        raise ValueError(f"unknown collective {op!r}")
+
+    def launch(self, op: str, out: torch.Tensor, inp: torch.Tensor | None = None) -> _Handle:
+        """Start ``op`` (``all_reduce`` in place on ``out``; ``all_gather`` / ``reduce_scatter``
+        from ``inp`` into ``out``) without waiting for it."""
+        if not out.is_cuda:
+            return _Handle(work=self._issue(op, out, inp, async_op=True))
+        comm = self._stream(out.device)
+        ready = torch.cuda.Event()
+        ready.record()  # after the chunk's GEMM on the compute stream
+        comm.wait_event(ready)
+        with torch.cuda.stream(comm):
+            self._issue(op, out, inp, async_op=False)  # enqueued on comm; host does not block
+            done = torch.cuda.Event()
+            done.record(comm)
+        for t in (out, inp):
+            if t is not None:
+                t.record_stream(comm)
+        return _Handle(event=done)
+
+    def wait(self, h: _Handle) -> None:
+        t0 = time.perf_counter()
+        h.wait()
+        self.wait_ms += (time.perf_counter() - t0) * 1e3
+
+    def run(self, op: str, out: torch.Tensor, inp: torch.Tensor | None = None) -> None:
+        """Blocking collective (the sequential schedule)."""
+        t0 = time.perf_counter()
+        self._issue(op, out, inp, async_op=False)
+        self.wait_ms += (time.perf_counter() - t0) * 1e3
+
+
+class NullComm(CommContext):
+    """A stand-in that moves nothing (all-gather copies the local piece): times the compute
+    of a schedule alone, for ``overlap="auto"``'s measurement."""
+
+    def __init__(self, like: CommContext):  # noqa: D107 - no group needed
+        self.group, self.world, self.rank = like.group, like.world, like.rank
+        self.backend, self.ranks, self._streams, self.wait_ms = like.backend, like.ranks, {}, 0.0
+
+    def _issue(self, op, out, inp, async_op):
+        if op == "all_gather":
+            out.view(self.world, -1).copy_(inp.reshape(1, -1).expand(self.world, -1))
+        elif op == "reduce_scatter":
+            out.copy_(inp.view(self.world, -1)[self.rank].view_as(out))
+        return None
+
+
+def matmul_all_reduce(a: torch.Tensor, mm: MatMul, n_out: int, comm: CommContext, chunks: int,
+                      then: Callable[[], object] | None = None) -> tuple[torch.Tensor, object]:
+    """``all_reduce(a @ B)`` for ``a`` of shape ``(M, K)``, chunked along ``M``; ``then()``
+    runs after the last launch (or, with ``chunks=0``, after the blocking all-reduce).
+    Returns ``(out (M, n_out), then's result)``."""
+    out = a.new_empty(a.shape[0], n_out)
+    if chunks <= 0:  # sequential: GEMM, all-reduce, then
+        mm(a, out)
+        comm.run("all_reduce", out)
+        return out, then() if then else None
+    handles = []
+    for s, e in chunk_bounds(a.shape[0], chunks):
+        mm(a[s:e], out[s:e])  # (m, K) @ (K, N) -> (m, N)
+        handles.append(comm.launch("all_reduce", out[s:e]))
+    extra = then() if then else None
+    for h in handles:
+        comm.wait(h)
+    return out, extra
+
+
+def _gather_chunk(comm: CommContext, a_local: torch.Tensor, s: int, e: int):
+    b, _, k = a_local.shape
+    piece = a_local[:, s:e].reshape(b * (e - s), k)  # (b*c, k), contiguous copy
+    buf = a_local.new_empty(comm.world * piece.shape[0], k)  # (tp*b*c, k)
+    return buf, comm.launch("all_gather", buf, piece)
+
+
+def allgather_matmul(a_local: torch.Tensor, mm: MatMul, n_out: int, comm: CommContext,
+                     chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a = all_gather(a_local, dim=1)`` and ``a @ B`` for ``a_local`` of shape
+    ``(b, s/tp, K)``; returns ``(a (b, s, K), out (b, s, n_out))``, rank ``r``'s rows at
+    ``[r*s/tp, (r+1)*s/tp)``."""
+    b, sl, k = a_local.shape
+    tp, r = comm.world, comm.rank
+    if chunks <= 0:  # sequential: all-gather, then one GEMM
+        buf = a_local.new_empty(tp * b * sl, k)
+        comm.run("all_gather", buf, a_local.reshape(b * sl, k))
+        a_full = buf.view(tp, b, sl, k).transpose(0, 1).reshape(b, tp * sl, k)
+        out = a_local.new_empty(b * tp * sl, n_out)
+        mm(a_full.view(-1, k), out)
+        return a_full, out.view(b, tp * sl, n_out)
+    a_full = a_local.new_empty(b, tp, sl, k)
+    out = a_local.new_empty(b, tp, sl, n_out)
+    bounds = chunk_bounds(sl, chunks)
+    pending = [_gather_chunk(comm, a_local, *bounds[0])]
+    a_full[:, r] = a_local
+    local = a_local.new_empty(b * sl, n_out)
+    mm(a_local.reshape(b * sl, k), local)  # own rows while chunk 0 travels
+    out[:, r] = local.view(b, sl, n_out)
+    for j, (s, e) in enumerate(bounds):
+        if j + 1 < len(bounds):
+            pending.append(_gather_chunk(comm, a_local, *bounds[j + 1]))
+        buf, h = pending[j]
+        comm.wait(h)
+        c = e - s
+        bufv = buf.view(tp, b, c, k)
+        for q in range(tp):
+            if q == r:
+                continue
+            a_full[:, q, s:e] = bufv[q]
+            res = a_local.new_empty(b * c, n_out)
+            mm(bufv[q].view(b * c, k), res)  # (b*c, K) @ (K, N)
+            out[:, q, s:e] = res.view(b, c, n_out)
+    return a_full.view(b, tp * sl, k), out.view(b, tp * sl, n_out)
+
+
+def matmul_reduce_scatter(a: torch.Tensor, mm: MatMul, n_out: int, comm: CommContext,
+                          chunks: int, then: Callable[[], object] | None = None
+                          ) -> tuple[torch.Tensor, object]:
+    """``reduce_scatter(a @ B, dim=1)`` for ``a`` of shape ``(b, s, K)``: this rank keeps rows
+    ``[r*s/tp, (r+1)*s/tp)`` of the sum over ranks, ``(b, s/tp, n_out)``; ``then()`` runs
+    after the last launch. Returns ``(out, then's result)``."""
+    b, s_full, k = a.shape
+    tp = comm.world
+    sl = s_full // tp
+    av = a.reshape(b, tp, sl, k)
+    out = a.new_empty(b, sl, n_out)
+    if chunks <= 0:  # sequential: one GEMM, reduce-scatter, then
+        res = a.new_empty(tp * b * sl, n_out)
+        mm(av.transpose(0, 1).reshape(tp * b * sl, k), res)  # rows grouped by destination
+        comm.run("reduce_scatter", out.view(b * sl, n_out), res)
+        return out, then() if then else None
+    pending = []
+    for s, e in chunk_bounds(sl, chunks):
+        c = e - s
+        piece = av[:, :, s:e].transpose(0, 1).reshape(tp * b * c, k)  # (tp, b, c, K) rows
+        res = a.new_empty(tp * b * c, n_out)
+        mm(piece, res)
+        dst = a.new_empty(b * c, n_out)
+        pending.append((s, e, dst, comm.launch("reduce_scatter", dst, res)))
+    extra = then() if then else None
+    for s, e, dst, h in pending:
+        comm.wait(h)
+        out[:, s:e] = dst.view(b, e - s, n_out)
+    return out, extra
+
+
+def run_engine(kind: str, a: torch.Tensor, mm: MatMul, n_out: int, comm: CommContext,
+               chunks: int, then: Callable[[], object] | None = None):
+    """Dispatch to the engine of ``kind`` (``all_reduce``, ``all_gather``, ``reduce_scatter``)."""
+    if kind == "all_reduce":
+        return matmul_all_reduce(a, mm, n_out, comm, chunks, then)
+    if kind == "all_gather":
+        full, out = allgather_matmul(a, mm, n_out, comm, chunks)
+        return (full, out), then() if then else None
+    if kind == "reduce_scatter":
+        return matmul_reduce_scatter(a, mm, n_out, comm, chunks, then)
+    raise ValueError(f"unknown overlap kind {kind!r}")

@@ -1,0 +1,195 @@
+"""Megatron-style ``ColumnParallelLinear`` and ``RowParallelLinear`` whose collectives are
+overlapped with their GEMMs (engines in :mod:`distllm.comm.overlap`).
+
+Each layer has ``overlap_stats`` (:class:`distllm.comm.overlap.OverlapStats`): per direction
+(``forward`` / ``backward``) the calls, how many ran an overlapped schedule, the last mode and
+chunk count, the host time blocked on collectives (``wait_ms``), and, with ``overlap="auto"``,
+the measured standalone communication time (``comm_ms_est``) from which ``hidden_ms`` and
+``hidden_frac`` estimate how much communication was hidden. ``overlap_stats.reset()`` clears.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distllm.parallel.tensor.tensor_parallel import (
+    OverlapPlan, check_divisible, column_parallel_matmul, init_full_weight, mark_tensor_parallel,
+    row_parallel_matmul, shard,
+)
+from distllm.parallel.tensor.tp_comm import (
+    copy_to_tp_region, gather_from_sequence_parallel_region, gather_from_tp_region,
+    scatter_to_tp_region,
+)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ACTIVATIONS"]
+
+ACTIVATIONS = {None: None, "gelu": "none", "gelu_tanh": "tanh"}
+
+
+def _check_sp_input(x: torch.Tensor, tp: int, sp: bool, what: str) -> None:
+    if sp and x.dim() != 3:
+        raise ValueError(f"{what}: sequence_parallel expects (batch, seq, hidden) input, got "
+                         f"shape {tuple(x.shape)}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = act(X W^T + b)`` with ``W``'s output rows split over tp: rank ``r`` holds
+    ``W[r*out/tp:(r+1)*out/tp]`` and produces that slice of ``Y``.
+
+    Collectives: forward none (``sequence_parallel``: all-gather of X along the sequence,
+    chunk by chunk overlapped with the GEMM; ``gather_output``: all-gather of Y's last dim);
+    backward all-reduce of dX overlapped with the dW GEMM (``sequence_parallel``:
+    reduce-scatter of dX along the sequence, likewise overlapped).
+
+    ``activation`` "gelu" / "gelu_tanh": without overlap (``overlap="none"`` and no sequence
+    parallelism, or tp=1) the layer is ``distllm.ops.linear_gelu`` on the local shard; with an
+    overlapped schedule the GEMM is chunked by the engine and the epilogue is the fused
+    ``distllm.ops.bias_gelu``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, dims, bias: bool = True,
+                 gather_output: bool = False, activation: str | None = None,
+                 sequence_parallel: bool = False, dtype=None, device=None,
+                 init_method: Callable[[torch.Tensor], None] | None = None,
+                 overlap: str = "auto", chunks: int = 4):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r}: use None, 'gelu' or 'gelu_tanh'")
+        check_divisible(out_features, dims.tp, "out_features", "out_features")
+        self.in_features, self.out_features, self.dims = in_features, out_features, dims
+        self.gather_output, self.activation = gather_output, activation
+        self.sequence_parallel = sequence_parallel and dims.tp > 1
+        self.plan = OverlapPlan(dims, overlap, chunks, "ColumnParallelLinear")
+        full = init_full_weight((out_features, in_features), in_features, init_method, dtype,
+                                device)
+        self.weight = mark_tensor_parallel(
+            nn.Parameter(shard(full, 0, dims.tp_rank, dims.tp)), 0)
+        self.bias = None
+        if bias:
+            fb = init_full_weight((out_features,), in_features, None, dtype, device)
+            self.bias = mark_tensor_parallel(nn.Parameter(shard(fb, 0, dims.tp_rank, dims.tp)), 0)
+
+    @property
+    def overlap_stats(self):
+        return self.plan.stats
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, dims, **kwargs) -> ColumnParallelLinear:
+        """Shard a dense ``nn.Linear``'s output rows; ``kwargs`` as the constructor's."""
+        m = cls(linear.in_features, linear.out_features, dims, bias=linear.bias is not None,
+                dtype=linear.weight.dtype, device=linear.weight.device, **kwargs)
+        with torch.no_grad():
+            m.weight.copy_(shard(linear.weight, 0, dims.tp_rank, dims.tp))
+            if m.bias is not None:
+                m.bias.copy_(shard(linear.bias, 0, dims.tp_rank, dims.tp))
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp, group = self.dims.tp, self.dims.tp_group
+        _check_sp_input(x, tp, self.sequence_parallel, "ColumnParallelLinear")
+        approx = ACTIVATIONS[self.activation]
+        engine = tp > 1 and (self.sequence_parallel or self.plan.overlap != "none")
+        if not engine:
+            x = copy_to_tp_region(x, group)  # f: backward all-reduce of dX
+            if approx is not None:
+                from distllm.ops import linear_gelu
+
+                y = linear_gelu(x, self.weight, self.bias, approximate=approx)
+            else:
+                y = F.linear(x, self.weight, self.bias)
+        elif approx is None:
+            y = column_parallel_matmul(x, self.weight, self.bias, self.plan,
+                                       self.sequence_parallel)
+        else:
+            from distllm.ops import bias_gelu
+
+            pre = column_parallel_matmul(x, self.weight, None, self.plan, self.sequence_parallel)
+            y = bias_gelu(pre, self.bias, approx)
+        if self.gather_output:
+            y = gather_from_tp_region(y, group)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}/tp={self.dims.tp}, "
+                f"activation={self.activation}, sp={self.sequence_parallel}, "
+                f"overlap={self.plan.overlap}, chunks={self.plan.chunks}")
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X W^T + b`` with ``W``'s input columns split over tp: rank ``r`` holds
+    ``W[:, r*in/tp:(r+1)*in/tp]`` and its slice of X's features; ``b`` is replicated.
+
+    Collectives: forward all-reduce of the partial Y, chunked along the rows (tokens) and
+    overlapped with the GEMM (``sequence_parallel``: reduce-scatter along the sequence,
+    likewise); backward none (``sequence_parallel``: all-gather of dY along the sequence
+    overlapped with the dX GEMM, and an all-reduce of the bias gradient).
+    ``input_is_parallel=False``: X is full and split here (backward: all-gather of dX).
+
+    ``overlap``: "chunked" uses ``chunks`` pieces (the last may be smaller), "none" the
+    sequential GEMM then collective, "auto" the faster of them by a cached measurement per
+    shape (logging once to ``logging.getLogger("distllm")`` when it falls back to none).
+    """
+
+    def __init__(self, in_features: int, out_features: int, dims, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 overlap: str = "auto", chunks: int = 4, dtype=None, device=None,
+                 init_method: Callable[[torch.Tensor], None] | None = None):
+        super().__init__()
+        check_divisible(in_features, dims.tp, "in_features", "in_features")
+        self.in_features, self.out_features, self.dims = in_features, out_features, dims
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel and dims.tp > 1
+        self.plan = OverlapPlan(dims, overlap, chunks, "RowParallelLinear")
+        full = init_full_weight((out_features, in_features), in_features, init_method, dtype,
+                                device)
+        self.weight = mark_tensor_parallel(
+            nn.Parameter(shard(full, 1, dims.tp_rank, dims.tp)), 1)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(init_full_weight((out_features,), in_features, None, dtype,
+                                                      device))
+            if self.sequence_parallel:
+                self.bias.sequence_parallel = True  # its grad is all-reduced inside backward
+
+    @property
+    def overlap_stats(self):
+        return self.plan.stats
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, dims, **kwargs) -> RowParallelLinear:
+        """Shard a dense ``nn.Linear``'s input columns; ``kwargs`` as the constructor's."""
+        m = cls(linear.in_features, linear.out_features, dims, bias=linear.bias is not None,
+                dtype=linear.weight.dtype, device=linear.weight.device, **kwargs)
+        with torch.no_grad():
+            m.weight.copy_(shard(linear.weight, 1, dims.tp_rank, dims.tp))
+            if m.bias is not None:
+                m.bias.copy_(linear.bias)
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp, group = self.dims.tp, self.dims.tp_group
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, group)
+        _check_sp_input(x, tp, self.sequence_parallel, "RowParallelLinear")
+        if self.sequence_parallel and x.shape[1] % tp:
+            raise ValueError(f"RowParallelLinear: sequence length {x.shape[1]} is not divisible "
+                             f"by tp={tp}: choose seq_len a multiple of {tp} under "
+                             "sequence_parallel=True")
+        if tp == 1:
+            return F.linear(x, self.weight, self.bias)
+        return row_parallel_matmul(x, self.weight, self.bias, self.plan, self.sequence_parallel)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}/tp={self.dims.tp}, out={self.out_features}, "
+                f"sp={self.sequence_parallel}, overlap={self.plan.overlap}, "
+                f"chunks={self.plan.chunks}")
+
+
+def gather_sequence(x: torch.Tensor, dims) -> torch.Tensor:
+    """Full sequence from sequence shards (forward all-gather, backward split): for
+    inspecting or returning activations of a sequence-parallel region."""
+    return gather_from_sequence_parallel_region(x, dims.tp_group, reduce_grad=False)

@@ -1,0 +1,206 @@
+"""Tensor-parallel collectives as ``autograd.Function``s (Megatron's f/g operators and the
+sequence-parallel pair).
+
+Each function names the collective of its forward and of its backward:
+
+=======================================  ============================  =========================
+function                                 forward                       backward
+=======================================  ============================  =========================
+``copy_to_tp_region`` (f)                identity                      all-reduce
+``reduce_from_tp_region`` (g)            all-reduce                    identity
+``scatter_to_tp_region``                 split the last dim            all-gather the last dim
+``gather_from_tp_region``                all-gather the last dim       split the last dim
+``scatter_to_sequence_parallel_region``  split dim 1 (sequence)        all-gather dim 1
+``gather_from_sequence_parallel_region`` all-gather dim 1              reduce-scatter dim 1
+``reduce_scatter_to_sequence_parallel``  reduce-scatter dim 1          all-gather dim 1
+``sync_grad_over_tp``                    identity (on a parameter)     all-reduce of its grad
+=======================================  ============================  =========================
+
+All take the tensor-parallel ``group`` explicitly and are identities when it has one rank.
+Incoming gradients are never reduced in place (autograd may share a gradient tensor between
+two branches, e.g. at a residual add).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = [
+    "all_gather_dim", "reduce_scatter_dim", "split_dim",
+    "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region",
+    "gather_from_tp_region", "scatter_to_sequence_parallel_region",
+    "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel",
+    "sync_grad_over_tp",
+]
+
+
+def _world(group: ProcessGroup) -> int:
+    return dist.get_world_size(group)
+
+
+def all_reduce_copy(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Sum of ``x`` over ``group`` into a new tensor (``x`` is left untouched)."""
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def split_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """This rank's contiguous slice of ``x`` along ``dim`` (size must divide evenly)."""
+    world, rank = _world(group), dist.get_rank(group)
+    size = x.shape[dim]
+    if size % world:
+        raise ValueError(f"dimension {dim} of size {size} is not divisible by tp={world}")
+    return x.narrow(dim, rank * (size // world), size // world).contiguous()
+
+
+def all_gather_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """Concatenation along ``dim`` of every rank's ``x`` (in rank order)."""
+    world = _world(group)
+    dim = dim % x.dim()
+    x = x.movedim(dim, 0).contiguous()  # (n, ...) so that ranks concatenate along dim 0
+    out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_single(out, x, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def reduce_scatter_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """Sum over ranks of ``x``, of which this rank keeps its slice along ``dim``."""
+    world = _world(group)
+    dim = dim % x.dim()
+    if x.shape[dim] % world:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by tp={world}")
+    x = x.movedim(dim, 0).contiguous()  # (world * n, ...): slice r goes to rank r
+    out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, x, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    """f: forward identity, backward all-reduce."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce_copy(g, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: forward all-reduce, backward identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce_copy(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _Split(torch.autograd.Function):
+    """Forward: keep this rank's slice along ``dim``; backward: all-gather along ``dim``."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return split_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather_dim(g, ctx.dim, ctx.group), None, None
+
+
+class _Gather(torch.autograd.Function):
+    """Forward: all-gather along ``dim``; backward: split (``reduce_grad=False``) or
+    reduce-scatter (``reduce_grad=True``: the consumer's gradient is partial per rank)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, reduce_grad):
+        ctx.dim, ctx.group, ctx.reduce_grad = dim, group, reduce_grad
+        return all_gather_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.reduce_grad:
+            return reduce_scatter_dim(g, ctx.dim, ctx.group), None, None, None
+        return split_dim(g, ctx.dim, ctx.group), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Forward: reduce-scatter along ``dim``; backward: all-gather along ``dim``."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return reduce_scatter_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather_dim(g, ctx.dim, ctx.group), None, None
+
+
+class _SyncGrad(torch.autograd.Function):
+    """Forward identity on a replicated parameter; backward all-reduces its gradient, for
+    parameters applied to a sequence shard (each rank sees a partial gradient)."""
+
+    @staticmethod
+    def forward(ctx, p, group):
+        ctx.group = group
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce_copy(g, ctx.group), None
+
+
+def _trivial(group: ProcessGroup | None) -> bool:
+    return group is None or _world(group) == 1
+
+
+def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """f operator: forward identity; backward all-reduce over ``group``."""
+    return x if _trivial(group) else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """g operator: forward all-reduce over ``group``; backward identity."""
+    return x if _trivial(group) else _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Forward: this rank's slice of the last dim; backward: all-gather of the last dim."""
+    return x if _trivial(group) else _Split.apply(x, -1, group)
+
+
+def gather_from_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Forward: all-gather of the last dim; backward: this rank's slice of it."""
+    return x if _trivial(group) else _Gather.apply(x, -1, group, False)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Forward: this rank's slice of dim 1 (sequence); backward: all-gather of dim 1."""
+    return x if _trivial(group) else _Split.apply(x, 1, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup,
+                                         reduce_grad: bool = True) -> torch.Tensor:
+    """Forward: all-gather of dim 1 (sequence); backward: reduce-scatter of dim 1 when the
+    consumer is tensor-parallel (``reduce_grad``), else a plain split."""
+    return x if _trivial(group) else _Gather.apply(x, 1, group, reduce_grad)
+
+
+def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Forward: reduce-scatter of dim 1 (sequence); backward: all-gather of dim 1."""
+    return x if _trivial(group) else _ReduceScatter.apply(x, 1, group)
+
+
+def sync_grad_over_tp(p: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Use of a replicated parameter on a sequence shard: forward identity, backward
+    all-reduce of its gradient over ``group`` (so every rank's ``.grad`` is the full one)."""
+    return p if _trivial(group) else _SyncGrad.apply(p, group)
