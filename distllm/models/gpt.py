@@ -1,0 +1,309 @@
+"""GPT-2, built only from ``distllm.nn`` modules, as a list of layers that a pipeline splits.
+
+Layer ``0`` is the embedding (vocab-parallel token embedding + learned positions), layers
+``1..L`` are pre-LayerNorm transformer blocks (``ParallelAttention``, ``ParallelMLP`` with the
+fused column-parallel GEMM + GeLU), layer ``L+1`` is the head (final LayerNorm, vocab-parallel
+output projection). The loss is :func:`distllm.nn.vocab_parallel_cross_entropy`, which never
+gathers the full logits.
+
+Every layer has *canonical* weights: full (unsharded) tensors with global names such as
+``layers.3.attn.qkv.weight``, laid out like ``nn.Linear`` (``(out, in)``), the vocabulary cut
+to its real size. Initialisation, checkpoints (:mod:`distllm.train.checkpoint`) and Hugging
+Face conversion (:mod:`distllm.models.hf`) all go through them
+(:mod:`distllm.models.sharding`), so every layout (tp, pp, dp, ZeRO) starts from the same
+weights and a checkpoint saved at one layout loads at any other.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, replace
+
+import torch
+from torch import nn
+
+from distllm.parallel.mesh import ParallelDims
+
+__all__ = ["GPTConfig", "GPT", "Embedding", "Block", "Head", "PRESETS"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a GPT-2-style model."""
+
+    vocab_size: int = 256
+    """Real vocabulary size (the byte tokenizer has 256); padded per TP size at build time."""
+    n_layers: int = 4
+    """Transformer blocks."""
+    hidden_size: int = 128
+    """Model width."""
+    n_heads: int = 4
+    """Attention (query) heads."""
+    ffn_hidden_size: int = 512
+    """MLP inner width (4 * hidden in GPT-2)."""
+    max_seq_len: int = 128
+    """Context length (rows of the learned position embedding)."""
+    n_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention (None: as many as query heads)."""
+    activation: str = "gelu_tanh"
+    """MLP activation: gelu_tanh (GPT-2's ``gelu_new``) or gelu (exact)."""
+    layer_norm_eps: float = 1e-5
+    """LayerNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share the token embedding with the output head (only with pp=1)."""
+    init_std: float = 0.02
+    """Normal init std; residual output projections use init_std / sqrt(2 * n_layers)."""
+    name: str = "custom"
+    """Preset name (informational; checked when loading a checkpoint)."""
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "n_layers", "hidden_size", "n_heads", "ffn_hidden_size",
+                  "max_seq_len"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"GPTConfig.{f}={v!r}: it must be a positive integer")
+        if self.hidden_size % self.n_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
+                             f"n_heads={self.n_heads}: choose n_heads dividing it")
+        kv = self.kv_heads
+        if kv < 1 or self.n_heads % kv:
+            raise ValueError(f"n_kv_heads={self.n_kv_heads} does not divide "
+                             f"n_heads={self.n_heads}: choose a divisor of {self.n_heads}")
+        if self.activation not in ("gelu", "gelu_tanh"):
+            raise ValueError(f"activation={self.activation!r}: choose gelu or gelu_tanh")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.n_heads
+
+    @property
+    def n_pipeline_layers(self) -> int:
+        """Entries of the layer list: embedding, blocks, head."""
+        return self.n_layers + 2
+
+    def padded_vocab(self, tp: int) -> int:
+        m = 64 * tp
+        return (self.vocab_size + m - 1) // m * m
+
+    def num_params(self) -> int:
+        h, f, L, v = self.hidden_size, self.ffn_hidden_size, self.n_layers, self.vocab_size
+        qkv = h * (self.n_heads + 2 * self.kv_heads) * self.head_dim
+        block = qkv + (self.n_heads + 2 * self.kv_heads) * self.head_dim + h * h + h
+        block += 2 * h * f + f + h + 4 * h
+        head = 2 * h + (0 if self.tie_embeddings else v * h)
+        return v * h + self.max_seq_len * h + L * block + head
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 * params in matmuls + attention scores (12 L h s)."""
+        n_matmul = self.num_params() - self.max_seq_len * self.hidden_size
+        return 6.0 * n_matmul + 12.0 * self.n_layers * self.hidden_size * seq_len
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def presets() -> list[str]:
+        return list(PRESETS)
+
+    @staticmethod
+    def preset(name: str, **overrides) -> GPTConfig:
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}")
+        return replace(PRESETS[name], **overrides)
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(n_layers=4, hidden_size=128, n_heads=4, ffn_hidden_size=512,
+                      max_seq_len=128, name="tiny"),
+    "gpt2-small": GPTConfig(vocab_size=50257, n_layers=12, hidden_size=768, n_heads=12,
+                            ffn_hidden_size=3072, max_seq_len=1024, name="gpt2-small"),
+    "gpt2-medium": GPTConfig(vocab_size=50257, n_layers=24, hidden_size=1024, n_heads=16,
+                             ffn_hidden_size=4096, max_seq_len=1024, name="gpt2-medium"),
+    "gpt2-xl": GPTConfig(vocab_size=50257, n_layers=48, hidden_size=1600, n_heads=25,
+                         ffn_hidden_size=6400, max_seq_len=1024, name="gpt2-xl"),
+}
+
+
+def _layer_norm(cfg: GPTConfig, dims: ParallelDims, sp: bool, dtype) -> nn.Module:
+    """LayerNorm; under sequence parallelism, the one that all-reduces its grads over TP."""
+    if sp and dims.tp > 1:
+        from distllm.nn import ParallelLayerNorm
+
+        return ParallelLayerNorm(cfg.hidden_size, dims, eps=cfg.layer_norm_eps,
+                                 sequence_parallel=True).to(dtype)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
+
+
+class Embedding(nn.Module):
+    """Token embedding (vocab-parallel: all-reduce over TP in forward, none in backward) plus
+    learned positions; under sequence parallelism the output is this rank's sequence slice
+    (the all-reduce becomes a reduce-scatter)."""
+
+    def __init__(self, cfg: GPTConfig, dims: ParallelDims, *, sequence_parallel: bool = False,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        from distllm.nn import VocabParallelEmbedding
+
+        self.cfg, self.dims, self.sp = cfg, dims, sequence_parallel and dims.tp > 1
+        self.wte = VocabParallelEmbedding(cfg.padded_vocab(dims.tp), cfg.hidden_size, dims)
+        self.wte.to(dtype)
+        self.wpe = nn.Parameter(torch.zeros(cfg.max_seq_len, cfg.hidden_size, dtype=dtype))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        x = self.wte(tokens) + self.wpe[:s]  # (b, s, h) + (s, h)
+        if self.sp:
+            from distllm.parallel.tensor.tp_comm import scatter_to_sequence_parallel_region
+
+            x = scatter_to_sequence_parallel_region(x, self.dims.tp_group)  # (b, s/tp, h)
+        return x
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x)).
+
+    Collectives: one all-reduce (or reduce-scatter + all-gather with sequence parallelism)
+    in the attention's output projection and one in the MLP's, in forward; the same number
+    in backward, in the column-parallel input projections.
+    """
+
+    def __init__(self, cfg: GPTConfig, dims: ParallelDims, *, sequence_parallel: bool = False,
+                 overlap: str = "auto", checkpointing: str = "none",
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        from distllm.nn import ParallelAttention, ParallelMLP
+
+        sp = sequence_parallel and dims.tp > 1
+        self.checkpointing = checkpointing
+        self.ln_1 = _layer_norm(cfg, dims, sp, dtype)
+        self.attn = ParallelAttention(cfg.hidden_size, cfg.n_heads, dims,
+                                      n_kv_heads=cfg.n_kv_heads, bias=True,
+                                      sequence_parallel=sp, overlap=overlap).to(dtype)
+        self.ln_2 = _layer_norm(cfg, dims, sp, dtype)
+        self.mlp = ParallelMLP(cfg.hidden_size, cfg.ffn_hidden_size, dims,
+                               activation=cfg.activation, bias=True, sequence_parallel=sp,
+                               overlap=overlap).to(dtype)
+
+    def _attn(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(self.ln_1(x))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.ln_2(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointing == "none" or not torch.is_grad_enabled():
+            return self._mlp(self._attn(x))
+        from torch.utils.checkpoint import checkpoint
+
+        if self.checkpointing == "full":
+            return checkpoint(lambda t: self._mlp(self._attn(t)), x, use_reentrant=False)
+        # selective: recompute the attention half (its score matrix is the big activation)
+        x = checkpoint(self._attn, x, use_reentrant=False)
+        return self._mlp(x)
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the vocab-parallel output projection; returns this rank's logits
+    ``(b, s, V_pad/tp)`` (padded vocabulary entries masked to -inf). With sequence parallelism
+    the column-parallel projection all-gathers the sequence in forward (reduce-scatters its
+    gradient in backward); without it, it all-reduces the input gradient in backward."""
+
+    def __init__(self, cfg: GPTConfig, dims: ParallelDims, *, sequence_parallel: bool = False,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        from distllm.nn import ColumnParallelLinear
+
+        sp = sequence_parallel and dims.tp > 1
+        self.cfg, self.dims = cfg, dims
+        self.ln_f = _layer_norm(cfg, dims, sp, dtype)
+        vp = cfg.padded_vocab(dims.tp)
+        self.lm_head = ColumnParallelLinear(cfg.hidden_size, vp, dims, bias=False,
+                                            gather_output=False, sequence_parallel=sp).to(dtype)
+        per = vp // dims.tp
+        lo = dims.tp_rank * per
+        pad = (torch.arange(lo, lo + per) >= cfg.vocab_size)  # (V_pad/tp,)
+        self.register_buffer("pad_mask", pad, persistent=False)
+        self.has_pad = bool(pad.any())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.ln_f(x))  # (b, s, h) @ (h, V/tp) -> (b, s, V/tp)
+        if self.has_pad:
+            logits = logits.masked_fill(self.pad_mask, float("-inf"))
+        return logits
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """Mean token cross-entropy of vocab-parallel logits (all-reduces of max, sum-exp and the
+    target logit over TP in forward; none in backward)."""
+    from distllm.nn import vocab_parallel_cross_entropy
+
+    loss = vocab_parallel_cross_entropy(logits.float() if logits.dtype == torch.bfloat16
+                                        else logits, targets, dims)
+    return loss.mean() if loss.dim() else loss
+
+
+class GPT(nn.Module):
+    """The layers of a GPT that this rank holds, keyed by their global index.
+
+    ``layer_ids`` selects them (``None``: all, for pp=1). ``forward(tokens)`` runs the held
+    layers in order; :meth:`loss` applies the vocab-parallel cross-entropy. Weights are
+    initialised from ``seed`` layer by layer on the canonical (unsharded) shapes, so every
+    layout holds the same model.
+    """
+
+    def __init__(self, cfg: GPTConfig, dims: ParallelDims, *,
+                 layer_ids: Iterable[int] | None = None,
+                 sequence_parallel: bool = False, overlap: str = "auto",
+                 activation_checkpointing: str = "none", dtype: torch.dtype = torch.float32,
+                 seed: int | None = 0):
+        super().__init__()
+        if cfg.tie_embeddings and dims.pp > 1:
+            raise ValueError("tie_embeddings=True needs pp=1 (the embedding and the head live "
+                             "on different stages): untie them or use --pp 1")
+        self.cfg, self.dims, self.dtype = cfg, dims, dtype
+        self.sequence_parallel = sequence_parallel and dims.tp > 1
+        ids = list(range(cfg.n_pipeline_layers)) if layer_ids is None else list(layer_ids)
+        self.layer_ids = ids
+        kw = dict(sequence_parallel=sequence_parallel, dtype=dtype)
+        layers = {}
+        for i in ids:
+            if i == 0:
+                layers[str(i)] = Embedding(cfg, dims, **kw)
+            elif i == cfg.n_layers + 1:
+                layers[str(i)] = Head(cfg, dims, **kw)
+            else:
+                layers[str(i)] = Block(cfg, dims, overlap=overlap,
+                                       checkpointing=activation_checkpointing, **kw)
+        self.layers = nn.ModuleDict(layers)
+        if cfg.tie_embeddings and 0 in ids and cfg.n_layers + 1 in ids:
+            self.layers[str(cfg.n_layers + 1)].lm_head.weight = self.layers["0"].wte.weight
+        if seed is not None:
+            self.reset_parameters(seed)
+
+    def layer_list(self) -> list[nn.Module]:
+        return [self.layers[str(i)] for i in self.layer_ids]
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        from distllm.models.sharding import init_canonical, load_layer
+
+        for i in self.layer_ids:
+            load_layer(self, i, init_canonical(self.cfg, i, seed, self.dtype))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = tokens
+        for layer in self.layer_list():
+            x = layer(x)
+        return x
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return gpt_loss(logits, targets, self.dims)
+
+
+def residual_std(cfg: GPTConfig) -> float:
+    return cfg.init_std / math.sqrt(2 * cfg.n_layers)

@@ -1,0 +1,177 @@
+"""Canonical (unsharded) weights of the GPT layers, and their mapping to the TP shards.
+
+A layer's canonical weights are full tensors named like ``attn.qkv.weight`` (``nn.Linear``
+layout ``(out, in)``; QKV rows ordered ``[q heads; k heads; v heads]``; the vocabulary cut to
+its real size). :func:`load_layer` shards them into a layer's modules for this rank's TP
+position; :func:`gather_layer` collects them back (an all-gather over the TP group per
+sharded tensor). Checkpoints, initialisation and Hugging Face conversion use these two.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distllm.parallel.mesh import ParallelDims
+
+__all__ = ["canonical_shapes", "init_canonical", "load_layer", "gather_layer",
+           "layer_kind", "module_paths", "unshard"]
+
+# canonical name -> (path in the layer module, how it is split over TP)
+#   "col": rows split (column-parallel out features); "row": columns split; "rep": replicated;
+#   "vocab": rows split after padding the vocabulary; "qkv": heads split within q, k and v.
+_BLOCK = {
+    "ln_1.weight": ("ln_1.weight", "rep"), "ln_1.bias": ("ln_1.bias", "rep"),
+    "attn.qkv.weight": ("attn.qkv.weight", "qkv"), "attn.qkv.bias": ("attn.qkv.bias", "qkv"),
+    "attn.proj.weight": ("attn.proj.weight", "row"), "attn.proj.bias": ("attn.proj.bias", "rep"),
+    "ln_2.weight": ("ln_2.weight", "rep"), "ln_2.bias": ("ln_2.bias", "rep"),
+    "mlp.fc.weight": ("mlp.fc.weight", "col"), "mlp.fc.bias": ("mlp.fc.bias", "col"),
+    "mlp.proj.weight": ("mlp.proj.weight", "row"), "mlp.proj.bias": ("mlp.proj.bias", "rep"),
+}
+_EMBED = {"wte.weight": ("wte.weight", "vocab"), "wpe": ("wpe", "rep")}
+_HEAD = {"ln_f.weight": ("ln_f.weight", "rep"), "ln_f.bias": ("ln_f.bias", "rep"),
+         "lm_head.weight": ("lm_head.weight", "vocab")}
+
+
+def layer_kind(cfg, i: int) -> str:
+    return "embed" if i == 0 else "head" if i == cfg.n_layers + 1 else "block"
+
+
+def _table(cfg, i: int) -> dict[str, tuple[str, str]]:
+    kind = layer_kind(cfg, i)
+    if kind == "embed":
+        return _EMBED
+    if kind == "head":
+        return {k: v for k, v in _HEAD.items()
+                if not (cfg.tie_embeddings and k == "lm_head.weight")}
+    return _BLOCK
+
+
+def canonical_shapes(cfg, i: int) -> dict[str, tuple[int, ...]]:
+    """Full shapes of layer ``i``'s canonical tensors."""
+    h, f, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
+    qkv = (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim
+    shapes = {
+        "wte.weight": (v, h), "wpe": (cfg.max_seq_len, h), "lm_head.weight": (v, h),
+        "attn.qkv.weight": (qkv, h), "attn.qkv.bias": (qkv,), "attn.proj.weight": (h, h),
+        "mlp.fc.weight": (f, h), "mlp.fc.bias": (f,), "mlp.proj.weight": (h, f),
+    }
+    return {name: shapes.get(name, (h,)) for name in _table(cfg, i)}
+
+
+def init_canonical(cfg, i: int, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """GPT-2 initialisation of layer ``i``, from a generator seeded by ``(seed, i)``."""
+    import math
+
+    g = torch.Generator().manual_seed(seed * 100_003 + i)
+    resid = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    out = {}
+    for name, shape in canonical_shapes(cfg, i).items():
+        t = torch.empty(shape, dtype=torch.float64)
+        if name.startswith("ln") and name.endswith("weight"):
+            t.fill_(1.0)
+        elif name.endswith("bias"):
+            t.zero_()
+        else:
+            std = resid if name.endswith("proj.weight") else 0.01 if name == "wpe" else cfg.init_std
+            t.normal_(0.0, std, generator=g)
+        out[name] = t.to(dtype)
+    return out
+
+
+def _get(module: nn.Module, path: str) -> torch.Tensor:
+    obj = module
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _qkv_rows(cfg, tp: int, rank: int) -> torch.Tensor:
+    """Row indices of the canonical QKV tensor held by TP rank ``rank`` (q, k, v heads)."""
+    d, nq, nkv = cfg.head_dim, cfg.n_heads, cfg.kv_heads
+    q = torch.arange(rank * nq // tp * d, (rank + 1) * nq // tp * d)
+    kv_per = max(nkv // tp, 1)  # fewer KV heads than ranks: each rank keeps one copy
+    kv_lo = rank * nkv // tp * d
+    k = nq * d + torch.arange(kv_lo, kv_lo + kv_per * d)
+    v = k + nkv * d
+    return torch.cat([q, k, v])
+
+
+def _shard(cfg, dims: ParallelDims, kind: str, full: torch.Tensor) -> torch.Tensor:
+    tp, r = dims.tp, dims.tp_rank
+    if kind == "rep" or tp == 1 and kind != "vocab":
+        return full
+    if kind == "vocab":
+        vp = cfg.padded_vocab(tp)
+        padded = torch.zeros((vp, *full.shape[1:]), dtype=full.dtype)
+        padded[: full.shape[0]] = full
+        return padded.chunk(tp, 0)[r]
+    if kind == "col":
+        return full.chunk(tp, 0)[r]
+    if kind == "row":
+        return full.chunk(tp, 1)[r]
+    if kind == "qkv":
+        return full[_qkv_rows(cfg, tp, r)]
+    raise AssertionError(kind)
+
+
+@torch.no_grad()
+def load_layer(model, i: int, full: dict[str, torch.Tensor]) -> None:
+    """Copy canonical tensors ``full`` into layer ``i`` of ``model`` (this rank's TP shard)."""
+    layer = model.layers[str(i)]
+    cfg, dims = model.cfg, model.dims
+    for name, (path, kind) in _table(cfg, i).items():
+        if name not in full:
+            raise KeyError(f"layer {i}: canonical tensor {name!r} is missing")
+        dst = _get(layer, path)
+        src = _shard(cfg, dims, kind, full[name])
+        if tuple(src.shape) != tuple(dst.shape):
+            raise ValueError(f"layer {i} {name}: shard shape {tuple(src.shape)} does not fit "
+                             f"the module's {tuple(dst.shape)}")
+        dst.copy_(src)
+
+
+def _all_gather(t: torch.Tensor, dims: ParallelDims, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(dims.tp)]
+    dist.all_gather(parts, t.contiguous(), group=dims.tp_group)
+    return torch.cat(parts, dim)
+
+
+@torch.no_grad()
+def unshard(cfg, dims: ParallelDims, kind: str, local: torch.Tensor) -> torch.Tensor:
+    """Inverse of the TP split of one tensor (all-gather over TP when split)."""
+    if kind == "rep":
+        return local.detach().clone()
+    if kind == "vocab":
+        return _all_gather(local, dims, 0)[: cfg.vocab_size]
+    if dims.tp == 1:
+        return local.detach().clone()
+    if kind == "col":
+        return _all_gather(local, dims, 0)
+    if kind == "row":
+        return _all_gather(local, dims, 1)
+    if kind == "qkv":
+        gathered = _all_gather(local, dims, 0)
+        rows = torch.cat([_qkv_rows(cfg, dims.tp, r) for r in range(dims.tp)])
+        full = torch.empty((int(rows.max()) + 1, *local.shape[1:]), dtype=local.dtype)
+        full[rows] = gathered  # duplicated KV heads (kv < tp) write equal values
+        return full
+    raise AssertionError(kind)
+
+
+def gather_layer(model, i: int, tensors: dict[str, torch.Tensor] | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """Canonical full tensors of layer ``i`` (collective over TP). ``tensors`` maps a module
+    path to a local tensor of the same shape to gather instead (e.g. an optimizer state)."""
+    layer = model.layers[str(i)]
+    out = {}
+    for name, (path, kind) in _table(model.cfg, i).items():
+        local = _get(layer, path) if tensors is None else tensors[path]
+        out[name] = unshard(model.cfg, model.dims, kind, local)
+    return out
+
+
+def module_paths(cfg, i: int) -> dict[str, str]:
+    """canonical name -> parameter path inside layer ``i``."""
+    return {name: path for name, (path, _) in _table(cfg, i).items()}

@@ -1,0 +1,201 @@
+"""Sharded, atomic, layout-independent checkpoints with ``torch.distributed.checkpoint``.
+
+Format (``OUT/checkpoints/step_00000300/``):
+
+* DCP files holding, for every layer, its *canonical* tensors: full (TP-gathered, ZeRO-
+  gathered) weights under global names (``model.layers.3.attn.qkv.weight``) and the AdamW
+  moments of each (``optim.layers.3.attn.qkv.weight.exp_avg`` / ``.exp_avg_sq``). Each
+  pipeline stage writes its own layers, with the global layer index in the name; DP and TP
+  replicas of a tensor are written once (DCP deduplicates replicated tensors). Because the
+  names and shapes do not depend on the layout, a checkpoint saved at one layout loads at any
+  other (tp2.pp2.dp1 -> tp1.pp1.dp4 -> tp4, ZeRO stage changes included): each rank asks DCP
+  for its own layers' full tensors and shards them itself. This is the "TP-gathered full
+  tensors per stage" form, chosen for simplicity; it costs a TP all-gather per tensor at save.
+* ``meta.json``: the model config, step, layout, data-loader position and optimizer step.
+* ``rng/rank{r}.pt``: each rank's RNG states, restored only at the same layout
+  (``torch.load(weights_only=True)``; nothing else is unpickled).
+
+A save writes ``.tmp-step_N`` and renames it once every rank has finished, so a crash during
+a save leaves the previous checkpoint whole; ``load_latest`` takes the newest complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from distllm.models.sharding import canonical_shapes, gather_layer, load_layer, module_paths
+
+__all__ = ["save", "load_latest", "latest", "check_compatible", "FORMAT"]
+
+FORMAT = "distllm-gpt-ckpt-1"
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _ckpt_root(out: str | os.PathLike) -> Path:
+    return Path(out) / "checkpoints"
+
+
+def latest(out: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``out`` (one with its ``meta.json``), or None."""
+    root = _ckpt_root(out)
+    if not root.is_dir():
+        return None
+    done = sorted(d for d in root.iterdir()
+                  if d.is_dir() and d.name.startswith("step_") and (d / "meta.json").is_file())
+    return done[-1] if done else None
+
+
+def _model_key(cfg) -> dict:
+    d = cfg.to_dict()
+    d.pop("name", None)
+    d.pop("init_std", None)
+    return d
+
+
+def check_compatible(out: str | os.PathLike, mcfg) -> Path:
+    """Raise a one-line error when ``out`` has no complete checkpoint or one of another
+    model; return the checkpoint's path otherwise."""
+    path = latest(out)
+    if path is None:
+        raise FileNotFoundError(f"--resume: no complete checkpoint under {_ckpt_root(out)}; "
+                                f"drop --resume to start afresh")
+    meta = json.loads((path / "meta.json").read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a distllm GPT checkpoint (format "
+                         f"{meta.get('format')!r}); pass another --out")
+    theirs, ours = meta["model"], _model_key(mcfg)
+    if theirs != ours:
+        diff = {k: (theirs.get(k), ours.get(k)) for k in ours if theirs.get(k) != ours.get(k)}
+        raise ValueError(
+            f"{path} holds a different model ({meta.get('model_name')!r}; differing "
+            + ", ".join(f"{k}: checkpoint {a} vs run {b}" for k, (a, b) in diff.items())
+            + "): pass the checkpoint's --model, or another --out")
+    return path
+
+
+def _layer_states(engine, chunk, i: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Per parameter path of layer ``i``: its AdamW moments (this rank's TP shard, full over
+    DP). Empty before the first step."""
+    from distllm.train.optim_state import param_moments
+
+    layer = chunk.layers[str(i)]
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for path in module_paths(chunk.cfg, i).values():
+        param = layer.get_parameter(path)
+        out[path] = param_moments(engine, param)
+    return out
+
+
+def _canonical(engine) -> tuple[dict[str, torch.Tensor], int]:
+    """This rank's canonical tensors (collective over TP and, for ZeRO, DP)."""
+    from distllm.train.optim_state import optimizer_step, sync_params
+
+    sync_params(engine)
+    state: dict[str, torch.Tensor] = {}
+    for chunk in engine.chunks:
+        for i in chunk.layer_ids:
+            for name, t in gather_layer(chunk, i).items():
+                state[f"model.layers.{i}.{name}"] = t
+            moments = _layer_states(engine, chunk, i)
+            for key in _MOMENTS:
+                if not all(key in m for m in moments.values()):
+                    continue
+                tensors = {path: m[key] for path, m in moments.items()}
+                for name, t in gather_layer(chunk, i, tensors).items():
+                    state[f"optim.layers.{i}.{name}.{key}"] = t
+    return state, optimizer_step(engine)
+
+
+def save(out: str | os.PathLike, engine, loader, *, step: int) -> Path:
+    """Save a checkpoint of ``engine`` and ``loader`` at ``step`` (collective, every rank)."""
+    dims = engine.dims
+    root = _ckpt_root(out)
+    final, tmp = root / f"step_{step:08d}", root / f".tmp-step_{step:08d}"
+    if dims.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "rng").mkdir(parents=True)
+    dist.barrier()
+    state, opt_step = _canonical(engine)
+    dcp.save(state, checkpoint_id=str(tmp))
+    torch.save({"cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+               tmp / "rng" / f"rank{dims.rank}.pt")
+    dist.barrier()
+    if dims.rank == 0:
+        p = engine.cfg.parallel
+        meta = {"format": FORMAT, "step": step, "model": _model_key(engine.mcfg),
+                "model_name": engine.mcfg.name, "optimizer_step": opt_step,
+                "layout": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "zero": p.zero,
+                           "v": engine.v, "world": dims.world_size},
+                "data": loader.state_dict(), "dtype": engine.cfg.dtype}
+        with open(tmp / "meta.json", "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    dist.barrier()
+    return final
+
+
+def _empty_targets(engine, with_optim: bool) -> dict[str, torch.Tensor]:
+    state = {}
+    for chunk in engine.chunks:
+        for i in chunk.layer_ids:
+            for name, shape in canonical_shapes(chunk.cfg, i).items():
+                state[f"model.layers.{i}.{name}"] = torch.empty(shape, dtype=engine.dtype)
+                if with_optim:
+                    for key in _MOMENTS:
+                        state[f"optim.layers.{i}.{name}.{key}"] = torch.empty(
+                            shape, dtype=torch.float32 if engine.dtype == torch.bfloat16
+                            else engine.dtype)
+    return state
+
+
+def load_latest(out: str | os.PathLike, engine, loader) -> int:
+    """Load the newest complete checkpoint under ``out`` into ``engine`` and ``loader`` at
+    this run's layout; returns its step."""
+    from distllm.train.optim_state import set_moments
+
+    path = check_compatible(out, engine.mcfg)
+    meta = json.loads((path / "meta.json").read_text())
+    with_optim = meta["optimizer_step"] > 0
+    state = _empty_targets(engine, with_optim)
+    dcp.load(state, checkpoint_id=str(path))
+    for chunk in engine.chunks:
+        for i in chunk.layer_ids:
+            pre = f"model.layers.{i}."
+            load_layer(chunk, i, {k[len(pre):]: v for k, v in state.items()
+                                  if k.startswith(pre)})
+    if with_optim:
+        moments = {}
+        for chunk in engine.chunks:
+            for i in chunk.layer_ids:
+                for name, path_in_layer in module_paths(chunk.cfg, i).items():
+                    param = chunk.layers[str(i)].get_parameter(path_in_layer)
+                    moments[param] = (chunk, i, name, {
+                        key: state[f"optim.layers.{i}.{name}.{key}"] for key in _MOMENTS})
+        set_moments(engine, moments, meta["optimizer_step"])
+    loader.load_state_dict(meta["data"])
+    _load_rng(path, engine, meta)
+    dist.barrier()
+    return int(meta["step"])
+
+
+def _load_rng(path: Path, engine, meta: dict) -> None:
+    d = engine.dims
+    lay = meta["layout"]
+    same = (lay["tp"], lay["pp"], lay["dp"], lay["world"]) == (d.tp, d.pp, d.dp, d.world_size)
+    f = path / "rng" / f"rank{d.rank}.pt"
+    if same and f.is_file():
+        rng = torch.load(f, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if torch.cuda.is_available() and rng["cuda"]:
+            torch.cuda.set_rng_state_all(rng["cuda"])

@@ -1,0 +1,203 @@
+"""Assembly of one rank's share of the training job: its GPT layers (TP inside), the pipeline
+executor (PP), the data-parallel wrapper or ZeRO optimizer (DP), and AdamW.
+
+``Engine.train_step(tokens, targets)`` runs the forward and backward of one global batch's
+share of this rank (all micro-batches) and leaves DP-synchronised gradients;
+``Engine.step(lr, max_norm)`` clips by the global norm (over TP, PP and DP) and steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distllm.models.gpt import GPT, GPTConfig
+from distllm.parallel.mesh import ParallelDims
+from distllm.train.config import TrainConfig
+
+__all__ = ["Engine", "DTYPE", "stage_layer_ids"]
+
+DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def stage_layer_ids(n_layers: int, pp: int, v: int, pp_rank: int) -> list[list[int]]:
+    """Global layer indices of each model chunk held by ``pp_rank`` (chunk ``c`` of the
+    ``pp * v`` chunks goes to rank ``c % pp``), split as evenly as possible, earlier chunks
+    taking the remainder."""
+    n_chunks = pp * v
+    base, extra = divmod(n_layers, n_chunks)
+    bounds, lo = [], 0
+    for c in range(n_chunks):
+        hi = lo + base + (1 if c < extra else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return [list(range(*bounds[c])) for c in range(pp_rank, n_chunks, pp)]
+
+
+def _decay_groups(params: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    """AdamW groups: decay on matrices, none on biases, norms and position embeddings."""
+    decay = [p for n, p in params if p.dim() >= 2 and not n.endswith("wpe")]
+    no_decay = [p for n, p in params if not (p.dim() >= 2 and not n.endswith("wpe"))]
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+class _MasterAdamW:
+    """AdamW on fp32 master copies of low-precision parameters (bf16 with ZeRO 0)."""
+
+    def __init__(self, groups: list[dict], **kw):
+        self.model_params = [p for g in groups for p in g["params"]]
+        self.master = {p: p.detach().float().clone() for p in self.model_params}
+        self.optimizer = torch.optim.AdamW(
+            [{**g, "params": [self.master[p] for p in g["params"]]} for g in groups], **kw)
+        self.param_groups = self.optimizer.param_groups
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p in self.model_params:
+            self.master[p].grad = None if p.grad is None else p.grad.float()
+        self.optimizer.step()
+        for p in self.model_params:
+            p.copy_(self.master[p])
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+class Engine:
+    """One rank's model chunks, pipeline, DP wrapper and optimizer."""
+
+    def __init__(self, cfg: TrainConfig, mcfg: GPTConfig, dims: ParallelDims):
+        self.cfg, self.mcfg, self.dims = cfg, mcfg, dims
+        self.dtype = DTYPE[cfg.dtype]
+        p = cfg.parallel
+        self.v = p.chunks_per_rank
+        self.chunk_ids = stage_layer_ids(mcfg.n_pipeline_layers, dims.pp, self.v, dims.pp_rank)
+        kw = dict(sequence_parallel=p.sequence_parallel, overlap=p.overlap,
+                  activation_checkpointing=cfg.activation_checkpointing, dtype=self.dtype,
+                  seed=cfg.seed)
+        # one GPT per model chunk (v > 1 only for the interleaved schedule)
+        self.chunks = [GPT(mcfg, dims, layer_ids=ids, **kw) for ids in self.chunk_ids]
+        self._build_dp_and_optimizer()
+        self.pipeline = self._build_pipeline() if dims.pp > 1 else None
+
+    # --- data parallel + optimizer -----------------------------------------------------
+    def _named_params(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for c in self.chunks for n, p in c.named_parameters()]
+
+    def _build_dp_and_optimizer(self) -> None:
+        o, p = self.cfg.optim, self.cfg.parallel
+        adam = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        groups = _decay_groups(self._named_params(), o.weight_decay)
+        self.module = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
+        if p.zero == 0:
+            from distllm.parallel.data.ddp import DistributedDataParallel
+
+            self.ddp = DistributedDataParallel(
+                self.module, dims=self.dims, bucket_cap_mb=p.bucket_cap_mb,
+                finish_on_backward_end=self.dims.pp == 1)
+            self.grad_sync = self.ddp
+            if self.dtype == torch.bfloat16:
+                self.optimizer = _MasterAdamW(groups, **adam)
+            else:
+                self.optimizer = torch.optim.AdamW(groups, foreach=False, **adam)
+            self.zero = None
+        else:
+            from distllm.parallel.data.zero import ZeroOptimizer
+
+            self.ddp = None
+            self.zero = ZeroOptimizer(self.module, torch.optim.AdamW, stage=p.zero,
+                                      dims=self.dims, bucket_cap_mb=p.bucket_cap_mb,
+                                      param_groups=groups, foreach=False, **adam)
+            self.grad_sync = self.zero
+            self.optimizer = self.zero
+
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.param_groups():
+            g["lr"] = lr
+
+    # --- pipeline ------------------------------------------------------------------------
+    def _build_pipeline(self):
+        from distllm.train.pipeline_adapter import build_pipeline
+
+        return build_pipeline(self)
+
+    # --- one step ------------------------------------------------------------------------
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """Forward + backward of this rank's rows of the global batch; returns the mean loss
+        over them on the last stage (0.0 elsewhere)."""
+        if self.pipeline is not None:
+            return float(self.pipeline.train_step(tokens, targets))
+        m = self.cfg.parallel.micro_batches
+        model = self.chunks[0]
+        total = 0.0
+        for k, (tok, tgt) in enumerate(zip(tokens.chunk(m), targets.chunk(m), strict=True)):
+            ctx = self.grad_sync.no_sync() if k < m - 1 else contextlib.nullcontext()
+            with ctx:
+                loss = model.loss(self._forward(model, tok), tgt)
+                (loss / m).backward()
+            total += float(loss.detach())
+        self.grad_sync.finish_grad_sync()
+        return total / m
+
+    def _forward(self, model: GPT, tok: torch.Tensor) -> torch.Tensor:
+        return self.ddp(tok) if self.ddp is not None else model(tok)
+
+    def step(self, max_norm: float) -> float:
+        """Clip by the global gradient norm, step AdamW, zero the gradients; returns the
+        norm before clipping."""
+        if self.zero is not None:
+            norm = self.zero.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"))
+        else:
+            norm = self.ddp.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"))
+        self.optimizer.step()
+        if self.zero is not None:
+            self.zero.zero_grad()
+        else:
+            self.ddp.zero_grad()
+            self.module.zero_grad(set_to_none=False)
+        return float(norm)
+
+    # --- evaluation ----------------------------------------------------------------------
+    @torch.no_grad()
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """Mean loss of this DP rank's rows, forward only (chunks run in pipeline order with
+        blocking send/recv between stages); the value is returned on the last stage."""
+        d = self.dims
+        n_chunks = d.pp * self.v
+        x = tokens
+        loss = 0.0
+        for c in range(n_chunks):
+            owner = c % d.pp
+            if owner != d.pp_rank:
+                continue
+            chunk = self.chunks[c // d.pp]
+            if c > 0 and d.pp > 1:
+                x = self._recv_act(tokens, d.prev_pp_rank if d.pp_rank > 0 else
+                                   d.rank + (d.pp - 1) * d.dp * d.tp)
+            x = chunk(x)
+            if c < n_chunks - 1 and d.pp > 1:
+                nxt = d.next_pp_rank if d.pp_rank < d.pp - 1 else d.rank - (d.pp - 1) * d.dp * d.tp
+                dist.send(x.contiguous(), nxt)
+            else:
+                loss = float(chunk.loss(x, targets))
+        return loss
+
+    def _recv_act(self, tokens: torch.Tensor, src: int) -> torch.Tensor:
+        s = tokens.shape[1] // (self.dims.tp if self.chunks[0].sequence_parallel else 1)
+        buf = torch.empty(tokens.shape[0], s, self.mcfg.hidden_size, dtype=self.dtype)
+        dist.recv(buf, src)
+        return buf
+
+    def train(self, mode: bool = True) -> None:
+        for c in self.chunks:
+            c.train(mode)

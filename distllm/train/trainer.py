@@ -1,0 +1,200 @@
+"""The training loop: data, the assembled engine, the learning-rate schedule, metrics,
+progress, checkpoints and the validation loss.
+
+Every rank runs :func:`train`; rank 0 shows the progress bar and writes
+``out/metrics.jsonl`` (one JSON object per step: ``step``, ``loss``, ``tokens_per_s``, ``lr``,
+``grad_norm``, ``step_time_s``, ``mfu``, ``tokens``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from distllm.models.gpt import GPTConfig
+from distllm.parallel.mesh import ParallelDims
+from distllm.train.config import TrainConfig, check_layout
+from distllm.train.data import BatchLoader, load_corpus
+
+__all__ = ["train", "lr_at", "TrainResult", "peak_flops"]
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to ``lr`` then cosine decay to ``lr * min_lr_ratio`` at the last step."""
+    o = cfg.optim
+    warm = max(1, round(0.05 * cfg.steps)) if o.warmup_steps == -1 else o.warmup_steps
+    if step < warm:
+        return o.lr * (step + 1) / warm
+    frac = (step - warm) / max(1, cfg.steps - 1 - warm)
+    lo = o.lr * o.min_lr_ratio
+    return lo + 0.5 * (o.lr - lo) * (1 + math.cos(math.pi * min(1.0, frac)))
+
+
+def peak_flops(dtype: torch.dtype, device: torch.device) -> tuple[float, str]:
+    """Peak FLOP/s of one rank's device for MFU: the datasheet's dense figure on known GPUs,
+    else a measured GEMM rate (a CPU's practical peak); returns ``(flops, how)``."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        table = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16, datasheets
+        for key, val in table.items():
+            if key in name:
+                return (val if dtype != torch.float32 else val / 2), f"{name} datasheet"
+    n = 256
+    a = torch.randn(n, n, dtype=dtype if dtype != torch.bfloat16 else torch.float32)
+    a @ a
+    t0 = time.perf_counter()
+    reps = 4
+    for _ in range(reps):
+        a @ a
+    dt = (time.perf_counter() - t0) / reps
+    return 2 * n**3 / max(dt, 1e-9), f"measured {n}^3 GEMM"
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    val_loss: float | None = None
+    baseline: float = 0.0
+    steps_done: int = 0
+
+
+class _Progress:
+    """Rank 0's progress bar (rich): step, loss, tokens/s, MFU and ETA."""
+
+    def __init__(self, total: int, start: int, enabled: bool):
+        self.bar = None
+        if not enabled:
+            return
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
+
+        self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
+                            transient=False, refresh_per_second=4)
+        self.bar.start()
+        self.task = self.bar.add_task("train", total=total, completed=start, info="")
+
+    def update(self, info: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, info=info)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _global_loss(loss: float, dims: ParallelDims) -> float:
+    """The step's loss on every rank: the last stage's TP-rank-0 values averaged over DP."""
+    mine = loss if (dims.is_last_stage and dims.tp_rank == 0) else 0.0
+    t = torch.tensor([mine], dtype=torch.float64)
+    if dims.world_size > 1:
+        dist.all_reduce(t)
+    return float(t) / dims.dp
+
+
+def _log(msg: str, dims: ParallelDims) -> None:
+    if dims.rank == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _validate(engine, corpus, cfg: TrainConfig, seq: int, dims: ParallelDims) -> float | None:
+    if cfg.eval_batches == 0:
+        return None
+    n_windows = (len(corpus.val) - 1) // seq
+    batch = min(cfg.global_batch, (n_windows // dims.dp) * dims.dp)
+    if batch < dims.dp:
+        return None
+    loader = BatchLoader(corpus.val, seq_len=seq, global_batch=batch, dp=dims.dp,
+                         dp_rank=dims.dp_rank, seed=cfg.seed, shuffle=False)
+    n = min(cfg.eval_batches, n_windows // batch)
+    engine.train(False)
+    total = 0.0
+    for _ in range(n):
+        tok, tgt = loader.next()
+        total += _global_loss(engine.eval_loss(tok, tgt), dims)
+    engine.train(True)
+    return total / max(n, 1)
+
+
+def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> TrainResult:
+    """Run ``cfg`` on the current ``torch.distributed`` world (started from torchrun's
+    environment, or a 1-rank world, when ``dims`` is not given)."""
+    from distllm.train import checkpoint
+    from distllm.train.engine import Engine
+
+    p = cfg.parallel
+    if dims is None:
+        dims = ParallelDims(tp=p.tp, pp=p.pp, dp=p.dp, timeout_s=p.timeout_s)
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
+    mcfg = GPTConfig.preset(cfg.model)
+    seq = cfg.seq_len or mcfg.max_seq_len
+    check_layout(cfg, dims.world_size, n_layers=mcfg.n_layers, n_heads=mcfg.n_heads,
+                 hidden=mcfg.hidden_size, seq_len=seq)
+    corpus = load_corpus(cfg.data)
+    loader = BatchLoader(corpus.train, seq_len=seq, global_batch=cfg.global_batch, dp=dims.dp,
+                         dp_rank=dims.dp_rank, seed=cfg.seed)
+    engine = Engine(cfg, mcfg, dims)
+    result = TrainResult(baseline=math.log(mcfg.vocab_size))
+    start = 0
+    if cfg.resume:
+        start = checkpoint.load_latest(cfg.out, engine, loader)
+        _log(f"resumed from step {start} ({cfg.out})", dims)
+    if dims.rank == 0:
+        os.makedirs(cfg.out, exist_ok=True)
+        _log(f"distllm train: {cfg.model} ({mcfg.num_params() / 1e6:.2f}M params), "
+             f"{p.layout()} schedule={p.schedule if dims.pp > 1 else '-'} "
+             f"micro_batches={p.micro_batches} dtype={cfg.dtype} world={dims.world_size}, "
+             f"data={corpus.source} ({len(corpus.train) / 1e6:.1f}M train tokens)", dims)
+    metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a") if dims.rank == 0 else None
+    peak, _ = peak_flops(engine.dtype, dims.device)
+    fpt = mcfg.flops_per_token(seq)
+    tokens_per_step = cfg.global_batch * seq
+    bar = _Progress(cfg.steps, start, cfg.progress and dims.rank == 0)
+    try:
+        for step in range(start, cfg.steps):
+            lr = lr_at(step, cfg)
+            engine.set_lr(lr)
+            tok, tgt = loader.next()
+            t0 = time.perf_counter()
+            local = engine.train_step(tok, tgt)
+            norm = engine.step(cfg.optim.grad_clip)
+            loss = _global_loss(local, dims)
+            dt = time.perf_counter() - t0
+            result.losses.append(loss)
+            tps = tokens_per_step / dt
+            mfu = fpt * tps / (peak * dims.world_size)
+            if metrics is not None:
+                metrics.write(json.dumps({
+                    "step": step + 1, "loss": loss, "tokens_per_s": tps, "lr": lr,
+                    "grad_norm": norm, "step_time_s": dt, "mfu": mfu,
+                    "tokens": (step + 1) * tokens_per_step}) + "\n")
+                metrics.flush()
+            bar.update(f"loss {loss:.4f} | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}%")
+            done = step + 1
+            if cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
+                checkpoint.save(cfg.out, engine, loader, step=done)
+        result.steps_done = cfg.steps
+    finally:
+        bar.close()
+        if metrics is not None:
+            metrics.close()
+    if cfg.save_final and start < cfg.steps:
+        checkpoint.save(cfg.out, engine, loader, step=cfg.steps)
+    result.val_loss = _validate(engine, corpus, cfg, seq, dims)
+    if result.val_loss is not None:
+        _log(f"validation loss {result.val_loss:.4f} (uniform baseline ln({mcfg.vocab_size}) = "
+             f"{result.baseline:.4f}) after {cfg.steps} steps", dims)
+    return result
