@@ -1,0 +1,257 @@
+"""Triton kernels of linear + bias + GeLU, forward and backward.
+
+Math (u is the pre-activation, u = x @ W^T + b):
+
+- exact (``approximate="none"``): gelu(u) = u * Phi(u), Phi(u) = (1 + erf(u / sqrt 2)) / 2,
+  gelu'(u) = Phi(u) + u * phi(u), phi(u) = exp(-u^2 / 2) / sqrt(2 pi);
+- tanh: gelu(u) = u/2 * (1 + t), t = tanh(k0 (u + k1 u^3)), k0 = sqrt(2/pi), k1 = 0.044715,
+  gelu'(u) = (1 + t)/2 + u/2 (1 - t^2) k0 (1 + 3 k1 u^2).
+
+Forward (``_fwd_kernel``): a tiled GEMM y(M, N) = gelu(x(M, K) @ W(N, K)^T + b), one program
+per (BLOCK_M, BLOCK_N) output tile, tiles visited in GROUP_M-row super-groups so that
+consecutive programs share W tiles in L2. The fp32 accumulator gets the bias and the GeLU in
+the epilogue; the pre-activation u is stored next to y when the backward will need it
+(recomputing it would cost a second GEMM, storing it costs one extra write of M*N elements).
+
+Backward (``_bwd_kernel``): one pass over (M, N) that reads the incoming gradient g and u,
+writes gu = g * gelu'(u) (the operand of both backward GEMMs) and, in the same pass, the
+partial column sums of gu that give the bias gradient (one fp32 row per BLOCK_M row-block,
+summed afterwards; no atomics, so the result is deterministic). The two GEMMs
+dx = gu @ W and dW = gu^T @ x then run on the vendor BLAS: fusing the GeLU derivative
+into their operand loads instead would recompute it (erf, exp) once per output tile column
+of each GEMM, i.e. K / BLOCK_K times per element, and read two operands instead of one.
+
+Under ``TRITON_INTERPRET=1`` the kernels run on CPU (slowly) with one small fixed
+configuration; on a GPU they are autotuned over configurations for Ampere and Hopper.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+_SQRT1_2 = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+_K0 = 0.7978845608028654
+_K1 = 0.044715
+
+
+@triton.jit
+def _tanh(z):
+    # tanh(z) = 1 - 2 / (exp(2z) + 1); saturates correctly for large |z| in fp32.
+    z = tl.minimum(tl.maximum(z, -20.0), 20.0)  # tanh(20) == 1 in fp32; avoids exp overflow
+    return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+
+
+@triton.jit
+def _gelu(u, APPROX_TANH: tl.constexpr):
+    if APPROX_TANH:
+        t = _tanh(_K0 * (u + _K1 * u * u * u))
+        out = 0.5 * u * (1.0 + t)
+    else:
+        out = 0.5 * u * (1.0 + tl.math.erf(u * _SQRT1_2))
+    return out
+
+
+@triton.jit
+def _gelu_grad(u, APPROX_TANH: tl.constexpr):
+    if APPROX_TANH:
+        t = _tanh(_K0 * (u + _K1 * u * u * u))
+        d = 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * _K0 * (1.0 + 3.0 * _K1 * u * u)
+    else:
+        cdf = 0.5 * (1.0 + tl.math.erf(u * _SQRT1_2))
+        d = cdf + u * tl.exp(-0.5 * u * u) * _INV_SQRT_2PI
+    return d
+
+
+@triton.jit
+def _fwd_kernel(
+    x_ptr,  # (M, K) input rows, any strides
+    w_ptr,  # (N, K) weight, nn.Linear layout, any strides
+    b_ptr,  # (N,) bias, contiguous; unused when HAS_BIAS is false
+    y_ptr,  # (M, N) output gelu(u)
+    u_ptr,  # (M, N) pre-activation u, same strides as y; unused when SAVE_PRE is false
+    M, N, K,
+    stride_xm, stride_xk,  # element strides of x along M and K
+    stride_wn, stride_wk,  # element strides of W along N and K
+    stride_ym, stride_yn,  # element strides of y (and u) along M and N
+    HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr, APPROX_TANH: tl.constexpr,
+    ALLOW_TF32: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped ordering: GROUP_M row-tiles share each W column-tile while it sits in L2.
+    width = GROUP_M * grid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    x_tile = x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk  # (BM, BK)
+    w_tile = w_ptr + rk[:, None] * stride_wk + rn[None, :] * stride_wn  # (BK, BN) = W^T tile
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + rk) < K
+        a = tl.load(x_tile, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
+        b = tl.load(w_tile, mask=k_ok[:, None] & (rn[None, :] < N), other=0.0)
+        if DOT_FP32:  # the interpreter's bf16 dot is wrong; bf16 x bf16 is exact in fp32
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, allow_tf32=ALLOW_TF32)  # (BM, BK) @ (BK, BN)
+        x_tile += BLOCK_K * stride_xk
+        w_tile += BLOCK_K * stride_wk
+
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    out_mask = (rm[:, None] < M) & (rn[None, :] < N)
+    offs = rm[:, None] * stride_ym + rn[None, :] * stride_yn
+    if SAVE_PRE:
+        tl.store(u_ptr + offs, acc.to(u_ptr.dtype.element_ty), mask=out_mask)
+    y = _gelu(acc, APPROX_TANH)
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _bwd_kernel(
+    g_ptr,   # (M, N) incoming gradient dL/dy, contiguous
+    u_ptr,   # (M, N) pre-activation saved by the forward, contiguous
+    gu_ptr,  # (M, N) output dL/du = g * gelu'(u), contiguous
+    db_ptr,  # (cdiv(M, BLOCK_M), N) fp32 partial bias gradients; unused unless HAS_BIAS
+    M, N,
+    HAS_BIAS: tl.constexpr, APPROX_TANH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    offs = rm[:, None] * N + rn[None, :]
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    gu = g * _gelu_grad(u, APPROX_TANH)  # masked lanes: g = 0 -> gu = 0
+    tl.store(gu_ptr + offs, gu.to(gu_ptr.dtype.element_ty), mask=mask)
+    if HAS_BIAS:
+        # db[n] = sum_m gu[m, n]; the rounded gu is summed, as the GEMMs see it.
+        part = tl.sum(gu.to(gu_ptr.dtype.element_ty).to(tl.float32), axis=0)  # (BLOCK_N,)
+        tl.store(db_ptr + pid_m * N + rn, part, mask=rn < N)
+
+
+def _fwd_configs() -> list[triton.Config]:
+    """Tile shapes for Ampere (sm80) and Hopper (sm90); the tuner keeps the fastest per shape."""
+    shapes = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+        (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4),
+        (128, 128, 32, 4, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4),
+        (64, 256, 32, 4, 4), (64, 64, 32, 4, 4), (32, 64, 32, 4, 5),
+    ]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
+                          num_warps=w, num_stages=s) for bm, bn, bk, w, s in shapes]
+
+
+if _INTERPRET:
+    _fwd = _fwd_kernel
+    _FWD_META = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
+else:  # pragma: no cover - needs a GPU
+    _fwd = triton.autotune(configs=_fwd_configs(), key=["M", "N", "K", "HAS_BIAS", "SAVE_PRE"])(
+        _fwd_kernel)
+    _FWD_META = {}
+
+_BWD_META = {"BLOCK_M": 16, "BLOCK_N": 64} if _INTERPRET else {"BLOCK_M": 32, "BLOCK_N": 128}
+
+
+def interpreting() -> bool:
+    """Whether Triton runs through its CPU interpreter in this process."""
+    return _INTERPRET
+
+
+def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    approximate: str, save_pre: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """y = gelu(x @ weight^T + bias) for 2-D ``x`` (M, K) and ``weight`` (N, K).
+
+    Returns ``(y, u)`` with ``u`` the pre-activation when ``save_pre`` else an empty tensor.
+    """
+    M, K = x.shape
+    N = weight.shape[0]
+    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    u = torch.empty((M, N) if save_pre else (0,), device=x.device, dtype=x.dtype)
+    if M == 0 or N == 0:
+        return y, u
+    if K == 0:  # the GEMM is empty: u = bias (or 0)
+        pre = (bias if bias is not None else y.new_zeros(N)).expand(M, N)
+        y.copy_(torch.nn.functional.gelu(pre.float(), approximate=approximate))
+        if save_pre:
+            u.copy_(pre)
+        return y, u
+    bias_arg = bias if bias is not None else y  # never read when HAS_BIAS is false
+    u_arg = u if save_pre else y  # never written when SAVE_PRE is false
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    _fwd[grid](
+        x, weight, bias_arg, y, u_arg, M, N, K,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
+        HAS_BIAS=bias is not None, SAVE_PRE=save_pre, APPROX_TANH=approximate == "tanh",
+        ALLOW_TF32=bool(torch.backends.cuda.matmul.allow_tf32) and not _INTERPRET,
+        DOT_FP32=_INTERPRET and x.dtype == torch.bfloat16,
+        **_FWD_META,
+    )
+    return y, u
+
+
+def gelu_bwd_pass(grad: torch.Tensor, pre: torch.Tensor, has_bias: bool,
+                  approximate: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One pass over (M, N): ``gu = grad * gelu'(pre)`` and, if ``has_bias``, ``gu.sum(0)``."""
+    grad = grad.contiguous()
+    pre = pre.contiguous()
+    M, N = pre.shape
+    gu = torch.empty_like(pre)
+    bm, bn = _BWD_META["BLOCK_M"], _BWD_META["BLOCK_N"]
+    parts = torch.empty((triton.cdiv(M, bm), N) if has_bias else (1,), device=pre.device,
+                        dtype=torch.float32)
+    if M == 0 or N == 0:
+        return gu, (torch.zeros(N, device=pre.device, dtype=pre.dtype) if has_bias else None)
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+    _bwd_kernel[grid](grad, pre, gu, parts, M, N, HAS_BIAS=has_bias,
+                      APPROX_TANH=approximate == "tanh", BLOCK_M=bm, BLOCK_N=bn)
+    db = parts.sum(0).to(pre.dtype) if has_bias else None
+    return gu, db
+
+
+def linear_gelu_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, pre: torch.Tensor,
+                    has_bias: bool, approximate: str):
+    """(dx, dW, db) of y = gelu(x W^T + b): the fused pass, then the two GEMMs."""
+    gu, db = gelu_bwd_pass(grad, pre, has_bias, approximate)
+    dx = gu @ weight  # (M, N) @ (N, K)
+    dw = gu.t() @ x   # (N, M) @ (M, K)
+    return dx, dw, db
+
+
+class LinearGeLUFunction(torch.autograd.Function):
+    """Autograd wrapper of the two kernels for 2-D ``x``; the ops module wraps it for N-D."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, approximate: str):
+        y, pre = linear_gelu_fwd(x, weight, bias, approximate, save_pre=True)
+        ctx.save_for_backward(x, weight, pre)
+        ctx.has_bias = bias is not None
+        ctx.approximate = approximate
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, pre = ctx.saved_tensors
+        dx, dw, db = linear_gelu_bwd(grad, x, weight, pre, ctx.has_bias, ctx.approximate)
+        return dx, dw, db, None
