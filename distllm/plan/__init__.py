@@ -1,1 +1,30 @@
-"""plan"""
+"""The planner: a cost model (memory, FLOPs, alpha-beta communication, pipeline bubble) and a
+search over TP x PP x DP x ZeRO x micro-batches x schedule x checkpointing.
+
+Importing it needs neither torch.distributed nor a device::
+
+    from distllm.plan import best_layout, preset
+    layout, why = best_layout(preset("tiny"), world_size=4, gpus_per_node=4, profile="cpu")
+"""
+
+from .cost import CostModel, Estimate, Layout
+from .hardware import Link, Profile, load_profile, profile_names
+from .model import ModelShape, preset, preset_names
+from .search import SearchResult, best_layout, model_states_table, search
+
+__all__ = [
+    "best_layout",
+    "search",
+    "SearchResult",
+    "CostModel",
+    "Estimate",
+    "Layout",
+    "ModelShape",
+    "preset",
+    "preset_names",
+    "Profile",
+    "Link",
+    "load_profile",
+    "profile_names",
+    "model_states_table",
+]

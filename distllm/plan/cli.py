@@ -1,0 +1,182 @@
+"""``distllm plan``: model + cluster in, ranked layouts out (``--json``, ``--explain``).
+
+Examples::
+
+    distllm plan --model gpt3-175b --gpus 1024 --gpu a100-80gb --top 5
+    distllm plan --params 7.5e9 --gpus 64 --tp 1 --pp 1 --json --explain
+    distllm plan --calibrate --out cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .cost import GB, Estimate
+from .hardware import load_profile, profile_names
+from .model import ModelShape, preset, preset_names
+from .search import CHECKPOINTING, explain, model_states_table, search
+
+__all__ = ["add_arguments", "run", "shape_from_args"]
+
+_SHAPE = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "global_batch")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model")
+    m.add_argument(
+        "--model",
+        default=None,
+        help=f"preset: {', '.join(preset_names())} (shape flags override it)",
+    )
+    for knob in _SHAPE:
+        m.add_argument("--" + knob.replace("_", "-"), type=int, default=None)
+    m.add_argument(
+        "--params",
+        type=float,
+        default=None,
+        help="a bare parameter count: model-state memory per ZeRO stage only",
+    )
+    m.add_argument("--dtype", default=None, help="bfloat16 (GPU default), float32 (CPU default)")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--gpus", type=int, default=8, help="devices in total")
+    c.add_argument("--gpus-per-node", type=int, default=None, help="default: the profile's")
+    c.add_argument(
+        "--gpu",
+        default="a100-80gb",
+        help=f"hardware profile: {', '.join(profile_names())} or a .json path",
+    )
+    s = p.add_argument_group("search (pin a dimension instead of searching it)")
+    for knob in ("tp", "pp", "dp", "micro_batches"):
+        s.add_argument("--" + knob.replace("_", "-"), type=int, default=None)
+    s.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3))
+    s.add_argument(
+        "--schedule", default=None, choices=("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+    )
+    s.add_argument("--checkpointing", default=None, choices=CHECKPOINTING)
+    s.add_argument("--sequence-parallel", default=None, choices=("on", "off"))
+    s.add_argument(
+        "--no-flash",
+        action="store_true",
+        help="attention keeps its s x s probabilities (no fused attention)",
+    )
+    o = p.add_argument_group("output")
+    o.add_argument("--top", type=int, default=5, help="layouts to show")
+    o.add_argument("--explain", action="store_true", help="also every rejected layout and why")
+    o.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    o.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine (GEMM, gloo links) and write a profile",
+    )
+    o.add_argument("--net", default="1gbit", help="--calibrate: emulated link rate")
+    o.add_argument("--out", default=None, help="--calibrate: profile path to write")
+
+
+def shape_from_args(a: argparse.Namespace) -> ModelShape:
+    over = {k: getattr(a, k) for k in _SHAPE if getattr(a, k) is not None}
+    if a.model:
+        return preset(a.model).with_(**over)
+    missing = [k for k in ("layers", "hidden", "heads", "vocab", "seq_len") if k not in over]
+    if missing:
+        flags = " ".join("--" + k.replace("_", "-") for k in missing)
+        raise ValueError(
+            f"no model: give --model PRESET ({', '.join(preset_names())}), "
+            f"--params P, or the shape (missing {flags})"
+        )
+    over.setdefault("ffn", 4 * over["hidden"])
+    over.setdefault("global_batch", 32)
+    return ModelShape(name="custom", **over)
+
+
+def _pins(a: argparse.Namespace) -> dict:
+    pins = {
+        k: getattr(a, k)
+        for k in ("tp", "pp", "dp", "micro_batches", "zero", "schedule", "checkpointing")
+    }
+    for k in ("tp", "pp", "dp", "micro_batches"):
+        if pins[k] is not None and pins[k] < 1:
+            raise ValueError(f"--{k.replace('_', '-')}={pins[k]}: it must be a positive integer")
+    if a.sequence_parallel is not None:
+        pins["sequence_parallel"] = a.sequence_parallel == "on"
+    return {k: v for k, v in pins.items() if v is not None}
+
+
+def _row(e: Estimate) -> str:
+    m = e.memory
+    mem = " ".join(
+        f"{k[:3]}={m[k] / GB:7.3f}"
+        for k in ("params", "grads", "optimizer", "activations", "total")
+        if k in m
+    )
+    t = f"{e.step_time_s:9.4g} s  MFU {e.mfu:5.1%}" if e.rejected_reason is None and e.time else ""
+    return f"{e.layout.name():58s} {t}  GB: {mem}" + (
+        f"  REJECTED: {e.rejected_reason}" if e.rejected_reason else ""
+    )
+
+
+def _params_mode(a: argparse.Namespace) -> int:
+    if a.dp is not None and a.dp * (a.tp or 1) * (a.pp or 1) != a.gpus:
+        raise ValueError(
+            f"--dp={a.dp} with tp*pp={(a.tp or 1) * (a.pp or 1)} does not use "
+            f"--gpus={a.gpus}: drop --dp or make tp*pp*dp = gpus"
+        )
+    rows = model_states_table(a.params, a.gpus, a.tp or 1, a.pp or 1, a.gpu, a.dtype or "bfloat16")
+    if a.zero is not None:
+        rows = [r for r in rows if r.layout.zero == a.zero]
+    if a.json:
+        print(json.dumps([r.as_dict() for r in rows], indent=1))
+    else:
+        print(f"model states of {a.params:.4g} parameters on {a.gpus} devices ({a.gpu}):")
+        for r in rows:
+            print("  " + _row(r))
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        from .calibrate import calibrate_cli
+
+        return calibrate_cli(args)
+    if args.top < 1:
+        raise ValueError(f"--top={args.top}: it must be a positive integer")
+    load_profile(args.gpu)  # a bad profile name fails before anything else
+    if args.params is not None:
+        return _params_mode(args)
+    shape = shape_from_args(args)
+    res = search(
+        shape,
+        args.gpus,
+        args.gpus_per_node,
+        args.gpu,
+        dtype=args.dtype,
+        pins=_pins(args),
+        flash_attention=not args.no_flash,
+        keep_rejected=args.explain or not args.json,
+    )
+    if args.json:
+        out = {
+            "model": shape.name,
+            "gpus": args.gpus,
+            "profile": args.gpu,
+            "search_seconds": res.seconds,
+            "ranked": [e.as_dict() for e in res.ranked[: args.top]],
+        }
+        if args.explain:
+            out["rejected"] = [e.as_dict() for e in res.rejected]
+        json.dump(out, sys.stdout, indent=1)
+        print()
+    else:
+        if res.ranked:
+            print(explain(res.best, shape, res))
+            print(f"\ntop {min(args.top, len(res.ranked))} of {len(res.ranked)}:")
+            for e in res.ranked[: args.top]:
+                print("  " + _row(e))
+        if args.explain:
+            print(f"\nrejected ({len(res.rejected)}):")
+            for e in res.rejected:
+                print("  " + _row(e))
+    if not res.ranked:
+        res.best  # noqa: B018 - raises ValueError saying why nothing fits
+    return 0

@@ -1,0 +1,360 @@
+"""The cost model: memory per device and time per step of one layout.
+
+Memory (bytes per device, on the heaviest pipeline stage):
+  * model states after the ZeRO paper (Rajbhandari et al. 2020, sec. 3-5): with mixed precision
+    and Adam, 2 bytes of parameters + 2 of gradients + 12 of optimizer states (fp32 master,
+    momentum, variance) per parameter; stage 1 divides the 12 by the DP size, stage 2 the
+    gradients too, stage 3 everything. float32 training keeps 4 + 4 + 8, float64 8 + 8 + 16.
+  * activations per layer and micro-batch after Korthikanti et al. 2022 ("Reducing Activation
+    Recomputation in Large Transformer Models", sec. 4): s*b*h*(34 + 5*a*s/h) bytes in 16 bits
+    with dropout; (10 + 24/t) without and 34/t with sequence parallelism; selective
+    recomputation drops the attention core, full recomputation keeps only each layer's input.
+    Generalised here to any element size, GQA, gated MLPs, flash attention and no dropout.
+  * times the micro-batches in flight of the schedule (1F1B: p on the first stage; GPipe: m;
+    interleaved: p + (p-1)/v; ZB-H1: as 1F1B).
+
+Step time: GEMM FLOPs at the profile's efficiency, memory-bound work at its bandwidth, an
+alpha-beta time per collective on its link class (ring, or tree where cheaper, for
+all-reduce), overlap credited only where distllm overlaps (the row-parallel GEMM with its
+all-reduce in forward, the DP bucket reduction with the last micro-batch's backward, the
+ZeRO-3 prefetched gather with the previous layer) and only to the extent the link's
+``overlap`` allows, and the pipeline bubble (see :mod:`distllm.plan.bubble`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from .bubble import in_flight, pipeline_time
+from .hardware import Link, Profile, canonical_dtype
+from .model import ModelShape
+
+__all__ = ["Layout", "Estimate", "CostModel", "STATE_BYTES", "collective_time"]
+
+GB = 1e9
+# (parameter, gradient, optimizer) bytes per parameter, per training dtype (Adam/AdamW).
+STATE_BYTES = {
+    "bfloat16": (2, 2, 12),
+    "float16": (2, 2, 12),
+    "float32": (4, 4, 8),
+    "float64": (8, 8, 16),
+}
+ACT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+OVERLAP_CHUNKS = 4  # chunks of the overlapped row-parallel GEMM + all-reduce
+OPS_PER_LAYER_FWD = 24  # eager operators of one block's forward (norms, GEMMs, attention, ...)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout of a training step."""
+
+    tp: int
+    pp: int
+    dp: int
+    zero: int = 0
+    schedule: str = "none"
+    """``none`` (pp=1: plain gradient accumulation), gpipe, 1f1b, interleaved-1f1b, zb-h1."""
+    micro_batches: int = 1
+    """Micro-batches per step and DP rank."""
+    checkpointing: str = "none"
+    """Activation recomputation: none, selective (attention core) or full (every block)."""
+    sequence_parallel: bool = False
+    virtual_stages: int = 1
+    """Model chunks per rank (interleaved-1f1b)."""
+
+    def name(self) -> str:
+        s = f"tp{self.tp}.pp{self.pp}.dp{self.dp}.zero{self.zero}"
+        if self.pp > 1:
+            s += f".{self.schedule}" + (
+                f"v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+            )
+        s += f".m{self.micro_batches}"
+        if self.checkpointing != "none":
+            s += f".ckpt-{self.checkpointing}"
+        return s + (".sp" if self.sequence_parallel else "")
+
+
+@dataclass
+class Estimate:
+    """Predictions for one layout; bytes per device and seconds per step."""
+
+    layout: Layout
+    memory: dict[str, float] = field(default_factory=dict)
+    """params, grads, optimizer, activations, total (bytes)."""
+    time: dict[str, float] = field(default_factory=dict)
+    """step and its parts (compute, tp_comm, bubble, dp_comm, zero_comm, optimizer, ...)."""
+    step_time_s: float = math.inf
+    mfu: float = 0.0
+    rejected_reason: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        d = asdict(self.layout)
+        d.update(
+            memory_gb={k: round(v / GB, 4) for k, v in self.memory.items()},
+            step_time_s=None if math.isinf(self.step_time_s) else self.step_time_s,
+            mfu=self.mfu if self.step_time_s < math.inf else None,
+            time_s=self.time or None,
+            rejected_reason=self.rejected_reason,
+            notes=self.notes,
+        )
+        return d
+
+
+def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
+    """Alpha-beta time of one collective of ``nbytes`` (the full buffer) over ``n`` ranks.
+
+    ring all-reduce 2(n-1) steps of nbytes/n; tree all-reduce 2*log2(n) latencies and 2x the
+    bytes (pipelined); the cheaper of the two is taken, as NCCL does. reduce-scatter and
+    all-gather are half a ring all-reduce. p2p is one message.
+    """
+    if n <= 1 and kind != "p2p":
+        return 0.0
+    a, b = link.latency, link.beta
+    if kind == "p2p":
+        return a + nbytes * b
+    ring_half = (n - 1) * a + (n - 1) / n * nbytes * b
+    if kind in ("reduce_scatter", "all_gather"):
+        return ring_half
+    if kind == "all_reduce":
+        tree = 2 * math.ceil(math.log2(n)) * a + 2 * nbytes * b
+        return min(2 * ring_half, tree)
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+class CostModel:
+    """Predicts memory and step time of layouts for one model on one cluster."""
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        profile: Profile,
+        world: int,
+        gpus_per_node: int,
+        *,
+        dtype: str = "bfloat16",
+        flash_attention: bool = True,
+        bucket_mb: float = 25.0,
+        simulator=None,
+    ) -> None:
+        self.shape, self.profile = shape, profile
+        self.world, self.gpn = world, gpus_per_node
+        self.dtype = canonical_dtype(dtype)
+        if self.dtype not in STATE_BYTES:
+            raise ValueError(f"dtype={dtype!r}: choose --dtype from {', '.join(STATE_BYTES)}")
+        self.e = ACT_BYTES[self.dtype]
+        self.flash = flash_attention
+        self.bucket_bytes = bucket_mb * 2**20
+        self.simulator = simulator
+        self.peak = profile.flops(self.dtype)
+        self.rate = self.peak * profile.matmul_efficiency
+        self._cache: dict = {}
+
+    # ---------------------------------------------------------------- memory --------
+    def stage_params(self, lay: Layout) -> tuple[float, float]:
+        """Parameters held per rank on the heaviest stage, and those of one block per rank."""
+        key = ("params", lay.tp, lay.pp)
+        if key not in self._cache:
+            s, t = self.shape, lay.tp
+            h = s.hidden
+            repl = (2 * h if s.biases else 0) + (4 * h if s.biases else 2 * h)  # row biases, norms
+            per_layer = (s.layer_params() - repl) / t + repl
+            vocab = s.padded_vocab(t) * h / t
+            pos = s.seq_len * h if s.learned_positions else 0
+            head = (2 * h if s.biases else h) + (0 if s.tied_embeddings else vocab)
+            lps = math.ceil(s.layers / lay.pp)
+            if lay.pp == 1:
+                total = lps * per_layer + vocab + pos + head
+            else:
+                tied_copy = vocab if s.tied_embeddings else 0
+                total = lps * per_layer + max(vocab + pos, head + tied_copy)
+            self._cache[key] = (total, per_layer)
+        return self._cache[key]
+
+    def model_state_bytes(self, n_params: float, dp: int, zero: int) -> dict[str, float]:
+        pb, gb, ob = STATE_BYTES[self.dtype]
+        return {
+            "params": pb * n_params / (dp if zero >= 3 else 1),
+            "grads": gb * n_params / (dp if zero >= 2 else 1),
+            "optimizer": ob * n_params / (dp if zero >= 1 else 1),
+        }
+
+    def layer_activation_bytes(self, b: int, tp: int, sp: bool, ckpt: str) -> float:
+        """Bytes one block keeps for backward per micro-batch of b sequences, per TP rank."""
+        key = ("act", b, tp, sp, ckpt)
+        if key in self._cache:
+            return self._cache[key]
+        s, e = self.shape, self.e
+        d = 1 if s.dropout else 0
+        sbh, bs = b * s.seq_len * s.hidden, b * s.seq_len
+        repl = (4 * e + 2 * d) * sbh  # 2 norm inputs, 2 norm outputs, 2 dropout masks
+        mlp = (3 if s.gated_mlp else 2) * e * bs * s.ffn
+        shard = e * (2 * sbh + 2 * bs * s.kv_dim) + mlp  # Q, out-proj input, K, V, MLP
+        if self.flash:
+            core = 4 * b * s.heads * s.seq_len  # fp32 log-sum-exp per row
+        else:
+            sq = b * s.heads * s.seq_len**2
+            core = (e + d + (e if d else 0)) * sq  # softmax (+ dropout mask and output)
+        full = (repl / tp if sp else repl) + (shard + core) / tp
+        if ckpt == "none":
+            out = full
+        elif ckpt == "selective":
+            out = full - core / tp
+        else:  # full: the block input only; one block's `full` is live during its recompute
+            out = e * sbh / (tp if sp else 1)
+        self._cache[key] = out
+        return out
+
+    def memory(self, lay: Layout) -> dict[str, float]:
+        s = self.shape
+        b = s.global_batch // (lay.dp * lay.micro_batches)
+        n_params, per_layer = self.stage_params(lay)
+        mem = self.model_state_bytes(n_params, lay.dp, lay.zero)
+        if lay.zero >= 3:  # the gathered block being used and the one being prefetched
+            mem["params"] += 2 * per_layer * STATE_BYTES[self.dtype][0]
+        lps = math.ceil(s.layers / lay.pp)
+        per = self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, lay.checkpointing)
+        first, last = in_flight(lay.schedule, lay.pp, lay.micro_batches, lay.virtual_stages)
+        bs = b * s.seq_len
+        logits = (self.e + 4) * bs * s.padded_vocab(lay.tp) / lay.tp  # logits + fp32 softmax
+        emb = (
+            (self.e + (1 if s.dropout else 0))
+            * bs
+            * s.hidden
+            / (lay.tp if lay.sequence_parallel else 1)
+        )
+        act_first = first * (lps * per + emb)
+        act_last = last * (lps * per + logits)
+        if lay.pp == 1:
+            act_first = act_last = lps * per + emb + logits
+        act = max(act_first, act_last)
+        if lay.checkpointing == "full":
+            act += self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, "none")
+        mem["activations"] = act
+        mem["total"] = mem["params"] + mem["grads"] + mem["optimizer"] + act
+        return mem
+
+    # ---------------------------------------------------------------- time ----------
+    def _link(self, group: str, lay: Layout) -> Link:
+        span = {"tp": lay.tp, "dp": lay.tp * lay.dp, "pp": lay.tp * lay.dp * lay.pp}[group]
+        if group == "pp":  # neighbours are dp*tp ranks apart
+            return self.profile.link(lay.tp * lay.dp >= self.gpn and lay.pp > 1)
+        return self.profile.link(span > self.gpn)
+
+    def layer_times(self, b: int, lay: Layout) -> dict[str, float]:
+        """Seconds of one block per micro-batch on one rank (uncontended)."""
+        key = ("lt", b, lay.tp, lay.sequence_parallel, lay.checkpointing, lay.dp, lay.zero)
+        if key in self._cache:
+            return self._cache[key]
+        s, p, t = self.shape, self.profile, lay.tp
+        gemm, core = s.layer_flops_fwd(b * s.seq_len)
+        t_gemm, t_core = gemm / t / self.rate, core / t / self.rate
+        none_bytes = self.layer_activation_bytes(b, t, lay.sequence_parallel, "none")
+        t_elem = 2 * none_bytes / p.memory_bandwidth
+        t_ops = OPS_PER_LAYER_FWD * p.op_overhead_s
+        fwd = t_gemm + t_core + t_elem + t_ops
+        bwd = 2 * (t_gemm + t_core + t_elem + t_ops)
+        if lay.checkpointing == "full":
+            bwd += fwd
+        elif lay.checkpointing == "selective":
+            bwd += t_core
+        tp_f = tp_b = 0.0
+        if t > 1:
+            link = self._link("tp", lay)
+            msg = self.e * b * s.seq_len * s.hidden
+            if lay.sequence_parallel:
+                one = collective_time("all_gather", msg, t, link) + collective_time(
+                    "reduce_scatter", msg, t, link
+                )
+            else:
+                one = collective_time("all_reduce", msg, t, link)
+            # forward: 2 per block, each overlapped with the row-parallel GEMM (chunked)
+            row_gemm = (
+                t_gemm * (s.hidden + s.ffn) / (s.hidden + 2 * s.kv_dim + s.hidden + 2 * s.ffn)
+            )
+            hidden = min(one, row_gemm) * link.overlap * (OVERLAP_CHUNKS - 1) / OVERLAP_CHUNKS
+            tp_f, tp_b = 2 * one - 2 * hidden, 2 * one  # backward: not overlapped
+        z3_f = z3_b = 0.0
+        if lay.zero >= 3 and lay.dp > 1:
+            _, per_layer = self.stage_params(lay)
+            link = self._link("dp", lay)
+            ag = collective_time("all_gather", per_layer * STATE_BYTES[self.dtype][0], lay.dp, link)
+            z3_f = max(0.0, ag - link.overlap * fwd)
+            z3_b = max(0.0, ag - link.overlap * bwd)
+        out = dict(
+            fwd=fwd, bwd=bwd, w=t_gemm, tp_f=tp_f, tp_b=tp_b, z3_f=z3_f, z3_b=z3_b, gemm=t_gemm
+        )
+        self._cache[key] = out
+        return out
+
+    def step_time(self, lay: Layout) -> tuple[float, dict[str, float]]:
+        s, p = self.shape, self.profile
+        b = s.global_batch // (lay.dp * lay.micro_batches)
+        m, lps = lay.micro_batches, math.ceil(s.layers / lay.pp)
+        lt = self.layer_times(b, lay)
+        bs = b * s.seq_len
+        v_pad = s.padded_vocab(lay.tp)
+        head_f = (
+            2 * bs * s.hidden * v_pad / lay.tp / self.rate
+            + 3 * 4 * bs * v_pad / lay.tp / p.memory_bandwidth
+        )
+        compute_f, compute_b = lps * lt["fwd"], lps * lt["bwd"]
+        t_f = lps * (lt["fwd"] + lt["tp_f"] + lt["z3_f"]) + head_f
+        t_b = lps * (lt["bwd"] + lt["tp_b"] + lt["z3_b"]) + 2 * head_f
+        t_w = lps * lt["w"] + head_f
+        t_comm = 0.0
+        if lay.pp > 1:
+            msg = self.e * bs * s.hidden / (lay.tp if lay.sequence_parallel else 1)
+            t_comm = collective_time("p2p", msg, 2, self._link("pp", lay))
+        pipe = pipeline_time(
+            lay.schedule,
+            lay.pp,
+            m,
+            lay.virtual_stages,
+            t_f,
+            t_b,
+            t_w,
+            t_comm,
+            simulator=self.simulator,
+        )
+        # data parallel: bucketed reduction overlapped with the last micro-batch's backward
+        n_params, _ = self.stage_params(lay)
+        dp_comm = zero_ag = 0.0
+        if lay.dp > 1:
+            link = self._link("dp", lay)
+            gbytes = STATE_BYTES[self.dtype][1] * n_params
+            kind = "reduce_scatter" if lay.zero >= 2 else "all_reduce"
+            red = collective_time(kind, gbytes, lay.dp, link)
+            n_buckets = max(1, math.ceil(gbytes / self.bucket_bytes))
+            dp_comm = max(red - link.overlap * t_b, red / n_buckets)
+            if lay.zero in (1, 2):  # updated shards gathered after the step
+                zero_ag = collective_time(
+                    "all_gather", STATE_BYTES[self.dtype][0] * n_params, lay.dp, link
+                )
+        upd = n_params / (lay.dp if lay.zero >= 1 else 1)
+        t_opt = upd * 32 / p.memory_bandwidth
+        crit = pipe + dp_comm + zero_ag + t_opt + p.step_overhead_s
+        step = crit
+        if p.cores:  # ranks sharing cores: the work also has to fit in cores x step
+            ranks = min(self.world, self.gpn)
+            work = m * (t_f + t_b) + t_opt
+            step = max(crit, work * ranks / p.cores + dp_comm + zero_ag)
+        parts = dict(
+            step=step,
+            compute=m * (compute_f + compute_b),
+            pipeline=pipe,
+            tp_comm=m * lps * (lt["tp_f"] + lt["tp_b"]),
+            pp_p2p=t_comm,
+            dp_comm=dp_comm,
+            zero_comm=zero_ag + m * lps * (lt["z3_f"] + lt["z3_b"]),
+            optimizer=t_opt,
+        )
+        return step, parts
+
+    def evaluate(self, lay: Layout) -> Estimate:
+        est = Estimate(lay, memory=self.memory(lay))
+        step, parts = self.step_time(lay)
+        est.step_time_s, est.time = step, parts
+        est.mfu = self.shape.model_flops_per_step() / (step * self.world * self.peak)
+        return est

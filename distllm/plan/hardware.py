@@ -1,0 +1,178 @@
+"""Hardware profiles: peak FLOP/s per dtype, memory, and one alpha-beta model per link class.
+
+A profile is a JSON file (``distllm/plan/profiles/<name>.json``, or any path). Published
+figures carry their source in the file's ``source`` fields; ``distllm plan --calibrate``
+writes a measured one for the machine it runs on.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Link", "Profile", "load_profile", "profile_names", "PROFILE_DIR"]
+
+PROFILE_DIR = Path(__file__).with_name("profiles")
+
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+    "fp64": "float64",
+    "double": "float64",
+    "fp8": "float8",
+}
+
+
+def canonical_dtype(dtype: str) -> str:
+    return _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link class: time of a message of ``n`` bytes is ``latency + n / (bandwidth*eff)``."""
+
+    bandwidth: float
+    """Bytes/s per direction per rank (datasheet or measured)."""
+    latency: float
+    """Seconds per message (alpha)."""
+    efficiency: float = 1.0
+    """Achievable fraction of ``bandwidth`` (1.0 for measured profiles)."""
+    overlap: float = 0.0
+    """Fraction of overlappable communication really hidden behind compute on this link
+    (0 where communication takes the same CPU cores as the compute, as on loopback)."""
+    source: str = ""
+
+    @property
+    def beta(self) -> float:
+        """Seconds per byte."""
+        return 1.0 / (self.bandwidth * self.efficiency)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A device and its node: what the cost model needs to know about the hardware."""
+
+    name: str
+    peak_flops: dict[str, float]
+    """FLOP/s of one device per dtype (dense)."""
+    memory_bytes: float
+    """Device memory (HBM, or the share of host RAM for CPU ranks)."""
+    memory_bandwidth: float
+    """Bytes/s of device memory, for memory-bound (elementwise, optimizer) work."""
+    links: dict[str, Link]
+    """``intra`` (inside a node) and ``inter`` (between nodes)."""
+    matmul_efficiency: float = 1.0
+    """Fraction of peak that large GEMMs reach (1.0 when ``peak_flops`` is measured)."""
+    usable_memory_fraction: float = 1.0
+    """Fraction of ``memory_bytes`` a layout may plan to use (context, fragmentation)."""
+    gpus_per_node: int = 8
+    op_overhead_s: float = 0.0
+    """Host-side time per operator that is not hidden (eager CPU execution)."""
+    cores: int | None = None
+    """CPU profiles: cores a node has; ranks beyond that share them (time scales up)."""
+    step_overhead_s: float = 0.0
+    """Fixed time per optimizer step beyond compute and communication."""
+    description: str = ""
+    source: dict[str, Any] = field(default_factory=dict)
+
+    def flops(self, dtype: str) -> float:
+        d = canonical_dtype(dtype)
+        if d not in self.peak_flops:
+            raise ValueError(
+                f"profile {self.name!r} has no peak FLOP/s for dtype {dtype!r}: "
+                f"choose --dtype from {', '.join(self.peak_flops)}"
+            )
+        return self.peak_flops[d]
+
+    def link(self, crosses_node: bool) -> Link:
+        return self.links["inter" if crosses_node else "intra"]
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.memory_bytes * self.usable_memory_fraction
+
+    def to_json(self) -> dict[str, Any]:
+        d = {
+            k: getattr(self, k)
+            for k in (
+                "name",
+                "description",
+                "peak_flops",
+                "matmul_efficiency",
+                "memory_bytes",
+                "usable_memory_fraction",
+                "memory_bandwidth",
+                "gpus_per_node",
+                "op_overhead_s",
+                "cores",
+                "step_overhead_s",
+            )
+        }
+        d["links"] = {
+            k: {
+                "bandwidth": v.bandwidth,
+                "latency": v.latency,
+                "efficiency": v.efficiency,
+                "overlap": v.overlap,
+                "source": v.source,
+            }
+            for k, v in self.links.items()
+        }
+        d["source"] = self.source
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Profile:
+        try:
+            links = {k: Link(**v) for k, v in d["links"].items()}
+            for need in ("intra", "inter"):
+                if need not in links:
+                    raise ValueError(f"profile {d.get('name')!r} lacks the {need!r} link class")
+            kw = {
+                k: d[k]
+                for k in (
+                    "matmul_efficiency",
+                    "usable_memory_fraction",
+                    "gpus_per_node",
+                    "op_overhead_s",
+                    "cores",
+                    "step_overhead_s",
+                    "description",
+                    "source",
+                )
+                if k in d
+            }
+            peak = {canonical_dtype(k): float(v) for k, v in d["peak_flops"].items()}
+            return cls(
+                name=d["name"],
+                peak_flops=peak,
+                memory_bytes=float(d["memory_bytes"]),
+                memory_bandwidth=float(d["memory_bandwidth"]),
+                links=links,
+                **kw,
+            )
+        except KeyError as e:
+            raise ValueError(f"profile is missing the field {e.args[0]!r}") from None
+
+
+def profile_names() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+def load_profile(name_or_path: str | Path | Profile) -> Profile:
+    """A profile by name (``a100-80gb``, ``h100``, ``h200``, ``cpu``) or by JSON path."""
+    if isinstance(name_or_path, Profile):
+        return name_or_path
+    s = str(name_or_path)
+    path = Path(s) if s.endswith(".json") else PROFILE_DIR / f"{s.lower()}.json"
+    if not path.is_file():
+        raise ValueError(
+            f"unknown hardware profile {s!r}: choose --gpu from "
+            f"{', '.join(profile_names())} or give a profile .json path"
+        )
+    return Profile.from_json(json.loads(path.read_text()))

@@ -1,0 +1,305 @@
+"""Enumerate every layout of a model on a cluster, reject the invalid and the too-big, rank.
+
+The search space: tp dividing the GPU count, inside a node, dividing heads/KV heads/FFN; pp
+dividing what is left and at most the layer count (uneven stages allowed except for
+interleaving); dp the rest, dividing the global batch; micro-batch counts dividing the
+per-replica batch; ZeRO 0-3; every schedule (interleaved with every v dividing the layers of
+a stage, up to ``MAX_V``); checkpointing none/selective/full; sequence parallelism when tp>1.
+Every layout that fails a check is kept with its reason. The rest are ranked by predicted
+step time; the short list is re-timed with the pipeline simulator when it is available.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from .bubble import SCHEDULES, simulator_or_none
+from .cost import GB, CostModel, Estimate, Layout
+from .hardware import Profile, load_profile
+from .model import ModelShape
+
+__all__ = ["SearchResult", "search", "best_layout", "divisors", "MAX_V"]
+
+MAX_V = 8
+CHECKPOINTING = ("none", "selective", "full")
+RESCORE = 32  # candidates re-timed with the simulator
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Estimate]
+    rejected: list[Estimate] = field(default_factory=list)
+    seconds: float = 0.0
+    simulator: bool = False
+
+    @property
+    def best(self) -> Estimate:
+        if not self.ranked:
+            raise ValueError(_nothing_fits(self.rejected))
+        return self.ranked[0]
+
+
+def _nothing_fits(rejected: list[Estimate]) -> str:
+    mem = [e for e in rejected if e.memory and "GB" in (e.rejected_reason or "")]
+    if mem:
+        low = min(mem, key=lambda e: e.memory["total"])
+        why = f"the smallest, {low.layout.name()}, {low.rejected_reason}"
+    else:
+        reasons = list(dict.fromkeys(e.rejected_reason for e in rejected))
+        why = "; ".join(r for r in reasons[:3] if r) or "nothing to search"
+    return (
+        f"no layout fits ({len(rejected)} rejected; {why}): change the pinned dimensions, "
+        "add devices (--gpus), use a bigger device (--gpu), or shrink --global-batch/--seq-len"
+    )
+
+
+def _tp_reason(shape: ModelShape, tp: int, gpn: int) -> str | None:
+    if tp > gpn or gpn % tp:
+        return f"tp={tp} crosses the node boundary ({gpn} GPUs per node)"
+    for knob, v in (
+        ("heads", shape.heads),
+        ("kv_heads", shape.n_kv_heads),
+        ("ffn", shape.ffn),
+        ("hidden", shape.hidden),
+    ):
+        if v % tp:
+            return f"tp={tp} does not divide {knob}={v}"
+    return None
+
+
+def _schedules(shape: ModelShape, pp: int, m: int, pins: dict) -> list[tuple[str, int, str | None]]:
+    """(schedule, v, reason-or-None) for one (pp, m)."""
+    if pp == 1:
+        return [("none", 1, None)]
+    out = []
+    lps = shape.layers / pp
+    for sch in SCHEDULES:
+        if pins.get("schedule") and sch != pins["schedule"]:
+            continue
+        if sch == "interleaved-1f1b":
+            vs = [v for v in range(2, MAX_V + 1) if shape.layers % (pp * v) == 0]
+            if not vs:
+                out.append(
+                    (
+                        sch,
+                        2,
+                        f"interleaving needs layers={shape.layers} divisible by "
+                        f"pp*v for some v in 2..{MAX_V}",
+                    )
+                )
+            for v in vs:
+                r = (
+                    None
+                    if m % pp == 0
+                    else f"interleaved-1f1b needs micro_batches={m} divisible by pp={pp}"
+                )
+                out.append((sch, v, r))
+            continue
+        r = None
+        if sch != "gpipe" and m < pp:
+            r = f"{sch} needs micro_batches={m} >= pp={pp}"
+        elif lps != int(lps) and sch == "zb-h1":
+            r = None
+        out.append((sch, 1, r))
+    return out
+
+
+def _enumerate(shape: ModelShape, world: int, gpn: int, pins: dict):
+    """Yield (Layout, reason-or-None) for every combination."""
+    B = shape.global_batch
+    for tp in divisors(world):
+        if pins.get("tp") and tp != pins["tp"]:
+            continue
+        treason = _tp_reason(shape, tp, gpn)
+        for pp in divisors(world // tp):
+            if pins.get("pp") and pp != pins["pp"]:
+                continue
+            dp = world // (tp * pp)
+            if pins.get("dp") and dp != pins["dp"]:
+                continue
+            base = Layout(tp, pp, dp)
+            reason = treason
+            if reason is None and pp > shape.layers:
+                reason = f"pp={pp} is more stages than layers={shape.layers}"
+            if reason is None and B % dp:
+                reason = f"global batch {B} is not divisible by dp={dp}"
+            if reason is not None:
+                yield base, reason
+                continue
+            yield from _inner(shape, tp, pp, dp, B // dp, pins)
+
+
+def _inner(shape: ModelShape, tp: int, pp: int, dp: int, per_replica: int, pins: dict):
+    zeros = [pins["zero"]] if pins.get("zero") is not None else [0, 1, 2, 3]
+    ms = [pins["micro_batches"]] if pins.get("micro_batches") else divisors(per_replica)
+    cks = [pins["checkpointing"]] if pins.get("checkpointing") else list(CHECKPOINTING)
+    sps = [False, True] if tp > 1 else [False]
+    if pins.get("sequence_parallel") is not None and tp > 1:
+        sps = [pins["sequence_parallel"]]
+    for m in ms:
+        mreason = (
+            None
+            if per_replica % m == 0
+            else (f"micro_batches={m} does not divide the {per_replica} sequences per DP replica")
+        )
+        for sch, v, sreason in _schedules(shape, pp, m, pins):
+            for zero in zeros:
+                zreason = (
+                    f"zero={zero} with dp=1 shards nothing (use zero=0)"
+                    if zero and dp == 1
+                    else None
+                )
+                for ck in cks:
+                    for sp in sps:
+                        lay = Layout(tp, pp, dp, zero, sch, m, ck, sp, v)
+                        yield lay, mreason or sreason or zreason
+
+
+def search(
+    shape: ModelShape,
+    world: int,
+    gpus_per_node: int | None = None,
+    profile: str | Profile = "a100-80gb",
+    *,
+    dtype: str | None = None,
+    pins: dict | None = None,
+    flash_attention: bool = True,
+    use_simulator: bool = True,
+    keep_rejected: bool = True,
+) -> SearchResult:
+    """Every layout of ``shape`` on ``world`` devices, ranked by predicted step time."""
+    t0 = time.perf_counter()
+    prof = load_profile(profile)
+    gpn = gpus_per_node or min(prof.gpus_per_node, world)
+    _check_cluster(world, gpn)
+    pins = dict(pins or {})
+    dtype = dtype or ("float32" if prof.cores else "bfloat16")
+    sim = simulator_or_none() if use_simulator else None
+    cm = CostModel(shape, prof, world, gpn, dtype=dtype, flash_attention=flash_attention)
+    cap = prof.usable_bytes
+    ranked, rejected = [], []
+    for lay, reason in _enumerate(shape, world, gpn, pins):
+        if reason is not None:
+            if keep_rejected:
+                rejected.append(Estimate(lay, rejected_reason=reason))
+            continue
+        mem = cm.memory(lay)
+        if mem["total"] > cap:
+            if keep_rejected:
+                rejected.append(
+                    Estimate(
+                        lay,
+                        memory=mem,
+                        rejected_reason=(
+                            f"needs {mem['total'] / GB:.1f} GB of the {prof.memory_bytes / GB:.0f} GB "
+                            f"({cap / GB:.1f} GB usable)"
+                        ),
+                    )
+                )
+            continue
+        ranked.append(cm.evaluate(lay))
+    ranked.sort(key=lambda e: (e.step_time_s, e.memory["total"]))
+    if sim is not None and ranked:
+        cm.simulator = sim
+        head = [cm.evaluate(e.layout) for e in ranked[:RESCORE]]
+        ranked[:RESCORE] = sorted(head, key=lambda e: (e.step_time_s, e.memory["total"]))
+    return SearchResult(ranked, rejected, time.perf_counter() - t0, sim is not None)
+
+
+def _check_cluster(world: int, gpn: int) -> None:
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"gpus={world!r}: give --gpus as a positive integer")
+    if not isinstance(gpn, int) or gpn < 1:
+        raise ValueError(f"gpus_per_node={gpn!r}: give --gpus-per-node as a positive integer")
+    if world > gpn and world % gpn:
+        raise ValueError(
+            f"gpus={world} is not a whole number of nodes of {gpn}: choose --gpus "
+            f"as a multiple of --gpus-per-node, or change --gpus-per-node"
+        )
+
+
+def explain(est: Estimate, shape: ModelShape, res: SearchResult) -> str:
+    lay, t, mem = est.layout, est.time, est.memory
+    lines = [
+        f"chose {lay.name()} for {shape.name} on {lay.tp * lay.pp * lay.dp} devices: "
+        f"predicted {est.step_time_s:.4g} s/step, MFU {est.mfu:.1%}, "
+        f"{mem['total'] / GB:.2f} GB per device",
+        f"  time: compute {t['compute']:.4g} s, pipeline {t['pipeline']:.4g} s "
+        f"(tp comm {t['tp_comm']:.3g}, dp comm exposed {t['dp_comm']:.3g}, zero comm "
+        f"{t['zero_comm']:.3g}, optimizer {t['optimizer']:.3g})",
+        f"  memory: params {mem['params'] / GB:.3g} GB, grads {mem['grads'] / GB:.3g}, "
+        f"optimizer {mem['optimizer'] / GB:.3g}, activations {mem['activations'] / GB:.3g}",
+        f"  {len(res.ranked)} layouts fit, {len(res.rejected)} rejected; searched in "
+        f"{res.seconds:.2f} s"
+        + (" (short list re-timed by the pipeline simulator)" if res.simulator else ""),
+    ]
+    if len(res.ranked) > 1:
+        nxt = res.ranked[1]
+        lines.append(
+            f"  runner-up {nxt.layout.name()}: {nxt.step_time_s:.4g} s/step "
+            f"({nxt.step_time_s / est.step_time_s - 1:+.1%})"
+        )
+    return "\n".join(lines)
+
+
+def best_layout(
+    model_shape: ModelShape | str,
+    world_size: int,
+    gpus_per_node: int | None = None,
+    profile: str | Profile = "cpu",
+    *,
+    dtype: str | None = None,
+    pins: dict | None = None,
+    **kw,
+) -> tuple[Layout, str]:
+    """The fastest layout that fits, and a few lines saying why (for ``--plan auto``).
+
+    Pure arithmetic: no torch.distributed, no processes; a 1024-device search takes seconds.
+    """
+    from .model import preset
+
+    shape = preset(model_shape) if isinstance(model_shape, str) else model_shape
+    res = search(
+        shape, world_size, gpus_per_node, profile, dtype=dtype, pins=pins, keep_rejected=True, **kw
+    )
+    best = res.best
+    return best.layout, explain(best, shape, res)
+
+
+def model_states_table(
+    n_params: float,
+    world: int,
+    tp: int = 1,
+    pp: int = 1,
+    profile: str | Profile = "a100-80gb",
+    dtype: str = "bfloat16",
+) -> list[Estimate]:
+    """Model-state memory per device of a bare parameter count under each ZeRO stage."""
+    if not n_params > 0 or not math.isfinite(n_params):
+        raise ValueError(f"params={n_params!r}: give --params as a positive count, e.g. 7.5e9")
+    if world % (tp * pp):
+        raise ValueError(f"gpus={world} is not divisible by tp*pp={tp * pp}: change --tp/--pp")
+    prof = load_profile(profile)
+    dp = world // (tp * pp)
+    shape = ModelShape("params", 1, 1, 1, 1, 1, 1, 1)
+    cm = CostModel(shape, prof, world, prof.gpus_per_node, dtype=dtype)
+    out = []
+    for zero in range(4):
+        lay = Layout(tp, pp, dp, zero)
+        mem = cm.model_state_bytes(n_params / (tp * pp), dp, zero)
+        mem["activations"] = 0.0
+        mem["total"] = sum(mem.values())
+        est = Estimate(lay, memory=mem)
+        if mem["total"] > prof.usable_bytes:
+            est.rejected_reason = (
+                f"needs {mem['total'] / GB:.1f} GB of the "
+                f"{prof.memory_bytes / GB:.0f} GB ({prof.usable_bytes / GB:.1f} GB usable)"
+            )
+        out.append(est)
+    return out
