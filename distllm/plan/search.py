@@ -192,16 +192,7 @@ def search(
         mem = cm.memory(lay)
         if mem["total"] > cap:
             if keep_rejected:
-                rejected.append(
-                    Estimate(
-                        lay,
-                        memory=mem,
-                        rejected_reason=(
-                            f"needs {mem['total'] / GB:.1f} GB of the {prof.memory_bytes / GB:.0f} GB "
-                            f"({cap / GB:.1f} GB usable)"
-                        ),
-                    )
-                )
+                rejected.append(Estimate(lay, memory=mem, rejected_reason=_too_big(mem, prof)))
             continue
         ranked.append(cm.evaluate(lay))
     ranked.sort(key=lambda e: (e.step_time_s, e.memory["total"]))
@@ -210,6 +201,13 @@ def search(
         head = [cm.evaluate(e.layout) for e in ranked[:RESCORE]]
         ranked[:RESCORE] = sorted(head, key=lambda e: (e.step_time_s, e.memory["total"]))
     return SearchResult(ranked, rejected, time.perf_counter() - t0, sim is not None)
+
+
+def _too_big(mem: dict[str, float], prof: Profile) -> str:
+    return (
+        f"needs {mem['total'] / GB:.1f} GB of the {prof.memory_bytes / GB:.0f} GB "
+        f"({prof.usable_bytes / GB:.1f} GB usable)"
+    )
 
 
 def _check_cluster(world: int, gpn: int) -> None:
@@ -297,9 +295,6 @@ def model_states_table(
         mem["total"] = sum(mem.values())
         est = Estimate(lay, memory=mem)
         if mem["total"] > prof.usable_bytes:
-            est.rejected_reason = (
-                f"needs {mem['total'] / GB:.1f} GB of the "
-                f"{prof.memory_bytes / GB:.0f} GB ({prof.usable_bytes / GB:.1f} GB usable)"
-            )
+            est.rejected_reason = _too_big(mem, prof)
         out.append(est)
     return out
