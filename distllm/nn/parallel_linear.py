@@ -17,15 +17,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from distllm.parallel.tensor.tensor_parallel import (
-    OverlapPlan, check_divisible, column_parallel_matmul, init_full_weight, mark_tensor_parallel,
-    row_parallel_matmul, shard,
+    OverlapPlan,
+    check_divisible,
+    column_parallel_matmul,
+    init_full_weight,
+    mark_tensor_parallel,
+    row_parallel_matmul,
+    shard,
 )
 from distllm.parallel.tensor.tp_comm import (
-    copy_to_tp_region, gather_from_sequence_parallel_region, gather_from_tp_region,
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tp_region,
+    scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
 )
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ACTIVATIONS"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ACTIVATIONS", "scatter_sequence",
+           "gather_sequence"]
 
 ACTIVATIONS = {None: None, "gelu": "none", "gelu_tanh": "tanh"}
 
@@ -193,3 +202,13 @@ def gather_sequence(x: torch.Tensor, dims) -> torch.Tensor:
     """Full sequence from sequence shards (forward all-gather, backward split): for
     inspecting or returning activations of a sequence-parallel region."""
     return gather_from_sequence_parallel_region(x, dims.tp_group, reduce_grad=False)
+
+
+def scatter_sequence(x: torch.Tensor, dims) -> torch.Tensor:
+    """This rank's sequence shard of ``(batch, seq, hidden)`` (forward split along dim 1,
+    backward all-gather): the entry into a sequence-parallel region."""
+    if dims.tp > 1 and (x.dim() < 2 or x.shape[1] % dims.tp):
+        raise ValueError(f"sequence length {x.shape[1] if x.dim() > 1 else None} is not "
+                         f"divisible by tp={dims.tp}: choose seq_len a multiple of {dims.tp} "
+                         "under sequence_parallel=True (or turn sequence_parallel off)")
+    return scatter_to_sequence_parallel_region(x, dims.tp_group)

@@ -1,0 +1,78 @@
+"""``ParallelMLP`` (column-parallel GEMM + GeLU, then row-parallel GEMM) and its dense
+counterpart ``DenseMLP``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distllm.nn.parallel_linear import ACTIVATIONS, ColumnParallelLinear, RowParallelLinear
+
+__all__ = ["ParallelMLP", "DenseMLP"]
+
+
+class DenseMLP(nn.Module):
+    """``fc2(gelu(fc1(x)))``: the single-process reference of :class:`ParallelMLP`."""
+
+    def __init__(self, hidden: int, ffn_hidden: int, activation: str = "gelu", bias: bool = True,
+                 dtype=None, device=None):
+        super().__init__()
+        if activation not in ("gelu", "gelu_tanh"):
+            raise ValueError(f"activation={activation!r}: use 'gelu' or 'gelu_tanh'")
+        self.activation = activation
+        self.fc1 = nn.Linear(hidden, ffn_hidden, bias=bias, dtype=dtype, device=device)
+        self.fc2 = nn.Linear(ffn_hidden, hidden, bias=bias, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate=ACTIVATIONS[self.activation]))
+
+
+class ParallelMLP(nn.Module):
+    """``fc2(gelu(fc1(x)))`` with ``fc1`` column-parallel (fused GEMM + bias + GeLU on the
+    local ``ffn_hidden/tp`` slice) and ``fc2`` row-parallel.
+
+    Collectives, two per layer over forward and backward together: forward the all-reduce of
+    fc2's output, chunked and overlapped with fc2's GEMM; backward the all-reduce of fc1's
+    input gradient, overlapped with fc1's weight-gradient GEMM. With ``sequence_parallel``
+    they become, forward: all-gather of the input (overlapped with fc1's GEMM) and
+    reduce-scatter of the output (overlapped with fc2's GEMM); backward: all-gather of the
+    output gradient and reduce-scatter of the input gradient, likewise overlapped.
+    Input/output ``(batch, seq, hidden)``, or ``(batch, seq/tp, hidden)`` under sequence
+    parallelism. ``overlap_stats`` maps ``fc1`` / ``fc2`` to their ``OverlapStats``.
+    """
+
+    def __init__(self, hidden: int, ffn_hidden: int, dims, activation: str = "gelu",
+                 bias: bool = True, sequence_parallel: bool = False, overlap: str = "auto",
+                 chunks: int = 4, dtype=None, device=None):
+        super().__init__()
+        if activation not in ("gelu", "gelu_tanh"):
+            raise ValueError(f"activation={activation!r}: use 'gelu' or 'gelu_tanh'")
+        kw = dict(sequence_parallel=sequence_parallel, overlap=overlap, chunks=chunks,
+                  dtype=dtype, device=device)
+        self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, dims, bias=bias,
+                                        activation=activation, **kw)
+        self.fc2 = RowParallelLinear(ffn_hidden, hidden, dims, bias=bias, **kw)
+
+    @property
+    def overlap_stats(self) -> dict:
+        return {"fc1": self.fc1.overlap_stats, "fc2": self.fc2.overlap_stats}
+
+    @classmethod
+    def from_dense(cls, mlp: nn.Module, dims, sequence_parallel: bool = False,
+                   overlap: str = "auto", chunks: int = 4) -> ParallelMLP:
+        """Shard a dense MLP with ``fc1`` / ``fc2`` ``nn.Linear``s (e.g. :class:`DenseMLP`)."""
+        fc1, fc2 = getattr(mlp, "fc1", None), getattr(mlp, "fc2", None)
+        if not isinstance(fc1, nn.Linear) or not isinstance(fc2, nn.Linear):
+            raise ValueError("ParallelMLP.from_dense needs a module with nn.Linear attributes "
+                             f"fc1 and fc2, got {type(mlp).__name__}")
+        act = getattr(mlp, "activation", "gelu")
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        kw = dict(sequence_parallel=sequence_parallel, overlap=overlap, chunks=chunks)
+        m.fc1 = ColumnParallelLinear.from_dense(fc1, dims, activation=act, **kw)
+        m.fc2 = RowParallelLinear.from_dense(fc2, dims, **kw)
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.fc1(x))  # (b, s, h) -> (b, s, f/tp) -> (b, s, h)
