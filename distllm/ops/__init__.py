@@ -4,6 +4,8 @@ cuda extension -> triton -> cpu -> reference)."""
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 
 _LAZY = {
     "bias_gelu": "distllm.ops.bias_gelu",
@@ -24,3 +26,17 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     raise AttributeError(f"module 'distllm.ops' has no attribute {name!r}")
+
+
+class _OpsPackage(types.ModuleType):
+    """Keeps each public name bound to its function: importing the submodule of the same name
+    (``distllm.ops.linear_gelu``, by any import path and in any order) would otherwise bind
+    the submodule over it."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _LAZY and isinstance(value, types.ModuleType) and hasattr(value, name):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _OpsPackage
