@@ -140,9 +140,13 @@ def _layer_norm(cfg: GPTConfig, dims: ParallelDims, sp: bool, dtype) -> nn.Modul
 
 
 class Embedding(nn.Module):
-    """Token embedding (vocab-parallel: all-reduce over TP in forward, none in backward) plus
-    learned positions; under sequence parallelism the output is this rank's sequence slice
-    (the all-reduce becomes a reduce-scatter)."""
+    """Token embedding plus learned positions.
+
+    Collectives: forward all-reduce of the vocab-parallel lookup over TP (sequence
+    parallelism: reduce-scatter along the sequence, so the output is this rank's ``(b, s/tp,
+    h)`` slice); backward none (sequence parallelism: all-gather of the gradient along the
+    sequence, and an all-reduce of the position embedding's gradient over TP).
+    """
 
     def __init__(self, cfg: GPTConfig, dims: ParallelDims, *, sequence_parallel: bool = False,
                  dtype: torch.dtype = torch.float32):
@@ -150,18 +154,20 @@ class Embedding(nn.Module):
         from distllm.nn import VocabParallelEmbedding
 
         self.cfg, self.dims, self.sp = cfg, dims, sequence_parallel and dims.tp > 1
-        self.wte = VocabParallelEmbedding(cfg.padded_vocab(dims.tp), cfg.hidden_size, dims)
-        self.wte.to(dtype)
+        self.wte = VocabParallelEmbedding(cfg.padded_vocab(dims.tp), cfg.hidden_size, dims,
+                                          sequence_parallel=self.sp, dtype=dtype)
         self.wpe = nn.Parameter(torch.zeros(cfg.max_seq_len, cfg.hidden_size, dtype=dtype))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.shape[1]
-        x = self.wte(tokens) + self.wpe[:s]  # (b, s, h) + (s, h)
-        if self.sp:
-            from distllm.parallel.tensor.tp_comm import scatter_to_sequence_parallel_region
+        x = self.wte(tokens)  # (b, s, h), or (b, s/tp, h) under sequence parallelism
+        if not self.sp:
+            return x + self.wpe[:s]  # (b, s, h) + (s, h)
+        from distllm.parallel.tensor.tp_comm import sync_grad_over_tp
 
-            x = scatter_to_sequence_parallel_region(x, self.dims.tp_group)  # (b, s/tp, h)
-        return x
+        per = s // self.dims.tp
+        wpe = sync_grad_over_tp(self.wpe, self.dims.tp_group)  # this rank's positions only
+        return x + wpe[self.dims.tp_rank * per:(self.dims.tp_rank + 1) * per]
 
 
 class Block(nn.Module):
@@ -183,11 +189,11 @@ class Block(nn.Module):
         self.ln_1 = _layer_norm(cfg, dims, sp, dtype)
         self.attn = ParallelAttention(cfg.hidden_size, cfg.n_heads, dims,
                                       n_kv_heads=cfg.n_kv_heads, bias=True,
-                                      sequence_parallel=sp, overlap=overlap).to(dtype)
+                                      sequence_parallel=sp, overlap=overlap, dtype=dtype)
         self.ln_2 = _layer_norm(cfg, dims, sp, dtype)
         self.mlp = ParallelMLP(cfg.hidden_size, cfg.ffn_hidden_size, dims,
                                activation=cfg.activation, bias=True, sequence_parallel=sp,
-                               overlap=overlap).to(dtype)
+                               overlap=overlap, dtype=dtype)
 
     def _attn(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.attn(self.ln_1(x))
@@ -223,7 +229,8 @@ class Head(nn.Module):
         self.ln_f = _layer_norm(cfg, dims, sp, dtype)
         vp = cfg.padded_vocab(dims.tp)
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, vp, dims, bias=False,
-                                            gather_output=False, sequence_parallel=sp).to(dtype)
+                                            gather_output=False, sequence_parallel=sp,
+                                            dtype=dtype)
         per = vp // dims.tp
         lo = dims.tp_rank * per
         pad = (torch.arange(lo, lo + per) >= cfg.vocab_size)  # (V_pad/tp,)

@@ -24,10 +24,10 @@ __all__ = ["canonical_shapes", "init_canonical", "load_layer", "gather_layer",
 _BLOCK = {
     "ln_1.weight": ("ln_1.weight", "rep"), "ln_1.bias": ("ln_1.bias", "rep"),
     "attn.qkv.weight": ("attn.qkv.weight", "qkv"), "attn.qkv.bias": ("attn.qkv.bias", "qkv"),
-    "attn.proj.weight": ("attn.proj.weight", "row"), "attn.proj.bias": ("attn.proj.bias", "rep"),
+    "attn.proj.weight": ("attn.o.weight", "row"), "attn.proj.bias": ("attn.o.bias", "rep"),
     "ln_2.weight": ("ln_2.weight", "rep"), "ln_2.bias": ("ln_2.bias", "rep"),
-    "mlp.fc.weight": ("mlp.fc.weight", "col"), "mlp.fc.bias": ("mlp.fc.bias", "col"),
-    "mlp.proj.weight": ("mlp.proj.weight", "row"), "mlp.proj.bias": ("mlp.proj.bias", "rep"),
+    "mlp.fc.weight": ("mlp.fc1.weight", "col"), "mlp.fc.bias": ("mlp.fc1.bias", "col"),
+    "mlp.proj.weight": ("mlp.fc2.weight", "row"), "mlp.proj.bias": ("mlp.fc2.bias", "rep"),
 }
 _EMBED = {"wte.weight": ("wte.weight", "vocab"), "wpe": ("wpe", "rep")}
 _HEAD = {"ln_f.weight": ("ln_f.weight", "rep"), "ln_f.bias": ("ln_f.bias", "rep"),

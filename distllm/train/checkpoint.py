@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from distllm.models.sharding import canonical_shapes, gather_layer, load_layer, module_paths
+from distllm.models.sharding import _shard, _table, canonical_shapes, gather_layer, module_paths
+from distllm.train.optim_state import MOMENTS, collect, install
 
 __all__ = ["save", "load_latest", "latest", "check_compatible", "FORMAT"]
 
 FORMAT = "distllm-gpt-ckpt-1"
-_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _ckpt_root(out: str | os.PathLike) -> Path:
@@ -80,37 +80,32 @@ def check_compatible(out: str | os.PathLike, mcfg) -> Path:
     return path
 
 
-def _layer_states(engine, chunk, i: int) -> dict[str, dict[str, torch.Tensor]]:
-    """Per parameter path of layer ``i``: its AdamW moments (this rank's TP shard, full over
-    DP). Empty before the first step."""
-    from distllm.train.optim_state import param_moments
-
-    layer = chunk.layers[str(i)]
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for path in module_paths(chunk.cfg, i).values():
-        param = layer.get_parameter(path)
-        out[path] = param_moments(engine, param)
-    return out
+def _entries(engine):
+    """``(chunk, layer index, canonical name, path in layer, parameter)`` of this rank."""
+    for chunk in engine.chunks:
+        for i in chunk.layer_ids:
+            layer = chunk.layers[str(i)]
+            for name, path in module_paths(chunk.cfg, i).items():
+                yield chunk, i, name, path, layer.get_parameter(path)
 
 
 def _canonical(engine) -> tuple[dict[str, torch.Tensor], int]:
     """This rank's canonical tensors (collective over TP and, for ZeRO, DP)."""
-    from distllm.train.optim_state import optimizer_step, sync_params
-
-    sync_params(engine)
+    entries = list(_entries(engine))
+    local, step = collect(engine, [e[4] for e in entries])
     state: dict[str, torch.Tensor] = {}
     for chunk in engine.chunks:
         for i in chunk.layer_ids:
-            for name, t in gather_layer(chunk, i).items():
-                state[f"model.layers.{i}.{name}"] = t
-            moments = _layer_states(engine, chunk, i)
-            for key in _MOMENTS:
-                if not all(key in m for m in moments.values()):
+            mine = [e for e in entries if e[0] is chunk and e[1] == i]
+            for key in ("weight", *MOMENTS):
+                if not all(key in local[e[4]] for e in mine):
                     continue
-                tensors = {path: m[key] for path, m in moments.items()}
+                tensors = {e[3]: local[e[4]][key] for e in mine}
+                prefix = "model" if key == "weight" else "optim"
+                suffix = "" if key == "weight" else f".{key}"
                 for name, t in gather_layer(chunk, i, tensors).items():
-                    state[f"optim.layers.{i}.{name}.{key}"] = t
-    return state, optimizer_step(engine)
+                    state[f"{prefix}.layers.{i}.{name}{suffix}"] = t
+    return state, step
 
 
 def save(out: str | os.PathLike, engine, loader, *, step: int) -> Path:
@@ -146,43 +141,37 @@ def save(out: str | os.PathLike, engine, loader, *, step: int) -> Path:
 
 
 def _empty_targets(engine, with_optim: bool) -> dict[str, torch.Tensor]:
+    # bf16 runs keep fp32 master weights and moments: those are what a checkpoint holds
+    dt = torch.float32 if engine.dtype == torch.bfloat16 else engine.dtype
     state = {}
     for chunk in engine.chunks:
         for i in chunk.layer_ids:
             for name, shape in canonical_shapes(chunk.cfg, i).items():
-                state[f"model.layers.{i}.{name}"] = torch.empty(shape, dtype=engine.dtype)
+                state[f"model.layers.{i}.{name}"] = torch.empty(shape, dtype=dt)
                 if with_optim:
-                    for key in _MOMENTS:
-                        state[f"optim.layers.{i}.{name}.{key}"] = torch.empty(
-                            shape, dtype=torch.float32 if engine.dtype == torch.bfloat16
-                            else engine.dtype)
+                    for key in MOMENTS:
+                        state[f"optim.layers.{i}.{name}.{key}"] = torch.empty(shape, dtype=dt)
     return state
 
 
 def load_latest(out: str | os.PathLike, engine, loader) -> int:
     """Load the newest complete checkpoint under ``out`` into ``engine`` and ``loader`` at
     this run's layout; returns its step."""
-    from distllm.train.optim_state import set_moments
-
     path = check_compatible(out, engine.mcfg)
     meta = json.loads((path / "meta.json").read_text())
     with_optim = meta["optimizer_step"] > 0
     state = _empty_targets(engine, with_optim)
     dcp.load(state, checkpoint_id=str(path))
-    for chunk in engine.chunks:
-        for i in chunk.layer_ids:
-            pre = f"model.layers.{i}."
-            load_layer(chunk, i, {k[len(pre):]: v for k, v in state.items()
-                                  if k.startswith(pre)})
-    if with_optim:
-        moments = {}
-        for chunk in engine.chunks:
-            for i in chunk.layer_ids:
-                for name, path_in_layer in module_paths(chunk.cfg, i).items():
-                    param = chunk.layers[str(i)].get_parameter(path_in_layer)
-                    moments[param] = (chunk, i, name, {
-                        key: state[f"optim.layers.{i}.{name}.{key}"] for key in _MOMENTS})
-        set_moments(engine, moments, meta["optimizer_step"])
+    local = {}
+    for chunk, i, name, _, param in _entries(engine):
+        kind = _table(chunk.cfg, i)[name][1]
+        keys = ("weight", *MOMENTS) if with_optim else ("weight",)
+        local[param] = {
+            k: _shard(chunk.cfg, engine.dims, kind,
+                      state[f"model.layers.{i}.{name}" if k == "weight"
+                            else f"optim.layers.{i}.{name}.{k}"])
+            for k in keys}
+    install(engine, local, meta["optimizer_step"])
     loader.load_state_dict(meta["data"])
     _load_rng(path, engine, meta)
     dist.barrier()

@@ -45,31 +45,6 @@ def _decay_groups(params: list[tuple[str, nn.Parameter]], weight_decay: float) -
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-class _MasterAdamW:
-    """AdamW on fp32 master copies of low-precision parameters (bf16 with ZeRO 0)."""
-
-    def __init__(self, groups: list[dict], **kw):
-        self.model_params = [p for g in groups for p in g["params"]]
-        self.master = {p: p.detach().float().clone() for p in self.model_params}
-        self.optimizer = torch.optim.AdamW(
-            [{**g, "params": [self.master[p] for p in g["params"]]} for g in groups], **kw)
-        self.param_groups = self.optimizer.param_groups
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for p in self.model_params:
-            self.master[p].grad = None if p.grad is None else p.grad.float()
-        self.optimizer.step()
-        for p in self.model_params:
-            p.copy_(self.master[p])
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
-
-
 class Engine:
     """One rank's model chunks, pipeline, DP wrapper and optimizer."""
 
@@ -96,27 +71,38 @@ class Engine:
         adam = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
         groups = _decay_groups(self._named_params(), o.weight_decay)
         self.module = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
-        if p.zero == 0:
+        finish_on_end = self.dims.pp == 1
+        if p.zero == 0 and self.dtype != torch.bfloat16:
             from distllm.parallel.data.ddp import DistributedDataParallel
 
             self.ddp = DistributedDataParallel(
                 self.module, dims=self.dims, bucket_cap_mb=p.bucket_cap_mb,
-                finish_on_backward_end=self.dims.pp == 1)
+                finish_on_backward_end=finish_on_end)
             self.grad_sync = self.ddp
-            if self.dtype == torch.bfloat16:
-                self.optimizer = _MasterAdamW(groups, **adam)
-            else:
-                self.optimizer = torch.optim.AdamW(groups, foreach=False, **adam)
+            self.optimizer = torch.optim.AdamW(groups, foreach=False, **adam)
             self.zero = None
-        else:
-            from distllm.parallel.data.zero import ZeroOptimizer
+            return
+        # ZeRO stages 1-3, and bf16 at stage 0 (fp32 master weights live in ZeroOptimizer)
+        from distllm.parallel.data.zero import ZeroOptimizer
 
-            self.ddp = None
-            self.zero = ZeroOptimizer(self.module, torch.optim.AdamW, stage=p.zero,
-                                      dims=self.dims, bucket_cap_mb=p.bucket_cap_mb,
-                                      param_groups=groups, foreach=False, **adam)
-            self.grad_sync = self.zero
-            self.optimizer = self.zero
+        self.ddp = None
+        # stage 3 gathers layers by module hooks, so it takes the module (one param group)
+        params = self.module if p.zero == 3 else groups
+        if p.zero == 3 and o.weight_decay > 0:
+            self._warn_once("ZeRO-3 takes the module, not param groups: weight decay applies "
+                            "to every parameter (biases and norms included)")
+        self.zero = ZeroOptimizer(params, torch.optim.AdamW, stage=p.zero, dims=self.dims,
+                                  bucket_cap_mb=p.bucket_cap_mb,
+                                  finish_on_backward_end=finish_on_end, foreach=False,
+                                  weight_decay=o.weight_decay, **adam)
+        self.grad_sync = self.zero
+        self.optimizer = self.zero
+
+    def _warn_once(self, msg: str) -> None:
+        if self.dims.rank == 0:
+            import logging
+
+            logging.getLogger("distllm").warning(msg)
 
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
@@ -163,8 +149,7 @@ class Engine:
         if self.zero is not None:
             self.zero.zero_grad()
         else:
-            self.ddp.zero_grad()
-            self.module.zero_grad(set_to_none=False)
+            self.ddp.zero_grad(set_to_none=False)
         return float(norm)
 
     # --- evaluation ----------------------------------------------------------------------

@@ -1,68 +1,78 @@
-"""Per-parameter AdamW moments in a layout-independent form, for checkpoints.
+"""Per-parameter weights and AdamW moments in a layout-independent form, for checkpoints.
 
-``param_moments(engine, p)`` returns ``{"exp_avg", "exp_avg_sq"}`` of parameter ``p`` as
-tensors shaped like ``p`` (this rank's TP shard, complete over DP: ZeRO shards are
-all-gathered over the DP group). ``set_moments`` does the reverse from canonical (full)
-moments. Both hide whether the optimizer is ``torch.optim.AdamW``, the fp32-master AdamW of
-bf16 runs, or a :class:`distllm.parallel.ZeroOptimizer`.
+:func:`collect` returns, per parameter of this rank, ``{"weight", "exp_avg", "exp_avg_sq"}``
+shaped like the parameter's TP shard and complete over DP (ZeRO shards gathered; ``weight``
+is the fp32 master under mixed precision). :func:`install` does the reverse. Both hide
+whether the optimizer is ``torch.optim.AdamW`` behind DDP or a
+:class:`distllm.parallel.ZeroOptimizer` (whose ``state_dict`` already holds full tensors
+keyed ``master.<name>`` / ``state.<name>.<key>``).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from distllm.models.sharding import _shard, _table
+__all__ = ["collect", "install", "MOMENTS"]
 
-__all__ = ["param_moments", "set_moments", "optimizer_step", "sync_params"]
-
-
-def _torch_optimizer(engine):
-    opt = engine.optimizer
-    return opt.optimizer if hasattr(opt, "master") else opt
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _key(engine, p: torch.nn.Parameter):
-    opt = engine.optimizer
-    return opt.master[p] if hasattr(opt, "master") else p
-
-
-def param_moments(engine, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
-    if engine.zero is not None:
-        return engine.zero.full_param_state(p)
-    st = _torch_optimizer(engine).state.get(_key(engine, p), {})
-    return {k: st[k] for k in ("exp_avg", "exp_avg_sq") if k in st}
-
-
-def optimizer_step(engine) -> int:
-    """Optimizer steps taken so far (AdamW's ``step``), the same on every rank."""
-    if engine.zero is not None:
-        return int(engine.zero.step_count())
-    for st in _torch_optimizer(engine).state.values():
-        if "step" in st:
-            return int(st["step"])
-    return 0
-
-
-def sync_params(engine) -> None:
-    """Make every module parameter hold its current full (DP-complete) value."""
-    if engine.zero is not None and hasattr(engine.zero, "gather_params"):
-        engine.zero.gather_params()
+def _zero_names(engine) -> dict[nn.Parameter, str]:
+    return engine.zero.names
 
 
 @torch.no_grad()
-def set_moments(engine, moments: dict, step: int) -> None:
-    """``moments``: parameter -> ``(chunk, layer index, canonical name, {key: full tensor})``.
-    Installs this rank's shard of each moment and the step count."""
-    local: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
-    for p, (chunk, i, name, full) in moments.items():
-        kind = _table(chunk.cfg, i)[name][1]
-        local[p] = {k: _shard(chunk.cfg, engine.dims, kind, v).clone() for k, v in full.items()}
+def collect(engine, params: list[nn.Parameter]) -> tuple[dict, int]:
+    """``({param: {"weight": t, "exp_avg": t, "exp_avg_sq": t}}, optimizer step)``;
+    collective over DP with ZeRO. Moments are absent before the first step."""
+    out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
     if engine.zero is not None:
-        engine.zero.load_full_param_state(local, step)
+        sd = engine.zero.state_dict()
+        names = _zero_names(engine)
+        step = 0
+        for p in params:
+            n = names[p]
+            d = {"weight": sd[f"master.{n}"].reshape(p.shape)}
+            for k in MOMENTS:
+                if f"state.{n}.{k}" in sd:
+                    d[k] = sd[f"state.{n}.{k}"].reshape(p.shape)
+            if f"state.{n}.step" in sd:
+                step = int(sd[f"state.{n}.step"])
+            out[p] = d
+        return out, step
+    opt = engine.optimizer
+    step = 0
+    for p in params:
+        st = opt.state.get(p, {})
+        out[p] = {"weight": p.detach(), **{k: st[k] for k in MOMENTS if k in st}}
+        if "step" in st:
+            step = int(st["step"])
+    return out, step
+
+
+@torch.no_grad()
+def install(engine, local: dict[nn.Parameter, dict[str, torch.Tensor]], step: int) -> None:
+    """Set weights (and moments, when given) from per-parameter TP shards."""
+    if engine.zero is not None:
+        names = _zero_names(engine)
+        sd = engine.zero.state_dict()  # the template: every key, right dtypes
+        for p, d in local.items():
+            n = names[p]
+            for k, v in d.items():
+                key = f"master.{n}" if k == "weight" else f"state.{n}.{k}"
+                if key in sd:
+                    sd[key] = v.to(sd[key].dtype).reshape(sd[key].shape)
+                elif k != "weight":
+                    sd[key] = v.to(engine.zero.master_dtype).clone()
+            if any(k in d for k in MOMENTS):
+                sd[f"state.{n}.step"] = torch.tensor(float(step))
+        engine.zero.load_state_dict(sd)
         return
-    opt = _torch_optimizer(engine)
-    for p, st in local.items():
-        key = _key(engine, p)
-        dt = key.dtype
-        opt.state[key] = {"step": torch.tensor(float(step)),
-                          **{k: v.to(dt).reshape(key.shape) for k, v in st.items()}}
+    opt = engine.optimizer
+    for p, d in local.items():
+        p.copy_(d["weight"].reshape(p.shape))
+        if any(k in d for k in MOMENTS):
+            opt.state[p] = {"step": torch.tensor(float(step)),
+                            **{k: d[k].to(p.dtype).reshape(p.shape).clone()
+                               for k in MOMENTS if k in d}}

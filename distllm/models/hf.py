@@ -1,0 +1,120 @@
+"""Conversion between Hugging Face ``GPT2LMHeadModel`` and the sharded distllm :class:`GPT`.
+
+Hugging Face's GPT-2 stores its projections as ``Conv1D`` with weights ``(in, out)``; the
+canonical distllm tensors are ``nn.Linear``-shaped ``(out, in)``, so every projection is
+transposed. The fused ``c_attn`` columns are ``[q | k | v]`` with heads contiguous, the same
+order as the canonical QKV rows. The head is untied in distllm (the embedding and the head may
+sit on different pipeline stages): ``from_hf`` copies ``wte`` into it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from distllm.models.gpt import GPT, GPTConfig
+from distllm.models.sharding import gather_layer, load_layer
+from distllm.parallel.mesh import ParallelDims
+
+__all__ = ["from_hf", "to_hf", "config_from_hf"]
+
+_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
+def config_from_hf(hf_config) -> GPTConfig:
+    act = hf_config.activation_function
+    if act not in _ACT:
+        raise ValueError(f"activation_function={act!r} of the GPT-2 config is not supported: "
+                         f"use one of {', '.join(_ACT)}")
+    h = hf_config.n_embd
+    return GPTConfig(vocab_size=hf_config.vocab_size, n_layers=hf_config.n_layer, hidden_size=h,
+                     n_heads=hf_config.n_head, ffn_hidden_size=hf_config.n_inner or 4 * h,
+                     max_seq_len=hf_config.n_positions, activation=_ACT[act],
+                     layer_norm_eps=hf_config.layer_norm_epsilon, tie_embeddings=False,
+                     name="hf-gpt2")
+
+
+def _canonical_from_hf(sd: dict[str, torch.Tensor], cfg: GPTConfig, i: int
+                       ) -> dict[str, torch.Tensor]:
+    if i == 0:
+        return {"wte.weight": sd["transformer.wte.weight"], "wpe": sd["transformer.wpe.weight"]}
+    if i == cfg.n_layers + 1:
+        head = sd.get("lm_head.weight", sd["transformer.wte.weight"])
+        return {"ln_f.weight": sd["transformer.ln_f.weight"],
+                "ln_f.bias": sd["transformer.ln_f.bias"], "lm_head.weight": head}
+    p = f"transformer.h.{i - 1}."
+    t = lambda k: sd[p + k].t()  # Conv1D (in, out) -> Linear (out, in)
+    return {
+        "ln_1.weight": sd[p + "ln_1.weight"], "ln_1.bias": sd[p + "ln_1.bias"],
+        "attn.qkv.weight": t("attn.c_attn.weight"), "attn.qkv.bias": sd[p + "attn.c_attn.bias"],
+        "attn.proj.weight": t("attn.c_proj.weight"), "attn.proj.bias": sd[p + "attn.c_proj.bias"],
+        "ln_2.weight": sd[p + "ln_2.weight"], "ln_2.bias": sd[p + "ln_2.bias"],
+        "mlp.fc.weight": t("mlp.c_fc.weight"), "mlp.fc.bias": sd[p + "mlp.c_fc.bias"],
+        "mlp.proj.weight": t("mlp.c_proj.weight"), "mlp.proj.bias": sd[p + "mlp.c_proj.bias"],
+    }
+
+
+@torch.no_grad()
+def from_hf(hf_model, dims: ParallelDims, *, layer_ids: Iterable[int] | None = None,
+            dtype: torch.dtype | None = None, **gpt_kwargs) -> GPT:
+    """A :class:`GPT` holding ``layer_ids`` (default: all) of ``hf_model``, sharded over
+    ``dims``' TP group. ``gpt_kwargs`` go to :class:`GPT` (``sequence_parallel``,
+    ``overlap``...). No collective."""
+    cfg = config_from_hf(hf_model.config)
+    sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
+    dtype = dtype or next(iter(sd.values())).dtype
+    model = GPT(cfg, dims, layer_ids=layer_ids, dtype=dtype, seed=None, **gpt_kwargs)
+    for i in model.layer_ids:
+        load_layer(model, i, {k: v.to(dtype) for k, v in _canonical_from_hf(sd, cfg, i).items()})
+    return model
+
+
+@torch.no_grad()
+def to_hf(models: GPT | Iterable[GPT]):
+    """A ``GPT2LMHeadModel`` with the weights of ``models`` (this rank's chunks). Collective:
+    an all-gather over TP per sharded tensor and, with pp > 1, an all-gather of the layers over
+    the PP group; every rank returns the whole model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    models = [models] if isinstance(models, GPT) else list(models)
+    cfg, dims = models[0].cfg, models[0].dims
+    mine = {i: gather_layer(m, i) for m in models for i in m.layer_ids}
+    if dims.pp > 1:
+        parts: list = [None] * dims.pp
+        dist.all_gather_object(parts, mine, group=dims.pp_group)
+        mine = {i: layer for part in parts for i, layer in part.items()}
+    act = {"gelu_tanh": "gelu_new", "gelu": "gelu"}[cfg.activation]
+    hf_cfg = GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len,
+                        n_embd=cfg.hidden_size, n_layer=cfg.n_layers, n_head=cfg.n_heads,
+                        n_inner=cfg.ffn_hidden_size, activation_function=act,
+                        layer_norm_epsilon=cfg.layer_norm_eps, tie_word_embeddings=False,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    dtype = next(iter(mine[0].values())).dtype
+    hf = GPT2LMHeadModel(hf_cfg).to(dtype).eval()
+    sd = {"transformer.wte.weight": mine[0]["wte.weight"],
+          "transformer.wpe.weight": mine[0]["wpe"]}
+    head = mine[cfg.n_layers + 1]
+    sd["transformer.ln_f.weight"] = head["ln_f.weight"]
+    sd["transformer.ln_f.bias"] = head["ln_f.bias"]
+    sd["lm_head.weight"] = head.get("lm_head.weight", mine[0]["wte.weight"])
+    for i in range(1, cfg.n_layers + 1):
+        c, p = mine[i], f"transformer.h.{i - 1}."
+        for ours, theirs, transpose in (
+            ("ln_1.weight", "ln_1.weight", False), ("ln_1.bias", "ln_1.bias", False),
+            ("attn.qkv.weight", "attn.c_attn.weight", True),
+            ("attn.qkv.bias", "attn.c_attn.bias", False),
+            ("attn.proj.weight", "attn.c_proj.weight", True),
+            ("attn.proj.bias", "attn.c_proj.bias", False),
+            ("ln_2.weight", "ln_2.weight", False), ("ln_2.bias", "ln_2.bias", False),
+            ("mlp.fc.weight", "mlp.c_fc.weight", True), ("mlp.fc.bias", "mlp.c_fc.bias", False),
+            ("mlp.proj.weight", "mlp.c_proj.weight", True),
+            ("mlp.proj.bias", "mlp.c_proj.bias", False),
+        ):
+            sd[p + theirs] = c[ours].t().contiguous() if transpose else c[ours]
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not k.endswith(".attn.bias") and "masked_bias" not in k]
+    if missing or unexpected:
+        raise RuntimeError(f"to_hf: missing {missing}, unexpected {unexpected}")
+    return hf
