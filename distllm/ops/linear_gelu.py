@@ -1,21 +1,183 @@
 """``linear_gelu(x, weight, bias=None, *, approximate="none", backend="auto")``:
-y = gelu(x @ weight.T + bias), differentiable. (Reference backend.)"""
+y = gelu(x @ weight.T + bias) as one differentiable operation.
+
+Registered with ``torch.library`` as two ops, so that it survives ``torch.compile``:
+
+- ``distllm::linear_gelu_fwd(x, weight, bias?, approximate, backend, save_pre) -> (y, pre)``
+  on 2-D ``x`` (M, K); ``pre`` (the pre-activation, what the backward needs) is an empty
+  tensor when ``save_pre`` is false (no gradient is needed);
+- ``distllm::linear_gelu_bwd(grad, x, weight, pre, bias?, approximate, backend, need_dx,
+  need_dw) -> (dx, dweight, dbias)``, the registered autograd formula of the first.
+
+Backends (``backends()`` says which run here and why not): ``cuda`` (cuBLASLt epilogues,
+``approximate="tanh"`` only), ``triton``, ``cpu`` (oneDNN) and ``reference`` (plain PyTorch).
+``backend="auto"`` resolves inside the op, per shape, dtype and device, to the fastest
+candidate measured on first use (the unfused reference is always a candidate); see
+``distllm.ops._autotune``. No collective runs in forward or backward: in a column-parallel
+layer this is the local shard's computation.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from distllm.ops import _autotune
+from distllm.ops import _linear_gelu_impl as impl
 
-def linear_gelu_reference(x, weight, bias=None, approximate="none"):
+__all__ = ["linear_gelu", "linear_gelu_reference", "backends"]
+
+_APPROX = ("none", "tanh")
+_CHOICES = ("auto", *impl.BACKENDS)
+
+
+def linear_gelu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                          approximate: str = "none") -> torch.Tensor:
     """Plain PyTorch: the oracle of the tests and the last fallback."""
     return F.gelu(F.linear(x, weight, bias), approximate=approximate)
 
 
+def backends() -> dict[str, str]:
+    """Each backend name -> ``"ok: ..."`` or ``"unavailable: <reason>"`` in this process."""
+    return impl.availability()
+
+
+def _check(x, weight, bias, approximate: str, backend: str) -> None:
+    if approximate not in _APPROX:
+        raise ValueError(f"approximate={approximate!r}: use 'none' (erf) or 'tanh'")
+    if backend not in _CHOICES:
+        raise ValueError(f"backend={backend!r}: use one of {', '.join(_CHOICES)}")
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise ValueError("linear_gelu: x and weight must be tensors")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D (out_features, in_features), got shape "
+                         f"{tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x's last dimension ({x.shape[-1] if x.dim() else 'scalar'}) must equal "
+                         f"weight's in_features ({weight.shape[1]}); weight is (out, in) as in "
+                         f"nn.Linear, got x {tuple(x.shape)} and weight {tuple(weight.shape)}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(f"bias must be 1-D of length out_features={weight.shape[0]}, got shape "
+                         f"{tuple(bias.shape)}")
+    ts = [("x", x), ("weight", weight)] + ([("bias", bias)] if bias is not None else [])
+    if len({t.dtype for _, t in ts}) > 1:
+        raise ValueError("x, weight and bias must share one dtype, got "
+                         + ", ".join(f"{n}={t.dtype}" for n, t in ts))
+    if len({t.device for _, t in ts}) > 1:
+        raise ValueError("x, weight and bias must be on one device, got "
+                         + ", ".join(f"{n}={t.device}" for n, t in ts))
+    if not x.is_floating_point():
+        raise ValueError(f"linear_gelu needs floating-point tensors, got {x.dtype}")
+
+
+def _require(backend: str, x, weight, approximate: str) -> None:
+    """An explicit backend that cannot serve these inputs is an error naming the ones that can."""
+    why = impl.why_not(backend, x, weight, approximate)
+    if why is None:
+        return
+    ok = [b for b in impl.BACKENDS if impl.why_not(b, x, weight, approximate) is None]
+    raise ValueError(f"backend={backend!r} cannot run here: {why}. Available for these inputs: "
+                     f"{', '.join(ok)} (or backend='auto')")
+
+
 def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                 approximate: str = "none", backend: str = "auto") -> torch.Tensor:
-    return linear_gelu_reference(x, weight, bias, approximate)
+    """gelu(x @ weight.T + bias) for ``x`` (..., in), ``weight`` (out, in), ``bias`` (out,).
+
+    Differentiable in x, weight and bias. ``approximate`` as in ``F.gelu``. ``backend``:
+    "auto" (measured per shape and device), "cuda", "triton", "cpu" or "reference"; an explicit
+    backend that cannot serve the inputs raises ValueError naming those that can.
+    """
+    _check(x, weight, bias, approximate, backend)
+    if backend == "reference":
+        return linear_gelu_reference(x, weight, bias, approximate)
+    if backend != "auto":
+        _require(backend, x, weight, approximate)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])  # (..., K) -> (M, K); a view when x's layout allows
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    y, _ = torch.ops.distllm.linear_gelu_fwd(x2, weight, bias, approximate, backend, needs_grad)
+    return y.reshape(*lead, weight.shape[0])
 
 
-def backends() -> dict[str, str]:
-    return {"reference": "ok"}
+# ----------------------------------------------------------------------------- auto
+def _auto_candidates(x, w, approximate: str) -> list[str]:
+    names = [b for b in impl.BACKENDS if impl.why_not(b, x, w, approximate) is None]
+    if x.device.type == "cpu":  # the Triton interpreter is for tests, never a speed choice
+        names = [b for b in names if b != "triton"]
+    return names
+
+
+def _resolve_fwd(backend, x, w, b, approximate, save_pre) -> str:
+    if backend != "auto":
+        return backend
+    names = _auto_candidates(x, w, approximate)
+    key = (f"linear_gelu_fwd|{x.dtype}|{tuple(x.shape)}x{tuple(w.shape)}|bias={b is not None}"
+           f"|{approximate}|pre={save_pre}")
+    fns = {n: (lambda n=n: impl.fwd(n, x, w, b, approximate, save_pre)) for n in names}
+    return _autotune.choose(key, x.device, fns)
+
+
+def _resolve_bwd(backend, grad, x, w, pre, has_bias, approximate, need_dx, need_dw) -> str:
+    if backend != "auto":
+        return backend
+    names = _auto_candidates(x, w, approximate)
+    key = (f"linear_gelu_bwd|{x.dtype}|{tuple(x.shape)}x{tuple(w.shape)}|bias={has_bias}"
+           f"|{approximate}|dx={need_dx}|dw={need_dw}")
+    fns = {n: (lambda n=n: impl.bwd(n, grad, x, w, pre, has_bias, approximate, need_dx, need_dw))
+           for n in names}
+    return _autotune.choose(key, x.device, fns)
+
+
+# ----------------------------------------------------------------------------- registration
+@torch.library.custom_op("distllm::linear_gelu_fwd", mutates_args=())
+def _fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, approximate: str,
+            backend: str, save_pre: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    name = _resolve_fwd(backend, x, weight, bias, approximate, save_pre)
+    return impl.fwd(name, x, weight, bias, approximate, save_pre)
+
+
+@_fwd_op.register_fake
+def _(x, weight, bias, approximate, backend, save_pre):
+    y = x.new_empty((x.shape[0], weight.shape[0]))
+    return y, (x.new_empty((x.shape[0], weight.shape[0])) if save_pre else x.new_empty(0))
+
+
+@torch.library.custom_op("distllm::linear_gelu_bwd", mutates_args=())
+def _bwd_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, pre: torch.Tensor,
+            bias: torch.Tensor | None, approximate: str, backend: str, need_dx: bool,
+            need_dw: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if pre.numel() == 0 and x.shape[0] * weight.shape[0] > 0:
+        pre = F.linear(x, weight, bias)  # forward ran without save_pre: recompute (M, N)
+    has_bias = bias is not None
+    name = _resolve_bwd(backend, grad, x, weight, pre, has_bias, approximate, need_dx, need_dw)
+    return impl.bwd(name, grad, x, weight, pre, has_bias, approximate, need_dx, need_dw)
+
+
+@_bwd_op.register_fake
+def _(grad, x, weight, pre, bias, approximate, backend, need_dx, need_dw):
+    dx = x.new_empty(x.shape) if need_dx else x.new_empty(0)
+    dw = weight.new_empty(weight.shape) if need_dw else x.new_empty(0)
+    db = x.new_empty((weight.shape[0],)) if bias is not None else x.new_empty(0)
+    return dx, dw, db
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, approximate, backend, _save_pre = inputs
+    ctx.save_for_backward(x, weight, bias, output[1])
+    ctx.approximate = approximate
+    ctx.backend = backend
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, grad_y, _grad_pre):
+    x, weight, bias, pre = ctx.saved_tensors
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    dx, dw, db = torch.ops.distllm.linear_gelu_bwd(
+        grad_y, x, weight, pre, bias, ctx.approximate, ctx.backend, need_dx, need_dw)
+    return (dx if need_dx else None, dw if need_dw else None,
+            db if (need_db and bias is not None) else None, None, None, None)
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)

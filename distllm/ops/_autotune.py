@@ -1,0 +1,130 @@
+"""Measured backend choice for ``backend="auto"``, cached per shape and device.
+
+The first call with a new key times every candidate on the caller's own tensors (a warm-up
+call, then a few interleaved repetitions, median) and remembers the fastest, in memory and in
+a small JSON file (``~/.cache/distllm/autotune.json``; unwritable is fine, it is only a
+cache). The unfused reference is always a candidate, so ``auto`` is never slower than unfused
+beyond measurement noise. Keys carry the device name and the torch version, so a cache
+copied to another machine or torch is not reused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("distllm")
+
+_lock = threading.Lock()
+_memory: dict[str, str] = {}
+_disk_loaded = False
+
+
+def cache_path() -> Path:
+    return Path.home() / ".cache" / "distllm" / "autotune.json"
+
+
+def device_tag(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"{device.type}:{os.cpu_count()}cores:{torch.get_num_threads()}threads"
+
+
+def _load_disk() -> None:
+    global _disk_loaded
+    if _disk_loaded:
+        return
+    _disk_loaded = True
+    try:
+        data = json.loads(cache_path().read_text())
+        if isinstance(data, dict):
+            for k, v in data.items():
+                _memory.setdefault(str(k), str(v))
+    except (OSError, ValueError):
+        pass
+
+
+def _save_disk() -> None:
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".autotune-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(_memory, f, indent=0, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.debug("autotune cache not written (%s)", exc)
+
+
+def _time_ms(fn: Callable[[], object], sync: Callable[[], None] | None) -> float:
+    t0 = time.perf_counter()
+    fn()
+    if sync is not None:
+        sync()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def measure(candidates: dict[str, Callable[[], object]], sync: Callable[[], None] | None,
+            reps: int = 3) -> dict[str, float]:
+    """Median ms of each candidate: one warm-up round, then ``reps`` interleaved rounds."""
+    names = list(candidates)
+    for n in names:
+        candidates[n]()
+    if sync is not None:
+        sync()
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(reps):
+        for n in names if i % 2 == 0 else names[::-1]:
+            samples[n].append(_time_ms(candidates[n], sync))
+    return {n: statistics.median(s) for n, s in samples.items()}
+
+
+def choose(key: str, device: torch.device, candidates: dict[str, Callable[[], object]]) -> str:
+    """The fastest candidate's name for ``key`` on ``device``, measured once and cached."""
+    if len(candidates) == 1:
+        return next(iter(candidates))
+    full = f"{device_tag(device)}|torch{torch.__version__}|{key}"
+    with _lock:
+        _load_disk()
+        hit = _memory.get(full)
+    if hit in candidates:
+        return hit
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    with torch.no_grad():
+        times = measure(candidates, sync)
+    best = min(times, key=times.__getitem__)
+    log.info("autotune %s: %s (%s)", full, best,
+             ", ".join(f"{n}={t:.3g}ms" for n, t in times.items()))
+    with _lock:
+        _memory[full] = best
+        _save_disk()
+    return best
+
+
+def cached() -> dict[str, str]:
+    """A copy of the choices made so far (for ``distllm info`` and tests)."""
+    with _lock:
+        _load_disk()
+        return dict(_memory)
+
+
+def clear(memory_only: bool = True) -> None:
+    """Forget the choices (in memory; also on disk unless ``memory_only``)."""
+    global _disk_loaded
+    with _lock:
+        _memory.clear()
+        _disk_loaded = memory_only  # do not reload the file we are forgetting
+        if not memory_only:
+            try:
+                cache_path().unlink()
+            except OSError:
+                pass

@@ -1,0 +1,191 @@
+"""Backends of ``linear_gelu`` on 2-D operands: forward ``(x, w, b) -> (y, pre)`` and backward
+``(grad, x, w, pre) -> (dx, dw, db)``, plus which backend can serve which inputs and why not.
+
+- ``cuda``: cuBLASLt epilogues from ``distllm._cuda`` (GELU_AUX_BIAS forward; backward: the
+  GeLU-derivative kernel of ``bias_gelu_backward``, then the weight-gradient GEMM with the
+  BGRADB epilogue, which also yields the bias gradient). tanh GeLU only.
+- ``triton``: ``distllm.kernels.linear_gelu`` (GPU; on CPU only through TRITON_INTERPRET=1,
+  explicitly, never picked by ``auto``).
+- ``cpu``: oneDNN through torch (``mkldnn._linear_pointwise``): with the GeLU post-op when the
+  pre-activation is not needed (inference), else the GEMM with the bias fused, then the GeLU;
+  backward: one ``gelu_backward`` pass, the bias gradient, two GEMMs.
+- ``reference``: ``F.gelu(F.linear(...))`` and its plain derivative; runs everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from distllm import _ext
+
+BACKENDS = ("cuda", "triton", "cpu", "reference")
+_GEMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ----------------------------------------------------------------------------- availability
+@functools.cache
+def _triton_module():
+    try:
+        from distllm.kernels import linear_gelu as k
+    except Exception as exc:  # noqa: BLE001 - triton missing or broken: report why
+        return None, f"triton import failed ({type(exc).__name__}: {exc})"
+    return k, "ok"
+
+
+def _cuda_ext_status() -> tuple[bool, str]:
+    if not torch.cuda.is_available():
+        return False, "no CUDA device is visible to torch"
+    ok, why = _ext.status("_cuda")
+    if ok and not hasattr(torch.ops.distllm, "cublaslt_linear_gelu"):
+        return False, "distllm._cuda was built without csrc/cuda/linear_gelu.cu"
+    return ok, why
+
+
+@functools.cache
+def onednn_linear_ok() -> bool:
+    """Whether torch exposes oneDNN's fused linear (``mkldnn._linear_pointwise``)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._linear_pointwise.default  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+@functools.cache
+def _onednn_dtype_ok(dtype: torch.dtype) -> bool:
+    if not onednn_linear_ok() or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    x = torch.randn(3, 8, dtype=dtype)
+    w = torch.randn(5, 8, dtype=dtype)
+    try:
+        got = torch.ops.mkldnn._linear_pointwise(x, w, None, "gelu", [], "none")
+    except RuntimeError:
+        return False
+    return bool(torch.allclose(got.float(), F.gelu(F.linear(x.float(), w.float())),
+                               atol=5e-2, rtol=5e-2))
+
+
+def availability() -> dict[str, str]:
+    """Backend -> "ok ..." or the reason it cannot run in this process."""
+    out: dict[str, str] = {}
+    ok, why = _cuda_ext_status()
+    out["cuda"] = ("ok: cuBLASLt GELU_AUX_BIAS / BGRADB epilogues; serves approximate='tanh' "
+                   "only (cuBLASLt's GeLU is the tanh form), 'none' goes to triton"
+                   if ok else f"unavailable: {why}")
+    k, why = _triton_module()
+    if k is None:
+        out["triton"] = f"unavailable: {why}"
+    elif k.interpreting():
+        out["triton"] = ("ok: through TRITON_INTERPRET=1 on CPU (slow; explicit backend='triton' "
+                         "only, auto never picks it)")
+    elif torch.cuda.is_available():
+        out["triton"] = "ok: autotuned Triton GEMM with bias+GeLU epilogue"
+    else:
+        out["triton"] = "unavailable: no CUDA device (set TRITON_INTERPRET=1 to run on CPU)"
+    out["cpu"] = ("ok: oneDNN linear with GeLU post-op (inference) / fused bias (training)"
+                  if onednn_linear_ok() else "ok: torch addmm + GeLU (oneDNN linear missing)")
+    out["reference"] = "ok: F.gelu(F.linear(x, w, b))"
+    return out
+
+
+def why_not(backend: str, x: torch.Tensor, weight: torch.Tensor, approximate: str) -> str | None:
+    """None if ``backend`` can serve these inputs, else the reason it cannot."""
+    if backend == "reference":
+        return None
+    if backend == "cpu":
+        return None if x.device.type == "cpu" else f"backend 'cpu' needs CPU tensors, got {x.device}"
+    if x.dtype not in _GEMM_DTYPES:
+        return f"backend {backend!r} supports float32/bfloat16/float16, got {x.dtype}"
+    if backend == "triton":
+        k, why = _triton_module()
+        if k is None:
+            return why
+        if k.interpreting():
+            return None if x.device.type == "cpu" else "triton runs in the interpreter (CPU only)"
+        return None if x.is_cuda else "backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1)"
+    if backend == "cuda":
+        ok, why = _cuda_ext_status()
+        if not ok:
+            return why
+        if not x.is_cuda:
+            return f"backend 'cuda' needs CUDA tensors, got {x.device}"
+        if approximate != "tanh":
+            return "cuBLASLt's GeLU epilogue is the tanh form: it serves approximate='tanh' only"
+        if x.shape[-1] % 8 or weight.shape[0] % 8:
+            return "cuBLASLt epilogues need in/out features that are multiples of 8"
+        return None
+    return f"unknown backend {backend!r}"
+
+
+# ----------------------------------------------------------------------------- forward
+def fwd(backend: str, x, w, b, approximate: str, save_pre: bool):
+    """(y, pre) for 2-D x (M, K), w (N, K); pre is empty((0,)) unless save_pre."""
+    if backend == "cuda":
+        y, pre = torch.ops.distllm.cublaslt_linear_gelu(
+            _aligned(x), _aligned(w), None if b is None else _aligned(b), save_pre)
+        return y, pre
+    if backend == "triton":
+        k, _ = _triton_module()
+        return k.linear_gelu_fwd(x, w, b, approximate, save_pre)
+    if backend == "cpu":
+        return _cpu_fwd(x, w, b, approximate, save_pre)
+    pre = F.linear(x, w, b)  # (M, K) @ (K, N) + b
+    y = F.gelu(pre, approximate=approximate)
+    return y, (pre if save_pre else pre.new_empty(0))
+
+
+def _cpu_fwd(x, w, b, approximate, save_pre):
+    if _onednn_dtype_ok(x.dtype):
+        lp = torch.ops.mkldnn._linear_pointwise
+        x, w = x.contiguous(), w.contiguous()
+        b = None if b is None else b.contiguous()
+        if not save_pre:  # GeLU as a oneDNN post-op: applied while the output tile is in cache
+            return lp(x, w, b, "gelu", [], approximate), x.new_empty(0)
+        pre = lp(x, w, b, "none", [], "")  # bias fused into the GEMM
+    else:
+        pre = F.linear(x, w, b)
+    y = F.gelu(pre, approximate=approximate)
+    return y, (pre if save_pre else pre.new_empty(0))
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous, with a 16-byte aligned start (cuBLASLt vector loads need it)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+# ----------------------------------------------------------------------------- backward
+def bwd(backend: str, grad, x, w, pre, has_bias: bool, approximate: str, need_dx: bool,
+        need_dw: bool):
+    """(dx, dw, db) of y = gelu(x w^T + b); a gradient not needed is empty((0,))."""
+    grad = grad.contiguous()
+    dw = db = None
+    if backend == "triton":
+        k, _ = _triton_module()
+        gu, db = k.gelu_bwd_pass(grad, pre, has_bias, approximate)  # one fused pass
+    elif backend == "cuda":
+        gu = torch.ops.distllm.bias_gelu_backward(grad, pre, None, approximate)
+        if need_dw:  # dW GEMM with the bias gradient in its BGRADB epilogue
+            dw, db = torch.ops.distllm.cublaslt_wgrad_bgrad(gu, _aligned(x), has_bias)
+    else:
+        gu = torch.ops.aten.gelu_backward(grad, pre, approximate=approximate)
+    if has_bias and (db is None or db.numel() == 0):
+        db = gu.sum(0)
+    if need_dw and dw is None:
+        dw = gu.t() @ x  # (N, M) @ (M, K)
+    dx = None
+    if need_dx:
+        if backend == "cpu" and _onednn_dtype_ok(x.dtype):
+            # (M, N) @ (N, K) through oneDNN, w.t() being the (out=K, in=N) weight: 84 vs 112 ms
+            # for torch.mm at (M, N, K) = (2048, 4096, 1024) fp32 on a 2-core EPYC under load.
+            dx = torch.ops.mkldnn._linear_pointwise(gu, w.t(), None, "none", [], "")
+        else:
+            dx = gu @ w  # (M, N) @ (N, K)
+    empty = x.new_empty(0)
+    return (empty if dx is None else dx, empty if dw is None else dw,
+            empty if db is None else db.to(x.dtype))
