@@ -69,33 +69,32 @@ def pipeline_time(
     raise ValueError(f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
 
 
+SIM_MAX_ACTIONS = 20000  # larger cases use the closed form (the replay is pure Python)
+
+
 def simulator_or_none() -> Callable | None:
-    """An adapter to ``distllm.parallel.pipeline.simulate`` if it is importable, else None.
+    """An adapter to ``distllm.parallel.pipeline``'s schedule replay if it is importable.
 
     The adapter returns the simulated step time, or None when the simulator cannot run that
-    case (so the closed form is used instead).
+    case (too big, or a schedule it refuses), so that the closed form is used instead.
     """
-    try:
-        from distllm.parallel import pipeline as pl  # lazy: may pull in torch
-
-        simulate = pl.simulate
-        make = getattr(pl, "make_schedule", None) or getattr(pl, "build_schedule", None)
+    try:  # lazy: the pipeline package is a higher-level sibling and may be absent
+        from distllm.parallel.pipeline.schedules import build_schedule
+        from distllm.parallel.pipeline.simulate import simulate
     except Exception:  # noqa: BLE001 - absent or broken: closed forms
-        return None
-    if make is None:
         return None
 
     def run(schedule, p, m, v, t_f, t_b, t_w, t_comm):
+        if p * m * v > SIM_MAX_ACTIONS:
+            return None
         try:
-            kw = {"virtual_stages": v} if schedule == "interleaved-1f1b" else {}
-            sched = make(schedule, p, m, **kw)
-            tb = t_b - t_w if schedule == "zb-h1" else t_b
-            res = simulate(sched, t_f / v, tb / v, t_w / v, t_comm)
+            sched = build_schedule(schedule, p, m, v if schedule == "interleaved-1f1b" else 1)
+            # per chunk; a non-split backward B takes (t_b - t_w) + t_w in the simulator
+            res = simulate(sched, t_f / v, (t_b - t_w) / v, t_w / v, t_comm)
         except Exception:  # noqa: BLE001 - an unsupported case falls back to the formula
             return None
-        st = getattr(res, "step_time", None)
-        if st is None and isinstance(res, dict):
-            st = res.get("step_time")
-        return float(st) if st is not None else None
+        if getattr(res, "deadlock", None):
+            return None
+        return float(res.step_time)
 
     return run

@@ -189,26 +189,28 @@ PRESETS: dict[str, ModelShape] = {
     ),
 }
 
-# distllm.models presets (byte-level tokenizer: 256 symbols padded to 64*tp). These mirror
-# GPTConfig; when distllm.models is importable its numbers win (see preset()).
+# Fallback copies of distllm.models.GPTConfig's presets (tiny: byte vocabulary of 256 padded to
+# 64*tp; gpt2-*: the GPT-2 vocabulary), used only when distllm.models cannot be imported;
+# otherwise preset() reads GPTConfig itself.
 _GPT_LOCAL = {
-    "tiny": (4, 128, 4, 512, 128, 32),
-    "gpt2-small": (12, 768, 12, 3072, 1024, 32),
-    "gpt2-medium": (24, 1024, 16, 4096, 1024, 32),
-    "gpt2-xl": (48, 1600, 25, 6400, 1024, 32),
+    "tiny": (4, 128, 4, 512, 256, 128, 32),
+    "gpt2-small": (12, 768, 12, 3072, 50257, 1024, 32),
+    "gpt2-medium": (24, 1024, 16, 4096, 50257, 1024, 32),
+    "gpt2-xl": (48, 1600, 25, 6400, 50257, 1024, 32),
 }
-for _n, (_l, _h, _a, _f, _s, _b) in _GPT_LOCAL.items():
+for _n, (_l, _h, _a, _f, _v, _s, _b) in _GPT_LOCAL.items():
     PRESETS[_n] = ModelShape(
         _n,
         _l,
         _h,
         _a,
         _f,
-        256,
+        _v,
         _s,
         _b,
         vocab_multiple=64,
-        source="distllm.models.GPTConfig preset" if _n == "tiny" else _GPT2,
+        tied_embeddings=False,
+        source=f"distllm.models.GPTConfig.preset({_n!r})",
     )
 
 
@@ -241,9 +243,8 @@ def _from_gptconfig(name: str) -> ModelShape | None:
             layers=int(pick("n_layers", "n_layer", "num_layers", "layers", default=base.layers)),
             hidden=int(pick("hidden", "hidden_size", "n_embd", "d_model", default=base.hidden)),
             heads=int(pick("n_heads", "n_head", "num_heads", "heads", default=base.heads)),
-            ffn=int(
-                pick("ffn_hidden", "ffn", "ffn_size", "intermediate_size", "d_ff", default=base.ffn)
-            ),
+            ffn=int(pick("ffn_hidden_size", "ffn", "intermediate_size", default=base.ffn)),
+            kv_heads=int(pick("n_kv_heads", "kv_heads", default=0) or 0),
             vocab=int(pick("vocab_size", "vocab", default=base.vocab)),
             seq_len=int(
                 pick(
