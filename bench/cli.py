@@ -133,6 +133,61 @@ def _compare(args: argparse.Namespace, rows: list[dict], machine: dict, out: Pat
     return 0
 
 
+def _doctor_rank(overlap: str, require: bool | None, steps: int, trace: str | None) -> dict:
+    """One rank of ``--doctor``: two MLP blocks (column-parallel GEMM + GeLU, then
+    row-parallel GEMM) at tp=2, SGD steps on a fixed batch, diagnosed."""
+    import torch
+    from distllm.bench.doctor import diagnose
+
+    import distllm
+    from distllm.nn import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(0)
+    dims = distllm.ParallelDims(tp=2)
+    h, m = 256, 512
+    layers = []
+    for _ in range(2):
+        layers += [ColumnParallelLinear(h, 4 * h, dims, activation="gelu", overlap=overlap),
+                   RowParallelLinear(4 * h, h, dims, overlap=overlap)]
+    model = torch.nn.Sequential(*layers)
+    x = torch.randn(m, h)  # (tokens, hidden), the same on both ranks
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    rep = diagnose(model, step, steps, require_overlap=require, raise_on_failure=False,
+                   trace_path=trace if trace and dims.rank == 0 else None)
+    return {"report": rep.as_dict(), "markdown": rep.to_markdown()}
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from distllm.testing import run_distributed
+
+    out = Path(args.out) if args.out else None
+    trace = None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        trace = str((out / "doctor_trace.json").resolve())
+    if args.steps < 1:
+        raise ValueError(f"--steps {args.steps}: must be >= 1")
+    res = run_distributed(_doctor_rank, 2, args.overlap, args.require_overlap, args.steps,
+                          trace, timeout=300)
+    print(f"distllm bench --doctor: tp=2 on 2 gloo ranks, layers built with "
+          f"overlap={args.overlap!r}\n\n{res[0]['markdown']}")
+    if out is not None:
+        (out / "doctor.json").write_text(json.dumps([r["report"] for r in res], indent=1))
+        (out / "DOCTOR.md").write_text(res[0]["markdown"] + "\n")
+    failed = [i for i, r in enumerate(res) if not r["report"]["ok"]]
+    if failed:
+        print(f"distllm bench --doctor: overlap asked for but not happening (ranks {failed})",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from distllm.bench import plots, report
     from distllm.bench.harness import BenchConfig, write_rows
@@ -142,9 +197,7 @@ def run(args: argparse.Namespace) -> int:
         return _list()
     _check(args)
     if args.doctor:
-        from distllm.bench.doctor import cli_main
-
-        return cli_main(args)
+        return _doctor(args)
     names = parse_suites(args.suite)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or f"runs/bench-{stamp}")

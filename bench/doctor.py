@@ -1,0 +1,446 @@
+"""The overlap doctor: is the communication of a distllm.nn model really hidden?
+
+``diagnose(model, step_fn, steps=3)`` runs inside a user's own training (on every rank, as
+the steps are collective). It finds the layers that overlap communication with compute
+(modules with an ``overlap_stats`` attribute: ``RowParallelLinear``, ``ColumnParallelLinear``
+and the blocks built from them), runs ``warmup`` steps, then profiles ``steps`` steps with
+``torch.profiler`` while timing each such layer's forward and backward, and reports per layer
+and direction:
+
+- the collective (all-reduce, all-gather, reduce-scatter), how many calls ran overlapped,
+  the mode that ran (``chunked`` or ``none``) and, for a fallback, why;
+- the time blocked on the collective (``wait``) against its standalone time (``comm``,
+  from ``overlap="auto"``'s measurement or timed by the doctor on the same group, same size),
+  hence the fraction hidden: ``(comm - wait) / comm``;
+- the layer's time against the ideal ``max(compute, comm)``, ``compute`` being the layer's
+  time less the blocked wait.
+
+It fails loudly (raises :class:`OverlapNotHappening`, carrying the report) when an overlap
+the user asked for is not happening: by default every layer built with ``overlap="chunked"``
+must run its collectives overlapped; with ``require_overlap=True`` every layer that
+communicates must (so ``overlap="none"`` or an ``auto`` fallback fails); ``min_hidden`` also
+fails layers that overlap but hide less than that fraction. ``distllm bench --doctor`` runs
+it on a small built-in model on 2 gloo ranks (see ``distllm.bench.cli``).
+
+Usage inside a training script (every rank)::
+
+    from distllm.bench.doctor import diagnose
+    report = diagnose(model, lambda: train_step(batch), steps=3, require_overlap=True)
+    print(report.to_markdown())
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["diagnose", "DoctorReport", "LayerDirection", "OverlapNotHappening"]
+
+_COLL_NAMES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
+               "reducescatter", "gloo:", "nccl:")
+
+
+class OverlapNotHappening(RuntimeError):
+    """An overlap that was asked for did not happen; ``.report`` has the details."""
+
+    def __init__(self, msg: str, report: DoctorReport):
+        super().__init__(msg)
+        self.report = report
+
+
+@dataclass
+class LayerDirection:
+    """One layer, one direction (forward or backward), per step averages in ms."""
+
+    layer: str
+    kind: str  # class name of the layer
+    direction: str  # forward | backward
+    collective: str  # all_reduce | all_gather | reduce_scatter
+    requested: str  # the layer's overlap setting: auto | chunked | none
+    mode: str  # what ran last: chunked | none
+    calls: int
+    overlapped: int
+    chunks: int
+    reason: str
+    wait_ms: float | None  # blocked on the collective, per call
+    comm_ms: float | None  # the collective alone, per call
+    comm_source: str  # "auto" (the layer's own measurement) | "doctor" | ""
+    layer_ms: float | None  # the layer's time in this direction, per call
+    hidden_frac: float | None = None
+    compute_ms: float | None = None
+    ideal_ms: float | None = None
+    gap_ms: float | None = None
+    profiled_collectives: dict[str, int] = field(default_factory=dict)
+    failure: str = ""
+
+    def finish(self) -> None:
+        """Derive hidden fraction, compute, ideal and gap from the measured parts."""
+        if self.calls and not self.overlapped:
+            self.hidden_frac = 0.0  # a blocking collective hides nothing, whatever the timers
+        elif self.comm_ms and self.wait_ms is not None:
+            self.hidden_frac = min(1.0, max(0.0, (self.comm_ms - self.wait_ms) / self.comm_ms))
+        if self.layer_ms is not None and self.wait_ms is not None:
+            self.compute_ms = max(0.0, self.layer_ms - self.wait_ms)
+            if self.comm_ms is not None:
+                self.ideal_ms = max(self.compute_ms, self.comm_ms)
+                self.gap_ms = self.layer_ms - self.ideal_ms
+
+
+@dataclass
+class DoctorReport:
+    steps: int
+    step_ms: float
+    rows: list[LayerDirection]
+    failures: list[str]
+    notes: list[str]
+    trace: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "step_ms": self.step_ms, "ok": self.ok,
+                "failures": self.failures, "notes": self.notes, "trace": self.trace,
+                "rows": [asdict(r) for r in self.rows]}
+
+    def to_markdown(self) -> str:
+        def f(x, pct=False):
+            if x is None:
+                return ""
+            return f"{100 * x:.0f}%" if pct else f"{x:.3g}"
+
+        lines = [f"Overlap doctor: {self.steps} profiled step(s), {self.step_ms:.1f} ms per "
+                 "step (median).", "",
+                 "| layer | dir | collective | asked | ran | overlapped | profiled | wait ms | "
+                 "comm ms | hidden | layer ms | ideal ms | gap ms | why |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in self.rows:
+            ops = {k: v for k, v in r.profiled_collectives.items() if k.startswith("c10d::")}
+            prof = ", ".join(f"{v}x {k[6:]}" for k, v in (ops or r.profiled_collectives).items())
+            lines.append(
+                f"| {r.layer} ({r.kind}) | {r.direction} | {r.collective} | {r.requested} | "
+                f"{r.mode}{f' x{r.chunks}' if r.chunks else ''} | {r.overlapped}/{r.calls} | "
+                f"{prof} | "
+                f"{f(r.wait_ms)} | {f(r.comm_ms)} | {f(r.hidden_frac, True)} | "
+                f"{f(r.layer_ms)} | {f(r.ideal_ms)} | {f(r.gap_ms)} | "
+                f"{(r.failure or r.reason).replace('|', '/')} |")
+        lines += [""] + [f"- note: {n}" for n in self.notes]
+        lines += [f"- **FAIL**: {x}" for x in self.failures] or ["- all asked-for overlaps ran"]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- layer discovery
+
+
+def _layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Modules that keep their own overlap record (``overlap_stats``), outermost names."""
+    out = []
+    for name, m in model.named_modules():
+        st = getattr(m, "overlap_stats", None)
+        if st is not None and hasattr(st, "forward") and hasattr(st, "backward"):
+            out.append((name or type(m).__name__, m))
+    return out
+
+
+def _collective(m: torch.nn.Module, direction: str) -> str:
+    sp = bool(getattr(m, "sequence_parallel", False))
+    row = "Row" in type(m).__name__
+    if direction == "forward":
+        return ("reduce_scatter" if sp else "all_reduce") if row else "all_gather"
+    return ("all_gather" if row else "reduce_scatter") if sp else "all_reduce"
+
+
+def _requested(m: torch.nn.Module) -> str:
+    mode = getattr(m, "overlap", None) or getattr(getattr(m, "plan", None), "overlap", None)
+    return str(mode) if mode is not None else "?"
+
+
+def _communicates(m: torch.nn.Module, direction: str, input_grad: bool) -> bool:
+    """Whether the layer runs a collective in that direction (tp > 1); the column-parallel
+    backward all-reduces dX only when its input needs a gradient."""
+    g = _group(m)
+    if g is None or dist.get_world_size(g) < 2:
+        return False
+    if bool(getattr(m, "sequence_parallel", False)):
+        return True
+    row = "Row" in type(m).__name__
+    return row if direction == "forward" else (not row and input_grad)
+
+
+def _group(m: torch.nn.Module):
+    plan = getattr(m, "plan", None)
+    for obj, attr in ((plan, "group"), (m, "group"), (m, "tp_group")):
+        g = getattr(obj, attr, None) if obj is not None else None
+        if g is not None:
+            return g
+    dims = getattr(m, "dims", None)
+    return getattr(dims, "tp_group", None)
+
+
+def _device_sync(model: torch.nn.Module) -> Callable[[], None]:
+    p = next(model.parameters(), None)
+    if p is not None and p.is_cuda:
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+# ---------------------------------------------------------------- timing probes
+
+
+class _Probe:
+    """Forward/backward hooks on each layer: a profiler range and a timer per call, and
+    the shapes of the last forward (for timing the collective alone)."""
+
+    def __init__(self, layers: list[tuple[str, torch.nn.Module]], cuda: bool):
+        self.layers, self.cuda = layers, cuda
+        self.marks: dict[tuple[str, str], list[list]] = {}
+        self.shapes: dict[str, tuple] = {}
+        self.handles: list = []
+        self.open: dict[tuple[str, str], tuple] = {}
+        self.notes: list[str] = []
+
+    def _now(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def _begin(self, name: str, d: str) -> None:
+        rf = torch.profiler.record_function(f"doctor::{name}::{d}")
+        rf.__enter__()
+        self.open[(name, d)] = (rf, self._now())
+
+    def _end(self, name: str, d: str) -> None:
+        rf, t0 = self.open.pop((name, d), (None, None))
+        if rf is None:
+            return
+        rf.__exit__(None, None, None)
+        self.marks.setdefault((name, d), []).append([t0, self._now()])
+
+    def _fwd_post(self, name: str, m, args, out) -> None:
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        y = out if isinstance(out, torch.Tensor) else None
+        if x is not None and y is not None:
+            self.shapes[name] = (x.numel(), y.numel(), y.dtype, y.device, x.requires_grad)
+        self._end(name, "forward")
+
+    def attach(self) -> None:
+        for name, m in self.layers:
+            self.handles += [
+                m.register_forward_pre_hook(lambda m, a, n=name: self._begin(n, "forward")),
+                m.register_forward_hook(lambda m, a, o, n=name: self._fwd_post(n, m, a, o))]
+            try:
+                self.handles += [
+                    m.register_full_backward_pre_hook(
+                        lambda m, g, n=name: self._begin(n, "backward")),
+                    m.register_full_backward_hook(
+                        lambda m, gi, go, n=name: self._end(n, "backward"))]
+            except RuntimeError as exc:  # e.g. a module already using the old-style hooks
+                self.notes.append(f"{name}: backward not timed ({exc})")
+
+    def detach(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def ms(self, name: str, d: str) -> float | None:
+        """Median time per call (ms) of one layer in one direction."""
+        pairs = self.marks.get((name, d)) or []
+        if not pairs:
+            return None
+        if self.cuda:
+            torch.cuda.synchronize()
+            return statistics.median(a.elapsed_time(b) for a, b in pairs)
+        return statistics.median((b - a) * 1e3 for a, b in pairs)
+
+
+def _snapshot(layers) -> dict[tuple[str, str], dict]:
+    out = {}
+    for name, m in layers:
+        for d in ("forward", "backward"):
+            c = getattr(m.overlap_stats, d)
+            out[(name, d)] = {k: getattr(c, k, 0) for k in
+                              ("calls", "overlapped", "wait_ms", "comm_ms_est")}
+    return out
+
+
+def _profiled_collectives(prof) -> dict[tuple[str, str], dict[str, int]]:
+    """Collective ops seen by the profiler inside each layer's range, by name."""
+    ranges, colls = [], []
+    for e in prof.events():
+        if e.name.startswith("doctor::"):
+            _, name, d = e.name.rsplit("::", 2)
+            ranges.append((e.time_range.start, e.time_range.end, name, d))
+        elif any(k in e.name.lower() for k in _COLL_NAMES):
+            colls.append((e.time_range.start, e.name))
+    out: dict[tuple[str, str], dict[str, int]] = {}
+    for t, cname in colls:
+        inside = [r for r in ranges if r[0] <= t <= r[1]]
+        if inside:
+            s, e, name, d = max(inside, key=lambda r: r[0])  # the innermost range
+            bucket = out.setdefault((name, d), {})
+            bucket[cname] = bucket.get(cname, 0) + 1
+    return out
+
+
+# ---------------------------------------------------------------- the collective alone
+
+
+def _full_numel(coll: str, direction: str, in_n: int, out_n: int, tp: int, row: bool) -> int:
+    """Elements of the full (unsharded) tensor the collective moves."""
+    if coll == "all_reduce":
+        return out_n if direction == "forward" else in_n
+    if coll == "all_gather":  # gathered: the column input (fwd) / the row dY (bwd)
+        return (in_n if not row else out_n) * tp
+    return (out_n if row else in_n) * tp  # reduce-scatter input: row Y (fwd) / column dX (bwd)
+
+
+def _time_collective(coll: str, numel: int, dtype, device, group, reps: int = 9) -> float:
+    """Median ms of one blocking collective of that size on ``group`` (MAX over ranks)."""
+    world = dist.get_world_size(group)
+    n = -(-numel // world) * world
+    full = torch.ones(n, dtype=dtype, device=device)
+    part = full[: n // world].clone()
+    fns = {"all_reduce": lambda: dist.all_reduce(full, group=group),
+           "all_gather": lambda: dist.all_gather_single(full, part, group=group),
+           "reduce_scatter": lambda: dist.reduce_scatter_single(part, full, group=group)}
+    fn, sync = fns[coll], (torch.cuda.synchronize if full.is_cuda else (lambda: None))
+    samples = []
+    for i in range(reps + 1):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        if i:
+            samples.append((time.perf_counter() - t0) * 1e3)
+    med = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX, group=group)
+    return float(med.item())
+
+
+# ---------------------------------------------------------------- diagnose
+
+
+def _direction(name, m, d, before, after, probe, colls) -> LayerDirection | None:
+    c = getattr(m.overlap_stats, d)
+    delta = {k: after[(name, d)][k] - before[(name, d)][k] for k in after[(name, d)]}
+    calls = int(delta["calls"])
+    input_grad = bool(probe.shapes.get(name, (0, 0, None, None, True))[4])
+    if not calls and (_requested(m) != "none" or not _communicates(m, d, input_grad)):
+        return None  # every call through the overlap engine is counted: none ran here
+    r = LayerDirection(
+        layer=name, kind=type(m).__name__, direction=d, collective=_collective(m, d),
+        requested=_requested(m), mode=str(getattr(c, "mode", "?")) if calls else "none",
+        calls=calls or len(probe.marks.get((name, d), [])), overlapped=int(delta["overlapped"]),
+        chunks=int(getattr(c, "chunks", 0)) if calls else 0,
+        reason=str(getattr(c, "reason", "")) if calls else
+        "the collective ran outside the overlap engine (not recorded per call)",
+        wait_ms=delta["wait_ms"] / calls if calls and not probe.cuda else None,
+        comm_ms=delta["comm_ms_est"] / calls if calls and delta["comm_ms_est"] else None,
+        comm_source="auto" if calls and delta["comm_ms_est"] else "",
+        layer_ms=probe.ms(name, d), profiled_collectives=colls.get((name, d), {}))
+    return r
+
+
+def _measure_comm(rows: list[LayerDirection], layers: dict, probe: _Probe) -> None:
+    """Time the collective alone for rows that lack the layer's own measurement (same
+    order on every rank: the rows come from the same model walk)."""
+    for r in rows:
+        m = layers[r.layer]
+        if r.comm_ms is not None or r.calls == 0 or r.layer not in probe.shapes:
+            continue
+        in_n, out_n, dtype, device, _ = probe.shapes[r.layer]
+        g = _group(m)
+        n = _full_numel(r.collective, r.direction, in_n, out_n, dist.get_world_size(g),
+                        "Row" in r.kind)
+        r.comm_ms, r.comm_source = _time_collective(r.collective, n, dtype, device, g), "doctor"
+
+
+def _judge(rows: list[LayerDirection], require_overlap: bool | None,
+           min_hidden: float | None) -> list[str]:
+    fails = []
+    for r in rows:
+        asked = require_overlap is True or (require_overlap is None and r.requested == "chunked")
+        if asked and r.overlapped < max(r.calls, 1):
+            r.failure = (f"{r.collective} not overlapped in {max(r.calls, 1) - r.overlapped}/"
+                         f"{max(r.calls, 1)} call(s): ran {r.mode} ({r.reason or 'no reason'})")
+            fails.append(f"{r.layer} {r.direction}: {r.failure}")
+        elif (min_hidden is not None and r.overlapped and r.hidden_frac is not None
+              and r.hidden_frac < min_hidden):
+            r.failure = f"only {100 * r.hidden_frac:.0f}% of the {r.collective} hidden " \
+                        f"(asked for at least {100 * min_hidden:.0f}%)"
+            fails.append(f"{r.layer} {r.direction}: {r.failure}")
+    return fails
+
+
+def diagnose(model: torch.nn.Module, step_fn: Callable[[], object], steps: int = 3, *,
+             warmup: int = 1, require_overlap: bool | None = None,
+             min_hidden: float | None = None, measure_comm: bool = True,
+             trace_path: str | None = None, raise_on_failure: bool = True) -> DoctorReport:
+    """Profile ``steps`` calls of ``step_fn`` (after ``warmup`` more) and report, per
+    overlap-capable layer of ``model``, what overlapped and how much was hidden.
+
+    Call it on every rank (steps and the standalone collective timings are collective).
+    ``require_overlap``: None = layers built with ``overlap="chunked"`` must overlap;
+    True = every communicating layer must; False = report only. ``min_hidden``: also fail
+    an overlapped collective that hides less than this fraction. ``trace_path``: write the
+    profiler's Chrome trace there. Raises :class:`OverlapNotHappening` on failure (unless
+    ``raise_on_failure=False``); the report is on the exception.
+    """
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"steps={steps}, warmup={warmup}: need steps >= 1 and warmup >= 0")
+    layers = _layers(model)
+    sync = _device_sync(model)
+    cuda = sync is torch.cuda.synchronize
+    for _ in range(warmup):  # overlap="auto" measures and caches its choice here
+        step_fn()
+    sync()
+    probe, before = _Probe(layers, cuda), _snapshot(layers)
+    probe.attach()
+    acts = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    step_ms = []
+    try:
+        with torch.profiler.profile(activities=acts) as prof, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                step_fn()
+                sync()
+                step_ms.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        probe.detach()
+    if trace_path:
+        prof.export_chrome_trace(str(trace_path))
+    after, colls = _snapshot(layers), _profiled_collectives(prof)
+    rows = [r for name, m in layers for d in ("forward", "backward")
+            if (r := _direction(name, m, d, before, after, probe, colls)) is not None]
+    if measure_comm:
+        _measure_comm(rows, dict(layers), probe)
+    for r in rows:
+        r.finish()
+    notes = list(probe.notes)
+    if not layers:
+        notes.append("no layer with overlap_stats in this model (build it from distllm.nn)")
+    if cuda:
+        notes.append("CUDA: the host never blocks on collectives, so wait and hidden are not "
+                     "measured here; see the profiler trace")
+    notes += [f"{r.layer} {r.direction}: overlap='auto' fell back to none ({r.reason})"
+              for r in rows if r.requested == "auto" and r.calls and not r.overlapped]
+    fails = _judge(rows, require_overlap, min_hidden)
+    if require_overlap and not layers:
+        fails.append("overlap was required but the model has no overlap-capable layer")
+    rep = DoctorReport(steps, statistics.median(step_ms), rows, fails, notes,
+                       str(trace_path) if trace_path else None)
+    if fails and raise_on_failure:
+        raise OverlapNotHappening("overlap asked for but not happening:\n  " +
+                                  "\n  ".join(fails), rep)
+    return rep
