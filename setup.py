@@ -143,6 +143,7 @@ def _extensions():
 
 
 def main() -> None:
+    ext_modules = _extensions()  # first: it may set CUDA_HOME before cpp_extension is imported
     from torch.utils.cpp_extension import BuildExtension
 
     setup(
@@ -152,7 +153,7 @@ def main() -> None:
         ],
         package_dir={"distllm": "distllm", "distllm.kernels": "kernels", "distllm.bench": "bench"},
         package_data={"distllm": ["plan/profiles/*.json"], "distllm.bench": ["*.sh"]},
-        ext_modules=_extensions(),
+        ext_modules=ext_modules,
         cmdclass={"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
     )
 
