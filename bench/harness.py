@@ -6,6 +6,12 @@ warm-up, then repetitions of the variants in turn (A B C A B C ...), so that dri
 machine hits every variant alike; the result per variant is the median with the 10th/90th
 percentiles as spread. Ratios between variants are meaningful within one run; absolute
 times are only meaningful on the machine recorded in the row.
+
+Overlap benchmarks may attach one representative step as ``timeline=[{"lane": "compute" |
+"comm", "name": str, "start_ms": float, "end_ms": float}, ...]`` (a keyword of :func:`row`,
+stored in ``row["extra"]``); ``distllm bench`` draws it (contract in ``bench/plots.py``). A
+variant's role in the report (fused / unfused / peer / ideal / part) is guessed from its name
+or set with ``role=...`` (see ``bench/report.py``).
 """
 
 from __future__ import annotations
