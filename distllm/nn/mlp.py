@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distllm.nn.parallel_linear import ACTIVATIONS, ColumnParallelLinear, RowParallelLinear
+from distllm.parallel.tensor.tensor_parallel import check_divisible
 
 __all__ = ["ParallelMLP", "DenseMLP"]
 
@@ -48,6 +49,7 @@ class ParallelMLP(nn.Module):
         super().__init__()
         if activation not in ("gelu", "gelu_tanh"):
             raise ValueError(f"activation={activation!r}: use 'gelu' or 'gelu_tanh'")
+        check_divisible(ffn_hidden, dims.tp, "ffn_hidden", "ffn_hidden")
         kw = dict(sequence_parallel=sequence_parallel, overlap=overlap, chunks=chunks,
                   dtype=dtype, device=device)
         self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, dims, bias=bias,
@@ -67,6 +69,7 @@ class ParallelMLP(nn.Module):
             raise ValueError("ParallelMLP.from_dense needs a module with nn.Linear attributes "
                              f"fc1 and fc2, got {type(mlp).__name__}")
         act = getattr(mlp, "activation", "gelu")
+        check_divisible(fc1.out_features, dims.tp, "ffn_hidden", "ffn_hidden")
         m = cls.__new__(cls)
         nn.Module.__init__(m)
         kw = dict(sequence_parallel=sequence_parallel, overlap=overlap, chunks=chunks)
