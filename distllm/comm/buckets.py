@@ -1,0 +1,343 @@
+"""Gradient buckets: flat buffers whose reduction overlaps the backward pass.
+
+Parameters are grouped into flat buckets in *reverse order of registration* (backward
+produces the last layer's gradients first). The first bucket is small (1 MiB, as in
+PyTorch DDP) so that the first reduction starts early; the others hold up to
+``bucket_cap_mb``. Every parameter gets a post-accumulate-grad hook; when the last
+gradient of a bucket has been accumulated the bucket's collective is launched
+asynchronously, while autograd goes on with earlier layers:
+
+* ``mode="all_reduce"`` (DDP, ZeRO-0/1): the bucket is averaged in place;
+* ``mode="reduce_scatter"`` (ZeRO-2/3): rank ``r`` receives the average of the slice
+  ``[r*L/N, (r+1)*L/N)`` of the (padded) bucket, accumulated into a persistent shard.
+
+Buckets are launched strictly in index order (bucket ``i`` waits for ``0..i-1``), so the
+collectives of every rank are issued in the same order even when gradients arrive in a
+different order on different ranks.
+
+Two ways a gradient reaches its bucket:
+
+* ``as_view=True`` (same dtype, persistent buffers): each ``param.grad`` *is* a view of
+  its bucket, so autograd accumulates straight into the buffer and nothing is copied.
+  A ``param.grad`` reset to ``None`` (``zero_grad``) is re-installed as the view by the hook.
+* ``as_view=False`` (mixed precision, or transient buffers): the hook adds ``param.grad``
+  (e.g. bf16) into the bucket (e.g. fp32) and sets ``param.grad = None``.
+
+A step is a *cycle*: hooks fire (under ``no_sync`` they only accumulate), buckets launch,
+then :meth:`GradBuckets.finish` launches whatever did not launch (parameters that got no
+gradient contribute zeros, so unused parameters never hang a step), waits for every
+collective and leaves the results in place. ``finish`` is idempotent within a cycle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["Bucket", "GradBuckets", "assign_buckets", "FIRST_BUCKET_BYTES"]
+
+FIRST_BUCKET_BYTES = 1024 * 1024  # same first-bucket size as torch DDP
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def reduce_scatter_flat(out: Tensor, inp: Tensor, group, async_op: bool = False):
+    """Sum-reduce-scatter ``inp`` (``N * out.numel()``) into ``out`` over ``group``."""
+    return _reduce_scatter(out, inp, group=group, async_op=async_op)
+
+
+def all_gather_flat(out: Tensor, inp: Tensor, group, async_op: bool = False):
+    """All-gather ``inp`` into ``out`` (``N * inp.numel()``) over ``group``, in rank order."""
+    return _all_gather(out, inp, group=group, async_op=async_op)
+
+
+def assign_buckets(params: list[torch.nn.Parameter], cap_bytes: int,
+                   first_cap_bytes: int = FIRST_BUCKET_BYTES,
+                   key: Callable[[torch.nn.Parameter], object] | None = None,
+                   elem_size: int | None = None) -> list[list[torch.nn.Parameter]]:
+    """Group ``params`` (given in registration order) into buckets, last parameter first.
+
+    A bucket closes when adding the next parameter would pass its cap (``first_cap_bytes``
+    for bucket 0, ``cap_bytes`` after); a parameter larger than the cap gets its own
+    bucket. Parameters whose ``key`` differs (dtype, optimizer param group) never share
+    a bucket. ``elem_size`` overrides the bytes per element (e.g. 4 for fp32 reduction).
+    """
+    key = key or (lambda p: p.dtype)
+    buckets: list[list[torch.nn.Parameter]] = []
+    open_: dict[object, tuple[list, int]] = {}  # key -> (params, bytes)
+    for p in reversed(params):
+        k = key(p)
+        cur, nbytes = open_.get(k, ([], 0))
+        size = p.numel() * (elem_size or p.element_size())
+        cap = first_cap_bytes if not buckets and not cur else cap_bytes
+        if cur and nbytes + size > cap:
+            buckets.append(cur)
+            cur, nbytes = [], 0
+        cur.append(p)
+        open_[k] = (cur, nbytes + size)
+        if not buckets and nbytes + size >= first_cap_bytes:  # close the small first bucket
+            buckets.append(cur)
+            open_[k] = ([], 0)
+    buckets.extend(b for b, _ in open_.values() if b)
+    return buckets
+
+
+@dataclass(eq=False)
+class Bucket:
+    """One flat bucket: ``params`` laid out back to back, padded to ``numel``."""
+
+    index: int
+    params: list[torch.nn.Parameter]
+    offsets: list[int]  # start of each param inside the flat buffer
+    numel: int  # padded length (a multiple of the group size in reduce_scatter mode)
+    buffer: Tensor | None = None  # full bucket (reduce dtype); None while freed
+    shard: Tensor | None = None  # reduce_scatter mode: this rank's reduced slice
+    ready: set[int] = field(default_factory=set)  # indices of params whose grad landed
+    launched: bool = False
+    work: object = None
+    out: Tensor | None = None  # reduce_scatter output, added into ``shard`` on completion
+    fresh: bool = True  # the buffer holds nothing of this cycle yet
+    shard_fresh: bool = True
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel // max(1, self._nranks)
+
+    _nranks: int = 1
+
+
+class GradBuckets:
+    """Bucketed, asynchronous gradient reduction driven by post-accumulate-grad hooks.
+
+    Args:
+        buckets: parameter lists, bucket 0 first (see :func:`assign_buckets`).
+        group: the data-parallel process group (``None`` or size 1: nothing is sent).
+        mode: ``"all_reduce"`` or ``"reduce_scatter"``.
+        dtype: dtype of the flat buffers, i.e. of the reduction (fp32 for mixed precision).
+        as_view: make each ``param.grad`` a view of its persistent bucket (needs
+            ``param.dtype == dtype`` and ``persistent=True``).
+        persistent: keep the full buffers between steps (all_reduce mode); otherwise a
+            buffer exists from its first gradient until its reduction completed.
+        on_bucket_ready: called with the bucket when its last gradient landed (before launch).
+        on_finish: called at the end of :meth:`finish` (e.g. to free gathered parameters).
+        finish_on_backward_end: queue :meth:`finish` at the end of the backward pass in which
+            the first synchronised gradient landed (the drop-in DDP behaviour). Turn it off
+            when one step's gradients come from several ``autograd.backward`` calls (a
+            pipeline's split weight-gradient passes) and call :meth:`finish` yourself.
+
+    Attributes:
+        launch_log: ``(bucket index, perf_counter time, hooks fired so far this cycle)``
+            for each launch of the current cycle, to check that reduction overlaps backward.
+    """
+
+    def __init__(self, buckets: list[list[torch.nn.Parameter]], *, group, mode: str,
+                 dtype: torch.dtype, as_view: bool, persistent: bool,
+                 on_bucket_ready: Callable[[Bucket], None] | None = None,
+                 finish_on_backward_end: bool = True, pad_to: int | None = None,
+                 on_finish: Callable[[], None] | None = None) -> None:
+        if mode not in ("all_reduce", "reduce_scatter"):
+            raise ValueError(f"mode={mode!r}: use 'all_reduce' or 'reduce_scatter'")
+        if as_view and not persistent:
+            raise ValueError("as_view=True needs persistent=True (a grad view must stay valid)")
+        self.group = group
+        self.nranks = dist.get_world_size(group) if group is not None else 1
+        self.mode, self.dtype, self.as_view, self.persistent = mode, dtype, as_view, persistent
+        self.on_bucket_ready = on_bucket_ready
+        self.on_finish = on_finish
+        self.pad_to = pad_to or (self.nranks if mode == "reduce_scatter" else 1)
+        self.finish_on_backward_end = finish_on_backward_end
+        self.buckets: list[Bucket] = []
+        self.where: dict[torch.nn.Parameter, tuple[Bucket, int]] = {}
+        for i, ps in enumerate(buckets):
+            self._add_bucket(i, ps)
+        self.sync_enabled = True
+        self._next = 0  # next bucket to launch
+        self._synced = False  # finish() already ran in this cycle
+        self._callback_queued = False
+        self._hooks_fired = 0
+        self.launch_log: list[tuple[int, float, int]] = []
+        self.launches_in_backward = 0  # launches from a hook, i.e. while backward ran
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.where]
+
+    # --- layout ------------------------------------------------------------------------
+    def _add_bucket(self, i: int, ps: list[torch.nn.Parameter]) -> None:
+        offsets, n = [], 0
+        for p in ps:
+            if self.as_view and p.dtype != self.dtype:
+                raise ValueError(f"as_view needs param dtype {p.dtype} == bucket dtype {self.dtype}")
+            offsets.append(n)
+            n += p.numel()
+        pad = -n % self.pad_to
+        b = Bucket(i, list(ps), offsets, n + pad, _nranks=self.nranks)
+        if self.persistent:
+            b.buffer = torch.zeros(b.numel, dtype=self.dtype, device=ps[0].device)
+        self.buckets.append(b)
+        for j, p in enumerate(ps):
+            if p in self.where:
+                raise ValueError("a parameter appears twice in the buckets")
+            self.where[p] = (b, j)
+
+    def view(self, p: torch.nn.Parameter) -> Tensor:
+        """``p``'s slice of its bucket buffer, shaped like ``p`` (the buffer must exist)."""
+        b, j = self.where[p]
+        assert b.buffer is not None
+        return b.buffer[b.offsets[j]: b.offsets[j] + p.numel()].view_as(p)
+
+    def _ensure_buffer(self, b: Bucket) -> Tensor:
+        if b.buffer is None:
+            b.buffer = torch.zeros(b.numel, dtype=self.dtype, device=b.params[0].device)
+        elif b.fresh and not self.as_view:
+            b.buffer.zero_()
+        b.fresh = False
+        return b.buffer
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # --- the hook ------------------------------------------------------------------------
+    def _accumulate(self, p: torch.nn.Parameter) -> None:
+        b, _ = self.where[p]
+        self._ensure_buffer(b)
+        v = self.view(p)
+        if self.as_view:
+            if p.grad is not None and p.grad.data_ptr() != v.data_ptr():
+                v.copy_(p.grad)  # grad was reset to None then re-created by autograd
+                p.grad = v
+            elif p.grad is None:
+                v.zero_()
+                p.grad = v
+        elif p.grad is not None:
+            v.add_(p.grad)  # casts, e.g. bf16 -> fp32
+            p.grad = None
+
+    @torch.no_grad()
+    def _hook(self, p: torch.nn.Parameter) -> None:
+        self._synced = False
+        self._accumulate(p)
+        if not self.sync_enabled:
+            return
+        b, j = self.where[p]
+        if b.launched:
+            raise RuntimeError(
+                "a gradient arrived for a bucket whose reduction was already launched in this "
+                "step (two backward passes without no_sync?): run all but the last micro-batch "
+                "under no_sync(), or call finish_grad_sync() between backward passes")
+        self._hooks_fired += 1
+        if self.finish_on_backward_end and not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        b.ready.add(j)
+        if len(b.ready) == len(b.params):
+            if self.on_bucket_ready is not None:
+                self.on_bucket_ready(b)
+            self._launch_in_order(in_backward=True)
+
+    # --- launching and completing ---------------------------------------------------------
+    def _launch_in_order(self, in_backward: bool, force: bool = False) -> None:
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if not force and len(b.ready) < len(b.params):
+                return
+            self._launch(b, in_backward)
+            self._next += 1
+            self._poll()
+
+    def _launch(self, b: Bucket, in_backward: bool) -> None:
+        buf = self._ensure_buffer(b)
+        if self.as_view:  # unused params: their grad may be None or not our view
+            for p in b.params:
+                if p.grad is None or p.grad.data_ptr() != self.view(p).data_ptr():
+                    self._accumulate(p)
+        b.launched = True
+        self.launch_log.append((b.index, time.perf_counter(), self._hooks_fired))
+        self.launches_in_backward += int(in_backward)
+        if self.nranks > 1:
+            buf.div_(self.nranks)  # average (gloo has no AVG)
+        if self.mode == "all_reduce":
+            if self.nranks > 1:
+                b.work = dist.all_reduce(buf, group=self.group, async_op=True)
+            return
+        b.out = torch.empty(b.shard_numel, dtype=self.dtype, device=buf.device)
+        if self.nranks > 1:
+            b.work = reduce_scatter_flat(b.out, buf, self.group, async_op=True)
+        else:
+            b.out.copy_(buf)
+
+    def _complete(self, b: Bucket) -> None:
+        if b.work is not None:
+            b.work.wait()
+            b.work = None
+        if self.mode == "reduce_scatter" and b.out is not None:
+            if b.shard is None:
+                b.shard = b.out
+            elif b.shard_fresh:
+                b.shard.copy_(b.out)
+            else:
+                b.shard.add_(b.out)
+            b.shard_fresh = False
+            b.out = None
+            if not self.persistent:
+                b.buffer = None  # the full gradient is not kept
+            else:
+                b.fresh = True
+
+    def _poll(self) -> None:
+        """Complete (and free) the launched buckets whose collective is done."""
+        if self.mode != "reduce_scatter":
+            return
+        for b in self.buckets[: self._next]:
+            if b.out is not None and (b.work is None or b.work.is_completed()):
+                self._complete(b)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Launch every bucket not launched yet (zeros for params without a gradient), wait
+        for all reductions and reset for the next cycle. A no-op if already done this cycle."""
+        self._callback_queued = False
+        if self._synced or not self.sync_enabled:
+            return
+        self._launch_in_order(in_backward=False, force=True)
+        for b in self.buckets:
+            self._complete(b)
+            b.ready.clear()
+            b.launched = False
+        self._next = 0
+        self._hooks_fired = 0
+        self._synced = True
+        if self.on_finish is not None:
+            self.on_finish()
+
+    def start_cycle_log(self) -> None:
+        self.launch_log = []
+        self.launches_in_backward = 0
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no collective) inside the context."""
+        prev = self.sync_enabled
+        self.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.sync_enabled = prev
+
+    def zero_grad(self) -> None:
+        """Forget this cycle's gradients: buffers and shards are zeroed on next use."""
+        for b in self.buckets:
+            b.fresh = True
+            b.shard_fresh = True
+            if self.as_view and b.buffer is not None:
+                b.buffer.zero_()
+        self._synced = False
+
+    def params(self) -> Iterable[torch.nn.Parameter]:
+        return self.where.keys()

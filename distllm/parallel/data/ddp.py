@@ -1,0 +1,140 @@
+"""``DistributedDataParallel``: bucketed gradient all-reduce overlapped with backward.
+
+Forward: no collective (the wrapped module runs as is).
+Backward: each bucket of gradients is averaged with an asynchronous all-reduce over the
+DP group of ``dims`` as soon as its last gradient has been accumulated, while autograd goes
+on with earlier layers (see :mod:`distllm.comm.buckets`). At the end of the backward pass
+the remaining buckets are launched and all reductions are waited for, so that after
+``loss.backward()`` every ``param.grad`` holds the DP average, as with
+``torch.nn.parallel.DistributedDataParallel``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distllm.comm.buckets import FIRST_BUCKET_BYTES, GradBuckets, assign_buckets
+from distllm.parallel.data.grad_norm import clip_grad_norm_
+from distllm.parallel.mesh import ParallelDims
+
+__all__ = ["DistributedDataParallel", "clip_grad_norm_", "dp_group_of"]
+
+
+def dp_group_of(dims: ParallelDims | None):
+    """The DP process group of ``dims`` (``None`` when there is no DP, i.e. dp == 1)."""
+    if dims is None:
+        raise ValueError("dims=None: pass a distllm.ParallelDims (e.g. ParallelDims(tp=1, pp=1))")
+    if not hasattr(dims, "dp_group"):
+        raise ValueError(f"dims={dims!r} has no dp_group: pass a distllm.ParallelDims")
+    return dims.dp_group if dims.dp > 1 else None
+
+
+def check_module(module: nn.Module) -> list[nn.Parameter]:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(
+            f"module {type(module).__name__} has no parameters that require grad: "
+            "there is nothing to synchronise (wrap the module that holds the weights)")
+    return params
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallelism over the DP group of ``dims``; a drop-in for torch's DDP.
+
+    Args:
+        module: the model replica; its parameters are broadcast from DP rank 0 at wrap time.
+        dims: a :class:`distllm.ParallelDims`. With ``dims.dp == 1`` nothing is communicated
+            (gradients are left as autograd produced them) — the degenerate, valid case.
+        bucket_cap_mb: bucket size in MiB of gradient (first bucket: 1 MiB).
+        first_bucket_mb: size of bucket 0, the first to be reduced.
+        finish_on_backward_end: when True (default) the end of each synchronised backward
+            pass launches the remaining buckets and waits for all, like torch DDP. Set it to
+            False when one step's gradients come from several ``autograd.backward`` calls
+            (zero-bubble pipelines run the weight-gradient "W" passes separately) and call
+            :meth:`finish_grad_sync` after the last of them.
+        broadcast_buffers: also broadcast module buffers from DP rank 0 at wrap time.
+
+    Collectives: forward none; backward one all-reduce per bucket (sum, pre-divided by dp).
+    Gradients are views of the buckets (``param.grad`` aliases the flat buffer), so
+    ``zero_grad(set_to_none=False)`` keeps them zero-copy; with ``set_to_none=True`` the hook
+    copies the new gradient into its bucket once.
+
+    Unused parameters: a parameter that gets no gradient contributes zeros when its bucket
+    is launched at the end of backward (or by :meth:`finish_grad_sync`), so no step hangs;
+    its ``.grad`` afterwards is the average over the ranks where it was used.
+    """
+
+    def __init__(self, module: nn.Module, *, dims: ParallelDims, bucket_cap_mb: float = 25.0,
+                 first_bucket_mb: float = FIRST_BUCKET_BYTES / 2**20,
+                 finish_on_backward_end: bool = True, broadcast_buffers: bool = True) -> None:
+        super().__init__()
+        params = check_module(module)
+        group = dp_group_of(dims)
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb}: it must be > 0 (25 is the default)")
+        self.module = module
+        self.dims = dims
+        self.group = group
+        if group is not None:
+            _broadcast_from_dp0(module, dims, broadcast_buffers)
+        buckets = assign_buckets(params, int(bucket_cap_mb * 2**20), int(first_bucket_mb * 2**20))
+        self.reducer: GradBuckets | None = None
+        if group is not None:
+            self.reducer = GradBuckets(
+                buckets, group=group, mode="all_reduce", dtype=params[0].dtype,
+                as_view=all(p.dtype == params[0].dtype for p in params), persistent=True,
+                finish_on_backward_end=finish_on_backward_end)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, with no reduction, inside the context (for all
+        micro-batches but the last one of a gradient-accumulation step)."""
+        if self.reducer is None:
+            yield
+            return
+        with self.reducer.no_sync():
+            yield
+
+    def finish_grad_sync(self) -> None:
+        """Launch every bucket not launched yet (parameters without a gradient count as
+        zeros) and wait for all reductions. Idempotent within a step."""
+        if self.reducer is not None:
+            self.reducer.finish()
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the gradient buckets (``set_to_none=False`` keeps ``.grad`` as bucket views)."""
+        if self.reducer is None or set_to_none:
+            self.module.zero_grad(set_to_none=set_to_none)
+        else:
+            self.reducer.zero_grad()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global norm over this replica's TP/PP shards (see
+        :func:`distllm.parallel.data.grad_norm.clip_grad_norm_`)."""
+        self.finish_grad_sync()
+        return clip_grad_norm_(self.module.parameters(), max_norm, dims=self.dims,
+                               norm_type=norm_type)
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        """Elements per bucket, bucket 0 (reduced first) first."""
+        return [b.numel for b in self.reducer.buckets] if self.reducer else []
+
+
+@torch.no_grad()
+def _broadcast_from_dp0(module: nn.Module, dims: ParallelDims, buffers: bool) -> None:
+    src = dims.group_ranks("dp")[0]
+    tensors = list(module.parameters()) + (list(module.buffers()) if buffers else [])
+    for t in tensors:
+        dist.broadcast(t.data, src=src, group=dims.dp_group)

@@ -1,0 +1,87 @@
+"""Global gradient-norm clipping across DP shards, TP and PP groups.
+
+The global norm is the norm of the whole model's gradient, one copy of each weight:
+
+* a parameter with ``tensor_model_parallel = True`` is split over the TP group: the
+  squared norms of its pieces are summed over TP;
+* a parameter without it is replicated over TP: it is counted once (on TP rank 0);
+* pipeline stages hold disjoint parameters: the squared norms are summed over PP;
+* ZeRO shards (each DP rank holds a disjoint slice) are summed over DP; full, replicated
+  gradients (DDP, ZeRO-0/1 before sharding) are not.
+
+So one all-reduce (sum; max for ``inf``) runs over the model-parallel group (pp x tp), or
+over the world group when the gradients are DP shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["clip_grad_norm_", "global_norm", "is_tp_sharded"]
+
+
+def is_tp_sharded(p: Tensor) -> bool:
+    return bool(getattr(p, "tensor_model_parallel", False))
+
+
+def _check_norm_type(norm_type: float) -> float:
+    norm_type = float(norm_type)
+    if norm_type != 2.0 and norm_type != float("inf"):
+        raise ValueError(f"norm_type={norm_type}: only 2.0 and inf are supported")
+    return norm_type
+
+
+def global_norm(pieces: Iterable[tuple[Tensor, bool]], *, dims, norm_type: float = 2.0,
+                dp_sharded: bool = False) -> Tensor:
+    """Global norm of gradient ``pieces`` = ``(tensor, tp_sharded)`` held by this rank.
+
+    Collective: one all-reduce over ``dims.model_parallel_group`` (or the world group
+    when ``dp_sharded``); returns a float64 scalar tensor, the same on every rank.
+    """
+    norm_type = _check_norm_type(norm_type)
+    count_replicated = dims is None or dims.tp_rank == 0
+    acc = torch.zeros((), dtype=torch.float64)
+    for g, tp_sharded in pieces:
+        if g.numel() == 0 or not (tp_sharded or count_replicated):
+            continue
+        g = g.detach()
+        if norm_type == 2.0:
+            acc += torch.linalg.vector_norm(g, dtype=torch.float64).square()
+        else:
+            acc = torch.maximum(acc, g.abs().max().to(torch.float64))
+    if dims is not None:
+        group = dims.world_group if dp_sharded else dims.model_parallel_group
+        if dist.get_world_size(group) > 1:
+            op = dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX
+            dist.all_reduce(acc, op=op, group=group)
+    return acc.sqrt() if norm_type == 2.0 else acc
+
+
+def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, *, dims,
+                    norm_type: float = 2.0) -> Tensor:
+    """Clip the (DP-synchronised, full) gradients of ``parameters`` in place so that the
+    global norm over TP and PP is at most ``max_norm``; returns the norm before clipping.
+
+    Use it with :class:`~distllm.parallel.DistributedDataParallel` (after backward) or with
+    plain replicated data parallelism; for ZeRO use ``ZeroOptimizer.clip_grad_norm_``.
+    A non-finite norm leaves the gradients untouched.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    norm = global_norm(((p.grad, is_tp_sharded(p)) for p in params), dims=dims,
+                       norm_type=norm_type)
+    clip_by(norm, max_norm, (p.grad for p in params))
+    return norm
+
+
+def clip_by(norm: Tensor, max_norm: float, grads: Iterable[Tensor]) -> None:
+    """Scale ``grads`` by ``min(1, max_norm / (norm + 1e-6))`` (torch's formula)."""
+    if not torch.isfinite(norm):
+        return
+    coef = float(max_norm) / (float(norm) + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)

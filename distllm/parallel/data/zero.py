@@ -1,0 +1,396 @@
+"""``ZeroOptimizer``: ZeRO stages 0-3 over the DP group, with mixed precision.
+
+Layout. Parameters are packed into flat buckets (bucket 0 = the last parameters, reduced
+first; stage 3: one bucket per layer) padded to a multiple of the DP size ``N``. DP rank
+``r`` owns the slice ``[r*L/N, (r+1)*L/N)`` of every bucket of length ``L``: its fp32 master
+weights, its optimizer state and (stage 2/3) its gradient. The inner ``torch.optim``
+optimizer sees one flat tensor per bucket (its shard), so any elementwise optimizer works
+(SGD, SGD with momentum, Adam, AdamW, Adagrad, RMSprop, ...); optimizers whose update
+couples the elements of a parameter (Adafactor, LBFGS) are not supported.
+
+Collectives per step:
+
+=====  ================================  ====================================  ============
+stage  backward (per bucket, overlapped)  after ``step``                        forward
+=====  ================================  ====================================  ============
+0      all-reduce                         none                                  none
+1      all-reduce                         all-gather of the updated shards      none
+2      reduce-scatter                     all-gather of the updated shards      none
+3      all-gather params + reduce-scatter none                                  all-gather
+=====  ================================  ====================================  ============
+
+Memory per rank for Ψ parameters with Adam (mixed precision, ``K = 12`` bytes of fp32
+master + two moments, ``G`` bytes of gradient: 2 with ``reduce_dtype=bfloat16`` as in the
+ZeRO paper, 4 with the default fp32 reduction): ``(2 + G + K)Ψ``, ``(2 + G)Ψ + KΨ/N``,
+``2Ψ + (G + K)Ψ/N``, ``(2 + G + K)Ψ/N``, plus padding and in-flight buckets
+(see :func:`distllm.parallel.memory_report`).
+
+Gradient sync (same contract as :class:`~distllm.parallel.DistributedDataParallel`):
+``no_sync()`` accumulates locally; ``finish_grad_sync()`` launches what was not launched
+(unused parameters count as zeros, so they never hang), waits, and is idempotent;
+``step()`` calls it. By default the end of each synchronised backward pass calls it too;
+pass ``finish_on_backward_end=False`` when a step's gradients come from several
+``autograd.backward`` calls (split weight-gradient passes of a zero-bubble pipeline).
+
+Checkpoints: :meth:`ZeroOptimizer.state_dict` holds *full, unsharded* tensors keyed by
+parameter name (``sd["master"][name]``, ``sd["state"][name][key]``), identical on every DP
+rank, so a ``torch.distributed.checkpoint`` save dedups them and a load works for any DP
+size (see :mod:`distllm.parallel.data.zero_state`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from distllm.comm.buckets import FIRST_BUCKET_BYTES, GradBuckets, all_gather_flat, assign_buckets
+from distllm.parallel.data.ddp import _broadcast_from_dp0, dp_group_of
+from distllm.parallel.data.grad_norm import clip_by, global_norm, is_tp_sharded
+from distllm.parallel.data.zero3 import ShardedParams
+from distllm.parallel.data.zero_state import gather_state, load_state
+from distllm.parallel.mesh import ParallelDims
+
+__all__ = ["ZeroOptimizer"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _check_args(stage: int, optimizer_cls: Any) -> None:
+    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage={stage!r}: choose 0 (plain DP), 1 (shard optimizer states), "
+                         "2 (+ gradients) or 3 (+ parameters)")
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_cls={optimizer_cls!r} is not a torch.optim.Optimizer subclass: "
+                        "pass the class itself, e.g. torch.optim.AdamW (not an instance)")
+
+
+def _unname(items: list, names: dict) -> list:
+    """Parameters from ``items``; ``(name, param)`` pairs also record the name."""
+    out = []
+    for it in items:
+        if isinstance(it, tuple):
+            names[it[1]] = it[0]
+            it = it[1]
+        out.append(it)
+    return out
+
+
+def _param_groups(module_or_params, param_groups=None
+                  ) -> tuple[nn.Module | None, list[tuple[list, dict]], dict]:
+    """``(module, [(params, options), ...], names)`` from a module, parameters, ``(name,
+    param)`` pairs (``named_parameters()``), or param-group dicts of either."""
+    names: dict[nn.Parameter, str] = {}
+    if isinstance(module_or_params, nn.Module):
+        module = module_or_params
+        items = list(param_groups) if param_groups is not None else list(module.parameters())
+        names = {p: n for n, p in module.named_parameters()}
+    else:
+        module, items = None, list(module_or_params)
+    groups: list[tuple[list, dict]] = []
+    if items and isinstance(items[0], dict):
+        for g in items:
+            opts = {k: v for k, v in g.items() if k != "params"}
+            ps = [g["params"]] if isinstance(g["params"], Tensor) else list(g["params"])
+            groups.append(([p for p in _unname(ps, names) if p.requires_grad], opts))
+    else:
+        groups.append(([p for p in _unname(items, names) if p.requires_grad], {}))
+    if not any(ps for ps, _ in groups):
+        raise ValueError("module_or_params has no parameters that require grad: pass the model "
+                         "(or its parameters) that holds the weights to optimise")
+    allp = [p for ps, _ in groups for p in ps]
+    for i, p in enumerate(allp):
+        names.setdefault(p, f"param{i}")
+    return module, groups, names
+
+
+class ZeroOptimizer:
+    """ZeRO-0/1/2/3 data parallelism wrapped around a ``torch.optim`` optimizer.
+
+    Args:
+        module_or_params: the model (needed for stage 3), its parameters or
+            ``named_parameters()``, or param-group dicts of either (per-group options such as
+            ``weight_decay`` are kept). Names key the checkpoint (``param<i>`` when unnamed).
+        optimizer_cls: a ``torch.optim.Optimizer`` subclass, built on the flat shards with
+            ``optim_kwargs``.
+        stage: 0 (replicated, all-reduce), 1 (optimizer states sharded), 2 (+ gradients
+            sharded, reduce-scatter during backward), 3 (+ parameters sharded, gathered per
+            layer before its forward and its backward, freed after).
+        dims: a :class:`distllm.ParallelDims`; the DP group is sharded over. ``dp == 1`` is
+            valid: nothing is communicated and "shards" are the whole model.
+        param_dtype: compute dtype of the parameters (e.g. ``torch.bfloat16``); default the
+            parameters' own. Master weights are kept in fp32 when it is a half type.
+        reduce_dtype: dtype of the gradient buckets and their reduction; default fp32 under
+            mixed precision, else the parameter dtype.
+        bucket_cap_mb: bucket size (stages 0-2); stage 3 uses one bucket per layer.
+        prefetch: stage 3: all-gather the next layer while the current one computes.
+        units: stage 3: the submodules gathered as one (default: the children of every
+            outermost ``ModuleList``/``Sequential``; leftover parameters form the root unit).
+        loss_scale: ``None``, a constant, or ``"dynamic"`` (fp16): multiply the loss with
+            :meth:`scale_loss`; gradients are unscaled before clipping and stepping.
+        param_groups: with a module: optimizer param groups (dicts with ``params`` and
+            options) of that module's parameters, e.g. to exempt biases from weight decay.
+        finish_on_backward_end: see the module docstring.
+    """
+
+    def __init__(self, module_or_params, optimizer_cls: type, *, stage: int, dims: ParallelDims,
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 bucket_cap_mb: float = 25.0, prefetch: bool = True,
+                 units: list[nn.Module] | None = None, loss_scale: float | str | None = None,
+                 param_groups: list[dict] | None = None,
+                 finish_on_backward_end: bool = True, **optim_kwargs: Any) -> None:
+        _check_args(stage, optimizer_cls)
+        module, groups, self.names = _param_groups(module_or_params, param_groups)
+        if stage == 3 and module is None:
+            raise ValueError("stage=3 needs the nn.Module (its layers are gathered by hooks): "
+                             "pass the model, not its parameters")
+        self.stage, self.dims, self.module = stage, dims, module
+        self.group = dp_group_of(dims)
+        self.nranks = dims.dp if self.group is not None else 1
+        self.rank = dims.dp_rank if self.group is not None else 0
+        if self.group is not None and module is not None:
+            _broadcast_from_dp0(module, dims, buffers=True)
+        elif self.group is not None:
+            _broadcast_params(groups, dims)
+        first = groups[0][0][0] if groups[0][0] else next(p for ps, _ in groups for p in ps)
+        self.param_dtype = param_dtype or first.dtype
+        self.mixed = self.param_dtype in _HALF
+        self.master_dtype = torch.float32 if self.mixed else self.param_dtype
+        self.reduce_dtype = reduce_dtype or self.master_dtype
+        self._build(groups, units, bucket_cap_mb, prefetch, finish_on_backward_end)
+        self.optimizer = optimizer_cls(
+            [{"params": [self.masters[i] for i in idx], **opts}
+             for idx, (_, opts) in zip(self._group_buckets, groups) if idx], **optim_kwargs)
+        self.skipped_steps = 0
+        self._init_scaler(loss_scale)
+        self._prepared = False
+
+    # --- construction --------------------------------------------------------------------
+    def _build(self, groups, units, cap_mb, prefetch, finish_on_end) -> None:
+        gid = {p: i for i, (ps, _) in enumerate(groups) for p in ps}
+        allp = [p for ps, _ in groups for p in ps]
+        if self.stage == 3:
+            self.sharded = ShardedParams(self.module, allp, gid, units=units, dims=self.dims,
+                                         group=self.group, param_dtype=self.param_dtype,
+                                         prefetch=prefetch)
+            plists = self.sharded.bucket_params()
+        else:
+            self.sharded = None
+            plists = assign_buckets(allp, int(cap_mb * 2**20), FIRST_BUCKET_BYTES,
+                                    key=lambda p: (gid[p], p.dtype),
+                                    elem_size=torch.empty((), dtype=self.reduce_dtype).element_size())
+        self.reducer = GradBuckets(
+            plists, group=self.group, mode="all_reduce" if self.stage <= 1 else "reduce_scatter",
+            dtype=self.reduce_dtype, persistent=self.stage <= 1, pad_to=self.nranks,
+            as_view=self.stage <= 1 and self.reduce_dtype == self.param_dtype
+            and all(p.dtype == self.param_dtype for p in allp),
+            finish_on_backward_end=finish_on_end,
+            on_finish=self.sharded.reshard_all if self.sharded else None)
+        if self.sharded is not None:
+            self.sharded.attach(self.reducer)
+        self._group_buckets = [[] for _ in groups]
+        for b in self.reducer.buckets:
+            self._group_buckets[gid[b.params[0]]].append(b.index)
+        self._build_flat_params()
+
+    def _shard_range(self, numel: int) -> tuple[int, int]:
+        s = numel // self.nranks if self.stage >= 1 else numel
+        lo = self.rank * s if self.stage >= 1 else 0
+        return lo, lo + s
+
+    @torch.no_grad()
+    def _build_flat_params(self) -> None:
+        """Stages 0-2: params become views of one flat (compute-dtype) buffer per bucket.
+        Masters: the fp32 copy (mixed precision) or the rank's slice of the flat buffer."""
+        self.flat: list[Tensor | None] = []
+        self.masters: list[Tensor] = []
+        for b in self.reducer.buckets:
+            if self.sharded is not None:
+                shard = self.sharded.shard_of(b.index)  # compute dtype, this rank's slice
+                master = self.sharded.master_init(b.index).to(self.master_dtype)
+                self.flat.append(None)
+                self.masters.append(master if self.mixed else shard)
+                continue
+            full = torch.zeros(b.numel, dtype=self.master_dtype, device=b.params[0].device)
+            for p, off in zip(b.params, b.offsets):
+                full[off: off + p.numel()].copy_(p.detach().reshape(-1))
+            flat = full.to(self.param_dtype) if self.mixed else full
+            for p, off in zip(b.params, b.offsets):
+                p.data = flat[off: off + p.numel()].view_as(p)
+            lo, hi = self._shard_range(b.numel)
+            self.flat.append(flat)
+            self.masters.append(full[lo:hi].clone() if self.mixed else flat[lo:hi])
+
+    # --- gradient sync -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no collective) inside the context."""
+        with self.reducer.no_sync():
+            yield
+
+    def finish_grad_sync(self) -> None:
+        """Launch every bucket not launched yet, wait for all reductions (idempotent)."""
+        self.reducer.finish()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the accumulated gradients (buckets and shards restart from zero)."""
+        self.reducer.zero_grad()
+        for m in self.masters:
+            m.grad = None
+        for p in self.reducer.params():
+            if not self.reducer.as_view:
+                p.grad = None
+        self._prepared = False
+
+    def _grad_of(self, i: int) -> Tensor:
+        """The reduced gradient of master ``i`` (its shard of bucket ``i``)."""
+        b = self.reducer.buckets[i]
+        if self.stage >= 2:
+            g = b.shard if b.shard is not None else torch.zeros(
+                b.shard_numel, dtype=self.reduce_dtype, device=self.masters[i].device)
+        else:
+            lo, hi = self._shard_range(b.numel)
+            g = b.buffer[lo:hi]
+        return g if g.dtype == self.master_dtype else g.to(self.master_dtype)
+
+    @torch.no_grad()
+    def _prepare_grads(self) -> None:
+        if self._prepared:
+            return
+        self.finish_grad_sync()
+        for i, m in enumerate(self.masters):
+            m.grad = self._grad_of(i)
+            if self.loss_scale != 1.0:
+                m.grad = m.grad / self.loss_scale
+        self._prepared = True
+
+    # --- clipping, loss scaling, stepping ------------------------------------------------
+    def _tp_pieces(self) -> Iterator[tuple[Tensor, bool]]:
+        """``(grad slice, tp_sharded)`` for every run of this rank's shards."""
+        for i, m in enumerate(self.masters):
+            b = self.reducer.buckets[i]
+            lo, hi = self._shard_range(b.numel)
+            for p, off in zip(b.params, b.offsets):
+                a, e = max(off, lo), min(off + p.numel(), hi)
+                if a < e:
+                    yield m.grad[a - lo: e - lo], is_tp_sharded(p)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the global gradient norm (over DP shards, TP and PP) to ``max_norm`` and
+        return the norm before clipping. Collective: one all-reduce over the world group
+        (stages 1-3) or the model-parallel group (stage 0)."""
+        self._prepare_grads()
+        norm = global_norm(self._tp_pieces(), dims=self.dims, norm_type=norm_type,
+                           dp_sharded=self.stage >= 1 and self.nranks > 1)
+        clip_by(norm, max_norm, (m.grad for m in self.masters))
+        return norm
+
+    def _init_scaler(self, loss_scale) -> None:
+        self.dynamic = loss_scale == "dynamic"
+        if not (loss_scale is None or self.dynamic or float(loss_scale) > 0):
+            raise ValueError(f"loss_scale={loss_scale!r}: use None, a positive number or 'dynamic'")
+        self.loss_scale = 2.0**16 if self.dynamic else float(loss_scale or 1.0)
+        self._good_steps = 0
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """``loss * loss_scale`` (call ``.backward()`` on it)."""
+        return loss * self.loss_scale if self.loss_scale != 1.0 else loss
+
+    def _found_inf(self) -> bool:
+        flag = torch.zeros((), dtype=torch.float32)
+        for m in self.masters:
+            if m.grad is not None and not torch.isfinite(m.grad).all():
+                flag.fill_(1.0)
+                break
+        if dist.get_world_size(self.dims.world_group) > 1:  # every rank skips together
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dims.world_group)
+        return bool(flag.item())
+
+    @torch.no_grad()
+    def step(self, closure=None) -> bool:
+        """Finish the gradient sync, step the shards, and bring the parameters up to date.
+        Returns False (and counts it in ``skipped_steps``) if a gradient was inf/NaN."""
+        if closure is not None:
+            raise ValueError("closure is not supported: compute the loss before step()")
+        self._prepare_grads()
+        skip = self._found_inf()
+        self._prepared = False
+        if self.dynamic:
+            self._update_scale(skip)
+        if skip:
+            self.skipped_steps += 1
+            self.zero_grad()
+            return False
+        self.optimizer.step()
+        for m in self.masters:
+            m.grad = None  # a cast copy (reduce_dtype != master dtype) is not kept
+        self._publish()
+        return True
+
+    def _update_scale(self, skip: bool) -> None:
+        if skip:
+            self.loss_scale = max(self.loss_scale / 2.0, 1.0)
+            self._good_steps = 0
+        else:
+            self._good_steps += 1
+            if self._good_steps % 2000 == 0:
+                self.loss_scale *= 2.0
+
+    @torch.no_grad()
+    def _publish(self) -> None:
+        """Write the updated masters into the compute parameters (all-gather for 1 and 2)."""
+        works = []
+        for i, m in enumerate(self.masters):
+            if self.sharded is not None:
+                if self.mixed:
+                    self.sharded.shard_of(i).copy_(m)
+                continue
+            flat = self.flat[i]
+            if self.stage == 0 or self.nranks == 1:
+                if self.mixed:
+                    flat.copy_(m)
+                continue
+            src = m.to(self.param_dtype) if self.mixed else m  # non-mixed: in place
+            works.append(all_gather_flat(flat, src, self.group, async_op=True))
+        for w in works:
+            w.wait()
+
+    # --- state ---------------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        """The inner optimizer's param groups (set ``lr`` here, or schedule ``.optimizer``)."""
+        return self.optimizer.param_groups
+
+    def state_dict(self) -> dict[str, Any]:
+        """Full tensors per parameter name (collective over DP: every rank must call it)."""
+        return gather_state(self)
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` (saved with any DP size)."""
+        load_state(self, sd)
+
+    def memory_report(self):
+        from distllm.parallel.data.memory import memory_report
+
+        return memory_report(self)
+
+    def __repr__(self) -> str:
+        return (f"ZeroOptimizer(stage={self.stage}, dp={self.nranks}, "
+                f"buckets={len(self.reducer.buckets)}, param_dtype={self.param_dtype}, "
+                f"reduce_dtype={self.reduce_dtype}, optimizer={type(self.optimizer).__name__})")
+
+
+@torch.no_grad()
+def _broadcast_params(groups, dims: ParallelDims) -> None:
+    src = dims.group_ranks("dp")[0]
+    for ps, _ in groups:
+        for p in ps:
+            dist.broadcast(p.data, src=src, group=dims.dp_group)
+
+
+def _iter_params(groups) -> Iterable[nn.Parameter]:
+    return (p for ps, _ in groups for p in ps)

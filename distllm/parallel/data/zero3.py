@@ -1,0 +1,221 @@
+"""ZeRO-3 parameter sharding: each layer's parameters are gathered just before use.
+
+Each *unit* (a layer; by default every child of the outermost ``ModuleList``/``Sequential``
+containers, leftover parameters forming the root unit) packs its parameters into one flat
+buffer per optimizer param group, padded to a multiple of the DP size ``N``. A rank keeps
+only its slice (``L/N`` elements) between uses; the full buffer's storage is freed
+(``untyped_storage().resize_(0)``) and re-allocated for each gather, so the parameters
+stay the same ``nn.Parameter`` objects (views of the full buffer) and tensors saved for
+backward remain valid.
+
+Forward: a forward pre-hook all-gathers the unit (waiting on its prefetch, if any) and
+starts the all-gather of the next unit (``prefetch=True``); a forward post-hook frees it
+(except the root, needed first in backward) and hooks the unit's outputs.
+Backward: the first gradient reaching a unit's outputs all-gathers it again and prefetches
+the unit that runs backward next; when every parameter of the unit has its gradient
+accumulated, the full parameters are freed (the gradient bucket is reduce-scattered by
+:class:`~distllm.comm.buckets.GradBuckets`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+
+from distllm.comm.buckets import GradBuckets, all_gather_flat
+
+__all__ = ["ShardedParams", "default_units"]
+
+
+def default_units(module: nn.Module) -> list[nn.Module]:
+    """Children of the outermost ``ModuleList``/``Sequential`` containers that hold
+    parameters, in registration order (the usual forward order of a layer stack)."""
+    units: list[nn.Module] = []
+
+    def walk(m: nn.Module) -> None:
+        for child in m.children():
+            if isinstance(child, (nn.ModuleList, nn.Sequential)):
+                units.extend(c for c in child.children() if any(True for _ in c.parameters()))
+            else:
+                walk(child)
+
+    if isinstance(module, (nn.ModuleList, nn.Sequential)):
+        return [c for c in module.children() if any(True for _ in c.parameters())]
+    walk(module)
+    return units
+
+
+@dataclass(eq=False)
+class _Flat:
+    params: list[nn.Parameter]
+    numel: int  # padded to a multiple of N
+    full: Tensor  # compute dtype; storage freed while sharded
+    shard: Tensor  # compute dtype, this rank's slice
+    master_src: Tensor | None  # this rank's slice in the original dtype (initial masters)
+    work: object = None
+    state: str = "full"  # "sharded" | "gathering" | "full"
+
+
+class ShardedParams:
+    """The stage-3 parameter shards of one module and the hooks that gather them."""
+
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], gid: dict, *,
+                 units: list[nn.Module] | None, dims, group, param_dtype: torch.dtype,
+                 prefetch: bool) -> None:
+        self.module, self.group, self.prefetch = module, group, prefetch
+        self.nranks = dims.dp if group is not None else 1
+        self.rank = dims.dp_rank if group is not None else 0
+        self.param_dtype = param_dtype
+        units = list(units) if units is not None else default_units(module)
+        if module in units:
+            units.remove(module)
+        owner: dict[nn.Parameter, nn.Module] = {}
+        for u in units:
+            for p in u.parameters():
+                owner.setdefault(p, u)
+        for p in params:
+            owner.setdefault(p, module)  # leftovers: the root unit
+        self.units = units + [module]  # forward order of the non-root units, then the root
+        self.flats: dict[nn.Module, list[_Flat]] = {}
+        for u in self.units:
+            mine = [p for p in params if owner[p] is u]
+            by_gid: dict[int, list[nn.Parameter]] = {}
+            for p in mine:
+                by_gid.setdefault(gid[p], []).append(p)
+            self.flats[u] = [self._make_flat(ps) for ps in by_gid.values()]
+        self.unit_of = {p: u for u in self.units for f in self.flats[u] for p in f.params}
+        self._landed: dict[nn.Module, set] = {u: set() for u in self.units}
+        self._order: list[nn.Module] = [u for u in self.units if u is not module]
+        self._seen: list[nn.Module] = []
+        self._hooks = []
+        for u in self.units:
+            if not self.flats[u]:
+                continue
+            self._hooks.append(u.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(u.register_forward_hook(self._post_forward))
+        if not self.flats[module]:  # still record the start of each forward
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
+        for u in self.units:
+            self.reshard(u)
+
+    # --- layout --------------------------------------------------------------------------
+    @torch.no_grad()
+    def _make_flat(self, ps: list[nn.Parameter]) -> _Flat:
+        n = sum(p.numel() for p in ps)
+        numel = n + (-n % self.nranks)
+        src = torch.zeros(numel, dtype=ps[0].dtype, device=ps[0].device)
+        off = 0
+        for p in ps:
+            src[off: off + p.numel()].copy_(p.detach().reshape(-1))
+            off += p.numel()
+        full = src.to(self.param_dtype) if src.dtype != self.param_dtype else src.clone()
+        s = numel // self.nranks
+        lo = self.rank * s
+        off = 0
+        for p in ps:
+            p.data = full[off: off + p.numel()].view_as(p)
+            off += p.numel()
+        return _Flat(list(ps), numel, full, full[lo: lo + s].clone(), src[lo: lo + s].clone())
+
+    def bucket_params(self) -> list[list[nn.Parameter]]:
+        """Gradient buckets, first reduced first: the units in reverse forward order, root
+        (whose embedding gradient lands last) at the end."""
+        order = [u for u in reversed(self.units[:-1])] + [self.module]
+        self._bucket_flats = [f for u in order for f in self.flats[u]]
+        return [f.params for f in self._bucket_flats]
+
+    def shard_of(self, i: int) -> Tensor:
+        return self._bucket_flats[i].shard
+
+    def master_init(self, i: int) -> Tensor:
+        """The initial master values of bucket ``i``'s shard (handed over once, then dropped)."""
+        f = self._bucket_flats[i]
+        src, f.master_src = f.master_src, None
+        return src
+
+    def attach(self, reducer: GradBuckets) -> None:
+        """Free a unit's gathered parameters once all their gradients have landed (this hook
+        runs after the reducer's, which has already copied the gradient into its bucket)."""
+        for p in reducer.params():
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_landed))
+
+    # --- gather / free -------------------------------------------------------------------
+    @torch.no_grad()
+    def unshard(self, u: nn.Module, wait: bool) -> None:
+        for f in self.flats[u]:
+            if f.state == "sharded":
+                f.full.untyped_storage().resize_(f.numel * f.full.element_size())
+                if self.group is None:
+                    f.full.copy_(f.shard)
+                else:
+                    f.work = all_gather_flat(f.full, f.shard, self.group, async_op=True)
+                f.state = "gathering"
+        if wait:
+            for f in self.flats[u]:
+                if f.state == "gathering":
+                    if f.work is not None:
+                        f.work.wait()
+                        f.work = None
+                    f.state = "full"
+
+    def reshard(self, u: nn.Module) -> None:
+        self.unshard(u, wait=True) if any(f.state == "gathering" for f in self.flats[u]) else None
+        for f in self.flats[u]:
+            if f.state == "full":
+                f.full.untyped_storage().resize_(0)
+                f.state = "sharded"
+
+    def reshard_all(self) -> None:
+        for u in self.units:
+            self.reshard(u)
+            self._landed[u].clear()
+
+    # --- hooks ---------------------------------------------------------------------------
+    def _pre_forward(self, mod: nn.Module, args) -> None:
+        if mod is self.module:
+            if self._seen:
+                self._order = [u for u in self._seen if u is not self.module]
+            self._seen = []
+        self._seen.append(mod)
+        if self.flats.get(mod):
+            self.unshard(mod, wait=True)
+        if self.prefetch:
+            nxt = self._next(mod, self._order)
+            if nxt is not None:
+                self.unshard(nxt, wait=False)
+
+    def _post_forward(self, mod: nn.Module, args, out) -> None:
+        if torch.is_grad_enabled():
+            ts = [t for t in tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
+            if ts:
+                torch.autograd.graph.register_multi_grad_hook(
+                    ts, lambda _g, m=mod: self._pre_backward(m), mode="any")
+        if mod is not self.module:
+            self.reshard(mod)
+
+    def _pre_backward(self, mod: nn.Module) -> None:
+        self.unshard(mod, wait=True)
+        if self.prefetch:
+            bwd = [self.module] + list(reversed(self._order))
+            nxt = self._next(mod, bwd)
+            if nxt is not None:
+                self.unshard(nxt, wait=False)
+
+    def _next(self, mod: nn.Module, order: list[nn.Module]) -> nn.Module | None:
+        if mod in order:
+            i = order.index(mod)
+            return order[i + 1] if i + 1 < len(order) else None
+        return order[0] if mod is self.module and order else None
+
+    def _grad_landed(self, p: nn.Parameter) -> None:
+        u = self.unit_of[p]
+        self._landed[u].add(p)
+        if len(self._landed[u]) == sum(len(f.params) for f in self.flats[u]):
+            self._landed[u].clear()
+            self.reshard(u)
+
+    def full_bytes_held(self) -> int:
+        return sum(f.full.untyped_storage().nbytes() for fl in self.flats.values() for f in fl)
