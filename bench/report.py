@@ -42,8 +42,8 @@ def role_of(r: dict) -> str:
     extra = r.get("extra") or {}
     if isinstance(extra, dict) and extra.get("role"):
         return str(extra["role"])
-    v = str(r.get("variant", "")).lower()
-    if v in ("-", ""):
+    v = str(r.get("variant", "")).lower().replace("-", "_")
+    if v in ("_", ""):
         return "-"
     if any(k in v for k in _IDEAL):
         return "ideal"

@@ -62,15 +62,15 @@ def _write(tmp, rows):
 
 
 def test_cli_fail_on_regression(tmp_path, monkeypatch, capsys):
-    """The synthetic suite's fused variant takes ~2 ms: against an old run that recorded
+    """The synthetic suite's fused variant sleeps 2 ms: against an old run that recorded
     0.5 ms it is a regression (exit 1); against a 2 ms old run with a wide band it is not."""
     monkeypatch.setattr(suite, "SUITES", {
         "fake": suite.Suite("fake", "tests.bench.fake_suites", "synthetic")})
     case = "1,2,3"
-    fast = _write(tmp_path / "fast", [_r("unfused", 4.0, 0.3, case, "fake"),
+    fast = _write(tmp_path / "fast", [_r("unfused", 20.0, 0.3, case, "fake"),
                                       _r("fused", 0.5, 0.1, case, "fake")])
-    same = _write(tmp_path / "same", [_r("unfused", 4.0, 0.5, case, "fake"),
-                                      _r("fused", 2.0, 0.5, case, "fake")])
+    same = _write(tmp_path / "same", [_r("unfused", 20.0, 0.9, case, "fake"),
+                                      _r("fused", 2.0, 0.9, case, "fake")])
     args = ["bench", "--suite", "fake", "--shapes", case, "--reps", "3", "--no-progress"]
     rc = main([*args, "--out", str(tmp_path / "n1"), "--compare", str(fast),
                "--fail-on-regression"])
