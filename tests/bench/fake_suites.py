@@ -2,7 +2,8 @@
 
 ``run`` times three sleeps through the shared harness, 20 ms ("unfused"), 2 ms ("fused")
 and 30 ms ("torch_peer"), far enough apart that a loaded machine cannot reorder them, and
-reports a variant that cannot run here; the fused row carries a timeline. ``cases`` lists the shapes so that the runner steps through them one by one.
+reports a variant that cannot run here; the fused row carries a timeline. ``cases`` lists
+the shapes so that the runner steps through them one by one.
 """
 
 from __future__ import annotations
