@@ -98,7 +98,9 @@ def why_not(backend: str, x: torch.Tensor, weight: torch.Tensor, approximate: st
     if backend == "reference":
         return None
     if backend == "cpu":
-        return None if x.device.type == "cpu" else f"backend 'cpu' needs CPU tensors, got {x.device}"
+        if x.device.type == "cpu":
+            return None
+        return f"backend 'cpu' needs CPU tensors, got {x.device}"
     if x.dtype not in _GEMM_DTYPES:
         return f"backend {backend!r} supports float32/bfloat16/float16, got {x.dtype}"
     if backend == "triton":
