@@ -26,7 +26,7 @@ from typing import Any
 from distllm.bench.harness import _fmt
 
 __all__ = ["role_of", "annotate", "verdict", "suite_table", "write_report", "by_case",
-           "speedup_band"]
+           "speedup_band", "not_measured"]
 
 _IDEAL = ("ideal",)
 _PART = ("_only", "_alone", "alone", "part:")
@@ -151,8 +151,8 @@ def _cells(r: dict) -> list[str]:
     band = f"{_fmt(r.get('ms_p10'))}..{_fmt(r.get('ms_p90'))}" if r.get("ms_p10") else ""
     hid = r.get("hidden_frac")
     status = r.get("status") or ""
-    if status != "ok" and r.get("reason"):
-        status = f"{status}: {str(r['reason'])[:160]}"
+    if status != "ok":
+        status = _why(r)[:160]
     sp = r.get("speedup_vs_unfused")
     spp = extra.get("speedup_vs_peer")
     return [str(r.get("case")), str(r.get("variant")), role_of(r), _fmt(r.get("ms")), band,
@@ -162,10 +162,35 @@ def _cells(r: dict) -> list[str]:
             f"{spp:.2f}x" if spp else "", status.replace("|", "/").replace("\n", " ")]
 
 
+def _why(r: dict) -> str:
+    status, reason = str(r.get("status") or ""), str(r.get("reason") or "")
+    while reason.lower().startswith(status.lower() + ":"):  # "unavailable: unavailable: ..."
+        reason = reason[len(status) + 1:].strip()
+    return f"{status}: {reason}" if reason else status
+
+
+def not_measured(rows: list[dict]) -> list[str]:
+    """One line per (variant, reason) that did not run, with how many cases it covers."""
+    seen: dict[tuple[str, str], int] = {}
+    for r in rows:
+        if r.get("status") != "ok":
+            k = (str(r.get("variant")), _why(r).replace("\n", " "))
+            seen[k] = seen.get(k, 0) + 1
+    return [f"- {v if v != '-' else 'the whole suite'}: {why}" + (f" ({n} cases)" if n > 1 else "")
+            for (v, why), n in seen.items()]
+
+
 def suite_table(rows: list[dict]) -> str:
-    """A markdown table of one suite's rows (one line per case and variant)."""
-    lines = ["| " + " | ".join(_COLS) + " |", "|" + "---|" * len(_COLS)]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    """A markdown table of one suite's measured rows (one line per case and variant), then a
+    list of what could not be measured here and why."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    lines = []
+    if ok:
+        lines += ["| " + " | ".join(_COLS) + " |", "|" + "---|" * len(_COLS)]
+        lines += ["| " + " | ".join(_cells(r)) + " |" for r in ok]
+    missing = not_measured(rows)
+    if missing:
+        lines += ([""] if ok else []) + ["Not measured here:", ""] + missing
     return "\n".join(lines)
 
 
