@@ -1,0 +1,300 @@
+"""``PipelineParallel``: one executor that runs any pipeline schedule over the local stages.
+
+Communication: point-to-point only, between the same ``(dp, tp)`` coordinates of neighbouring
+pipeline ranks (batched async ``isend``/``irecv``, see ``pp_comm``); at the end of a step the
+loss is broadcast over ``dims.pp_group`` from the last stage. A stage's modules may be
+tensor-parallel (their own collectives run inside F/B/W, identically on every TP rank).
+Data parallelism composes through ``grad_sync`` (``no_sync()`` / ``finish_grad_sync()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distllm.parallel.pipeline.pp_comm import StageComm
+from distllm.parallel.pipeline.schedules import (
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    F,
+    Schedule,
+    W,
+    build_schedule,
+    forward_only_schedule,
+)
+from distllm.parallel.pipeline.simulate import message_of
+from distllm.parallel.pipeline.stage import split_layers
+
+__all__ = ["PipelineParallel", "StepStats", "split_micro_batches"]
+
+LayerSpec = Sequence[nn.Module] | Callable[[int], nn.Module]
+
+
+@dataclass
+class StepStats:
+    """What the last step did on this rank.
+
+    ``timeline``: ``(action, t_start, t_end)`` per compute action (``time.perf_counter``,
+    start taken once the input has arrived); ``peak_activations``: most micro-batches whose
+    activations were held at once (a chunk counts ``1/virtual_stages``);
+    ``peak_activation_bytes``: the most bytes autograd held saved for backward (parameters
+    excluded), measured only with ``track_memory``.
+    """
+
+    t_start: float = 0.0
+    t_end: float = 0.0
+    timeline: list[tuple[Action, float, float]] = field(default_factory=list)
+    peak_activations: float = 0.0
+    peak_activation_bytes: int = 0
+
+
+def split_micro_batches(t: torch.Tensor, m: int, what: str) -> list[torch.Tensor]:
+    """``t`` split into ``m`` equal micro-batches along dim 0 (error naming the knob if not)."""
+    n = t.size(0)
+    if n % m:
+        ok = [d for d in range(1, n + 1) if n % d == 0]
+        raise ValueError(f"{what} has {n} samples, not divisible by --micro-batches={m}: "
+                         f"choose --micro-batches in {ok}, or a batch size divisible by {m}")
+    return list(t.split(n // m))
+
+
+class PipelineParallel(nn.Module):
+    """The local pipeline stages of a model given as a sequence of layers, and its executor.
+
+    Args:
+        layers: the whole model's layers ``[embedding, blocks..., head]`` (only this rank's
+            are kept), or ``layer_fn(i) -> nn.Module`` building layer ``i`` (then give
+            ``num_layers``; only this rank's layers are built).
+        dims: the mesh; pipeline rank ``dims.pp_rank`` holds stages ``pp_rank + c*pp``.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` or ``"zb-h1"``.
+        micro_batches: ``m``; each step's batch is split into ``m`` along dim 0.
+        virtual_stages: model chunks per rank (``interleaved-1f1b`` only).
+        layers_per_stage: layer counts per stage (stage order), instead of an even split.
+        grad_sync: data-parallel gradient reduction with ``no_sync()`` (context) and
+            ``finish_grad_sync()``: each chunk's last B (or W) runs outside ``no_sync``, and
+            ``finish_grad_sync()`` is called at the end of every training step.
+        track_memory: measure bytes saved for backward per micro-batch (small overhead).
+
+    ``self.chunks[c]`` is an ``nn.Sequential`` of global layers ``self.layer_ids[c]``.
+    """
+
+    def __init__(self, layers: LayerSpec, dims, schedule: str = "1f1b", micro_batches: int = 1,
+                 virtual_stages: int = 1, layers_per_stage: Sequence[int] | None = None, *,
+                 num_layers: int | None = None, grad_sync=None, track_memory: bool = False):
+        super().__init__()
+        if callable(layers) and not isinstance(layers, nn.Module | Sequence):
+            if num_layers is None:
+                raise ValueError("layers is a function: give num_layers as well")
+            build, n = layers, num_layers
+        else:
+            layers = list(layers)
+            build, n = layers.__getitem__, len(layers)
+        self.dims, self.pp, self.pp_rank = dims, dims.pp, dims.pp_rank
+        self.schedule: Schedule = build_schedule(schedule, dims.pp, micro_batches, virtual_stages)
+        self.v = virtual_stages
+        ranges = split_layers(n, dims.pp, virtual_stages, layers_per_stage)
+        self.layer_ids = [list(ranges[c * self.pp + self.pp_rank]) for c in range(self.v)]
+        self.chunks = nn.ModuleList(nn.Sequential(*map(build, ids)) for ids in self.layer_ids)
+        self.grad_sync, self.track_memory = grad_sync, track_memory
+        self.pp_ranks = dims.group_ranks("pp")
+        self.comm = StageComm(dims.rank, dims.pp_group, dims.device, self.pp * self.v)
+        self.last_stats = StepStats()
+        if self.pp > 1:  # start the pipeline communicator on every rank together
+            dist.all_reduce(torch.zeros(1, device=dims.device), group=dims.pp_group)
+
+    @property
+    def micro_batches(self) -> int:
+        return self.schedule.micro_batches
+
+    @property
+    def is_first(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def train_step(self, batch: torch.Tensor | None, targets: torch.Tensor | None,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float:
+        """Forward and backward of one batch under the schedule; returns the loss.
+
+        ``batch`` is read on the first stage, ``targets`` on the last (other ranks may pass
+        ``None``). ``loss_fn(output, targets)`` must be a mean over the micro-batch; the loss
+        returned on every rank of the pipeline is the mean over the ``m`` micro-batches (the
+        one-process loss of the whole batch), and gradients accumulate into ``.grad`` scaled
+        the same way. P2P between stages; one broadcast of the loss over ``dims.pp_group``.
+        """
+        return self._step(self.schedule, batch, targets, loss_fn, train=True)
+
+    @torch.no_grad()
+    def eval_step(self, batch: torch.Tensor | None, targets: torch.Tensor | None,
+                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                  micro_batches: int | None = None) -> float:
+        """Forward-only loss of a batch (validation), same conventions as :meth:`train_step`."""
+        m = micro_batches or self.micro_batches
+        sched = forward_only_schedule(self.pp, m, self.v)
+        return self._step(sched, batch, targets, loss_fn, train=False)
+
+    def _step(self, sched: Schedule, batch, targets, loss_fn, train: bool) -> float:
+        m = sched.micro_batches
+        if self.is_first and batch is None or self.is_last and targets is None:
+            raise ValueError("the first stage needs the batch and the last stage the targets")
+        mbs = split_micro_batches(batch, m, "the batch") if self.is_first else None
+        tgts = split_micro_batches(targets, m, "the targets") if self.is_last else None
+        run = _StepRun(self, sched, mbs, tgts, loss_fn, train)
+        loss = run.execute()
+        if train and self.grad_sync is not None:
+            self.grad_sync.finish_grad_sync()
+        t = torch.tensor([loss if self.is_last else 0.0], dtype=torch.float64,
+                         device=self.dims.device)
+        if self.pp > 1:
+            dist.broadcast(t, src=self.pp_ranks[-1], group=self.dims.pp_group)
+        return float(t.item())
+
+
+class _StepRun:
+    """State of one step on one rank: stage inputs/outputs per (mb, chunk), losses, stats."""
+
+    def __init__(self, pp: PipelineParallel, sched: Schedule, mbs, tgts, loss_fn, train: bool):
+        self.pp, self.sched, self.mbs, self.tgts = pp, sched, mbs, tgts
+        self.loss_fn, self.train = loss_fn, train
+        self.rank, self.p, self.S = pp.pp_rank, pp.pp, sched.num_stages
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.to_send: dict[tuple[int, int], torch.Tensor] = {}
+        self.losses: list[torch.Tensor] = []
+        self.stats = StepStats()
+        self.held, self.held_bytes = 0, 0
+        self.saved_bytes: dict[tuple[int, int], int] = {}
+        acts = sched.actions[self.rank]
+        grad_kind = W if sched.split_backward else B
+        self.last_grad = {a.chunk: a for a in acts if a.kind == grad_kind}  # last per chunk
+        if pp.track_memory:
+            self.param_ptrs = {q.untyped_storage().data_ptr() for q in pp.parameters()}
+
+    def execute(self) -> float:
+        comm = self.pp.comm
+        self.stats.t_start = time.perf_counter()
+        for a in self.sched.actions[self.rank]:
+            if a.kind in (SEND_F, SEND_B, RECV_F, RECV_B):
+                self._post(a)
+                continue
+            comm.flush()
+            {F: self._forward, B: self._backward, W: self._weight}[a.kind](a)
+        comm.finish()
+        self.stats.t_end = time.perf_counter()
+        self.pp.last_stats = self.stats
+        if not self.losses:
+            return 0.0
+        return float(torch.stack(self.losses).sum() / self.sched.micro_batches)
+
+    def _peer(self, a: Action) -> tuple[tuple, int]:
+        key, peer_pp_rank = message_of(a, self.rank, self.p)
+        return key, self.pp.pp_ranks[peer_pp_rank]
+
+    def _post(self, a: Action) -> None:
+        key, peer = self._peer(a)
+        if a.kind == RECV_F or a.kind == RECV_B:
+            self.pp.comm.recv(key, peer)
+        else:
+            self.pp.comm.send(key, self.to_send.pop((a.mb, a.chunk)), peer)
+
+    def _input(self, a: Action) -> torch.Tensor:
+        s = self.sched.stage(self.rank, a.chunk)
+        if s == 0:
+            return self.mbs[a.mb]
+        key, peer = self._peer(Action(RECV_F, a.mb, a.chunk))
+        x = self.pp.comm.wait(key, peer)
+        if self.train and x.is_floating_point():
+            x.requires_grad_(True)
+        return x
+
+    def _forward(self, a: Action) -> None:
+        x = self._input(a)
+        t0 = time.perf_counter()
+        s, mbc = self.sched.stage(self.rank, a.chunk), (a.mb, a.chunk)
+        with self._saved_hooks(mbc):
+            y = self.pp.chunks[a.chunk](x)
+        if s == self.S - 1:
+            loss = self.loss_fn(y, self.tgts[a.mb])
+            self.losses.append(loss.detach().double())
+            y = loss / self.sched.micro_batches
+        else:
+            self.to_send[mbc] = y.detach()
+            self.pp.comm.shapes[("B", s)] = (y.shape, y.dtype)
+        if self.train:
+            self.inputs[mbc], self.outputs[mbc] = x, y
+            self.held += 1
+            self.held_bytes += self.saved_bytes.get(mbc, 0)
+            st = self.stats
+            st.peak_activations = max(st.peak_activations, self.held / self.sched.virtual_stages)
+            st.peak_activation_bytes = max(st.peak_activation_bytes, self.held_bytes)
+        self.stats.timeline.append((a, t0, time.perf_counter()))
+
+    def _grad_ctx(self, a: Action):
+        gs = self.pp.grad_sync
+        if gs is None or self.last_grad.get(a.chunk) == a:
+            return contextlib.nullcontext()
+        return gs.no_sync()
+
+    def _backward(self, a: Action) -> None:
+        s, mbc = self.sched.stage(self.rank, a.chunk), (a.mb, a.chunk)
+        grad = None
+        if s < self.S - 1:
+            key, peer = self._peer(Action(RECV_B, a.mb, a.chunk))
+            grad = self.pp.comm.wait(key, peer)
+        t0 = time.perf_counter()
+        x, y = self.inputs[mbc], self.outputs[mbc]
+        needs_dx = s > 0 and x.requires_grad
+        if self.sched.split_backward:  # input gradient only; W later
+            if needs_dx:
+                (dx,) = torch.autograd.grad(y, x, grad, retain_graph=True)
+                self.to_send[mbc] = dx
+            self.outputs[mbc] = (y, grad)
+        else:
+            with self._grad_ctx(a):
+                torch.autograd.backward(y, grad)
+            if needs_dx:
+                self.to_send[mbc] = x.grad
+            self._free(mbc)
+        self.stats.timeline.append((a, t0, time.perf_counter()))
+
+    def _weight(self, a: Action) -> None:
+        mbc = (a.mb, a.chunk)
+        t0 = time.perf_counter()
+        y, grad = self.outputs[mbc]
+        params = [q for q in self.pp.chunks[a.chunk].parameters() if q.requires_grad]
+        if params:
+            with self._grad_ctx(a):  # accumulates into .grad: post-accumulate hooks fire
+                torch.autograd.backward(y, grad, inputs=params)
+        self._free(mbc)
+        self.stats.timeline.append((a, t0, time.perf_counter()))
+
+    def _free(self, mbc: tuple[int, int]) -> None:
+        del self.inputs[mbc], self.outputs[mbc]
+        self.held -= 1
+        self.held_bytes -= self.saved_bytes.pop(mbc, 0)
+
+    def _saved_hooks(self, mbc: tuple[int, int]):
+        if not (self.pp.track_memory and self.train):
+            return contextlib.nullcontext()
+        seen: set[tuple[int, tuple]] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self.param_ptrs and (ptr, tuple(t.shape)) not in seen:
+                seen.add((ptr, tuple(t.shape)))
+                self.saved_bytes[mbc] = self.saved_bytes.get(mbc, 0) + t.numel() * t.element_size()
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)

@@ -1,0 +1,174 @@
+"""Point-to-point transfers between pipeline stages: batched asynchronous isend/irecv.
+
+Messages are named by ``(kind, mb, dst_stage)`` with ``kind`` ``"F"`` (an activation going to
+stage ``dst_stage``) or ``"B"`` (the gradient of stage ``dst_stage``'s output). The executor
+*posts* sends and receives as its schedule says; consecutive posts go out together as one
+``dist.batch_isend_irecv`` at the next :meth:`StageComm.flush`; a receive is waited for only
+by the compute that consumes it, sends only at the end of the step.
+
+Shapes without round trips: a gradient has the shape of the output its receiver computed
+(known locally); an activation's shape and dtype travel once, as a small header sent in the
+same batch just before the first activation on each stage edge, and are cached for the
+life of the executor (micro-batch shapes are fixed; a sender whose shape changes raises).
+Receives whose shape is not known yet wait in a per-peer queue, so every pair of ranks posts
+its receives in the order of the matching sends (needed by NCCL, which matches messages in
+order; gloo also gets a distinct tag per message).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["StageComm"]
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+           torch.int32, torch.uint8, torch.bool]
+_HDR = 10  # [ndim, dtype code, up to 8 dims]
+
+Key = tuple[str, int, int]  # (kind, mb, dst_stage)
+
+
+def _encode(shape: torch.Size, dtype: torch.dtype, device) -> torch.Tensor:
+    if len(shape) > _HDR - 2 or dtype not in _DTYPES:
+        raise ValueError(f"activation of shape {tuple(shape)} and dtype {dtype} cannot be sent "
+                         f"between stages: at most {_HDR - 2} dims, dtype in {_DTYPES}")
+    vals = [len(shape), _DTYPES.index(dtype), *shape] + [0] * (_HDR - 2 - len(shape))
+    return torch.tensor(vals, dtype=torch.int64, device=device)
+
+
+def _decode(h: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
+    vals = h.tolist()
+    return torch.Size(vals[2:2 + vals[0]]), _DTYPES[vals[1]]
+
+
+class StageComm:
+    """Batched P2P between pipeline ranks of one pipeline (global ranks ``peers``).
+
+    Args:
+        rank: this process's global rank.
+        group: the pipeline's process group (``dims.pp_group``).
+        device: where receive buffers live (``dims.device``).
+        num_stages: stages of the whole pipeline (for tags).
+    """
+
+    def __init__(self, rank: int, group, device: torch.device, num_stages: int) -> None:
+        self.rank, self.group, self.device, self.stages = rank, group, device, num_stages
+        self.use_tags = dist.get_backend(group) != "nccl"
+        self.shapes: dict[tuple[str, int], tuple[torch.Size, torch.dtype]] = {}
+        self._sent_shape: dict[tuple[str, int], tuple[torch.Size, torch.dtype]] = {}
+        self._ops: list[dist.P2POp] = []
+        self._recv: dict[Key, tuple[torch.Tensor, list]] = {}
+        self._deferred: dict[int, deque[Key]] = {}
+        self._local: dict[Key, torch.Tensor] = {}
+        self._send_works: list = []
+        self._keep: list[torch.Tensor] = []
+
+    def _tag(self, key: Key, header: bool) -> int:
+        kind, mb, stage = key
+        if not self.use_tags:
+            return 0
+        return ((mb * 2 + (kind == "B")) * self.stages + stage) * 2 + header
+
+    # --- posting -------------------------------------------------------------------
+    def send(self, key: Key, tensor: torch.Tensor, peer: int) -> None:
+        """Post the send of ``tensor`` (detached, contiguous) as message ``key`` to ``peer``."""
+        t = tensor.detach().contiguous()
+        if peer == self.rank:
+            self._local[key] = t
+            return
+        edge = (key[0], key[2])
+        sig = (t.shape, t.dtype)
+        if key[0] == "F":
+            if edge not in self._sent_shape:
+                self._sent_shape[edge] = sig
+                hdr = _encode(t.shape, t.dtype, t.device)
+                tag = self._tag(key, True)
+                self._ops.append(dist.P2POp(dist.isend, hdr, peer, self.group, tag))
+                self._keep.append(hdr)
+            elif self._sent_shape[edge] != sig:
+                raise ValueError(
+                    f"stage {key[2] - 1} output changed from {tuple(self._sent_shape[edge][0])} "
+                    f"{self._sent_shape[edge][1]} to {tuple(t.shape)} {t.dtype}: the pipeline "
+                    "needs one micro-batch shape (batch size / --micro-batches and sequence "
+                    "length) for the executor's life; build a new executor for another shape")
+        self._ops.append(dist.P2POp(dist.isend, t, peer, self.group, self._tag(key, False)))
+        self._keep.append(t)
+
+    def recv(self, key: Key, peer: int) -> None:
+        """Post the receive of message ``key`` from ``peer`` (deferred while its shape is
+        unknown, keeping this peer's receives in send order)."""
+        if peer == self.rank:
+            return
+        q = self._deferred.setdefault(peer, deque())
+        q.append((key, peer))
+        self._drain(peer, upto=None)
+
+    def _drain(self, peer: int, upto: Key | None) -> None:
+        q = self._deferred.get(peer)
+        while q:
+            key, _ = q[0]
+            edge = (key[0], key[2])
+            if edge not in self.shapes:
+                if upto is None:
+                    return
+                if key[0] == "B":
+                    raise RuntimeError(f"gradient {key} expected before its forward ran")
+                self._read_header(key, peer)
+            q.popleft()
+            shape, dtype = self.shapes[edge]
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            self._ops.append(dist.P2POp(dist.irecv, buf, peer, self.group, self._tag(key, False)))
+            self._recv[key] = (buf, [])
+            if key == upto:
+                return
+
+    def _read_header(self, key: Key, peer: int) -> None:
+        self.flush()
+        hdr = torch.empty(_HDR, dtype=torch.int64, device=self.device)
+        op = dist.P2POp(dist.irecv, hdr, peer, self.group, self._tag(key, True))
+        for w in dist.batch_isend_irecv([op]):
+            w.wait()
+        self.shapes[(key[0], key[2])] = _decode(hdr)
+
+    def flush(self) -> None:
+        """Issue every posted operation as one ``batch_isend_irecv``."""
+        if not self._ops:
+            return
+        ops, self._ops = self._ops, []
+        works = dist.batch_isend_irecv(ops)
+        if len(works) == len(ops):
+            pairs = list(zip(ops, works, strict=False))
+        else:  # one coalesced work for the whole batch (NCCL)
+            pairs = [(op, works[0]) for op in ops] if works else []
+        for op, w in pairs:
+            if op.op is dist.isend:
+                self._send_works.append(w)
+        for _key, (buf, ws) in self._recv.items():
+            if not ws:
+                ws.extend(w for op, w in pairs if op.tensor is buf)
+
+    # --- waiting -------------------------------------------------------------------
+    def wait(self, key: Key, peer: int) -> torch.Tensor:
+        """The received tensor of message ``key`` (waits for it)."""
+        if peer == self.rank:
+            return self._local.pop(key)
+        if key not in self._recv:
+            self._drain(peer, upto=key)
+        self.flush()
+        buf, works = self._recv.pop(key)
+        for w in works:
+            w.wait()
+        return buf
+
+    def finish(self) -> None:
+        """Wait for every send of the step (their buffers may then be freed)."""
+        self.flush()
+        for w in self._send_works:
+            w.wait()
+        self._send_works.clear()
+        self._keep.clear()
+        if self._recv or any(self._deferred.values()) or self._local:
+            raise RuntimeError("pipeline step ended with messages posted but never consumed")

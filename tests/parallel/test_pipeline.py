@@ -1,0 +1,192 @@
+"""Pipeline executor on gloo ranks vs the same model on one process (float64, ~1e-10).
+
+Each rank builds the whole model from one seed, keeps its stages in a ``PipelineParallel``,
+and computes the one-process reference itself (same layers, whole global batch), so a rank
+compares its own stages' gradients with the reference's gradients of the same layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distllm.testing import run_distributed
+
+VOCAB, HID, SEQ = 11, 6, 3
+TOL = 1e-10  # float64: same ops in the same order per micro-batch; only sums regroup
+
+
+class Block(nn.Module):
+    def __init__(self, h: int):
+        super().__init__()
+        self.fc1, self.fc2, self.norm = nn.Linear(h, 2 * h), nn.Linear(2 * h, h), nn.LayerNorm(h)
+
+    def forward(self, x):  # (b, s, h) -> (b, s, h)
+        return self.norm(x + self.fc2(torch.nn.functional.gelu(self.fc1(x))))
+
+
+def make_layers(n_blocks: int, seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    layers = [nn.Embedding(VOCAB, HID)] + [Block(HID) for _ in range(n_blocks)]
+    layers.append(nn.Linear(HID, VOCAB))
+    return [layer.double() for layer in layers]
+
+
+def loss_fn(logits, targets):  # (b, s, V), (b, s) -> mean over tokens
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def make_batch(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return x, torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+
+def reference(n_blocks: int, x, y):
+    layers = make_layers(n_blocks)
+    model = nn.Sequential(*layers)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    return loss.item(), [[p.grad.clone() for p in layer.parameters()] for layer in layers]
+
+
+class AllReduceGrads:
+    """Minimal data-parallel gradient sync: average grads over the DP group at the end."""
+
+    def __init__(self, module: nn.Module, group, dp: int):
+        self.module, self.group, self.dp, self.calls, self.in_no_sync = module, group, dp, 0, 0
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.in_no_sync += 1
+        yield
+
+    def finish_grad_sync(self):
+        self.calls += 1
+        for p in self.module.parameters():
+            dist.all_reduce(p.grad, group=self.group)
+            p.grad /= self.dp
+
+
+def _case(dims, schedule, m, v, n, n_blocks, seed, layers_per_stage=None):
+    from distllm.parallel.pipeline import PipelineParallel
+
+    pp = PipelineParallel(make_layers(n_blocks), dims, schedule, m, v, layers_per_stage)
+    sync = AllReduceGrads(pp, dims.dp_group, dims.dp) if dims.dp > 1 else None
+    pp.grad_sync = sync
+    batches = [make_batch(n, seed + d) for d in range(dims.dp)]
+    x, y = batches[dims.dp_rank]
+    loss = pp.train_step(x if pp.is_first else None, y if pp.is_last else None, loss_fn)
+    gx, gy = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    ref_loss, ref_grads = reference(n_blocks, gx, gy)
+    local_ref = reference(n_blocks, x, y)[0]
+    err = abs(loss - local_ref)
+    for c, ids in enumerate(pp.layer_ids):
+        for layer, i in zip(pp.chunks[c], ids, strict=False):
+            for p, g in zip(layer.parameters(), ref_grads[i], strict=False):
+                err = max(err, float((p.grad - g).abs().max()))
+    ev = pp.eval_step(x, y, loss_fn)
+    err = max(err, abs(ev - local_ref))
+    if sync is not None:
+        assert sync.calls == 1 and sync.in_no_sync > 0
+    return err, ref_loss
+
+
+def _parity(cases, pp_size, dp=1):
+    from distllm import ParallelDims
+
+    dims = ParallelDims(tp=1, pp=pp_size, dp=dp)
+    return [_case(dims, *c) for c in cases]
+
+
+def _errors(cases, pp_size, dp=1):
+    from distllm import ParallelDims
+    from distllm.parallel.pipeline import PipelineParallel
+
+    dims = ParallelDims(tp=1, pp=pp_size, dp=dp)
+    out = []
+    for kw in cases:
+        try:
+            pp = PipelineParallel(make_layers(kw.pop("n_blocks", 2)), dims, **kw.pop("init", {}))
+            x, y = make_batch(kw["n"], 0)
+            pp.train_step(x, y, loss_fn)
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+# (schedule, m, v, batch, n_blocks, seed): m = p, 2p, not divisible by p, m < p, v = 2
+CASES_2 = [
+    ("gpipe", 2, 1, 4, 2, 1), ("gpipe", 3, 1, 3, 3, 2), ("gpipe", 1, 1, 2, 2, 3),
+    ("1f1b", 2, 1, 2, 2, 4), ("1f1b", 4, 1, 8, 3, 5), ("1f1b", 3, 1, 6, 2, 6),
+    ("1f1b", 1, 1, 1, 2, 7),
+    ("interleaved-1f1b", 2, 2, 4, 2, 8), ("interleaved-1f1b", 4, 2, 4, 6, 9),
+    ("zb-h1", 2, 1, 4, 2, 10), ("zb-h1", 5, 1, 5, 3, 11), ("zb-h1", 1, 1, 2, 2, 12),
+]
+
+CASES_4 = [
+    ("gpipe", 4, 1, 4, 2, 1), ("1f1b", 8, 1, 8, 2, 2), ("1f1b", 6, 1, 6, 3, 3),
+    ("1f1b", 2, 1, 4, 2, 4), ("interleaved-1f1b", 4, 2, 4, 6, 5),
+    ("interleaved-1f1b", 8, 2, 8, 6, 6), ("zb-h1", 4, 1, 4, 2, 7), ("zb-h1", 7, 1, 7, 2, 8),
+    ("zb-h1", 3, 1, 3, 3, 9),
+]
+
+
+def test_pipeline_parity_two_stages():
+    res = run_distributed(_parity, 2, CASES_2, 2, timeout=240)
+    for case, per_rank in zip(CASES_2, zip(*res, strict=False), strict=False):
+        errs = [e for e, _ in per_rank]
+        assert max(errs) < TOL, (case, errs)
+
+
+def test_pipeline_parity_four_stages():
+    res = run_distributed(_parity, 4, CASES_4, 4, timeout=240)
+    for case, per_rank in zip(CASES_4, zip(*res, strict=False), strict=False):
+        errs = [e for e, _ in per_rank]
+        assert max(errs) < TOL, (case, errs)
+
+
+def test_pipeline_with_data_parallel():
+    cases = [("1f1b", 2, 1, 4, 2, 1), ("zb-h1", 3, 1, 3, 2, 2), ("gpipe", 2, 1, 2, 2, 3),
+             ("interleaved-1f1b", 2, 2, 2, 2, 4)]
+    res = run_distributed(_parity, 4, cases, 2, 2, timeout=240)
+    for case, per_rank in zip(cases, zip(*res, strict=False), strict=False):
+        errs = [e for e, _ in per_rank]
+        assert max(errs) < TOL, (case, errs)
+
+
+def test_pipeline_bad_input():
+    cases = [
+        {"n": 5, "init": {"schedule": "1f1b", "micro_batches": 2}},
+        {"n": 4, "n_blocks": 0, "init": {"schedule": "interleaved-1f1b", "micro_batches": 2,
+                                          "virtual_stages": 2}},
+        {"n": 4, "n_blocks": 3, "init": {"schedule": "interleaved-1f1b", "micro_batches": 2,
+                                          "virtual_stages": 2}},
+        {"n": 3, "init": {"schedule": "interleaved-1f1b", "micro_batches": 3,
+                          "virtual_stages": 2}},
+        {"n": 4, "init": {"schedule": "1f1b", "micro_batches": 2, "virtual_stages": 2}},
+        {"n": 4, "init": {"schedule": "pipedream", "micro_batches": 2}},
+    ]
+    res = run_distributed(_errors, 2, [dict(c) for c in cases], 2, timeout=120)
+    msgs = res[0]
+    assert "--micro-batches=2" in msgs[0]
+    assert "fewer than the 4 pipeline stages" in msgs[1]  # embedding + head over 2 x 2
+    assert "interleaving" in msgs[2] and "--virtual-stages" in msgs[2]
+    assert "multiple of pp=2" in msgs[3]
+    assert "interleaved-1f1b" in msgs[4]
+    assert "'pipedream'" in msgs[5]
+
+
+@pytest.mark.parametrize("n_layers", [1])
+def test_fewer_layers_than_stages(n_layers):
+    from distllm.parallel.pipeline import split_layers
+
+    with pytest.raises(ValueError, match="fewer than the 2 pipeline stages"):
+        split_layers(n_layers, 2)
+    with pytest.raises(ValueError, match="--virtual-stages"):
+        split_layers(3, 2, virtual_stages=2)

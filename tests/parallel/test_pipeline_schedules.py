@@ -1,0 +1,157 @@
+"""Schedules and the simulator, without processes, over a (pp, m, v) grid."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from distllm.parallel.pipeline import (
+    SCHEDULES,
+    Action,
+    Schedule,
+    build_schedule,
+    forward_only_schedule,
+    simulate,
+    split_layers,
+    validate,
+)
+from distllm.parallel.pipeline.schedules import with_comms
+
+PPS, MS, VS = (1, 2, 3, 4, 8), (1, 2, 3, 4, 5, 7, 8, 16), (1, 2, 3)
+
+
+def grid():
+    for name, p, m, v in itertools.product(SCHEDULES, PPS, MS, VS):
+        if v > 1 and name != "interleaved-1f1b":
+            continue
+        if name == "interleaved-1f1b" and m % p:
+            continue
+        yield name, p, m, v
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_every_schedule_completes_without_deadlock(name):
+    n = 0
+    for nm, p, m, v in grid():
+        if nm != name:
+            continue
+        s = build_schedule(name, p, m, v)
+        validate(s)
+        r = simulate(s, 1.0 / v, 1.0 / v, 1.0 / v, t_comm=0.05)
+        assert r.deadlock == [], (name, p, m, v, r.deadlock)
+        assert r.fifo_ok, (name, p, m, v)  # receives in send order per pair (NCCL)
+        busy = m * 3.0  # every rank runs F + B + W of every micro-batch through every chunk
+        assert all(abs(b - busy) < 1e-9 for b in r.busy)
+        assert r.step_time >= busy
+        n += 1
+    assert n > 10
+
+
+def test_bubble_formula_gpipe_1f1b():
+    for name, p, m in itertools.product(("gpipe", "1f1b"), PPS, MS):
+        for tf, tb, tw in ((1.0, 1.0, 1.0), (1.0, 2.0, 0.0), (0.3, 0.5, 0.2)):
+            r = simulate(build_schedule(name, p, m), tf, tb, tw, t_comm=0.0)
+            ideal = (p - 1) / (m + p - 1)
+            assert r.step_time == pytest.approx((m + p - 1) * (tf + tb + tw), abs=1e-9)
+            assert max(r.bubble) == pytest.approx(ideal, abs=1e-9), (name, p, m)
+            assert min(r.bubble) == pytest.approx(ideal, abs=1e-9), (name, p, m)
+
+
+def test_peak_activations_1f1b_vs_gpipe():
+    for p, m in itertools.product(PPS, MS):
+        g = simulate(build_schedule("gpipe", p, m))
+        o = simulate(build_schedule("1f1b", p, m))
+        assert g.peak_activations == [float(m)] * p
+        assert o.peak_activations == [float(min(p - r, m)) for r in range(p)]
+        assert max(o.peak_activations) <= p
+
+
+def test_interleaved_smaller_bubble():
+    for p, m, v in itertools.product((2, 3, 4, 8), (4, 8, 16), (2, 3)):
+        if m % p:
+            continue
+        base = simulate(build_schedule("1f1b", p, m), 1, 2, 0)
+        inter = simulate(build_schedule("interleaved-1f1b", p, m, v), 1 / v, 2 / v, 0)
+        assert inter.step_time < base.step_time
+        assert max(inter.bubble) < max(base.bubble)
+        # Megatron's bubble: (p - 1) / v chunks' worth of F + B, over m micro-batches
+        ideal = (p - 1) / v * 3 / (m * 3 + (p - 1) / v * 3)
+        assert max(inter.bubble) == pytest.approx(ideal, abs=1e-9), (p, m, v)
+
+
+def test_zb_h1_smaller_bubble_same_peak():
+    for p, m in itertools.product((2, 3, 4, 8), (1, 2, 3, 4, 5, 8, 16, 32)):
+        o = simulate(build_schedule("1f1b", p, m))
+        z = simulate(build_schedule("zb-h1", p, m))
+        bub_o, bub_z = o.step_time - 3 * m, z.step_time - 3 * m  # idle time of each rank
+        assert bub_z < bub_o
+        if m >= p:
+            assert bub_z == pytest.approx(bub_o / 3)  # (p-1)(F+B-W) vs (p-1)(F+B+W)
+        assert max(z.peak_activations) <= max(o.peak_activations)
+        assert all(a <= p for a in z.peak_activations)
+
+
+def test_schedule_is_data():
+    s = build_schedule("1f1b", 2, 3)
+    assert s.compute(0) == [Action("F", 0), Action("F", 1), Action("B", 0), Action("F", 2),
+                            Action("B", 1), Action("B", 2)]
+    assert s.compute(1) == [Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1),
+                            Action("F", 2), Action("B", 2)]
+    # rank 1 posts the receive of F1's input before B0 runs, and sends B0's grad right after
+    acts = list(s.actions[1])
+    assert acts[:5] == [Action("RECV_F", 0), Action("F", 0), Action("RECV_F", 1), Action("B", 0),
+                        Action("SEND_B", 0)]
+    assert "rank 0: F(0,0) F(1,0) B(0,0)" in str(s)
+    z = build_schedule("zb-h1", 4, 8)
+    assert z.split_backward and all(any(a.kind == "W" for a in z.compute(r)) for r in range(4))
+    f = forward_only_schedule(2, 3, 2)
+    assert [a.kind for a in f.compute(0)] == ["F"] * 6
+    assert simulate(f).deadlock == []
+
+
+def test_deadlock_detected():
+    # rank 1 waits for a gradient before running the forward that would produce it
+    orders = [[Action("F", 0), Action("B", 0)], [Action("B", 0), Action("F", 0)]]
+    acts = with_comms(orders, 2, 1)
+    s = Schedule("broken", 2, 1, 1, False, acts)
+    r = simulate(s)
+    assert r.deadlock and "rank 0: B(0,0)" in r.deadlock[0]
+    with pytest.raises(AssertionError, match="out of order"):
+        validate(s)
+
+
+def test_comm_latency_and_per_rank_times():
+    s = build_schedule("1f1b", 4, 8)
+    r0 = simulate(s, 1, 2, 0, t_comm=0.0)
+    r1 = simulate(s, 1, 2, 0, t_comm=0.5)
+    assert r1.step_time > r0.step_time
+    slow = simulate(s, [1, 1, 2, 1], [2, 2, 4, 2], 0)
+    assert slow.bubble[2] < min(slow.bubble[r] for r in (0, 1, 3))  # the slow rank idles least
+    with pytest.raises(ValueError, match="one per rank"):
+        simulate(s, [1, 2], 1, 1)
+
+
+def test_bad_schedule_arguments():
+    with pytest.raises(ValueError, match="schedule='pipedream' is unknown"):
+        build_schedule("pipedream", 2, 4)
+    with pytest.raises(ValueError, match="--micro-batches to be a multiple of pp=4"):
+        build_schedule("interleaved-1f1b", 4, 6, 2)
+    with pytest.raises(ValueError, match="needs schedule='interleaved-1f1b'"):
+        build_schedule("zb-h1", 2, 4, 2)
+    with pytest.raises(ValueError, match="micro_batches=0"):
+        build_schedule("1f1b", 2, 0)
+
+
+def test_split_layers():
+    assert split_layers(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
+    assert split_layers(8, 2, 2) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert split_layers(6, 2, layers_per_stage=[1, 5]) == [range(0, 1), range(1, 6)]
+    with pytest.raises(ValueError, match="fewer than the 4 pipeline stages"):
+        split_layers(3, 4)
+    with pytest.raises(ValueError, match=r"choose --virtual-stages in \[1, 3\]"):
+        split_layers(6, 2, 2)
+    with pytest.raises(ValueError, match="sums to 5"):
+        split_layers(6, 2, layers_per_stage=[2, 3])
+    with pytest.raises(ValueError, match="give 2 positive counts"):
+        split_layers(6, 2, layers_per_stage=[6])
