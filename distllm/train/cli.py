@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--out", default="runs/train", help="folder for metrics and checkpoints")
     r.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --out")
+    r.add_argument("--n-layers", type=int, default=0, help="override the preset's depth")
+    r.add_argument("--stop-after", type=int, default=0,
+                   help="stop (and save) after this step; the LR schedule still spans --steps")
     r.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps")
     r.add_argument("--no-save", action="store_true", help="no checkpoint at the end")
     r.add_argument("--eval-batches", type=int, default=8, help="validation batches at the end")
@@ -87,7 +90,8 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         model=a.model, parallel=par, optim=opt, global_batch=a.global_batch,
         seq_len=a.seq_len, steps=a.steps, seed=a.seed, dtype=a.dtype,
         activation_checkpointing=a.activation_checkpointing, data=a.data, out=a.out,
-        resume=a.resume, save_every=a.save_every, save_final=not a.no_save,
+        resume=a.resume, n_layers=a.n_layers, stop_after=a.stop_after,
+        save_every=a.save_every, save_final=not a.no_save,
         eval_batches=a.eval_batches, progress=not a.no_progress, deterministic=a.deterministic,
     )
 
@@ -101,10 +105,9 @@ def _cores() -> int:
 
 def precheck(cfg: TrainConfig, world: int) -> None:
     """Every check that can run before a rank starts (raises ValueError / FileNotFoundError)."""
-    from distllm.models.gpt import GPTConfig
     from distllm.train import checkpoint
 
-    mcfg = GPTConfig.preset(cfg.model)
+    mcfg = cfg.model_config()
     seq = cfg.seq_len or mcfg.max_seq_len
     if seq > mcfg.max_seq_len:
         raise ValueError(f"seq_len={seq} exceeds the {cfg.model} context {mcfg.max_seq_len}: "

@@ -160,6 +160,12 @@ class TrainConfig:
     """Output folder: metrics.jsonl and checkpoints."""
     resume: bool = False
     """Resume from the newest complete checkpoint in ``out``."""
+    n_layers: int = 0
+    """Override the preset's number of transformer blocks (0: the preset's)."""
+    stop_after: int = 0
+    """Stop this run after this many steps in total (0: run to ``steps``), saving a
+    checkpoint there; the learning-rate schedule still spans ``steps`` (for preemptible jobs
+    that continue with --resume)."""
     save_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
     save_final: bool = True
@@ -183,6 +189,10 @@ class TrainConfig:
                 f"activation_checkpointing={self.activation_checkpointing!r}: choose one of "
                 f"{', '.join(ACTIVATION_CHECKPOINTING)}"
             )
+        if self.n_layers < 0:
+            raise ValueError(f"n_layers={self.n_layers}: use 0 (the preset's) or a positive depth")
+        if self.stop_after < 0:
+            raise ValueError(f"stop_after={self.stop_after}: use 0 (run to --steps) or a step")
         if self.save_every < 0:
             raise ValueError(f"save_every={self.save_every}: use 0 (end only) or a step count")
         if self.eval_batches < 0:
@@ -190,6 +200,13 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def model_config(self):
+        """The ``GPTConfig`` of ``model`` with this run's overrides."""
+        from distllm.models.gpt import GPTConfig
+
+        over = {"n_layers": self.n_layers} if self.n_layers else {}
+        return GPTConfig.preset(self.model, **over)
 
 
 def check_layout(cfg: TrainConfig, world: int, *, n_layers: int, n_heads: int, hidden: int,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from distllm.models.gpt import GPT, GPTConfig
@@ -23,18 +22,22 @@ __all__ = ["Engine", "DTYPE", "stage_layer_ids"]
 DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
-def stage_layer_ids(n_layers: int, pp: int, v: int, pp_rank: int) -> list[list[int]]:
-    """Global layer indices of each model chunk held by ``pp_rank`` (chunk ``c`` of the
-    ``pp * v`` chunks goes to rank ``c % pp``), split as evenly as possible, earlier chunks
-    taking the remainder."""
-    n_chunks = pp * v
-    base, extra = divmod(n_layers, n_chunks)
-    bounds, lo = [], 0
-    for c in range(n_chunks):
+def _all_chunk_ids(n_layers: int, pp: int, v: int) -> list[list[int]]:
+    """Layer indices of the ``pp * v`` pipeline chunks in stage order, as even as possible,
+    earlier chunks taking the remainder (as ``split_layers`` does without interleaving)."""
+    base, extra = divmod(n_layers, pp * v)
+    out, lo = [], 0
+    for c in range(pp * v):
         hi = lo + base + (1 if c < extra else 0)
-        bounds.append((lo, hi))
+        out.append(list(range(lo, hi)))
         lo = hi
-    return [list(range(*bounds[c])) for c in range(pp_rank, n_chunks, pp)]
+    return out
+
+
+def stage_layer_ids(n_layers: int, pp: int, v: int, pp_rank: int) -> list[list[int]]:
+    """Global layer indices of each model chunk held by ``pp_rank`` (stage ``s`` of the
+    ``pp * v`` stages runs on rank ``s % pp`` as its chunk ``s // pp``)."""
+    return _all_chunk_ids(n_layers, pp, v)[pp_rank::pp]
 
 
 def _decay_groups(params: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
@@ -91,8 +94,9 @@ class Engine:
         if p.zero == 3 and o.weight_decay > 0:
             self._warn_once("ZeRO-3 takes the module, not param groups: weight decay applies "
                             "to every parameter (biases and norms included)")
+        units = [layer for c in self.chunks for layer in c.layer_list()] if p.zero == 3 else None
         self.zero = ZeroOptimizer(params, torch.optim.AdamW, stage=p.zero, dims=self.dims,
-                                  bucket_cap_mb=p.bucket_cap_mb,
+                                  bucket_cap_mb=p.bucket_cap_mb, units=units,
                                   finish_on_backward_end=finish_on_end, foreach=False,
                                   weight_decay=o.weight_decay, **adam)
         self.grad_sync = self.zero
@@ -113,16 +117,28 @@ class Engine:
 
     # --- pipeline ------------------------------------------------------------------------
     def _build_pipeline(self):
-        from distllm.train.pipeline_adapter import build_pipeline
+        """The pipeline executor over this rank's already-built layers; its DP contract is
+        ``grad_sync`` (DDP or ZeroOptimizer)."""
+        from distllm.parallel.pipeline.executor import PipelineParallel
 
-        return build_pipeline(self)
+        p = self.cfg.parallel
+        n = self.mcfg.n_pipeline_layers
+        counts = [len(ids) for ids in _all_chunk_ids(n, self.dims.pp, self.v)]
+        built = {i: c.layers[str(i)] for c in self.chunks for i in c.layer_ids}
+        pipe = PipelineParallel(built.__getitem__, self.dims, schedule=p.schedule,
+                                micro_batches=p.micro_batches, virtual_stages=self.v,
+                                layers_per_stage=counts, num_layers=n,
+                                grad_sync=self.grad_sync)
+        if pipe.layer_ids != self.chunk_ids:
+            raise AssertionError(f"pipeline split {pipe.layer_ids} != {self.chunk_ids}")
+        return pipe
 
     # --- one step ------------------------------------------------------------------------
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward + backward of this rank's rows of the global batch; returns the mean loss
         over them on the last stage (0.0 elsewhere)."""
         if self.pipeline is not None:
-            return float(self.pipeline.train_step(tokens, targets))
+            return self.pipeline.train_step(tokens, targets, self._loss)
         m = self.cfg.parallel.micro_batches
         model = self.chunks[0]
         total = 0.0
@@ -134,6 +150,9 @@ class Engine:
             total += float(loss.detach())
         self.grad_sync.finish_grad_sync()
         return total / m
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.chunks[-1].loss(logits, targets)
 
     def _forward(self, model: GPT, tok: torch.Tensor) -> torch.Tensor:
         return self.ddp(tok) if self.ddp is not None else model(tok)
@@ -155,33 +174,12 @@ class Engine:
     # --- evaluation ----------------------------------------------------------------------
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """Mean loss of this DP rank's rows, forward only (chunks run in pipeline order with
-        blocking send/recv between stages); the value is returned on the last stage."""
-        d = self.dims
-        n_chunks = d.pp * self.v
-        x = tokens
-        loss = 0.0
-        for c in range(n_chunks):
-            owner = c % d.pp
-            if owner != d.pp_rank:
-                continue
-            chunk = self.chunks[c // d.pp]
-            if c > 0 and d.pp > 1:
-                x = self._recv_act(tokens, d.prev_pp_rank if d.pp_rank > 0 else
-                                   d.rank + (d.pp - 1) * d.dp * d.tp)
-            x = chunk(x)
-            if c < n_chunks - 1 and d.pp > 1:
-                nxt = d.next_pp_rank if d.pp_rank < d.pp - 1 else d.rank - (d.pp - 1) * d.dp * d.tp
-                dist.send(x.contiguous(), nxt)
-            else:
-                loss = float(chunk.loss(x, targets))
-        return loss
-
-    def _recv_act(self, tokens: torch.Tensor, src: int) -> torch.Tensor:
-        s = tokens.shape[1] // (self.dims.tp if self.chunks[0].sequence_parallel else 1)
-        buf = torch.empty(tokens.shape[0], s, self.mcfg.hidden_size, dtype=self.dtype)
-        dist.recv(buf, src)
-        return buf
+        """Mean loss of this DP rank's rows, forward only (the pipeline's forward-only
+        schedule with pp > 1); the same on every rank of the pipeline."""
+        if self.pipeline is not None:
+            return self.pipeline.eval_step(tokens, targets, self._loss, micro_batches=1)
+        model = self.chunks[0]
+        return float(model.loss(self._forward(model, tokens), targets))
 
     def train(self, mode: bool = True) -> None:
         for c in self.chunks:

@@ -28,18 +28,15 @@ def collect(engine, params: list[nn.Parameter]) -> tuple[dict, int]:
     collective over DP with ZeRO. Moments are absent before the first step."""
     out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
     if engine.zero is not None:
-        sd = engine.zero.state_dict()
+        sd = engine.zero.state_dict()  # {"master": {name: t}, "state": {name: {key: t}}}
         names = _zero_names(engine)
         step = 0
         for p in params:
             n = names[p]
-            d = {"weight": sd[f"master.{n}"].reshape(p.shape)}
-            for k in MOMENTS:
-                if f"state.{n}.{k}" in sd:
-                    d[k] = sd[f"state.{n}.{k}"].reshape(p.shape)
-            if f"state.{n}.step" in sd:
-                step = int(sd[f"state.{n}.step"])
-            out[p] = d
+            st = sd["state"].get(n, {})
+            out[p] = {"weight": sd["master"][n], **{k: st[k] for k in MOMENTS if k in st}}
+            if "step" in st:
+                step = int(st["step"])
         return out, step
     opt = engine.optimizer
     step = 0
@@ -59,14 +56,12 @@ def install(engine, local: dict[nn.Parameter, dict[str, torch.Tensor]], step: in
         sd = engine.zero.state_dict()  # the template: every key, right dtypes
         for p, d in local.items():
             n = names[p]
-            for k, v in d.items():
-                key = f"master.{n}" if k == "weight" else f"state.{n}.{k}"
-                if key in sd:
-                    sd[key] = v.to(sd[key].dtype).reshape(sd[key].shape)
-                elif k != "weight":
-                    sd[key] = v.to(engine.zero.master_dtype).clone()
+            sd["master"][n] = d["weight"].to(sd["master"][n].dtype).reshape(sd["master"][n].shape)
             if any(k in d for k in MOMENTS):
-                sd[f"state.{n}.step"] = torch.tensor(float(step))
+                dt = sd["master"][n].dtype
+                sd["state"][n] = {"step": torch.tensor(float(step)),
+                                  **{k: d[k].to(dt).reshape(sd["master"][n].shape)
+                                     for k in MOMENTS if k in d}}
         engine.zero.load_state_dict(sd)
         return
     opt = engine.optimizer

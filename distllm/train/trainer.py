@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from distllm.models.gpt import GPTConfig
 from distllm.parallel.mesh import ParallelDims
 from distllm.train.config import TrainConfig, check_layout
 from distllm.train.data import BatchLoader, load_corpus
@@ -128,43 +127,36 @@ def _validate(engine, corpus, cfg: TrainConfig, seq: int, dims: ParallelDims) ->
     return total / max(n, 1)
 
 
-def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> TrainResult:
-    """Run ``cfg`` on the current ``torch.distributed`` world (started from torchrun's
-    environment, or a 1-rank world, when ``dims`` is not given)."""
-    from distllm.train import checkpoint
-    from distllm.train.engine import Engine
+def _truncate_metrics(path: str, after_step: int) -> None:
+    """Drop lines of steps after ``after_step`` (left by a run killed after its checkpoint)."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        keep = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= after_step]
+    with open(path, "w") as f:
+        f.writelines(keep)
 
+
+def _banner(cfg: TrainConfig, mcfg, dims: ParallelDims, corpus) -> None:
     p = cfg.parallel
-    if dims is None:
-        dims = ParallelDims(tp=p.tp, pp=p.pp, dp=p.dp, timeout_s=p.timeout_s)
-    if cfg.deterministic:
-        torch.use_deterministic_algorithms(True)
-    mcfg = GPTConfig.preset(cfg.model)
-    seq = cfg.seq_len or mcfg.max_seq_len
-    check_layout(cfg, dims.world_size, n_layers=mcfg.n_layers, n_heads=mcfg.n_heads,
-                 hidden=mcfg.hidden_size, seq_len=seq)
-    corpus = load_corpus(cfg.data)
-    loader = BatchLoader(corpus.train, seq_len=seq, global_batch=cfg.global_batch, dp=dims.dp,
-                         dp_rank=dims.dp_rank, seed=cfg.seed)
-    engine = Engine(cfg, mcfg, dims)
-    result = TrainResult(baseline=math.log(mcfg.vocab_size))
-    start = 0
-    if cfg.resume:
-        start = checkpoint.load_latest(cfg.out, engine, loader)
-        _log(f"resumed from step {start} ({cfg.out})", dims)
-    if dims.rank == 0:
-        os.makedirs(cfg.out, exist_ok=True)
-        _log(f"distllm train: {cfg.model} ({mcfg.num_params() / 1e6:.2f}M params), "
-             f"{p.layout()} schedule={p.schedule if dims.pp > 1 else '-'} "
-             f"micro_batches={p.micro_batches} dtype={cfg.dtype} world={dims.world_size}, "
-             f"data={corpus.source} ({len(corpus.train) / 1e6:.1f}M train tokens)", dims)
+    sched = p.schedule if dims.pp > 1 else "-"
+    _log(f"distllm train: {cfg.model} ({mcfg.num_params() / 1e6:.2f}M params), "
+         f"tp{dims.tp}.pp{dims.pp}.dp{dims.dp}.zero{p.zero} schedule={sched} "
+         f"micro_batches={p.micro_batches} dtype={cfg.dtype} world={dims.world_size}, "
+         f"data={corpus.source} ({len(corpus.train) / 1e6:.1f}M train tokens)", dims)
+
+
+def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int, end: int,
+               seq: int, result: TrainResult) -> None:
+    from distllm.train import checkpoint
+
     metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a") if dims.rank == 0 else None
     peak, _ = peak_flops(engine.dtype, dims.device)
-    fpt = mcfg.flops_per_token(seq)
+    fpt = engine.mcfg.flops_per_token(seq)
     tokens_per_step = cfg.global_batch * seq
     bar = _Progress(cfg.steps, start, cfg.progress and dims.rank == 0)
     try:
-        for step in range(start, cfg.steps):
+        for step in range(start, end):
             lr = lr_at(step, cfg)
             engine.set_lr(lr)
             tok, tgt = loader.next()
@@ -184,15 +176,50 @@ def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> TrainResult:
                 metrics.flush()
             bar.update(f"loss {loss:.4f} | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}%")
             done = step + 1
-            if cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
+            if cfg.save_every and done % cfg.save_every == 0 and done < end:
                 checkpoint.save(cfg.out, engine, loader, step=done)
-        result.steps_done = cfg.steps
     finally:
         bar.close()
         if metrics is not None:
             metrics.close()
-    if cfg.save_final and start < cfg.steps:
-        checkpoint.save(cfg.out, engine, loader, step=cfg.steps)
+    result.steps_done = end
+
+
+def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> TrainResult:
+    """Run ``cfg`` on the current ``torch.distributed`` world (started from torchrun's
+    environment, or a 1-rank world, when ``dims`` is not given)."""
+    from distllm.train import checkpoint
+    from distllm.train.engine import Engine
+
+    p = cfg.parallel
+    if dims is None:
+        dims = ParallelDims(tp=p.tp, pp=p.pp, dp=p.dp, timeout_s=p.timeout_s)
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
+    mcfg = cfg.model_config()
+    seq = cfg.seq_len or mcfg.max_seq_len
+    check_layout(cfg, dims.world_size, n_layers=mcfg.n_layers, n_heads=mcfg.n_heads,
+                 hidden=mcfg.hidden_size, seq_len=seq)
+    corpus = load_corpus(cfg.data)
+    loader = BatchLoader(corpus.train, seq_len=seq, global_batch=cfg.global_batch, dp=dims.dp,
+                         dp_rank=dims.dp_rank, seed=cfg.seed)
+    engine = Engine(cfg, mcfg, dims)
+    result = TrainResult(baseline=math.log(mcfg.vocab_size))
+    start = checkpoint.load_latest(cfg.out, engine, loader) if cfg.resume else 0
+    if dims.rank == 0:
+        os.makedirs(cfg.out, exist_ok=True)
+        _banner(cfg, mcfg, dims, corpus)
+        if cfg.resume:
+            _log(f"resumed from step {start} ({cfg.out})", dims)
+            _truncate_metrics(os.path.join(cfg.out, "metrics.jsonl"), start)
+    end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
+    _run_steps(cfg, engine, loader, dims, start, end, seq, result)
+    if (cfg.save_final or end < cfg.steps) and start < end:
+        checkpoint.save(cfg.out, engine, loader, step=end)
+    if end < cfg.steps:
+        _log(f"stopped after step {end} of {cfg.steps} (--stop-after); continue with --resume",
+             dims)
+        return result
     result.val_loss = _validate(engine, corpus, cfg, seq, dims)
     if result.val_loss is not None:
         _log(f"validation loss {result.val_loss:.4f} (uniform baseline ln({mcfg.vocab_size}) = "

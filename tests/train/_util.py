@@ -1,0 +1,46 @@
+"""Shared pieces of the training tests: a small corpus, configs, and rank functions."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+from distllm.train.config import OptimConfig, ParallelConfig, TrainConfig
+
+
+def write_corpus(path: Path, n_bytes: int = 200_000) -> str:
+    """A deterministic text file: the first ``n_bytes`` of sorted standard-library sources."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for f in sorted(root.glob("*.py")):
+        b = f.read_bytes()
+        chunks.append(b)
+        total += len(b)
+        if total >= n_bytes:
+            break
+    path.write_bytes(b"\n\n".join(chunks)[:n_bytes])
+    return str(path)
+
+
+def make_cfg(data: str, out: str, *, tp=1, pp=1, dp=-1, zero=0, schedule="1f1b", m=0, v=2,
+             sp=False, overlap="none", steps=3, dtype="float64", wd=0.1, **kw) -> TrainConfig:
+    par = ParallelConfig(tp=tp, pp=pp, dp=dp, zero=zero, schedule=schedule, micro_batches=m,
+                         virtual_stages=v, sequence_parallel=sp, overlap=overlap, timeout_s=120)
+    kw.setdefault("global_batch", 8)
+    kw.setdefault("seq_len", 32)
+    kw.setdefault("eval_batches", 0)
+    kw.setdefault("save_final", False)
+    return TrainConfig(model="tiny", parallel=par, optim=OptimConfig(lr=3e-3, weight_decay=wd),
+                       steps=steps, seed=7, dtype=dtype, data=data, out=out, progress=False, **kw)
+
+
+def train_many(runs: list[dict], data: str, out: str) -> list[list[float]]:
+    """Rank function: train each layout of ``runs`` in turn on this world; per-step losses."""
+    from distllm.train.trainer import train
+
+    results = []
+    for i, kw in enumerate(runs):
+        kw = dict(kw)
+        res = train(make_cfg(data, kw.pop("out", f"{out}/run{i}"), **kw))
+        results.append(res.losses)
+    return results
