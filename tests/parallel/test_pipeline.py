@@ -8,6 +8,7 @@ compares its own stages' gradients with the reference's gradients of the same la
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 import torch
@@ -55,19 +56,30 @@ def reference(n_blocks: int, x, y):
 
 
 class AllReduceGrads:
-    """Minimal data-parallel gradient sync: average grads over the DP group at the end."""
+    """Minimal data-parallel gradient sync: average grads over the DP group at the end; records
+    when each parameter's post-accumulate-grad hook fired and whether under ``no_sync``."""
 
     def __init__(self, module: nn.Module, group, dp: int):
         self.module, self.group, self.dp, self.calls, self.in_no_sync = module, group, dp, 0, 0
+        self.syncing, self.fired = True, []
+        for p in module.parameters():
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    def _hook(self, p):
+        self.fired.append((time.perf_counter(), self.syncing))
 
     @contextlib.contextmanager
     def no_sync(self):
         self.in_no_sync += 1
-        yield
+        self.syncing = False
+        try:
+            yield
+        finally:
+            self.syncing = True
 
     def finish_grad_sync(self):
         self.calls += 1
-        for p in self.module.parameters():
+        for p in self.module.parameters() if self.dp > 1 else ():
             dist.all_reduce(p.grad, group=self.group)
             p.grad /= self.dp
 
@@ -76,8 +88,7 @@ def _case(dims, schedule, m, v, n, n_blocks, seed, layers_per_stage=None):
     from distllm.parallel.pipeline import PipelineParallel
 
     pp = PipelineParallel(make_layers(n_blocks), dims, schedule, m, v, layers_per_stage)
-    sync = AllReduceGrads(pp, dims.dp_group, dims.dp) if dims.dp > 1 else None
-    pp.grad_sync = sync
+    sync = pp.grad_sync = AllReduceGrads(pp, dims.dp_group, dims.dp)
     batches = [make_batch(n, seed + d) for d in range(dims.dp)]
     x, y = batches[dims.dp_rank]
     loss = pp.train_step(x if pp.is_first else None, y if pp.is_last else None, loss_fn)
@@ -89,11 +100,24 @@ def _case(dims, schedule, m, v, n, n_blocks, seed, layers_per_stage=None):
         for layer, i in zip(pp.chunks[c], ids, strict=False):
             for p, g in zip(layer.parameters(), ref_grads[i], strict=False):
                 err = max(err, float((p.grad - g).abs().max()))
+    _check_hooks(pp, sync, m)
     ev = pp.eval_step(x, y, loss_fn)
     err = max(err, abs(ev - local_ref))
-    if sync is not None:
-        assert sync.calls == 1 and sync.in_no_sync > 0
     return err, ref_loss
+
+
+def _check_hooks(pp, sync, m):
+    """Weight grads accumulate (hooks fire) only inside B, or W with a split backward; once
+    per parameter and micro-batch; only the rank's last such pass is outside no_sync."""
+    kind = "W" if pp.schedule.split_backward else "B"
+    spans = [(t0, t1) for a, t0, t1 in pp.last_stats.timeline if a.kind == kind]
+    n_params = sum(1 for _ in pp.parameters())
+    assert sync.calls == 1
+    assert len(sync.fired) == m * n_params, (len(sync.fired), m, n_params)
+    assert all(any(t0 <= t <= t1 for t0, t1 in spans) for t, _ in sync.fired)
+    last = spans[-1]
+    outside = [t for t, syncing in sync.fired if syncing]
+    assert outside and all(last[0] <= t <= last[1] for t in outside)
 
 
 def _parity(cases, pp_size, dp=1):

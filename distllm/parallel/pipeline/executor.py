@@ -81,8 +81,11 @@ class PipelineParallel(nn.Module):
         virtual_stages: model chunks per rank (``interleaved-1f1b`` only).
         layers_per_stage: layer counts per stage (stage order), instead of an even split.
         grad_sync: data-parallel gradient reduction with ``no_sync()`` (context) and
-            ``finish_grad_sync()``: each chunk's last B (or W) runs outside ``no_sync``, and
-            ``finish_grad_sync()`` is called at the end of every training step.
+            ``finish_grad_sync()``: every weight-gradient pass (B, or W in zb-h1) of the step
+            but the rank's last runs under ``no_sync()``; ``finish_grad_sync()`` is called at
+            the end of every training step (so buckets of other chunks, with interleaving,
+            are reduced there). W passes accumulate with ``autograd.backward(inputs=params)``,
+            so post-accumulate-grad hooks (DDP buckets) fire from W.
         track_memory: measure bytes saved for backward per micro-batch (small overhead).
 
     ``self.chunks[c]`` is an ``nn.Sequential`` of global layers ``self.layer_ids[c]``.
@@ -176,9 +179,8 @@ class _StepRun:
         self.stats = StepStats()
         self.held, self.held_bytes = 0, 0
         self.saved_bytes: dict[tuple[int, int], int] = {}
-        acts = sched.actions[self.rank]
         grad_kind = W if sched.split_backward else B
-        self.last_grad = {a.chunk: a for a in acts if a.kind == grad_kind}  # last per chunk
+        self.last_grad = [a for a in sched.actions[self.rank] if a.kind == grad_kind][-1:]
         if pp.track_memory:
             self.param_ptrs = {q.untyped_storage().data_ptr() for q in pp.parameters()}
 
@@ -243,7 +245,7 @@ class _StepRun:
 
     def _grad_ctx(self, a: Action):
         gs = self.pp.grad_sync
-        if gs is None or self.last_grad.get(a.chunk) == a:
+        if gs is None or a in self.last_grad:
             return contextlib.nullcontext()
         return gs.no_sync()
 
