@@ -5,7 +5,7 @@ Three engines, one per collective, each with a sequential twin (``chunks=0``):
 
 * :func:`matmul_all_reduce` - ``all_reduce(a @ B)``: the row-parallel forward (tensor
   parallelism without sequence parallelism) and the column-parallel input gradient.
-  Schedule for chunks ``c``::
+  Schedule for chunks ``c`` (pieces from :func:`pipeline_bounds`)::
 
       GEMM(rows 0)  GEMM(rows 1)  ...  GEMM(rows c-1)  then()      wait all
                     AR(rows 0)    AR(rows 1) ...       AR(rows c-1)
@@ -14,7 +14,8 @@ Three engines, one per collective, each with a sequential twin (``chunks=0``):
   last launch, so that the last chunk's all-reduce is hidden too.
 * :func:`allgather_matmul` - ``all_gather(a, dim=1) @ B``: the sequence-parallel
   column-parallel forward (and row-parallel backward). The local shard's GEMM runs while
-  chunk 0 of the other ranks' shards arrives; chunk ``j``'s GEMM runs while ``j+1`` arrives.
+  chunk 0 of the other ranks' shards arrives; chunk ``j``'s GEMM runs while ``j+1`` arrives
+  (``j+1`` is launched once ``j`` has arrived, so it never shares the link with ``j``).
 * :func:`matmul_reduce_scatter` - ``reduce_scatter(a @ B, dim=1)``: the sequence-parallel
   row-parallel forward (and column-parallel backward); chunk ``j`` of every destination's
   rows is computed, then reduce-scattered while chunk ``j+1`` computes.
@@ -40,7 +41,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 __all__ = ["CommContext", "NullComm", "OverlapCounter", "OverlapStats", "chunk_bounds",
-           "matmul_all_reduce", "allgather_matmul", "matmul_reduce_scatter", "run_engine"]
+           "pipeline_bounds", "matmul_all_reduce", "allgather_matmul", "matmul_reduce_scatter",
+           "run_engine"]
 
 MatMul = Callable[[torch.Tensor, torch.Tensor], None]
 
@@ -100,6 +102,25 @@ class OverlapStats:
             c = getattr(self, name)
             out[name] = {**asdict(c), "hidden_ms": c.hidden_ms, "hidden_frac": c.hidden_frac}
         return out
+
+
+def pipeline_bounds(n: int, chunks: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of the engines' ``min(chunks, n)`` pieces of ``n`` rows: with 3 or more
+    pieces the first and the last are half the size of the others (weights ``1/2, 1, ..., 1,
+    1/2``). A pipeline exposes the first piece's compute (nothing to send yet) and the last
+    piece's collective (nothing left to compute); halving both shrinks what stays exposed
+    in either regime, comm-bound or compute-bound."""
+    c = max(1, min(chunks, n))
+    if c < 3:
+        return chunk_bounds(n, c)
+    weights = [0.5] + [1.0] * (c - 2) + [0.5]
+    total = sum(weights)
+    cuts, acc = [0], 0.0
+    for wgt in weights[:-1]:
+        acc += wgt
+        cuts.append(min(n - (c - len(cuts)), max(cuts[-1] + 1, round(n * acc / total))))
+    cuts.append(n)
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
 
 
 def chunk_bounds(n: int, chunks: int) -> list[tuple[int, int]]:
@@ -210,7 +231,7 @@ def matmul_all_reduce(a: torch.Tensor, mm: MatMul, n_out: int, comm: CommContext
         comm.run("all_reduce", out)
         return out, then() if then else None
     handles = []
-    for s, e in chunk_bounds(a.shape[0], chunks):
+    for s, e in pipeline_bounds(a.shape[0], chunks):
         mm(a[s:e], out[s:e])  # (m, K) @ (K, N) -> (m, N)
         handles.append(comm.launch("all_reduce", out[s:e]))
     extra = then() if then else None
@@ -242,17 +263,17 @@ def allgather_matmul(a_local: torch.Tensor, mm: MatMul, n_out: int, comm: CommCo
         return a_full, out.view(b, tp * sl, n_out)
     a_full = a_local.new_empty(b, tp, sl, k)
     out = a_local.new_empty(b, tp, sl, n_out)
-    bounds = chunk_bounds(sl, chunks)
-    pending = [_gather_chunk(comm, a_local, *bounds[0])]
+    bounds = pipeline_bounds(sl, chunks)
+    pending = _gather_chunk(comm, a_local, *bounds[0])
     a_full[:, r] = a_local
     local = a_local.new_empty(b * sl, n_out)
     mm(a_local.reshape(b * sl, k), local)  # own rows while chunk 0 travels
     out[:, r] = local.view(b, sl, n_out)
     for j, (s, e) in enumerate(bounds):
-        if j + 1 < len(bounds):
-            pending.append(_gather_chunk(comm, a_local, *bounds[j + 1]))
-        buf, h = pending[j]
+        buf, h = pending
         comm.wait(h)
+        if j + 1 < len(bounds):  # chunk j+1 travels alone (full link) while j computes
+            pending = _gather_chunk(comm, a_local, *bounds[j + 1])
         c = e - s
         bufv = buf.view(tp, b, c, k)
         for q in range(tp):
@@ -282,7 +303,7 @@ def matmul_reduce_scatter(a: torch.Tensor, mm: MatMul, n_out: int, comm: CommCon
         comm.run("reduce_scatter", out.view(b * sl, n_out), res)
         return out, then() if then else None
     pending = []
-    for s, e in chunk_bounds(sl, chunks):
+    for s, e in pipeline_bounds(sl, chunks):
         c = e - s
         piece = av[:, :, s:e].transpose(0, 1).reshape(tp * b * c, k)  # (tp, b, c, K) rows
         res = a.new_empty(tp * b * c, n_out)

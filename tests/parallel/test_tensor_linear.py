@@ -12,7 +12,7 @@ from torch import nn
 
 from distllm import ParallelDims
 from distllm.comm import autotune
-from distllm.comm.overlap import CommContext, chunk_bounds, run_engine
+from distllm.comm.overlap import CommContext, chunk_bounds, pipeline_bounds, run_engine
 from distllm.nn.parallel_linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -148,6 +148,14 @@ def test_chunk_bounds():
     assert chunk_bounds(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
     assert chunk_bounds(3, 8) == [(0, 1), (1, 2), (2, 3)]
     assert chunk_bounds(5, 1) == [(0, 5)]
+    # the engines' pieces: first and last half-size, every row once, none empty
+    assert [e - s for s, e in pipeline_bounds(2048, 4)] == [341, 683, 683, 341]
+    for n in (1, 2, 3, 5, 7, 21, 123, 769):
+        for c in (1, 2, 3, 4, 8, 64):
+            b = pipeline_bounds(n, c)
+            assert b[0][0] == 0 and b[-1][1] == n and len(b) == min(n, c)
+            assert all(e > s for s, e in b)
+            assert all(x[1] == y[0] for x, y in zip(b[:-1], b[1:], strict=True))
 
 
 def _auto_and_errors():

@@ -1,0 +1,259 @@
+"""Benchmark: the row-parallel GEMM overlapped with its all-reduce (tensor parallelism without
+sequence parallelism), and the column-parallel backward (input-gradient all-reduce
+overlapped with the weight-gradient GEMM); 2 gloo ranks, optionally over an emulated link.
+
+Case ``fwd M,K,N``: per rank ``Y_partial = X (M, K) @ W^T (K, N)`` then all-reduce of the
+``(M, N)`` result. Variants, interleaved in one run, each time the max over ranks:
+
+- ``gemm`` / ``allreduce``: the parts alone; ``gemm_chunked<c>``: the GEMM in ``c`` row
+  chunks with no communication (its ratio to ``gemm`` is the *chunking penalty*);
+- ``sequential``: GEMM then all-reduce (the baseline);
+- ``chunked<c>``: the overlap engine with ``c`` chunks;
+- ``auto``: ``RowParallelLinear(overlap="auto")``'s forward (its first call measures and
+  picks chunks or none; that call is warm-up), with the choice in ``extra``;
+- ``ideal``: ``max(gemm, allreduce)`` from the medians (a bound, not timed).
+
+``hidden_frac`` = ``(sequential - variant) / allreduce``: the fraction of the all-reduce's
+time the variant hid. Case ``bwd M,K,N``: ``dX = dY (M, N) @ W (N, K)`` all-reduced while
+``dW = dY^T @ X`` computes (``chunked<c>`` chunks the dX GEMM too).
+
+``cfg.net`` (e.g. ``"2gbit"``) runs the ranks in network namespaces joined by a
+rate-limited link (:mod:`distllm.bench.netem`), and loopback too unless ``quick``; where the
+link cannot be built the rows say so and run on loopback. Run:
+``distllm bench --suite row_overlap --net 2gbit``, or
+``python -m distllm.bench.row_parallel_overlap --net 2gbit``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+from distllm.bench.harness import BenchConfig, Stats, interleaved, row
+
+SUITE = "row_overlap"
+CHUNKS = (2, 4, 8)
+_PRESETS = {True: [(256, 256, 512)], False: [(2048, 512, 2048), (512, 512, 1024)]}
+
+
+def _shapes(cfg: BenchConfig, presets=_PRESETS) -> list[tuple[int, int, int]]:
+    if cfg.shapes and "," in cfg.shapes:
+        return [tuple(int(v) for v in s.split(",")) for s in cfg.shapes.split(";") if s.strip()]
+    return presets[cfg.quick]
+
+
+def cases(cfg: BenchConfig) -> list[str]:
+    return [",".join(map(str, s)) for s in _shapes(cfg)]
+
+
+def _max_timer(group):
+    """``timer(fn) -> ms``: wall time of ``fn`` on this rank, then the max over ranks."""
+
+    def timer(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        t = torch.tensor([(time.perf_counter() - t0) * 1e3], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return float(t)
+
+    return timer
+
+
+def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
+    """name -> callable for one case; and the auto module/plan whose stats to report."""
+    from distllm.comm.overlap import chunk_bounds, run_engine
+    from distllm.nn.parallel_linear import ColumnParallelLinear, RowParallelLinear
+    from distllm.parallel.tensor.tensor_parallel import OverlapPlan
+
+    m, k, n = shape
+    tp = dims.tp
+    g = torch.Generator().manual_seed(dims.rank)
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
+    w = rnd(n, k)
+    v: dict = {}
+    if kind in ("fwd", "rs"):  # (M, K) @ (K, N), then all-reduce / reduce-scatter of (M, N)
+        x = rnd(1, m, k)
+        mm = lambda a, o: torch.mm(a, w.t(), out=o)  # noqa: E731
+        ekind, a, n_out, then = ("all_reduce", x[0], n, None) if kind == "fwd" else (
+            "reduce_scatter", x, n, None)
+        comm_in = torch.empty(m * n, dtype=dtype)
+        comm_out = torch.empty(m * n // tp, dtype=dtype)
+        v["allreduce" if kind == "fwd" else "reducescatter_alone"] = (
+            (lambda: dist.all_reduce(comm_in, group=comm.group)) if kind == "fwd" else
+            (lambda: dist.reduce_scatter_single(comm_out, comm_in, group=comm.group)))
+        auto = RowParallelLinear(k * tp, n, dims, bias=False, sequence_parallel=kind == "rs",
+                                 overlap="auto", dtype=dtype)
+        with torch.no_grad():
+            auto.weight.copy_(w)
+        v["auto"] = lambda: auto(x if kind == "rs" else x[0])
+        stats_of = auto.overlap_stats
+    elif kind == "ag":  # all-gather (M/tp, K) -> (M, K), then (M, K) @ (K, N)
+        x = rnd(1, m // tp, k)
+        mm = lambda a, o: torch.mm(a, w.t(), out=o)  # noqa: E731
+        ekind, a, n_out, then = "all_gather", x, n, None
+        comm_out = torch.empty(m * k, dtype=dtype)
+        v["allgather_alone"] = lambda: dist.all_gather_single(comm_out, x.view(-1),
+                                                              group=comm.group)
+        auto = ColumnParallelLinear(k, n * tp, dims, bias=False, sequence_parallel=True,
+                                    overlap="auto", dtype=dtype)
+        with torch.no_grad():
+            auto.weight.copy_(w)
+        v["auto"] = lambda: auto(x)
+        stats_of = auto.overlap_stats
+    else:  # "bwd": dX = dY (M, N) @ W (N, K), all-reduced while dW = dY^T X computes
+        gy, x = rnd(m, n), rnd(m, k)
+        mm = lambda a, o: torch.mm(a, w, out=o)  # noqa: E731
+        ekind, a, n_out, then = "all_reduce", gy, k, (lambda: gy.t() @ x)
+        comm_in = torch.empty(m * k, dtype=dtype)
+        v["allreduce"] = lambda: dist.all_reduce(comm_in, group=comm.group)
+        plan = OverlapPlan(dims, "auto", 4, "bench-column-backward")
+        v["auto"] = lambda: plan.run("backward", ekind, a, mm, n_out, then)
+        stats_of = plan.stats
+    full_rows = a.reshape(-1, a.shape[-1]) if ekind != "all_gather" else rnd(m, k)
+    buf = torch.empty(full_rows.shape[0], n_out, dtype=dtype)
+
+    def gemm(c: int) -> None:
+        for s, e in chunk_bounds(full_rows.shape[0], c):
+            mm(full_rows[s:e], buf[s:e])
+        if then is not None:
+            then()
+
+    v["gemm"] = lambda: gemm(1)
+    for c in CHUNKS:
+        v[f"gemm_chunked{c}"] = lambda c=c: gemm(c)
+    v["sequential"] = lambda: run_engine(ekind, a, mm, n_out, comm, 0, then)
+    for c in ((1,) if kind == "bwd" else ()) + CHUNKS:
+        v[f"chunked{c}"] = lambda c=c: run_engine(ekind, a, mm, n_out, comm, c, then)
+    return v, stats_of
+
+
+def _rank(kind: str, shapes, reps: int, warmup: int, dtype_name: str):
+    from distllm import ParallelDims
+    from distllm.comm.overlap import CommContext
+
+    dims = ParallelDims(tp=dist.get_world_size())
+    comm = CommContext(dims.tp_group)
+    dtype = getattr(torch, dtype_name)
+    out = []
+    for shape in shapes:
+        v, st = _variants(kind, shape, dims, comm, dtype)
+        res = interleaved(v, warmup=warmup, reps=reps, timer=_max_timer(dims.tp_group),
+                          before_each=lambda: dist.barrier(group=dims.tp_group))
+        info = st.as_dict() if hasattr(st, "as_dict") else {}
+        out.append((shape, res, info))
+    return out
+
+
+def _case_rows(suite: str, kind: str, shape, res: dict[str, Stats], info: dict, net: str,
+               dtype: str) -> list[dict]:
+    m, k, n = shape
+    case = f"{kind} {m},{k},{n} {net}"
+    comm_name = next(x for x in res if x.startswith(("allreduce", "allgather", "reducescatter")))
+    t_comm, t_gemm = res[comm_name].median_ms, res["gemm"].median_ms
+    t_seq = res["sequential"].median_ms
+    common = dict(dtype=dtype, shape=f"{m}x{k}x{n}", device="cpu", net=net)
+    rows = []
+    for name, st in res.items():
+        extra: dict = {}
+        if name == comm_name or name == "gemm":
+            extra["role"] = "part"
+        elif name.startswith("gemm_chunked"):
+            extra.update(role="part", chunking_penalty=st.median_ms / t_gemm - 1)
+        elif name == "sequential":
+            extra["role"] = "unfused"
+        else:
+            extra.update(role="fused", vs_sequential=st.median_ms / t_seq - 1)
+            if name == "auto":
+                d = info.get("forward" if kind != "bwd" else "backward", {})
+                extra.update(auto_chunks=d.get("chunks"), auto_reason=d.get("reason"))
+        hid = (t_seq - st.median_ms) / t_comm if extra["role"] == "fused" and t_comm else None
+        rows.append(row(suite, case, name, st, flops=2.0 * m * k * n, hidden_frac=hid,
+                        speedup_vs_unfused=t_seq / st.median_ms, **common, **extra))
+    ideal = max(t_gemm, t_comm)
+    r = row(suite, case, "ideal", None, role="ideal", **common,
+            hidden_frac=(t_seq - ideal) / t_comm if t_comm else None)
+    r.update(ms=ideal, speedup_vs_unfused=t_seq / ideal)
+    rows.append(r)
+    return rows
+
+
+def run_kinds(cfg: BenchConfig, suite: str, kinds: tuple[str, ...], shapes) -> list[dict]:
+    """Run ``kinds`` over ``shapes`` on 2 ranks for loopback and/or ``cfg.net``."""
+    from distllm.bench.netem import EmulatedNetwork
+
+    from distllm.testing import run_distributed
+
+    reps = cfg.reps or (5 if cfg.quick else 10)
+    nets = [cfg.net] if cfg.net else [None]
+    if cfg.net and not cfg.quick:
+        nets = [None, cfg.net]
+    rows: list[dict] = []
+    for net_rate in nets:
+        ctx = EmulatedNetwork(2, net_rate) if net_rate else contextlib.nullcontext()
+        with ctx as net:
+            use = net is not None and net.available
+            label = net_rate if use else "loopback"
+            reason = "" if net is None or use else f"{net_rate} unavailable: {net.reason}"
+            for kind in kinds:
+                per = run_distributed(_rank, 2, kind, shapes, reps, 2, cfg.dtype, timeout=900,
+                                      setup=net.setup if use else None,
+                                      env=net.env if use else None)
+                for shape, res, info in per[0]:
+                    for r in _case_rows(suite, kind, shape, res, info, label, cfg.dtype):
+                        r["reason"] = reason
+                        rows.append(r)
+    return rows
+
+
+def run(cfg: BenchConfig) -> list[dict]:
+    if cfg.device != "cpu" or cfg.dtype not in ("float32", "float64", "bfloat16"):
+        return [row(SUITE, "-", "-", status="unavailable",
+                    reason=f"this suite runs 2 gloo ranks on CPU (device={cfg.device}, "
+                           f"dtype={cfg.dtype}); the GPU chunking penalty is in gpu_check")]
+    return run_kinds(cfg, SUITE, ("fwd", "bwd"), _shapes(cfg))
+
+
+def summary(rows: list[dict]) -> str:
+    """One line per case: hidden fraction of the best chunked variant and auto vs sequential."""
+    lines = []
+    cases_ = {r["case"] for r in rows}
+    for c in sorted(cases_):
+        cr = {r["variant"]: r for r in rows if r["case"] == c and r.get("ms")}
+        ch = [r for v, r in cr.items() if v.startswith("chunked")]
+        if not ch or "auto" not in cr:
+            continue
+        best = min(ch, key=lambda r: r["ms"])
+        auto = cr["auto"]
+        lines.append(f"{c}: best {best['variant']} hides {best['hidden_frac']:.0%} "
+                     f"({best['ms']:.1f} ms vs sequential {cr['sequential']['ms']:.1f} ms, ideal "
+                     f"{cr['ideal']['ms']:.1f} ms); auto={auto['extra'].get('auto_chunks')} "
+                     f"chunks, {auto['extra']['vs_sequential']:+.1%} vs sequential")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, suite_run=run) -> int:
+    import argparse
+    from pathlib import Path
+
+    from distllm.bench.harness import markdown_table, write_rows
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--net", default=None)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shapes", default=None)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    rows = suite_run(BenchConfig(quick=a.quick, net=a.net, shapes=a.shapes, reps=a.reps))
+    print(markdown_table(rows, ["case", "variant", "ms", "ms_p10", "ms_p90", "hidden_frac",
+                                "speedup_vs_unfused", "status"]))
+    print(summary(rows))
+    if a.out:
+        write_rows(rows, a.out, stem=suite_run.__module__.rsplit(".", 1)[-1])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

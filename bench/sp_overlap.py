@@ -1,0 +1,40 @@
+"""Benchmark: the sequence-parallel pair, 2 gloo ranks, optionally over an emulated link.
+
+- Case ``ag M,K,N`` (column-parallel forward under sequence parallelism): all-gather of the
+  ``(M/2, K)`` sequence shards into ``(M, K)``, then ``(M, K) @ (K, N)``; the engine computes
+  the local shard's rows while the first chunk of the other shard arrives, then chunk by chunk.
+- Case ``rs M,K,N`` (row-parallel forward under sequence parallelism): ``(M, K) @ (K, N)``
+  then reduce-scatter of the ``(M, N)`` result along the sequence, chunk by chunk.
+
+Variants as in :mod:`distllm.bench.row_parallel_overlap`: the parts alone
+(``allgather_alone`` / ``reducescatter_alone``, ``gemm``, ``gemm_chunked<c>`` for the chunking
+penalty), ``sequential``, ``chunked<c>``, ``auto`` (the module with ``overlap="auto"``) and
+``ideal`` = max(GEMM, collective); ``hidden_frac`` = (sequential - variant) / collective.
+Run: ``distllm bench --suite sp_overlap --net 2gbit``, or
+``python -m distllm.bench.sp_overlap --net 2gbit``.
+"""
+
+from __future__ import annotations
+
+from distllm.bench.harness import BenchConfig, row
+from distllm.bench.row_parallel_overlap import _shapes, main, run_kinds
+
+SUITE = "sp_overlap"
+# ag: a comm-heavy all-gather has K large; rs: a comm-heavy reduce-scatter has N large
+_PRESETS = {True: [(256, 256, 256)], False: [(2048, 512, 2048), (2048, 2048, 512)]}
+
+
+def cases(cfg: BenchConfig) -> list[str]:
+    return [",".join(map(str, s)) for s in _shapes(cfg, _PRESETS)]
+
+
+def run(cfg: BenchConfig) -> list[dict]:
+    if cfg.device != "cpu" or cfg.dtype not in ("float32", "float64", "bfloat16"):
+        return [row(SUITE, "-", "-", status="unavailable",
+                    reason=f"this suite runs 2 gloo ranks on CPU (device={cfg.device}, "
+                           f"dtype={cfg.dtype})")]
+    return run_kinds(cfg, SUITE, ("ag", "rs"), _shapes(cfg, _PRESETS))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(suite_run=run))
