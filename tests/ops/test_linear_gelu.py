@@ -1,0 +1,243 @@
+"""linear_gelu against a float64 reference, on every backend this machine runs (CPU, the
+reference, Triton through its interpreter when there is no GPU), plus the registration
+(opcheck, torch.compile), the measured ``auto`` choice and input checks. GPU backends: the
+tests marked ``gpu`` (run by bench/gpu_check.sh)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distllm.ops import _autotune, backends, linear_gelu, linear_gelu_reference
+
+# Relative tolerance per dtype, as a fraction of the reference's largest magnitude:
+TOL = {
+    torch.float64: 1e-10,  # float64 GEMMs over K <= 1024: ~1e-14 in practice
+    torch.float32: 2e-5,   # fp32 accumulation over K <= 1024 (~sqrt(K) * 6e-8) + erf/tanh ulps
+    torch.float16: 4e-3,   # y, the saved pre-activation and dL/du are each rounded (2^-11)
+    torch.bfloat16: 3e-2,  # same roundings with an 8-bit mantissa (2^-8 = 3.9e-3 each)
+}
+
+
+def _data(M, K, N, dtype, bias=True, lead=None, noncontig=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (*(lead or ()), M, K)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64)
+    w = torch.randn(N, K, generator=g, dtype=torch.float64) * K ** -0.5
+    b = torch.randn(N, generator=g, dtype=torch.float64) * 0.5 if bias else None
+    if noncontig:  # column-major x (last two dims) and weight: transposed views
+        x = x.transpose(-1, -2).contiguous().transpose(-1, -2)
+        w = w.t().contiguous().t()
+    return [None if t is None else t.to(dtype) for t in (x, w, b)]
+
+
+def _check(backend, x, w, b, approximate, grads=True):
+    dtype = x.dtype
+    leaves = [t.detach().clone().requires_grad_(grads) if t is not None else None
+              for t in (x, w, b)]
+    y = linear_gelu(*leaves, approximate=approximate, backend=backend)
+    ref_leaves = [t.detach().double().requires_grad_(grads) if t is not None else None
+                  for t in (x, w, b)]
+    ref = linear_gelu_reference(*ref_leaves, approximate=approximate)
+    assert y.shape == ref.shape and y.dtype == dtype
+    _close(y, ref, dtype, "y")
+    if not grads:
+        return
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y.backward(g.to(dtype))
+    ref.backward(g)
+    for name, got, want in zip(("dx", "dw", "db"), leaves, ref_leaves, strict=True):
+        if got is not None:
+            assert got.grad is not None, name
+            _close(got.grad, want.grad, dtype, name)
+
+
+def _close(got, want, dtype, name):
+    scale = max(want.abs().max().item(), 1e-3)
+    err = (got.double() - want).abs().max().item()
+    assert err <= TOL[dtype] * scale, f"{name}: max error {err:.3g} > {TOL[dtype]} * {scale:.3g}"
+
+
+# ---------------------------------------------------------------------------- CPU + reference
+CPU_CASES = [  # (M, K, N, dtype)
+    (1, 769, 1000, torch.float64), (7, 1000, 769, torch.float64), (123, 256, 512, torch.float64),
+    (1, 769, 1000, torch.float32), (7, 1000, 769, torch.float32), (123, 256, 512, torch.float32),
+    (1024, 769, 1000, torch.float32),
+    (7, 769, 256, torch.bfloat16), (123, 256, 1000, torch.bfloat16),
+    (7, 256, 769, torch.float16),
+]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("M,K,N,dtype", CPU_CASES)
+def test_cpu_backends_match_float64(backend, M, K, N, dtype):
+    for approximate, bias in (("none", True), ("tanh", False)):
+        if M == 1024 and approximate == "tanh":
+            continue  # the big shape once is enough (time)
+        _check(backend, *_data(M, K, N, dtype, bias=bias), approximate)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_3d_noncontiguous_and_inference(backend, dtype):
+    x, w, b = _data(33, 96, 80, dtype, lead=(3,), noncontig=True)
+    assert not x.is_contiguous() and not w.is_contiguous()
+    for approximate in ("none", "tanh"):
+        _check(backend, x, w, b, approximate)
+        with torch.no_grad():  # inference path (oneDNN GeLU post-op on CPU, no saved pre)
+            _check(backend, x, w, b, approximate, grads=False)
+
+
+def test_partial_grads_cpu():
+    x, w, b = _data(7, 64, 48, torch.float64)
+    w.requires_grad_()
+    y = linear_gelu(x, w, b, backend="cpu")  # only weight needs a gradient
+    y.sum().backward()
+    wd = w.detach().clone().requires_grad_()
+    linear_gelu_reference(x, wd, b).sum().backward()
+    torch.testing.assert_close(w.grad, wd.grad, rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------- Triton
+def _triton_runs_here() -> bool:
+    return backends()["triton"].startswith("ok") and not torch.cuda.is_available()
+
+
+TRITON_SHAPES = [(1, 45, 37), (7, 64, 32), (123, 33, 70)]  # interpreter: keep them small
+
+
+@pytest.mark.parametrize("M,K,N", TRITON_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_interpreter_matches_float64(M, K, N, dtype):
+    assert _triton_runs_here(), backends()["triton"]  # conftest sets TRITON_INTERPRET=1
+    for approximate, bias in (("none", True), ("tanh", True), ("none", False), ("tanh", False)):
+        _check("triton", *_data(M, K, N, dtype, bias=bias), approximate)
+
+
+def test_triton_3d_noncontiguous():
+    x, w, b = _data(9, 40, 24, torch.float32, lead=(2,), noncontig=True)
+    _check("triton", x, w, b, "none")
+    with torch.no_grad():
+        _check("triton", x, w, b, "tanh", grads=False)
+
+
+# ---------------------------------------------------------------------------- registration
+@pytest.mark.parametrize("backend", ["cpu", "auto", "triton"])
+def test_opcheck(backend):
+    x, w, b = _data(7, 40, 24, torch.float32)
+    for t in (x, w, b):
+        t.requires_grad_()
+    for bias in (b, None):
+        for save_pre in (True, False):
+            torch.library.opcheck(torch.ops.distllm.linear_gelu_fwd.default,
+                                  (x, w, bias, "tanh", backend, save_pre))
+    g = torch.randn(7, 24)
+    pre = F.linear(x, w, b).detach()
+    torch.library.opcheck(torch.ops.distllm.linear_gelu_bwd.default,
+                          (g, x.detach(), w.detach(), pre, b.detach(), "none", backend, True, True))
+
+
+def test_torch_compile_fullgraph():
+    x, w, b = _data(5, 32, 16, torch.float64)
+    for t in (x, w, b):
+        t.requires_grad_()
+
+    def f(x, w, b):
+        return linear_gelu(x, w, b, approximate="tanh", backend="cpu").sum()
+
+    out = torch.compile(f, backend="aot_eager", fullgraph=True)(x, w, b)
+    out.backward()
+    ref = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+    f_ref = linear_gelu_reference(*ref, approximate="tanh").sum()
+    f_ref.backward()
+    torch.testing.assert_close(out, f_ref, rtol=1e-12, atol=1e-12)
+    for t, r in zip((x, w, b), ref, strict=True):
+        torch.testing.assert_close(t.grad, r.grad, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------- auto + errors
+def test_auto_measures_once_and_never_picks_the_interpreter(monkeypatch):
+    _autotune.clear()
+    calls = []
+    real = _autotune.measure
+
+    def counting(cands, sync, reps=3):
+        calls.append(sorted(cands))
+        return real(cands, sync, reps)
+
+    monkeypatch.setattr(_autotune, "measure", counting)
+    x, w, b = _data(17, 48, 40, torch.float32)
+    y1 = linear_gelu(x, w, b)
+    y2 = linear_gelu(x, w, b)
+    assert calls == [["cpu", "reference"]]  # measured once; triton (interpreter) not a candidate
+    chosen = [v for k, v in _autotune.cached().items() if "(17, 48)x(40, 48)" in k]
+    assert len(chosen) == 1 and chosen[0] in ("cpu", "reference")
+    torch.testing.assert_close(y1, y2, rtol=0, atol=0)
+    torch.testing.assert_close(y1.double(), linear_gelu_reference(*(
+        t.double() for t in (x, w, b))), rtol=0, atol=2e-5)
+
+
+def test_backends_report():
+    rep = backends()
+    assert set(rep) == {"cuda", "triton", "cpu", "reference"}
+    assert rep["reference"].startswith("ok") and rep["cpu"].startswith("ok")
+    assert "tanh" in rep["cuda"] or rep["cuda"].startswith("unavailable")
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda x, w, b: linear_gelu(x, torch.randn(16, 31), b), "in_features"),
+    (lambda x, w, b: linear_gelu(x, w[0], b), "2-D"),
+    (lambda x, w, b: linear_gelu(x, w[None], b), "2-D"),
+    (lambda x, w, b: linear_gelu(x, w, b[:-1]), "length out_features=16"),
+    (lambda x, w, b: linear_gelu(x, w, b[None]), "1-D"),
+    (lambda x, w, b: linear_gelu(x, w.double(), b), "one dtype"),
+    (lambda x, w, b: linear_gelu(x, w, b.bfloat16()), "one dtype"),
+    (lambda x, w, b: linear_gelu(x, w, b.to("meta")), "one device"),
+    (lambda x, w, b: linear_gelu(x, w, b, approximate="erf"), "approximate"),
+    (lambda x, w, b: linear_gelu(x, w, b, backend="fastest"), "backend"),
+    (lambda x, w, b: linear_gelu(x.long(), w.long(), None), "floating"),
+    (lambda x, w, b: linear_gelu(x.double(), w.double(), None, backend="triton"), "float32"),
+])
+def test_bad_input(make, match):
+    x, w, b = torch.randn(4, 32), torch.randn(16, 32), torch.randn(16)
+    with pytest.raises(ValueError, match=match):
+        make(x, w, b)
+
+
+def test_unavailable_backend_names_the_available_ones():
+    x, w = torch.randn(4, 32), torch.randn(16, 32)  # CPU tensors: 'cuda' cannot serve them
+    with pytest.raises(ValueError, match=r"backend='cuda' cannot run here.*Available.*cpu"):
+        linear_gelu(x, w, backend="cuda")
+
+
+# ---------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_backends_match_float64(backend, dtype):
+    for M, K, N in ((1, 768, 1024), (123, 1024, 512), (1024, 768, 1000)):
+        for approximate, bias in (("tanh", True), ("tanh", False), ("none", True)):
+            if backend == "cuda" and (approximate == "none" or N % 8):
+                continue  # cuBLASLt serves tanh with 8-aligned sizes; checked below
+            x, w, b = (None if t is None else t.cuda() for t in _data(M, K, N, dtype, bias))
+            torch.backends.cuda.matmul.allow_tf32 = False
+            _check(backend, x, w, b, approximate)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_backend_refuses_erf():
+    x, w = torch.randn(8, 64, device="cuda"), torch.randn(32, 64, device="cuda")
+    with pytest.raises(ValueError, match="tanh"):
+        linear_gelu(x, w, approximate="none", backend="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_dgelu_bgrad_op():
+    g = torch.Generator().manual_seed(0)
+    dy, w2, pre = (torch.randn(s, generator=g).cuda() for s in ((64, 32), (32, 48), (64, 48)))
+    dpre, db = torch.ops.distllm.cublaslt_dgelu_bgrad(dy, w2, pre)
+    pd = pre.double().requires_grad_()
+    F.gelu(pd, approximate="tanh").backward(dy.double() @ w2.double())
+    torch.testing.assert_close(dpre.double(), pd.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(db.double(), pd.grad.sum(0), rtol=1e-4, atol=1e-3)
