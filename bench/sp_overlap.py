@@ -37,4 +37,4 @@ def run(cfg: BenchConfig) -> list[dict]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(suite_run=run))
+    raise SystemExit(main(suite_run=run, stem=SUITE))

@@ -202,3 +202,31 @@ def test_auto_consistent_logs_once_and_bad_input():
         assert "out_features" in msgs[0] and "in_features" in msgs[1]
         assert "overlap" in msgs[2] and "chunks" in msgs[3] and "activation" in msgs[4]
         assert "seq_len" in msgs[5] and "seq_len" in msgs[6]
+
+
+def _cuda_engines():
+    """The CUDA path (communication stream + events) on a 1-rank NCCL group."""
+    group = torch.distributed.new_group(ranks=[0], backend="nccl")
+    comm = CommContext(group)
+    torch.manual_seed(0)
+    w = torch.randn(96, 80, device="cuda", dtype=DT)
+    mm = lambda a, o: torch.mm(a, w.t(), out=o)  # noqa: E731
+    errs = {}
+    for kind, shape in (("all_reduce", (123, 80)), ("all_gather", (2, 37, 80)),
+                        ("reduce_scatter", (2, 37, 80))):
+        a = torch.randn(*shape, device="cuda", dtype=DT)
+        ref = F.linear(a, w)
+        for chunks in (0, 1, 3, 4):
+            out, extra = run_engine(kind, a, mm, 96, comm, chunks, then=lambda: a.sum())
+            out = out[1] if kind == "all_gather" else out
+            torch.cuda.synchronize()
+            errs[f"{kind} c={chunks}"] = _err(out.cpu(), ref.cpu())
+            errs[f"{kind} c={chunks} then"] = _err(extra.cpu(), a.sum().cpu())
+    return errs
+
+
+@pytest.mark.gpu
+def test_engines_on_cuda_streams():
+    errs = run_distributed(_cuda_engines, 1, timeout=120)[0]
+    bad = {k: v for k, v in errs.items() if not v < TOL}
+    assert not bad, bad
