@@ -96,6 +96,7 @@ class Bucket:
     index: int
     params: list[torch.nn.Parameter]
     offsets: list[int]  # start of each param inside the flat buffer
+    shapes: list[torch.Size]  # each param's shape (kept: ZeRO-3 empties params while sharded)
     numel: int  # padded length (a multiple of the group size in reduce_scatter mode)
     buffer: Tensor | None = None  # full bucket (reduce dtype); None while freed
     shard: Tensor | None = None  # reduce_scatter mode: this rank's reduced slice
@@ -175,7 +176,7 @@ class GradBuckets:
             offsets.append(n)
             n += p.numel()
         pad = -n % self.pad_to
-        b = Bucket(i, list(ps), offsets, n + pad, _nranks=self.nranks)
+        b = Bucket(i, list(ps), offsets, [p.shape for p in ps], n + pad, _nranks=self.nranks)
         if self.persistent:
             b.buffer = torch.zeros(b.numel, dtype=self.dtype, device=ps[0].device)
         self.buckets.append(b)
@@ -240,6 +241,23 @@ class GradBuckets:
             if self.on_bucket_ready is not None:
                 self.on_bucket_ready(b)
             self._launch_in_order(in_backward=True)
+
+    @torch.no_grad()
+    def mark_unused(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Count ``params`` as ready with a zero contribution this step (found unreachable
+        from the loss), so their buckets need not wait for the end of backward."""
+        if not self.sync_enabled:
+            return
+        for p in params:
+            b, j = self.where[p]
+            if b.launched or j in b.ready:
+                continue
+            self._synced = False
+            self._ensure_buffer(b)
+            if self.as_view and (p.grad is None or p.grad.data_ptr() != self.view(p).data_ptr()):
+                self._accumulate(p)
+            b.ready.add(j)
+        self._launch_in_order(in_backward=False)
 
     # --- launching and completing ---------------------------------------------------------
     def _launch_in_order(self, in_backward: bool, force: bool = False) -> None:

@@ -61,6 +61,10 @@ class DistributedDataParallel(nn.Module):
             (zero-bubble pipelines run the weight-gradient "W" passes separately) and call
             :meth:`finish_grad_sync` after the last of them.
         broadcast_buffers: also broadcast module buffers from DP rank 0 at wrap time.
+        find_unused_parameters: after each forward, walk the autograd graph from the outputs
+            and mark the parameters it does not reach as ready (zeros), so that their buckets
+            are reduced during backward instead of at its end. Without it unused parameters
+            are still handled (at the end of backward), just without overlap for their bucket.
 
     Collectives: forward none; backward one all-reduce per bucket (sum, pre-divided by dp).
     Gradients are views of the buckets (``param.grad`` aliases the flat buffer), so
@@ -74,7 +78,8 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, *, dims: ParallelDims, bucket_cap_mb: float = 25.0,
                  first_bucket_mb: float = FIRST_BUCKET_BYTES / 2**20,
-                 finish_on_backward_end: bool = True, broadcast_buffers: bool = True) -> None:
+                 finish_on_backward_end: bool = True, broadcast_buffers: bool = True,
+                 find_unused_parameters: bool = False) -> None:
         super().__init__()
         params = check_module(module)
         group = dp_group_of(dims)
@@ -86,6 +91,7 @@ class DistributedDataParallel(nn.Module):
         if group is not None:
             _broadcast_from_dp0(module, dims, broadcast_buffers)
         buckets = assign_buckets(params, int(bucket_cap_mb * 2**20), int(first_bucket_mb * 2**20))
+        self.find_unused_parameters = find_unused_parameters
         self.reducer: GradBuckets | None = None
         if group is not None:
             self.reducer = GradBuckets(
@@ -94,7 +100,11 @@ class DistributedDataParallel(nn.Module):
                 finish_on_backward_end=finish_on_backward_end)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if self.find_unused_parameters and self.reducer is not None and torch.is_grad_enabled():
+            used = _reachable_params(out)
+            self.reducer.mark_unused(p for p in self.reducer.params() if p not in used)
+        return out
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -130,6 +140,25 @@ class DistributedDataParallel(nn.Module):
     def bucket_sizes(self) -> list[int]:
         """Elements per bucket, bucket 0 (reduced first) first."""
         return [b.numel for b in self.reducer.buckets] if self.reducer else []
+
+
+def _reachable_params(out: Any) -> set[torch.Tensor]:
+    """Leaf tensors whose AccumulateGrad node is reachable from the tensors in ``out``."""
+    from torch.utils._pytree import tree_leaves
+
+    stack = [t.grad_fn for t in tree_leaves(out)
+             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen, found = set(), set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            found.add(var)
+        stack.extend(nxt for nxt, _ in fn.next_functions)
+    return found
 
 
 @torch.no_grad()

@@ -274,8 +274,8 @@ class ZeroOptimizer:
         for i, m in enumerate(self.masters):
             b = self.reducer.buckets[i]
             lo, hi = self._shard_range(b.numel)
-            for p, off in zip(b.params, b.offsets):
-                a, e = max(off, lo), min(off + p.numel(), hi)
+            for p, off, shape in zip(b.params, b.offsets, b.shapes):
+                a, e = max(off, lo), min(off + shape.numel(), hi)
                 if a < e:
                     yield m.grad[a - lo: e - lo], is_tp_sharded(p)
 

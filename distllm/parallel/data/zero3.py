@@ -4,9 +4,11 @@ Each *unit* (a layer; by default every child of the outermost ``ModuleList``/``S
 containers, leftover parameters forming the root unit) packs its parameters into one flat
 buffer per optimizer param group, padded to a multiple of the DP size ``N``. A rank keeps
 only its slice (``L/N`` elements) between uses; the full buffer's storage is freed
-(``untyped_storage().resize_(0)``) and re-allocated for each gather, so the parameters
-stay the same ``nn.Parameter`` objects (views of the full buffer) and tensors saved for
-backward remain valid.
+(``untyped_storage().resize_(0)``) and re-allocated for each gather, so views of it saved
+for backward remain valid. The parameters stay the same ``nn.Parameter`` objects: while
+gathered, ``p.data`` is its view of the full buffer; while sharded it is an empty tensor
+(so reading a sharded parameter outside its layer's forward/backward fails loudly; use
+``ZeroOptimizer.state_dict()`` for the full weights).
 
 Forward: a forward pre-hook all-gathers the unit (waiting on its prefetch, if any) and
 starts the all-gather of the next unit (``prefetch=True``); a forward post-hook frees it
@@ -51,6 +53,7 @@ def default_units(module: nn.Module) -> list[nn.Module]:
 @dataclass(eq=False)
 class _Flat:
     params: list[nn.Parameter]
+    views: list[Tensor]  # each param's view of ``full`` (what ``p.data`` is while gathered)
     numel: int  # padded to a multiple of N
     full: Tensor  # compute dtype; storage freed while sharded
     shard: Tensor  # compute dtype, this rank's slice
@@ -98,8 +101,7 @@ class ShardedParams:
             self._hooks.append(u.register_forward_hook(self._post_forward))
         if not self.flats[module]:  # still record the start of each forward
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
-        for u in self.units:
-            self.reshard(u)
+        self._empty = torch.empty(0, dtype=param_dtype, device=params[0].device)
 
     # --- layout --------------------------------------------------------------------------
     @torch.no_grad()
@@ -114,11 +116,13 @@ class ShardedParams:
         full = src.to(self.param_dtype) if src.dtype != self.param_dtype else src.clone()
         s = numel // self.nranks
         lo = self.rank * s
-        off = 0
+        views, off = [], 0
         for p in ps:
-            p.data = full[off: off + p.numel()].view_as(p)
+            views.append(full[off: off + p.numel()].view_as(p))
+            p.data = views[-1]
             off += p.numel()
-        return _Flat(list(ps), numel, full, full[lo: lo + s].clone(), src[lo: lo + s].clone())
+        return _Flat(list(ps), views, numel, full, full[lo: lo + s].clone(),
+                     src[lo: lo + s].clone())
 
     def bucket_params(self) -> list[list[nn.Parameter]]:
         """Gradient buckets, first reduced first: the units in reverse forward order, root
@@ -141,6 +145,7 @@ class ShardedParams:
         runs after the reducer's, which has already copied the gradient into its bucket)."""
         for p in reducer.params():
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_landed))
+        self.reshard_all()  # from now on parameters live as shards between uses
 
     # --- gather / free -------------------------------------------------------------------
     @torch.no_grad()
@@ -159,6 +164,8 @@ class ShardedParams:
                     if f.work is not None:
                         f.work.wait()
                         f.work = None
+                    for p, v in zip(f.params, f.views):
+                        p.data = v
                     f.state = "full"
 
     def reshard(self, u: nn.Module) -> None:
@@ -166,6 +173,8 @@ class ShardedParams:
         for f in self.flats[u]:
             if f.state == "full":
                 f.full.untyped_storage().resize_(0)
+                for p in f.params:  # a sharded parameter reads as empty, never as freed memory
+                    p.data = self._empty
                 f.state = "sharded"
 
     def reshard_all(self) -> None:

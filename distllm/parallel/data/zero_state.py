@@ -35,8 +35,8 @@ def _full(z, i: int, shard: Tensor) -> Tensor:
 
 def _split(z, i: int, full: Tensor) -> dict[str, Tensor]:
     b = z.reducer.buckets[i]
-    return {z.names[p]: full[off: off + p.numel()].view(p.shape).clone()
-            for p, off in zip(b.params, b.offsets)}
+    return {z.names[p]: full[off: off + shape.numel()].view(shape).clone()
+            for p, off, shape in zip(b.params, b.offsets, b.shapes)}
 
 
 def _is_elementwise(v: Any, m: Tensor) -> bool:
@@ -70,8 +70,8 @@ def _my_slice(z, i: int, per_param: dict[str, Tensor], like: Tensor) -> Tensor:
     """This rank's shard of bucket ``i`` assembled from full per-parameter tensors."""
     b = z.reducer.buckets[i]
     full = torch.zeros(b.numel, dtype=like.dtype, device=like.device)
-    for p, off in zip(b.params, b.offsets):
-        full[off: off + p.numel()].copy_(per_param[z.names[p]].reshape(-1))
+    for p, off, shape in zip(b.params, b.offsets, b.shapes):
+        full[off: off + shape.numel()].copy_(per_param[z.names[p]].reshape(-1))
     lo, hi = z._shard_range(b.numel)
     return full[lo:hi]
 

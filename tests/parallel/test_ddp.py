@@ -1,0 +1,192 @@
+"""distllm DDP against torch's DDP and a single process on the global batch (float64,
+~1e-10); gradient accumulation, clipping (also across TP), unused parameters, overlap of
+the all-reduce with backward, dp == 1, and bad input."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distllm.testing import run_distributed
+from tests.parallel.test_zero import TOL, batch, local, loss_fn, make
+
+
+def _max_diff(a: nn.Module, b: nn.Module, grads: bool = False) -> float:
+    pairs = zip(a.parameters(), b.parameters())
+    if grads:
+        return max((p.grad - q.grad).abs().max().item() for p, q in pairs)
+    return max((p - q).abs().max().item() for p, q in pairs)
+
+
+def _parity(dims) -> dict:
+    """AdamW steps: distllm DDP vs torch DDP vs one process; the second step accumulates two
+    micro-batches (the first under no_sync); clipping at every step."""
+    from distllm.parallel import DistributedDataParallel
+
+    mine, theirs, ref = make(), make(), make()
+    d = DistributedDataParallel(mine, dims=dims, bucket_cap_mb=0.002, first_bucket_mb=0.0005)
+    t = nn.parallel.DistributedDataParallel(theirs, process_group=dims.dp_group,
+                                            bucket_cap_mb=0.002)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+            for m in (mine, theirs, ref)]
+    errs = {"grad_vs_torch": 0.0, "norm": 0.0}
+    for s in range(4):
+        x, y = batch(s)
+        xl, yl = local(x, dims), local(y, dims)
+        if s % 2 == 0:
+            d.zero_grad()  # zero-copy: .grad stays a view of the bucket
+        else:
+            opts[0].zero_grad()  # set_to_none: the hook re-installs the views
+        for o in opts[1:]:
+            o.zero_grad()
+        if s == 1:  # gradient accumulation: 2 micro-batches
+            h = xl.shape[0] // 2
+            for model in (d, t):
+                with model.no_sync():
+                    (0.5 * loss_fn(model, xl[:h], yl[:h])).backward()
+                (0.5 * loss_fn(model, xl[h:], yl[h:])).backward()
+        else:
+            loss_fn(d, xl, yl).backward()
+            loss_fn(t, xl, yl).backward()
+        loss_fn(ref, x, y).backward()
+        errs["grad_vs_torch"] = max(errs["grad_vs_torch"], _max_diff(mine, theirs, grads=True))
+        n1 = d.clip_grad_norm_(0.05)
+        n2 = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.05)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        errs["norm"] = max(errs["norm"], abs(n1.item() - n2.item()))
+        for o in opts:
+            o.step()
+    errs["params_vs_torch"] = _max_diff(mine, theirs)
+    errs["params_vs_single"] = _max_diff(mine, ref)
+    return errs
+
+
+def _unused_and_overlap(dims) -> dict:
+    from distllm.parallel import DistributedDataParallel
+
+    model, ref = make(unused=True, h=64, f=256, n=4), make(unused=True, h=64, f=256, n=4)
+    d = DistributedDataParallel(model, dims=dims, bucket_cap_mb=0.05, find_unused_parameters=True)
+    last = {}
+
+    def mark_end(_p) -> None:  # inp.weight's gradient is the last to land
+        last["t"] = time.perf_counter()
+
+    model.inp.weight.register_post_accumulate_grad_hook(mark_end)
+    x, y = batch(0)
+    xl, yl = local(x, dims), local(y, dims)
+    use = dims.dp_rank == 0
+    d.reducer.start_cycle_log()
+    loss_fn(d, xl, yl, use_extra=use).backward()  # `extra` used on rank 0, `never` nowhere
+    log = d.reducer.launch_log
+    d.finish_grad_sync()  # idempotent
+    # expected: the DP average of every rank's local gradient (zeros where unused)
+    loss_fn(ref, xl, yl, use_extra=use).backward()
+    err = 0.0
+    for p, q in zip(model.parameters(), ref.parameters()):
+        g = q.grad.clone() if q.grad is not None else torch.zeros_like(q)
+        dist.all_reduce(g, group=dims.dp_group)
+        err = max(err, (p.grad - g / dims.dp).abs().max().item())
+    return {"unused_err": err, "buckets": len(d.bucket_sizes), "first_hooks": log[0][2],
+            "nparams": len(list(model.parameters())) - 1,
+            "before_end": sum(t < last["t"] for _, t, _ in log),
+            "in_backward": d.reducer.launches_in_backward}
+
+
+class TPToy(nn.Module):
+    """A row-sharded weight (tensor_model_parallel) and a replicated bias; the loss makes
+    their gradients exactly ``rows`` and ``gb``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4, 6, dtype=torch.float64))
+        self.w.tensor_model_parallel = True
+        self.b = nn.Parameter(torch.zeros(5, dtype=torch.float64))
+
+    def forward(self, rows, gb):
+        return (self.w * rows).sum() + (self.b * gb).sum()
+
+
+def _tp_clip() -> dict:
+    """Clipping across TP: a row-sharded weight (tensor_model_parallel) + a replicated bias."""
+    from distllm import ParallelDims
+    from distllm.parallel import DistributedDataParallel, ZeroOptimizer
+    from distllm.parallel.data import clip_grad_norm_
+
+    dims = ParallelDims(tp=2)
+    g = torch.Generator().manual_seed(3)
+    gw, gb = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(5, generator=g,
+                                                                              dtype=torch.float64)
+    want = torch.sqrt(gw.square().sum() + gb.square().sum()).item()
+    rows = gw[dims.tp_rank * 4: (dims.tp_rank + 1) * 4]
+    out = {}
+    for kind in ("ddp", "zero0", "zero2", "zero3"):
+        m = TPToy()
+        if kind == "ddp":
+            DistributedDataParallel(m, dims=dims)
+            m(rows, gb).backward()
+            norm = clip_grad_norm_(m.parameters(), 0.5, dims=dims)
+            clipped = clip_grad_norm_(m.parameters(), 1e9, dims=dims).item()  # norm after
+        else:
+            z = ZeroOptimizer(m, torch.optim.SGD, stage=int(kind[-1]), dims=dims, lr=0.1)
+            m(rows, gb).backward()
+            norm = z.clip_grad_norm_(0.5)
+            clipped = z.clip_grad_norm_(1e9).item()
+        out[kind] = (norm.item(), want, clipped)
+    return out
+
+
+def ddp_main(world: int) -> dict:
+    from distllm import ParallelDims
+    from distllm.parallel import DistributedDataParallel
+
+    dims = ParallelDims()
+    out = {"parity": _parity(dims), "unused": _unused_and_overlap(dims)}
+    if world == 4:
+        out["tp_clip"] = _tp_clip()
+    else:  # dp == 1 (tp=2 over 2 ranks): a plain wrapper, gradients untouched
+        dims1 = ParallelDims(tp=2)
+        m, ref = make(), make()
+        d = DistributedDataParallel(m, dims=dims1)
+        x, y = batch(0)
+        loss_fn(d, x, y).backward()
+        loss_fn(ref, x, y).backward()
+        d.finish_grad_sync()
+        out["dp1"] = (d.reducer is None, _max_diff(m, ref, grads=True))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_matches_torch_ddp_and_single_process(world):
+    res = run_distributed(ddp_main, world, world, timeout=240)
+    for r in res:
+        for what, e in r["parity"].items():
+            assert e < TOL, f"{what}: {e:.3g}"
+        u = r["unused"]
+        assert u["unused_err"] < TOL, u
+        assert u["buckets"] > 2 and u["first_hooks"] < u["nparams"], u
+        assert u["before_end"] >= 1 and u["in_backward"] >= 2, u
+        if world == 4:
+            for kind, (norm, want, clipped) in r["tp_clip"].items():
+                assert abs(norm - want) < TOL, f"{kind}: global norm {norm} != {want}"
+                if clipped is not None:
+                    assert abs(clipped - 0.5) < 1e-6, f"{kind}: clipped norm {clipped}"
+        else:
+            assert r["dp1"][0] and r["dp1"][1] < TOL, r["dp1"]
+
+
+def test_bad_input():
+    from distllm.parallel import DistributedDataParallel
+
+    with pytest.raises(ValueError, match="no parameters"):
+        DistributedDataParallel(nn.GELU(), dims=None)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        DistributedDataParallel(lambda x: x, dims=None)
+    with pytest.raises(ValueError, match="dims=None"):
+        DistributedDataParallel(make(), dims=None)
+    with pytest.raises(ValueError, match="has no dp_group"):
+        DistributedDataParallel(make(), dims=object())
+    assert not dist.is_initialized()
