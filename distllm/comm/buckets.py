@@ -172,7 +172,8 @@ class GradBuckets:
         offsets, n = [], 0
         for p in ps:
             if self.as_view and p.dtype != self.dtype:
-                raise ValueError(f"as_view needs param dtype {p.dtype} == bucket dtype {self.dtype}")
+                raise ValueError(
+                    f"as_view needs param dtype {p.dtype} == bucket dtype {self.dtype}")
             offsets.append(n)
             n += p.numel()
         pad = -n % self.pad_to

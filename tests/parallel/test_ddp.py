@@ -16,7 +16,7 @@ from tests.parallel.test_zero import TOL, batch, local, loss_fn, make
 
 
 def _max_diff(a: nn.Module, b: nn.Module, grads: bool = False) -> float:
-    pairs = zip(a.parameters(), b.parameters())
+    pairs = zip(a.parameters(), b.parameters(), strict=True)
     if grads:
         return max((p.grad - q.grad).abs().max().item() for p, q in pairs)
     return max((p - q).abs().max().item() for p, q in pairs)
@@ -86,7 +86,7 @@ def _unused_and_overlap(dims) -> dict:
     # expected: the DP average of every rank's local gradient (zeros where unused)
     loss_fn(ref, xl, yl, use_extra=use).backward()
     err = 0.0
-    for p, q in zip(model.parameters(), ref.parameters()):
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         g = q.grad.clone() if q.grad is not None else torch.zeros_like(q)
         dist.all_reduce(g, group=dims.dp_group)
         err = max(err, (p.grad - g / dims.dp).abs().max().item())

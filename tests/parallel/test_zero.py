@@ -237,9 +237,9 @@ def _skip_and_reload(dims) -> dict:
 
 def _overlap(dims) -> dict:
     """Record when each bucket's reduction starts against backward's progress."""
-    from distllm.parallel import ZeroOptimizer
-
     import time
+
+    from distllm.parallel import ZeroOptimizer
 
     out = {}
     for stage in (1, 2, 3):
@@ -283,7 +283,7 @@ def test_zero_memory_accumulation_skip_reload_overlap():
             assert e < TOL, f"reload into stage {stage}: off by {e:.3g}"
         for stage, o in r["overlap"].items():
             assert o["buckets"] > 2, o
-            assert o["first_hooks"] < o["nparams"], f"stage {stage}: first launch after backward {o}"
+            assert o["first_hooks"] < o["nparams"], f"stage {stage}: launched after backward {o}"
             assert o["before_end"] >= 1 and o["in_backward"] >= 2, f"stage {stage}: {o}"
 
 

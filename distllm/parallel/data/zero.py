@@ -164,7 +164,8 @@ class ZeroOptimizer:
         self._build(groups, units, bucket_cap_mb, prefetch, finish_on_backward_end)
         self.optimizer = optimizer_cls(
             [{"params": [self.masters[i] for i in idx], **opts}
-             for idx, (_, opts) in zip(self._group_buckets, groups) if idx], **optim_kwargs)
+             for idx, (_, opts) in zip(self._group_buckets, groups, strict=True) if idx],
+            **optim_kwargs)
         self.skipped_steps = 0
         self._init_scaler(loss_scale)
         self._prepared = False
@@ -180,9 +181,9 @@ class ZeroOptimizer:
             plists = self.sharded.bucket_params()
         else:
             self.sharded = None
+            esize = torch.empty((), dtype=self.reduce_dtype).element_size()
             plists = assign_buckets(allp, int(cap_mb * 2**20), FIRST_BUCKET_BYTES,
-                                    key=lambda p: (gid[p], p.dtype),
-                                    elem_size=torch.empty((), dtype=self.reduce_dtype).element_size())
+                                    key=lambda p: (gid[p], p.dtype), elem_size=esize)
         self.reducer = GradBuckets(
             plists, group=self.group, mode="all_reduce" if self.stage <= 1 else "reduce_scatter",
             dtype=self.reduce_dtype, persistent=self.stage <= 1, pad_to=self.nranks,
@@ -216,10 +217,10 @@ class ZeroOptimizer:
                 self.masters.append(master if self.mixed else shard)
                 continue
             full = torch.zeros(b.numel, dtype=self.master_dtype, device=b.params[0].device)
-            for p, off in zip(b.params, b.offsets):
+            for p, off in zip(b.params, b.offsets, strict=True):
                 full[off: off + p.numel()].copy_(p.detach().reshape(-1))
             flat = full.to(self.param_dtype) if self.mixed else full
-            for p, off in zip(b.params, b.offsets):
+            for p, off in zip(b.params, b.offsets, strict=True):
                 p.data = flat[off: off + p.numel()].view_as(p)
             lo, hi = self._shard_range(b.numel)
             self.flat.append(flat)
@@ -274,7 +275,7 @@ class ZeroOptimizer:
         for i, m in enumerate(self.masters):
             b = self.reducer.buckets[i]
             lo, hi = self._shard_range(b.numel)
-            for p, off, shape in zip(b.params, b.offsets, b.shapes):
+            for p, off, shape in zip(b.params, b.offsets, b.shapes, strict=True):
                 a, e = max(off, lo), min(off + shape.numel(), hi)
                 if a < e:
                     yield m.grad[a - lo: e - lo], is_tp_sharded(p)

@@ -164,7 +164,7 @@ class ShardedParams:
                     if f.work is not None:
                         f.work.wait()
                         f.work = None
-                    for p, v in zip(f.params, f.views):
+                    for p, v in zip(f.params, f.views, strict=True):
                         p.data = v
                     f.state = "full"
 

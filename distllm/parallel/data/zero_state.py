@@ -36,7 +36,7 @@ def _full(z, i: int, shard: Tensor) -> Tensor:
 def _split(z, i: int, full: Tensor) -> dict[str, Tensor]:
     b = z.reducer.buckets[i]
     return {z.names[p]: full[off: off + shape.numel()].view(shape).clone()
-            for p, off, shape in zip(b.params, b.offsets, b.shapes)}
+            for p, off, shape in zip(b.params, b.offsets, b.shapes, strict=True)}
 
 
 def _is_elementwise(v: Any, m: Tensor) -> bool:
@@ -70,7 +70,7 @@ def _my_slice(z, i: int, per_param: dict[str, Tensor], like: Tensor) -> Tensor:
     """This rank's shard of bucket ``i`` assembled from full per-parameter tensors."""
     b = z.reducer.buckets[i]
     full = torch.zeros(b.numel, dtype=like.dtype, device=like.device)
-    for p, off, shape in zip(b.params, b.offsets, b.shapes):
+    for p, off, shape in zip(b.params, b.offsets, b.shapes, strict=True):
         full[off: off + shape.numel()].copy_(per_param[z.names[p]].reshape(-1))
     lo, hi = z._shard_range(b.numel)
     return full[lo:hi]
@@ -92,7 +92,7 @@ def load_state(z, sd: dict[str, Any]) -> None:
                 st[key] = _my_slice(z, i, per, v).clone()
             else:
                 st[key] = v.clone() if isinstance(v, Tensor) else v
-    for g, saved in zip(z.optimizer.param_groups, sd["param_groups"]):
+    for g, saved in zip(z.optimizer.param_groups, sd["param_groups"], strict=True):
         g.update({k: v for k, v in saved.items() if k != "params"})
     z.skipped_steps = int(sd.get("skipped_steps", 0))
     z.loss_scale = float(sd.get("loss_scale", z.loss_scale))
