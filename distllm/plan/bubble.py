@@ -22,18 +22,16 @@ __all__ = ["in_flight", "pipeline_time", "SCHEDULES", "simulator_or_none"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 
 
-def in_flight(schedule: str, p: int, m: int, v: int = 1) -> tuple[float, float]:
-    """Micro-batches of a whole stage's activations held at peak: (first stage, last stage)."""
+def in_flight(schedule: str, p: int, m: int, v: int = 1) -> list[float]:
+    """Micro-batches of a whole rank's activations held at peak, per pipeline rank."""
     if p == 1 or schedule == "none":
-        return 1.0, 1.0
+        return [1.0]
     if schedule == "gpipe":
-        return float(m), float(m)
+        return [float(m)] * p
     if schedule == "interleaved-1f1b":
-        # warm-up of rank r is 2(p-1-r) + (v-1)p chunk forwards (Megatron's interleaved 1F1B)
-        first = min(2 * (p - 1) + (v - 1) * p + 1, m * v) / v
-        last = min((v - 1) * p + 1, m * v) / v
-        return first, last
-    return float(min(p, m)), 1.0  # 1f1b, zb-h1
+        # warm-up of rank r: 2(p-1-r) + (v-1)p chunk forwards (Megatron's interleaved 1F1B)
+        return [min(2 * (p - 1 - r) + (v - 1) * p + 1, m * v) / v for r in range(p)]
+    return [float(min(p - r, m)) for r in range(p)]  # 1f1b, zb-h1
 
 
 def pipeline_time(
@@ -41,35 +39,40 @@ def pipeline_time(
     p: int,
     m: int,
     v: int,
-    t_f: float,
-    t_b: float,
-    t_w: float,
+    t_f: list[float],
+    t_b: list[float],
+    t_w: list[float],
     t_comm: float,
     simulator: Callable | None = None,
 ) -> float:
-    """Seconds of the forward+backward part of a step on the busiest stage.
+    """Seconds of the forward+backward part of a step (all ranks done).
 
-    t_f, t_b: forward and full backward (B + W) of one micro-batch on a whole stage;
-    t_w: the weight-gradient part of t_b; t_comm: one point-to-point transfer.
+    ``t_f[r]``, ``t_b[r]``: forward and full backward (B + W) of one micro-batch through all
+    of rank r's layers; ``t_w[r]``: the weight-gradient part of ``t_b[r]``; ``t_comm``: one
+    point-to-point transfer. Uneven ranks: fill and drain pass every rank once, the steady
+    state runs at the slowest one (exact for even ranks, the textbook forms above).
     """
     if p == 1 or schedule == "none":
-        return m * (t_f + t_b)
+        return m * (t_f[0] + t_b[0])
     if simulator is not None:
         got = simulator(schedule, p, m, v, t_f, t_b, t_w, t_comm)
         if got is not None:
             return got
-    f, b = t_f + t_comm, t_b + t_comm
+    c = t_comm
+    one = [f + b + 2 * c for f, b in zip(t_f, t_b, strict=True)]
+    slow = max(one)
     if schedule in ("gpipe", "1f1b"):
-        return (m + p - 1) * (f + b)
+        return (m - 1) * slow + sum(one)
     if schedule == "interleaved-1f1b":
-        fc, bc = t_f / v + t_comm, t_b / v + t_comm
-        return (m * v + p - 1) * (fc + bc)
+        chunk = [f / v + b / v + 2 * c for f, b in zip(t_f, t_b, strict=True)]
+        return m * v * max(chunk) + (sum(chunk) - max(chunk))
     if schedule == "zb-h1":
-        return m * (f + b) + (p - 1) * max(f + b - 2 * t_w, f)
+        idle = [max(f + b - 2 * w, f) + 2 * c for f, b, w in zip(t_f, t_b, t_w, strict=True)]
+        return m * slow + (sum(idle) - idle[one.index(slow)])
     raise ValueError(f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
 
 
-SIM_MAX_ACTIONS = 20000  # larger cases use the closed form (the replay is pure Python)
+SIM_MAX_ACTIONS = 4096  # larger cases use the closed form (the replay is pure Python)
 
 
 def simulator_or_none() -> Callable | None:
@@ -90,7 +93,13 @@ def simulator_or_none() -> Callable | None:
         try:
             sched = build_schedule(schedule, p, m, v if schedule == "interleaved-1f1b" else 1)
             # per chunk; a non-split backward B takes (t_b - t_w) + t_w in the simulator
-            res = simulate(sched, t_f / v, (t_b - t_w) / v, t_w / v, t_comm)
+            res = simulate(
+                sched,
+                [f / v for f in t_f],
+                [(b - w) / v for b, w in zip(t_b, t_w, strict=True)],
+                [w / v for w in t_w],
+                t_comm,
+            )
         except Exception:  # noqa: BLE001 - an unsupported case falls back to the formula
             return None
         if getattr(res, "deadlock", None):

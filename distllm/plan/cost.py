@@ -24,7 +24,8 @@ ZeRO-3 prefetched gather with the previous layer) and only to the extent the lin
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .bubble import in_flight, pipeline_time
 from .hardware import Link, Profile, canonical_dtype
@@ -45,9 +46,8 @@ OVERLAP_CHUNKS = 4  # chunks of the overlapped row-parallel GEMM + all-reduce
 OPS_PER_LAYER_FWD = 24  # eager operators of one block's forward (norms, GEMMs, attention, ...)
 
 
-@dataclass(frozen=True)
-class Layout:
-    """One parallel layout of a training step."""
+class Layout(NamedTuple):
+    """One parallel layout of a training step (a tuple: cheap to make by the ten thousand)."""
 
     tp: int
     pp: int
@@ -90,7 +90,7 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        d = asdict(self.layout)
+        d = self.layout._asdict()
         d.update(
             memory_gb={k: round(v / GB, 4) for k, v in self.memory.items()},
             step_time_s=None if math.isinf(self.step_time_s) else self.step_time_s,
@@ -152,24 +152,56 @@ class CostModel:
         self._cache: dict = {}
 
     # ---------------------------------------------------------------- memory --------
-    def stage_params(self, lay: Layout) -> tuple[float, float]:
-        """Parameters held per rank on the heaviest stage, and those of one block per rank."""
-        key = ("params", lay.tp, lay.pp)
+    def ranks(self, pp: int, v: int) -> list[tuple[int, bool, bool]]:
+        """(blocks, holds the embedding, holds the head) of each pipeline rank.
+
+        As distllm's engine splits them: the layer list is embedding, blocks, head
+        (``layers + 2`` entries) cut into ``pp * v`` chunks as evenly as possible, earlier
+        chunks taking the remainder; chunk c runs on rank ``c % pp``.
+        """
+        key = ("ranks", pp, v)
+        if key not in self._cache:
+            n = self.shape.layers + 2
+            base, extra = divmod(n, pp * v)
+            out = [[0, False, False] for _ in range(pp)]
+            lo = 0
+            for c in range(pp * v):
+                hi = lo + base + (1 if c < extra else 0)
+                r = out[c % pp]
+                r[1] |= lo == 0
+                r[2] |= hi == n
+                r[0] += (hi - lo) - (lo == 0) - (hi == n)
+                lo = hi
+            self._cache[key] = [tuple(r) for r in out]
+        return self._cache[key]
+
+    def _heavy_ranks(self, pp: int, v: int) -> tuple[int, ...]:
+        """Ranks that can need the most memory or time: the first, the first with the most
+        blocks (in-flight counts fall with the rank), the last (the head and its logits)."""
+        key = ("heavy", pp, v)
+        if key not in self._cache:
+            ranks = self.ranks(pp, v)
+            most = max(r[0] for r in ranks)
+            first_most = next(i for i, r in enumerate(ranks) if r[0] == most)
+            self._cache[key] = tuple(sorted({0, first_most, pp - 1}))
+        return self._cache[key]
+
+    def rank_params(self, lay: Layout) -> tuple[list[float], float]:
+        """Parameters held per device on each pipeline rank, and those of one block."""
+        key = ("params", lay.tp, lay.pp, lay.virtual_stages)
         if key not in self._cache:
             s, t = self.shape, lay.tp
             h = s.hidden
             repl = (2 * h if s.biases else 0) + (4 * h if s.biases else 2 * h)  # row biases, norms
             per_layer = (s.layer_params() - repl) / t + repl
             vocab = s.padded_vocab(t) * h / t
-            pos = s.seq_len * h if s.learned_positions else 0
-            head = (2 * h if s.biases else h) + (0 if s.tied_embeddings else vocab)
-            lps = math.ceil(s.layers / lay.pp)
-            if lay.pp == 1:
-                total = lps * per_layer + vocab + pos + head
-            else:
-                tied_copy = vocab if s.tied_embeddings else 0
-                total = lps * per_layer + max(vocab + pos, head + tied_copy)
-            self._cache[key] = (total, per_layer)
+            emb = vocab + (s.seq_len * h if s.learned_positions else 0)
+            head = (2 * h if s.biases else h) + (0 if s.tied_embeddings and lay.pp == 1 else vocab)
+            out = [
+                blocks * per_layer + (emb if has_e else 0) + (head if has_h else 0)
+                for blocks, has_e, has_h in self.ranks(lay.pp, lay.virtual_stages)
+            ]
+            self._cache[key] = (out, per_layer)
         return self._cache[key]
 
     def model_state_bytes(self, n_params: float, dp: int, zero: int) -> dict[str, float]:
@@ -207,33 +239,34 @@ class CostModel:
         return out
 
     def memory(self, lay: Layout) -> dict[str, float]:
+        """Bytes per device on the pipeline rank that needs the most."""
         s = self.shape
         b = s.global_batch // (lay.dp * lay.micro_batches)
-        n_params, per_layer = self.stage_params(lay)
-        mem = self.model_state_bytes(n_params, lay.dp, lay.zero)
-        if lay.zero >= 3:  # the gathered block being used and the one being prefetched
-            mem["params"] += 2 * per_layer * STATE_BYTES[self.dtype][0]
-        lps = math.ceil(s.layers / lay.pp)
+        params, per_layer = self.rank_params(lay)
         per = self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, lay.checkpointing)
-        first, last = in_flight(lay.schedule, lay.pp, lay.micro_batches, lay.virtual_stages)
         bs = b * s.seq_len
         logits = (self.e + 4) * bs * s.padded_vocab(lay.tp) / lay.tp  # logits + fp32 softmax
-        emb = (
-            (self.e + (1 if s.dropout else 0))
-            * bs
-            * s.hidden
-            / (lay.tp if lay.sequence_parallel else 1)
-        )
-        act_first = first * (lps * per + emb)
-        act_last = last * (lps * per + logits)
-        if lay.pp == 1:
-            act_first = act_last = lps * per + emb + logits
-        act = max(act_first, act_last)
-        if lay.checkpointing == "full":
-            act += self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, "none")
-        mem["activations"] = act
-        mem["total"] = mem["params"] + mem["grads"] + mem["optimizer"] + act
-        return mem
+        sp = lay.tp if lay.sequence_parallel else 1
+        emb = (self.e + (1 if s.dropout else 0)) * bs * s.hidden / sp
+        fkey = ("flight", lay.schedule, lay.pp, lay.micro_batches, lay.virtual_stages)
+        flight = self._cache.get(fkey)
+        if flight is None:
+            flight = self._cache[fkey] = in_flight(*fkey[1:])
+        best: dict[str, float] = {}
+        ranks = self.ranks(lay.pp, lay.virtual_stages)
+        for r in self._heavy_ranks(lay.pp, lay.virtual_stages):
+            blocks, has_e, has_h = ranks[r]
+            mem = self.model_state_bytes(params[r], lay.dp, lay.zero)
+            if lay.zero >= 3:  # the gathered block being used and the one being prefetched
+                mem["params"] += 2 * per_layer * STATE_BYTES[self.dtype][0]
+            act = flight[r] * (blocks * per + (emb if has_e else 0) + (logits if has_h else 0))
+            if lay.checkpointing == "full":  # one block's activations live during recompute
+                act += self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, "none")
+            mem["activations"] = act
+            mem["total"] = mem["params"] + mem["grads"] + mem["optimizer"] + act
+            if not best or mem["total"] > best["total"]:
+                best = mem
+        return best
 
     # ---------------------------------------------------------------- time ----------
     def _link(self, group: str, lay: Layout) -> Link:
@@ -277,9 +310,10 @@ class CostModel:
             tp_f, tp_b = 2 * one - 2 * hidden, 2 * one  # backward: not overlapped
         z3_f = z3_b = 0.0
         if lay.zero >= 3 and lay.dp > 1:
-            _, per_layer = self.stage_params(lay)
+            _, per_layer = self.rank_params(lay)
             link = self._link("dp", lay)
-            ag = collective_time("all_gather", per_layer * STATE_BYTES[self.dtype][0], lay.dp, link)
+            nbytes = per_layer * STATE_BYTES[self.dtype][0]
+            ag = collective_time("all_gather", nbytes, lay.dp, link)
             z3_f = max(0.0, ag - link.overlap * fwd)
             z3_b = max(0.0, ag - link.overlap * bwd)
         out = dict(
@@ -288,66 +322,89 @@ class CostModel:
         self._cache[key] = out
         return out
 
+    def rank_times(self, lay: Layout) -> tuple[list[float], list[float], list[float]]:
+        """Forward, backward and weight-gradient seconds of one micro-batch per pipeline rank."""
+        s, p = self.shape, self.profile
+        b = s.global_batch // (lay.dp * lay.micro_batches)
+        key = (
+            "rt",
+            b,
+            lay.tp,
+            lay.sequence_parallel,
+            lay.checkpointing,
+            lay.dp,
+            lay.zero,
+            lay.pp,
+            lay.virtual_stages,
+        )
+        if key in self._cache:
+            return self._cache[key]
+        lt = self.layer_times(b, lay)
+        bs, v_pad = b * s.seq_len, s.padded_vocab(lay.tp)
+        head_gemm = 2 * bs * s.hidden * v_pad / lay.tp / self.rate
+        head = head_gemm + 3 * 4 * bs * v_pad / lay.tp / p.memory_bandwidth + 4 * p.op_overhead_s
+        emb = 2 * self.e * bs * s.hidden / p.memory_bandwidth + 2 * p.op_overhead_s
+        tf, tb, tw = [], [], []
+        for blocks, has_e, has_h in self.ranks(lay.pp, lay.virtual_stages):
+            ex = (emb if has_e else 0.0) + (head if has_h else 0.0)
+            tf.append(blocks * (lt["fwd"] + lt["tp_f"] + lt["z3_f"]) + ex)
+            tb.append(blocks * (lt["bwd"] + lt["tp_b"] + lt["z3_b"]) + 2 * ex)
+            tw.append(blocks * lt["gemm"] + (head_gemm if has_h else 0.0))
+        self._cache[key] = (tf, tb, tw)
+        return tf, tb, tw
+
+    def _tail(self, lay: Layout, tb: list[float]) -> tuple[float, float, float, float]:
+        """After a rank's last backward: the exposed part of the bucketed DP reduction
+        (overlapped with that backward), the ZeRO-1/2 all-gather of the updated shards and
+        the optimizer step; the slowest rank's (total, reduction, gather, optimizer)."""
+        params, _ = self.rank_params(lay)
+        best = (0.0, 0.0, 0.0, 0.0)
+        for r in self._heavy_ranks(lay.pp, lay.virtual_stages):
+            n_params = params[r]
+            red = ag = 0.0
+            if lay.dp > 1:
+                link = self._link("dp", lay)
+                gbytes = STATE_BYTES[self.dtype][1] * n_params
+                kind = "reduce_scatter" if lay.zero >= 2 else "all_reduce"
+                red = collective_time(kind, gbytes, lay.dp, link)
+                n_buckets = max(1, math.ceil(gbytes / self.bucket_bytes))
+                red = max(red - link.overlap * tb[r], red / n_buckets)
+                if lay.zero in (1, 2):
+                    nbytes = STATE_BYTES[self.dtype][0] * n_params
+                    ag = collective_time("all_gather", nbytes, lay.dp, link)
+            opt = n_params / (lay.dp if lay.zero >= 1 else 1) * 32 / self.profile.memory_bandwidth
+            if red + ag + opt > best[0]:
+                best = (red + ag + opt, red, ag, opt)
+        return best
+
     def step_time(self, lay: Layout) -> tuple[float, dict[str, float]]:
         s, p = self.shape, self.profile
         b = s.global_batch // (lay.dp * lay.micro_batches)
-        m, lps = lay.micro_batches, math.ceil(s.layers / lay.pp)
+        m = lay.micro_batches
         lt = self.layer_times(b, lay)
-        bs = b * s.seq_len
-        v_pad = s.padded_vocab(lay.tp)
-        head_f = (
-            2 * bs * s.hidden * v_pad / lay.tp / self.rate
-            + 3 * 4 * bs * v_pad / lay.tp / p.memory_bandwidth
-        )
-        compute_f, compute_b = lps * lt["fwd"], lps * lt["bwd"]
-        t_f = lps * (lt["fwd"] + lt["tp_f"] + lt["z3_f"]) + head_f
-        t_b = lps * (lt["bwd"] + lt["tp_b"] + lt["z3_b"]) + 2 * head_f
-        t_w = lps * lt["w"] + head_f
+        tf, tb, tw = self.rank_times(lay)
         t_comm = 0.0
         if lay.pp > 1:
-            msg = self.e * bs * s.hidden / (lay.tp if lay.sequence_parallel else 1)
+            msg = self.e * b * s.seq_len * s.hidden / (lay.tp if lay.sequence_parallel else 1)
             t_comm = collective_time("p2p", msg, 2, self._link("pp", lay))
         pipe = pipeline_time(
-            lay.schedule,
-            lay.pp,
-            m,
-            lay.virtual_stages,
-            t_f,
-            t_b,
-            t_w,
-            t_comm,
-            simulator=self.simulator,
+            lay.schedule, lay.pp, m, lay.virtual_stages, tf, tb, tw, t_comm, self.simulator
         )
-        # data parallel: bucketed reduction overlapped with the last micro-batch's backward
-        n_params, _ = self.stage_params(lay)
-        dp_comm = zero_ag = 0.0
-        if lay.dp > 1:
-            link = self._link("dp", lay)
-            gbytes = STATE_BYTES[self.dtype][1] * n_params
-            kind = "reduce_scatter" if lay.zero >= 2 else "all_reduce"
-            red = collective_time(kind, gbytes, lay.dp, link)
-            n_buckets = max(1, math.ceil(gbytes / self.bucket_bytes))
-            dp_comm = max(red - link.overlap * t_b, red / n_buckets)
-            if lay.zero in (1, 2):  # updated shards gathered after the step
-                zero_ag = collective_time(
-                    "all_gather", STATE_BYTES[self.dtype][0] * n_params, lay.dp, link
-                )
-        upd = n_params / (lay.dp if lay.zero >= 1 else 1)
-        t_opt = upd * 32 / p.memory_bandwidth
-        crit = pipe + dp_comm + zero_ag + t_opt + p.step_overhead_s
-        step = crit
-        if p.cores:  # ranks sharing cores: the work also has to fit in cores x step
-            ranks = min(self.world, self.gpn)
-            work = m * (t_f + t_b) + t_opt
-            step = max(crit, work * ranks / p.cores + dp_comm + zero_ag)
+        tail, dp_exp, zero_ag, t_opt = self._tail(lay, tb)
+        step = pipe + tail + p.step_overhead_s
+        if p.cores:  # ranks share the cores: the busy time of all of them must fit too
+            per_stage = min(self.world, self.gpn) // lay.pp
+            work = per_stage * sum(m * (f + b_) for f, b_ in zip(tf, tb, strict=True))
+            step = max(step, work / p.cores + tail + p.step_overhead_s)
+        blocks = max(r[0] for r in self.ranks(lay.pp, lay.virtual_stages))
         parts = dict(
             step=step,
-            compute=m * (compute_f + compute_b),
+            compute=m * (max(tf) + max(tb)),
             pipeline=pipe,
-            tp_comm=m * lps * (lt["tp_f"] + lt["tp_b"]),
+            tp_comm=m * blocks * (lt["tp_f"] + lt["tp_b"]),
             pp_p2p=t_comm,
-            dp_comm=dp_comm,
-            zero_comm=zero_ag + m * lps * (lt["z3_f"] + lt["z3_b"]),
+            dp_comm=dp_exp,
+            zero_comm=zero_ag + m * blocks * (lt["z3_f"] + lt["z3_b"]),
             optimizer=t_opt,
         )
         return step, parts

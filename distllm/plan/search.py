@@ -24,7 +24,7 @@ __all__ = ["SearchResult", "search", "best_layout", "divisors", "MAX_V"]
 
 MAX_V = 8
 CHECKPOINTING = ("none", "selective", "full")
-RESCORE = 32  # candidates re-timed with the simulator
+RESCORE = 8  # candidates re-timed with the simulator
 
 
 def divisors(n: int) -> list[int]:
@@ -74,38 +74,22 @@ def _tp_reason(shape: ModelShape, tp: int, gpn: int) -> str | None:
 
 
 def _schedules(shape: ModelShape, pp: int, m: int, pins: dict) -> list[tuple[str, int, str | None]]:
-    """(schedule, v, reason-or-None) for one (pp, m)."""
+    """(schedule, v, reason-or-None) for one (pp, m), with distllm's pipeline rules."""
     if pp == 1:
         return [("none", 1, None)]
     out = []
-    lps = shape.layers / pp
     for sch in SCHEDULES:
         if pins.get("schedule") and sch != pins["schedule"]:
             continue
         if sch == "interleaved-1f1b":
-            vs = [v for v in range(2, MAX_V + 1) if shape.layers % (pp * v) == 0]
+            vs = [v for v in range(2, MAX_V + 1) if pp * v <= shape.layers]
             if not vs:
-                out.append(
-                    (
-                        sch,
-                        2,
-                        f"interleaving needs layers={shape.layers} divisible by "
-                        f"pp*v for some v in 2..{MAX_V}",
-                    )
-                )
+                out.append((sch, 2, f"interleaving needs layers={shape.layers} >= pp*v = {2 * pp}"))
             for v in vs:
-                r = (
-                    None
-                    if m % pp == 0
-                    else f"interleaved-1f1b needs micro_batches={m} divisible by pp={pp}"
-                )
+                r = None if m % pp == 0 else f"{sch} needs micro_batches={m} divisible by pp={pp}"
                 out.append((sch, v, r))
             continue
-        r = None
-        if sch != "gpipe" and m < pp:
-            r = f"{sch} needs micro_batches={m} >= pp={pp}"
-        elif lps != int(lps) and sch == "zb-h1":
-            r = None
+        r = f"{sch} needs micro_batches={m} >= pp={pp}" if sch != "gpipe" and m < pp else None
         out.append((sch, 1, r))
     return out
 
@@ -139,7 +123,7 @@ def _inner(shape: ModelShape, tp: int, pp: int, dp: int, per_replica: int, pins:
     zeros = [pins["zero"]] if pins.get("zero") is not None else [0, 1, 2, 3]
     ms = [pins["micro_batches"]] if pins.get("micro_batches") else divisors(per_replica)
     cks = [pins["checkpointing"]] if pins.get("checkpointing") else list(CHECKPOINTING)
-    sps = [False, True] if tp > 1 else [False]
+    sps = [False, True] if tp > 1 and shape.seq_len % tp == 0 else [False]
     if pins.get("sequence_parallel") is not None and tp > 1:
         sps = [pins["sequence_parallel"]]
     for m in ms:
