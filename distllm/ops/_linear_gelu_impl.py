@@ -188,6 +188,8 @@ def bwd(backend: str, grad, x, w, pre, has_bias: bool, approximate: str, need_dx
             dx = torch.ops.mkldnn._linear_pointwise(gu, w.t(), None, "none", [], "")
         else:
             dx = gu @ w  # (M, N) @ (N, K)
-    empty = x.new_empty(0)
-    return (empty if dx is None else dx, empty if dw is None else dw,
-            empty if db is None else db.to(x.dtype))
+    def empty():  # a fresh tensor per slot: outputs of a custom op must not alias
+        return x.new_empty(0)
+
+    return (empty() if dx is None else dx, empty() if dw is None else dw,
+            empty() if db is None else db.to(x.dtype))

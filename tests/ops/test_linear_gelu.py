@@ -89,14 +89,16 @@ def test_3d_noncontiguous_and_inference(backend, dtype):
             _check(backend, x, w, b, approximate, grads=False)
 
 
-def test_partial_grads_cpu():
-    x, w, b = _data(7, 64, 48, torch.float64)
-    w.requires_grad_()
-    y = linear_gelu(x, w, b, backend="cpu")  # only weight needs a gradient
-    y.sum().backward()
-    wd = w.detach().clone().requires_grad_()
-    linear_gelu_reference(x, wd, b).sum().backward()
-    torch.testing.assert_close(w.grad, wd.grad, rtol=1e-10, atol=1e-10)
+@pytest.mark.parametrize("backend", ["cpu", "triton", "auto"])
+def test_partial_grads(backend):
+    for bias in (True, False):  # only weight (and bias) need a gradient, as in a first layer
+        x, w, b = _data(7, 64, 48, torch.float32 if backend == "triton" else torch.float64, bias)
+        w.requires_grad_()
+        y = linear_gelu(x, w, b, backend=backend)
+        y.sum().backward()
+        wd = w.detach().double().requires_grad_()
+        linear_gelu_reference(x.double(), wd, None if b is None else b.double()).sum().backward()
+        _close(w.grad, wd.grad, x.dtype, "dw")
 
 
 # ---------------------------------------------------------------------------- Triton
