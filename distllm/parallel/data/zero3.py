@@ -184,11 +184,13 @@ class ShardedParams:
 
     # --- hooks ---------------------------------------------------------------------------
     def _pre_forward(self, mod: nn.Module, args) -> None:
-        if mod is self.module:
+        if mod is self.module or mod in self._seen:  # a new forward (or micro-batch) begins
             if self._seen:
                 self._order = [u for u in self._seen if u is not self.module]
             self._seen = []
         self._seen.append(mod)
+        if mod is not self.module and self.flats[self.module]:
+            self.unshard(self.module, wait=True)  # root leftovers, even if root is never called
         if self.flats.get(mod):
             self.unshard(mod, wait=True)
         if self.prefetch:
@@ -206,6 +208,8 @@ class ShardedParams:
             self.reshard(mod)
 
     def _pre_backward(self, mod: nn.Module) -> None:
+        if self.flats[self.module]:
+            self.unshard(self.module, wait=True)
         self.unshard(mod, wait=True)
         if self.prefetch:
             bwd = [self.module] + list(reversed(self._order))
