@@ -211,7 +211,8 @@ class TrainConfig:
 
 def check_layout(cfg: TrainConfig, world: int, *, n_layers: int, n_heads: int, hidden: int,
                  seq_len: int) -> int:
-    """Checks that need the world size and the model; returns the resolved ``dp``."""
+    """Checks that need the world size and the model (``n_layers`` transformer blocks);
+    returns the resolved ``dp``."""
     p = cfg.parallel
     if world % (p.tp * p.pp) != 0:
         raise ValueError(
@@ -230,10 +231,11 @@ def check_layout(cfg: TrainConfig, world: int, *, n_layers: int, n_heads: int, h
             f"choose --tp dividing {n_heads}"
         )
     chunks = p.pp * p.chunks_per_rank
-    if n_layers < chunks:
+    if n_layers + 2 < chunks:  # the pipeline splits [embedding, blocks..., head]
         raise ValueError(
-            f"{n_layers} layers cannot fill pp*v = {chunks} pipeline chunks: lower --pp "
-            f"(or --virtual-stages), or use a deeper --model"
+            f"the model's {n_layers + 2} pipeline layers (embedding, {n_layers} blocks, head) "
+            f"cannot fill pp*v = {chunks} pipeline chunks: lower --pp (or --virtual-stages), "
+            f"or use a deeper model (--n-layers)"
         )
     per_rank = cfg.global_batch // dp if cfg.global_batch % dp == 0 else 0
     if per_rank == 0 or per_rank % p.micro_batches:
