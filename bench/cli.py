@@ -178,8 +178,12 @@ def _doctor(args: argparse.Namespace) -> int:
     print(f"distllm bench --doctor: tp=2 on 2 gloo ranks, layers built with "
           f"overlap={args.overlap!r}\n\n{res[0]['markdown']}")
     if out is not None:
+        from distllm.bench.plots import plot_events
+
         (out / "doctor.json").write_text(json.dumps([r["report"] for r in res], indent=1))
         (out / "DOCTOR.md").write_text(res[0]["markdown"] + "\n")
+        plot_events(res[0]["report"]["timeline"], f"rank 0, one step, overlap={args.overlap!r}",
+                    out / "doctor_timeline.png")
     failed = [i for i, r in enumerate(res) if not r["report"]["ok"]]
     if failed:
         print(f"distllm bench --doctor: overlap asked for but not happening (ranks {failed})",

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
+from distllm.bench import timeline
 
 __all__ = ["diagnose", "DoctorReport", "LayerDirection", "OverlapNotHappening"]
 
@@ -72,7 +73,10 @@ class LayerDirection:
     comm_ms: float | None  # the collective alone, per call
     comm_source: str  # "auto" (the layer's own measurement) | "doctor" | ""
     layer_ms: float | None  # the layer's time in this direction, per call
+    comm_trace_ms: float | None = None  # the collectives as the profiler saw them, per call
+    hidden_trace: float | None = None  # fraction of that time with compute running alongside
     hidden_frac: float | None = None
+    hidden_source: str = ""  # trace | timers | blocking
     compute_ms: float | None = None
     ideal_ms: float | None = None
     gap_ms: float | None = None
@@ -83,8 +87,12 @@ class LayerDirection:
         """Derive hidden fraction, compute, ideal and gap from the measured parts."""
         if self.calls and not self.overlapped:
             self.hidden_frac = 0.0  # a blocking collective hides nothing, whatever the timers
+            self.hidden_source = "blocking"
+        elif self.hidden_trace is not None:
+            self.hidden_frac, self.hidden_source = self.hidden_trace, "trace"
         elif self.comm_ms and self.wait_ms is not None:
             self.hidden_frac = min(1.0, max(0.0, (self.comm_ms - self.wait_ms) / self.comm_ms))
+            self.hidden_source = "timers"
         if self.layer_ms is not None and self.wait_ms is not None:
             self.compute_ms = max(0.0, self.layer_ms - self.wait_ms)
             if self.comm_ms is not None:
@@ -100,6 +108,7 @@ class DoctorReport:
     failures: list[str]
     notes: list[str]
     trace: str | None = None
+    timeline: list[dict] = field(default_factory=list)  # the last profiled step, two lanes
 
     @property
     def ok(self) -> bool:
@@ -108,7 +117,7 @@ class DoctorReport:
     def as_dict(self) -> dict:
         return {"steps": self.steps, "step_ms": self.step_ms, "ok": self.ok,
                 "failures": self.failures, "notes": self.notes, "trace": self.trace,
-                "rows": [asdict(r) for r in self.rows]}
+                "rows": [asdict(r) for r in self.rows], "timeline": self.timeline}
 
     def to_markdown(self) -> str:
         def f(x, pct=False):
@@ -128,10 +137,12 @@ class DoctorReport:
                 f"| {r.layer} ({r.kind}) | {r.direction} | {r.collective} | {r.requested} | "
                 f"{r.mode}{f' x{r.chunks}' if r.chunks else ''} | {r.overlapped}/{r.calls} | "
                 f"{prof} | "
-                f"{f(r.wait_ms)} | {f(r.comm_ms)} | {f(r.hidden_frac, True)} | "
+                f"{f(r.wait_ms)} | {f(r.comm_ms)} | {f(r.hidden_frac, True)} {r.hidden_source} | "
                 f"{f(r.layer_ms)} | {f(r.ideal_ms)} | {f(r.gap_ms)} | "
                 f"{(r.failure or r.reason).replace('|', '/')} |")
-        lines += [""] + [f"- note: {n}" for n in self.notes]
+        lines += ["", "- hidden: share of the collective's profiled time with compute running "
+                  "alongside (trace), else 1 - wait/comm (timers); 0 for a blocking collective"]
+        lines += [f"- note: {n}" for n in self.notes]
         lines += [f"- **FAIL**: {x}" for x in self.failures] or ["- all asked-for overlaps ran"]
         return "\n".join(lines)
 
@@ -272,23 +283,38 @@ def _snapshot(layers) -> dict[tuple[str, str], dict]:
     return out
 
 
-def _profiled_collectives(prof) -> dict[tuple[str, str], dict[str, int]]:
-    """Collective ops seen by the profiler inside each layer's range, by name."""
-    ranges, colls = [], []
+def _trace(prof) -> tuple[dict, dict, list[dict]]:
+    """From the profiler: collectives per layer range by op name; (comm ms, hidden ms) per
+    layer range (comm lane events starting inside it, against all compute); the last step's
+    timeline."""
+    ranges, colls, steps = [], [], []
     for e in prof.events():
-        if e.name.startswith("doctor::"):
+        if e.name == "doctor-step":
+            steps.append((e.time_range.start, e.time_range.end))
+        elif e.name.startswith("doctor::"):
             _, name, d = e.name.rsplit("::", 2)
             ranges.append((e.time_range.start, e.time_range.end, name, d))
         elif any(k in e.name.lower() for k in _COLL_NAMES):
             colls.append((e.time_range.start, e.name))
-    out: dict[tuple[str, str], dict[str, int]] = {}
+    counts: dict[tuple[str, str], dict[str, int]] = {}
     for t, cname in colls:
         inside = [r for r in ranges if r[0] <= t <= r[1]]
         if inside:
             s, e, name, d = max(inside, key=lambda r: r[0])  # the innermost range
-            bucket = out.setdefault((name, d), {})
+            bucket = counts.setdefault((name, d), {})
             bucket[cname] = bucket.get(cname, 0) + 1
-    return out
+    ev = timeline.lanes(prof, origin=0.0)  # ms on the profiler clock
+    comm = [(x["start_ms"], x["end_ms"]) for x in ev if x["lane"] == "comm"]
+    compute = [(x["start_ms"], x["end_ms"]) for x in ev if x["lane"] == "compute"]
+    hid: dict[tuple[str, str], list[float]] = {}
+    for s, e, name, d in ranges:
+        mine = timeline.merge([iv for iv in comm if s / 1e3 <= iv[0] <= e / 1e3])
+        if mine:
+            acc = hid.setdefault((name, d), [0.0, 0.0])
+            acc[0] += sum(b - a for a, b in mine)
+            acc[1] += timeline.overlap_ms(mine, compute)
+    step_tl = timeline.lanes(prof, window=steps[-1]) if steps else []
+    return counts, hid, step_tl
 
 
 # ---------------------------------------------------------------- the collective alone
@@ -329,7 +355,7 @@ def _time_collective(coll: str, numel: int, dtype, device, group, reps: int = 9)
 # ---------------------------------------------------------------- diagnose
 
 
-def _direction(name, m, d, before, after, probe, colls) -> LayerDirection | None:
+def _direction(name, m, d, before, after, probe, traced) -> LayerDirection | None:
     c = getattr(m.overlap_stats, d)
     delta = {k: after[(name, d)][k] - before[(name, d)][k] for k in after[(name, d)]}
     calls = int(delta["calls"])
@@ -346,7 +372,11 @@ def _direction(name, m, d, before, after, probe, colls) -> LayerDirection | None
         wait_ms=delta["wait_ms"] / calls if calls and not probe.cuda else None,
         comm_ms=delta["comm_ms_est"] / calls if calls and delta["comm_ms_est"] else None,
         comm_source="auto" if calls and delta["comm_ms_est"] else "",
-        layer_ms=probe.ms(name, d), profiled_collectives=colls.get((name, d), {}))
+        layer_ms=probe.ms(name, d), profiled_collectives=traced[0].get((name, d), {}))
+    comm_hid = traced[1].get((name, d))
+    if comm_hid and comm_hid[0] > 0 and r.calls:
+        r.comm_trace_ms = comm_hid[0] / r.calls
+        r.hidden_trace = min(1.0, comm_hid[1] / comm_hid[0])
     return r
 
 
@@ -413,16 +443,17 @@ def diagnose(model: torch.nn.Module, step_fn: Callable[[], object], steps: int =
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             for _ in range(steps):
                 t0 = time.perf_counter()
-                step_fn()
-                sync()
+                with torch.profiler.record_function("doctor-step"):
+                    step_fn()
+                    sync()
                 step_ms.append((time.perf_counter() - t0) * 1e3)
     finally:
         probe.detach()
     if trace_path:
         prof.export_chrome_trace(str(trace_path))
-    after, colls = _snapshot(layers), _profiled_collectives(prof)
+    after, traced = _snapshot(layers), _trace(prof)
     rows = [r for name, m in layers for d in ("forward", "backward")
-            if (r := _direction(name, m, d, before, after, probe, colls)) is not None]
+            if (r := _direction(name, m, d, before, after, probe, traced)) is not None]
     if measure_comm:
         _measure_comm(rows, dict(layers), probe)
     for r in rows:
@@ -439,7 +470,7 @@ def diagnose(model: torch.nn.Module, step_fn: Callable[[], object], steps: int =
     if require_overlap and not layers:
         fails.append("overlap was required but the model has no overlap-capable layer")
     rep = DoctorReport(steps, statistics.median(step_ms), rows, fails, notes,
-                       str(trace_path) if trace_path else None)
+                       str(trace_path) if trace_path else None, traced[2])
     if fails and raise_on_failure:
         raise OverlapNotHappening("overlap asked for but not happening:\n  " +
                                   "\n  ".join(fails), rep)

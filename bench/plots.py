@@ -22,7 +22,7 @@ from pathlib import Path
 
 from distllm.bench.report import by_case, role_of, speedup_band
 
-__all__ = ["plot_all", "plot_speedup", "plot_timeline"]
+__all__ = ["plot_all", "plot_speedup", "plot_timeline", "plot_events"]
 
 _MAX_TIMELINES = 4
 
@@ -115,6 +115,7 @@ def _timeline_rows(rows: list[dict]) -> list[dict]:
 
 def _draw_lanes(ax, events: list[dict]) -> None:
     t0 = min(float(e["start_ms"]) for e in events)
+    span = max(float(e["end_ms"]) for e in events) - t0 or 1.0
     lanes = list(dict.fromkeys(str(e.get("lane", "?")) for e in events))
     colors = {"compute": "tab:blue", "comm": "tab:orange"}
     for y, lane in enumerate(lanes):
@@ -123,7 +124,7 @@ def _draw_lanes(ax, events: list[dict]) -> None:
             s, w = float(e["start_ms"]) - t0, float(e["end_ms"]) - float(e["start_ms"])
             ax.broken_barh([(s, w)], (y - 0.35, 0.7), facecolors=col, edgecolor="black",
                            linewidth=0.4)
-            if e.get("name"):
+            if e.get("name") and w > 0.06 * span:  # label only bars wide enough to read
                 ax.text(s + w / 2, y, str(e["name"]), ha="center", va="center", fontsize=6,
                         clip_on=True)
     ax.set_yticks(range(len(lanes)))
@@ -152,6 +153,21 @@ def plot_timeline(rows: list[dict], suite: str, out_dir: Path) -> Path | None:
     fig.savefig(p, dpi=110)
     plt.close(fig)
     return p
+
+
+def plot_events(events: list[dict], title: str, path: Path) -> Path | None:
+    """One timeline (events as in the contract above) as a PNG at ``path``."""
+    if not events:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 2.4))
+    _draw_lanes(ax, events)
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("ms from the start of the step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
 
 
 def plot_all(rows: list[dict], out_dir: Path, overlap_suites: set[str] | None = None

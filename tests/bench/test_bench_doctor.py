@@ -34,7 +34,8 @@ def _rows(rep) -> list[dict]:
     return [{k: getattr(r, k) for k in ("layer", "kind", "direction", "collective", "requested",
                                         "mode", "calls", "overlapped", "hidden_frac", "comm_ms",
                                         "wait_ms", "layer_ms", "ideal_ms", "compute_ms",
-                                        "failure", "profiled_collectives")} for r in rep.rows]
+                                        "failure", "profiled_collectives", "hidden_source",
+                                        "comm_trace_ms")} for r in rep.rows]
 
 
 def _doctor_checks() -> dict:
@@ -56,6 +57,7 @@ def _doctor_checks() -> dict:
     on = _mlp(dims, "chunked", "chunked")
     rep = diagnose(on, _stepper(on), steps=2, require_overlap=True)
     out["on_rows"], out["on_ok"], out["md"] = _rows(rep), rep.ok, rep.to_markdown()
+    out["lanes"] = sorted({e["lane"] for e in rep.timeline})
     strict = diagnose(on, _stepper(on), steps=1, min_hidden=1.01, raise_on_failure=False)
     out["strict_failures"] = strict.failures
     plain = torch.nn.Linear(8, 8)
@@ -98,12 +100,14 @@ def test_doctor_reports_overlapped_layers(doctor_results):
         assert r["requested"] == "chunked" and r["mode"] == "chunked"
         assert r["calls"] == r["overlapped"] == 2 and not r["failure"]
         assert r["comm_ms"] > 0 and r["wait_ms"] >= 0 and r["layer_ms"] > 0
-        assert 0.0 <= r["hidden_frac"] <= 1.0
+        assert 0.0 <= r["hidden_frac"] <= 1.0 and r["hidden_source"] == "trace"
+        assert r["comm_trace_ms"] > 0  # gloo's worker-thread events, seen by the profiler
         assert r["ideal_ms"] == pytest.approx(max(r["compute_ms"], r["comm_ms"]))
         # 4 chunks per call, 2 profiled steps: the profiler saw every chunk's all-reduce
         assert r["profiled_collectives"].get("c10d::allreduce_") == 8, r
     assert "| 1 (RowParallelLinear) | forward | all_reduce | chunked | chunked x4 | 2/2 |" \
         in res["md"]
+    assert res["lanes"] == ["comm", "compute"]
     assert all("hidden (asked for at least 101%)" in f for f in res["strict_failures"])
     assert len(res["strict_failures"]) == 2
     ok, failures, notes = res["bare"]
@@ -122,3 +126,15 @@ def test_doctor_cli_exit_code(tmp_path, capsys):
     md = (tmp_path / "DOCTOR.md").read_text()
     assert "**FAIL**" in md and "RowParallelLinear" in md
     assert (tmp_path / "doctor.json").is_file() and (tmp_path / "doctor_trace.json").is_file()
+    assert (tmp_path / "doctor_timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_timeline_interval_algebra():
+    from distllm.bench.timeline import hidden, merge, overlap_ms
+
+    assert merge([(3, 4), (0, 1), (0.5, 2)]) == [(0, 2), (3, 4)]
+    assert overlap_ms([(0, 2), (3, 4)], [(1, 3.5)]) == pytest.approx(1.5)
+    tl = [{"lane": "comm", "name": "ar", "start_ms": 1.0, "end_ms": 3.0},
+          {"lane": "comm", "name": "ar", "start_ms": 2.0, "end_ms": 4.0},
+          {"lane": "compute", "name": "mm", "start_ms": 0.0, "end_ms": 2.5}]
+    assert hidden(tl) == (pytest.approx(3.0), pytest.approx(1.5))
