@@ -45,14 +45,17 @@ class StepStats:
     """What the last step did on this rank.
 
     ``timeline``: ``(action, t_start, t_end)`` per compute action (``time.perf_counter``,
-    start taken once the input has arrived); ``peak_activations``: most micro-batches whose
-    activations were held at once (a chunk counts ``1/virtual_stages``);
+    start taken once the input has arrived); ``wait_s``: time blocked waiting for messages;
+    the rest of ``t_end - t_start`` outside the timeline is host overhead;
+    ``peak_activations``: most micro-batches whose activations were held at once (a chunk
+    counts ``1/virtual_stages``);
     ``peak_activation_bytes``: the most bytes autograd held saved for backward (parameters
     excluded), measured only with ``track_memory``.
     """
 
     t_start: float = 0.0
     t_end: float = 0.0
+    wait_s: float = 0.0  # blocked on receives and on the end-of-step sends
     timeline: list[tuple[Action, float, float]] = field(default_factory=list)
     peak_activations: float = 0.0
     peak_activation_bytes: int = 0
@@ -193,7 +196,9 @@ class _StepRun:
                 continue
             comm.flush()
             {F: self._forward, B: self._backward, W: self._weight}[a.kind](a)
+        t0 = time.perf_counter()
         comm.finish()
+        self.stats.wait_s += time.perf_counter() - t0
         self.stats.t_end = time.perf_counter()
         self.pp.last_stats = self.stats
         if not self.losses:
@@ -211,12 +216,18 @@ class _StepRun:
         else:
             self.pp.comm.send(key, self.to_send.pop((a.mb, a.chunk)), peer)
 
+    def _wait(self, recv: Action) -> torch.Tensor:
+        t0 = time.perf_counter()
+        key, peer = self._peer(recv)
+        out = self.pp.comm.wait(key, peer)
+        self.stats.wait_s += time.perf_counter() - t0
+        return out
+
     def _input(self, a: Action) -> torch.Tensor:
         s = self.sched.stage(self.rank, a.chunk)
         if s == 0:
             return self.mbs[a.mb]
-        key, peer = self._peer(Action(RECV_F, a.mb, a.chunk))
-        x = self.pp.comm.wait(key, peer)
+        x = self._wait(Action(RECV_F, a.mb, a.chunk))
         if self.train and x.is_floating_point():
             x.requires_grad_(True)
         return x
@@ -253,8 +264,7 @@ class _StepRun:
         s, mbc = self.sched.stage(self.rank, a.chunk), (a.mb, a.chunk)
         grad = None
         if s < self.S - 1:
-            key, peer = self._peer(Action(RECV_B, a.mb, a.chunk))
-            grad = self.pp.comm.wait(key, peer)
+            grad = self._wait(Action(RECV_B, a.mb, a.chunk))
         t0 = time.perf_counter()
         x, y = self.inputs[mbc], self.outputs[mbc]
         needs_dx = s > 0 and x.requires_grad
