@@ -5,9 +5,10 @@ Measured, one thread per rank (as ``distllm train`` runs its ranks):
     transformer-like shapes (tokens x h x 3h, tokens x h x 4h, tokens x 4h x h for the ``tiny``
     width) over that peak is ``matmul_efficiency``;
   * memory bandwidth: a large out-of-place add (3 streams);
-  * per-operator overhead: a tiny eager op;
+  * per-operator overhead: a tiny forward + backward divided by its operator count;
   * gloo links: all-reduce time over a range of sizes on 2 ranks, fitted to the ring model
-    ``2(n-1)*alpha + 2(n-1)/n * bytes * beta``, on loopback (``intra``) and on the emulated
+    ``2(n-1)*alpha + 2(n-1)/n * bytes * beta`` (4 ranks, as the ``tiny`` validation runs),
+    on loopback (``intra``) and on the emulated
     network (``inter``, when it can be built; else a copy of loopback, said in ``source``).
 """
 
@@ -65,8 +66,15 @@ def measure_memory_and_ops() -> tuple[float, float]:
     n = 1 << 24
     a, b, c = torch.ones(n), torch.ones(n), torch.empty(n)
     t = _median_time(lambda: torch.add(a, b, out=c), reps=5)
-    x, y = torch.ones(4), torch.ones(4)
-    t_op = _median_time(lambda: [x + y for _ in range(1000)], reps=5) / 1000
+    # eager + autograd overhead: a small linear -> gelu -> sum, forward and backward, is
+    # about 8 operators (addmm, gelu, sum; their 5 backward kernels)
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+
+    def tiny_step():
+        torch.nn.functional.gelu(x @ w).sum().backward()
+
+    t_op = _median_time(lambda: [tiny_step() for _ in range(200)], reps=5) / 200 / 8
     return 3 * 4 * n / t, t_op
 
 
@@ -89,19 +97,25 @@ def _ar_rank(sizes: tuple[int, ...], reps: int) -> dict:
 
 
 def fit_alpha_beta(times: dict[int, float], n: int) -> tuple[float, float]:
-    """Least-squares (alpha, beta) of ring all-reduce times ``{bytes: seconds}`` on n ranks."""
-    xs = [2 * (n - 1) / n * s for s in times]  # bytes on the wire per rank
-    ys = list(times.values())
+    """(alpha, beta) of ring all-reduce times ``{bytes: seconds}`` on n ranks, fitted by least
+    squares on the relative error (small messages weigh as much as large ones)."""
     k = 2 * (n - 1)
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
-    beta = max(beta, 1e-15)
-    alpha = max((my - beta * mx) / k, 1e-7)
+    rows = [(k / t, k / n * s / t) for s, t in times.items()]  # model/t = 1 for each point
+    saa = sum(a * a for a, _ in rows)
+    sab = sum(a * b for a, b in rows)
+    sbb = sum(b * b for _, b in rows)
+    ra, rb = sum(a for a, _ in rows), sum(b for _, b in rows)
+    det = saa * sbb - sab * sab
+    alpha = (ra * sbb - rb * sab) / det
+    beta = (saa * rb - sab * ra) / det
+    if alpha <= 0 or beta <= 0:  # degenerate: fall back to the two end points
+        (s0, t0), (s1, t1) = min(times.items()), max(times.items())
+        beta = max((t1 - t0) / (k / n * (s1 - s0)), 1e-15)
+        alpha = max((t0 - beta * k / n * s0) / k, 1e-7)
     return alpha, beta
 
 
-def measure_link(net_rate: str | None, nranks: int = 2, reps: int = 5) -> tuple[Link, str]:
+def measure_link(net_rate: str | None, nranks: int = 4, reps: int = 5) -> tuple[Link, str]:
     from distllm.testing import run_distributed
 
     if net_rate is None:
@@ -120,7 +134,9 @@ def measure_link(net_rate: str | None, nranks: int = 2, reps: int = 5) -> tuple[
     times = {s: max(r[s] for r in res) for s in AR_SIZES}
     alpha, beta = fit_alpha_beta(times, nranks)
     pts = ", ".join(f"{s >> 10} KiB: {t * 1e3:.2f} ms" for s, t in times.items())
-    return Link(1.0 / beta, alpha, 1.0, 0.0, f"measured: {where} ({pts}); ring fit"), ""
+    return Link(
+        1.0 / beta, alpha, 1.0, 0.0, f"measured: {where} ({pts}); ring fit on relative error"
+    ), ""
 
 
 def calibrate(net_rate: str | None = "1gbit", ranks: int = 4) -> Profile:

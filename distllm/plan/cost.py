@@ -92,7 +92,7 @@ class Estimate:
     def as_dict(self) -> dict:
         d = self.layout._asdict()
         d.update(
-            memory_gb={k: round(v / GB, 4) for k, v in self.memory.items()},
+            memory_gb={k: round(v / GB, 6) for k, v in self.memory.items()},
             step_time_s=None if math.isinf(self.step_time_s) else self.step_time_s,
             mfu=self.mfu if self.step_time_s < math.inf else None,
             time_s=self.time or None,

@@ -1,0 +1,268 @@
+"""The planner: ZeRO paper table, Megatron activation formulas, pipeline closed forms against
+the schedule replay, published layouts, search speed, CLI output and bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+
+from distllm.cli import main
+from distllm.plan import CostModel, Layout, ModelShape, best_layout, load_profile, preset, search
+from distllm.plan.bubble import in_flight, pipeline_time, simulator_or_none
+from distllm.plan.cost import collective_time
+from distllm.plan.hardware import Link
+from distllm.plan.search import model_states_table
+
+GB = 1e9
+
+
+def test_zero_paper_table():
+    # Rajbhandari et al. 2020 (ZeRO), Figure 1 / Table 1: Psi = 7.5B, N_d = 64, K = 12
+    want = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
+    for est in model_states_table(7.5e9, 64, profile="a100-80gb"):
+        got = est.memory["total"] / GB
+        assert got == pytest.approx(want[est.layout.zero], rel=0.02), est.layout
+    rows = model_states_table(7.5e9, 64)
+    assert rows[0].rejected_reason == "needs 120.0 GB of the 80 GB (73.6 GB usable)"
+    assert all(r.rejected_reason is None for r in rows[1:])
+
+
+def test_cli_params_json_explain(capsys):
+    assert (
+        main(
+            [
+                "plan",
+                "--params",
+                "7.5e9",
+                "--gpus",
+                "64",
+                "--tp",
+                "1",
+                "--pp",
+                "1",
+                "--json",
+                "--explain",
+            ]
+        )
+        == 0
+    )
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["zero"] for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        for key in (
+            "tp",
+            "pp",
+            "dp",
+            "zero",
+            "schedule",
+            "micro_batches",
+            "checkpointing",
+            "memory_gb",
+            "step_time_s",
+            "mfu",
+            "rejected_reason",
+        ):
+            assert key in r
+        assert set(r["memory_gb"]) == {"params", "grads", "optimizer", "activations", "total"}
+        assert (r["tp"], r["pp"], r["dp"]) == (1, 1, 64)
+    assert [round(r["memory_gb"]["total"], 1) for r in rows] == [120.0, 31.4, 16.6, 1.9]
+    assert rows[2]["memory_gb"]["grads"] == pytest.approx(2 * 7.5 / 64, rel=1e-6)
+
+
+def _megatron(shape: ModelShape, b: int, t: int, sp: bool, ckpt: str) -> float:
+    """Korthikanti et al. 2022, Table 2: activation bytes per layer (16-bit, dropout)."""
+    s, h, a = shape.seq_len, shape.hidden, shape.heads
+    sbh = s * b * h
+    if ckpt == "full":
+        return 2 * sbh / (t if sp else 1)
+    core = 0 if ckpt == "selective" else 5 * a * s / h
+    if sp:
+        return sbh / t * (34 + core)
+    return sbh * (10 + 24 / t + core / t)
+
+
+@pytest.mark.parametrize(
+    "t,sp,ckpt",
+    [
+        (1, False, "none"),
+        (8, False, "none"),
+        (8, True, "none"),
+        (8, True, "selective"),
+        (4, False, "selective"),
+        (8, False, "full"),
+        (8, True, "full"),
+    ],
+)
+def test_activations_match_megatron_formulas(t, sp, ckpt):
+    shape = preset("gpt3-175b")  # dropout on, GPT MLP (f = 4h), no GQA
+    cm = CostModel(
+        shape, load_profile("a100-80gb"), 1024, 8, dtype="bfloat16", flash_attention=False
+    )
+    for b in (1, 3):
+        got = cm.layer_activation_bytes(b, t, sp, ckpt)
+        assert got == pytest.approx(_megatron(shape, b, t, sp, ckpt), rel=1e-12)
+
+
+def test_pipeline_closed_forms_against_the_schedule_replay():
+    sim = simulator_or_none()
+    assert sim is not None, "distllm.parallel.pipeline schedules/simulate should import"
+    for p in (2, 3, 4):
+        for m in (p, 2 * p, 2 * p + 1):
+            for sch in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b"):
+                v = 2 if sch == "interleaved-1f1b" else 1
+                if sch == "interleaved-1f1b" and m % p:
+                    continue
+                tf, tb, tw = [1.0] * p, [2.0] * p, [1.0] * p
+                closed = pipeline_time(sch, p, m, v, tf, tb, tw, 0.0)
+                replay = pipeline_time(sch, p, m, v, tf, tb, tw, 0.0, simulator=sim)
+                assert closed == pytest.approx(replay, rel=0.08), (sch, p, m)
+                if sch in ("gpipe", "1f1b"):  # (m + p - 1)(t_f + t_b) exactly
+                    assert closed == pytest.approx((m + p - 1) * 3.0, rel=1e-12)
+    assert in_flight("1f1b", 4, 8) == [4, 3, 2, 1]
+    assert in_flight("gpipe", 4, 8) == [8] * 4
+    assert in_flight("interleaved-1f1b", 4, 8, 2)[0] == pytest.approx(4 + 3 / 2)
+
+
+def test_collective_alpha_beta():
+    link = Link(bandwidth=1e9, latency=1e-5)
+    n, nbytes = 8, 8e8
+    ring = 2 * (n - 1) * 1e-5 + 2 * (n - 1) / n * nbytes / 1e9
+    assert collective_time("all_reduce", nbytes, n, link) == pytest.approx(ring)
+    assert collective_time("reduce_scatter", nbytes, n, link) == pytest.approx(ring / 2)
+    small = collective_time("all_reduce", 8, 1024, link)  # latency-bound: the tree wins
+    assert small == pytest.approx(2 * 10 * 1e-5 + 16 / 1e9)
+    assert collective_time("all_reduce", nbytes, 1, link) == 0.0
+
+
+def test_gpt3_175b_on_1024_a100():
+    """Narayanan et al. 2021 (Megatron-LM, arXiv:2104.04473) Table 1: GPT-3 175B on 1024
+    A100-80GB, batch 1536: tp=8 (inside the node), pp=16, interleaved schedule, no ZeRO,
+    140 TFLOP/s per GPU = 45% of peak counting the recomputation's FLOPs."""
+    shape = preset("gpt3-175b")
+    t0 = time.perf_counter()
+    res = search(shape, 1024, 8, "a100-80gb")
+    assert time.perf_counter() - t0 < 10.0  # the issue's bound for a 1024-device search
+    assert res.best.layout.tp == 8
+    # the paper's setting (no ZeRO): tp inside the node, pp across nodes, bubble-reducing schedule
+    paper = search(shape, 1024, 8, "a100-80gb", pins={"zero": 0}).best.layout
+    assert paper.tp == 8 and paper.pp > 1, paper
+    assert paper.schedule in ("interleaved-1f1b", "zb-h1"), paper
+    # its published layout and its throughput: predicted within 25% of the published 45%
+    pinned = {
+        "zero": 0,
+        "tp": 8,
+        "pp": 16,
+        "schedule": "interleaved-1f1b",
+        "checkpointing": "full",
+        "sequence_parallel": False,
+    }
+    est = search(shape, 1024, 8, "a100-80gb", pins=pinned).best
+    hfu = est.mfu * 4 / 3  # the paper counts the full recomputation's forward too
+    assert hfu == pytest.approx(0.45, rel=0.25), hfu
+    assert est.memory["total"] < 80 * GB
+
+
+def test_small_model_is_data_parallel():
+    # Narayanan et al. 2021 Table 1: the 1.7B model on 32 GPUs runs tp=1, pp=1 (pure DP)
+    lay, why = best_layout(preset("gpt-1.7b"), 32, 8, "a100-80gb")
+    assert (lay.tp, lay.pp, lay.dp) == (1, 1, 32), why
+    assert "chose tp1.pp1.dp32" in why
+
+
+def test_explain_lists_rejections(capsys):
+    rc = main(
+        [
+            "plan",
+            "--model",
+            "gpt3-175b",
+            "--gpus",
+            "1024",
+            "--gpu",
+            "a100-80gb",
+            "--pp",
+            "1",
+            "--zero",
+            "0",
+            "--top",
+            "2",
+            "--explain",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 2 or rc == 0
+    assert "tp=16 crosses the node boundary (8 GPUs per node)" in out
+    assert re_search(r"needs \d+\.\d GB of the 80 GB", out)
+
+
+def re_search(pattern: str, text: str) -> bool:
+    import re
+
+    return re.search(pattern, text) is not None
+
+
+def test_tiny_on_this_machine_and_json(capsys):
+    lay, why = best_layout("tiny", 4, 4, "cpu")
+    assert lay.tp * lay.pp * lay.dp == 4 and why.startswith("chose ")
+    assert (
+        main(["plan", "--model", "tiny", "--gpus", "4", "--gpu", "cpu", "--json", "--top", "3"])
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["ranked"]) == 3
+    times = [r["step_time_s"] for r in out["ranked"]]
+    assert times == sorted(times) and all(t > 0 for t in times)
+    assert all(0 < r["mfu"] <= 1 for r in out["ranked"])
+
+
+def test_memory_and_time_are_monotone():
+    shape, prof = preset("llama2-7b"), load_profile("h100")
+    cm = CostModel(shape, prof, 64, 8)
+    base = Layout(2, 1, 32, 0, "none", 4, "none", False, 1)
+    m0 = cm.memory(base)["total"]
+    assert cm.memory(base._replace(zero=3))["total"] < m0
+    assert (
+        cm.memory(base._replace(checkpointing="full"))["activations"]
+        < cm.memory(base)["activations"]
+    )
+    assert cm.memory(base._replace(micro_batches=8))["activations"] < cm.memory(base)["activations"]
+    t_full = cm.step_time(base._replace(checkpointing="full"))[0]
+    assert t_full > cm.step_time(base)[0]
+    assert shape.params() == pytest.approx(6.74e9, rel=0.01)  # Llama 2 7B
+    assert preset("llama2-70b").params() == pytest.approx(69.0e9, rel=0.01)
+    assert preset("gpt3-175b").params() == pytest.approx(175e9, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "argv,knob",
+    [
+        (["--model", "nope"], "unknown model preset"),
+        (["--model", "tiny", "--gpu", "tpu9"], "--gpu"),
+        (
+            ["--layers", "2", "--hidden", "100", "--heads", "7", "--vocab", "9", "--seq-len", "8"],
+            "--heads",
+        ),
+        (["--hidden", "64"], "--layers"),
+        (["--model", "gpt3-175b", "--gpus", "1024", "--tp", "16"], "tp=16 crosses the node"),
+        (["--model", "tiny", "--gpus", "12", "--gpus-per-node", "8"], "--gpus-per-node"),
+        (["--params", "-3"], "--params"),
+        (["--model", "tiny", "--top", "0"], "--top"),
+        (["--model", "tiny", "--tp", "0"], "--tp"),
+        (["--model", "tiny", "--dtype", "int8"], "--dtype"),
+    ],
+)
+def test_bad_input_names_the_knob(argv, knob, capsys):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert knob in err and err.count("\n") == 1, err
+
+
+def test_profiles_carry_sources():
+    for name in ("a100-80gb", "h100", "h200", "cpu"):
+        prof = load_profile(name)
+        assert prof.source, name
+        assert all(link.source for link in prof.links.values()), name
+        assert prof.flops("bfloat16") > 0 and math.isfinite(prof.memory_bytes)
+    assert load_profile("a100-80gb").flops("bf16") == 312e12
