@@ -126,7 +126,35 @@ def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
     v["sequential"] = lambda: run_engine(ekind, a, mm, n_out, comm, 0, then)
     for c in ((1,) if kind == "bwd" else ()) + CHUNKS:
         v[f"chunked{c}"] = lambda c=c: run_engine(ekind, a, mm, n_out, comm, c, then)
-    return v, stats_of
+    return v, stats_of, (ekind, a, mm, n_out, then)
+
+
+def _timeline(comm, engine_args, chunks: int) -> list[dict]:
+    """One traced run of the engine: GEMM pieces on lane ``compute``, collectives (launch to
+    completion, as gloo reports it) on lane ``comm``; ms from the start."""
+    from distllm.comm.overlap import run_engine
+
+    ekind, a, mm, n_out, then = engine_args
+    spans: list[tuple[str, str, float, float]] = []
+
+    def traced(name, fn):
+        def call(*args):
+            t0 = time.perf_counter()
+            r = fn(*args)
+            spans.append(("compute", name, t0, time.perf_counter()))
+            return r
+        return call
+
+    comm.trace = []
+    dist.barrier(group=comm.group)
+    start = time.perf_counter()
+    run_engine(ekind, a, traced("gemm", mm), n_out, comm, chunks,
+               traced("wgrad", then) if then else None)
+    time.sleep(0.01)  # let gloo's completion callbacks land
+    spans += [("comm", op, t0, t1) for op, t0, t1 in comm.trace if t1 is not None]
+    comm.trace = None
+    return [{"lane": lane, "name": n, "start_ms": (t0 - start) * 1e3,
+             "end_ms": (t1 - start) * 1e3} for lane, n, t0, t1 in spans]
 
 
 def _rank(kind: str, shapes, reps: int, warmup: int, dtype_name: str):
@@ -138,10 +166,13 @@ def _rank(kind: str, shapes, reps: int, warmup: int, dtype_name: str):
     dtype = getattr(torch, dtype_name)
     out = []
     for shape in shapes:
-        v, st = _variants(kind, shape, dims, comm, dtype)
+        v, st, engine_args = _variants(kind, shape, dims, comm, dtype)
         res = interleaved(v, warmup=warmup, reps=reps, timer=_max_timer(dims.tp_group),
                           before_each=lambda: dist.barrier(group=dims.tp_group))
         info = st.as_dict() if hasattr(st, "as_dict") else {}
+        best = min((n for n in res if n.startswith("chunked")), key=lambda n: res[n].median_ms)
+        info["timelines"] = {"sequential": _timeline(comm, engine_args, 0),
+                             best: _timeline(comm, engine_args, int(best[len("chunked"):]))}
         out.append((shape, res, info))
     return out
 
@@ -168,6 +199,8 @@ def _case_rows(suite: str, kind: str, shape, res: dict[str, Stats], info: dict, 
             if name == "auto":
                 d = info.get("forward" if kind != "bwd" else "backward", {})
                 extra.update(auto_chunks=d.get("chunks"), auto_reason=d.get("reason"))
+        if name in info.get("timelines", {}):
+            extra["timeline"] = info["timelines"][name]
         hid = (t_seq - st.median_ms) / t_comm if extra["role"] == "fused" and t_comm else None
         rows.append(row(suite, case, name, st, flops=2.0 * m * k * n, hidden_frac=hid,
                         speedup_vs_unfused=t_seq / st.median_ms, **common, **extra))

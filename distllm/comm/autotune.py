@@ -86,7 +86,7 @@ def _measure(run: Callable[[CommContext, int], object], comm: CommContext, rows:
 
 
 def choose(key: tuple, run: Callable[[CommContext, int], object], comm: CommContext, rows: int,
-           cuda: bool, what: str, chunks_hint: int = 4, reps: int = 3,
+           cuda: bool, what: str, chunks_hint: int = 4, reps: int = 5,
            margin: float = 0.03) -> Choice:
     """The cached :class:`Choice` for ``key``; measured on first use.
 

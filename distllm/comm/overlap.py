@@ -137,12 +137,12 @@ def chunk_bounds(n: int, chunks: int) -> list[tuple[int, int]]:
 
 
 class _Handle:
-    def __init__(self, work=None, event=None):
-        self.work, self.event = work, event
+    def __init__(self, work=None, event=None, device=None):
+        self.work, self.event, self.device = work, event, device
 
     def wait(self) -> None:
-        if self.event is not None:
-            torch.cuda.current_stream(self.event.device).wait_event(self.event)
+        if self.event is not None:  # the compute stream waits; the host does not
+            torch.cuda.current_stream(self.device).wait_event(self.event)
         elif self.work is not None:
             self.work.wait()
 
@@ -159,6 +159,7 @@ class CommContext:
         self.ranks = tuple(dist.get_process_group_ranks(group))
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.wait_ms = 0.0  # accumulated by wait(); read and reset by the caller
+        self.trace: list | None = None  # a list: CPU collectives append (op, start, end)
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
@@ -178,10 +179,14 @@ class CommContext:
         """Start ``op`` (``all_reduce`` in place on ``out``; ``all_gather`` / ``reduce_scatter``
         from ``inp`` into ``out``) without waiting for it."""
         if not out.is_cuda:
-            return _Handle(work=self._issue(op, out, inp, async_op=True))
+            t0 = time.perf_counter()
+            work = self._issue(op, out, inp, async_op=True)
+            if self.trace is not None and work is not None:
+                self._trace_done(work, op, t0)
+            return _Handle(work=work)
         comm = self._stream(out.device)
         ready = torch.cuda.Event()
-        ready.record()  # after the chunk's GEMM on the compute stream
+        ready.record(torch.cuda.current_stream(out.device))  # after the chunk's GEMM
         comm.wait_event(ready)
         with torch.cuda.stream(comm):
             self._issue(op, out, inp, async_op=False)  # enqueued on comm; host does not block
@@ -190,7 +195,19 @@ class CommContext:
         for t in (out, inp):
             if t is not None:
                 t.record_stream(comm)
-        return _Handle(event=done)
+        return _Handle(event=done, device=out.device)
+
+    def _trace_done(self, work, op: str, t0: float) -> None:
+        """Append ``(op, start_s, end_s)`` to ``trace`` when gloo completes ``work``."""
+        trace = self.trace
+
+        def done(_fut) -> None:
+            trace.append((op, t0, time.perf_counter()))
+
+        try:
+            work.get_future().add_done_callback(done)
+        except (RuntimeError, AttributeError):  # a backend without futures: end unknown
+            trace.append((op, t0, None))
 
     def wait(self, h: _Handle) -> None:
         t0 = time.perf_counter()
@@ -201,7 +218,10 @@ class CommContext:
         """Blocking collective (the sequential schedule)."""
         t0 = time.perf_counter()
         self._issue(op, out, inp, async_op=False)
-        self.wait_ms += (time.perf_counter() - t0) * 1e3
+        t1 = time.perf_counter()
+        self.wait_ms += (t1 - t0) * 1e3
+        if self.trace is not None:
+            self.trace.append((op, t0, t1))
 
 
 class NullComm(CommContext):
@@ -211,6 +231,7 @@ class NullComm(CommContext):
     def __init__(self, like: CommContext):  # noqa: D107 - no group needed
         self.group, self.world, self.rank = like.group, like.world, like.rank
         self.backend, self.ranks, self._streams, self.wait_ms = like.backend, like.ranks, {}, 0.0
+        self.trace = None
 
     def _issue(self, op, out, inp, async_op):
         if op == "all_gather":
