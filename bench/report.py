@@ -104,9 +104,10 @@ def _auto_note(rows: list[dict], base: dict | None) -> str:
     if auto is None or base is None or auto is base:
         return ""
     lo, mid, hi = speedup_band(base, auto)
+    b = base["variant"]
     if hi < 1.0:
-        return f"; auto is {1 / mid:.2f}x slower than unfused (a miss)"
-    return f"; auto runs at {mid:.2f}x of unfused"
+        return f"; auto is {1 / mid:.2f}x slower than {b} (a miss)"
+    return f"; auto runs at {mid:.2f}x of {b}"
 
 
 def verdict(rows: list[dict]) -> str:
@@ -127,13 +128,13 @@ def verdict(rows: list[dict]) -> str:
     if fused is None:
         return f"no fused variant ran here ({'; '.join(str(r.get('reason')) for r in bad) or '-'})"
     lo, mid, hi = speedup_band(base, fused)
-    name, note = fused["variant"], _auto_note(rows, base)
+    name, note, b = fused["variant"], _auto_note(rows, base), base["variant"]
     if lo > 1.0:
-        line = f"{name} wins by {mid:.2f}x — use it"
+        line = f"{name} wins by {mid:.2f}x over {b} — use it"
     elif hi < 1.0:
-        line = f"{name} loses ({mid:.2f}x, {1 / mid:.2f}x slower) — keep unfused"
+        line = f"{name} loses ({mid:.2f}x, {1 / mid:.2f}x slower than {b}) — keep {b}"
     else:
-        line = f"no gain here ({mid:.2f}x, within the spread) — unfused is as good"
+        line = f"no gain here ({name} {mid:.2f}x, within the spread) — {b} is as good"
     peer = _best(rows, "peer")
     if peer is not None:
         plo, pmid, phi = speedup_band(peer, fused)
@@ -153,8 +154,9 @@ def _cells(r: dict) -> list[str]:
     status = r.get("status") or ""
     if status != "ok":
         status = _why(r)[:160]
-    sp = r.get("speedup_vs_unfused")
-    spp = extra.get("speedup_vs_peer")
+    part = role_of(r) == "part"  # a component timed alone: no speed-up to claim
+    sp = None if part else r.get("speedup_vs_unfused")
+    spp = None if part else extra.get("speedup_vs_peer")
     return [str(r.get("case")), str(r.get("variant")), role_of(r), _fmt(r.get("ms")), band,
             _fmt(r.get("tflops")), _fmt(r.get("gbps")),
             f"{100 * hid:.0f}%" if isinstance(hid, int | float) else "",

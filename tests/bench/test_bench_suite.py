@@ -132,11 +132,13 @@ def test_roles_and_verdicts():
          "unfused", "fused", "-"]
     assert report.role_of({"variant": "x", "extra": {"role": "peer"}}) == "peer"
     win = report.annotate([_r("unfused", 13.1), _r("fused", 10.0), _r("torch", 12.0)])
-    assert report.verdict(win).startswith("fused wins by 1.31x — use it; ahead of torch")
-    lose = [_r("unfused", 10.0), _r("fused", 12.0)]
-    assert "loses" in report.verdict(lose) and "keep unfused" in report.verdict(lose)
+    assert report.verdict(win).startswith(
+        "fused wins by 1.31x over unfused — use it; ahead of torch")
+    lose = [_r("sequential", 10.0), _r("chunked4", 12.0)]
+    assert report.verdict(lose) == \
+        "chunked4 loses (0.83x, 1.20x slower than sequential) — keep sequential"
     tie = [_r("unfused", 10.0, 0.2), _r("fused", 9.8, 0.2), _r("auto", 10.0, 0.2)]
-    assert report.verdict(tie).startswith("no gain here")
+    assert report.verdict(tie).startswith("no gain here (fused 1.02x, within the spread)")
     assert "auto runs at 1.00x of unfused" in report.verdict(tie)
     sched = [_r("gpipe", 10.0), _r("1f1b", 8.0)]
     assert report.verdict(sched).startswith("fastest: 1f1b (1.25x over gpipe")
