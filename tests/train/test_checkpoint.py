@@ -1,0 +1,111 @@
+"""Checkpoints: resharding across layouts, atomic saves, kill + resume, a dead rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from distllm.testing import run_distributed
+from distllm.train import checkpoint
+from tests.train._util import train_many
+
+TOL = 1e-9  # float64 (see test_parity)
+
+
+def _close(a: list[float], b: list[float]) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert abs(x - y) <= TOL * max(1.0, abs(y)), f"step {i + 1}: {x} vs {y}"
+
+
+def test_cross_layout_resume(corpus, reference, tmp_path):
+    """tp2.pp2 (DDP) -> tp1.pp1.dp4 (ZeRO-2) -> tp4: the losses go on matching."""
+    out = tmp_path / "ckpt"
+    # an incomplete save (no meta.json) and a crashed one (temp dir) must be ignored
+    (out / "checkpoints" / "step_00000009").mkdir(parents=True)
+    (out / "checkpoints" / ".tmp-step_00000010").mkdir()
+    runs = [
+        dict(tp=2, pp=2, m=2, steps=6, stop_after=2, out=str(out)),
+        dict(dp=4, zero=2, steps=6, stop_after=4, resume=True, out=str(out)),
+        dict(tp=4, steps=6, resume=True, out=str(out)),
+    ]
+    res = run_distributed(train_many, 4, runs, corpus, str(tmp_path), timeout=600)[0]
+    assert [len(r) for r in res] == [2, 2, 2]
+    _close(res[0] + res[1] + res[2], reference)
+    assert checkpoint.latest(out).name == "step_00000004"
+    meta = json.loads((checkpoint.latest(out) / "meta.json").read_text())
+    assert meta["layout"]["zero"] == 2 and meta["data"]["index"] == 4 * 8
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(d.name))
+    return kids
+
+
+def _train_cmd(corpus: str, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "distllm", "train", "--nproc", "2", "--pp", "2",
+            "--micro-batches", "2", "--model", "tiny", "--seq-len", "32", "--global-batch", "8",
+            "--steps", "60", "--seed", "7", "--dtype", "float64", "--data", corpus,
+            "--out", str(out), "--no-progress", "--eval-batches", "0", "--overlap", "none",
+            "--timeout", "60", *extra]
+
+
+def _workers(launcher: int) -> list[int]:
+    torchrun = _children(launcher)
+    return [w for t in torchrun for w in _children(t)]
+
+
+def test_kill_and_resume(corpus, tmp_path):
+    """A rank killed mid-run ends the job quickly with a clear message; resuming from the
+    last checkpoint reproduces the uninterrupted losses exactly (float64)."""
+    ref = run_distributed(train_many, 1, [dict(steps=60, stop_after=6)], corpus,
+                          str(tmp_path / "ref"), timeout=300)[0][0]
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(_train_cmd(corpus, out, "--save-every", "3", "--no-save"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while checkpoint.latest(out) is None:
+            assert proc.poll() is None, proc.communicate()
+            assert time.time() < deadline, "no checkpoint appeared"
+            time.sleep(0.02)
+        workers = _workers(proc.pid)
+        assert workers, "no rank processes found"
+        t_kill = time.time()
+        os.kill(workers[-1], signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+        took = time.time() - t_kill
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0
+    assert took < 60, f"the job took {took:.0f} s to end after a rank died"
+    assert "distllm train: error: a rank failed" in err.splitlines()[-1]
+    # resume from step 3 exactly (a later save, if the run got that far, is set aside)
+    for d in (out / "checkpoints").iterdir():
+        if d.name != "step_00000003":
+            d.rename(tmp_path / d.name)
+    done = subprocess.run(_train_cmd(corpus, out, "--resume", "--stop-after", "6"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from step 3" in done.stderr
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
+    assert {"step", "loss", "tokens_per_s", "lr", "grad_norm", "mfu"} <= set(lines[0])
+    _close([x["loss"] for x in lines], ref)
