@@ -224,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
     report.write_report(rows, data["machine"], out, meta,
                         {n: SUITES[n].title for n in names}, pngs)
     print(_stdout_tables(rows))
+    print("## Summary\n\n" + report.summary_table(rows) + "\n")
     print(f"wrote {out}/: results.json results.csv REPORT.md "
           + " ".join(p for ps in pngs.values() for p in ps))
     return _compare(args, rows, data["machine"], out) if args.compare else 0

@@ -26,7 +26,7 @@ from typing import Any
 from distllm.bench.harness import _fmt
 
 __all__ = ["role_of", "annotate", "verdict", "suite_table", "write_report", "by_case",
-           "speedup_band", "not_measured"]
+           "speedup_band", "not_measured", "summary_table"]
 
 _IDEAL = ("ideal",)
 _PART = ("_only", "_alone", "alone", "part:")
@@ -196,6 +196,26 @@ def suite_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary_table(rows: list[dict]) -> str:
+    """One line per case over all suites: baseline, best contender, speed-up with its
+    p10..p90 band, hidden share, and the verdict (what the README quotes)."""
+    lines = ["| suite | case | baseline ms | best | its ms | speed-up (band) | hidden | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (suite, case), crows in by_case(rows).items():
+        base, best = _best(crows, "unfused"), _best(crows, "fused")
+        if best is None:
+            continue
+        sp, hid = "", best.get("hidden_frac")
+        if base is not None:
+            lo, mid, hi = speedup_band(base, best)
+            sp = f"{mid:.2f}x ({lo:.2f}..{hi:.2f})"
+        b = f"{_fmt(base['ms'])} ({base['variant']})" if base else ""
+        h = f"{100 * hid:.0f}%" if isinstance(hid, int | float) else ""
+        lines.append(f"| {suite} | {case} | {b} | {best['variant']} | {_fmt(best['ms'])} | "
+                     f"{sp} | {h} | {verdict(crows)} |")
+    return "\n".join(lines)
+
+
 def _header(machine: dict[str, Any], meta: dict[str, Any]) -> list[str]:
     m = machine
     out = ["# distllm bench report", ""]
@@ -217,7 +237,7 @@ def write_report(rows: list[dict], machine: dict[str, Any], out_dir: Path,
                  plots: dict[str, list[str]] | None = None) -> Path:
     """Write ``out_dir/REPORT.md`` and return its path. ``plots`` maps suite -> PNG names."""
     meta, titles, plots = meta or {}, titles or {}, plots or {}
-    lines = _header(machine, meta)
+    lines = _header(machine, meta) + ["## Summary", "", summary_table(rows), ""]
     suites = list(OrderedDict.fromkeys(r["suite"] for r in rows))
     for s in suites:
         srows = [r for r in rows if r["suite"] == s]

@@ -90,6 +90,7 @@ def test_quick_run_writes_every_file(registry, tmp_path, capsys):
         assert f"## {n}" in md
     assert "fused wins by" in md and "use it" in md  # 2 ms against 20 ms: beyond any spread
     assert "ahead of torch_peer" in md
+    assert "## Summary" in md and "| fake | 16,32,24 | " in md
     assert "needs a CUDA device" in md and "synthetic failure" in md
     for png in ["fake_speedup.png", "fake_timeline.png", "linear_gelu_speedup.png"]:
         assert (out / png).read_bytes()[:8] == PNG_MAGIC, png
