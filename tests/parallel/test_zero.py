@@ -86,9 +86,10 @@ def _run_case(dims, stage: int, opt_cls, opt_kw: dict, *, use_groups: bool, clip
     from distllm.parallel import ZeroOptimizer
 
     model, ref = make(), make()
-    if stage == 3:  # the module is needed; groups go by keyword
+    if stage in (1, 3):  # the module (ZeRO-1: gathers overlap forward); groups by keyword
         z = ZeroOptimizer(model, opt_cls, stage=stage, dims=dims, prefetch=prefetch,
-                          param_groups=groups_of(model) if use_groups else None, **opt_kw)
+                          param_groups=groups_of(model) if use_groups else None,
+                          bucket_cap_mb=0.002, **opt_kw)
     else:
         z = ZeroOptimizer(groups_of(model, named=True) if use_groups else model, opt_cls,
                           stage=stage, dims=dims, bucket_cap_mb=0.002, **opt_kw)

@@ -134,6 +134,10 @@ class ZeroOptimizer:
             :meth:`scale_loss`; gradients are unscaled before clipping and stepping.
         param_groups: with a module: optimizer param groups (dicts with ``params`` and
             options) of that module's parameters, e.g. to exempt biases from weight decay.
+        overlap_param_gather: stages 1-2 with a module: launch the all-gather of the updated
+            parameters at the end of ``step`` and wait for each bucket in a forward pre-hook
+            of the modules owning its parameters (code reading a parameter outside its
+            module's forward calls :meth:`wait_params` first). Without a module: waited at once.
         finish_on_backward_end: see the module docstring.
     """
 
@@ -141,7 +145,7 @@ class ZeroOptimizer:
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  bucket_cap_mb: float = 25.0, prefetch: bool = True,
                  units: list[nn.Module] | None = None, loss_scale: float | str | None = None,
-                 param_groups: list[dict] | None = None,
+                 param_groups: list[dict] | None = None, overlap_param_gather: bool = True,
                  finish_on_backward_end: bool = True, **optim_kwargs: Any) -> None:
         _check_args(stage, optimizer_cls)
         module, groups, self.names = _param_groups(module_or_params, param_groups)
@@ -162,6 +166,7 @@ class ZeroOptimizer:
         self.master_dtype = torch.float32 if self.mixed else self.param_dtype
         self.reduce_dtype = reduce_dtype or self.master_dtype
         self._build(groups, units, bucket_cap_mb, prefetch, finish_on_backward_end)
+        self._install_gather_hooks(overlap_param_gather)
         self.optimizer = optimizer_cls(
             [{"params": [self.masters[i] for i in idx], **opts}
              for idx, (_, opts) in zip(self._group_buckets, groups, strict=True) if idx],
@@ -235,6 +240,7 @@ class ZeroOptimizer:
 
     def finish_grad_sync(self) -> None:
         """Launch every bucket not launched yet, wait for all reductions (idempotent)."""
+        self.wait_params()
         self.reducer.finish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -343,8 +349,10 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def _publish(self) -> None:
-        """Write the updated masters into the compute parameters (all-gather for 1 and 2)."""
-        works = []
+        """Write the updated masters into the compute parameters. Stages 1 and 2 all-gather
+        the shards; with a module (``overlap_param_gather``) the gathers are only launched
+        here and each is waited for by a forward pre-hook of the modules whose parameters
+        are in that bucket, so they overlap the optimizer step's tail and the next forward."""
         for i, m in enumerate(self.masters):
             if self.sharded is not None:
                 if self.mixed:
@@ -356,9 +364,39 @@ class ZeroOptimizer:
                     flat.copy_(m)
                 continue
             src = m.to(self.param_dtype) if self.mixed else m  # non-mixed: in place
-            works.append(all_gather_flat(flat, src, self.group, async_op=True))
-        for w in works:
-            w.wait()
+            work = all_gather_flat(flat, src, self.group, async_op=True)
+            self._gathers[i] = (work, src)
+        if not self._gather_hooks:
+            self.wait_params()
+
+    def wait_params(self) -> None:
+        """Wait for the parameter all-gathers launched by the last ``step`` (stages 1-2).
+        Needed only to read a parameter outside the forward of the module that owns it."""
+        for i in list(self._gathers):
+            self._wait_gather(i)
+
+    def _wait_gather(self, i: int) -> None:
+        pending = self._gathers.pop(i, None)
+        if pending is not None:
+            pending[0].wait()
+
+    def _install_gather_hooks(self, enabled: bool) -> None:
+        self._gathers: dict[int, tuple[Any, Tensor]] = {}
+        self._gather_hooks = []
+        if not enabled or self.module is None or self.stage not in (1, 2) or self.nranks == 1:
+            return
+        where = {p: b.index for b in self.reducer.buckets for p in b.params}
+        for mod in self.module.modules():
+            idx = sorted({where[p] for p in mod.parameters(recurse=False) if p in where})
+            if idx:
+                self._gather_hooks.append(mod.register_forward_pre_hook(self._waiter(idx)))
+
+    def _waiter(self, idx: list[int]):
+        def hook(_mod, _args) -> None:
+            for i in idx:
+                self._wait_gather(i)
+
+        return hook
 
     # --- state ---------------------------------------------------------------------------
     @property
@@ -368,15 +406,19 @@ class ZeroOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """Full tensors per parameter name (collective over DP: every rank must call it)."""
+        self.wait_params()
         return gather_state(self)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Load a :meth:`state_dict` (saved with any DP size)."""
+        self.wait_params()
         load_state(self, sd)
+        self.wait_params()
 
     def memory_report(self):
         from distllm.parallel.data.memory import memory_report
 
+        self.wait_params()
         return memory_report(self)
 
     def __repr__(self) -> str:

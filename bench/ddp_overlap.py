@@ -1,0 +1,394 @@
+"""Benchmark: data-parallel training steps, gradient reduction overlapped with backward.
+
+2 gloo ranks (1 thread each) train a GPT-like stack (pre-LN blocks: attention + 4h MLP,
+fp32, AdamW) on random activations; each timed call is one whole step (zero_grad, forward,
+backward, gradient sync, optimizer step), the time being the max over ranks. Variants,
+interleaved in one run at the same bucket size (25 MB unless swept):
+
+suite ``ddp``:
+- ``distllm_ddp``: :class:`distllm.parallel.DistributedDataParallel` (buckets all-reduced
+  from post-accumulate-grad hooks during backward);
+- ``torch_ddp``: ``torch.nn.parallel.DistributedDataParallel`` (default settings);
+- ``no_overlap``: backward, then one all-reduce of all gradients (flattened), then step;
+- parts, timed alone: ``fwd_alone``, ``fwd_bwd_alone`` (no communication), ``comm_alone``
+  (the bucketed all-reduce of the gradients), ``opt_alone`` (the AdamW step);
+- ``ideal``: ``fwd + max(bwd, comm) + opt`` from the parts' medians (a bound, not timed);
+- ``ddp_cap<MB>``: distllm DDP at other bucket sizes (the sweep), with ``torch_ddp`` again.
+
+suite ``zero``: ``zero1``, ``zero2``, ``zero3`` (prefetch on), ``zero3_noprefetch``,
+``fsdp2`` (``torch.distributed.fsdp.fully_shard`` per block, where it runs on CPU), each
+against ``distllm_ddp`` in the same interleaved run.
+
+``hidden_frac = (no_overlap - variant) / comm_alone``: the share of the communication the
+variant hid. ``peak_mem_mb``: bytes of parameters + gradients + optimizer state held per
+rank after a step, measured from the tensors (:func:`distllm.parallel.memory_report`;
+activations and transient buffers excluded; torch DDP's internal buckets are not visible and
+not counted). ``extra.grad_opt_mb``: the gradient + optimizer part alone.
+
+Networks: loopback, and ``cfg.net`` (default ``10gbit`` when run as a script) through
+:mod:`distllm.bench.netem`; where that cannot be built, rows say so and run on loopback.
+Run: ``python -m distllm.bench.ddp_overlap [--quick] [--net 10gbit]`` or
+``distllm bench --suite ddp,zero --net 10gbit``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+from distllm.bench.harness import BenchConfig, Stats, interleaved, row
+from torch import nn
+
+SUITE_DDP, SUITE_ZERO = "ddp", "zero"
+# (hidden, layers, heads, batch, seq): full ~20M parameters; quick ~1.6M
+_PRESETS = {False: (640, 4, 10, 4, 16), True: (256, 2, 4, 2, 16)}
+SWEEP_MB = (1, 5, 25, 100)
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: attention (fused QKV) then a 4h GeLU MLP."""
+
+    def __init__(self, h: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.up, self.down = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).unbind(2)
+        a = nn.functional.scaled_dot_product_attention(  # (b, heads, s, h/heads)
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
+        return x + self.down(nn.functional.gelu(self.up(self.ln2(x))))
+
+
+class GPTStack(nn.Module):
+    def __init__(self, h: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(h, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(h)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.ln_f(x)
+
+
+def _max_timer(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    t = torch.tensor([(time.perf_counter() - t0) * 1e3], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _model(shape) -> GPTStack:
+    h, layers, heads, _, _ = shape
+    torch.manual_seed(0)
+    return GPTStack(h, layers, heads)
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-4, foreach=False)
+
+
+def _mb(n: int) -> float:
+    return n / 2**20
+
+
+# --- variant builders: each returns (step fn, memory dict) -------------------------------------
+def _distllm_ddp(shape, x, dims, cap):
+    from distllm.parallel import DistributedDataParallel, memory_report
+
+    m = _model(shape)
+    d = DistributedDataParallel(m, dims=dims, bucket_cap_mb=cap)
+    opt = _adamw(m.parameters())
+
+    def step():
+        d.zero_grad()
+        d(x).pow(2).mean().backward()
+        opt.step()
+
+    return step, lambda: memory_report(d, optimizer=opt)
+
+
+def _torch_ddp(shape, x, dims, cap):
+    from distllm.parallel import memory_report
+
+    m = _model(shape)
+    t = nn.parallel.DistributedDataParallel(m, bucket_cap_mb=cap)
+    opt = _adamw(m.parameters())
+
+    def step():
+        opt.zero_grad()
+        t(x).pow(2).mean().backward()
+        opt.step()
+
+    return step, lambda: memory_report(m, optimizer=opt)
+
+
+def _no_overlap(shape, x, dims, cap):
+    from distllm.parallel import memory_report
+
+    m = _model(shape)
+    opt = _adamw(m.parameters())
+    ps = list(m.parameters())
+
+    def step():
+        opt.zero_grad()
+        m(x).pow(2).mean().backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in ps])  # one all-reduce of everything
+        dist.all_reduce(flat.div_(dist.get_world_size()))
+        off = 0
+        for p in ps:
+            p.grad.copy_(flat[off: off + p.numel()].view_as(p))
+            off += p.numel()
+        opt.step()
+
+    return step, lambda: memory_report(m, optimizer=opt)
+
+
+def _zero(stage, prefetch=True):
+    def build(shape, x, dims, cap):
+        from distllm.parallel import ZeroOptimizer
+
+        m = _model(shape)
+        z = ZeroOptimizer(m, torch.optim.AdamW, stage=stage, dims=dims, bucket_cap_mb=cap,
+                          prefetch=prefetch, lr=1e-4, foreach=False)
+
+        def step():
+            z.zero_grad()
+            m(x).pow(2).mean().backward()
+            z.step()
+
+        return step, z.memory_report
+
+    return build
+
+
+def _fsdp2(shape, x, dims, cap):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from distllm.parallel.data.memory import MemoryReport
+
+    m = _model(shape)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for b in m.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    opt = _adamw(m.parameters())
+
+    def step():
+        opt.zero_grad()
+        m(x).pow(2).mean().backward()
+        opt.step()
+
+    def mem():
+        def local(t):  # this rank's shard (params share one flat storage: count elements)
+            t = getattr(t, "_local_tensor", t)
+            return t.numel() * t.element_size() if t is not None else 0
+
+        ps = list(m.parameters())
+        st = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return MemoryReport(sum(local(p) for p in ps), sum(local(p.grad) for p in ps),
+                            sum(local(v) for v in st))
+
+    return step, mem
+
+
+def _parts(shape, x, dims, cap) -> dict:
+    """The parts alone: forward, forward + backward (no communication), the bucketed
+    all-reduce of gradient-sized buffers, and the AdamW step."""
+    from distllm.comm.buckets import assign_buckets
+
+    m = _model(shape)
+    opt = _adamw(m.parameters())
+    bufs = [torch.zeros(sum(p.numel() for p in b))
+            for b in assign_buckets(list(m.parameters()), int(cap * 2**20))]
+
+    def fwd():
+        m(x).pow(2).mean()
+
+    def fwd_bwd():
+        opt.zero_grad()
+        m(x).pow(2).mean().backward()
+
+    def comm():
+        for b in bufs:
+            dist.all_reduce(b)
+
+    fwd_bwd()
+    return {"fwd_alone": fwd, "fwd_bwd_alone": fwd_bwd, "comm_alone": comm,
+            "opt_alone": opt.step}
+
+
+_BUILDERS = {
+    "distllm_ddp": _distllm_ddp, "torch_ddp": _torch_ddp, "no_overlap": _no_overlap,
+    "zero1": _zero(1), "zero2": _zero(2), "zero3": _zero(3), "zero3_noprefetch": _zero(3, False),
+    "fsdp2": _fsdp2,
+}
+PHASES = {
+    "ddp": ["distllm_ddp", "torch_ddp", "no_overlap"],
+    "zero": ["distllm_ddp", "zero1", "zero2", "zero3", "zero3_noprefetch", "fsdp2"],
+    "sweep": ["torch_ddp"] + [f"ddp_cap{c}" for c in SWEEP_MB],
+}
+
+
+def _rank(phase: str, shape, reps: int, cap: float) -> dict:
+    from distllm import ParallelDims
+
+    dims = ParallelDims()
+    _, _, _, batch, seq = shape
+    torch.manual_seed(1 + dims.rank)
+    x = torch.randn(batch, seq, shape[0])  # (b, s, h) activations of this rank's rows
+    variants, mems, missing = {}, {}, {}
+    for name in PHASES[phase]:
+        c = float(name[len("ddp_cap"):]) if name.startswith("ddp_cap") else cap
+        build = _distllm_ddp if name.startswith("ddp_cap") else _BUILDERS[name]
+        try:
+            variants[name], mems[name] = build(shape, x, dims, c)
+        except Exception as e:  # noqa: BLE001 - a variant that cannot run here is a row
+            missing[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    if phase == "ddp":
+        variants.update(_parts(shape, x, dims, cap))
+    stats = interleaved(variants, warmup=2, reps=reps, timer=_max_timer, before_each=dist.barrier)
+    mem = {n: f().as_dict() for n, f in mems.items()}
+    return {"stats": stats, "mem": mem, "missing": missing,
+            "psi": sum(p.numel() for p in _model(shape).parameters())}
+
+
+# --- rows ----------------------------------------------------------------------------------------
+def _rowkw(res: dict, name: str, label: str, reason: str) -> dict:
+    m = res["mem"].get(name)
+    kw = {"device": "cpu", "dtype": "float32", "reason": reason, "net": label}
+    if m:
+        kw.update(peak_mem_mb=_mb(m["total"]), grad_opt_mb=_mb(m["grads"] + m["optimizer"]))
+    return kw
+
+
+def _ddp_rows(res: dict, case: str, label: str, reason: str) -> list[dict]:
+    st: dict[str, Stats] = res["stats"]
+    med = {n: s.median_ms for n, s in st.items()}
+    fwd, opt, comm = med["fwd_alone"], med["opt_alone"], med["comm_alone"]
+    bwd = med["fwd_bwd_alone"] - fwd
+    ideal = fwd + max(bwd, comm) + opt
+    rows = []
+    for name, s in st.items():
+        kw = _rowkw(res, name, label, reason)
+        if name.endswith("_alone"):
+            kw["role"] = "part"
+        elif name == "no_overlap":
+            kw["role"] = "unfused"
+        else:
+            kw["role"] = "peer" if name == "torch_ddp" else "fused"
+            kw["hidden_frac"] = (med["no_overlap"] - s.median_ms) / comm if comm else None
+            kw["vs_ideal"] = s.median_ms / ideal
+        if name == "distllm_ddp":
+            kw["vs_torch_ddp"] = s.median_ms / med["torch_ddp"]
+            bar = 1.03 if label == "loopback" else 1.02
+            kw["meets_target"] = kw["vs_torch_ddp"] <= bar and (
+                label == "loopback" or kw["vs_ideal"] <= 1.05)
+            kw["target"] = f"<= {bar}x torch_ddp" + ("" if label == "loopback" else
+                                                    ", <= 1.05x ideal")
+        rows.append(row(SUITE_DDP, case, name, s, **kw))
+    rows.append(row(SUITE_DDP, case, "ideal", None, role="ideal", device="cpu", net=label,
+                    reason="fwd + max(bwd, comm) + opt from the parts' medians",
+                    bwd_ms=bwd, comm_ms=comm))
+    rows[-1]["ms"] = ideal
+    return rows
+
+
+_ZERO_BARS = {"zero2": 1.10, "zero3": 1.35}
+
+
+def _zero_rows(res: dict, case: str, label: str, reason: str) -> list[dict]:
+    st: dict[str, Stats] = res["stats"]
+    ddp = st["distllm_ddp"]
+    ddp_go = res["mem"]["distllm_ddp"]["grads"] + res["mem"]["distllm_ddp"]["optimizer"]
+    rows = []
+    for name, s in st.items():
+        kw = _rowkw(res, name, label, reason)
+        kw["role"] = {"distllm_ddp": "unfused", "fsdp2": "peer"}.get(name, "fused")
+        kw["vs_ddp"] = s.median_ms / ddp.median_ms
+        m = res["mem"].get(name)
+        if m:
+            kw["grad_opt_vs_ddp"] = (m["grads"] + m["optimizer"]) / ddp_go
+        if name in _ZERO_BARS:
+            kw["meets_target"] = kw["vs_ddp"] <= _ZERO_BARS[name] and (
+                name != "zero2" or kw["grad_opt_vs_ddp"] <= 0.5)
+            kw["target"] = f"<= {_ZERO_BARS[name]}x distllm_ddp" + (
+                ", <= 0.5x its grad+optimizer memory" if name == "zero2" else "")
+        if name == "zero3_noprefetch" and "zero3" in st:
+            kw["slower_than_prefetch"] = s.p10_ms > st["zero3"].p90_ms  # bands apart
+        rows.append(row(SUITE_ZERO, case, name, s, **kw))
+    for name, why in res["missing"].items():
+        rows.append(row(SUITE_ZERO, case, name, status="unavailable", reason=why, net=label))
+    return rows
+
+
+def _sweep_rows(res: dict, case: str, label: str, reason: str) -> list[dict]:
+    st: dict[str, Stats] = res["stats"]
+    base = st["torch_ddp"].median_ms
+    return [row(SUITE_DDP, f"{case} sweep", name, s, vs_torch_ddp=s.median_ms / base,
+                role="peer" if name == "torch_ddp" else "fused",
+                **_rowkw(res, name, label, reason)) for name, s in st.items()]
+
+
+def run(cfg: BenchConfig) -> list[dict]:
+    from distllm.bench.netem import EmulatedNetwork
+
+    from distllm.testing import run_distributed
+
+    if cfg.device != "cpu":
+        return [row(s, "-", "-", status="unavailable", reason="the CPU suite (gloo ranks); the "
+                    "GPU run is the training benchmark") for s in (SUITE_DDP, SUITE_ZERO)]
+    shape = _PRESETS[cfg.quick]
+    reps = cfg.reps or (3 if cfg.quick else 10)
+    wanted = cfg.extra.get("suites") or [SUITE_DDP, SUITE_ZERO]
+    phases = (["ddp"] if SUITE_DDP in wanted else []) + (
+        ["zero"] if SUITE_ZERO in wanted else []) + (
+        ["sweep"] if SUITE_DDP in wanted and not cfg.quick else [])
+    nets = ([None] if not (cfg.quick and cfg.net) else []) + ([cfg.net] if cfg.net else [])
+    rows: list[dict] = []
+    for rate in nets:
+        ctx = EmulatedNetwork(2, rate) if rate else contextlib.nullcontext()
+        with ctx as net:
+            use = net is not None and net.available
+            label = rate if use else "loopback"
+            reason = "" if net is None or use else f"{rate} unavailable: {net.reason}"
+            for phase in phases:
+                res = run_distributed(_rank, 2, phase, shape, reps, 25.0, timeout=1800,
+                                      setup=net.setup if use else None,
+                                      env=net.env if use else None)[0]
+                case = f"{label} {res['psi'] / 1e6:.1f}M b{shape[3]}s{shape[4]}h{shape[0]}"
+                build = {"ddp": _ddp_rows, "zero": _zero_rows, "sweep": _sweep_rows}[phase]
+                rows.extend(build(res, case, label, reason))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from distllm.bench.harness import markdown_table
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--net", default="10gbit", help="emulated link rate; 'none' for loopback only")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--suites", default="ddp,zero")
+    a = ap.parse_args(argv)
+    cfg = BenchConfig(quick=a.quick, net=None if a.net == "none" else a.net, reps=a.reps,
+                      extra={"suites": a.suites.split(",")})
+    rows = run(cfg)
+    print(markdown_table(rows, columns=["suite", "case", "variant", "ms", "ms_p10", "ms_p90",
+                                        "hidden_frac", "peak_mem_mb", "status", "extra"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
