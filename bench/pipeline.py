@@ -128,13 +128,14 @@ def _rank_main(kind: str, p: int, ms: list[int], reps: int, t_ms: float, hidden:
                 continue
             pipes[name] = PipelineParallel(_layers(kind, p, v, t_ms, hidden, blocks), dims, name,
                                            m, v, track_memory=True)
-        x = torch.randn(m * rows_per_mb, shape[1])
+        # the batch requires grad so that stage 0's B walks its input branch like any stage's
+        x = torch.randn(m * rows_per_mb, shape[1], requires_grad=kind == "sleep")
         names, rec = list(pipes), {n: [] for n in pipes}
         for rep in range(reps + 1):
             for n in names if rep % 2 == 0 else names[::-1]:
                 pipes[n].zero_grad(set_to_none=True)
                 dist.barrier()
-                pipes[n].train_step(x, x, _mse)
+                pipes[n].train_step(x, x.detach(), _mse)
                 if rep:
                     rec[n].append(_summary(pipes[n].last_stats))
         out["cases"][m] = rec

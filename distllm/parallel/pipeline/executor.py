@@ -267,16 +267,18 @@ class _StepRun:
             grad = self._wait(Action(RECV_B, a.mb, a.chunk))
         t0 = time.perf_counter()
         x, y = self.inputs[mbc], self.outputs[mbc]
-        needs_dx = s > 0 and x.requires_grad
         if self.sched.split_backward:  # input gradient only; W later
-            if needs_dx:
+            if x.requires_grad:
                 (dx,) = torch.autograd.grad(y, x, grad, retain_graph=True)
-                self.to_send[mbc] = dx
+                if s > 0:
+                    self.to_send[mbc] = dx
+                else:  # a batch that requires grad gets it, as on one process
+                    torch.autograd.backward(x, dx)
             self.outputs[mbc] = (y, grad)
         else:
             with self._grad_ctx(a):
                 torch.autograd.backward(y, grad)
-            if needs_dx:
+            if s > 0 and x.requires_grad:
                 self.to_send[mbc] = x.grad
             self._free(mbc)
         self.stats.timeline.append((a, t0, time.perf_counter()))
