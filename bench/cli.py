@@ -118,11 +118,19 @@ def _stdout_tables(rows: list[dict]) -> str:
 
 
 def _compare(args: argparse.Namespace, rows: list[dict], machine: dict, out: Path) -> int:
-    from distllm.bench.compare import compare_rows, compare_table, load_results, regressions
+    from distllm.bench.compare import (
+        compare_rows,
+        compare_table,
+        load_results,
+        regressions,
+        winners,
+        winners_table,
+    )
 
     old_rows, old_machine = load_results(args.compare)
     changes = compare_rows(old_rows, rows, tolerance=args.tolerance)
     table = compare_table(changes, old_machine, machine)
+    table += "\n\n" + winners_table(winners(old_rows, rows))
     (out / "COMPARE.md").write_text(f"# Changes against {args.compare}\n\n{table}\n")
     print(f"\n## Changes against {args.compare}\n\n{table}")
     regs = regressions(changes)

@@ -11,6 +11,9 @@ beyond the measured spread (the p10..p90 bands of the two runs must not overlap)
 
 A variant that ran before and now does not (unavailable or error) is flagged ``lost``.
 Improvements are the mirror images; everything else is ``same``.
+
+:func:`winners` checks that two runs agree on which variant wins each case: the same
+winner, or a different one whose lead is within the new run's spread (bands overlap).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from pathlib import Path
 
 from distllm.bench.report import by_case, role_of, speedup_band
 
-__all__ = ["Change", "load_results", "compare_rows", "compare_table", "regressions"]
+__all__ = ["Change", "load_results", "compare_rows", "compare_table", "regressions",
+           "winners", "winners_table"]
 
 _REGRESSIONS = ("slower", "lost speed-up", "lost")
 
@@ -121,12 +125,50 @@ def compare_rows(old: list[dict], new: list[dict], tolerance: float = 0.0) -> li
     return out
 
 
+def _contenders(rows: list[dict]) -> dict[tuple[str, str], dict[str, dict]]:
+    out: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in rows:
+        if _ok(r) and role_of(r) in ("fused", "unfused", "peer"):
+            out.setdefault((str(r.get("suite")), str(r.get("case"))), {})[str(r["variant"])] = r
+    return out
+
+
+def winners(old: list[dict], new: list[dict]) -> list[tuple[str, str, str, str, str]]:
+    """Per case in both runs: (suite, case, old winner, new winner, verdict), verdict being
+    ``same``, ``within spread`` (the old winner's band overlaps the new winner's in the new
+    run) or ``changed``."""
+    o, n = _contenders(old), _contenders(new)
+    out = []
+    for k in o.keys() & n.keys():
+        ow = min(o[k].values(), key=lambda r: r["ms"])["variant"]
+        nrow = min(n[k].values(), key=lambda r: r["ms"])
+        nw = nrow["variant"]
+        if ow == nw:
+            v = "same"
+        elif ow in n[k] and (n[k][ow].get("ms_p10") or n[k][ow]["ms"]) <= (
+                nrow.get("ms_p90") or nrow["ms"]):
+            v = "within spread"
+        else:
+            v = "changed"
+        out.append((*k, ow, nw, v))
+    return sorted(out)
+
+
 def regressions(changes: list[Change]) -> list[Change]:
     return [c for c in changes if c.regression]
 
 
 def _f(x: float | None, fmt: str = "{:.3g}") -> str:
     return "" if x is None else fmt.format(x)
+
+
+def winners_table(wins: list[tuple[str, str, str, str, str]]) -> str:
+    agree = sum(v != "changed" for *_, v in wins)
+    lines = [f"Which variant wins: {agree} of {len(wins)} cases agree (same winner, or a "
+             "different one within the spread).", "",
+             "| suite | case | old winner | new winner | agreement |", "|---|---|---|---|---|"]
+    lines += [f"| {s} | {c} | {o} | {n} | {v} |" for s, c, o, n, v in wins]
+    return "\n".join(lines)
 
 
 def compare_table(changes: list[Change], old_machine: dict | None = None,

@@ -55,6 +55,19 @@ def test_compare_flags_lost_speedup_across_machines():
     assert "machines differ" in table
 
 
+def test_winner_agreement():
+    old = [_r("unfused", 20.0, case="a"), _r("fused", 10.0, case="a"),
+           _r("unfused", 10.0, case="b"), _r("fused", 9.0, case="b"),
+           _r("unfused", 10.0, case="c"), _r("fused", 5.0, case="c"), _r("ideal", 1.0, case="c")]
+    new = [_r("unfused", 21.0, case="a"), _r("fused", 11.0, case="a"),
+           _r("unfused", 9.2, 0.1, case="b"), _r("fused", 9.6, 0.1, case="b"),  # bands overlap
+           _r("unfused", 5.0, case="c"), _r("fused", 10.0, case="c"), _r("ideal", 1.0, case="c")]
+    got = {c: (o, n, v) for _, c, o, n, v in compare.winners(old, new)}
+    assert got == {"a": ("fused", "fused", "same"), "b": ("fused", "unfused", "within spread"),
+                   "c": ("fused", "unfused", "changed")}  # the ideal bound is no contender
+    assert "2 of 3 cases agree" in compare.winners_table(compare.winners(old, new))
+
+
 def _write(tmp, rows):
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "results.json").write_text(json.dumps({"machine": {"time": "t"}, "rows": rows}))
@@ -76,7 +89,8 @@ def test_cli_fail_on_regression(tmp_path, monkeypatch, capsys):
                "--fail-on-regression"])
     out = capsys.readouterr()
     assert rc == 1, out.out
-    assert "REGRESSION (slower)" in (tmp_path / "n1" / "COMPARE.md").read_text()
+    cmp_md = (tmp_path / "n1" / "COMPARE.md").read_text()
+    assert "REGRESSION (slower)" in cmp_md and "1 of 1 cases agree" in cmp_md
     assert "regression(s) beyond the measured spread" in out.err
     # without --fail-on-regression the same finding is reported but the exit code is 0
     assert main([*args, "--out", str(tmp_path / "n2"), "--compare", str(fast)]) == 0
