@@ -96,8 +96,7 @@ void run_gemm(const Gemm& g, at::ScalarType st, const at::Device& dev) {
                                             &g.aux, sizeof(g.aux)));
     LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
                                             &g.aux_ld, sizeof(g.aux_ld)));
-    LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
-                                            &dt, sizeof(dt)));
+    // The aux matrix takes D's type by default (the attribute is for fp8 outputs).
   }
   LT_CHECK(cublasLtMatrixLayoutCreate(&desc.a, dt, g.ta ? g.k : g.m, g.ta ? g.m : g.k, g.lda));
   LT_CHECK(cublasLtMatrixLayoutCreate(&desc.b, dt, g.tb ? g.n : g.k, g.tb ? g.k : g.n, g.ldb));
