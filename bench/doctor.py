@@ -39,12 +39,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
-from distllm.bench import timeline
+from distllm.bench.doctor_probe import Probe, full_numel, snapshot, time_collective, trace
 
 __all__ = ["diagnose", "DoctorReport", "LayerDirection", "OverlapNotHappening"]
-
-_COLL_NAMES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
-               "reducescatter", "gloo:", "nccl:")
 
 
 class OverlapNotHappening(RuntimeError):
@@ -202,156 +199,6 @@ def _device_sync(model: torch.nn.Module) -> Callable[[], None]:
     return lambda: None
 
 
-# ---------------------------------------------------------------- timing probes
-
-
-class _Probe:
-    """Forward/backward hooks on each layer: a profiler range and a timer per call, and
-    the shapes of the last forward (for timing the collective alone)."""
-
-    def __init__(self, layers: list[tuple[str, torch.nn.Module]], cuda: bool):
-        self.layers, self.cuda = layers, cuda
-        self.marks: dict[tuple[str, str], list[list]] = {}
-        self.shapes: dict[str, tuple] = {}
-        self.handles: list = []
-        self.open: dict[tuple[str, str], tuple] = {}
-        self.notes: list[str] = []
-
-    def _now(self):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    def _begin(self, name: str, d: str) -> None:
-        rf = torch.profiler.record_function(f"doctor::{name}::{d}")
-        rf.__enter__()
-        self.open[(name, d)] = (rf, self._now())
-
-    def _end(self, name: str, d: str) -> None:
-        rf, t0 = self.open.pop((name, d), (None, None))
-        if rf is None:
-            return
-        rf.__exit__(None, None, None)
-        self.marks.setdefault((name, d), []).append([t0, self._now()])
-
-    def _fwd_post(self, name: str, m, args, out) -> None:
-        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        y = out if isinstance(out, torch.Tensor) else None
-        if x is not None and y is not None:
-            self.shapes[name] = (x.numel(), y.numel(), y.dtype, y.device, x.requires_grad)
-        self._end(name, "forward")
-
-    def attach(self) -> None:
-        for name, m in self.layers:
-            self.handles += [
-                m.register_forward_pre_hook(lambda m, a, n=name: self._begin(n, "forward")),
-                m.register_forward_hook(lambda m, a, o, n=name: self._fwd_post(n, m, a, o))]
-            try:
-                self.handles += [
-                    m.register_full_backward_pre_hook(
-                        lambda m, g, n=name: self._begin(n, "backward")),
-                    m.register_full_backward_hook(
-                        lambda m, gi, go, n=name: self._end(n, "backward"))]
-            except RuntimeError as exc:  # e.g. a module already using the old-style hooks
-                self.notes.append(f"{name}: backward not timed ({exc})")
-
-    def detach(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
-
-    def ms(self, name: str, d: str) -> float | None:
-        """Median time per call (ms) of one layer in one direction."""
-        pairs = self.marks.get((name, d)) or []
-        if not pairs:
-            return None
-        if self.cuda:
-            torch.cuda.synchronize()
-            return statistics.median(a.elapsed_time(b) for a, b in pairs)
-        return statistics.median((b - a) * 1e3 for a, b in pairs)
-
-
-def _snapshot(layers) -> dict[tuple[str, str], dict]:
-    out = {}
-    for name, m in layers:
-        for d in ("forward", "backward"):
-            c = getattr(m.overlap_stats, d)
-            out[(name, d)] = {k: getattr(c, k, 0) for k in
-                              ("calls", "overlapped", "wait_ms", "comm_ms_est")}
-    return out
-
-
-def _trace(prof) -> tuple[dict, dict, list[dict]]:
-    """From the profiler: collectives per layer range by op name; (comm ms, hidden ms) per
-    layer range (comm lane events starting inside it, against all compute); the last step's
-    timeline."""
-    ranges, colls, steps = [], [], []
-    for e in prof.events():
-        if e.name == "doctor-step":
-            steps.append((e.time_range.start, e.time_range.end))
-        elif e.name.startswith("doctor::"):
-            _, name, d = e.name.rsplit("::", 2)
-            ranges.append((e.time_range.start, e.time_range.end, name, d))
-        elif any(k in e.name.lower() for k in _COLL_NAMES):
-            colls.append((e.time_range.start, e.name))
-    counts: dict[tuple[str, str], dict[str, int]] = {}
-    for t, cname in colls:
-        inside = [r for r in ranges if r[0] <= t <= r[1]]
-        if inside:
-            s, e, name, d = max(inside, key=lambda r: r[0])  # the innermost range
-            bucket = counts.setdefault((name, d), {})
-            bucket[cname] = bucket.get(cname, 0) + 1
-    ev = timeline.lanes(prof, origin=0.0)  # ms on the profiler clock
-    comm = [(x["start_ms"], x["end_ms"]) for x in ev if x["lane"] == "comm"]
-    compute = [(x["start_ms"], x["end_ms"]) for x in ev if x["lane"] == "compute"]
-    hid: dict[tuple[str, str], list[float]] = {}
-    for s, e, name, d in ranges:
-        mine = timeline.merge([iv for iv in comm if s / 1e3 <= iv[0] <= e / 1e3])
-        if mine:
-            acc = hid.setdefault((name, d), [0.0, 0.0])
-            acc[0] += sum(b - a for a, b in mine)
-            acc[1] += timeline.overlap_ms(mine, compute)
-    step_tl = timeline.lanes(prof, window=steps[-1]) if steps else []
-    return counts, hid, step_tl
-
-
-# ---------------------------------------------------------------- the collective alone
-
-
-def _full_numel(coll: str, direction: str, in_n: int, out_n: int, tp: int, row: bool) -> int:
-    """Elements of the full (unsharded) tensor the collective moves."""
-    if coll == "all_reduce":
-        return out_n if direction == "forward" else in_n
-    if coll == "all_gather":  # gathered: the column input (fwd) / the row dY (bwd)
-        return (in_n if not row else out_n) * tp
-    return (out_n if row else in_n) * tp  # reduce-scatter input: row Y (fwd) / column dX (bwd)
-
-
-def _time_collective(coll: str, numel: int, dtype, device, group, reps: int = 9) -> float:
-    """Median ms of one blocking collective of that size on ``group`` (MAX over ranks)."""
-    world = dist.get_world_size(group)
-    n = -(-numel // world) * world
-    full = torch.ones(n, dtype=dtype, device=device)
-    part = full[: n // world].clone()
-    fns = {"all_reduce": lambda: dist.all_reduce(full, group=group),
-           "all_gather": lambda: dist.all_gather_single(full, part, group=group),
-           "reduce_scatter": lambda: dist.reduce_scatter_single(part, full, group=group)}
-    fn, sync = fns[coll], (torch.cuda.synchronize if full.is_cuda else (lambda: None))
-    samples = []
-    for i in range(reps + 1):
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        if i:
-            samples.append((time.perf_counter() - t0) * 1e3)
-    med = torch.tensor([statistics.median(samples)], dtype=torch.float64)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX, group=group)
-    return float(med.item())
-
-
 # ---------------------------------------------------------------- diagnose
 
 
@@ -380,7 +227,7 @@ def _direction(name, m, d, before, after, probe, traced) -> LayerDirection | Non
     return r
 
 
-def _measure_comm(rows: list[LayerDirection], layers: dict, probe: _Probe) -> None:
+def _measure_comm(rows: list[LayerDirection], layers: dict, probe: Probe) -> None:
     """Time the collective alone for rows that lack the layer's own measurement (same
     order on every rank: the rows come from the same model walk)."""
     for r in rows:
@@ -389,9 +236,9 @@ def _measure_comm(rows: list[LayerDirection], layers: dict, probe: _Probe) -> No
             continue
         in_n, out_n, dtype, device, _ = probe.shapes[r.layer]
         g = _group(m)
-        n = _full_numel(r.collective, r.direction, in_n, out_n, dist.get_world_size(g),
+        n = full_numel(r.collective, r.direction, in_n, out_n, dist.get_world_size(g),
                         "Row" in r.kind)
-        r.comm_ms, r.comm_source = _time_collective(r.collective, n, dtype, device, g), "doctor"
+        r.comm_ms, r.comm_source = time_collective(r.collective, n, dtype, device, g), "doctor"
 
 
 def _judge(rows: list[LayerDirection], require_overlap: bool | None,
@@ -433,7 +280,7 @@ def diagnose(model: torch.nn.Module, step_fn: Callable[[], object], steps: int =
     for _ in range(warmup):  # overlap="auto" measures and caches its choice here
         step_fn()
     sync()
-    probe, before = _Probe(layers, cuda), _snapshot(layers)
+    probe, before = Probe(layers, cuda), snapshot(layers)
     probe.attach()
     acts = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
@@ -451,7 +298,7 @@ def diagnose(model: torch.nn.Module, step_fn: Callable[[], object], steps: int =
         probe.detach()
     if trace_path:
         prof.export_chrome_trace(str(trace_path))
-    after, traced = _snapshot(layers), _trace(prof)
+    after, traced = snapshot(layers), trace(prof)
     rows = [r for name, m in layers for d in ("forward", "backward")
             if (r := _direction(name, m, d, before, after, probe, traced)) is not None]
     if measure_comm:
