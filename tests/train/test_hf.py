@@ -1,0 +1,67 @@
+"""Hugging Face GPT-2 conversion: ``from_hf`` at tp2.pp2 gives HF's logits and loss
+(float64), and ``to_hf`` gives back HF's weights. The vocabulary (123) is odd so that its
+padding to a multiple of 64*tp and the masking of the padded logits are exercised."""
+
+from __future__ import annotations
+
+from distllm.testing import run_distributed
+
+TOL = 1e-10  # float64; only the summation order of the TP all-reduces differs
+
+
+def _hf_rank(vocab: int, seq: int) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from distllm import ParallelDims
+    from distllm.models import from_hf, to_hf
+    from distllm.parallel.tensor.tp_comm import all_gather_dim
+    from distllm.train.engine import stage_layer_ids
+
+    torch.manual_seed(0)  # the same random HF model on every rank
+    cfg = GPT2Config(vocab_size=vocab, n_positions=40, n_embd=64, n_layer=3, n_head=4,
+                     activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    hf = GPT2LMHeadModel(cfg).double().eval()
+    with torch.no_grad():  # non-trivial LayerNorm and bias values
+        for name, p in hf.named_parameters():
+            if "ln" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    x = torch.randint(0, vocab, (3, seq), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(x)
+        # HF's own loss upcasts to float32; the float64 reference is computed here
+        ref_loss = torch.nn.functional.cross_entropy(ref.logits[:, :-1].reshape(-1, vocab),
+                                                     x[:, 1:].reshape(-1))
+    dims = ParallelDims(tp=2, pp=2)
+    ids = stage_layer_ids(cfg.n_layer + 2, 2, 1, dims.pp_rank)[0]
+    model = from_hf(hf, dims, layer_ids=ids).eval()
+    out: dict[str, float] = {}
+    with torch.no_grad():
+        if dims.is_first_stage:
+            dist.send(model(x).contiguous(), dims.next_pp_rank)
+        else:
+            h = torch.empty(3, seq, 64, dtype=torch.float64)
+            dist.recv(h, dims.prev_pp_rank)
+            local = model(h)  # (b, s, V_pad/tp)
+            full = all_gather_dim(local, -1, dims.tp_group)[..., :vocab]
+            out["logits"] = float((full - ref.logits).abs().max())
+            loss = model.loss(local[:, :-1], x[:, 1:])
+            out["loss"] = abs(float(loss) - float(ref_loss))
+    back = to_hf(model).state_dict()
+    want = hf.state_dict()
+    want["lm_head.weight"] = want["transformer.wte.weight"]
+    out["to_hf"] = max(float((back[k] - want[k]).abs().max()) for k in want
+                       if not k.endswith(("attn.bias", "masked_bias")))
+    return out
+
+
+def test_from_hf_tp2_pp2():
+    res = run_distributed(_hf_rank, 4, 123, 7, timeout=300)
+    last = [r for r in res if "logits" in r]
+    assert len(last) == 2  # the two TP ranks of the last stage
+    for r in last:
+        assert r["logits"] < TOL and r["loss"] < TOL, r
+    for r in res:
+        assert r["to_hf"] == 0.0, r
