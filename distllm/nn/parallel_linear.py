@@ -58,6 +58,11 @@ class ColumnParallelLinear(nn.Module):
     parallelism, or tp=1) the layer is ``distllm.ops.linear_gelu`` on the local shard; with an
     overlapped schedule the GEMM is chunked by the engine and the epilogue is the fused
     ``distllm.ops.bias_gelu``.
+
+    Under ``sequence_parallel`` the gathered full-sequence input is kept for the weight
+    gradient (no second all-gather in backward, at the cost of ``tp`` times the shard's
+    memory). The full weight is initialised identically on every rank (same seed) and then
+    sharded, so the model does not depend on tp.
     """
 
     def __init__(self, in_features: int, out_features: int, dims, bias: bool = True,
