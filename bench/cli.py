@@ -11,6 +11,7 @@ and reports, per layer, how much of each collective was hidden (see distllm.benc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import re
@@ -181,9 +182,20 @@ def _doctor(args: argparse.Namespace) -> int:
         trace = str((out / "doctor_trace.json").resolve())
     if args.steps < 1:
         raise ValueError(f"--steps {args.steps}: must be >= 1")
-    res = run_distributed(_doctor_rank, 2, args.overlap, args.require_overlap, args.steps,
-                          trace, timeout=300)
-    print(f"distllm bench --doctor: tp=2 on 2 gloo ranks, layers built with "
+    link = "loopback"
+    with contextlib.ExitStack() as stack:
+        kw: dict = {}
+        if args.net:
+            from distllm.bench.netem import EmulatedNetwork
+
+            net = stack.enter_context(EmulatedNetwork(2, args.net))
+            link = args.net if net.available else f"loopback ({args.net} unavailable: " \
+                                                   f"{net.reason})"
+            if net.available:
+                kw = {"setup": net.setup, "env": net.env}
+        res = run_distributed(_doctor_rank, 2, args.overlap, args.require_overlap, args.steps,
+                              trace, timeout=300, **kw)
+    print(f"distllm bench --doctor: tp=2 on 2 gloo ranks over {link}, layers built with "
           f"overlap={args.overlap!r}\n\n{res[0]['markdown']}")
     if out is not None:
         from distllm.bench.plots import plot_events
