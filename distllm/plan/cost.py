@@ -137,6 +137,7 @@ class CostModel:
         flash_attention: bool = True,
         bucket_mb: float = 25.0,
         simulator=None,
+        ranks_per_host: int | None = None,
     ) -> None:
         self.shape, self.profile = shape, profile
         self.world, self.gpn = world, gpus_per_node
@@ -147,6 +148,8 @@ class CostModel:
         self.flash = flash_attention
         self.bucket_bytes = bucket_mb * 2**20
         self.simulator = simulator
+        # ranks that share one host's cores (CPU profiles): a node's, unless said otherwise
+        self.ranks_per_host = ranks_per_host or min(world, gpus_per_node)
         self.peak = profile.flops(self.dtype)
         self.rate = self.peak * profile.matmul_efficiency
         self._cache: dict = {}
@@ -249,6 +252,11 @@ class CostModel:
         sp = lay.tp if lay.sequence_parallel else 1
         emb = (self.e + (1 if s.dropout else 0)) * bs * s.hidden / sp
         fkey = ("flight", lay.schedule, lay.pp, lay.micro_batches, lay.virtual_stages)
+        send_out = self.e * bs * s.hidden / sp
+        # gradients alive while one block runs backward: the MLP's inner gradient and two of
+        # the residual stream (the saved tensors of that block are freed as it goes)
+        work = self.e * (bs * s.ffn / lay.tp + 2 * bs * s.hidden)
+        logits_grad = 4 * bs * s.padded_vocab(lay.tp) / lay.tp
         flight = self._cache.get(fkey)
         if flight is None:
             flight = self._cache[fkey] = in_flight(*fkey[1:])
@@ -259,7 +267,13 @@ class CostModel:
             mem = self.model_state_bytes(params[r], lay.dp, lay.zero)
             if lay.zero >= 3:  # the gathered block being used and the one being prefetched
                 mem["params"] += 2 * per_layer * STATE_BYTES[self.dtype][0]
-            act = flight[r] * (blocks * per + (emb if has_e else 0) + (logits if has_h else 0))
+            # a rank that sends keeps each in-flight micro-batch's stage output until its
+            # backward (the residual stream is not saved by autograd, the executor holds it)
+            held = send_out if (lay.pp > 1 and not has_h) else 0.0
+            act = flight[r] * (
+                blocks * per + (emb if has_e else 0) + (logits if has_h else 0) + held
+            )
+            act += work if blocks else (logits_grad if has_h else 0.0)
             if lay.checkpointing == "full":  # one block's activations live during recompute
                 act += self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, "none")
             mem["activations"] = act
@@ -393,7 +407,7 @@ class CostModel:
         tail, dp_exp, zero_ag, t_opt = self._tail(lay, tb)
         step = pipe + tail + p.step_overhead_s
         if p.cores:  # ranks share the cores: the busy time of all of them must fit too
-            per_stage = min(self.world, self.gpn) // lay.pp
+            per_stage = self.ranks_per_host / lay.pp
             work = per_stage * sum(m * (f + b_) for f, b_ in zip(tf, tb, strict=True))
             step = max(step, work / p.cores + tail + p.step_overhead_s)
         blocks = max(r[0] for r in self.ranks(lay.pp, lay.virtual_stages))

@@ -156,6 +156,7 @@ def search(
     flash_attention: bool = True,
     use_simulator: bool = True,
     keep_rejected: bool = True,
+    ranks_per_host: int | None = None,
 ) -> SearchResult:
     """Every layout of ``shape`` on ``world`` devices, ranked by predicted step time."""
     t0 = time.perf_counter()
@@ -165,7 +166,15 @@ def search(
     pins = dict(pins or {})
     dtype = dtype or ("float32" if prof.cores else "bfloat16")
     sim = simulator_or_none() if use_simulator else None
-    cm = CostModel(shape, prof, world, gpn, dtype=dtype, flash_attention=flash_attention)
+    cm = CostModel(
+        shape,
+        prof,
+        world,
+        gpn,
+        dtype=dtype,
+        flash_attention=flash_attention,
+        ranks_per_host=ranks_per_host,
+    )
     cap = prof.usable_bytes
     ranked, rejected = [], []
     for lay, reason in _enumerate(shape, world, gpn, pins):

@@ -1,0 +1,321 @@
+"""Check the planner against ``distllm train`` on this machine: predicted vs measured step
+time and peak memory of the ``tiny`` model on 4 gloo ranks, on loopback and on the emulated
+network; and whether the planner's first choice is the fastest measured layout.
+
+Each layout runs ``distllm.train``'s trainer (the code behind ``distllm train``) in 4 ranks
+and its step times are read back from the run's ``metrics.jsonl`` (median after warm-up).
+The same ranks then build the training engine again and measure memory: model states from
+the tensors held (``distllm.parallel.data.memory.memory_report``), plus the peak of
+allocations during one step (``torch.profiler`` memory events). Layouts run in rounds
+(A B C ... A B C) so that drift of the shared machine hits them alike.
+
+    python -m distllm.bench.plan_validation [--net 1gbit] [--rounds 2] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from distllm.bench.harness import BenchConfig, markdown_table, row, stats_of, write_rows
+
+SUITE = "plan_validation"
+BATCH, SEQ, RANKS = 16, 128, 4
+# (tp, pp, dp, zero, schedule, micro_batches, checkpointing)
+LAYOUTS = [
+    (1, 1, 4, 0, "none", 1, "none"),
+    (1, 1, 4, 2, "none", 1, "none"),
+    (1, 1, 4, 3, "none", 1, "none"),
+    (2, 1, 2, 0, "none", 1, "none"),
+    (4, 1, 1, 0, "none", 1, "none"),
+    (1, 2, 2, 0, "1f1b", 4, "none"),
+    (1, 4, 1, 0, "1f1b", 4, "none"),
+    (2, 2, 1, 0, "gpipe", 2, "none"),
+    (1, 1, 4, 0, "none", 2, "full"),
+]
+
+
+def _layout(t: tuple):
+    from distllm.plan import Layout
+
+    tp, pp, dp, zero, sch, m, ck = t
+    return Layout(tp, pp, dp, zero, sch, m, ck, False, 1)
+
+
+def _train_cfg(lay, steps: int, out: str, data: str):
+    from distllm.train.config import ParallelConfig, TrainConfig
+
+    pc = ParallelConfig(
+        tp=lay.tp,
+        pp=lay.pp,
+        dp=lay.dp,
+        zero=lay.zero,
+        schedule=lay.schedule if lay.pp > 1 else "1f1b",
+        micro_batches=lay.micro_batches,
+        virtual_stages=max(2, lay.virtual_stages),
+    )
+    return TrainConfig(
+        model="tiny",
+        parallel=pc,
+        global_batch=BATCH,
+        seq_len=SEQ,
+        steps=steps,
+        dtype="float32",
+        out=out,
+        save_final=False,
+        eval_batches=0,
+        progress=False,
+        activation_checkpointing=lay.checkpointing,
+    )
+
+
+def _peak_during(fn) -> int:
+    """Peak bytes allocated above the starting point while ``fn`` runs (CPU allocations
+    recorded by the profiler, accumulated in time order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    cur = peak = 0
+    for ev in sorted(prof.events(), key=lambda e: e.time_range.start):
+        cur += ev.self_cpu_memory_usage
+        peak = max(peak, cur)
+    return peak
+
+
+def _rank_main(t: tuple, steps: int, out: str, data: str, probe: bool) -> dict | None:
+    import gc
+
+    from distllm import ParallelDims
+    from distllm.models import GPTConfig
+    from distllm.parallel.data.memory import memory_report
+    from distllm.train.data import BatchLoader, load_corpus
+    from distllm.train.engine import Engine
+    from distllm.train.trainer import train
+
+    lay = _layout(t)
+    cfg = _train_cfg(lay, steps, out, data)
+    dims = ParallelDims(tp=lay.tp, pp=lay.pp, dp=lay.dp)
+    train(cfg, dims)  # step times land in out/metrics.jsonl
+    if not probe:
+        return None
+    gc.collect()
+    mcfg = GPTConfig.preset("tiny")
+    loader = BatchLoader(
+        load_corpus(None).train,
+        seq_len=SEQ,
+        global_batch=BATCH,
+        dp=dims.dp,
+        dp_rank=dims.dp_rank,
+        seed=cfg.seed,
+    )
+    engine = Engine(cfg, mcfg, dims)
+
+    def one_step():
+        tok, tgt = loader.next()
+        engine.train_step(tok, tgt)
+        engine.step(1.0)
+
+    one_step()  # creates the optimizer state
+    gc.collect()
+    rep = (
+        memory_report(engine.zero)
+        if engine.zero is not None
+        else memory_report(engine.ddp, engine.optimizer)
+    )
+    peak = _peak_during(one_step)
+    return {
+        "params": rep.params,
+        "grads": rep.grads,
+        "optimizer": rep.optimizer,
+        "states": rep.total,
+        "step_peak": peak,
+        "total": rep.total + peak,
+    }
+
+
+def _corpus(folder: str) -> str:
+    """A 2 MB slice of the default corpus (the standard library's sources) in one file, so
+    that each run does not re-read the whole library."""
+    from distllm.train.data import default_corpus_files
+
+    path, size = Path(folder, "corpus.txt"), 0
+    with path.open("wb") as f:
+        for src in default_corpus_files():
+            data = src.read_bytes()
+            f.write(data + b"\n\n")
+            size += len(data)
+            if size > 2 << 20:
+                break
+    return str(path)
+
+
+def _measure(t: tuple, steps: int, net, data: str, probe: bool) -> dict:
+    from distllm.testing import run_distributed
+
+    with tempfile.TemporaryDirectory(prefix="planval-") as out:
+        kw = {"setup": net.setup, "env": net.env} if net is not None else {}
+        per_rank = run_distributed(_rank_main, RANKS, t, steps, out, data, probe, timeout=600, **kw)
+        lines = Path(out, "metrics.jsonl").read_text().splitlines()
+    times = [json.loads(x)["step_time_s"] for x in lines][2:]  # two warm-up steps
+    worst = max(per_rank, key=lambda r: r["total"]) if probe else None
+    return {"times": times, "mem": worst, "per_rank": per_rank}
+
+
+def _predict(t: tuple, profile, gpn: int):
+    from distllm.plan import CostModel, preset
+    from distllm.plan.bubble import simulator_or_none
+
+    shape = preset("tiny").with_(global_batch=BATCH, seq_len=SEQ)
+    cm = CostModel(
+        shape,
+        profile,
+        RANKS,
+        gpn,
+        dtype="float32",
+        simulator=simulator_or_none(),
+        ranks_per_host=RANKS,
+    )
+    return cm.evaluate(_layout(t))
+
+
+def _planner_pick(profile, gpn: int, pins: dict | None = None):
+    from distllm.plan import preset, search
+
+    shape = preset("tiny").with_(global_batch=BATCH, seq_len=SEQ)
+    res = search(shape, RANKS, gpn, profile, dtype="float32", pins=pins, ranks_per_host=RANKS)
+    return res.best.layout
+
+
+def _as_tuple(lay) -> tuple:
+    return (lay.tp, lay.pp, lay.dp, lay.zero, lay.schedule, lay.micro_batches, lay.checkpointing)
+
+
+def run(cfg: BenchConfig) -> list[dict]:
+    from distllm.plan import load_profile
+    from distllm.plan.calibrate import calibrate
+
+    rounds = int(cfg.extra.get("rounds", 1 if cfg.quick else 2))
+    steps = int(cfg.extra.get("steps", 5 if cfg.quick else 8))
+    nets = [None] + ([cfg.net] if cfg.net else [])
+    prof_path = cfg.extra.get("profile")
+    profile = load_profile(prof_path) if prof_path else calibrate(cfg.net, ranks=RANKS)
+    rows: list[dict] = []
+    for rate in nets:
+        rows += _one_network(rate, profile, rounds, steps)
+    return rows
+
+
+def _one_network(rate: str | None, profile, rounds: int, steps: int) -> list[dict]:
+    net_name = rate or "loopback"
+    net = None
+    if rate is not None:
+        from distllm.bench.netem import EmulatedNetwork
+
+        net = EmulatedNetwork(nranks=RANKS, rate=rate).__enter__()
+        if not net.available:
+            return [row(SUITE, "tiny/4 ranks", net_name, status="unavailable", reason=net.reason)]
+    gpn = RANKS if rate is None else 1  # emulated: every group crosses the rate-limited link
+    try:
+        pick = _as_tuple(_planner_pick(profile, gpn))
+        layouts = LAYOUTS + ([pick] if pick not in LAYOUTS else [])
+        samples: dict[tuple, list[float]] = {t: [] for t in layouts}
+        mem: dict[tuple, dict] = {}
+        with tempfile.TemporaryDirectory(prefix="planval-data-") as folder:
+            data = _corpus(folder)
+            for k in range(rounds):
+                for t in layouts:
+                    got = _measure(t, steps, net, data, probe=k == 0)
+                    samples[t] += got["times"]
+                    mem[t] = got["mem"] or mem[t]
+                    print(
+                        f"{net_name} {_layout(t).name()}: steps {got['times']}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    finally:
+        if net is not None:
+            net.close()
+    return _rows(net_name, layouts, samples, mem, profile, gpn, pick)
+
+
+def _rows(net_name, layouts, samples, mem, profile, gpn, pick) -> list[dict]:
+    GB = 1e9
+    out, pred = [], {t: _predict(t, profile, gpn) for t in layouts}
+    meas = {t: statistics.median(samples[t]) for t in layouts}
+    for t in layouts:
+        p, m = pred[t], mem[t]
+        st = stats_of([x * 1e3 for x in samples[t]])
+        out.append(
+            row(
+                SUITE,
+                f"tiny/{net_name}",
+                _layout(t).name(),
+                st,
+                predicted_ms=p.step_time_s * 1e3,
+                time_error=p.step_time_s / meas[t] - 1,
+                predicted_mem_mb=p.memory["total"] / 1e6,
+                measured_mem_mb=m["total"] / 1e6,
+                mem_error=p.memory["total"] / m["total"] - 1,
+                predicted_states_mb=(p.memory["total"] - p.memory["activations"]) / 1e6,
+                measured_states_mb=m["states"] / 1e6,
+                predicted_act_mb=p.memory["activations"] / 1e6,
+                measured_step_peak_mb=m["step_peak"] / 1e6,
+                planner_pick=t == pick,
+                mem_total_gb=m["total"] / GB,
+            )
+        )
+    ranked = sorted(layouts, key=lambda t: pred[t].step_time_s)
+    fastest = min(layouts, key=lambda t: meas[t])
+    for label, t in (("first among measured", ranked[0]), ("search's pick", pick)):
+        out.append(
+            row(
+                SUITE,
+                f"tiny/{net_name}",
+                f"planner {label}: {_layout(t).name()}",
+                status="ok",
+                reason=f"fastest measured: {_layout(fastest).name()}",
+                slowdown_vs_fastest=meas[t] / meas[fastest] - 1,
+            )
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--net", default="1gbit", help="emulated link rate ('' for loopback only)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8, help="steps per run (2 are warm-up)")
+    ap.add_argument("--profile", default=None, help="use this profile instead of calibrating")
+    ap.add_argument("--out", default="runs/plan_validation")
+    a = ap.parse_args(argv)
+    cfg = BenchConfig(
+        net=a.net or None,
+        out=Path(a.out),
+        extra={"rounds": a.rounds, "steps": a.steps, "profile": a.profile},
+    )
+    rows = run(cfg)
+    write_rows(rows, cfg.out)
+    cols = [
+        "case",
+        "variant",
+        "ms",
+        "predicted_ms",
+        "time_error",
+        "measured_mem_mb",
+        "predicted_mem_mb",
+        "mem_error",
+        "slowdown_vs_fastest",
+        "status",
+        "reason",
+    ]
+    print(markdown_table(rows, cols))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
