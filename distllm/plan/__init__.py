@@ -8,7 +8,7 @@ Importing it needs neither torch.distributed nor a device::
 """
 
 from .cost import CostModel, Estimate, Layout
-from .hardware import Link, Profile, load_profile, profile_names
+from .hardware import Link, Profile, detect_profile, load_profile, profile_names
 from .model import ModelShape, preset, preset_names
 from .search import SearchResult, best_layout, model_states_table, search
 
@@ -26,5 +26,6 @@ __all__ = [
     "Link",
     "load_profile",
     "profile_names",
+    "detect_profile",
     "model_states_table",
 ]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Link", "Profile", "load_profile", "profile_names", "PROFILE_DIR"]
+__all__ = ["Link", "Profile", "load_profile", "profile_names", "detect_profile", "PROFILE_DIR"]
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
 
@@ -176,3 +176,24 @@ def load_profile(name_or_path: str | Path | Profile) -> Profile:
             f"{', '.join(profile_names())} or give a profile .json path"
         )
     return Profile.from_json(json.loads(path.read_text()))
+
+
+_GPU_NAMES = (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80gb"))
+
+
+def detect_profile() -> str:
+    """The profile name of this machine's device: ``cpu`` without CUDA, else the GPU's
+    (A100 -> a100-80gb, H100 -> h100, H200 -> h200); an unknown GPU is an error that says
+    to pass a profile."""
+    import torch  # lazy: the planner itself does not need torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name()
+    for key, prof in _GPU_NAMES:
+        if key in name:
+            return prof
+    raise ValueError(
+        f"no hardware profile for {name!r}: pass one (--gpu NAME or a .json path "
+        f"from `distllm plan --calibrate`); known: {', '.join(profile_names())}"
+    )

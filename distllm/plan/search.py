@@ -247,18 +247,23 @@ def best_layout(
     *,
     dtype: str | None = None,
     pins: dict | None = None,
+    global_batch: int | None = None,
+    seq_len: int | None = None,
     **kw,
 ) -> tuple[Layout, str]:
     """The fastest layout that fits, and a few lines saying why (for ``--plan auto``).
 
-    Pure arithmetic: no torch.distributed, no processes; a 1024-device search takes seconds.
+    ``model_shape`` is a :class:`ModelShape` or a preset name; ``global_batch``/``seq_len``
+    override its batch and sequence; ``pins`` fixes dimensions (``{"zero": 1}``). Pure
+    arithmetic: no torch.distributed, no processes; a 1024-device search takes seconds.
+    Raises ValueError (saying why) when no layout fits.
     """
     from .model import preset
 
     shape = preset(model_shape) if isinstance(model_shape, str) else model_shape
-    res = search(
-        shape, world_size, gpus_per_node, profile, dtype=dtype, pins=pins, keep_rejected=True, **kw
-    )
+    over = {k: v for k, v in (("global_batch", global_batch), ("seq_len", seq_len)) if v}
+    shape = shape.with_(**over) if over else shape
+    res = search(shape, world_size, gpus_per_node, profile, dtype=dtype, pins=pins, **kw)
     best = res.best
     return best.layout, explain(best, shape, res)
 

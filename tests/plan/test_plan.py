@@ -266,3 +266,25 @@ def test_profiles_carry_sources():
         assert all(link.source for link in prof.links.values()), name
         assert prof.flops("bfloat16") > 0 and math.isfinite(prof.memory_bytes)
     assert load_profile("a100-80gb").flops("bf16") == 312e12
+
+
+def test_alpha_beta_fit_recovers_the_link():
+    from distllm.plan.calibrate import AR_SIZES, fit_alpha_beta
+
+    alpha, beta, n = 50e-6, 1 / 1.25e8, 4
+    times = {s: 2 * (n - 1) * alpha + 2 * (n - 1) / n * s * beta for s in AR_SIZES}
+    a, b = fit_alpha_beta(times, n)
+    assert a == pytest.approx(alpha, rel=1e-9) and b == pytest.approx(beta, rel=1e-9)
+
+
+def test_best_layout_api_for_the_trainer():
+    from distllm.plan import detect_profile
+
+    assert detect_profile() in ("cpu", "a100-80gb", "h100", "h200")
+    lay, why = best_layout("tiny", 4, 4, "cpu", global_batch=8, seq_len=64, pins={"zero": 1})
+    assert lay.zero == 1 and lay.dp > 1 and 8 % (lay.dp * lay.micro_batches) == 0
+    assert {"tp", "pp", "dp", "zero", "schedule", "micro_batches", "checkpointing"} <= set(
+        lay._fields
+    )
+    with pytest.raises(ValueError, match="no layout fits"):
+        best_layout("gpt3-175b", 8, 8, "a100-80gb")
