@@ -66,6 +66,7 @@ def _train_cfg(lay, steps: int, out: str, data: str):
         steps=steps,
         dtype="float32",
         out=out,
+        data=data,
         save_final=False,
         eval_batches=0,
         progress=False,
