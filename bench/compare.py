@@ -135,8 +135,8 @@ def _contenders(rows: list[dict]) -> dict[tuple[str, str], dict[str, dict]]:
 
 def winners(old: list[dict], new: list[dict]) -> list[tuple[str, str, str, str, str]]:
     """Per case in both runs: (suite, case, old winner, new winner, verdict), verdict being
-    ``same``, ``within spread`` (the old winner's band overlaps the new winner's in the new
-    run) or ``changed``."""
+    ``same``, ``same kind (<role>)`` (both fused, say: the decision stands), ``within spread``
+    (the old winner's band overlaps the new winner's in the new run) or ``changed``."""
     o, n = _contenders(old), _contenders(new)
     out = []
     for k in o.keys() & n.keys():
@@ -145,6 +145,8 @@ def winners(old: list[dict], new: list[dict]) -> list[tuple[str, str, str, str, 
         nw = nrow["variant"]
         if ow == nw:
             v = "same"
+        elif role_of(o[k][ow]) == role_of(nrow):
+            v = f"same kind ({role_of(nrow)})"  # e.g. fused-auto and fused-cpu: same decision
         elif ow in n[k] and (n[k][ow].get("ms_p10") or n[k][ow]["ms"]) <= (
                 nrow.get("ms_p90") or nrow["ms"]):
             v = "within spread"
@@ -164,8 +166,8 @@ def _f(x: float | None, fmt: str = "{:.3g}") -> str:
 
 def winners_table(wins: list[tuple[str, str, str, str, str]]) -> str:
     agree = sum(v != "changed" for *_, v in wins)
-    lines = [f"Which variant wins: {agree} of {len(wins)} cases agree (same winner, or a "
-             "different one within the spread).", "",
+    lines = [f"Which variant wins: {agree} of {len(wins)} cases agree (same winner, one of the "
+             "same kind, or a different one within the spread).", "",
              "| suite | case | old winner | new winner | agreement |", "|---|---|---|---|---|"]
     lines += [f"| {s} | {c} | {o} | {n} | {v} |" for s, c, o, n, v in wins]
     return "\n".join(lines)

@@ -58,14 +58,17 @@ def test_compare_flags_lost_speedup_across_machines():
 def test_winner_agreement():
     old = [_r("unfused", 20.0, case="a"), _r("fused", 10.0, case="a"),
            _r("unfused", 10.0, case="b"), _r("fused", 9.0, case="b"),
-           _r("unfused", 10.0, case="c"), _r("fused", 5.0, case="c"), _r("ideal", 1.0, case="c")]
+           _r("unfused", 10.0, case="c"), _r("fused", 5.0, case="c"), _r("ideal", 1.0, case="c"),
+           _r("fused-auto", 5.0, case="d"), _r("fused-cpu", 6.0, case="d")]
     new = [_r("unfused", 21.0, case="a"), _r("fused", 11.0, case="a"),
+           _r("fused-auto", 7.0, case="d"), _r("fused-cpu", 5.0, case="d"),
            _r("unfused", 9.2, 0.1, case="b"), _r("fused", 9.6, 0.1, case="b"),  # bands overlap
            _r("unfused", 5.0, case="c"), _r("fused", 10.0, case="c"), _r("ideal", 1.0, case="c")]
     got = {c: (o, n, v) for _, c, o, n, v in compare.winners(old, new)}
     assert got == {"a": ("fused", "fused", "same"), "b": ("fused", "unfused", "within spread"),
-                   "c": ("fused", "unfused", "changed")}  # the ideal bound is no contender
-    assert "2 of 3 cases agree" in compare.winners_table(compare.winners(old, new))
+                   "c": ("fused", "unfused", "changed"),  # the ideal bound is no contender
+                   "d": ("fused-auto", "fused-cpu", "same kind (fused)")}
+    assert "3 of 4 cases agree" in compare.winners_table(compare.winners(old, new))
 
 
 def _write(tmp, rows):
