@@ -137,7 +137,7 @@ def _reps(cfg: BenchConfig, M: int, K: int, N: int, device: str) -> int:
         return cfg.reps
     if device == "cuda":
         return 20
-    return 3 if cfg.quick else (5 if M * K * N > 4e9 else 10)
+    return 3 if cfg.quick else (7 if M * K * N > 4e9 else 10)
 
 
 def run(cfg: BenchConfig) -> list[dict]:

@@ -182,9 +182,10 @@ def bwd(backend: str, grad, x, w, pre, has_bias: bool, approximate: str, need_dx
         dw = gu.t() @ x  # (N, M) @ (M, K)
     dx = None
     if need_dx:
-        if backend == "cpu" and _onednn_dtype_ok(x.dtype):
+        if backend == "cpu" and x.dtype == torch.float32 and _onednn_dtype_ok(x.dtype):
             # (M, N) @ (N, K) through oneDNN, w.t() being the (out=K, in=N) weight: 84 vs 112 ms
-            # for torch.mm at (M, N, K) = (2048, 4096, 1024) fp32 on a 2-core EPYC under load.
+            # for torch.mm at (M, N, K) = (2048, 4096, 1024) fp32 on a 2-core EPYC under load
+            # (torch.mm already goes to oneDNN for bfloat16).
             dx = torch.ops.mkldnn._linear_pointwise(gu, w.t(), None, "none", [], "")
         else:
             dx = gu @ w  # (M, N) @ (N, K)
