@@ -24,16 +24,14 @@ ZeRO-3 prefetched gather with the previous layer) and only to the extent the lin
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from .bubble import in_flight, pipeline_time
 from .hardware import Link, Profile, canonical_dtype
+from .layout import GB, Estimate, Layout
 from .model import ModelShape
 
-__all__ = ["Layout", "Estimate", "CostModel", "STATE_BYTES", "collective_time"]
+__all__ = ["Layout", "Estimate", "CostModel", "STATE_BYTES", "collective_time", "GB"]
 
-GB = 1e9
 # (parameter, gradient, optimizer) bytes per parameter, per training dtype (Adam/AdamW).
 STATE_BYTES = {
     "bfloat16": (2, 2, 12),
@@ -44,62 +42,6 @@ STATE_BYTES = {
 ACT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 OVERLAP_CHUNKS = 4  # chunks of the overlapped row-parallel GEMM + all-reduce
 OPS_PER_LAYER_FWD = 24  # eager operators of one block's forward (norms, GEMMs, attention, ...)
-
-
-class Layout(NamedTuple):
-    """One parallel layout of a training step (a tuple: cheap to make by the ten thousand)."""
-
-    tp: int
-    pp: int
-    dp: int
-    zero: int = 0
-    schedule: str = "none"
-    """``none`` (pp=1: plain gradient accumulation), gpipe, 1f1b, interleaved-1f1b, zb-h1."""
-    micro_batches: int = 1
-    """Micro-batches per step and DP rank."""
-    checkpointing: str = "none"
-    """Activation recomputation: none, selective (attention core) or full (every block)."""
-    sequence_parallel: bool = False
-    virtual_stages: int = 1
-    """Model chunks per rank (interleaved-1f1b)."""
-
-    def name(self) -> str:
-        s = f"tp{self.tp}.pp{self.pp}.dp{self.dp}.zero{self.zero}"
-        if self.pp > 1:
-            s += f".{self.schedule}" + (
-                f"v{self.virtual_stages}" if self.virtual_stages > 1 else ""
-            )
-        s += f".m{self.micro_batches}"
-        if self.checkpointing != "none":
-            s += f".ckpt-{self.checkpointing}"
-        return s + (".sp" if self.sequence_parallel else "")
-
-
-@dataclass
-class Estimate:
-    """Predictions for one layout; bytes per device and seconds per step."""
-
-    layout: Layout
-    memory: dict[str, float] = field(default_factory=dict)
-    """params, grads, optimizer, activations, total (bytes)."""
-    time: dict[str, float] = field(default_factory=dict)
-    """step and its parts (compute, tp_comm, bubble, dp_comm, zero_comm, optimizer, ...)."""
-    step_time_s: float = math.inf
-    mfu: float = 0.0
-    rejected_reason: str | None = None
-    notes: list[str] = field(default_factory=list)
-
-    def as_dict(self) -> dict:
-        d = self.layout._asdict()
-        d.update(
-            memory_gb={k: round(v / GB, 6) for k, v in self.memory.items()},
-            step_time_s=None if math.isinf(self.step_time_s) else self.step_time_s,
-            mfu=self.mfu if self.step_time_s < math.inf else None,
-            time_s=self.time or None,
-            rejected_reason=self.rejected_reason,
-            notes=self.notes,
-        )
-        return d
 
 
 def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
