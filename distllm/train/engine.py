@@ -175,9 +175,10 @@ class Engine:
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """Mean loss of this DP rank's rows, forward only (the pipeline's forward-only
-        schedule with pp > 1); the same on every rank of the pipeline."""
+        schedule with pp > 1, at the training micro-batch shape, which the executor keeps);
+        the same on every rank of the pipeline."""
         if self.pipeline is not None:
-            return self.pipeline.eval_step(tokens, targets, self._loss, micro_batches=1)
+            return self.pipeline.eval_step(tokens, targets, self._loss)
         model = self.chunks[0]
         return float(model.loss(self._forward(model, tokens), targets))
 

@@ -112,8 +112,10 @@ def _validate(engine, corpus, cfg: TrainConfig, seq: int, dims: ParallelDims) ->
     if cfg.eval_batches == 0:
         return None
     n_windows = (len(corpus.val) - 1) // seq
-    batch = min(cfg.global_batch, (n_windows // dims.dp) * dims.dp)
-    if batch < dims.dp:
+    batch = cfg.global_batch  # the training shape: the pipeline keeps its micro-batch shape
+    if n_windows < batch:
+        _log(f"validation skipped: the held-out data holds {n_windows} sequences of {seq} "
+             f"tokens, fewer than one global batch ({batch})", dims)
         return None
     loader = BatchLoader(corpus.val, seq_len=seq, global_batch=batch, dp=dims.dp,
                          dp_rank=dims.dp_rank, seed=cfg.seed, shuffle=False)
