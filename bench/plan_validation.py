@@ -205,6 +205,9 @@ def run(cfg: BenchConfig) -> list[dict]:
     nets = [None] + ([cfg.net] if cfg.net else [])
     prof_path = cfg.extra.get("profile")
     profile = load_profile(prof_path) if prof_path else calibrate(cfg.net, ranks=RANKS)
+    if cfg.out is not None:  # the profile the predictions used, for --repredict
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+        Path(cfg.out, "profile.json").write_text(json.dumps(profile.to_json(), indent=1))
     rows: list[dict] = []
     for rate in nets:
         rows += _one_network(rate, profile, rounds, steps)
@@ -286,6 +289,38 @@ def _rows(net_name, layouts, samples, mem, profile, gpn, pick) -> list[dict]:
     return out
 
 
+def parse_layout(name: str) -> tuple:
+    """The layout tuple of a row's variant name (``tp1.pp2.dp2.zero0.1f1b.m4.ckpt-full``)."""
+    parts = name.split(".")
+    tp, pp, dp, zero = (int(x.lstrip("tpdzero")) for x in parts[:4])
+    rest = parts[4:]
+    sch = rest.pop(0) if pp > 1 else "none"
+    m = int(rest.pop(0)[1:])
+    ck = rest[0].split("-", 1)[1] if rest and rest[0].startswith("ckpt-") else "none"
+    return (tp, pp, dp, zero, sch, m, ck)
+
+
+def repredict(results: Path, profile) -> list[dict]:
+    """Rows of an earlier run with the predictions recomputed by the current cost model."""
+    rows = json.loads(Path(results).read_text())["rows"]
+    out = []
+    for r in rows:
+        if r.get("ms") is None or r.get("measured_mem_mb") is None:
+            continue
+        t = parse_layout(r["variant"])
+        p = _predict(t, profile, RANKS if r["case"].endswith("loopback") else 1)
+        out.append(
+            dict(
+                r,
+                predicted_ms=p.step_time_s * 1e3,
+                time_error=p.step_time_s * 1e3 / r["ms"] - 1,
+                predicted_mem_mb=p.memory["total"] / 1e6,
+                mem_error=p.memory["total"] / 1e6 / r["measured_mem_mb"] - 1,
+            )
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--net", default="1gbit", help="emulated link rate ('' for loopback only)")
@@ -293,7 +328,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="steps per run (2 are warm-up)")
     ap.add_argument("--profile", default=None, help="use this profile instead of calibrating")
     ap.add_argument("--out", default="runs/plan_validation")
+    ap.add_argument(
+        "--repredict",
+        default=None,
+        help="results.json of an earlier run: recompute only the predictions",
+    )
     a = ap.parse_args(argv)
+    if a.repredict:
+        from distllm.plan import load_profile
+
+        rows = repredict(Path(a.repredict), load_profile(a.profile or "cpu"))
+        print(
+            markdown_table(
+                rows,
+                [
+                    "case",
+                    "variant",
+                    "ms",
+                    "predicted_ms",
+                    "time_error",
+                    "measured_mem_mb",
+                    "predicted_mem_mb",
+                    "mem_error",
+                ],
+            )
+        )
+        return 0
     cfg = BenchConfig(
         net=a.net or None,
         out=Path(a.out),
