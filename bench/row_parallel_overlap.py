@@ -159,7 +159,7 @@ def _timeline(comm, engine_args, chunks: int) -> list[dict]:
              "end_ms": (t1 - start) * 1e3} for lane, n, t0, t1 in spans]
 
 
-def _rank(kind: str, shapes, reps: int, warmup: int, dtype_name: str):
+def _rank(kinds: tuple[str, ...], shapes, reps: int, warmup: int, dtype_name: str):
     from distllm import ParallelDims
     from distllm.comm.overlap import CommContext
 
@@ -167,7 +167,7 @@ def _rank(kind: str, shapes, reps: int, warmup: int, dtype_name: str):
     comm = CommContext(dims.tp_group)
     dtype = getattr(torch, dtype_name)
     out = []
-    for shape in shapes:
+    for kind, shape in ((kd, sh) for kd in kinds for sh in shapes):
         v, st, engine_args = _variants(kind, shape, dims, comm, dtype)
         res = interleaved(v, warmup=warmup, reps=reps, timer=_max_timer(dims.tp_group),
                           before_each=lambda: dist.barrier(group=dims.tp_group))
@@ -175,7 +175,7 @@ def _rank(kind: str, shapes, reps: int, warmup: int, dtype_name: str):
         best = min((n for n in res if n.startswith("chunked")), key=lambda n: res[n].median_ms)
         info["timelines"] = {"sequential": _timeline(comm, engine_args, 0),
                              best: _timeline(comm, engine_args, int(best[len("chunked"):]))}
-        out.append((shape, res, info))
+        out.append((kind, shape, res, info))
     return out
 
 
@@ -235,14 +235,13 @@ def run_kinds(cfg: BenchConfig, suite: str, kinds: tuple[str, ...], shapes) -> l
             use = net is not None and net.available
             label = net_rate if use else "loopback"
             reason = "" if net is None or use else f"{net_rate} unavailable: {net.reason}"
-            for kind in kinds:
-                per = run_distributed(_rank, 2, kind, shapes, reps, 2, cfg.dtype, timeout=900,
-                                      setup=net.setup if use else None,
-                                      env=net.env if use else None)
-                for shape, res, info in per[0]:
-                    for r in _case_rows(suite, kind, shape, res, info, label, cfg.dtype):
-                        r["reason"] = reason
-                        rows.append(r)
+            per = run_distributed(_rank, 2, kinds, shapes, reps, 2, cfg.dtype, timeout=1800,
+                                  setup=net.setup if use else None,
+                                  env=net.env if use else None)
+            for kind, shape, res, info in per[0]:
+                for r in _case_rows(suite, kind, shape, res, info, label, cfg.dtype):
+                    r["reason"] = reason
+                    rows.append(r)
     return rows
 
 
