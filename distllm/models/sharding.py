@@ -104,7 +104,7 @@ def _shard(cfg, dims: ParallelDims, kind: str, full: torch.Tensor) -> torch.Tens
         return full
     if kind == "vocab":
         vp = cfg.padded_vocab(tp)
-        padded = torch.zeros((vp, *full.shape[1:]), dtype=full.dtype)
+        padded = torch.zeros((vp, *full.shape[1:]), dtype=full.dtype, device=full.device)
         padded[: full.shape[0]] = full
         return padded.chunk(tp, 0)[r]
     if kind == "col":
@@ -112,7 +112,7 @@ def _shard(cfg, dims: ParallelDims, kind: str, full: torch.Tensor) -> torch.Tens
     if kind == "row":
         return full.chunk(tp, 1)[r]
     if kind == "qkv":
-        return full[_qkv_rows(cfg, tp, r)]
+        return full[_qkv_rows(cfg, tp, r).to(full.device)]
     raise AssertionError(kind)
 
 
@@ -154,8 +154,9 @@ def unshard(cfg, dims: ParallelDims, kind: str, local: torch.Tensor) -> torch.Te
     if kind == "qkv":
         gathered = _all_gather(local, dims, 0)
         rows = torch.cat([_qkv_rows(cfg, dims.tp, r) for r in range(dims.tp)])
-        full = torch.empty((int(rows.max()) + 1, *local.shape[1:]), dtype=local.dtype)
-        full[rows] = gathered  # duplicated KV heads (kv < tp) write equal values
+        full = torch.empty((int(rows.max()) + 1, *local.shape[1:]), dtype=local.dtype,
+                           device=local.device)
+        full[rows.to(local.device)] = gathered  # duplicated KV heads (kv < tp) write equal values
         return full
     raise AssertionError(kind)
 

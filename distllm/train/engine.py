@@ -62,6 +62,9 @@ class Engine:
                   seed=cfg.seed)
         # one GPT per model chunk (v > 1 only for the interleaved schedule)
         self.chunks = [GPT(mcfg, dims, layer_ids=ids, **kw) for ids in self.chunk_ids]
+        self.device = dims.device  # cuda under NCCL, else cpu
+        for c in self.chunks:
+            c.to(self.device)
         self._build_dp_and_optimizer()
         self.pipeline = self._build_pipeline() if dims.pp > 1 else None
 
@@ -137,6 +140,7 @@ class Engine:
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward + backward of this rank's rows of the global batch; returns the mean loss
         over them on the last stage (0.0 elsewhere)."""
+        tokens, targets = tokens.to(self.device), targets.to(self.device)
         if self.pipeline is not None:
             return self.pipeline.train_step(tokens, targets, self._loss)
         m = self.cfg.parallel.micro_batches
@@ -177,6 +181,7 @@ class Engine:
         """Mean loss of this DP rank's rows, forward only (the pipeline's forward-only
         schedule with pp > 1, at the training micro-batch shape, which the executor keeps);
         the same on every rank of the pipeline."""
+        tokens, targets = tokens.to(self.device), targets.to(self.device)
         if self.pipeline is not None:
             return self.pipeline.eval_step(tokens, targets, self._loss)
         model = self.chunks[0]

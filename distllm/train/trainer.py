@@ -97,7 +97,7 @@ class _Progress:
 def _global_loss(loss: float, dims: ParallelDims) -> float:
     """The step's loss on every rank: the last stage's TP-rank-0 values averaged over DP."""
     mine = loss if (dims.is_last_stage and dims.tp_rank == 0) else 0.0
-    t = torch.tensor([mine], dtype=torch.float64)
+    t = torch.tensor([mine], dtype=torch.float64, device=dims.device)
     if dims.world_size > 1:
         dist.all_reduce(t)
     return float(t) / dims.dp
@@ -213,7 +213,8 @@ def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> TrainResult:
         _banner(cfg, mcfg, dims, corpus)
         if cfg.resume:
             _log(f"resumed from step {start} ({cfg.out})", dims)
-            _truncate_metrics(os.path.join(cfg.out, "metrics.jsonl"), start)
+        # a fresh run starts a fresh metrics file; a resumed one drops steps after its start
+        _truncate_metrics(os.path.join(cfg.out, "metrics.jsonl"), start)
     end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
     _run_steps(cfg, engine, loader, dims, start, end, seq, result)
     if (cfg.save_final or end < cfg.steps) and start < end:
