@@ -86,7 +86,11 @@ def init_full_weight(shape: tuple[int, ...], fan_in: int, init_method: Callable 
 
 class OverlapPlan:
     """How a layer overlaps its collectives: ``overlap`` ("auto" | "chunked" | "none"),
-    ``chunks``, the tp group, and the :class:`OverlapStats` of what ran."""
+    ``chunks``, the tp group, and the :class:`OverlapStats` of what ran.
+
+    ``auto`` measures on the first call per (layer kind, direction, collective, rows rounded
+    up to a power of two, K, N, dtype, device, group) and reuses the choice for the shapes
+    that share that key (so variable sequence lengths do not re-measure on every call)."""
 
     def __init__(self, dims, overlap: str, chunks: int, name: str):
         if overlap not in OVERLAP_MODES:
@@ -115,8 +119,9 @@ class OverlapPlan:
         else:
             rows = a.shape[0] if kind == "all_reduce" else a.shape[1] // (
                 self.tp if kind == "reduce_scatter" else 1)
-            key = (self.name, direction, kind, tuple(a.shape), n_out, str(a.dtype),
-                   a.device.type)
+            m = a.numel() // max(a.shape[-1], 1)  # rows: a new measurement per power of two
+            key = (self.name, direction, kind, 1 << max(m - 1, 0).bit_length(), a.shape[-1],
+                   n_out, str(a.dtype), a.device.type)
             choice = autotune.choose(
                 key, lambda c, ch: run_engine(kind, a, mm, n_out, c, ch, then), comm, rows,
                 a.is_cuda, f"{self.name} {direction}", chunks_hint=self.chunks)
