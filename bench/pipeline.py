@@ -59,15 +59,18 @@ class _Sleep(torch.autograd.Function):
 
 class SleepStage(nn.Module):
     """A stage whose F sleeps ``t_f``, B (input grad) ``t_b`` and W (weight grad) ``t_w``:
-    ``y = sleep_x(x) * sleep_w(w)``; B only walks the ``x`` branch, W only the ``w`` one."""
+    ``y = linear(sleep(x), w)`` with ``w`` the identity; the sleep's backward is B's time,
+    and a post-accumulate-grad hook on ``w`` sleeps ``t_w`` when W accumulates its grad
+    (in a plain backward both happen in B)."""
 
-    def __init__(self, t_f: float, t_b: float, t_w: float):
+    def __init__(self, t_f: float, t_b: float, t_w: float, width: int):
         super().__init__()
-        self.t = (t_f, t_b, t_w)
-        self.w = nn.Parameter(torch.ones(()))
+        self.t = (t_f, t_b)
+        self.w = nn.Parameter(torch.eye(width))
+        self.w.register_post_accumulate_grad_hook(lambda p: time.sleep(t_w))
 
-    def forward(self, x):
-        return _Sleep.apply(x, self.t[0], self.t[1]) * _Sleep.apply(self.w, 0.0, self.t[2])
+    def forward(self, x):  # (rows, width) -> (rows, width)
+        return nn.functional.linear(_Sleep.apply(x, self.t[0], self.t[1]), self.w)
 
 
 class Block(nn.Module):
@@ -86,7 +89,7 @@ def _mse(y, t):
 def _layers(kind: str, p: int, v: int, t_ms: float, hidden: int, blocks: int):
     if kind == "sleep":
         t = t_ms / 1e3 / v
-        return [SleepStage(t, t, t) for _ in range(p * v)]
+        return [SleepStage(t, t, t, hidden) for _ in range(p * v)]
     torch.manual_seed(0)
     return [Block(hidden) for _ in range(blocks)]
 

@@ -88,7 +88,8 @@ def _case(dims, schedule, m, v, n, n_blocks, seed, ddp=False):
     from distllm.parallel import DistributedDataParallel
     from distllm.parallel.pipeline import PipelineParallel
 
-    pp = PipelineParallel(make_layers(n_blocks), dims, schedule, m, v)
+    pp = PipelineParallel(make_layers(n_blocks), dims, schedule, m, v,
+                          track_memory=seed % 2 == 0)  # saved-tensor hooks on, or off
     sync = pp.grad_sync = AllReduceGrads(pp, dims.dp_group, dims.dp)
     if ddp:  # the library's DDP reduces; the recorder above only watches the hooks
         sync.dp = 1

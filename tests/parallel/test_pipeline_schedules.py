@@ -155,3 +155,47 @@ def test_split_layers():
         split_layers(6, 2, layers_per_stage=[2, 3])
     with pytest.raises(ValueError, match="give 2 positive counts"):
         split_layers(6, 2, layers_per_stage=[6])
+
+
+def test_deferred_weight_grads_equal_plain_backward():
+    """B (input grads, linears' dW deferred) then W (deferred GEMMs + other grads, accumulated
+    on the leaves) equals one plain backward in float64, with or without saved-tensor hooks,
+    and W fires every parameter's post-accumulate-grad hook."""
+    import contextlib
+
+    import torch
+    from torch import nn
+
+    from distllm.parallel.pipeline.weight_grad import DeferLinearWeightGrads, WeightGradStore
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 5), nn.LayerNorm(5), nn.GELU(), nn.Linear(5, 3, bias=False))
+    model = model.double()
+    x = torch.randn(2, 3, 7, dtype=torch.float64).transpose(0, 1)  # non-contiguous (3, 2, 7)
+    gy = torch.randn(3, 2, 3, dtype=torch.float64)
+    xr = x.detach().requires_grad_()
+    torch.autograd.backward(model(xr), gy)
+    ref = [p.grad.clone() for p in model.parameters()]
+    fired = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    for hooks in (False, True):
+        model.zero_grad(set_to_none=True)
+        fired.clear()
+        store, xi = WeightGradStore(), x.detach().requires_grad_()
+        saved = (torch.autograd.graph.saved_tensors_hooks(lambda t: t * 1, lambda t: t)
+                 if hooks else contextlib.nullcontext())
+        with saved, DeferLinearWeightGrads(store):
+            y = model(xi)
+        params = list(model.parameters())
+        grads = torch.autograd.grad(y, [xi] + params, gy, allow_unused=True)
+        assert (grads[0] - xr.grad).abs().max() < 1e-12
+        assert grads[1] is None and grads[2] is None and grads[5] is None  # deferred linears
+        assert all(p.grad is None for p in params) and not fired
+        store.params += [p for p, g in zip(params, grads[1:], strict=True) if g is not None]
+        store.grads += [g for g in grads[1:] if g is not None]
+        ps, gs = store.weight_grads()
+        torch.autograd.backward(ps, gs)
+        for p, r in zip(params, ref, strict=True):
+            assert (p.grad - r).abs().max() < 1e-12
+        assert sorted(map(id, fired)) == sorted(map(id, params))

@@ -34,6 +34,7 @@ from distllm.parallel.pipeline.schedules import (
 )
 from distllm.parallel.pipeline.simulate import message_of
 from distllm.parallel.pipeline.stage import split_layers
+from distllm.parallel.pipeline.weight_grad import DeferLinearWeightGrads, WeightGradStore
 
 __all__ = ["PipelineParallel", "StepStats", "split_micro_batches"]
 
@@ -87,8 +88,9 @@ class PipelineParallel(nn.Module):
             ``finish_grad_sync()``: every weight-gradient pass (B, or W in zb-h1) of the step
             but the rank's last runs under ``no_sync()``; ``finish_grad_sync()`` is called at
             the end of every training step (so buckets of other chunks, with interleaving,
-            are reduced there). W passes accumulate with ``autograd.backward(inputs=params)``,
-            so post-accumulate-grad hooks (DDP buckets) fire from W.
+            are reduced there). W accumulates with ``autograd.backward(params, grads)`` on the
+            leaves, so post-accumulate-grad hooks (DDP / ZeRO buckets) fire from W; see
+            ``weight_grad`` for how B and W split the work.
         track_memory: measure bytes saved for backward per micro-batch (small overhead).
 
     ``self.chunks[c]`` is an ``nn.Sequential`` of global layers ``self.layer_ids[c]``.
@@ -182,6 +184,7 @@ class _StepRun:
         self.stats = StepStats()
         self.held, self.held_bytes = 0, 0
         self.saved_bytes: dict[tuple[int, int], int] = {}
+        self.wstores: dict[tuple[int, int], WeightGradStore] = {}
         grad_kind = W if sched.split_backward else B
         self.last_grad = [a for a in sched.actions[self.rank] if a.kind == grad_kind][-1:]
         if pp.track_memory:
@@ -236,7 +239,11 @@ class _StepRun:
         x = self._input(a)
         t0 = time.perf_counter()
         s, mbc = self.sched.stage(self.rank, a.chunk), (a.mb, a.chunk)
-        with self._saved_hooks(mbc):
+        defer = contextlib.nullcontext()
+        if self.train and self.sched.split_backward:
+            self.wstores[mbc] = WeightGradStore()
+            defer = DeferLinearWeightGrads(self.wstores[mbc])
+        with self._saved_hooks(mbc), defer:
             y = self.pp.chunks[a.chunk](x)
         if s == self.S - 1:
             loss = self.loss_fn(y, self.tgts[a.mb])
@@ -267,14 +274,13 @@ class _StepRun:
             grad = self._wait(Action(RECV_B, a.mb, a.chunk))
         t0 = time.perf_counter()
         x, y = self.inputs[mbc], self.outputs[mbc]
-        if self.sched.split_backward:  # input gradient only; W later
-            if x.requires_grad:
-                (dx,) = torch.autograd.grad(y, x, grad, retain_graph=True)
-                if s > 0:
-                    self.to_send[mbc] = dx
-                else:  # a batch that requires grad gets it, as on one process
-                    torch.autograd.backward(x, dx)
-            self.outputs[mbc] = (y, grad)
+        if self.sched.split_backward:  # input gradient now, weight gradients left for W
+            dx = self._input_grad(a.chunk, x, y, grad, self.wstores[mbc])
+            if dx is not None and s > 0:
+                self.to_send[mbc] = dx
+            elif dx is not None:  # a batch that requires grad gets it, as on one process
+                torch.autograd.backward(x, dx)
+            del self.outputs[mbc]
         else:
             with self._grad_ctx(a):
                 torch.autograd.backward(y, grad)
@@ -283,19 +289,34 @@ class _StepRun:
             self._free(mbc)
         self.stats.timeline.append((a, t0, time.perf_counter()))
 
+    def _input_grad(self, chunk: int, x, y, grad, store: WeightGradStore):
+        """B of a split backward: one autograd pass for dX and the non-deferred parameter
+        grads (kept in ``store``); deferred linears record ``(X, dY)``. Frees the graph."""
+        params = [q for q in self.pp.chunks[chunk].parameters() if q.requires_grad]
+        want_x = x.requires_grad
+        inputs = ([x] if want_x else []) + params
+        if not inputs:
+            return None
+        grads = torch.autograd.grad(y, inputs, grad, allow_unused=True)
+        for q, gq in zip(params, grads[int(want_x):], strict=True):
+            if gq is not None:
+                store.params.append(q)
+                store.grads.append(gq)
+        return grads[0] if want_x else None
+
     def _weight(self, a: Action) -> None:
         mbc = (a.mb, a.chunk)
         t0 = time.perf_counter()
-        y, grad = self.outputs[mbc]
-        params = [q for q in self.pp.chunks[a.chunk].parameters() if q.requires_grad]
+        params, grads = self.wstores.pop(mbc).weight_grads()
         if params:
-            with self._grad_ctx(a):  # accumulates into .grad: post-accumulate hooks fire
-                torch.autograd.backward(y, grad, inputs=params)
+            with self._grad_ctx(a):  # AccumulateGrad on the leaves: post-accumulate hooks fire
+                torch.autograd.backward(params, grads)
         self._free(mbc)
         self.stats.timeline.append((a, t0, time.perf_counter()))
 
     def _free(self, mbc: tuple[int, int]) -> None:
-        del self.inputs[mbc], self.outputs[mbc]
+        self.inputs.pop(mbc)
+        self.outputs.pop(mbc, None)
         self.held -= 1
         self.held_bytes -= self.saved_bytes.pop(mbc, 0)
 
