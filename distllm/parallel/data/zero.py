@@ -41,7 +41,7 @@ size (see :mod:`distllm.parallel.data.zero_state`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -52,61 +52,11 @@ from distllm.comm.buckets import FIRST_BUCKET_BYTES, GradBuckets, all_gather_fla
 from distllm.parallel.data.ddp import _broadcast_from_dp0, dp_group_of
 from distllm.parallel.data.grad_norm import clip_by, global_norm, is_tp_sharded
 from distllm.parallel.data.zero3 import ShardedParams
+from distllm.parallel.data.zero_setup import HALF, broadcast_params, check_args, param_groups_of
 from distllm.parallel.data.zero_state import gather_state, load_state
 from distllm.parallel.mesh import ParallelDims
 
 __all__ = ["ZeroOptimizer"]
-
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def _check_args(stage: int, optimizer_cls: Any) -> None:
-    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage={stage!r}: choose 0 (plain DP), 1 (shard optimizer states), "
-                         "2 (+ gradients) or 3 (+ parameters)")
-    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-        raise TypeError(f"optimizer_cls={optimizer_cls!r} is not a torch.optim.Optimizer subclass: "
-                        "pass the class itself, e.g. torch.optim.AdamW (not an instance)")
-
-
-def _unname(items: list, names: dict) -> list:
-    """Parameters from ``items``; ``(name, param)`` pairs also record the name."""
-    out = []
-    for it in items:
-        if isinstance(it, tuple):
-            names[it[1]] = it[0]
-            it = it[1]
-        out.append(it)
-    return out
-
-
-def _param_groups(module_or_params, param_groups=None
-                  ) -> tuple[nn.Module | None, list[tuple[list, dict]], dict]:
-    """``(module, [(params, options), ...], names)`` from a module, parameters, ``(name,
-    param)`` pairs (``named_parameters()``), or param-group dicts of either."""
-    names: dict[nn.Parameter, str] = {}
-    if isinstance(module_or_params, nn.Module):
-        module = module_or_params
-        items = list(param_groups) if param_groups is not None else list(module.parameters())
-        names = {p: n for n, p in module.named_parameters()}
-    else:
-        module, items = None, list(module_or_params)
-    groups: list[tuple[list, dict]] = []
-    if items and isinstance(items[0], dict):
-        for g in items:
-            opts = {k: v for k, v in g.items() if k != "params"}
-            ps = [g["params"]] if isinstance(g["params"], Tensor) else list(g["params"])
-            groups.append(([p for p in _unname(ps, names) if p.requires_grad], opts))
-    else:
-        groups.append(([p for p in _unname(items, names) if p.requires_grad], {}))
-    if not any(ps for ps, _ in groups):
-        raise ValueError("module_or_params has no parameters that require grad: pass the model "
-                         "(or its parameters) that holds the weights to optimise")
-    allp = [p for ps, _ in groups for p in ps]
-    for i, p in enumerate(allp):
-        names.setdefault(p, f"param{i}")
-    return module, groups, names
-
 
 class ZeroOptimizer:
     """ZeRO-0/1/2/3 data parallelism wrapped around a ``torch.optim`` optimizer.
@@ -147,8 +97,8 @@ class ZeroOptimizer:
                  units: list[nn.Module] | None = None, loss_scale: float | str | None = None,
                  param_groups: list[dict] | None = None, overlap_param_gather: bool = True,
                  finish_on_backward_end: bool = True, **optim_kwargs: Any) -> None:
-        _check_args(stage, optimizer_cls)
-        module, groups, self.names = _param_groups(module_or_params, param_groups)
+        check_args(stage, optimizer_cls)
+        module, groups, self.names = param_groups_of(module_or_params, param_groups)
         if stage == 3 and module is None:
             raise ValueError("stage=3 needs the nn.Module (its layers are gathered by hooks): "
                              "pass the model, not its parameters")
@@ -159,10 +109,10 @@ class ZeroOptimizer:
         if self.group is not None and module is not None:
             _broadcast_from_dp0(module, dims, buffers=True)
         elif self.group is not None:
-            _broadcast_params(groups, dims)
+            broadcast_params(groups, dims)
         first = groups[0][0][0] if groups[0][0] else next(p for ps, _ in groups for p in ps)
         self.param_dtype = param_dtype or first.dtype
-        self.mixed = self.param_dtype in _HALF
+        self.mixed = self.param_dtype in HALF
         self.master_dtype = torch.float32 if self.mixed else self.param_dtype
         self.reduce_dtype = reduce_dtype or self.master_dtype
         self._build(groups, units, bucket_cap_mb, prefetch, finish_on_backward_end)
@@ -425,15 +375,3 @@ class ZeroOptimizer:
         return (f"ZeroOptimizer(stage={self.stage}, dp={self.nranks}, "
                 f"buckets={len(self.reducer.buckets)}, param_dtype={self.param_dtype}, "
                 f"reduce_dtype={self.reduce_dtype}, optimizer={type(self.optimizer).__name__})")
-
-
-@torch.no_grad()
-def _broadcast_params(groups, dims: ParallelDims) -> None:
-    src = dims.group_ranks("dp")[0]
-    for ps, _ in groups:
-        for p in ps:
-            dist.broadcast(p.data, src=src, group=dims.dp_group)
-
-
-def _iter_params(groups) -> Iterable[nn.Parameter]:
-    return (p for ps, _ in groups for p in ps)

@@ -204,8 +204,8 @@ class ShardedParams:
             if ts:
                 torch.autograd.graph.register_multi_grad_hook(
                     ts, lambda _g, m=mod: self._pre_backward(m), mode="any")
-        if mod is not self.module:
-            self.reshard(mod)
+        if mod is not self.module or not torch.is_grad_enabled():
+            self.reshard(mod)  # the root stays gathered for the backward that follows
 
     def _pre_backward(self, mod: nn.Module) -> None:
         if self.flats[self.module]:
