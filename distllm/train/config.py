@@ -193,6 +193,12 @@ class TrainConfig:
             raise ValueError(f"n_layers={self.n_layers}: use 0 (the preset's) or a positive depth")
         if self.stop_after < 0:
             raise ValueError(f"stop_after={self.stop_after}: use 0 (run to --steps) or a step")
+        if (self.activation_checkpointing != "none" and self.parallel.pp > 1
+                and self.parallel.schedule == "zb-h1"):
+            raise ValueError(
+                "activation_checkpointing with the zb-h1 schedule: its deferred weight "
+                "gradients do not survive recomputation; use --activation-checkpointing none "
+                "or another --schedule")
         if self.save_every < 0:
             raise ValueError(f"save_every={self.save_every}: use 0 (end only) or a step count")
         if self.eval_batches < 0:

@@ -37,6 +37,7 @@ def _err(capsys, argv: list[str]) -> str:
     (["--nproc", "2", "--tp", "2", "--sequence-parallel", "--seq-len", "33"], "--seq-len"),
     (["--seq-len", "4096"], "exceeds"),
     (["--lr", "-1"], "lr=-1.0"),
+    (["--pp", "2", "--schedule", "zb-h1", "--activation-checkpointing", "full"], "zb-h1"),
 ])
 def test_bad_input(capsys, argv, words):
     assert words in _err(capsys, argv)

@@ -40,7 +40,7 @@ DEFAULT_2 = [
     dict(dp=2, zero=2),
     dict(tp=2, sp=True, overlap="none"),
     dict(tp=2, activation_checkpointing="full"),
-    dict(pp=2, schedule="zb-h1", m=2, activation_checkpointing="selective"),
+    dict(pp=2, schedule="interleaved-1f1b", m=2, activation_checkpointing="selective"),
     dict(tp=2, dtype="bfloat16"),
     dict(dp=2, zero=1, dtype="bfloat16"),
 ]
