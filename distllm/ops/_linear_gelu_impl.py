@@ -142,7 +142,7 @@ def fwd(backend: str, x, w, b, approximate: str, save_pre: bool):
 
 
 def _cpu_fwd(x, w, b, approximate, save_pre):
-    if _onednn_dtype_ok(x.dtype):
+    if _onednn_dtype_ok(x.dtype) and x.numel() > 0 and w.numel() > 0:  # oneDNN rejects empties
         lp = torch.ops.mkldnn._linear_pointwise
         x, w = x.contiguous(), w.contiguous()
         b = None if b is None else b.contiguous()
@@ -182,7 +182,8 @@ def bwd(backend: str, grad, x, w, pre, has_bias: bool, approximate: str, need_dx
         dw = gu.t() @ x  # (N, M) @ (M, K)
     dx = None
     if need_dx:
-        if backend == "cpu" and x.dtype == torch.float32 and _onednn_dtype_ok(x.dtype):
+        if (backend == "cpu" and x.dtype == torch.float32 and _onednn_dtype_ok(x.dtype)
+                and gu.numel() > 0 and w.numel() > 0):
             # (M, N) @ (N, K) through oneDNN, w.t() being the (out=K, in=N) weight: 84 vs 112 ms
             # for torch.mm at (M, N, K) = (2048, 4096, 1024) fp32 on a 2-core EPYC under load
             # (torch.mm already goes to oneDNN for bfloat16).

@@ -19,6 +19,8 @@ layer this is the local shard's computation.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -94,7 +96,7 @@ def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if backend != "auto":
         _require(backend, x, weight, approximate)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])  # (..., K) -> (M, K); a view when x's layout allows
+    x2 = x.reshape(math.prod(lead), x.shape[-1])  # (..., K) -> (M, K); a view if layout allows
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     y, _ = torch.ops.distllm.linear_gelu_fwd(x2, weight, bias, approximate, backend, needs_grad)

@@ -54,6 +54,9 @@ def _check(backend, x, w, b, approximate, grads=True):
 
 
 def _close(got, want, dtype, name):
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    if want.numel() == 0:
+        return
     scale = max(want.abs().max().item(), 1e-3)
     err = (got.double() - want).abs().max().item()
     assert err <= TOL[dtype] * scale, f"{name}: max error {err:.3g} > {TOL[dtype]} * {scale:.3g}"
@@ -99,6 +102,15 @@ def test_partial_grads(backend):
         wd = w.detach().double().requires_grad_()
         linear_gelu_reference(x.double(), wd, None if b is None else b.double()).sum().backward()
         _close(w.grad, wd.grad, x.dtype, "dw")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton", "auto"])
+def test_1d_and_empty_dimensions(backend):
+    for lead, K, N in (((), 8, 5), ((0,), 8, 5), ((3,), 0, 5), ((2, 3), 8, 0)):
+        x = torch.randn(*lead, K)
+        w = torch.randn(N, K)
+        b = torch.randn(N)
+        _check(backend, x, w, b, "none")
 
 
 # ---------------------------------------------------------------------------- Triton
