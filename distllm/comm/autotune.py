@@ -1,9 +1,11 @@
 """``overlap="auto"``: choose the chunk count of an overlap engine (or no overlap) from a
 measurement on the real tensors, cached per (collective, shape, dtype, device, group).
 
-The candidates are timed interleaved (compute alone, sequential, then each chunk count);
-every rank's timings are reduced with MAX over the group so that all ranks choose the
-same schedule (a mismatch would pair different collectives). A chunked schedule is chosen
+The candidates are timed interleaved (compute alone, sequential, then each chunk count),
+each keeping its fastest repetition (interference from other work only ever adds time, so
+the minimum is the steadier estimate of what a schedule costs); every rank's timings are
+reduced with MAX over the group so that all ranks choose the same schedule (a mismatch
+would pair different collectives). A chunked schedule is chosen
 only when it beats the sequential one by more than ``margin`` (3%); otherwise the layer
 falls back to no overlap and says so once through ``logging.getLogger("distllm")``.
 
@@ -13,7 +15,6 @@ The cache is a measurement record (not configuration): :func:`clear_cache` empti
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,8 +34,9 @@ _CACHE: dict[tuple, Choice] = {}
 
 @dataclass(frozen=True)
 class Choice:
-    """The outcome of one measurement: ``chunks`` (0 = no overlap), the medians (ms) of the
-    compute alone, of the sequential schedule and of the chosen one, and the reason."""
+    """The outcome of one measurement: ``chunks`` (0 = no overlap), the times (ms, best of
+    the repetitions) of the compute alone, of the sequential schedule and of the chosen one,
+    and the reason."""
 
     chunks: int
     compute_ms: float
@@ -80,9 +82,9 @@ def _measure(run: Callable[[CommContext, int], object], comm: CommContext, rows:
             t = _timed(variants[n], cuda)
             if i:
                 samples[n].append(t)
-    med = torch.tensor([statistics.median(samples[n]) for n in names], dtype=torch.float64)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX, group=comm.group)
-    return names, med.tolist()
+    best = torch.tensor([min(samples[n]) for n in names], dtype=torch.float64)
+    dist.all_reduce(best, op=dist.ReduceOp.MAX, group=comm.group)
+    return names, best.tolist()
 
 
 def choose(key: tuple, run: Callable[[CommContext, int], object], comm: CommContext, rows: int,
