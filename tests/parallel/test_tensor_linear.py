@@ -108,7 +108,9 @@ def _engines(tp: int):
     mm = lambda a, o: torch.mm(a, w.t(), out=o)  # noqa: E731
     errs = {}
     for kind, shape in (("all_reduce", (7, 5)), ("all_gather", (2, 3, 5)),
-                        ("reduce_scatter", (2, 3 * tp, 5)), ("all_reduce", (1, 5))):
+                        ("reduce_scatter", (2, 3 * tp, 5)), ("all_reduce", (1, 5)),
+                        ("all_reduce", (769, 5)), ("all_gather", (1, 123, 5)),
+                        ("reduce_scatter", (1, 123 * tp, 5))):
         a = torch.randn(*shape, dtype=DT)
         ref, _ = run_engine(kind, a, mm, 6, comm, 0)
         ref = ref[1] if kind == "all_gather" else ref
