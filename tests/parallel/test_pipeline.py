@@ -52,7 +52,8 @@ def reference(n_blocks: int, x, y):
     model = nn.Sequential(*layers)
     loss = loss_fn(model(x), y)
     loss.backward()
-    return loss.item(), [[p.grad.clone() for p in layer.parameters()] for layer in layers]
+    return loss.item(), {f"layers.{i}.{n}": p.grad.clone()
+                         for i, layer in enumerate(layers) for n, p in layer.named_parameters()}
 
 
 class AllReduceGrads:
@@ -103,10 +104,10 @@ def _case(dims, schedule, m, v, n, n_blocks, seed, ddp=False):
     ref_loss, ref_grads = reference(n_blocks, gx, gy)
     local_ref = reference(n_blocks, x, y)[0]
     err = abs(loss - local_ref)
-    for c, ids in enumerate(pp.layer_ids):
-        for layer, i in zip(pp.chunks[c], ids, strict=False):
-            for p, g in zip(layer.parameters(), ref_grads[i], strict=False):
-                err = max(err, float((p.grad - g).abs().max()))
+    names = [name for name, _ in pp.global_named_parameters()]
+    assert len(names) == sum(1 for _ in pp.parameters()) and set(names) <= set(ref_grads)
+    for name, p in pp.global_named_parameters():
+        err = max(err, float((p.grad - ref_grads[name]).abs().max()))
     _check_hooks(pp, sync, m)
     ev = pp.eval_step(x, y, loss_fn)
     err = max(err, abs(ev - local_ref))

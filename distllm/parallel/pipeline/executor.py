@@ -120,6 +120,14 @@ class PipelineParallel(nn.Module):
         if self.pp > 1:  # start the pipeline communicator on every rank together
             dist.all_reduce(torch.zeros(1, device=dims.device), group=dims.pp_group)
 
+    def global_named_parameters(self):
+        """``("layers.<global layer index>.<name>", param)`` for this rank's parameters: names
+        that do not depend on pp / virtual_stages (for checkpoints and parity checks)."""
+        for ids, chunk in zip(self.layer_ids, self.chunks, strict=True):
+            for i, layer in zip(ids, chunk, strict=True):
+                for name, p in layer.named_parameters():
+                    yield f"layers.{i}.{name}", p
+
     @property
     def micro_batches(self) -> int:
         return self.schedule.micro_batches
@@ -137,10 +145,14 @@ class PipelineParallel(nn.Module):
         """Forward and backward of one batch under the schedule; returns the loss.
 
         ``batch`` is read on the first stage, ``targets`` on the last (other ranks may pass
-        ``None``). ``loss_fn(output, targets)`` must be a mean over the micro-batch; the loss
-        returned on every rank of the pipeline is the mean over the ``m`` micro-batches (the
-        one-process loss of the whole batch), and gradients accumulate into ``.grad`` scaled
-        the same way. P2P between stages; one broadcast of the loss over ``dims.pp_group``.
+        ``None``); both are split into ``m`` micro-batches along dim 0. ``loss_fn(output,
+        targets)`` must be a mean over the micro-batch; the loss returned on every rank of the
+        pipeline is the mean over the ``m`` micro-batches, which is the one-process loss of
+        the whole batch when every micro-batch counts the same number of tokens (no uneven
+        ``ignore_index`` masking), and gradients accumulate into ``.grad`` scaled the same way
+        (call ``zero_grad`` between steps). The loss is this data-parallel replica's; average
+        it over ``dims.dp_group`` for logging if wanted. Collectives: P2P between stages, one
+        broadcast of the loss over ``dims.pp_group``, plus whatever ``grad_sync`` does.
         """
         return self._step(self.schedule, batch, targets, loss_fn, train=True)
 
