@@ -128,6 +128,14 @@ class GradBuckets:
             buffer exists from its first gradient until its reduction completed.
         on_bucket_ready: called with the bucket when its last gradient landed (before launch).
         on_finish: called at the end of :meth:`finish` (e.g. to free gathered parameters).
+        pad_to: pad each bucket to a multiple of this (default: the group size in
+            reduce_scatter mode, else 1); ZeRO-1 pads to the group size to shard states.
+        reduce_scatter_impl: how reduce_scatter mode reduces: ``"reduce_scatter"`` (the
+            collective), ``"all_reduce"`` (all-reduce the bucket, keep this rank's slice), or
+            ``"auto"``: all_reduce on gloo, reduce_scatter otherwise. Gloo's reduce-scatter
+            (torch 2.14, 2 ranks, 20 MB fp32 bucket) measured 137 ms against 19 ms for its
+            all-reduce over loopback, and 87 ms against 99 ms over an emulated 10 Gbit/s
+            link, so on gloo the all-reduce is the better reduce-scatter; NCCL's is used as is.
         finish_on_backward_end: queue :meth:`finish` at the end of the backward pass in which
             the first synchronised gradient landed (the drop-in DDP behaviour). Turn it off
             when one step's gradients come from several ``autograd.backward`` calls (a
@@ -142,7 +150,8 @@ class GradBuckets:
                  dtype: torch.dtype, as_view: bool, persistent: bool,
                  on_bucket_ready: Callable[[Bucket], None] | None = None,
                  finish_on_backward_end: bool = True, pad_to: int | None = None,
-                 on_finish: Callable[[], None] | None = None) -> None:
+                 on_finish: Callable[[], None] | None = None,
+                 reduce_scatter_impl: str = "auto") -> None:
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"mode={mode!r}: use 'all_reduce' or 'reduce_scatter'")
         if as_view and not persistent:
@@ -153,6 +162,15 @@ class GradBuckets:
         self.on_bucket_ready = on_bucket_ready
         self.on_finish = on_finish
         self.pad_to = pad_to or (self.nranks if mode == "reduce_scatter" else 1)
+        self.group_rank = dist.get_rank(group) if group is not None else 0
+        if reduce_scatter_impl not in ("auto", "reduce_scatter", "all_reduce"):
+            raise ValueError(f"reduce_scatter_impl={reduce_scatter_impl!r}: use 'auto', "
+                             "'reduce_scatter' or 'all_reduce'")
+        if reduce_scatter_impl == "auto":
+            gloo = group is not None and dist.get_backend(group) == "gloo"
+            reduce_scatter_impl = "all_reduce" if gloo else "reduce_scatter"
+        self.rs_via_all_reduce = (mode == "reduce_scatter" and self.nranks > 1
+                                  and reduce_scatter_impl == "all_reduce")
         self.finish_on_backward_end = finish_on_backward_end
         self.buckets: list[Bucket] = []
         self.where: dict[torch.nn.Parameter, tuple[Bucket, int]] = {}
@@ -285,6 +303,10 @@ class GradBuckets:
             if self.nranks > 1:
                 b.work = dist.all_reduce(buf, group=self.group, async_op=True)
             return
+        if self.rs_via_all_reduce:  # the rank's slice is taken when the all-reduce completes
+            b.out = buf
+            b.work = dist.all_reduce(buf, group=self.group, async_op=True)
+            return
         b.out = torch.empty(b.shard_numel, dtype=self.dtype, device=buf.device)
         if self.nranks > 1:
             b.work = reduce_scatter_flat(b.out, buf, self.group, async_op=True)
@@ -296,12 +318,16 @@ class GradBuckets:
             b.work.wait()
             b.work = None
         if self.mode == "reduce_scatter" and b.out is not None:
+            out = b.out
+            if out.numel() != b.shard_numel:  # reduced by all-reduce: keep this rank's slice
+                lo = self.group_rank * b.shard_numel
+                out = out[lo: lo + b.shard_numel]
             if b.shard is None:
-                b.shard = b.out
+                b.shard = out.clone() if out is not b.out else out
             elif b.shard_fresh:
-                b.shard.copy_(b.out)
+                b.shard.copy_(out)
             else:
-                b.shard.add_(b.out)
+                b.shard.add_(out)
             b.shard_fresh = False
             b.out = None
             if not self.persistent:

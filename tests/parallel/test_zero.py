@@ -82,7 +82,7 @@ def _max_err(a: dict, b: dict) -> float:
 
 
 def _run_case(dims, stage: int, opt_cls, opt_kw: dict, *, use_groups: bool, clip: float | None,
-              prefetch: bool = True, steps: int = 3) -> dict:
+              prefetch: bool = True, steps: int = 3, rs: str = "auto") -> dict:
     from distllm.parallel import ZeroOptimizer
 
     model, ref = make(), make()
@@ -92,7 +92,8 @@ def _run_case(dims, stage: int, opt_cls, opt_kw: dict, *, use_groups: bool, clip
                           bucket_cap_mb=0.002, **opt_kw)
     else:
         z = ZeroOptimizer(groups_of(model, named=True) if use_groups else model, opt_cls,
-                          stage=stage, dims=dims, bucket_cap_mb=0.002, **opt_kw)
+                          stage=stage, dims=dims, bucket_cap_mb=0.002, reduce_scatter_impl=rs,
+                          **opt_kw)
     ropt = opt_cls(groups_of(ref) if use_groups else ref.parameters(), **opt_kw)
     norms = []
     for s in range(steps):
@@ -130,8 +131,9 @@ def zero_parity(tp: int = 1) -> dict:
                                            use_groups=stage % 2 == 1, clip=0.05)
     out["adamw-s3-groups"] = _run_case(dims, 3, torch.optim.AdamW, adam, use_groups=True,
                                        clip=0.05, steps=2)
-    out["sgd-s2"] = _run_case(dims, 2, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9},
-                              use_groups=False, clip=None)
+    # SGD with momentum; the reduce-scatter collective itself (auto picks all-reduce on gloo)
+    out["sgd-s2-rs"] = _run_case(dims, 2, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9},
+                                 use_groups=False, clip=0.05, rs="reduce_scatter")
     out["adamw-s3-noprefetch"] = _run_case(dims, 3, torch.optim.AdamW, adam, use_groups=False,
                                            clip=None, prefetch=False, steps=2)
     return out

@@ -88,6 +88,9 @@ class ZeroOptimizer:
             parameters at the end of ``step`` and wait for each bucket in a forward pre-hook
             of the modules owning its parameters (code reading a parameter outside its
             module's forward calls :meth:`wait_params` first). Without a module: waited at once.
+        reduce_scatter_impl: stages 2-3: ``"auto"`` (gloo: all-reduce the bucket and keep
+            the rank's slice, as gloo's reduce-scatter is slow; else reduce-scatter),
+            ``"reduce_scatter"`` or ``"all_reduce"``.
         finish_on_backward_end: see the module docstring.
     """
 
@@ -96,6 +99,7 @@ class ZeroOptimizer:
                  bucket_cap_mb: float = 25.0, prefetch: bool = True,
                  units: list[nn.Module] | None = None, loss_scale: float | str | None = None,
                  param_groups: list[dict] | None = None, overlap_param_gather: bool = True,
+                 reduce_scatter_impl: str = "auto",
                  finish_on_backward_end: bool = True, **optim_kwargs: Any) -> None:
         check_args(stage, optimizer_cls)
         module, groups, self.names = param_groups_of(module_or_params, param_groups)
@@ -115,6 +119,7 @@ class ZeroOptimizer:
         self.mixed = self.param_dtype in HALF
         self.master_dtype = torch.float32 if self.mixed else self.param_dtype
         self.reduce_dtype = reduce_dtype or self.master_dtype
+        self._rs_impl = reduce_scatter_impl
         self._build(groups, units, bucket_cap_mb, prefetch, finish_on_backward_end)
         self._install_gather_hooks(overlap_param_gather)
         self.optimizer = optimizer_cls(
@@ -144,7 +149,7 @@ class ZeroOptimizer:
             dtype=self.reduce_dtype, persistent=self.stage <= 1, pad_to=self.nranks,
             as_view=self.stage <= 1 and self.reduce_dtype == self.param_dtype
             and all(p.dtype == self.param_dtype for p in allp),
-            finish_on_backward_end=finish_on_end,
+            finish_on_backward_end=finish_on_end, reduce_scatter_impl=self._rs_impl,
             on_finish=self.sharded.reshard_all if self.sharded else None)
         if self.sharded is not None:
             self.sharded.attach(self.reducer)

@@ -204,8 +204,10 @@ class ShardedParams:
             if ts:
                 torch.autograd.graph.register_multi_grad_hook(
                     ts, lambda _g, m=mod: self._pre_backward(m), mode="any")
-        if mod is not self.module or not torch.is_grad_enabled():
-            self.reshard(mod)  # the root stays gathered for the backward that follows
+        keep = torch.is_grad_enabled() and (
+            mod is self.module or (self._order and mod is self._order[-1]))
+        if not keep:  # the root and the last layer stay gathered: backward starts with them
+            self.reshard(mod)
 
     def _pre_backward(self, mod: nn.Module) -> None:
         if self.flats[self.module]:
