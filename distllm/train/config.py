@@ -164,8 +164,8 @@ class TrainConfig:
     """Override the preset's number of transformer blocks (0: the preset's)."""
     stop_after: int = 0
     """Stop this run after this many steps in total (0: run to ``steps``), saving a
-    checkpoint there; the learning-rate schedule still spans ``steps`` (for preemptible jobs
-    that continue with --resume)."""
+    checkpoint there (unless ``save_final`` is off); the learning-rate schedule still spans
+    ``steps`` (for preemptible jobs that continue with --resume)."""
     save_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
     save_final: bool = True

@@ -217,7 +217,7 @@ def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> TrainResult:
         _truncate_metrics(os.path.join(cfg.out, "metrics.jsonl"), start)
     end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
     _run_steps(cfg, engine, loader, dims, start, end, seq, result)
-    if (cfg.save_final or end < cfg.steps) and start < end:
+    if cfg.save_final and start < end:
         checkpoint.save(cfg.out, engine, loader, step=end)
     if end < cfg.steps:
         _log(f"stopped after step {end} of {cfg.steps} (--stop-after); continue with --resume",

@@ -7,7 +7,7 @@ import pytest
 from distllm.testing import run_distributed
 from tests.train._util import train_many, write_corpus
 
-REF_STEPS = 6
+REF_STEPS = 60  # the learning-rate schedule's length in every test; runs stop early
 
 
 @pytest.fixture(scope="session")
@@ -16,7 +16,15 @@ def corpus(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def reference(corpus, tmp_path_factory) -> list[float]:
-    """Per-step losses of the single-process run (tp1.pp1.dp1, float64), 6 steps."""
+def references(corpus, tmp_path_factory) -> dict[str, list[float]]:
+    """Per-step losses of single-process runs (tp1.pp1.dp1, float64) of a 60-step schedule
+    stopped after 6 steps: ``wd`` with weight decay 0.1, ``wd0`` without."""
     out = str(tmp_path_factory.mktemp("ref"))
-    return run_distributed(train_many, 1, [dict(steps=REF_STEPS)], corpus, out, timeout=300)[0][0]
+    runs = [dict(steps=REF_STEPS, stop_after=6), dict(steps=REF_STEPS, stop_after=6, wd=0.0)]
+    res = run_distributed(train_many, 1, runs, corpus, out, timeout=300)[0]
+    return {"wd": res[0], "wd0": res[1]}
+
+
+@pytest.fixture(scope="session")
+def reference(references) -> list[float]:
+    return references["wd"]

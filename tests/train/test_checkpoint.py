@@ -29,17 +29,18 @@ def test_cross_layout_resume(corpus, reference, tmp_path):
     # an incomplete save (no meta.json) and a crashed one (temp dir) must be ignored
     (out / "checkpoints" / "step_00000009").mkdir(parents=True)
     (out / "checkpoints" / ".tmp-step_00000010").mkdir()
+    common = dict(steps=60, save_final=True, out=str(out))
     runs = [
-        dict(tp=2, pp=2, m=2, steps=6, stop_after=2, out=str(out)),
-        dict(dp=4, zero=2, steps=6, stop_after=4, resume=True, out=str(out)),
-        dict(tp=4, steps=6, resume=True, out=str(out)),
+        dict(tp=2, pp=2, m=2, stop_after=2, **common),
+        dict(dp=4, zero=2, stop_after=4, resume=True, **common),
+        dict(tp=4, stop_after=6, resume=True, **common),
     ]
     res = run_distributed(train_many, 4, runs, corpus, str(tmp_path), timeout=600)[0]
     assert [len(r) for r in res] == [2, 2, 2]
     _close(res[0] + res[1] + res[2], reference)
-    assert checkpoint.latest(out).name == "step_00000004"
+    assert checkpoint.latest(out).name == "step_00000006"
     meta = json.loads((checkpoint.latest(out) / "meta.json").read_text())
-    assert meta["layout"]["zero"] == 2 and meta["data"]["index"] == 4 * 8
+    assert meta["layout"]["tp"] == 4 and meta["data"]["index"] == 6 * 8
 
 
 def _children(pid: int) -> list[int]:
@@ -68,11 +69,10 @@ def _workers(launcher: int) -> list[int]:
     return [w for t in torchrun for w in _children(t)]
 
 
-def test_kill_and_resume(corpus, tmp_path):
+def test_kill_and_resume(corpus, reference, tmp_path):
     """A rank killed mid-run ends the job quickly with a clear message; resuming from the
     last checkpoint reproduces the uninterrupted losses exactly (float64)."""
-    ref = run_distributed(train_many, 1, [dict(steps=60, stop_after=6)], corpus,
-                          str(tmp_path / "ref"), timeout=300)[0][0]
+    ref = reference
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(_train_cmd(corpus, out, "--save-every", "3", "--no-save"),

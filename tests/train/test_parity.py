@@ -1,7 +1,7 @@
 """The parity matrix: every layout's per-step losses equal the single-process run (float64).
 
 All runs use the ``tiny`` GPT, seq 32, global batch 8, the same seed, and the learning-rate
-schedule of a 6-step run stopped after 3 steps (``stop_after``), so they compare with the
+schedule of a 60-step run stopped after 3 steps (``stop_after``), so they compare with the
 first 3 steps of the reference. One spawn runs many layouts one after the other. The default
 run takes one representative of each pair; ``-m full`` runs all of them.
 """
@@ -29,7 +29,7 @@ def _check(runs, results, reference):
 
 
 def _run(world, runs, corpus, tmp_path):
-    runs = [dict(steps=6, stop_after=3, **kw) for kw in runs]
+    runs = [dict(steps=60, stop_after=3, **kw) for kw in runs]
     out = run_distributed(train_many, world, runs, corpus, str(tmp_path), timeout=600)
     return [dict(kw) for kw in runs], out[0]
 
@@ -57,16 +57,12 @@ def test_parity_two_ranks(corpus, reference, tmp_path):
     _check(runs, res, reference)
 
 
-def test_parity_four_ranks(corpus, reference, tmp_path, request):
+def test_parity_four_ranks(corpus, references, tmp_path):
     # ZeRO-3 applies weight decay to every parameter (it takes the module, not param
-    # groups), so that run uses wd=0; compare it against a wd=0 reference
+    # groups), so that run uses wd=0 and is compared with the wd=0 reference
     runs, res = _run(4, DEFAULT_4, corpus, tmp_path)
-    _check([r for r in runs if r.get("wd", 0.1)], [x for r, x in zip(runs, res, strict=True)
-                                                   if r.get("wd", 0.1)], reference)
-    ref0 = run_distributed(train_many, 1, [dict(steps=6, stop_after=3, wd=0.0)], corpus,
-                           str(tmp_path / "ref_wd0"), timeout=300)[0][0]
-    _check([r for r in runs if not r.get("wd", 0.1)],
-           [x for r, x in zip(runs, res, strict=True) if not r.get("wd", 0.1)], ref0 + [0.0] * 3)
+    for kw, losses in zip(runs, res, strict=True):
+        _check([kw], [losses], references["wd" if kw.get("wd", 0.1) else "wd0"])
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -101,17 +97,16 @@ def test_parity_full_four_ranks(corpus, reference, tmp_path):
 
 
 @pytest.mark.full
-def test_parity_full_zero3_and_deep(corpus, tmp_path):
+def test_parity_full_zero3_and_deep(corpus, references, tmp_path):
     """ZeRO-3 (wd=0, see above) at dp 2 and 4, and pp4 with interleaving (6 blocks so that
-    pp*v = 8 chunks fit), each against its own single-process reference."""
-    ref_wd0 = run_distributed(train_many, 1, [dict(steps=6, stop_after=3, wd=0.0),
-                                              dict(steps=6, stop_after=3, n_layers=6)],
-                              corpus, str(tmp_path / "ref"), timeout=300)[0]
+    pp*v = 8 chunks fit), each against its single-process reference."""
+    deep = run_distributed(train_many, 1, [dict(steps=60, stop_after=3, n_layers=6)],
+                           corpus, str(tmp_path / "ref"), timeout=300)[0][0]
+    ref_wd0 = [references["wd0"], deep]
     runs = [dict(dp=4, zero=3, wd=0.0), dict(tp=2, dp=2, zero=3, wd=0.0),
             dict(dp=2, pp=2, zero=3, wd=0.0, m=2),
             dict(pp=4, schedule="interleaved-1f1b", m=4, n_layers=6)]
     runs4, res4 = _run(4, runs, corpus, tmp_path / "r4")
     runs2, res2 = _run(2, [dict(dp=2, zero=3, wd=0.0)], corpus, tmp_path / "r2")
     for kw, losses in zip(runs4 + runs2, res4 + res2, strict=True):
-        ref = ref_wd0[1] if kw.get("n_layers") else ref_wd0[0]
-        _check([kw], [losses], ref + [0.0] * 3)
+        _check([kw], [losses], ref_wd0[1] if kw.get("n_layers") else ref_wd0[0])
