@@ -116,6 +116,8 @@ class PipelineParallel(nn.Module):
         self.grad_sync, self.track_memory = grad_sync, track_memory
         self.pp_ranks = dims.group_ranks("pp")
         self.comm = StageComm(dims.rank, dims.pp_group, dims.device, self.pp * self.v)
+        self.eval_comm = StageComm(dims.rank, dims.pp_group, dims.device, self.pp * self.v,
+                                   every_header=True)
         self.last_stats = StepStats()
         if self.pp > 1:  # start the pipeline communicator on every rank together
             dist.all_reduce(torch.zeros(1, device=dims.device), group=dims.pp_group)
@@ -160,7 +162,8 @@ class PipelineParallel(nn.Module):
     def eval_step(self, batch: torch.Tensor | None, targets: torch.Tensor | None,
                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                   micro_batches: int | None = None) -> float:
-        """Forward-only loss of a batch (validation), same conventions as :meth:`train_step`."""
+        """Forward-only loss of a batch (validation), same conventions as :meth:`train_step`;
+        any batch shape and ``micro_batches`` (each activation carries its shape)."""
         m = micro_batches or self.micro_batches
         sched = forward_only_schedule(self.pp, m, self.v)
         return self._step(sched, batch, targets, loss_fn, train=False)
@@ -189,6 +192,7 @@ class _StepRun:
         self.pp, self.sched, self.mbs, self.tgts = pp, sched, mbs, tgts
         self.loss_fn, self.train = loss_fn, train
         self.rank, self.p, self.S = pp.pp_rank, pp.pp, sched.num_stages
+        self.comm = pp.comm if train else pp.eval_comm
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.to_send: dict[tuple[int, int], torch.Tensor] = {}
@@ -203,7 +207,7 @@ class _StepRun:
             self.param_ptrs = {q.untyped_storage().data_ptr() for q in pp.parameters()}
 
     def execute(self) -> float:
-        comm = self.pp.comm
+        comm = self.comm
         self.stats.t_start = time.perf_counter()
         for a in self.sched.actions[self.rank]:
             if a.kind in (SEND_F, SEND_B, RECV_F, RECV_B):
@@ -227,14 +231,14 @@ class _StepRun:
     def _post(self, a: Action) -> None:
         key, peer = self._peer(a)
         if a.kind == RECV_F or a.kind == RECV_B:
-            self.pp.comm.recv(key, peer)
+            self.comm.recv(key, peer)
         else:
-            self.pp.comm.send(key, self.to_send.pop((a.mb, a.chunk)), peer)
+            self.comm.send(key, self.to_send.pop((a.mb, a.chunk)), peer)
 
     def _wait(self, recv: Action) -> torch.Tensor:
         t0 = time.perf_counter()
         key, peer = self._peer(recv)
-        out = self.pp.comm.wait(key, peer)
+        out = self.comm.wait(key, peer)
         self.stats.wait_s += time.perf_counter() - t0
         return out
 
@@ -263,7 +267,7 @@ class _StepRun:
             y = loss / self.sched.micro_batches
         else:
             self.to_send[mbc] = y.detach()
-            self.pp.comm.shapes[("B", s)] = (y.shape, y.dtype)
+            self.comm.shapes[("B", s)] = (y.shape, y.dtype)
         if self.train:
             self.inputs[mbc], self.outputs[mbc] = x, y
             self.held += 1

@@ -10,7 +10,9 @@ Shapes without round trips: a gradient has the shape of the output its receiver 
 (known locally); an activation's shape and dtype travel once, as a small header sent in the
 same batch just before the first activation on each stage edge, and are cached for the
 life of the executor (micro-batch shapes are fixed; a sender whose shape changes raises).
-Receives whose shape is not known yet wait in a per-peer queue, so every pair of ranks posts
+With ``every_header`` (forward-only evaluation, whose batch shapes may vary) every activation
+carries its header and is received only when consumed. Receives whose shape is not known yet
+wait in a per-peer queue, so every pair of ranks posts
 its receives in the order of the matching sends (needed by NCCL, which matches messages in
 order; gloo also gets a distinct tag per message).
 """
@@ -54,8 +56,10 @@ class StageComm:
         num_stages: stages of the whole pipeline (for tags).
     """
 
-    def __init__(self, rank: int, group, device: torch.device, num_stages: int) -> None:
+    def __init__(self, rank: int, group, device: torch.device, num_stages: int,
+                 every_header: bool = False) -> None:
         self.rank, self.group, self.device, self.stages = rank, group, device, num_stages
+        self.every_header = every_header  # a header before every activation: any shapes
         self.use_tags = dist.get_backend(group) != "nccl"
         self.shapes: dict[tuple[str, int], tuple[torch.Size, torch.dtype]] = {}
         self._sent_shape: dict[tuple[str, int], tuple[torch.Size, torch.dtype]] = {}
@@ -82,7 +86,7 @@ class StageComm:
         edge = (key[0], key[2])
         sig = (t.shape, t.dtype)
         if key[0] == "F":
-            if edge not in self._sent_shape:
+            if edge not in self._sent_shape or self.every_header:
                 self._sent_shape[edge] = sig
                 hdr = _encode(t.shape, t.dtype, t.device)
                 tag = self._tag(key, True)
@@ -118,7 +122,7 @@ class StageComm:
                     raise RuntimeError(f"gradient {key} expected before its forward ran")
                 self._read_header(key, peer)
             q.popleft()
-            shape, dtype = self.shapes[edge]
+            shape, dtype = self.shapes.pop(edge) if self.every_header else self.shapes[edge]
             buf = torch.empty(shape, dtype=dtype, device=self.device)
             self._ops.append(dist.P2POp(dist.irecv, buf, peer, self.group, self._tag(key, False)))
             self._recv[key] = (buf, [])
