@@ -200,8 +200,15 @@ def _doctor(args: argparse.Namespace) -> int:
     if out is not None:
         from distllm.bench.plots import plot_events
 
-        (out / "doctor.json").write_text(json.dumps([r["report"] for r in res], indent=1))
-        (out / "DOCTOR.md").write_text(res[0]["markdown"] + "\n")
+        reports = [{**r["report"], "trace": "doctor_trace.json" if i == 0 else None}
+                   for i, r in enumerate(res)]  # the trace path relative to the folder
+        (out / "doctor.json").write_text(json.dumps(reports, indent=1))
+        cmd = "distllm bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) \
+            if sys.argv[1:2] == ["bench"] else "distllm bench --doctor"
+        (out / "DOCTOR.md").write_text(
+            f"# Overlap doctor\n\nCommand: `{cmd}` (tp=2, 2 gloo ranks over {link}; "
+            f"rank 0 shown, every rank in doctor.json)\n\n{res[0]['markdown']}\n\n"
+            "![doctor_timeline.png](doctor_timeline.png)\n")
         plot_events(res[0]["report"]["timeline"], f"rank 0, one step, overlap={args.overlap!r}",
                     out / "doctor_timeline.png")
     failed = [i for i, r in enumerate(res) if not r["report"]["ok"]]
