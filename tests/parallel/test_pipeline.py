@@ -85,11 +85,14 @@ class AllReduceGrads:
             p.grad /= self.dp
 
 
-def _case(dims, schedule, m, v, n, n_blocks, seed, ddp=False):
+def _case(dims, schedule, m, v, n, n_blocks, seed, ddp=False, lps=None, by_fn=False):
     from distllm.parallel import DistributedDataParallel
     from distllm.parallel.pipeline import PipelineParallel
 
-    pp = PipelineParallel(make_layers(n_blocks), dims, schedule, m, v,
+    layers = make_layers(n_blocks)
+    if by_fn:  # built layer by layer, only this rank's
+        layers = layers.__getitem__
+    pp = PipelineParallel(layers, dims, schedule, m, v, lps, num_layers=n_blocks + 2,
                           track_memory=seed % 2 == 0)  # saved-tensor hooks on, or off
     sync = pp.grad_sync = AllReduceGrads(pp, dims.dp_group, dims.dp)
     if ddp:  # the library's DDP reduces; the recorder above only watches the hooks
@@ -176,6 +179,8 @@ CASES_2 = [
     ("1f1b", 1, 1, 1, 2, 7),
     ("interleaved-1f1b", 2, 2, 4, 2, 8), ("interleaved-1f1b", 4, 2, 4, 6, 9),
     ("zb-h1", 2, 1, 4, 2, 10), ("zb-h1", 5, 1, 5, 3, 11), ("zb-h1", 1, 1, 2, 2, 12),
+    ("interleaved-1f1b", 2, 3, 2, 4, 13),  # v = 3
+    ("1f1b", 3, 1, 3, 3, 14, False, [1, 4]), ("zb-h1", 2, 1, 2, 3, 15, False, [4, 1], True),
 ]
 
 CASES_4 = [
