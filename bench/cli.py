@@ -118,17 +118,17 @@ def _stdout_tables(rows: list[dict]) -> str:
     return "\n".join(parts)
 
 
-def _compare(args: argparse.Namespace, rows: list[dict], machine: dict, out: Path) -> int:
+def _compare(args: argparse.Namespace, old: tuple[list[dict], dict], rows: list[dict],
+             machine: dict, out: Path) -> int:
     from distllm.bench.compare import (
         compare_rows,
         compare_table,
-        load_results,
         regressions,
         winners,
         winners_table,
     )
 
-    old_rows, old_machine = load_results(args.compare)
+    old_rows, old_machine = old
     changes = compare_rows(old_rows, rows, tolerance=args.tolerance)
     table = compare_table(changes, old_machine, machine)
     table += "\n\n" + winners_table(winners(old_rows, rows))
@@ -230,6 +230,11 @@ def run(args: argparse.Namespace) -> int:
     if args.doctor:
         return _doctor(args)
     names = parse_suites(args.suite)
+    old = None
+    if args.compare:  # read the earlier run first: a bad path fails before any benchmark runs
+        from distllm.bench.compare import load_results
+
+        old = load_results(args.compare)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or f"runs/bench-{stamp}")
     out.mkdir(parents=True, exist_ok=True)
@@ -254,4 +259,4 @@ def run(args: argparse.Namespace) -> int:
     print("## Summary\n\n" + report.summary_table(rows) + "\n")
     print(f"wrote {out}/: results.json results.csv REPORT.md "
           + " ".join(p for ps in pngs.values() for p in ps))
-    return _compare(args, rows, data["machine"], out) if args.compare else 0
+    return _compare(args, old, rows, data["machine"], out) if old is not None else 0
