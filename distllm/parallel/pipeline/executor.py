@@ -261,6 +261,9 @@ class _StepRun:
             defer = DeferLinearWeightGrads(self.wstores[mbc])
         with self._saved_hooks(mbc), defer:
             y = self.pp.chunks[a.chunk](x)
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"stage {s} returned {type(y).__name__}: each pipeline stage must "
+                            "return one tensor (wrap layers that return tuples)")
         if s == self.S - 1:
             loss = self.loss_fn(y, self.tgts[a.mb])
             self.losses.append(loss.detach().double())
