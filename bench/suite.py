@@ -18,6 +18,8 @@ way. Otherwise a suite is one step of the progress bar.
 Two suites may share a module (``ddp`` and ``zero`` both live in ``ddp_overlap``): the
 module runs once with ``cfg.extra["suites"]`` naming the suites wanted, and each row goes to
 the suite it names in ``row["suite"]``, or else by its variant name (see :func:`_assign`).
+A row naming a suite outside the registry (a module's own sub-suite, such as
+``train_overhead`` from ``train_e2e``) keeps that name and follows its module's suites.
 """
 
 from __future__ import annotations
@@ -126,7 +128,8 @@ def _assign(r: dict, names: list[str]) -> str:
     return names[0]
 
 
-def _run_case(mod: Any, names: list[str], cfg: BenchConfig, case: str | None) -> list[dict]:
+def _run_case(mod: Any, names: list[str], cfg: BenchConfig, case: str | None,
+              registered: frozenset[str] = frozenset()) -> list[dict]:
     c = dataclasses.replace(cfg, shapes=case if case is not None else cfg.shapes,
                             extra={**cfg.extra, "suites": list(names)})
     label = case or "-"
@@ -144,8 +147,11 @@ def _run_case(mod: Any, names: list[str], cfg: BenchConfig, case: str | None) ->
         return [_failure_row(n, "error", "run() returned no rows", label) for n in names]
     out = []
     for r in rows:
+        own = r.get("suite")
         r = {**row(names[0], label, "-"), **r}
-        r["suite"] = _assign(r, names) if len(names) > 1 else names[0]
+        if own not in names and (not own or own in registered or len(names) > 1):
+            r["suite"] = _assign(r, names) if len(names) > 1 else names[0]
+        # else: a sub-suite of this module's own (e.g. train_overhead): kept under its name
         r["status"] = r.get("status") or "ok"
         out.append(r)
     return out
@@ -206,26 +212,28 @@ def run_suites(names: list[str], cfg: BenchConfig, *, progress: bool = True,
                registry: dict[str, Suite] | None = None) -> SuiteRun:
     """Run the named suites and return all their rows (see the module docstring)."""
     registry = SUITES if registry is None else registry
-    plan: list[tuple[list[str], Any, list[str | None]]] = []
-    rows: list[dict] = []
-    for modname, group in _groups(names, registry):
+    plan: list[tuple[int, list[str], Any, list[str | None]]] = []
+    per_group: dict[int, list[dict]] = {}  # rows by group, concatenated in registry order
+    for i, (modname, group) in enumerate(_groups(names, registry)):
         mod, why = _import(modname)
         if mod is not None and not callable(getattr(mod, "run", None)):
             mod, why = None, f"{modname} has no run(cfg)"
         if mod is None:
-            rows += [_failure_row(n, "unavailable", why) for n in group]
+            per_group[i] = [_failure_row(n, "unavailable", why) for n in group]
             continue
-        plan.append((group, mod, _cases(mod, cfg)))
+        plan.append((i, group, mod, _cases(mod, cfg)))
     elapsed: dict[str, float] = {}
-    with _progress(sum(len(c) for _, _, c in plan), progress) as step:
-        for group, mod, cases in plan:
+    known = frozenset(registry)
+    with _progress(sum(len(c) for *_, c in plan), progress) as step:
+        for i, group, mod, cases in plan:
             t0 = time.perf_counter()
+            got: list[dict] = []
             for case in cases:
                 step(f"{'+'.join(group)} {case or ''}".strip(), False)
-                rows += _run_case(mod, group, cfg, case)
+                got += _run_case(mod, group, cfg, case, known)
                 step(f"{'+'.join(group)} {case or ''}".strip(), True)
+            order = {n: j for j, n in enumerate(group)}
+            per_group[i] = sorted(got, key=lambda r: order.get(r["suite"], len(order)))
             for n in group:
                 elapsed[n] = (time.perf_counter() - t0) / len(group)
-    order = {n: i for i, n in enumerate(names)}
-    rows.sort(key=lambda r: order.get(r["suite"], len(order)))  # stable: keeps case order
-    return SuiteRun(rows, elapsed)
+    return SuiteRun([r for i in sorted(per_group) for r in per_group[i]], elapsed)

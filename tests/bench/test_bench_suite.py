@@ -167,3 +167,24 @@ def test_registry_names_every_suite_and_its_module_imports():
         else:  # one still missing is listed with its reason, not dropped
             assert not avail[name][0] and "cannot be imported" in avail[name][1]
     assert suite.parse_suites("zero,ddp") == ["ddp", "zero"]
+
+
+def _two_suite_run(cfg: BenchConfig) -> list[dict]:
+    st = stats_of([1.0, 1.1, 1.2])
+    return [row("sub", "c", "x", st), row("", "c", "unfused", st), row("other", "c", "y", st),
+            row("main", "c", "fused", st)]
+
+
+def test_rows_keep_sub_suites_and_registered_names_are_reassigned(monkeypatch):
+    mod = types.ModuleType("fake_two_suites")
+    mod.run = _two_suite_run
+    monkeypatch.setitem(sys.modules, "fake_two_suites", mod)
+    reg = {"main": suite.Suite("main", "fake_two_suites", "t"),
+           "other": suite.Suite("other", "distllm.bench.no_such_suite", "t")}
+    res = suite.run_suites(["main", "other"], BenchConfig(), progress=False, registry=reg)
+    got = [(r["suite"], r["variant"], r["status"]) for r in res.rows]
+    # main's rows first (a row naming 'other', a registered suite not run by this module,
+    # belongs to main), then main's own sub-suite, then the unavailable suite
+    assert got == [("main", "unfused", "ok"), ("main", "y", "ok"), ("main", "fused", "ok"),
+                   ("sub", "x", "ok"), ("other", "-", "unavailable")]
+    assert set(res.elapsed_s) == {"main"}
