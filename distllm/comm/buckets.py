@@ -208,7 +208,7 @@ class GradBuckets:
         """``p``'s slice of its bucket buffer, shaped like ``p`` (the buffer must exist)."""
         b, j = self.where[p]
         assert b.buffer is not None
-        return b.buffer[b.offsets[j]: b.offsets[j] + p.numel()].view_as(p)
+        return b.buffer[b.offsets[j]: b.offsets[j] + b.shapes[j].numel()].view(b.shapes[j])
 
     def _ensure_buffer(self, b: Bucket) -> Tensor:
         if b.buffer is None:

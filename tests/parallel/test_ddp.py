@@ -139,6 +139,29 @@ def _tp_clip() -> dict:
     return out
 
 
+def _zero_dp1(dims) -> float:
+    """ZeRO with dp == 1: the 'shards' are the whole model; equals plain AdamW."""
+    from distllm.parallel import ZeroOptimizer
+
+    err = 0.0
+    for stage in (1, 2, 3):
+        m, ref = make(), make()
+        z = ZeroOptimizer(m, torch.optim.AdamW, stage=stage, dims=dims, lr=1e-2)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for s in range(2):
+            x, y = batch(s)
+            z.zero_grad()
+            ropt.zero_grad()
+            loss_fn(m, x, y).backward()
+            loss_fn(ref, x, y).backward()
+            z.step()
+            ropt.step()
+        sd = z.state_dict()
+        err = max(err, max((sd["master"][n] - p).abs().max().item()
+                           for n, p in ref.named_parameters()))
+    return err
+
+
 def ddp_main(world: int) -> dict:
     from distllm import ParallelDims
     from distllm.parallel import DistributedDataParallel
@@ -156,6 +179,7 @@ def ddp_main(world: int) -> dict:
         loss_fn(ref, x, y).backward()
         d.finish_grad_sync()
         out["dp1"] = (d.reducer is None, _max_diff(m, ref, grads=True))
+        out["dp1_zero"] = _zero_dp1(dims1)
     return out
 
 
@@ -176,6 +200,7 @@ def test_ddp_matches_torch_ddp_and_single_process(world):
                     assert abs(clipped - 0.5) < 1e-6, f"{kind}: clipped norm {clipped}"
         else:
             assert r["dp1"][0] and r["dp1"][1] < TOL, r["dp1"]
+            assert r["dp1_zero"] < TOL, f"ZeRO with dp=1 off by {r['dp1_zero']:.3g}"
 
 
 def test_bad_input():
