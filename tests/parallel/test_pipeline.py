@@ -85,7 +85,8 @@ class AllReduceGrads:
             p.grad /= self.dp
 
 
-def _case(dims, schedule, m, v, n, n_blocks, seed, ddp=False, lps=None, by_fn=False):
+def _case(dims, schedule, m, v, n, n_blocks, seed, ddp=False, lps=None, by_fn=False,
+          channels=None):
     from distllm.parallel import DistributedDataParallel
     from distllm.parallel.pipeline import PipelineParallel
 
@@ -93,7 +94,8 @@ def _case(dims, schedule, m, v, n, n_blocks, seed, ddp=False, lps=None, by_fn=Fa
     if by_fn:  # built layer by layer, only this rank's
         layers = layers.__getitem__
     pp = PipelineParallel(layers, dims, schedule, m, v, lps, num_layers=n_blocks + 2,
-                          track_memory=seed % 2 == 0)  # saved-tensor hooks on, or off
+                          track_memory=seed % 2 == 0,  # saved-tensor hooks on, or off
+                          p2p_channels=channels)  # True: one group per direction, as NCCL
     sync = pp.grad_sync = AllReduceGrads(pp, dims.dp_group, dims.dp)
     if ddp:  # the library's DDP reduces; the recorder above only watches the hooks
         sync.dp = 1
@@ -181,6 +183,7 @@ CASES_2 = [
     ("zb-h1", 2, 1, 4, 2, 10), ("zb-h1", 5, 1, 5, 3, 11), ("zb-h1", 1, 1, 2, 2, 12),
     ("interleaved-1f1b", 2, 3, 2, 4, 13),  # v = 3
     ("1f1b", 3, 1, 3, 3, 14, False, [1, 4]), ("zb-h1", 2, 1, 2, 3, 15, False, [4, 1], True),
+    ("interleaved-1f1b", 4, 2, 4, 2, 16, False, None, False, True),  # channels, p = 2 wrap
 ]
 
 CASES_4 = [
@@ -188,6 +191,11 @@ CASES_4 = [
     ("1f1b", 2, 1, 4, 2, 4), ("interleaved-1f1b", 4, 2, 4, 6, 5),
     ("interleaved-1f1b", 8, 2, 8, 6, 6), ("zb-h1", 4, 1, 4, 2, 7), ("zb-h1", 7, 1, 7, 2, 8),
     ("zb-h1", 3, 1, 3, 3, 9),
+    # the NCCL layout (a process group per direction), exercised on gloo
+    ("gpipe", 4, 1, 4, 2, 10, False, None, False, True),
+    ("1f1b", 5, 1, 5, 2, 11, False, None, False, True),
+    ("interleaved-1f1b", 4, 2, 4, 6, 12, False, None, False, True),
+    ("zb-h1", 6, 1, 6, 2, 13, False, None, False, True),
 ]
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distllm.parallel.pipeline.pp_comm import StageComm
+from distllm.parallel.pipeline.pp_comm import StageComm, p2p_channel_groups
 from distllm.parallel.pipeline.schedules import (
     RECV_B,
     RECV_F,
@@ -92,13 +92,16 @@ class PipelineParallel(nn.Module):
             leaves, so post-accumulate-grad hooks (DDP / ZeRO buckets) fire from W; see
             ``weight_grad`` for how B and W split the work.
         track_memory: measure bytes saved for backward per micro-batch (small overhead).
+        p2p_channels: one process group per direction between neighbouring stages (default:
+            on NCCL, whose in-order streams need it; see ``pp_comm``), else one group.
 
     ``self.chunks[c]`` is an ``nn.Sequential`` of global layers ``self.layer_ids[c]``.
     """
 
     def __init__(self, layers: LayerSpec, dims, schedule: str = "1f1b", micro_batches: int = 1,
                  virtual_stages: int = 1, layers_per_stage: Sequence[int] | None = None, *,
-                 num_layers: int | None = None, grad_sync=None, track_memory: bool = False):
+                 num_layers: int | None = None, grad_sync=None, track_memory: bool = False,
+                 p2p_channels: bool | None = None):
         super().__init__()
         if callable(layers) and not isinstance(layers, nn.Module | Sequence):
             if num_layers is None:
@@ -115,9 +118,13 @@ class PipelineParallel(nn.Module):
         self.chunks = nn.ModuleList(nn.Sequential(*map(build, ids)) for ids in self.layer_ids)
         self.grad_sync, self.track_memory = grad_sync, track_memory
         self.pp_ranks = dims.group_ranks("pp")
-        self.comm = StageComm(dims.rank, dims.pp_group, dims.device, self.pp * self.v)
+        if p2p_channels is None:
+            p2p_channels = dist.get_backend(dims.pp_group) == "nccl"
+        chans = p2p_channel_groups(dims, wrap=self.v > 1) if p2p_channels and self.pp > 1 else None
+        self.comm = StageComm(dims.rank, dims.pp_group, dims.device, self.pp * self.v,
+                              channels=chans)
         self.eval_comm = StageComm(dims.rank, dims.pp_group, dims.device, self.pp * self.v,
-                                   every_header=True)
+                                   every_header=True, channels=chans)
         self.last_stats = StepStats()
         if self.pp > 1:  # start the pipeline communicator on every rank together
             dist.all_reduce(torch.zeros(1, device=dims.device), group=dims.pp_group)

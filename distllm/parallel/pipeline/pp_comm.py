@@ -12,9 +12,17 @@ same batch just before the first activation on each stage edge, and are cached f
 life of the executor (micro-batch shapes are fixed; a sender whose shape changes raises).
 With ``every_header`` (forward-only evaluation, whose batch shapes may vary) every activation
 carries its header and is received only when consumed. Receives whose shape is not known yet
-wait in a per-peer queue, so every pair of ranks posts
-its receives in the order of the matching sends (needed by NCCL, which matches messages in
-order; gloo also gets a distinct tag per message).
+wait in a per-peer queue, so every pair of ranks posts its receives in the order of the
+matching sends (needed by NCCL, which matches messages in order; gloo also gets a distinct
+tag per message).
+
+Channels: on NCCL each direction between two pipeline ranks is a 2-rank process group of its
+own (:func:`p2p_channel_groups`). NCCL runs the operations of one communicator in order on
+one stream, so with a single group a receive posted ahead (waiting for a later send of the
+peer) would hold up the sends queued behind it on both ranks: a deadlock in almost every
+schedule. On a unidirectional channel the i-th send meets the i-th receive, so a schedule is
+deadlock-free exactly when ``simulate`` finds it so. Gloo runs each operation independently:
+one group with a tag per message suffices (``p2p_channels=True`` forces channels there too).
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-__all__ = ["StageComm"]
+__all__ = ["StageComm", "p2p_channel_groups"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.uint8, torch.bool]
@@ -46,6 +54,31 @@ def _decode(h: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
     return torch.Size(vals[2:2 + vals[0]]), _DTYPES[vals[1]]
 
 
+def p2p_channel_groups(dims, wrap: bool) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """``{(src, dst): group}`` for this rank's channels: one 2-rank group per direction between
+    neighbouring pipeline ranks (and last -> first with ``wrap``, for interleaving). Every rank
+    creates every pipeline's groups in the same order (``new_group`` is collective); each is
+    started with one all-reduce between its two ranks."""
+    edges: list[tuple[int, int]] = []
+    for ranks in dims.groups["pp"]:
+        hops = list(zip(ranks[:-1], ranks[1:], strict=True))
+        if wrap:
+            hops.append((ranks[-1], ranks[0]))
+        for a, b in hops:
+            for e in ((a, b), (b, a)):
+                if a != b and e not in edges:
+                    edges.append(e)
+    mine = {}
+    for src, dst in edges:
+        g = dist.new_group([src, dst])
+        if dims.rank in (src, dst):
+            mine[(src, dst)] = g
+            # start the communicator now, in this global order: started lazily by a first
+            # send, it would block the sender until the receiver's first receive on it
+            dist.all_reduce(torch.zeros(1, device=dims.device), group=g)
+    return mine
+
+
 class StageComm:
     """Batched P2P between pipeline ranks of one pipeline (global ranks ``peers``).
 
@@ -54,11 +87,14 @@ class StageComm:
         group: the pipeline's process group (``dims.pp_group``).
         device: where receive buffers live (``dims.device``).
         num_stages: stages of the whole pipeline (for tags).
+        every_header: send each activation's shape with it (evaluation).
+        channels: ``p2p_channel_groups(...)``, or None for one group (gloo).
     """
 
     def __init__(self, rank: int, group, device: torch.device, num_stages: int,
-                 every_header: bool = False) -> None:
+                 every_header: bool = False, channels: dict | None = None) -> None:
         self.rank, self.group, self.device, self.stages = rank, group, device, num_stages
+        self.channels = channels or {}  # (src, dst) global ranks -> a group of its own
         self.every_header = every_header  # a header before every activation: any shapes
         self.use_tags = dist.get_backend(group) != "nccl"
         self.shapes: dict[tuple[str, int], tuple[torch.Size, torch.dtype]] = {}
@@ -76,6 +112,10 @@ class StageComm:
             return 0
         return ((mb * 2 + (kind == "B")) * self.stages + stage) * 2 + header
 
+    def _g(self, peer: int, sending: bool):
+        edge = (self.rank, peer) if sending else (peer, self.rank)
+        return self.channels.get(edge, self.group)
+
     # --- posting -------------------------------------------------------------------
     def send(self, key: Key, tensor: torch.Tensor, peer: int) -> None:
         """Post the send of ``tensor`` (detached, contiguous) as message ``key`` to ``peer``."""
@@ -90,7 +130,7 @@ class StageComm:
                 self._sent_shape[edge] = sig
                 hdr = _encode(t.shape, t.dtype, t.device)
                 tag = self._tag(key, True)
-                self._ops.append(dist.P2POp(dist.isend, hdr, peer, self.group, tag))
+                self._ops.append(dist.P2POp(dist.isend, hdr, peer, self._g(peer, True), tag))
                 self._keep.append(hdr)
             elif self._sent_shape[edge] != sig:
                 raise ValueError(
@@ -98,7 +138,8 @@ class StageComm:
                     f"{self._sent_shape[edge][1]} to {tuple(t.shape)} {t.dtype}: the pipeline "
                     "needs one micro-batch shape (batch size / --micro-batches and sequence "
                     "length) for the executor's life; build a new executor for another shape")
-        self._ops.append(dist.P2POp(dist.isend, t, peer, self.group, self._tag(key, False)))
+        tag = self._tag(key, False)
+        self._ops.append(dist.P2POp(dist.isend, t, peer, self._g(peer, True), tag))
         self._keep.append(t)
 
     def recv(self, key: Key, peer: int) -> None:
@@ -124,7 +165,8 @@ class StageComm:
             q.popleft()
             shape, dtype = self.shapes.pop(edge) if self.every_header else self.shapes[edge]
             buf = torch.empty(shape, dtype=dtype, device=self.device)
-            self._ops.append(dist.P2POp(dist.irecv, buf, peer, self.group, self._tag(key, False)))
+            tag = self._tag(key, False)
+            self._ops.append(dist.P2POp(dist.irecv, buf, peer, self._g(peer, False), tag))
             self._recv[key] = (buf, [])
             if key == upto:
                 return
@@ -132,7 +174,7 @@ class StageComm:
     def _read_header(self, key: Key, peer: int) -> None:
         self.flush()
         hdr = torch.empty(_HDR, dtype=torch.int64, device=self.device)
-        op = dist.P2POp(dist.irecv, hdr, peer, self.group, self._tag(key, True))
+        op = dist.P2POp(dist.irecv, hdr, peer, self._g(peer, False), self._tag(key, True))
         for w in dist.batch_isend_irecv([op]):
             w.wait()
         self.shapes[(key[0], key[2])] = _decode(hdr)
@@ -142,11 +184,16 @@ class StageComm:
         if not self._ops:
             return
         ops, self._ops = self._ops, []
-        works = dist.batch_isend_irecv(ops)
-        if len(works) == len(ops):
-            pairs = list(zip(ops, works, strict=False))
-        else:  # one coalesced work for the whole batch (NCCL)
-            pairs = [(op, works[0]) for op in ops] if works else []
+        by_group: dict[int, list[dist.P2POp]] = {}
+        for op in ops:  # one batch per group (per channel)
+            by_group.setdefault(id(op.group), []).append(op)
+        pairs = []
+        for batch in by_group.values():
+            works = dist.batch_isend_irecv(batch)
+            if len(works) == len(batch):
+                pairs += list(zip(batch, works, strict=True))
+            elif works:  # one coalesced work for the whole batch (NCCL)
+                pairs += [(op, works[0]) for op in batch]
         for op, w in pairs:
             if op.op is dist.isend:
                 self._send_works.append(w)
