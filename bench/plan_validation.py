@@ -300,9 +300,14 @@ def parse_layout(name: str) -> tuple:
     return (tp, pp, dp, zero, sch, m, ck)
 
 
+def flat(r: dict) -> dict:
+    """A row with its ``extra`` fields lifted to the top level (for tables)."""
+    return {**{k: v for k, v in r.items() if k != "extra"}, **(r.get("extra") or {})}
+
+
 def repredict(results: Path, profile) -> list[dict]:
     """Rows of an earlier run with the predictions recomputed by the current cost model."""
-    rows = json.loads(Path(results).read_text())["rows"]
+    rows = [flat(r) for r in json.loads(Path(results).read_text())["rows"]]
     out = []
     for r in rows:
         if r.get("ms") is None or r.get("measured_mem_mb") is None:
@@ -374,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         "status",
         "reason",
     ]
-    print(markdown_table(rows, cols))
+    print(markdown_table([flat(r) for r in rows], cols))
     return 0
 
 

@@ -15,6 +15,7 @@ Measured, one thread per rank (as ``distllm train`` runs its ranks):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -115,7 +116,7 @@ def fit_alpha_beta(times: dict[int, float], n: int) -> tuple[float, float]:
     return alpha, beta
 
 
-def measure_link(net_rate: str | None, nranks: int = 4, reps: int = 5) -> tuple[Link, str]:
+def measure_link(net_rate: str | None, nranks: int = 4, reps: int = 15) -> tuple[Link, str]:
     from distllm.testing import run_distributed
 
     if net_rate is None:
@@ -148,9 +149,10 @@ def calibrate(net_rate: str | None = "1gbit", ranks: int = 4) -> Profile:
     g16 = measure_gemm("bfloat16")
     bw, t_op = measure_memory_and_ops()
     intra, _ = measure_link(None)
+    intra = dataclasses.replace(intra, uses_cpu=True)  # loopback TCP: the cores move the bytes
     inter, why = measure_link(net_rate) if net_rate else (None, "no --net given")
     if inter is None:
-        inter = Link(intra.bandwidth, intra.latency, 1.0, 0.0, f"copy of loopback: {why}")
+        inter = dataclasses.replace(intra, source=f"copy of loopback: {why}")
     else:  # a rate-limited link leaves the CPU free: chunked overlap can hide part of it
         inter = Link(
             inter.bandwidth,

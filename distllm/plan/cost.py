@@ -278,8 +278,9 @@ class CostModel:
         self._cache[key] = out
         return out
 
-    def rank_times(self, lay: Layout) -> tuple[list[float], list[float], list[float]]:
-        """Forward, backward and weight-gradient seconds of one micro-batch per pipeline rank."""
+    def rank_times(self, lay: Layout) -> tuple[list[float], ...]:
+        """Forward, backward, weight-gradient and (inside those) TP/ZeRO-3 communication
+        seconds of one micro-batch per pipeline rank."""
         s, p = self.shape, self.profile
         b = s.global_batch // (lay.dp * lay.micro_batches)
         key = (
@@ -300,14 +301,15 @@ class CostModel:
         head_gemm = 2 * bs * s.hidden * v_pad / lay.tp / self.rate
         head = head_gemm + 3 * 4 * bs * v_pad / lay.tp / p.memory_bandwidth + 4 * p.op_overhead_s
         emb = 2 * self.e * bs * s.hidden / p.memory_bandwidth + 2 * p.op_overhead_s
-        tf, tb, tw = [], [], []
+        tf, tb, tw, tc = [], [], [], []
         for blocks, has_e, has_h in self.ranks(lay.pp, lay.virtual_stages):
             ex = (emb if has_e else 0.0) + (head if has_h else 0.0)
             tf.append(blocks * (lt["fwd"] + lt["tp_f"] + lt["z3_f"]) + ex)
             tb.append(blocks * (lt["bwd"] + lt["tp_b"] + lt["z3_b"]) + 2 * ex)
             tw.append(blocks * lt["gemm"] + (head_gemm if has_h else 0.0))
-        self._cache[key] = (tf, tb, tw)
-        return tf, tb, tw
+            tc.append(blocks * (lt["tp_f"] + lt["tp_b"] + lt["z3_f"] + lt["z3_b"]))
+        self._cache[key] = (tf, tb, tw, tc)
+        return tf, tb, tw, tc
 
     def _tail(self, lay: Layout, tb: list[float]) -> tuple[float, float, float, float]:
         """After a rank's last backward: the exposed part of the bucketed DP reduction
@@ -338,7 +340,7 @@ class CostModel:
         b = s.global_batch // (lay.dp * lay.micro_batches)
         m = lay.micro_batches
         lt = self.layer_times(b, lay)
-        tf, tb, tw = self.rank_times(lay)
+        tf, tb, tw, tc = self.rank_times(lay)
         t_comm = 0.0
         if lay.pp > 1:
             msg = self.e * b * s.seq_len * s.hidden / (lay.tp if lay.sequence_parallel else 1)
@@ -350,8 +352,13 @@ class CostModel:
         step = pipe + tail + p.step_overhead_s
         if p.cores:  # ranks share the cores: the busy time of all of them must fit too
             per_stage = self.ranks_per_host / lay.pp
-            work = per_stage * sum(m * (f + b_) for f, b_ in zip(tf, tb, strict=True))
-            step = max(step, work / p.cores + tail + p.step_overhead_s)
+            # waiting on a rate-limited wire leaves the cores to the other ranks
+            cpu_comm = 1.0 if self._link("tp", lay).uses_cpu else 0.0
+            busy = [f + b_ - (1.0 - cpu_comm) * c for f, b_, c in zip(tf, tb, tc, strict=True)]
+            work = per_stage * m * sum(busy)
+            # TP/ZeRO-3 ranks wait on the wire in lockstep: that wait adds to the shared work
+            wire = (1.0 - cpu_comm) * m * max(tc)
+            step = max(step, work / p.cores + wire + tail + p.step_overhead_s)
         blocks = max(r[0] for r in self.ranks(lay.pp, lay.virtual_stages))
         parts = dict(
             step=step,

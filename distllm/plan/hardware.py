@@ -46,6 +46,9 @@ class Link:
     """Fraction of overlappable communication really hidden behind compute on this link
     (0 where communication takes the same CPU cores as the compute, as on loopback)."""
     source: str = ""
+    uses_cpu: bool = False
+    """Moving the bytes takes the ranks' CPU cores (loopback TCP), so on a CPU profile it
+    counts as work competing for the cores; False for a wire the ranks just wait on."""
 
     @property
     def beta(self) -> float:
@@ -119,6 +122,7 @@ class Profile:
                 "latency": v.latency,
                 "efficiency": v.efficiency,
                 "overlap": v.overlap,
+                "uses_cpu": v.uses_cpu,
                 "source": v.source,
             }
             for k, v in self.links.items()
