@@ -246,12 +246,17 @@ class Head(nn.Module):
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     """Mean token cross-entropy of vocab-parallel logits (all-reduces of max, sum-exp and the
-    target logit over TP in forward; none in backward)."""
+    target logit over TP in forward; none in backward). With tp=1 it is the plain
+    ``F.cross_entropy`` (no collective)."""
+    if logits.dtype == torch.bfloat16:
+        logits = logits.float()  # the softmax in fp32
+    if dims.tp == 1:
+        import torch.nn.functional as F
+
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
     from distllm.nn import vocab_parallel_cross_entropy
 
-    loss = vocab_parallel_cross_entropy(logits.float() if logits.dtype == torch.bfloat16
-                                        else logits, targets, dims)
-    return loss.mean() if loss.dim() else loss
+    return vocab_parallel_cross_entropy(logits, targets, dims)
 
 
 class GPT(nn.Module):

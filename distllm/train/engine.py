@@ -85,7 +85,7 @@ class Engine:
                 self.module, dims=self.dims, bucket_cap_mb=p.bucket_cap_mb,
                 finish_on_backward_end=finish_on_end)
             self.grad_sync = self.ddp
-            self.optimizer = torch.optim.AdamW(groups, foreach=False, **adam)
+            self.optimizer = torch.optim.AdamW(groups, foreach=True, **adam)
             self.zero = None
             return
         # ZeRO stages 1-3, and bf16 at stage 0 (fp32 master weights live in ZeroOptimizer)
@@ -100,7 +100,7 @@ class Engine:
         units = [layer for c in self.chunks for layer in c.layer_list()] if p.zero == 3 else None
         self.zero = ZeroOptimizer(params, torch.optim.AdamW, stage=p.zero, dims=self.dims,
                                   bucket_cap_mb=p.bucket_cap_mb, units=units,
-                                  finish_on_backward_end=finish_on_end, foreach=False,
+                                  finish_on_backward_end=finish_on_end, foreach=True,
                                   weight_decay=o.weight_decay, **adam)
         self.grad_sync = self.zero
         self.optimizer = self.zero
