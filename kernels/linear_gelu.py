@@ -95,7 +95,7 @@ def _fwd_kernel(
     pid_m = first_m + (pid % width) % size_m
     pid_n = (pid % width) // size_m
 
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: M*N may pass 2^31
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     x_tile = x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk  # (BM, BK)
@@ -135,7 +135,7 @@ def _bwd_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: M*N may pass 2^31
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     offs = rm[:, None] * N + rn[None, :]
