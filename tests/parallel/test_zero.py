@@ -238,6 +238,33 @@ def _skip_and_reload(dims) -> dict:
     return {"stepped": stepped, "skipped": z.skipped_steps, "reload": errs}
 
 
+def _loss_scale(dims) -> dict:
+    """Dynamic loss scaling: a scaled loss gives the unscaled update; an overflow halves the
+    scale and skips the step."""
+    from distllm.parallel import ZeroOptimizer
+
+    model, ref = make(), make()
+    z = ZeroOptimizer(model, torch.optim.AdamW, stage=1, dims=dims, lr=1e-2,
+                      loss_scale="dynamic")
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x, y = batch(0)
+    s0 = z.loss_scale
+    z.scale_loss(loss_fn(model, local(x, dims), local(y, dims))).backward()
+    z.clip_grad_norm_(0.05)
+    z.step()
+    loss_fn(ref, x, y).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    ropt.step()
+    z.wait_params()  # the parameter all-gather overlaps the next forward; read after waiting
+    err = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters(),
+                                                         strict=True))
+    z.zero_grad()
+    z.scale_loss(float("inf") * loss_fn(model, local(x, dims), local(y, dims))).backward()
+    stepped = z.step()
+    return {"err": err, "halved": z.loss_scale == s0 / 2, "stepped": stepped,
+            "skipped": z.skipped_steps}
+
+
 def _overlap(dims) -> dict:
     """Record when each bucket's reduction starts against backward's progress."""
     import time
@@ -270,7 +297,8 @@ def zero_extras() -> dict:
 
     dims = ParallelDims()
     return {"memory": _memory(dims), "accum": _accumulation(dims),
-            "skip": _skip_and_reload(dims), "overlap": _overlap(dims)}
+            "skip": _skip_and_reload(dims), "overlap": _overlap(dims),
+            "scale": _loss_scale(dims)}
 
 
 def test_zero_memory_accumulation_skip_reload_overlap():
@@ -284,6 +312,8 @@ def test_zero_memory_accumulation_skip_reload_overlap():
         assert r["skip"]["stepped"] is False and r["skip"]["skipped"] == 1
         for stage, e in r["skip"]["reload"].items():
             assert e < TOL, f"reload into stage {stage}: off by {e:.3g}"
+        sc = r["scale"]
+        assert sc["err"] < TOL and sc["halved"] and not sc["stepped"] and sc["skipped"] == 1, sc
         for stage, o in r["overlap"].items():
             assert o["buckets"] > 2, o
             assert o["first_hooks"] < o["nparams"], f"stage {stage}: launched after backward {o}"

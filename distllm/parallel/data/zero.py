@@ -86,8 +86,9 @@ class ZeroOptimizer:
             options) of that module's parameters, e.g. to exempt biases from weight decay.
         overlap_param_gather: stages 1-2 with a module: launch the all-gather of the updated
             parameters at the end of ``step`` and wait for each bucket in a forward pre-hook
-            of the modules owning its parameters (code reading a parameter outside its
-            module's forward calls :meth:`wait_params` first). Without a module: waited at once.
+            of the modules owning its parameters, and before ``module.state_dict()``; other
+            code reading a parameter outside its module's forward calls :meth:`wait_params`
+            first. Without a module: waited at once.
         reduce_scatter_impl: stages 2-3: ``"auto"`` (gloo: all-reduce the bucket and keep
             the rank's slice, as gloo's reduce-scatter is slow; else reduce-scatter),
             ``"reduce_scatter"`` or ``"all_reduce"``.
@@ -345,6 +346,9 @@ class ZeroOptimizer:
             idx = sorted({where[p] for p in mod.parameters(recurse=False) if p in where})
             if idx:
                 self._gather_hooks.append(mod.register_forward_pre_hook(self._waiter(idx)))
+        # a checkpoint of the module's weights must see the gathered values
+        self._gather_hooks.append(self.module.register_state_dict_pre_hook(
+            lambda *_args: self.wait_params()))
 
     def _waiter(self, idx: list[int]):
         def hook(_mod, _args) -> None:
