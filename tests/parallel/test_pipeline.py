@@ -88,6 +88,7 @@ class AllReduceGrads:
 def _case(dims, schedule, m, v, n, n_blocks, seed, ddp=False, lps=None, by_fn=False,
           channels=None):
     from distllm.parallel import DistributedDataParallel
+    from distllm.parallel.data.grad_norm import clip_grad_norm_
     from distllm.parallel.pipeline import PipelineParallel
 
     layers = make_layers(n_blocks)
@@ -113,6 +114,10 @@ def _case(dims, schedule, m, v, n, n_blocks, seed, ddp=False, lps=None, by_fn=Fa
     assert len(names) == sum(1 for _ in pp.parameters()) and set(names) <= set(ref_grads)
     for name, p in pp.global_named_parameters():
         err = max(err, float((p.grad - ref_grads[name]).abs().max()))
+    # the optimizer's global gradient norm (over the pipeline's stages) sees the full model
+    norm = clip_grad_norm_(pp.parameters(), 1e30, dims=dims)
+    ref_norm = torch.stack([g.pow(2).sum() for g in ref_grads.values()]).sum().sqrt()
+    err = max(err, abs(float(norm) - float(ref_norm)))
     _check_hooks(pp, sync, m)
     ev = pp.eval_step(x, y, loss_fn)
     err = max(err, abs(ev - local_ref))
@@ -303,6 +308,7 @@ def _tp_parity(cases):
     """pp=2 x tp=2: TP modules inside each stage; grads vs the dense model's, sharded."""
     from distllm import ParallelDims
     from distllm.nn import vocab_parallel_cross_entropy
+    from distllm.parallel.data.grad_norm import clip_grad_norm_
     from distllm.parallel.pipeline import PipelineParallel
 
     dims = ParallelDims(tp=2, pp=2, dp=1)
@@ -328,7 +334,9 @@ def _tp_parity(cases):
                         if p.shape[d] != gq.shape[d]:
                             gq = gq.chunk(dims.tp, d)[dims.tp_rank]
                     err = max(err, float((p.grad - gq).abs().max()))
-        errs.append(err)
+        norm = clip_grad_norm_(pp.parameters(), 1e30, dims=dims)  # over tp and pp
+        ref_norm = torch.stack([q.grad.pow(2).sum() for q in ref.parameters()]).sum().sqrt()
+        errs.append(max(err, abs(float(norm) - float(ref_norm))))
     return errs
 
 
