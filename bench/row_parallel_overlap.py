@@ -82,9 +82,12 @@ def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
             "reduce_scatter", x, n, None)
         comm_in = torch.empty(m * n, dtype=dtype)
         comm_out = torch.empty(m * n // tp, dtype=dtype)
-        v["allreduce" if kind == "fwd" else "reducescatter_alone"] = (
-            (lambda: dist.all_reduce(comm_in, group=comm.group)) if kind == "fwd" else
-            (lambda: dist.reduce_scatter_single(comm_out, comm_in, group=comm.group)))
+        if kind == "fwd":
+            v["allreduce"] = lambda: dist.all_reduce(comm_in, group=comm.group)
+        else:  # the engine's reduce-scatter (gloo: pairwise exchange), and torch's for scale
+            v["reducescatter_alone"] = lambda: comm.run("reduce_scatter", comm_out, comm_in)
+            v["torch_reducescatter_alone"] = lambda: dist.reduce_scatter_single(
+                comm_out, comm_in, group=comm.group)
         auto = RowParallelLinear(k * tp, n, dims, bias=False, sequence_parallel=kind == "rs",
                                  overlap="auto", dtype=dtype)
         with torch.no_grad():
@@ -190,7 +193,7 @@ def _case_rows(suite: str, kind: str, shape, res: dict[str, Stats], info: dict, 
     rows = []
     for name, st in res.items():
         extra: dict = {}
-        if name == comm_name or name == "gemm":
+        if name == comm_name or name == "gemm" or name.endswith("_alone"):
             extra["role"] = "part"
         elif name.startswith("gemm_chunked"):
             extra.update(role="part", chunking_penalty=st.median_ms / t_gemm - 1)

@@ -147,6 +147,40 @@ class _Handle:
             self.work.wait()
 
 
+class _PairwiseReduceScatter:
+    """Reduce-scatter on gloo as a pairwise exchange: rank ``r`` sends part ``q`` of its
+    input straight to rank ``q`` and receives part ``r`` from every peer, then sums. Each
+    rank sends ``(tp-1)/tp`` of the input, the minimum (gloo's own reduce-scatter measured as
+    slow as an all-reduce of the same tensor: 74 ms vs 71 ms for 16 MiB float32 on 2 ranks
+    over an emulated 2 Gbit/s link, 2-core CPU host under load). The transfers progress in
+    gloo's transport threads; the sum runs in :meth:`wait`."""
+
+    def __init__(self, out: torch.Tensor, inp: torch.Tensor, comm: CommContext):
+        self.out, self.parts = out, inp.view(comm.world, -1)  # (tp, n): part q goes to rank q
+        self.rank = comm.rank
+        self.bufs: list[torch.Tensor] = []
+        self.works = []
+        for q in range(comm.world):
+            if q == comm.rank:
+                continue
+            buf = torch.empty_like(self.parts[q])
+            self.bufs.append(buf)
+            self.works.append(dist.irecv(buf, src=comm.ranks[q], group=comm.group))
+            self.works.append(dist.isend(self.parts[q], dst=comm.ranks[q], group=comm.group))
+
+    def get_future(self):
+        return torch.futures.collect_all([w.get_future() for w in self.works])
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        acc = self.out.view(-1)
+        acc.copy_(self.parts[self.rank])
+        for buf in self.bufs:  # peers in rank order: the same summation order every run
+            acc.add_(buf)
+        self.works, self.bufs = [], []
+
+
 class CommContext:
     """A process group plus the means to run its collectives asynchronously (gloo work
     handles on CPU; a communication stream with events on CUDA)."""
@@ -172,6 +206,9 @@ class CommContext:
         if op == "all_gather":
             return dist.all_gather_single(out, inp, group=self.group, async_op=async_op)
         if op == "reduce_scatter":
+            if self.backend == "gloo" and not out.is_cuda:
+                work = _PairwiseReduceScatter(out, inp, self)
+                return work if async_op else work.wait()
             return dist.reduce_scatter_single(out, inp, group=self.group, async_op=async_op)
         raise ValueError(f"unknown collective {op!r}")
 

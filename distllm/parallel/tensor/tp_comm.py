@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from distllm.comm.overlap import CommContext
+
 __all__ = [
     "all_gather_dim", "reduce_scatter_dim", "split_dim",
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region",
@@ -74,7 +76,7 @@ def reduce_scatter_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by tp={world}")
     x = x.movedim(dim, 0).contiguous()  # (world * n, ...): slice r goes to rank r
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_single(out, x, group=group)
+    CommContext(group).run("reduce_scatter", out, x)  # gloo: the pairwise exchange
     return out.movedim(0, dim).contiguous()
 
 
