@@ -212,6 +212,12 @@ def test_bad_input():
         DistributedDataParallel(lambda x: x, dims=None)
     with pytest.raises(ValueError, match="dims=None"):
         DistributedDataParallel(make(), dims=None)
+    mixed = make()
+    mixed.head.to(torch.float32)
+    with pytest.raises(ValueError, match="several dtypes"):
+        DistributedDataParallel(mixed, dims=None)
+    with pytest.raises(ValueError, match="bucket_cap_mb=0"):
+        DistributedDataParallel(make(), dims=None, bucket_cap_mb=0)
     with pytest.raises(ValueError, match="has no dp_group"):
         DistributedDataParallel(make(), dims=object())
     assert not dist.is_initialized()

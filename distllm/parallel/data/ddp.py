@@ -82,9 +82,15 @@ class DistributedDataParallel(nn.Module):
                  find_unused_parameters: bool = False) -> None:
         super().__init__()
         params = check_module(module)
-        group = dp_group_of(dims)
+        dtypes = sorted({str(p.dtype) for p in params})
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"module has parameters of several dtypes {dtypes}: DDP reduces each bucket in "
+                "the parameters' dtype, so cast the model to one (module.to(dtype)), or use "
+                "ZeroOptimizer(stage=0, param_dtype=...) for mixed precision with fp32 reduction")
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb}: it must be > 0 (25 is the default)")
+        group = dp_group_of(dims)
         self.module = module
         self.dims = dims
         self.group = group
@@ -96,7 +102,7 @@ class DistributedDataParallel(nn.Module):
         if group is not None:
             self.reducer = GradBuckets(
                 buckets, group=group, mode="all_reduce", dtype=params[0].dtype,
-                as_view=all(p.dtype == params[0].dtype for p in params), persistent=True,
+                as_view=True, persistent=True,
                 finish_on_backward_end=finish_on_backward_end)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

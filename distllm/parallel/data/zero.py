@@ -115,8 +115,11 @@ class ZeroOptimizer:
             _broadcast_from_dp0(module, dims, buffers=True)
         elif self.group is not None:
             broadcast_params(groups, dims)
-        first = groups[0][0][0] if groups[0][0] else next(p for ps, _ in groups for p in ps)
-        self.param_dtype = param_dtype or first.dtype
+        dtypes = {p.dtype for ps, _ in groups for p in ps}
+        if param_dtype is None and len(dtypes) > 1:
+            raise ValueError(f"parameters of several dtypes {sorted(map(str, dtypes))}: pass "
+                             "param_dtype= (the compute dtype every parameter is cast to)")
+        self.param_dtype = param_dtype or dtypes.pop()
         self.mixed = self.param_dtype in HALF
         self.master_dtype = torch.float32 if self.mixed else self.param_dtype
         self.reduce_dtype = reduce_dtype or self.master_dtype
