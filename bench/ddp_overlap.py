@@ -23,7 +23,9 @@ against ``distllm_ddp`` in the same interleaved run.
 variant hid. ``peak_mem_mb``: bytes of parameters + gradients + optimizer state held per
 rank after a step, measured from the tensors (:func:`distllm.parallel.memory_report`;
 activations and transient buffers excluded; torch DDP's internal buckets are not visible and
-not counted). ``extra.grad_opt_mb``: the gradient + optimizer part alone.
+not counted). ``extra.grad_opt_mb``: the gradient + optimizer part alone. Rows of
+``TIMELINES`` carry one profiled step of rank 0 (``timeline``, :mod:`distllm.bench.timeline`) and
+``profiled_hidden_frac``, the share of the collectives' running time under compute.
 
 Networks: loopback, and ``cfg.net`` (default ``10gbit`` when run as a script) through
 :mod:`distllm.bench.netem`; where that cannot be built, rows say so and run on loopback.
@@ -39,12 +41,14 @@ import time
 import torch
 import torch.distributed as dist
 from distllm.bench.harness import BenchConfig, Stats, interleaved, row
+from distllm.bench.timeline import hidden, profile_timeline
 from torch import nn
 
 SUITE_DDP, SUITE_ZERO = "ddp", "zero"
 # (hidden, layers, heads, batch, seq): full ~20M parameters; quick ~1.6M
 _PRESETS = {False: (640, 4, 10, 4, 16), True: (256, 2, 4, 2, 16)}
 SWEEP_MB = (1, 5, 25, 100)
+TIMELINES = ("distllm_ddp", "torch_ddp", "no_overlap", "zero2", "zero3")  # one profiled step
 
 
 class Block(nn.Module):
@@ -258,7 +262,9 @@ def _rank(phase: str, shape, reps: int, cap: float) -> dict:
         variants.update(_parts(shape, x, dims, cap))
     stats = interleaved(variants, warmup=2, reps=reps, timer=_max_timer, before_each=dist.barrier)
     mem = {n: f().as_dict() for n, f in mems.items()}
-    return {"stats": stats, "mem": mem, "missing": missing,
+    timelines = {n: profile_timeline(variants[n], warmup=0, before=dist.barrier)
+                 for n in TIMELINES if n in variants}
+    return {"stats": stats, "mem": mem, "missing": missing, "timelines": timelines,
             "psi": sum(p.numel() for p in _model(shape).parameters())}
 
 
@@ -266,6 +272,10 @@ def _rank(phase: str, shape, reps: int, cap: float) -> dict:
 def _rowkw(res: dict, name: str, label: str, reason: str) -> dict:
     m = res["mem"].get(name)
     kw = {"device": "cpu", "dtype": "float32", "reason": reason, "net": label}
+    tl = res.get("timelines", {}).get(name)
+    if tl:  # rank 0's profiled step: the share of its collectives' time under compute
+        comm, hid = hidden(tl)
+        kw.update(timeline=tl, profiled_hidden_frac=hid / comm if comm else None)
     if m:
         kw.update(peak_mem_mb=_mb(m["total"]), grad_opt_mb=_mb(m["grads"] + m["optimizer"]))
     return kw
@@ -385,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = BenchConfig(quick=a.quick, net=None if a.net == "none" else a.net, reps=a.reps,
                       extra={"suites": a.suites.split(",")})
     rows = run(cfg)
+    for r in rows:  # the timelines are for plots, not for the table
+        r["extra"] = {k: (round(v, 3) if isinstance(v, float) else v)
+                      for k, v in (r.get("extra") or {}).items() if k != "timeline"}
     print(markdown_table(rows, columns=["suite", "case", "variant", "ms", "ms_p10", "ms_p90",
                                         "hidden_frac", "peak_mem_mb", "status", "extra"]))
     return 0
