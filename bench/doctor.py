@@ -221,7 +221,7 @@ def _direction(name, m, d, before, after, probe, traced) -> LayerDirection | Non
         comm_source="auto" if calls and delta["comm_ms_est"] else "",
         layer_ms=probe.ms(name, d), profiled_collectives=traced[0].get((name, d), {}))
     comm_hid = traced[1].get((name, d))
-    if comm_hid and comm_hid[0] > 0 and r.calls:
+    if comm_hid and comm_hid[0] > 0 and r.calls and not probe.cuda:  # CPU windows only
         r.comm_trace_ms = comm_hid[0] / r.calls
         r.hidden_trace = min(1.0, comm_hid[1] / comm_hid[0])
     return r
@@ -258,6 +258,39 @@ def _judge(rows: list[LayerDirection], require_overlap: bool | None,
     return fails
 
 
+def _profile(step_fn, steps: int, probe: Probe, sync, cuda: bool):
+    """``steps`` calls of ``step_fn`` under the profiler with the probe's hooks on."""
+    acts = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    step_ms = []
+    probe.attach()
+    try:
+        with torch.profiler.profile(activities=acts) as prof, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                with torch.profiler.record_function("doctor-step"):
+                    step_fn()
+                    sync()
+                step_ms.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        probe.detach()
+    return prof, step_ms
+
+
+def _notes(probe: Probe, layers: list, rows: list[LayerDirection], cuda: bool) -> list[str]:
+    notes = list(probe.notes)
+    if not layers:
+        notes.append("no layer with overlap_stats in this model (build it from distllm.nn)")
+    if cuda:
+        notes.append("CUDA: the host never blocks on collectives and kernels run after their "
+                     "launch, so per-layer wait and hidden are not measured; the step "
+                     "timeline (GPU kernels) and the profiler trace show the overlap")
+    notes += [f"{r.layer} {r.direction}: overlap='auto' fell back to none ({r.reason})"
+              for r in rows if r.requested == "auto" and r.calls and not r.overlapped]
+    return notes
+
+
 def diagnose(model: torch.nn.Module, step_fn: Callable[[], object], steps: int = 3, *,
              warmup: int = 1, require_overlap: bool | None = None,
              min_hidden: float | None = None, measure_comm: bool = True,
@@ -281,21 +314,7 @@ def diagnose(model: torch.nn.Module, step_fn: Callable[[], object], steps: int =
         step_fn()
     sync()
     probe, before = Probe(layers, cuda), snapshot(layers)
-    probe.attach()
-    acts = [torch.profiler.ProfilerActivity.CPU] + (
-        [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    step_ms = []
-    try:
-        with torch.profiler.profile(activities=acts) as prof, warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                with torch.profiler.record_function("doctor-step"):
-                    step_fn()
-                    sync()
-                step_ms.append((time.perf_counter() - t0) * 1e3)
-    finally:
-        probe.detach()
+    prof, step_ms = _profile(step_fn, steps, probe, sync, cuda)
     if trace_path:
         prof.export_chrome_trace(str(trace_path))
     after, traced = snapshot(layers), trace(prof)
@@ -305,14 +324,7 @@ def diagnose(model: torch.nn.Module, step_fn: Callable[[], object], steps: int =
         _measure_comm(rows, dict(layers), probe)
     for r in rows:
         r.finish()
-    notes = list(probe.notes)
-    if not layers:
-        notes.append("no layer with overlap_stats in this model (build it from distllm.nn)")
-    if cuda:
-        notes.append("CUDA: the host never blocks on collectives, so wait and hidden are not "
-                     "measured here; see the profiler trace")
-    notes += [f"{r.layer} {r.direction}: overlap='auto' fell back to none ({r.reason})"
-              for r in rows if r.requested == "auto" and r.calls and not r.overlapped]
+    notes = _notes(probe, layers, rows, cuda)
     fails = _judge(rows, require_overlap, min_hidden)
     if require_overlap and not layers:
         fails.append("overlap was required but the model has no overlap-capable layer")
