@@ -18,6 +18,7 @@ its GEMM while it is in cache), which lost to oneDNN and is kept for the record.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -128,6 +129,15 @@ def _peers(x, w, b, approximate, device):
     return out
 
 
+def _cpu_timer(fn) -> float:
+    """ms of CPU time of this process for one call: on a machine shared with other jobs the
+    wall clock measures the neighbours; with one torch thread (set by ``run``) CPU time is
+    the work done. Chosen with ``cfg.extra["linear_gelu_timer"] = "cpu"``; rows say so."""
+    t0 = time.process_time()
+    fn()
+    return (time.process_time() - t0) * 1e3
+
+
 def _flops(phase: str, M: int, K: int, N: int) -> float:
     return {"fwd": 2, "fwd_train": 2, "bwd": 4, "fwd+bwd": 6}[phase] * M * K * N
 
@@ -147,14 +157,32 @@ def run(cfg: BenchConfig) -> list[dict]:
     approximate = cfg.extra.get("approximate", "tanh" if device == "cuda" else "none")
     sync = torch.cuda.synchronize if device == "cuda" else None
     rows: list[dict] = []
-    for M, K, N in _shapes(cfg):
-        for dtype in _dtypes(cfg):
-            torch.manual_seed(0)
-            x = torch.randn(M, K, device=device, dtype=dtype)
-            w = torch.randn(N, K, device=device, dtype=dtype) * K ** -0.5
-            b = torch.randn(N, device=device, dtype=dtype) * 0.1
-            for phase in ("fwd", "fwd_train", "bwd", "fwd+bwd"):
-                rows += _run_phase(cfg, phase, x, w, b, approximate, device, sync)
+    cpu_timer = cfg.extra.get("linear_gelu_timer") == "cpu" and device == "cpu"
+    threads = torch.get_num_threads()
+    if cpu_timer:
+        torch.set_num_threads(1)
+    try:
+        for shape in _shapes(cfg):
+            rows += _run_shape(cfg, shape, approximate, device, sync)
+    finally:
+        torch.set_num_threads(threads)
+    for r in rows:
+        r.setdefault("extra", {})
+        if isinstance(r["extra"], dict):
+            r["extra"]["timer"] = "cpu-time, 1 thread" if cpu_timer else "wall"
+    return rows
+
+
+def _run_shape(cfg, shape, approximate, device, sync) -> list[dict]:
+    M, K, N = shape
+    rows: list[dict] = []
+    for dtype in _dtypes(cfg):
+        torch.manual_seed(0)
+        x = torch.randn(M, K, device=device, dtype=dtype)
+        w = torch.randn(N, K, device=device, dtype=dtype) * K ** -0.5
+        b = torch.randn(N, device=device, dtype=dtype) * 0.1
+        for phase in ("fwd", "fwd_train", "bwd", "fwd+bwd"):
+            rows += _run_phase(cfg, phase, x, w, b, approximate, device, sync)
     return rows
 
 
@@ -166,7 +194,8 @@ def _run_phase(cfg, phase, x, w, b, approximate, device, sync) -> list[dict]:
     live = {n: fn for n, (fn, _) in vs.items() if fn is not None}
     ctx = torch.no_grad() if phase == "fwd" else torch.enable_grad()
     with ctx:
-        st = interleaved(live, warmup=1, reps=_reps(cfg, M, K, N, device), sync=sync)
+        st = interleaved(live, warmup=1, reps=_reps(cfg, M, K, N, device), sync=sync,
+                         timer=_cpu_timer if cfg.extra.get("linear_gelu_timer") == "cpu" else None)
     base = st.get("unfused")
     out = []
     for n, (fn, role_or_reason) in vs.items():
