@@ -11,9 +11,9 @@ silently dropped:
 - a module that returns no rows gives one row with ``status="error"`` saying so.
 
 Progress is shown per case when the module can list its cases: an optional
-``cases(cfg) -> list[str]`` returns shape strings, and the runner then calls ``run`` once per
-case with ``cfg.shapes`` set to it. Explicit ``--shapes "M,K,N;M,K,N"`` are split the same
-way. Otherwise a suite is one step of the progress bar.
+``cases(cfg) -> list[str]`` returns shape strings (from explicit ``--shapes "M,K,N;M,K,N"``
+or its presets), and the runner then calls ``run`` once per case with ``cfg.shapes`` set to
+it. Otherwise ``run`` is called once with ``cfg.shapes`` as given, one step of the bar.
 
 Two suites may share a module (``ddp`` and ``zero`` both live in ``ddp_overlap``): the
 module runs once with ``cfg.extra["suites"]`` naming the suites wanted, and each row goes to
@@ -107,9 +107,7 @@ def _cases(mod: Any, cfg: BenchConfig) -> list[str | None]:
             return list(mod.cases(cfg)) or [None]
         except Exception:  # noqa: BLE001 - fall back to one run over the module's own shapes
             return [None]
-    if cfg.shapes and "," in cfg.shapes:
-        return [s.strip() for s in cfg.shapes.split(";") if s.strip()]
-    return [None]
+    return [None]  # one call with cfg.shapes as given (the module may ignore it)
 
 
 def _failure_row(suite: str, status: str, reason: str, case: str = "-") -> dict:
