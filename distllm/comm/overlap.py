@@ -21,10 +21,11 @@ Three engines, one per collective, each with a sequential twin (``chunks=0``):
   rows is computed, then reduce-scattered while chunk ``j+1`` computes.
 
 Asynchrony: on CPU (gloo) every collective is an ``async_op=True`` work handle that gloo
-progresses on its own threads while this thread runs the next GEMM. On CUDA each collective
-is issued on a communication stream that first waits on an event recorded after the chunk's
-GEMM on the compute stream; ``wait`` makes the compute stream wait on an event recorded after
-the collective (the host never blocks).
+progresses on its own threads while this thread runs the next GEMM (the reduce-scatter is a
+pairwise exchange of ``isend``/``irecv``, see :class:`_PairwiseReduceScatter`). On CUDA each
+collective is issued on a communication stream that first waits on an event recorded after
+the chunk's GEMM on the compute stream; ``wait`` makes the compute stream wait on an event
+recorded after the collective (the host never blocks).
 
 The GEMM is a callback ``mm(a_rows, out_rows)`` writing ``a_rows @ B`` into a row slice of
 the output (a contiguous ``(m, n)`` view), so the same engine serves forward and backward.
