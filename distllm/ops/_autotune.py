@@ -1,11 +1,11 @@
 """Measured backend choice for ``backend="auto"``, cached per shape and device.
 
 The first call with a new key times every candidate on the caller's own tensors (a warm-up
-call, then a few interleaved repetitions, median) and remembers the fastest, in memory and in
-a small JSON file (``~/.cache/distllm/autotune.json``; unwritable is fine, it is only a
-cache). The unfused reference is always a candidate, so ``auto`` is never slower than unfused
-beyond measurement noise. Keys carry the device name and the torch version, so a cache
-copied to another machine or torch is not reused.
+call, then a few interleaved repetitions, the fastest of them) and remembers the fastest
+candidate, in memory and in a small JSON file (``~/.cache/distllm/autotune.json``;
+unwritable is fine, it is only a cache). The unfused reference is always a candidate, so
+``auto`` is never slower than unfused beyond measurement noise. Keys carry the device name
+and the torch version, so a cache copied to another machine or torch is not reused.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import statistics
 import tempfile
 import threading
 import time
@@ -75,7 +74,10 @@ def _time_ms(fn: Callable[[], object], sync: Callable[[], None] | None) -> float
 
 def measure(candidates: dict[str, Callable[[], object]], sync: Callable[[], None] | None,
             reps: int = 3) -> dict[str, float]:
-    """Median ms of each candidate: one warm-up round, then ``reps`` interleaved rounds."""
+    """Fastest ms of each candidate over ``reps`` interleaved rounds after one warm-up round.
+
+    The minimum, not the median: other work on the machine only ever adds time, so the
+    minimum is the better estimate of a candidate's own cost on a shared machine."""
     names = list(candidates)
     for n in names:
         candidates[n]()
@@ -85,7 +87,7 @@ def measure(candidates: dict[str, Callable[[], object]], sync: Callable[[], None
     for i in range(reps):
         for n in names if i % 2 == 0 else names[::-1]:
             samples[n].append(_time_ms(candidates[n], sync))
-    return {n: statistics.median(s) for n, s in samples.items()}
+    return {n: min(s) for n, s in samples.items()}
 
 
 def choose(key: str, device: torch.device, candidates: dict[str, Callable[[], object]]) -> str:
