@@ -259,4 +259,6 @@ def run(args: argparse.Namespace) -> int:
     print("## Summary\n\n" + report.summary_table(rows) + "\n")
     print(f"wrote {out}/: results.json results.csv REPORT.md "
           + " ".join(p for ps in pngs.values() for p in ps))
-    return _compare(args, old, rows, data["machine"], out) if old is not None else 0
+    if old is None:
+        return 0
+    return _compare(args, old, rows, {**data["machine"], "loadavg": meta["loadavg"]}, out)

@@ -58,7 +58,8 @@ def load_results(path: str | Path) -> tuple[list[dict], dict]:
     data = json.loads(p.read_text())
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         raise ValueError(f"--compare: {p} is not a distllm bench results.json (no 'rows')")
-    return data["rows"], data.get("machine") or {}
+    run = data.get("run") if isinstance(data.get("run"), dict) else {}
+    return data["rows"], {**(data.get("machine") or {}), "loadavg": run.get("loadavg")}
 
 
 def _ok(r: dict | None) -> bool:
@@ -184,6 +185,10 @@ def compare_table(changes: list[Change], old_machine: dict | None = None,
                      f"{nm.get('host_cpu')} / {nm.get('gpu')}.")
         if (om.get("host_cpu"), om.get("gpu")) != (nm.get("host_cpu"), nm.get("gpu")):
             lines.append("The machines differ: compare the speed-up columns, not the times.")
+        if om.get("loadavg") or nm.get("loadavg"):
+            lines.append(f"Load average (start / end): old {om.get('loadavg')}, new "
+                         f"{nm.get('loadavg')}; a busier machine slows every variant alike, "
+                         "so check the speed-ups before the times.")
         lines.append("")
     regs = regressions(changes)
     lines.append(f"{len(regs)} regression(s) beyond the measured spread, "

@@ -105,6 +105,7 @@ def test_quick_run_writes_every_file(registry, tmp_path, capsys):
     cmp_md = (tmp_path / "run2" / "COMPARE.md").read_text()
     assert "| fake | 16,32,24 | fused |" in cmp_md and "| fake | 16,32,24 | fused | fused |" \
         in cmp_md  # the row compared, and the winner table
+    assert "Load average (start / end): old " in cmp_md
     captured = capsys.readouterr()
     assert "regression(s) beyond the measured spread" in captured.out
     assert "bench" in captured.err and "fake" in captured.err  # the bar went to stderr
