@@ -45,7 +45,10 @@ def _nvcc_toolkit_root() -> str | None:
     try:
         out = subprocess.run(
             [nvcc, "--dryrun", "-v", "-x", "cu", os.devnull],
-            capture_output=True, text=True, timeout=60, check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
         )
     except (OSError, subprocess.SubprocessError):
         return None
@@ -59,7 +62,9 @@ def _nvcc_toolkit_root() -> str | None:
 def _cuda_mode() -> str:
     mode = os.environ.get("DISTLLM_BUILD_CUDA", "").strip()
     if mode not in ("", "0", "1"):
-        raise SystemExit(f"DISTLLM_BUILD_CUDA={mode!r}: use 1 (force), 0 (skip) or leave unset (auto)")
+        raise SystemExit(
+            f"DISTLLM_BUILD_CUDA={mode!r}: use 1 (force), 0 (skip) or leave unset (auto)"
+        )
     return mode
 
 
@@ -121,12 +126,16 @@ def _extensions():
         return exts
     if why_not:
         if mode == "1":
-            raise SystemExit(f"DISTLLM_BUILD_CUDA=1 but the CUDA extension cannot be built: {why_not}")
+            raise SystemExit(
+                f"DISTLLM_BUILD_CUDA=1 but the CUDA extension cannot be built: {why_not}"
+            )
         _log(f"skipping distllm._cuda: {why_not}")
         return exts
     incs, libs = _wheel_cuda_dirs()
-    _log(f"building distllm._cuda with CUDA_HOME={ce.CUDA_HOME}, "
-         f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}")
+    _log(
+        f"building distllm._cuda with CUDA_HOME={ce.CUDA_HOME}, "
+        f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}"
+    )
     srcs = sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc" / "cuda").glob("*.c[up]*"))
     exts.append(
         ce.CUDAExtension(
@@ -134,8 +143,10 @@ def _extensions():
             srcs,
             include_dirs=incs,
             library_dirs=libs,
-            extra_compile_args={"cxx": ["-O3", "-std=c++20"],
-                                "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr"]},
+            extra_compile_args={
+                "cxx": ["-O3", "-std=c++20"],
+                "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr"],
+            },
             extra_link_args=_cublaslt_link_arg(libs, ce.CUDA_HOME),
         )
     )
@@ -148,13 +159,17 @@ def main() -> None:
 
     setup(
         packages=[
-            "distllm", *[f"distllm.{p}" for p in _subpackages("distllm")],
-            "distllm.kernels", "distllm.bench",
+            "distllm",
+            *[f"distllm.{p}" for p in _subpackages("distllm")],
+            "distllm.kernels",
+            "distllm.bench",
         ],
         package_dir={"distllm": "distllm", "distllm.kernels": "kernels", "distllm.bench": "bench"},
         package_data={"distllm": ["plan/profiles/*.json"], "distllm.bench": ["*.sh"]},
         ext_modules=ext_modules,
-        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
+        cmdclass={
+            "build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)
+        },
     )
 
 

@@ -29,8 +29,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BenchConfig", "Stats", "interleaved", "row", "machine_info", "write_rows",
-           "markdown_table", "ROW_FIELDS"]
+__all__ = [
+    "BenchConfig",
+    "Stats",
+    "interleaved",
+    "row",
+    "machine_info",
+    "write_rows",
+    "markdown_table",
+    "ROW_FIELDS",
+]
 
 
 @dataclass
@@ -41,7 +49,9 @@ class BenchConfig:
     device: str = "cpu"  # "cpu" or "cuda"
     dtype: str = "float32"  # "float32", "bfloat16", "float16"
     shapes: str | None = None  # a preset name or explicit "M,K,N;M,K,N"
-    net: str | None = None  # emulated link rate for multi-rank suites, e.g. "2gbit"; None = loopback
+    net: str | None = (
+        None  # emulated link rate for multi-rank suites, e.g. "2gbit"; None = loopback
+    )
     out: Path | None = None  # where plots/traces may be written
     reps: int | None = None  # override the module's repetition count
     extra: dict[str, Any] = field(default_factory=dict)
@@ -73,8 +83,14 @@ def _quantile(xs: list[float], q: float) -> float:
 
 
 def stats_of(samples_ms: list[float]) -> Stats:
-    return Stats(statistics.median(samples_ms), _quantile(samples_ms, 0.1),
-                 _quantile(samples_ms, 0.9), min(samples_ms), len(samples_ms), list(samples_ms))
+    return Stats(
+        statistics.median(samples_ms),
+        _quantile(samples_ms, 0.1),
+        _quantile(samples_ms, 0.9),
+        min(samples_ms),
+        len(samples_ms),
+        list(samples_ms),
+    )
 
 
 def interleaved(
@@ -118,14 +134,39 @@ def interleaved(
 
 
 ROW_FIELDS = [
-    "suite", "case", "variant", "ms", "ms_p10", "ms_p90", "reps", "tflops", "gbps",
-    "hidden_frac", "peak_mem_mb", "speedup_vs_unfused", "status", "reason", "device", "dtype",
-    "shape", "extra",
+    "suite",
+    "case",
+    "variant",
+    "ms",
+    "ms_p10",
+    "ms_p90",
+    "reps",
+    "tflops",
+    "gbps",
+    "hidden_frac",
+    "peak_mem_mb",
+    "speedup_vs_unfused",
+    "status",
+    "reason",
+    "device",
+    "dtype",
+    "shape",
+    "extra",
 ]
 
 
-def row(suite: str, case: str, variant: str, st: Stats | None = None, *, flops: float | None = None,
-        nbytes: float | None = None, status: str = "ok", reason: str = "", **kw: Any) -> dict:
+def row(
+    suite: str,
+    case: str,
+    variant: str,
+    st: Stats | None = None,
+    *,
+    flops: float | None = None,
+    nbytes: float | None = None,
+    status: str = "ok",
+    reason: str = "",
+    **kw: Any,
+) -> dict:
     """One result row. A variant that cannot run here is a row with ``status="unavailable"``
     and its ``reason``: it is reported, never silently dropped."""
     r: dict[str, Any] = {k: None for k in ROW_FIELDS}
@@ -145,8 +186,14 @@ def row(suite: str, case: str, variant: str, st: Stats | None = None, *, flops: 
 
 def _git_rev() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=5, cwd=Path(__file__).parent, check=False)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).parent,
+            check=False,
+        )
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -165,13 +212,21 @@ def machine_info() -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
     except OSError:
         pass
     return {
         "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "host_cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "python": platform.python_version(),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "triton": tv, "git": _git_rev(),
+        "host_cpu": cpu,
+        "cores": os.cpu_count(),
+        "gpu": gpu,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": tv,
+        "git": _git_rev(),
     }
 
 
@@ -187,8 +242,9 @@ def write_rows(rows: list[dict], out_dir: Path, stem: str = "results") -> tuple[
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
         for r in rows:
-            w.writerow({**{k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in r.items()},
-                        **mach})
+            w.writerow(
+                {**{k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in r.items()}, **mach}
+            )
     return jp, cp
 
 
@@ -201,8 +257,17 @@ def _fmt(v: Any) -> str:
 
 
 def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
-    columns = columns or ["case", "variant", "ms", "ms_p10", "ms_p90", "tflops", "hidden_frac",
-                          "speedup_vs_unfused", "status"]
+    columns = columns or [
+        "case",
+        "variant",
+        "ms",
+        "ms_p10",
+        "ms_p90",
+        "tflops",
+        "hidden_frac",
+        "speedup_vs_unfused",
+        "status",
+    ]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         lines.append("| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |")

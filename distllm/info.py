@@ -15,12 +15,17 @@ def backend_table() -> list[dict]:
     from distllm import _ext
 
     rows = []
-    for name, label in (("_C", "CPU extension (distllm._C)"), ("_cuda", "CUDA extension (distllm._cuda)")):
+    for name, label in (
+        ("_C", "CPU extension (distllm._C)"),
+        ("_cuda", "CUDA extension (distllm._cuda)"),
+    ):
         built = _ext.is_built(name)
         usable, why = _ext.status(name) if built else (False, "not built")
         if name == "_cuda" and not built:
-            why = ("not built (needs a CUDA toolkit and a CUDA torch at install; "
-                   "DISTLLM_BUILD_CUDA=1 forces it)")
+            why = (
+                "not built (needs a CUDA toolkit and a CUDA torch at install; "
+                "DISTLLM_BUILD_CUDA=1 forces it)"
+            )
         rows.append({"backend": label, "built": built, "usable": usable, "reason": why})
     try:
         import triton
@@ -31,17 +36,29 @@ def backend_table() -> list[dict]:
         tver, tbuilt = None, False
         terr = str(exc)
     cuda = torch.cuda.is_available()
-    rows.append({
-        "backend": f"Triton (GPU){' ' + tver if tver else ''}", "built": tbuilt,
-        "usable": tbuilt and cuda,
-        "reason": "ok" if tbuilt and cuda else (terr if not tbuilt else "no CUDA device"),
-    })
+    rows.append(
+        {
+            "backend": f"Triton (GPU){' ' + tver if tver else ''}",
+            "built": tbuilt,
+            "usable": tbuilt and cuda,
+            "reason": "ok" if tbuilt and cuda else (terr if not tbuilt else "no CUDA device"),
+        }
+    )
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    rows.append({
-        "backend": "Triton interpreter (CPU)", "built": tbuilt, "usable": tbuilt and interp,
-        "reason": "ok" if tbuilt and interp else (
-            terr if not tbuilt else "set TRITON_INTERPRET=1 before start to run Triton kernels on CPU"),
-    })
+    rows.append(
+        {
+            "backend": "Triton interpreter (CPU)",
+            "built": tbuilt,
+            "usable": tbuilt and interp,
+            "reason": "ok"
+            if tbuilt and interp
+            else (
+                terr
+                if not tbuilt
+                else "set TRITON_INTERPRET=1 before start to run Triton kernels on CPU"
+            ),
+        }
+    )
     rows.append({"backend": "reference (PyTorch)", "built": True, "usable": True, "reason": "ok"})
     return rows
 
@@ -61,11 +78,18 @@ def collect() -> dict:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
-            devices.append(f"cuda:{i} {p.name} sm_{p.major}{p.minor} {p.total_memory / 2**30:.0f} GiB")
+            devices.append(
+                f"cuda:{i} {p.name} sm_{p.major}{p.minor} {p.total_memory / 2**30:.0f} GiB"
+            )
     return {
-        "distllm": distllm.__version__, "python": platform.python_version(),
-        "torch": torch.__version__, "torch_cuda": torch.version.cuda, "triton": triton_v,
-        "platform": platform.platform(), "devices": devices, "backends": backend_table(),
+        "distllm": distllm.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "triton": triton_v,
+        "platform": platform.platform(),
+        "devices": devices,
+        "backends": backend_table(),
     }
 
 
@@ -83,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
     print("devices    " + "\n           ".join(info["devices"]))
     print("\n| backend | built | usable | reason |\n|---|---|---|---|")
     for r in info["backends"]:
-        print(f"| {r['backend']} | {'yes' if r['built'] else 'no'} | "
-              f"{'yes' if r['usable'] else 'no'} | {r['reason']} |")
+        print(
+            f"| {r['backend']} | {'yes' if r['built'] else 'no'} | "
+            f"{'yes' if r['usable'] else 'no'} | {r['reason']} |"
+        )
     return 0

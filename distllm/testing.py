@@ -40,8 +40,9 @@ def _context():
     return _CTX
 
 
-def _rank_main(fn, rank, world, init_file, args, kwargs, results, threads, setup, pass_rank,
-               env, timeout):
+def _rank_main(
+    fn, rank, world, init_file, args, kwargs, results, threads, setup, pass_rank, env, timeout
+):
     try:
         os.environ.update(env)
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
@@ -54,7 +55,10 @@ def _rank_main(fn, rank, world, init_file, args, kwargs, results, threads, setup
 
         torch.set_num_threads(threads)
         dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
             timeout=datetime.timedelta(seconds=timeout),
         )
         try:
@@ -95,8 +99,20 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(fn, r, world_size, init_file, args, kwargs, results, threads, setup,
-                      pass_rank, dict(env or {}), timeout),
+                args=(
+                    fn,
+                    r,
+                    world_size,
+                    init_file,
+                    args,
+                    kwargs,
+                    results,
+                    threads,
+                    setup,
+                    pass_rank,
+                    dict(env or {}),
+                    timeout,
+                ),
                 daemon=True,
             )
             for r in range(world_size)

@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _run(*args, env=None, code=None):
     cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "distllm", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=180, env={**os.environ, **(env or {})}
+    )
 
 
 def test_info_reports_every_backend_truthfully():
@@ -25,8 +26,13 @@ def test_info_reports_every_backend_truthfully():
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     rows = {r["backend"].split(" (")[0]: r for r in info["backends"]}
-    assert set(rows) >= {"CPU extension", "CUDA extension", "Triton", "Triton interpreter",
-                         "reference"}
+    assert set(rows) >= {
+        "CPU extension",
+        "CUDA extension",
+        "Triton",
+        "Triton interpreter",
+        "reference",
+    }
     assert rows["CPU extension"]["built"] and rows["CPU extension"]["usable"]
     import torch
 
@@ -108,8 +114,9 @@ def test_harness_interleaves_and_reports_spread():
     from distllm.bench.harness import interleaved, markdown_table, row
 
     calls = []
-    st = interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
-                     warmup=1, reps=4)
+    st = interleaved(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, warmup=1, reps=4
+    )
     # warm-up a b, then a b | b a | a b | b a
     assert calls == ["a", "b", "a", "b", "b", "a", "a", "b", "b", "a"]
     assert st["a"].n == 4 and st["a"].p10_ms <= st["a"].median_ms <= st["a"].p90_ms

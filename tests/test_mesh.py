@@ -58,7 +58,9 @@ def _factorisations(world):
 CASES = [(w, *f) for w in (1, 2, 4, 8) for f in _factorisations(w)]
 
 
-@pytest.mark.parametrize("world,tp,pp,dp", CASES, ids=[f"w{w}-tp{t}-pp{p}-dp{d}" for w, t, p, d in CASES])
+@pytest.mark.parametrize(
+    "world,tp,pp,dp", CASES, ids=[f"w{w}-tp{t}-pp{p}-dp{d}" for w, t, p, d in CASES]
+)
 def test_mesh_groups(world, tp, pp, dp):
     # dp passed explicitly on half the cases and inferred (-1) on the others
     dp_arg = dp if (tp + pp) % 2 == 0 else -1
@@ -79,13 +81,16 @@ def _bad(tp, pp, dp):
     ParallelDims(tp=tp, pp=pp, dp=dp)
 
 
-@pytest.mark.parametrize("tp,pp,dp,knob", [
-    (3, 1, -1, "tp\\*pp"),        # 4 ranks not divisible by 3
-    (2, 2, 2, "does not match the world size 4"),
-    (0, 1, -1, "tp=0"),
-    (1, -2, -1, "pp=-2"),
-    (1, 1, 0, "dp=0"),
-])
+@pytest.mark.parametrize(
+    "tp,pp,dp,knob",
+    [
+        (3, 1, -1, "tp\\*pp"),  # 4 ranks not divisible by 3
+        (2, 2, 2, "does not match the world size 4"),
+        (0, 1, -1, "tp=0"),
+        (1, -2, -1, "pp=-2"),
+        (1, 1, 0, "dp=0"),
+    ],
+)
 def test_mesh_bad_sizes_name_the_knob(tp, pp, dp, knob):
     with pytest.raises(DistributedFailure, match=f"ValueError: .*{knob}"):
         run_distributed(_bad, 4, tp, pp, dp, timeout=60)
@@ -96,13 +101,15 @@ def test_single_process_without_torchrun(monkeypatch):
     code = (
         "import distllm, torch.distributed as dist\n"
         "d = distllm.ParallelDims()\n"
-        "assert dist.is_initialized() and d.world_size == 1 and d.dp == 1 and d.coords == (0, 0, 0)\n"
+        "assert dist.is_initialized() and d.world_size == 1 and d.dp == 1\n"
+        "assert d.coords == (0, 0, 0)\n"
         "print('ok')\n"
     )
     import subprocess
     import sys
 
     env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -55,12 +55,15 @@ def _resolve(world: int, tp: int, pp: int, dp: int) -> int:
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}={v!r}: it must be a positive integer")
     if not isinstance(dp, int) or (dp < 1 and dp != -1):
-        raise ValueError(f"dp={dp!r}: it must be a positive integer, or -1 to use every remaining rank")
+        raise ValueError(
+            f"dp={dp!r}: it must be a positive integer, or -1 to use every remaining rank"
+        )
     if dp == -1:
         if world % (tp * pp) != 0:
             ok = [(t, p) for t in divisors(world) for p in divisors(world // t)]
             raise ValueError(
-                f"dp=-1 cannot be inferred: world size {world} is not divisible by tp*pp={tp * pp}; "
+                f"dp=-1 cannot be inferred: world size {world} is not divisible by "
+                f"tp*pp={tp * pp}; "
                 f"choose (tp, pp) with tp*pp dividing {world}, e.g. {ok[:8]}"
             )
         dp = world // (tp * pp)
@@ -194,5 +197,7 @@ class ParallelDims:
         return torch.device("cpu")
 
     def __repr__(self) -> str:
-        return (f"ParallelDims(tp={self.tp}, pp={self.pp}, dp={self.dp}, rank={self.rank}, "
-                f"coords(pp,dp,tp)={self.coords})")
+        return (
+            f"ParallelDims(tp={self.tp}, pp={self.pp}, dp={self.dp}, rank={self.rank}, "
+            f"coords(pp,dp,tp)={self.coords})"
+        )
