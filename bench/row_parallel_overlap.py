@@ -333,7 +333,9 @@ def summary(rows: list[dict]) -> str:
             continue
         best = min(ch, key=lambda r: r["ms"])
         auto = cr["auto"]
-        lines.append(f"{c}: best {best['variant']} hides {best['hidden_frac']:.0%} "
+        hmin = best["extra"].get("hidden_frac_min")
+        lines.append(f"{c}: best {best['variant']} hides {best['hidden_frac']:.0%} (best-of-reps "
+                     f"{hmin if hmin is None else format(hmin, '.0%')}) "
                      f"({best['ms']:.1f} ms vs sequential {cr['sequential']['ms']:.1f} ms, ideal "
                      f"{cr['ideal']['ms']:.1f} ms); auto={auto['extra'].get('auto_chunks')} "
                      f"chunks, {auto['extra']['vs_sequential']:+.1%} vs sequential")
