@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism")
     g.add_argument("--overlap", default="auto", choices=("auto", "chunked", "none"),
                    help="row-parallel GEMM/all-reduce overlap")
+    g.add_argument("--plan", default="none", choices=("none", "auto"),
+                   help="auto: take the planner's best layout for this world size (overrides "
+                        "--tp --pp --dp --zero --schedule --micro-batches and checkpointing)")
     g.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DP gradient bucket MiB")
     g.add_argument("--timeout", type=float, default=300.0,
                    help="collective timeout in seconds (a dead rank ends the job)")
@@ -157,9 +160,35 @@ def _to_argv(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def apply_plan(args: argparse.Namespace, world: int) -> str:
+    """Replace the layout options of ``args`` by the planner's best layout; return why."""
+    import torch
+
+    from distllm.models import GPTConfig
+    from distllm.plan import best_layout, detect_profile
+
+    mcfg = GPTConfig.preset(args.model)
+    per_node = torch.cuda.device_count() or world
+    layout, why = best_layout(args.model, world, min(per_node, world), detect_profile(),
+                              global_batch=args.global_batch,
+                              seq_len=args.seq_len or mcfg.max_seq_len)
+    args.tp, args.pp, args.dp, args.zero = layout.tp, layout.pp, layout.dp, layout.zero
+    args.micro_batches = layout.micro_batches
+    args.schedule = layout.schedule if layout.pp > 1 else args.schedule
+    args.virtual_stages = max(layout.virtual_stages, 1) if layout.pp > 1 else args.virtual_stages
+    args.activation_checkpointing = layout.checkpointing
+    args.sequence_parallel = layout.sequence_parallel
+    args.plan = "none"
+    return f"--plan auto chose {layout.name()} for {world} ranks:\n{why}"
+
+
 def run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if args.plan == "auto":
+        why = apply_plan(args, args.nproc or int(os.environ.get("WORLD_SIZE", "1")))
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(why, flush=True)
+    cfg = config_from_args(args)
     if args.nproc:
         if under_torchrun:
             raise UsageError("--nproc starts torchrun itself: drop it under an external torchrun")
