@@ -102,7 +102,7 @@ def choose(key: str, device: torch.device, candidates: dict[str, Callable[[], ob
         return hit
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     with torch.no_grad():
-        times = measure(candidates, sync)
+        times = measure(candidates, sync, reps=5)
     best = min(times, key=times.__getitem__)
     log.info("autotune %s: %s (%s)", full, best,
              ", ".join(f"{n}={t:.3g}ms" for n, t in times.items()))

@@ -176,7 +176,7 @@ def test_auto_measures_once_and_never_picks_the_interpreter(monkeypatch):
     calls = []
     real = _autotune.measure
 
-    def counting(cands, sync, reps=3):
+    def counting(cands, sync, reps=5):
         calls.append(sorted(cands))
         return real(cands, sync, reps)
 
