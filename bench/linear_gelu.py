@@ -70,8 +70,8 @@ def _row_blocked(x, w, b, approximate, block=256):
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
     wt = w.t()
     for i in range(0, x.shape[0], block):
-        o = out[i:i + block]
-        torch.mm(x[i:i + block], wt, out=o)  # (block, K) @ (K, N)
+        o = out[i : i + block]
+        torch.mm(x[i : i + block], wt, out=o)  # (block, K) @ (K, N)
         if b is not None:
             o += b
         torch.ops.aten.gelu_(o, approximate=approximate)
@@ -93,12 +93,18 @@ def _variants(phase: str, x, w, b, approximate: str, device: str):
     def fused(be):
         return lambda: linear_gelu(xg, wg, bg, approximate=approximate, backend=be)
 
-    fwds: dict[str, tuple[Callable | None, str]] = {"unfused": (unfused, "unfused"),
-                                                     "fused-auto": (fused("auto"), "fused")}
+    fwds: dict[str, tuple[Callable | None, str]] = {
+        "unfused": (unfused, "unfused"),
+        "fused-auto": (fused("auto"), "fused"),
+    }
     for be in _BACKENDS:
         if not avail[be].startswith("ok") or (be == "triton" and device == "cpu"):
-            fwds[f"fused-{be}"] = (None, avail[be] if not avail[be].startswith("ok")
-                                   else "Triton runs only through the interpreter on CPU")
+            fwds[f"fused-{be}"] = (
+                None,
+                avail[be]
+                if not avail[be].startswith("ok")
+                else "Triton runs only through the interpreter on CPU",
+            )
             continue
         fwds[f"fused-{be}"] = (fused(be), "fused")
     if phase == "fwd":
@@ -123,16 +129,20 @@ def _peers(x, w, b, approximate, device):
     if device == "cpu":
         lp = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
         if lp is None or x.dtype not in (torch.float32, torch.bfloat16):
-            out["peer-onednn-postop"] = (None, "torch.ops.mkldnn._linear_pointwise unavailable "
-                                         f"for {x.dtype}")
+            out["peer-onednn-postop"] = (
+                None,
+                f"torch.ops.mkldnn._linear_pointwise unavailable for {x.dtype}",
+            )
         else:
             out["peer-onednn-postop"] = (lambda: lp(x, w, b, "gelu", [], approximate), "peer")
         out["cpu-rowblocked"] = (lambda: _row_blocked(x, w, b, approximate), "fused")
     else:
         use_gelu = approximate == "tanh"  # _addmm_activation's GeLU is cuBLASLt's (tanh)
         out["peer-addmm-activation"] = (
-            (lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True), "peer") if use_gelu
-            else (None, "torch._addmm_activation's GeLU is the tanh form; run approximate=tanh"))
+            (lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True), "peer")
+            if use_gelu
+            else (None, "torch._addmm_activation's GeLU is the tanh form; run approximate=tanh")
+        )
     return out
 
 
@@ -186,7 +196,7 @@ def _run_shape(cfg, shape, approximate, device, sync) -> list[dict]:
     for dtype in _dtypes(cfg):
         torch.manual_seed(0)
         x = torch.randn(M, K, device=device, dtype=dtype)
-        w = torch.randn(N, K, device=device, dtype=dtype) * K ** -0.5
+        w = torch.randn(N, K, device=device, dtype=dtype) * K**-0.5
         b = torch.randn(N, device=device, dtype=dtype) * 0.1
         for phase in ("fwd", "fwd_train", "bwd", "fwd+bwd"):
             rows += _run_phase(cfg, phase, x, w, b, approximate, device, sync)
@@ -201,18 +211,38 @@ def _run_phase(cfg, phase, x, w, b, approximate, device, sync) -> list[dict]:
     live = {n: fn for n, (fn, _) in vs.items() if fn is not None}
     ctx = torch.no_grad() if phase == "fwd" else torch.enable_grad()
     with ctx:
-        st = interleaved(live, warmup=1, reps=_reps(cfg, M, K, N, device), sync=sync,
-                         timer=_cpu_timer if cfg.extra.get("linear_gelu_timer") == "cpu" else None)
+        st = interleaved(
+            live,
+            warmup=1,
+            reps=_reps(cfg, M, K, N, device),
+            sync=sync,
+            timer=_cpu_timer if cfg.extra.get("linear_gelu_timer") == "cpu" else None,
+        )
     base = st.get("unfused")
     out = []
     for n, (fn, role_or_reason) in vs.items():
-        common = dict(device=device, dtype=str(x.dtype).removeprefix("torch."),
-                      shape=f"{M}x{K}x{N}", phase=phase, approximate=approximate)
+        common = dict(
+            device=device,
+            dtype=str(x.dtype).removeprefix("torch."),
+            shape=f"{M}x{K}x{N}",
+            phase=phase,
+            approximate=approximate,
+        )
         if fn is None:
             out.append(row(SUITE, case, n, status="unavailable", reason=role_or_reason, **common))
             continue
         s = st[n]
         sp = base.median_ms / s.median_ms if base else None
-        out.append(row(SUITE, case, n, s, flops=_flops(phase, M, K, N), role=role_or_reason,
-                       speedup_vs_unfused=sp, **common))
+        out.append(
+            row(
+                SUITE,
+                case,
+                n,
+                s,
+                flops=_flops(phase, M, K, N),
+                role=role_or_reason,
+                speedup_vs_unfused=sp,
+                **common,
+            )
+        )
     return out

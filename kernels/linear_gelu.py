@@ -76,13 +76,24 @@ def _fwd_kernel(
     b_ptr,  # (N,) bias, contiguous; unused when HAS_BIAS is false
     y_ptr,  # (M, N) output gelu(u)
     u_ptr,  # (M, N) pre-activation u, same strides as y; unused when SAVE_PRE is false
-    M, N, K,
-    stride_xm, stride_xk,  # element strides of x along M and K
-    stride_wn, stride_wk,  # element strides of W along N and K
-    stride_ym, stride_yn,  # element strides of y (and u) along M and N
-    HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr, APPROX_TANH: tl.constexpr,
-    ALLOW_TF32: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,  # element strides of x along M and K
+    stride_wn,
+    stride_wk,  # element strides of W along N and K
+    stride_ym,
+    stride_yn,  # element strides of y (and u) along M and N
+    HAS_BIAS: tl.constexpr,
+    SAVE_PRE: tl.constexpr,
+    APPROX_TANH: tl.constexpr,
+    ALLOW_TF32: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -125,13 +136,16 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_kernel(
-    g_ptr,   # (M, N) incoming gradient dL/dy, contiguous
-    u_ptr,   # (M, N) pre-activation saved by the forward, contiguous
+    g_ptr,  # (M, N) incoming gradient dL/dy, contiguous
+    u_ptr,  # (M, N) pre-activation saved by the forward, contiguous
     gu_ptr,  # (M, N) output dL/du = g * gelu'(u), contiguous
     db_ptr,  # (cdiv(M, BLOCK_M), N) fp32 partial bias gradients; unused unless HAS_BIAS
-    M, N,
-    HAS_BIAS: tl.constexpr, APPROX_TANH: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    M,
+    N,
+    HAS_BIAS: tl.constexpr,
+    APPROX_TANH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -152,12 +166,22 @@ def _bwd_kernel(
 def _fwd_configs() -> list[triton.Config]:
     """Tile shapes for Ampere (sm80) and Hopper (sm90); the tuner keeps the fastest per shape."""
     shapes = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
-        (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4),
-        (128, 128, 32, 4, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4),
-        (64, 256, 32, 4, 4), (64, 64, 32, 4, 4), (32, 64, 32, 4, 5),
+        (128, 256, 64, 8, 3),
+        (256, 128, 64, 8, 3),
+        (128, 128, 64, 8, 4),
+        (128, 128, 32, 4, 4),
+        (128, 64, 32, 4, 4),
+        (64, 128, 32, 4, 4),
+        (64, 256, 32, 4, 4),
+        (64, 64, 32, 4, 4),
+        (32, 64, 32, 4, 5),
     ]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
-                          num_warps=w, num_stages=s) for bm, bn, bk, w, s in shapes]
+    return [
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s
+        )
+        for bm, bn, bk, w, s in shapes
+    ]
 
 
 if _INTERPRET:
@@ -165,7 +189,8 @@ if _INTERPRET:
     _FWD_META = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
 else:  # pragma: no cover - needs a GPU
     _fwd = triton.autotune(configs=_fwd_configs(), key=["M", "N", "K", "HAS_BIAS", "SAVE_PRE"])(
-        _fwd_kernel)
+        _fwd_kernel
+    )
     _FWD_META = {}
 
 _BWD_META = {"BLOCK_M": 16, "BLOCK_N": 64} if _INTERPRET else {"BLOCK_M": 32, "BLOCK_N": 128}
@@ -176,8 +201,13 @@ def interpreting() -> bool:
     return _INTERPRET
 
 
-def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    approximate: str, save_pre: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_gelu_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    approximate: str,
+    save_pre: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """y = gelu(x @ weight^T + bias) for 2-D ``x`` (M, K) and ``weight`` (N, K).
 
     Returns ``(y, u)`` with ``u`` the pre-activation when ``save_pre`` else an empty tensor.
@@ -201,9 +231,23 @@ def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
     _fwd[grid](
-        x, weight, bias_arg, y, u_arg, M, N, K,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
-        HAS_BIAS=bias is not None, SAVE_PRE=save_pre, APPROX_TANH=approximate == "tanh",
+        x,
+        weight,
+        bias_arg,
+        y,
+        u_arg,
+        M,
+        N,
+        K,
+        x.stride(0),
+        x.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        y.stride(0),
+        y.stride(1),
+        HAS_BIAS=bias is not None,
+        SAVE_PRE=save_pre,
+        APPROX_TANH=approximate == "tanh",
         ALLOW_TF32=bool(torch.backends.cuda.matmul.allow_tf32) and not _INTERPRET,
         DOT_FP32=_INTERPRET and x.dtype == torch.bfloat16,
         **_FWD_META,
@@ -211,31 +255,49 @@ def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return y, u
 
 
-def gelu_bwd_pass(grad: torch.Tensor, pre: torch.Tensor, has_bias: bool,
-                  approximate: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+def gelu_bwd_pass(
+    grad: torch.Tensor, pre: torch.Tensor, has_bias: bool, approximate: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One pass over (M, N): ``gu = grad * gelu'(pre)`` and, if ``has_bias``, ``gu.sum(0)``."""
     grad = grad.contiguous()
     pre = pre.contiguous()
     M, N = pre.shape
     gu = torch.empty_like(pre)
     bm, bn = _BWD_META["BLOCK_M"], _BWD_META["BLOCK_N"]
-    parts = torch.empty((triton.cdiv(M, bm), N) if has_bias else (1,), device=pre.device,
-                        dtype=torch.float32)
+    parts = torch.empty(
+        (triton.cdiv(M, bm), N) if has_bias else (1,), device=pre.device, dtype=torch.float32
+    )
     if M == 0 or N == 0:
         return gu, (torch.zeros(N, device=pre.device, dtype=pre.dtype) if has_bias else None)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-    _bwd_kernel[grid](grad, pre, gu, parts, M, N, HAS_BIAS=has_bias,
-                      APPROX_TANH=approximate == "tanh", BLOCK_M=bm, BLOCK_N=bn)
+    _bwd_kernel[grid](
+        grad,
+        pre,
+        gu,
+        parts,
+        M,
+        N,
+        HAS_BIAS=has_bias,
+        APPROX_TANH=approximate == "tanh",
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+    )
     db = parts.sum(0).to(pre.dtype) if has_bias else None
     return gu, db
 
 
-def linear_gelu_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, pre: torch.Tensor,
-                    has_bias: bool, approximate: str):
+def linear_gelu_bwd(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    pre: torch.Tensor,
+    has_bias: bool,
+    approximate: str,
+):
     """(dx, dW, db) of y = gelu(x W^T + b): the fused pass, then the two GEMMs."""
     gu, db = gelu_bwd_pass(grad, pre, has_bias, approximate)
     dx = gu @ weight  # (M, N) @ (N, K)
-    dw = gu.t() @ x   # (N, M) @ (M, K)
+    dw = gu.t() @ x  # (N, M) @ (M, K)
     return dx, dw, db
 
 

@@ -41,9 +41,17 @@ class FusedLinearGeLU(nn.Module):
     measured backend per shape and device).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 approximate: str = "none", *, backend: str = "auto",
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        approximate: str = "none",
+        *,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         if approximate not in ("none", "tanh"):
             raise ValueError(f"approximate={approximate!r}: use 'none' (erf) or 'tanh'")
@@ -62,8 +70,9 @@ class FusedLinearGeLU(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, approximate: str = "none", *,
-                    backend: str = "auto") -> FusedLinearGeLU:
+    def from_linear(
+        cls, linear: nn.Linear, approximate: str = "none", *, backend: str = "auto"
+    ) -> FusedLinearGeLU:
         """A FusedLinearGeLU sharing ``linear``'s parameters (same Parameter objects, so
         optimizer state, weight tying and state_dict keys carry over)."""
         if not isinstance(linear, nn.Linear):
@@ -80,12 +89,15 @@ class FusedLinearGeLU(nn.Module):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_gelu(x, self.weight, self.bias, approximate=self.approximate,
-                           backend=self.backend)
+        return linear_gelu(
+            x, self.weight, self.bias, approximate=self.approximate, backend=self.backend
+        )
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, approximate={self.approximate!r}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, approximate={self.approximate!r}"
+        )
 
 
 class _FusedConv1DGeLU(nn.Module):
@@ -99,17 +111,20 @@ class _FusedConv1DGeLU(nn.Module):
         super().__init__()
         self.nf = conv.nf
         self.weight = conv.weight  # (in, out)
-        self.bias = conv.bias      # (out,)
+        self.bias = conv.bias  # (out,)
         self.approximate, self.backend = approximate, backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x (..., in) @ W (in, out) == linear(x, W.t() (out, in))
-        return linear_gelu(x, self.weight.t(), self.bias, approximate=self.approximate,
-                           backend=self.backend)
+        return linear_gelu(
+            x, self.weight.t(), self.bias, approximate=self.approximate, backend=self.backend
+        )
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.weight.shape[0]}, out_features={self.nf}, "
-                f"approximate={self.approximate!r} (Conv1D layout)")
+        return (
+            f"in_features={self.weight.shape[0]}, out_features={self.nf}, "
+            f"approximate={self.approximate!r} (Conv1D layout)"
+        )
 
 
 def gelu_approximate(act) -> str | None:
@@ -141,12 +156,16 @@ def _is_method(fn) -> bool:
 
 
 def _fusable_linear(m) -> str | None:
-    """"linear" / "conv1d" for a plain nn.Linear / Hugging Face Conv1D, else None."""
+    """The kind of a fusable layer: "linear" (plain nn.Linear), "conv1d" (HF Conv1D) or None."""
     if type(m) is nn.Linear:
         return "linear"
     w = getattr(m, "weight", None)
-    if type(m).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.dim() == 2 \
-            and w.shape[1] == getattr(m, "nf", None):
+    if (
+        type(m).__name__ == "Conv1D"
+        and isinstance(w, torch.Tensor)
+        and w.dim() == 2
+        and w.shape[1] == getattr(m, "nf", None)
+    ):
         return "conv1d"
     return None
 
@@ -181,14 +200,19 @@ def _forward_pairs(module: nn.Module) -> list[tuple[str, str]]:
     nested = r"(?=self\.(\w+)\(\s*self\.(\w+)\()"  # lookahead: overlapping f(g(h(x)))
     for outer, inner in re.findall(nested, src):
         pairs.append((inner, outer))
-    two_line = (r"(?<![\w.])(\w+)\s*=\s*self\.(\w+)\([^()\n]*\)\s*\n"
-                r"\s*\1\s*=\s*self\.(\w+)\(\s*\1\s*\)")
+    two_line = (
+        r"(?<![\w.])(\w+)\s*=\s*self\.(\w+)\([^()\n]*\)\s*\n"
+        r"\s*\1\s*=\s*self\.(\w+)\(\s*\1\s*\)"
+    )
     for _var, fc, act in re.findall(two_line, src):
         pairs.append((fc, act))
     # a layer called more than once in forward is not a simple fc -> act edge
-    return [(fc, act) for fc, act in pairs
-            if len(re.findall(rf"self\.{fc}\(", src)) == 1
-            and len(re.findall(rf"self\.{act}\(", src)) == 1]
+    return [
+        (fc, act)
+        for fc, act in pairs
+        if len(re.findall(rf"self\.{fc}\(", src)) == 1
+        and len(re.findall(rf"self\.{act}\(", src)) == 1
+    ]
 
 
 def _fuse_block(module: nn.Module) -> int:

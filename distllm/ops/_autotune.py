@@ -72,8 +72,9 @@ def _time_ms(fn: Callable[[], object], sync: Callable[[], None] | None) -> float
     return (time.perf_counter() - t0) * 1e3
 
 
-def measure(candidates: dict[str, Callable[[], object]], sync: Callable[[], None] | None,
-            reps: int = 3) -> dict[str, float]:
+def measure(
+    candidates: dict[str, Callable[[], object]], sync: Callable[[], None] | None, reps: int = 3
+) -> dict[str, float]:
     """Fastest ms of each candidate over ``reps`` interleaved rounds after one warm-up round.
 
     The minimum, not the median: other work on the machine only ever adds time, so the
@@ -104,8 +105,9 @@ def choose(key: str, device: torch.device, candidates: dict[str, Callable[[], ob
     with torch.no_grad():
         times = measure(candidates, sync, reps=5)
     best = min(times, key=times.__getitem__)
-    log.info("autotune %s: %s (%s)", full, best,
-             ", ".join(f"{n}={t:.3g}ms" for n, t in times.items()))
+    log.info(
+        "autotune %s: %s (%s)", full, best, ", ".join(f"{n}={t:.3g}ms" for n, t in times.items())
+    )
     with _lock:
         _memory[full] = best
         _save_disk()

@@ -66,29 +66,38 @@ def _onednn_dtype_ok(dtype: torch.dtype) -> bool:
         got = torch.ops.mkldnn._linear_pointwise(x, w, None, "gelu", [], "none")
     except RuntimeError:
         return False
-    return bool(torch.allclose(got.float(), F.gelu(F.linear(x.float(), w.float())),
-                               atol=5e-2, rtol=5e-2))
+    return bool(
+        torch.allclose(got.float(), F.gelu(F.linear(x.float(), w.float())), atol=5e-2, rtol=5e-2)
+    )
 
 
 def availability() -> dict[str, str]:
     """Backend -> "ok ..." or the reason it cannot run in this process."""
     out: dict[str, str] = {}
     ok, why = _cuda_ext_status()
-    out["cuda"] = ("ok: cuBLASLt GELU_AUX_BIAS / BGRADB epilogues; serves approximate='tanh' "
-                   "only (cuBLASLt's GeLU is the tanh form), 'none' goes to triton"
-                   if ok else f"unavailable: {why}")
+    out["cuda"] = (
+        "ok: cuBLASLt GELU_AUX_BIAS / BGRADB epilogues; serves approximate='tanh' "
+        "only (cuBLASLt's GeLU is the tanh form), 'none' goes to triton"
+        if ok
+        else f"unavailable: {why}"
+    )
     k, why = _triton_module()
     if k is None:
         out["triton"] = f"unavailable: {why}"
     elif k.interpreting():
-        out["triton"] = ("ok: through TRITON_INTERPRET=1 on CPU (slow; explicit backend='triton' "
-                         "only, auto never picks it)")
+        out["triton"] = (
+            "ok: through TRITON_INTERPRET=1 on CPU (slow; explicit backend='triton' "
+            "only, auto never picks it)"
+        )
     elif torch.cuda.is_available():
         out["triton"] = "ok: autotuned Triton GEMM with bias+GeLU epilogue"
     else:
         out["triton"] = "unavailable: no CUDA device (set TRITON_INTERPRET=1 to run on CPU)"
-    out["cpu"] = ("ok: oneDNN linear with GeLU post-op (inference) / fused bias (training)"
-                  if onednn_linear_ok() else "ok: torch addmm + GeLU (oneDNN linear missing)")
+    out["cpu"] = (
+        "ok: oneDNN linear with GeLU post-op (inference) / fused bias (training)"
+        if onednn_linear_ok()
+        else "ok: torch addmm + GeLU (oneDNN linear missing)"
+    )
     out["reference"] = "ok: F.gelu(F.linear(x, w, b))"
     return out
 
@@ -129,7 +138,8 @@ def fwd(backend: str, x, w, b, approximate: str, save_pre: bool):
     """(y, pre) for 2-D x (M, K), w (N, K); pre is empty((0,)) unless save_pre."""
     if backend == "cuda":
         y, pre = torch.ops.distllm.cublaslt_linear_gelu(
-            _aligned(x), _aligned(w), None if b is None else _aligned(b), save_pre)
+            _aligned(x), _aligned(w), None if b is None else _aligned(b), save_pre
+        )
         return y, pre
     if backend == "triton":
         k, _ = _triton_module()
@@ -162,8 +172,9 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- backward
-def bwd(backend: str, grad, x, w, pre, has_bias: bool, approximate: str, need_dx: bool,
-        need_dw: bool):
+def bwd(
+    backend: str, grad, x, w, pre, has_bias: bool, approximate: str, need_dx: bool, need_dw: bool
+):
     """(dx, dw, db) of y = gelu(x w^T + b); a gradient not needed is empty((0,))."""
     grad = grad.contiguous()
     dw = db = None
@@ -182,16 +193,25 @@ def bwd(backend: str, grad, x, w, pre, has_bias: bool, approximate: str, need_dx
         dw = gu.t() @ x  # (N, M) @ (M, K)
     dx = None
     if need_dx:
-        if (backend == "cpu" and x.dtype == torch.float32 and _onednn_dtype_ok(x.dtype)
-                and gu.numel() > 0 and w.numel() > 0):
+        if (
+            backend == "cpu"
+            and x.dtype == torch.float32
+            and _onednn_dtype_ok(x.dtype)
+            and gu.numel() > 0
+            and w.numel() > 0
+        ):
             # (M, N) @ (N, K) through oneDNN, w.t() being the (out=K, in=N) weight: 84 vs 112 ms
             # for torch.mm at (M, N, K) = (2048, 4096, 1024) fp32 on a 2-core EPYC under load
             # (torch.mm already goes to oneDNN for bfloat16).
             dx = torch.ops.mkldnn._linear_pointwise(gu, w.t(), None, "none", [], "")
         else:
             dx = gu @ w  # (M, N) @ (N, K)
+
     def empty():  # a fresh tensor per slot: outputs of a custom op must not alias
         return x.new_empty(0)
 
-    return (empty() if dx is None else dx, empty() if dw is None else dw,
-            empty() if db is None else db.to(x.dtype))
+    return (
+        empty() if dx is None else dx,
+        empty() if dw is None else dw,
+        empty() if db is None else db.to(x.dtype),
+    )

@@ -33,8 +33,12 @@ _APPROX = ("none", "tanh")
 _CHOICES = ("auto", *impl.BACKENDS)
 
 
-def linear_gelu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                          approximate: str = "none") -> torch.Tensor:
+def linear_gelu_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    approximate: str = "none",
+) -> torch.Tensor:
     """Plain PyTorch: the oracle of the tests and the last fallback."""
     return F.gelu(F.linear(x, weight, bias), approximate=approximate)
 
@@ -52,22 +56,31 @@ def _check(x, weight, bias, approximate: str, backend: str) -> None:
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise ValueError("linear_gelu: x and weight must be tensors")
     if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D (out_features, in_features), got shape "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(
+            f"weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}"
+        )
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"x's last dimension ({x.shape[-1] if x.dim() else 'scalar'}) must equal "
-                         f"weight's in_features ({weight.shape[1]}); weight is (out, in) as in "
-                         f"nn.Linear, got x {tuple(x.shape)} and weight {tuple(weight.shape)}")
+        raise ValueError(
+            f"x's last dimension ({x.shape[-1] if x.dim() else 'scalar'}) must equal "
+            f"weight's in_features ({weight.shape[1]}); weight is (out, in) as in "
+            f"nn.Linear, got x {tuple(x.shape)} and weight {tuple(weight.shape)}"
+        )
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
-        raise ValueError(f"bias must be 1-D of length out_features={weight.shape[0]}, got shape "
-                         f"{tuple(bias.shape)}")
+        raise ValueError(
+            f"bias must be 1-D of length out_features={weight.shape[0]}, got shape "
+            f"{tuple(bias.shape)}"
+        )
     ts = [("x", x), ("weight", weight)] + ([("bias", bias)] if bias is not None else [])
     if len({t.dtype for _, t in ts}) > 1:
-        raise ValueError("x, weight and bias must share one dtype, got "
-                         + ", ".join(f"{n}={t.dtype}" for n, t in ts))
+        raise ValueError(
+            "x, weight and bias must share one dtype, got "
+            + ", ".join(f"{n}={t.dtype}" for n, t in ts)
+        )
     if len({t.device for _, t in ts}) > 1:
-        raise ValueError("x, weight and bias must be on one device, got "
-                         + ", ".join(f"{n}={t.device}" for n, t in ts))
+        raise ValueError(
+            "x, weight and bias must be on one device, got "
+            + ", ".join(f"{n}={t.device}" for n, t in ts)
+        )
     if not x.is_floating_point():
         raise ValueError(f"linear_gelu needs floating-point tensors, got {x.dtype}")
 
@@ -78,12 +91,20 @@ def _require(backend: str, x, weight, approximate: str) -> None:
     if why is None:
         return
     ok = [b for b in impl.BACKENDS if impl.why_not(b, x, weight, approximate) is None]
-    raise ValueError(f"backend={backend!r} cannot run here: {why}. Available for these inputs: "
-                     f"{', '.join(ok)} (or backend='auto')")
+    raise ValueError(
+        f"backend={backend!r} cannot run here: {why}. Available for these inputs: "
+        f"{', '.join(ok)} (or backend='auto')"
+    )
 
 
-def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                approximate: str = "none", backend: str = "auto") -> torch.Tensor:
+def linear_gelu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    approximate: str = "none",
+    backend: str = "auto",
+) -> torch.Tensor:
     """gelu(x @ weight.T + bias) for ``x`` (..., in), ``weight`` (out, in), ``bias`` (out,).
 
     Differentiable in x, weight and bias. ``approximate`` as in ``F.gelu``. ``backend``:
@@ -98,7 +119,8 @@ def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), x.shape[-1])  # (..., K) -> (M, K); a view if layout allows
     needs_grad = torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
     y, _ = torch.ops.distllm.linear_gelu_fwd(x2, weight, bias, approximate, backend, needs_grad)
     return y.reshape(*lead, weight.shape[0])
 
@@ -115,8 +137,10 @@ def _resolve_fwd(backend, x, w, b, approximate, save_pre) -> str:
     if backend != "auto":
         return backend
     names = _auto_candidates(x, w, approximate)
-    key = (f"linear_gelu_fwd|{x.dtype}|{tuple(x.shape)}x{tuple(w.shape)}|bias={b is not None}"
-           f"|{approximate}|pre={save_pre}")
+    key = (
+        f"linear_gelu_fwd|{x.dtype}|{tuple(x.shape)}x{tuple(w.shape)}|bias={b is not None}"
+        f"|{approximate}|pre={save_pre}"
+    )
     fns = {n: (lambda n=n: impl.fwd(n, x, w, b, approximate, save_pre)) for n in names}
     return _autotune.choose(key, x.device, fns)
 
@@ -125,17 +149,27 @@ def _resolve_bwd(backend, grad, x, w, pre, has_bias, approximate, need_dx, need_
     if backend != "auto":
         return backend
     names = _auto_candidates(x, w, approximate)
-    key = (f"linear_gelu_bwd|{x.dtype}|{tuple(x.shape)}x{tuple(w.shape)}|bias={has_bias}"
-           f"|{approximate}|dx={need_dx}|dw={need_dw}")
-    fns = {n: (lambda n=n: impl.bwd(n, grad, x, w, pre, has_bias, approximate, need_dx, need_dw))
-           for n in names}
+    key = (
+        f"linear_gelu_bwd|{x.dtype}|{tuple(x.shape)}x{tuple(w.shape)}|bias={has_bias}"
+        f"|{approximate}|dx={need_dx}|dw={need_dw}"
+    )
+    fns = {
+        n: (lambda n=n: impl.bwd(n, grad, x, w, pre, has_bias, approximate, need_dx, need_dw))
+        for n in names
+    }
     return _autotune.choose(key, x.device, fns)
 
 
 # ----------------------------------------------------------------------------- registration
 @torch.library.custom_op("distllm::linear_gelu_fwd", mutates_args=())
-def _fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, approximate: str,
-            backend: str, save_pre: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _fwd_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    approximate: str,
+    backend: str,
+    save_pre: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     name = _resolve_fwd(backend, x, weight, bias, approximate, save_pre)
     return impl.fwd(name, x, weight, bias, approximate, save_pre)
 
@@ -147,9 +181,17 @@ def _(x, weight, bias, approximate, backend, save_pre):
 
 
 @torch.library.custom_op("distllm::linear_gelu_bwd", mutates_args=())
-def _bwd_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, pre: torch.Tensor,
-            bias: torch.Tensor | None, approximate: str, backend: str, need_dx: bool,
-            need_dw: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bwd_op(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    pre: torch.Tensor,
+    bias: torch.Tensor | None,
+    approximate: str,
+    backend: str,
+    need_dx: bool,
+    need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if pre.numel() == 0 and x.shape[0] * weight.shape[0] > 0:
         pre = F.linear(x, weight, bias)  # forward ran without save_pre: recompute (M, N)
     has_bias = bias is not None
@@ -177,9 +219,16 @@ def _backward(ctx, grad_y, _grad_pre):
     x, weight, bias, pre = ctx.saved_tensors
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     dx, dw, db = torch.ops.distllm.linear_gelu_bwd(
-        grad_y, x, weight, pre, bias, ctx.approximate, ctx.backend, need_dx, need_dw)
-    return (dx if need_dx else None, dw if need_dw else None,
-            db if (need_db and bias is not None) else None, None, None, None)
+        grad_y, x, weight, pre, bias, ctx.approximate, ctx.backend, need_dx, need_dw
+    )
+    return (
+        dx if need_dx else None,
+        dw if need_dw else None,
+        db if (need_db and bias is not None) else None,
+        None,
+        None,
+        None,
+    )
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)

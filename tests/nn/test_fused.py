@@ -70,10 +70,14 @@ def test_from_linear_shares_parameters_and_state_dict_keys():
 
 def test_fuse_sequential_counts_and_keeps_outputs():
     model = nn.Sequential(
-        nn.Linear(8, 16), nn.GELU(approximate="tanh"),  # fused
-        nn.Linear(16, 16), nn.ReLU(),                   # other activation: left alone
-        nn.Sequential(nn.Linear(16, 12), nn.GELU()),    # nested: fused
-        nn.Linear(12, 12), nn.Dropout(0.0), nn.GELU(),  # not adjacent: left alone
+        nn.Linear(8, 16),
+        nn.GELU(approximate="tanh"),  # fused
+        nn.Linear(16, 16),
+        nn.ReLU(),  # other activation: left alone
+        nn.Sequential(nn.Linear(16, 12), nn.GELU()),  # nested: fused
+        nn.Linear(12, 12),
+        nn.Dropout(0.0),
+        nn.GELU(),  # not adjacent: left alone
         nn.Linear(12, 4),
     ).double()
     ref = copy.deepcopy(model)
@@ -109,11 +113,18 @@ class _SubLinear(nn.Linear):
     pass
 
 
-@pytest.mark.parametrize("act,n", [
-    (nn.GELU(), 1), (GELUActivation(), 1), (NewGELUActivation(), 1),
-    (F.gelu, 1), (functools.partial(F.gelu, approximate="tanh"), 1),
-    (QuickGELUActivation(), 0), (nn.SiLU(), 0),
-])
+@pytest.mark.parametrize(
+    "act,n",
+    [
+        (nn.GELU(), 1),
+        (GELUActivation(), 1),
+        (NewGELUActivation(), 1),
+        (F.gelu, 1),
+        (functools.partial(F.gelu, approximate="tanh"), 1),
+        (QuickGELUActivation(), 0),
+        (nn.SiLU(), 0),
+    ],
+)
 def test_fuse_hf_style_block(act, n):
     block = _Block(act).double()
     ref = copy.deepcopy(block)
@@ -129,9 +140,18 @@ def test_fuse_leaves_reused_outputs_and_linear_subclasses_alone():
 
 
 def test_fuse_gpt2_conv1d_mlp():
-    cfg = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=50, n_positions=16,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                     bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        vocab_size=50,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = GPT2Model(cfg).double().eval()
     ref = copy.deepcopy(model)
     keys = {k: v.shape for k, v in model.state_dict().items()}
@@ -147,8 +167,9 @@ def test_fuse_gpt2_conv1d_mlp():
 
 
 def test_fuse_bert_intermediate():
-    block = BertIntermediate(BertConfig(hidden_size=32, intermediate_size=64,
-                                        num_attention_heads=2)).double()
+    block = BertIntermediate(
+        BertConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2)
+    ).double()
     ref = copy.deepcopy(block)
     assert fuse(block) == 1
     _same_outputs_and_grads(ref, block, torch.randn(3, 5, 32, dtype=torch.float64))

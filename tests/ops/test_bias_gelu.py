@@ -14,8 +14,8 @@ from distllm.ops import bias_gelu, bias_gelu_reference
 # Relative tolerance per dtype (fraction of the reference's largest magnitude):
 TOL = {
     torch.float64: 1e-12,  # elementwise in double: a few ulps of erf/tanh/exp
-    torch.float32: 1e-6,   # computed in float: a few ulps of erf/tanh/exp
-    torch.float16: 2e-3,   # one rounding of the output to 11 bits (2^-11 = 4.9e-4) + input
+    torch.float32: 1e-6,  # computed in float: a few ulps of erf/tanh/exp
+    torch.float16: 2e-3,  # one rounding of the output to 11 bits (2^-11 = 4.9e-4) + input
     torch.bfloat16: 1.6e-2,  # one rounding of the output to 8 bits (2^-8 = 3.9e-3) + input
 }
 SHAPES = [(1,), (7, 769), (123, 1000), (2, 3, 123)]
@@ -62,7 +62,8 @@ def test_gradcheck_float64(approximate):
     x.requires_grad_()
     b.requires_grad_()
     assert torch.autograd.gradcheck(
-        lambda x, b: torch.ops.distllm.bias_gelu(x, b, approximate), (x, b))
+        lambda x, b: torch.ops.distllm.bias_gelu(x, b, approximate), (x, b)
+    )
 
 
 def test_backward_op_is_gelu_derivative():
@@ -81,23 +82,29 @@ def test_opcheck():
     for approximate in ("none", "tanh"):
         torch.library.opcheck(torch.ops.distllm.bias_gelu.default, (x, b, approximate))
         torch.library.opcheck(torch.ops.distllm.bias_gelu.default, (x, None, approximate))
-        torch.library.opcheck(torch.ops.distllm.bias_gelu_backward.default,
-                              (torch.randn(7, 33), x.detach(), b.detach(), approximate))
+        torch.library.opcheck(
+            torch.ops.distllm.bias_gelu_backward.default,
+            (torch.randn(7, 33), x.detach(), b.detach(), approximate),
+        )
 
 
 def test_public_function_matches_reference():
     x, b = _inputs((3, 4, 64), torch.float32, noncontig=True)
-    torch.testing.assert_close(bias_gelu(x, b, "tanh"), F.gelu(x + b, approximate="tanh"),
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        bias_gelu(x, b, "tanh"), F.gelu(x + b, approximate="tanh"), rtol=1e-6, atol=1e-6
+    )
     with pytest.raises(ValueError, match="approximate"):
         bias_gelu(x, b, "erf")
 
 
-@pytest.mark.parametrize("bad_bias,match", [
-    (torch.randn(63), "bias must be"),
-    (torch.randn(2, 64), "bias must be"),
-    (torch.randn(64, dtype=torch.float64), "dtype"),
-])
+@pytest.mark.parametrize(
+    "bad_bias,match",
+    [
+        (torch.randn(63), "bias must be"),
+        (torch.randn(2, 64), "bias must be"),
+        (torch.randn(64, dtype=torch.float64), "dtype"),
+    ],
+)
 def test_bad_bias(bad_bias, match):
     with pytest.raises(RuntimeError, match=match):
         torch.ops.distllm.bias_gelu(torch.randn(3, 64), bad_bias, "none")

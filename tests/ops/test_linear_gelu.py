@@ -14,8 +14,8 @@ from distllm.ops import _autotune, backends, linear_gelu, linear_gelu_reference
 # Relative tolerance per dtype, as a fraction of the reference's largest magnitude:
 TOL = {
     torch.float64: 1e-10,  # float64 GEMMs over K <= 1024: ~1e-14 in practice
-    torch.float32: 2e-5,   # fp32 accumulation over K <= 1024 (~sqrt(K) * 6e-8) + erf/tanh ulps
-    torch.float16: 4e-3,   # y, the saved pre-activation and dL/du are each rounded (2^-11)
+    torch.float32: 2e-5,  # fp32 accumulation over K <= 1024 (~sqrt(K) * 6e-8) + erf/tanh ulps
+    torch.float16: 4e-3,  # y, the saved pre-activation and dL/du are each rounded (2^-11)
     torch.bfloat16: 3e-2,  # same roundings with an 8-bit mantissa (2^-8 = 3.9e-3 each)
 }
 
@@ -24,7 +24,7 @@ def _data(M, K, N, dtype, bias=True, lead=None, noncontig=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     shape = (*(lead or ()), M, K)
     x = torch.randn(*shape, generator=g, dtype=torch.float64)
-    w = torch.randn(N, K, generator=g, dtype=torch.float64) * K ** -0.5
+    w = torch.randn(N, K, generator=g, dtype=torch.float64) * K**-0.5
     b = torch.randn(N, generator=g, dtype=torch.float64) * 0.5 if bias else None
     if noncontig:  # column-major x (last two dims) and weight: transposed views
         x = x.transpose(-1, -2).contiguous().transpose(-1, -2)
@@ -34,11 +34,13 @@ def _data(M, K, N, dtype, bias=True, lead=None, noncontig=False, seed=0):
 
 def _check(backend, x, w, b, approximate, grads=True):
     dtype = x.dtype
-    leaves = [t.detach().clone().requires_grad_(grads) if t is not None else None
-              for t in (x, w, b)]
+    leaves = [
+        t.detach().clone().requires_grad_(grads) if t is not None else None for t in (x, w, b)
+    ]
     y = linear_gelu(*leaves, approximate=approximate, backend=backend)
-    ref_leaves = [t.detach().double().requires_grad_(grads) if t is not None else None
-                  for t in (x, w, b)]
+    ref_leaves = [
+        t.detach().double().requires_grad_(grads) if t is not None else None for t in (x, w, b)
+    ]
     ref = linear_gelu_reference(*ref_leaves, approximate=approximate)
     assert y.shape == ref.shape and y.dtype == dtype
     _close(y, ref, dtype, "y")
@@ -64,10 +66,15 @@ def _close(got, want, dtype, name):
 
 # ---------------------------------------------------------------------------- CPU + reference
 CPU_CASES = [  # (M, K, N, dtype)
-    (1, 769, 1000, torch.float64), (7, 1000, 769, torch.float64), (123, 256, 512, torch.float64),
-    (1, 769, 1000, torch.float32), (7, 1000, 769, torch.float32), (123, 256, 512, torch.float32),
+    (1, 769, 1000, torch.float64),
+    (7, 1000, 769, torch.float64),
+    (123, 256, 512, torch.float64),
+    (1, 769, 1000, torch.float32),
+    (7, 1000, 769, torch.float32),
+    (123, 256, 512, torch.float32),
     (1024, 769, 1000, torch.float32),
-    (7, 769, 256, torch.bfloat16), (123, 256, 1000, torch.bfloat16),
+    (7, 769, 256, torch.bfloat16),
+    (123, 256, 1000, torch.bfloat16),
     (7, 256, 769, torch.float16),
 ]
 
@@ -144,12 +151,15 @@ def test_opcheck(backend):
         t.requires_grad_()
     for bias in (b, None):
         for save_pre in (True, False):
-            torch.library.opcheck(torch.ops.distllm.linear_gelu_fwd.default,
-                                  (x, w, bias, "tanh", backend, save_pre))
+            torch.library.opcheck(
+                torch.ops.distllm.linear_gelu_fwd.default, (x, w, bias, "tanh", backend, save_pre)
+            )
     g = torch.randn(7, 24)
     pre = F.linear(x, w, b).detach()
-    torch.library.opcheck(torch.ops.distllm.linear_gelu_bwd.default,
-                          (g, x.detach(), w.detach(), pre, b.detach(), "none", backend, True, True))
+    torch.library.opcheck(
+        torch.ops.distllm.linear_gelu_bwd.default,
+        (g, x.detach(), w.detach(), pre, b.detach(), "none", backend, True, True),
+    )
 
 
 def test_torch_compile_fullgraph():
@@ -188,8 +198,9 @@ def test_auto_measures_once_and_never_picks_the_interpreter(monkeypatch):
     chosen = [v for k, v in _autotune.cached().items() if "(17, 48)x(40, 48)" in k]
     assert len(chosen) == 1 and chosen[0] in ("cpu", "reference")
     torch.testing.assert_close(y1, y2, rtol=0, atol=0)
-    torch.testing.assert_close(y1.double(), linear_gelu_reference(*(
-        t.double() for t in (x, w, b))), rtol=0, atol=2e-5)
+    torch.testing.assert_close(
+        y1.double(), linear_gelu_reference(*(t.double() for t in (x, w, b))), rtol=0, atol=2e-5
+    )
 
 
 def test_backends_report():
@@ -199,20 +210,23 @@ def test_backends_report():
     assert "tanh" in rep["cuda"] or rep["cuda"].startswith("unavailable")
 
 
-@pytest.mark.parametrize("make,match", [
-    (lambda x, w, b: linear_gelu(x, torch.randn(16, 31), b), "in_features"),
-    (lambda x, w, b: linear_gelu(x, w[0], b), "2-D"),
-    (lambda x, w, b: linear_gelu(x, w[None], b), "2-D"),
-    (lambda x, w, b: linear_gelu(x, w, b[:-1]), "length out_features=16"),
-    (lambda x, w, b: linear_gelu(x, w, b[None]), "1-D"),
-    (lambda x, w, b: linear_gelu(x, w.double(), b), "one dtype"),
-    (lambda x, w, b: linear_gelu(x, w, b.bfloat16()), "one dtype"),
-    (lambda x, w, b: linear_gelu(x, w, b.to("meta")), "one device"),
-    (lambda x, w, b: linear_gelu(x, w, b, approximate="erf"), "approximate"),
-    (lambda x, w, b: linear_gelu(x, w, b, backend="fastest"), "backend"),
-    (lambda x, w, b: linear_gelu(x.long(), w.long(), None), "floating"),
-    (lambda x, w, b: linear_gelu(x.double(), w.double(), None, backend="triton"), "float32"),
-])
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda x, w, b: linear_gelu(x, torch.randn(16, 31), b), "in_features"),
+        (lambda x, w, b: linear_gelu(x, w[0], b), "2-D"),
+        (lambda x, w, b: linear_gelu(x, w[None], b), "2-D"),
+        (lambda x, w, b: linear_gelu(x, w, b[:-1]), "length out_features=16"),
+        (lambda x, w, b: linear_gelu(x, w, b[None]), "1-D"),
+        (lambda x, w, b: linear_gelu(x, w.double(), b), "one dtype"),
+        (lambda x, w, b: linear_gelu(x, w, b.bfloat16()), "one dtype"),
+        (lambda x, w, b: linear_gelu(x, w, b.to("meta")), "one device"),
+        (lambda x, w, b: linear_gelu(x, w, b, approximate="erf"), "approximate"),
+        (lambda x, w, b: linear_gelu(x, w, b, backend="fastest"), "backend"),
+        (lambda x, w, b: linear_gelu(x.long(), w.long(), None), "floating"),
+        (lambda x, w, b: linear_gelu(x.double(), w.double(), None, backend="triton"), "float32"),
+    ],
+)
 def test_bad_input(make, match):
     x, w, b = torch.randn(4, 32), torch.randn(16, 32), torch.randn(16)
     with pytest.raises(ValueError, match=match):
