@@ -63,11 +63,51 @@ def _rank_main(
         )
         try:
             out = fn(rank, *args, **kwargs) if pass_rank else fn(*args, **kwargs)
-            results.put((rank, "ok", out))
-        finally:
-            dist.destroy_process_group()
+        except BaseException:  # noqa: BLE001 - report before peers see the group close
+            results.put((rank, "error", traceback.format_exc()))
+            return
+        results.put((rank, "ok", out))
+        dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit
         results.put((rank, "error", traceback.format_exc()))
+
+
+# Errors a rank gets because a peer went away: reported after the peer's own error.
+_SECONDARY = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "Socket closed",
+    "Timed out waiting",
+    "timed out",
+)
+
+
+def _failure(name: str, world_size: int, errors: dict[int, str]) -> DistributedFailure:
+    """One report with the root-cause rank first (not a peer's connection error)."""
+    order = sorted(errors, key=lambda r: (any(m in errors[r] for m in _SECONDARY), r))
+    first = order[0]
+    msg = f"{name}: rank {first} of {world_size} failed:\n{errors[first]}"
+    others = [r for r in order[1:]]
+    if others:
+        msg += (
+            f"\n(ranks {others} failed after it; first lines: "
+            + "; ".join(f"rank {r}: {errors[r].strip().splitlines()[-1][:200]}" for r in others)
+            + ")"
+        )
+    return DistributedFailure(msg)
+
+
+def _drain_errors(results, errors: dict[int, str], grace: float) -> None:
+    """Collect the errors that arrive within ``grace`` seconds of the first one."""
+    end = time.monotonic() + grace
+    while time.monotonic() < end:
+        try:
+            rank, kind, payload = results.get(timeout=max(0.05, end - time.monotonic()))
+        except queue.Empty:
+            return
+        if kind == "error":
+            errors[rank] = payload
 
 
 def run_distributed(
@@ -157,6 +197,8 @@ def _collect(procs, results, world_size, timeout, name) -> list[Any]:
             else:
                 continue
         if kind == "error":
-            raise DistributedFailure(f"{name}: rank {rank} of {world_size} failed:\n{payload}")
+            errors = {rank: payload}
+            _drain_errors(results, errors, grace=1.0)
+            raise _failure(name, world_size, errors)
         out[rank] = payload
     return [out[r] for r in range(world_size)]
