@@ -90,7 +90,14 @@ def collect() -> dict:
         "platform": platform.platform(),
         "devices": devices,
         "backends": backend_table(),
+        "ops": {"linear_gelu": _op_backends()},
     }
+
+
+def _op_backends() -> dict[str, str]:
+    from distllm.ops import backends
+
+    return backends()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -111,4 +118,8 @@ def run(args: argparse.Namespace) -> int:
             f"| {r['backend']} | {'yes' if r['built'] else 'no'} | "
             f"{'yes' if r['usable'] else 'no'} | {r['reason']} |"
         )
+    for op, table in info["ops"].items():
+        print(f"\n| {op} backend | status |\n|---|---|")
+        for name, status in table.items():
+            print(f"| {name} | {status} |")
     return 0

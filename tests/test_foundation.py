@@ -41,6 +41,10 @@ def test_info_reports_every_backend_truthfully():
         assert not rows["Triton"]["usable"]
     assert rows["Triton interpreter"]["usable"]  # TRITON_INTERPRET=1 was set for this run
     assert info["torch"] and info["python"] and info["devices"][0].startswith("cpu")
+    ops = info["ops"]["linear_gelu"]
+    assert ops["reference"].startswith("ok") and ops["cpu"].startswith("ok")
+    if not torch.cuda.is_available():
+        assert ops["cuda"].startswith("unavailable")
 
 
 def test_info_text_and_unknown_command():
