@@ -1,11 +1,14 @@
 """Measured backend choice for ``backend="auto"``, cached per shape and device.
 
-The first call with a new key times every candidate on the caller's own tensors (a warm-up
-call, then a few interleaved repetitions, the fastest of them) and remembers the fastest
-candidate, in memory and in a small JSON file (``~/.cache/distllm/autotune.json``;
-unwritable is fine, it is only a cache). The unfused reference is always a candidate, so
-``auto`` is never slower than unfused beyond measurement noise. Keys carry the device name
-and the torch version, so a cache copied to another machine or torch is not reused.
+The first call with a new key in a process times every candidate on the caller's own
+tensors (a warm-up call, then a few interleaved repetitions, the fastest of them) and
+remembers the fastest candidate in memory. The unfused reference is always a candidate, so
+``auto`` is never slower than unfused beyond measurement noise.
+
+Choices persist across processes only when the user names a file in
+``DISTLLM_AUTOTUNE_CACHE``: a choice measured while the machine was busy would otherwise
+outlive the load that skewed it. Keys carry the device name and the torch version, so a
+cache file copied to another machine or torch is not reused.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ _memory: dict[str, str] = {}
 _disk_loaded = False
 
 
-def cache_path() -> Path:
-    return Path.home() / ".cache" / "distllm" / "autotune.json"
+def cache_path() -> Path | None:
+    """The JSON file that keeps choices across processes, if the user asked for one."""
+    path = os.environ.get("DISTLLM_AUTOTUNE_CACHE")
+    return Path(path) if path else None
 
 
 def device_tag(device: torch.device) -> str:
@@ -43,6 +48,8 @@ def _load_disk() -> None:
     if _disk_loaded:
         return
     _disk_loaded = True
+    if cache_path() is None:
+        return
     try:
         data = json.loads(cache_path().read_text())
         if isinstance(data, dict):
@@ -54,6 +61,8 @@ def _load_disk() -> None:
 
 def _save_disk() -> None:
     path = cache_path()
+    if path is None:
+        return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".autotune-", suffix=".json")
@@ -127,7 +136,7 @@ def clear(memory_only: bool = True) -> None:
     with _lock:
         _memory.clear()
         _disk_loaded = memory_only  # do not reload the file we are forgetting
-        if not memory_only:
+        if not memory_only and cache_path() is not None:
             try:
                 cache_path().unlink()
             except OSError:
