@@ -100,8 +100,26 @@ def measure(
     return {n: min(s) for n, s in samples.items()}
 
 
-def choose(key: str, device: torch.device, candidates: dict[str, Callable[[], object]]) -> str:
-    """The fastest candidate's name for ``key`` on ``device``, measured once and cached."""
+def lookup(key: str, device: torch.device) -> str | None:
+    """The choice already made for ``key`` on ``device``, or None (a cheap, hot-path check)."""
+    full = f"{device_tag(device)}|torch{torch.__version__}|{key}"
+    hit = _memory.get(full)
+    if hit is None and not _disk_loaded:
+        with _lock:
+            _load_disk()
+        hit = _memory.get(full)
+    return hit
+
+
+def choose(
+    key: str,
+    device: torch.device,
+    candidates: dict[str, Callable[[], object]],
+    grad: bool = False,
+) -> str:
+    """The fastest candidate's name for ``key`` on ``device``, measured once and cached.
+
+    ``grad``: the candidates run a backward, so they are timed with autograd enabled."""
     if len(candidates) == 1:
         return next(iter(candidates))
     full = f"{device_tag(device)}|torch{torch.__version__}|{key}"
@@ -111,7 +129,7 @@ def choose(key: str, device: torch.device, candidates: dict[str, Callable[[], ob
     if hit in candidates:
         return hit
     sync = torch.cuda.synchronize if device.type == "cuda" else None
-    with torch.no_grad():
+    with torch.enable_grad() if grad else torch.no_grad():
         times = measure(candidates, sync, reps=5)
     best = min(times, key=times.__getitem__)
     log.info(

@@ -11,10 +11,11 @@ Registered with ``torch.library`` as two ops, so that it survives ``torch.compil
 
 Backends (``backends()`` says which run here and why not): ``cuda`` (cuBLASLt epilogues,
 ``approximate="tanh"`` only), ``triton``, ``cpu`` (oneDNN) and ``reference`` (plain PyTorch).
-``backend="auto"`` resolves inside the op, per shape, dtype and device, to the fastest
-candidate measured on first use (the unfused reference is always a candidate); see
-``distllm.ops._autotune``. No collective runs in forward or backward: in a column-parallel
-layer this is the local shard's computation.
+``backend="auto"`` picks, per shape, dtype, device and whether a gradient is needed, the
+candidate whose whole call (forward, plus backward in training) measured fastest on first
+use, the unfused reference among them; under ``torch.compile`` the choice is made inside
+the op instead, per phase. See ``distllm.ops._autotune``. No collective runs in forward or
+backward: in a column-parallel layer this is the local shard's computation.
 """
 
 from __future__ import annotations
@@ -112,15 +113,17 @@ def linear_gelu(
     backend that cannot serve the inputs raises ValueError naming those that can.
     """
     _check(x, weight, bias, approximate, backend)
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if backend == "auto" and not torch.compiler.is_compiling():
+        backend = _choose_end_to_end(x, weight, bias, approximate, needs_grad)
     if backend == "reference":
         return linear_gelu_reference(x, weight, bias, approximate)
     if backend != "auto":
         _require(backend, x, weight, approximate)
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), x.shape[-1])  # (..., K) -> (M, K); a view if layout allows
-    needs_grad = torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    )
     y, _ = torch.ops.distllm.linear_gelu_fwd(x2, weight, bias, approximate, backend, needs_grad)
     return y.reshape(*lead, weight.shape[0])
 
@@ -131,6 +134,36 @@ def _auto_candidates(x, w, approximate: str) -> list[str]:
     if x.device.type == "cpu":  # the Triton interpreter is for tests, never a speed choice
         names = [b for b in names if b != "triton"]
     return names
+
+
+def _choose_end_to_end(x, w, b, approximate: str, needs_grad: bool) -> str:
+    """The backend whose whole call is fastest for these shapes, measured once per process.
+
+    Each candidate is timed as the user will run it: forward, plus backward when a gradient
+    is needed, through the registered op and autograd (whose own overhead is not negligible
+    at small shapes), against the unfused reference, which bypasses the op."""
+    key = (
+        f"linear_gelu|{x.dtype}|{tuple(x.shape)}x{tuple(w.shape)}|bias={b is not None}"
+        f"|{approximate}|grad={needs_grad}"
+    )
+    hit = _autotune.lookup(key, x.device)
+    if hit is not None:
+        return hit
+    names = _auto_candidates(x, w, approximate)
+
+    def run(name: str):
+        def call():
+            with torch.enable_grad() if needs_grad else torch.no_grad():
+                xs = x.detach().requires_grad_(needs_grad)
+                ws = w.detach().requires_grad_(needs_grad)
+                bs = None if b is None else b.detach().requires_grad_(needs_grad)
+                y = linear_gelu(xs, ws, bs, approximate=approximate, backend=name)
+                if needs_grad:
+                    y.backward(torch.ones_like(y))
+
+        return call
+
+    return _autotune.choose(key, x.device, {n: run(n) for n in names}, grad=needs_grad)
 
 
 def _resolve_fwd(backend, x, w, b, approximate, save_pre) -> str:
