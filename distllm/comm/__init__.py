@@ -11,7 +11,7 @@ Names are imported lazily from the module that defines them.
 
 from __future__ import annotations
 
-import importlib
+from distllm._lazy import lazy_exports
 
 _LAZY = {
     "CommContext": "distllm.comm.overlap",
@@ -26,7 +26,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'distllm.comm' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
+from distllm._lazy import lazy_exports
 
 _LAZY = {
     "GPT": "distllm.models.gpt",
@@ -15,7 +15,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'distllm.models' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)

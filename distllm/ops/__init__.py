@@ -3,9 +3,10 @@ cuda extension -> triton -> cpu -> reference)."""
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
+
+from distllm._lazy import lazy_exports
 
 _LAZY = {
     "bias_gelu": "distllm.ops.bias_gelu",
@@ -17,15 +18,7 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        # importing distllm.ops.<op> binds the submodule as an attribute of this package;
-        # rebind the public name to the function so that `from distllm.ops import <op>` works
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'distllm.ops' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 class _OpsPackage(types.ModuleType):

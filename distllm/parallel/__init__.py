@@ -5,8 +5,7 @@ Names are imported lazily so that each part loads only when used.
 
 from __future__ import annotations
 
-import importlib
-
+from distllm._lazy import lazy_exports
 from distllm.parallel.mesh import ParallelDims
 
 _LAZY = {
@@ -21,8 +20,4 @@ _LAZY = {
 __all__ = ["ParallelDims", *_LAZY]
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        mod = importlib.import_module(_LAZY[name])
-        return mod if mod.__name__.endswith(name) else getattr(mod, name)
-    raise AttributeError(f"module 'distllm.parallel' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-import importlib
+from distllm._lazy import lazy_exports
 
 _LAZY = {
     "train": "distllm.train.trainer",
@@ -18,7 +18,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'distllm.train' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)
