@@ -136,6 +136,10 @@ def _auto_candidates(x, w, approximate: str) -> list[str]:
     return names
 
 
+def _plain_saved_tensors():
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+
 def _choose_end_to_end(x, w, b, approximate: str, needs_grad: bool) -> str:
     """The backend whose whole call is fastest for these shapes, measured once per process.
 
@@ -153,7 +157,10 @@ def _choose_end_to_end(x, w, b, approximate: str, needs_grad: bool) -> str:
 
     def run(name: str):
         def call():
-            with torch.enable_grad() if needs_grad else torch.no_grad():
+            # identity hooks: the timing runs must not register saved tensors with an outer
+            # context (activation checkpointing counts them, and its recomputation hits the
+            # cached choice and saves fewer)
+            with _plain_saved_tensors(), torch.enable_grad() if needs_grad else torch.no_grad():
                 xs = x.detach().requires_grad_(needs_grad)
                 ws = w.detach().requires_grad_(needs_grad)
                 bs = None if b is None else b.detach().requires_grad_(needs_grad)

@@ -289,3 +289,21 @@ def test_autotune_persists_only_where_asked(tmp_path, monkeypatch):
     _autotune.clear()
     _autotune._disk_loaded = False
     assert any(k.endswith("persist-test|2") for k in _autotune.cached())
+
+
+def test_auto_first_call_inside_activation_checkpointing():
+    # auto times its candidates on the first call of a shape; inside a checkpointed region
+    # those timing runs must not count as saved tensors, or the recomputation (which hits the
+    # cached choice) saves fewer and checkpointing fails
+    from torch.utils.checkpoint import checkpoint
+
+    _autotune.clear()
+    x = torch.randn(7, 33, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(45, 33, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(45, dtype=torch.float64, requires_grad=True)
+    y = checkpoint(lambda a: linear_gelu(a, w, b), x, use_reentrant=False)
+    y.sum().backward()
+    xr, wr, br = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    F.gelu(F.linear(xr, wr, br)).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=1e-12)  # float64: same math
+    torch.testing.assert_close(w.grad, wr.grad, rtol=0, atol=1e-12)
