@@ -35,7 +35,6 @@ Run: ``python -m distllm.bench.ddp_overlap [--quick] [--net 10gbit]`` or
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
@@ -350,7 +349,7 @@ def _sweep_rows(res: dict, case: str, label: str, reason: str) -> list[dict]:
 
 
 def run(cfg: BenchConfig) -> list[dict]:
-    from distllm.bench.netem import EmulatedNetwork
+    from distllm.bench.netem import link
 
     from distllm.testing import run_distributed
 
@@ -366,18 +365,13 @@ def run(cfg: BenchConfig) -> list[dict]:
     nets = ([None] if not (cfg.quick and cfg.net) else []) + ([cfg.net] if cfg.net else [])
     rows: list[dict] = []
     for rate in nets:
-        ctx = EmulatedNetwork(2, rate) if rate else contextlib.nullcontext()
-        with ctx as net:
-            use = net is not None and net.available
-            label = rate if use else "loopback"
-            reason = "" if net is None or use else f"{rate} unavailable: {net.reason}"
+        with link(rate) as lk:
             for phase in phases:
                 res = run_distributed(_rank, 2, phase, shape, reps, 25.0, timeout=1800,
-                                      setup=net.setup if use else None,
-                                      env=net.env if use else None)[0]
-                case = f"{label} {res['psi'] / 1e6:.1f}M b{shape[3]}s{shape[4]}h{shape[0]}"
+                                      setup=lk.setup, env=lk.env)[0]
+                case = f"{lk.label} {res['psi'] / 1e6:.1f}M b{shape[3]}s{shape[4]}h{shape[0]}"
                 build = {"ddp": _ddp_rows, "zero": _zero_rows, "sweep": _sweep_rows}[phase]
-                rows.extend(build(res, case, label, reason))
+                rows.extend(build(res, case, lk.label, lk.reason))
     return rows
 
 

@@ -22,6 +22,7 @@ and at interpreter exit. Needs Linux, root and iproute2; elsewhere ``available``
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import re
@@ -31,10 +32,10 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["EmulatedNetwork", "parse_rate", "cleanup_stale", "IFNAME", "PREFIX"]
+__all__ = ["EmulatedNetwork", "Link", "link", "parse_rate", "cleanup_stale", "IFNAME", "PREFIX"]
 
 PREFIX = "dlnet"  # namespace names: dlnet-<pid>-<random>-<rank> and dlnet-<pid>-<random>-br
 IFNAME = "dl0"  # the rank's interface, same name in every namespace
@@ -300,6 +301,32 @@ class EmulatedNetwork:
 
 
 # ---- a quick check of the link: python -m distllm.bench.netem --net 2gbit ------------------
+@dataclass
+class Link:
+    """Where a benchmark's ranks talk: ``label`` for its rows ("2gbit", or "loopback"),
+    ``reason`` why an asked-for emulated link fell back to loopback ("" otherwise), and the
+    ``setup``/``env`` to pass to ``run_distributed``."""
+
+    label: str
+    reason: str
+    setup: object | None
+    env: dict[str, str] | None
+
+
+@contextlib.contextmanager
+def link(rate: str | None, nranks: int = 2) -> Iterator[Link]:
+    """An emulated link of ``rate`` for ``nranks`` ranks (``None``: loopback), as a
+    :class:`Link`; where the emulated network cannot be made it is loopback with the reason."""
+    if not rate:
+        yield Link("loopback", "", None, None)
+        return
+    with EmulatedNetwork(nranks, rate) as net:
+        if net.available:
+            yield Link(str(rate), "", net.setup, net.env)
+        else:
+            yield Link("loopback", f"{rate} unavailable: {net.reason}", None, None)
+
+
 def _allreduce_rank(nbytes: int, reps: int) -> dict:
     """Time ``reps`` all-reduces of ``nbytes`` of float32 (after one warm-up); report the
     interface gloo's TCP connections use (from this namespace's /proc/net/tcp)."""

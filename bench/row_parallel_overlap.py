@@ -28,7 +28,6 @@ link cannot be built the rows say so and run on loopback. Run:
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
@@ -223,7 +222,7 @@ def _case_rows(suite: str, kind: str, shape, res: dict[str, Stats], info: dict, 
 
 def run_kinds(cfg: BenchConfig, suite: str, kinds: tuple[str, ...], shapes) -> list[dict]:
     """Run ``kinds`` over ``shapes`` on 2 ranks for loopback and/or ``cfg.net``."""
-    from distllm.bench.netem import EmulatedNetwork
+    from distllm.bench.netem import link
 
     from distllm.testing import run_distributed
 
@@ -233,14 +232,10 @@ def run_kinds(cfg: BenchConfig, suite: str, kinds: tuple[str, ...], shapes) -> l
         nets = [None, cfg.net]
     rows: list[dict] = []
     for net_rate in nets:
-        ctx = EmulatedNetwork(2, net_rate) if net_rate else contextlib.nullcontext()
-        with ctx as net:
-            use = net is not None and net.available
-            label = net_rate if use else "loopback"
-            reason = "" if net is None or use else f"{net_rate} unavailable: {net.reason}"
+        with link(net_rate) as lk:
+            label, reason = lk.label, lk.reason
             per = run_distributed(_rank, 2, kinds, shapes, reps, 2, cfg.dtype, timeout=1800,
-                                  setup=net.setup if use else None,
-                                  env=net.env if use else None)
+                                  setup=lk.setup, env=lk.env)
             for kind, shape, res, info in per[0]:
                 for r in _case_rows(suite, kind, shape, res, info, label, cfg.dtype):
                     r["reason"] = reason

@@ -21,7 +21,6 @@ measured with ``torch.profiler``: step wall time minus the time spent inside ope
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
@@ -330,7 +329,7 @@ def _op_ms(prof) -> float:
 
 
 def run(cfg: BenchConfig) -> list[dict]:
-    from distllm.bench.netem import EmulatedNetwork
+    from distllm.bench.netem import link
 
     from distllm.testing import run_distributed
 
@@ -341,15 +340,11 @@ def run(cfg: BenchConfig) -> list[dict]:
     rows: list[dict] = []
     nets = [None] + ([cfg.net] if cfg.net else [])
     for rate in nets:
-        ctx = EmulatedNetwork(2, rate) if rate else contextlib.nullcontext()
-        with ctx as net:
-            use = net is not None and net.available
-            label = rate if use else "loopback"
-            reason = "" if net is None or use else f"{rate} unavailable: {net.reason}"
+        with link(rate) as lk:
+            label, reason = lk.label, lk.reason
             for layout in LAYOUTS:
                 res = run_distributed(_rank, 2, layout, cfg.quick, reps, timeout=1800,
-                                      setup=net.setup if use else None,
-                                      env=net.env if use else None)[0]
+                                      setup=lk.setup, env=lk.env)[0]
                 rows.extend(_layout_rows(layout, res, label, reason))
     ovh = run_distributed(_overhead_rank, 1, cfg.quick, reps, timeout=600)[0]
     rows.append(row(SUITE_OVH, "tiny tp1.pp1.dp1", "distllm", None, ms=ovh["wall_ms"],

@@ -177,3 +177,14 @@ def test_delay_needs_netem():
         else:
             assert "netem" in net.reason and not net.namespaces, net.reason
     assert not [n for n in _list_netns() if n.startswith(net.tag)], "left behind"
+
+
+def test_link_labels_loopback_and_fallback(monkeypatch):
+    from distllm.bench import netem
+
+    with netem.link(None) as lk:
+        assert (lk.label, lk.reason, lk.setup, lk.env) == ("loopback", "", None, None)
+    monkeypatch.setattr(netem, "_unavailable_reason", lambda nranks, delay_ms: "no namespaces")
+    with netem.link("2gbit") as lk:
+        assert lk.label == "loopback" and lk.setup is None and lk.env is None
+        assert lk.reason == "2gbit unavailable: no namespaces"
