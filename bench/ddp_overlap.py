@@ -35,11 +35,9 @@ Run: ``python -m distllm.bench.ddp_overlap [--quick] [--net 10gbit]`` or
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
-from distllm.bench.harness import BenchConfig, Stats, interleaved, row
+from distllm.bench.harness import BenchConfig, Stats, interleaved, max_over_ranks_timer, row
 from distllm.bench.timeline import hidden, profile_timeline
 from torch import nn
 
@@ -81,12 +79,6 @@ class GPTStack(nn.Module):
         return self.ln_f(x)
 
 
-def _max_timer(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    t = torch.tensor([(time.perf_counter() - t0) * 1e3], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
 
 
 def _model(shape) -> GPTStack:
@@ -259,7 +251,8 @@ def _rank(phase: str, shape, reps: int, cap: float) -> dict:
             missing[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     if phase == "ddp":
         variants.update(_parts(shape, x, dims, cap))
-    stats = interleaved(variants, warmup=2, reps=reps, timer=_max_timer, before_each=dist.barrier)
+    stats = interleaved(variants, warmup=2, reps=reps, timer=max_over_ranks_timer(),
+                        before_each=dist.barrier)
     mem = {n: f().as_dict() for n, f in mems.items()}
     timelines = {n: profile_timeline(variants[n], warmup=0, before=dist.barrier)
                  for n in TIMELINES if n in variants}

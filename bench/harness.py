@@ -31,6 +31,7 @@ from typing import Any
 
 __all__ = [
     "BenchConfig",
+    "max_over_ranks_timer",
     "Stats",
     "interleaved",
     "row",
@@ -131,6 +132,22 @@ def interleaved(
                 before_each()
             samples[n].append(timer(variants[n]))
     return {n: stats_of(s) for n, s in samples.items()}
+
+
+def max_over_ranks_timer(group=None) -> Callable[[Callable[[], Any]], float]:
+    """``timer(fn) -> ms`` for :func:`interleaved` in multi-rank benchmarks: this rank's wall
+    time of ``fn``, then the max over the ranks of ``group`` (a step ends with its slowest rank)."""
+    import torch
+    import torch.distributed as dist
+
+    def timer(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        t = torch.tensor([(time.perf_counter() - t0) * 1e3], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return float(t)
+
+    return timer
 
 
 ROW_FIELDS = [

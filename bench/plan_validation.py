@@ -326,6 +326,11 @@ def repredict(results: Path, profile) -> list[dict]:
     return out
 
 
+# the table printed by main(); a --repredict run has no slowdown/status columns to show
+_COLUMNS = ["case", "variant", "ms", "predicted_ms", "time_error", "measured_mem_mb",
+            "predicted_mem_mb", "mem_error", "slowdown_vs_fastest", "status", "reason"]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--net", default="1gbit", help="emulated link rate ('' for loopback only)")
@@ -343,21 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         from distllm.plan import load_profile
 
         rows = repredict(Path(a.repredict), load_profile(a.profile or "cpu"))
-        print(
-            markdown_table(
-                rows,
-                [
-                    "case",
-                    "variant",
-                    "ms",
-                    "predicted_ms",
-                    "time_error",
-                    "measured_mem_mb",
-                    "predicted_mem_mb",
-                    "mem_error",
-                ],
-            )
-        )
+        print(markdown_table(rows, _COLUMNS[:8]))
         return 0
     cfg = BenchConfig(
         net=a.net or None,
@@ -366,20 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows = run(cfg)
     write_rows(rows, cfg.out)
-    cols = [
-        "case",
-        "variant",
-        "ms",
-        "predicted_ms",
-        "time_error",
-        "measured_mem_mb",
-        "predicted_mem_mb",
-        "mem_error",
-        "slowdown_vs_fastest",
-        "status",
-        "reason",
-    ]
-    print(markdown_table([flat(r) for r in rows], cols))
+    print(markdown_table([flat(r) for r in rows], _COLUMNS))
     return 0
 
 

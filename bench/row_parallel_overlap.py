@@ -32,7 +32,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from distllm.bench.harness import BenchConfig, Stats, interleaved, row
+from distllm.bench.harness import BenchConfig, Stats, interleaved, max_over_ranks_timer, row
 
 SUITE = "row_overlap"
 CHUNKS = (2, 4, 8)
@@ -49,17 +49,6 @@ def cases(cfg: BenchConfig) -> list[str]:
     return [",".join(map(str, s)) for s in _shapes(cfg)]
 
 
-def _max_timer(group):
-    """``timer(fn) -> ms``: wall time of ``fn`` on this rank, then the max over ranks."""
-
-    def timer(fn) -> float:
-        t0 = time.perf_counter()
-        fn()
-        t = torch.tensor([(time.perf_counter() - t0) * 1e3], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return float(t)
-
-    return timer
 
 
 def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
@@ -171,7 +160,7 @@ def _rank(kinds: tuple[str, ...], shapes, reps: int, warmup: int, dtype_name: st
     out = []
     for kind, shape in ((kd, sh) for kd in kinds for sh in shapes):
         v, st, engine_args = _variants(kind, shape, dims, comm, dtype)
-        res = interleaved(v, warmup=warmup, reps=reps, timer=_max_timer(dims.tp_group),
+        res = interleaved(v, warmup=warmup, reps=reps, timer=max_over_ranks_timer(dims.tp_group),
                           before_each=lambda: dist.barrier(group=dims.tp_group))
         info = st.as_dict() if hasattr(st, "as_dict") else {}
         best = min((n for n in res if n.startswith("chunked")), key=lambda n: res[n].median_ms)

@@ -26,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from distllm.bench.harness import BenchConfig, interleaved, row
+from distllm.bench.harness import BenchConfig, interleaved, max_over_ranks_timer, row
 from torch import nn
 
 __all__ = ["run"]
@@ -210,12 +210,6 @@ def _torch_pp(cfg, batch, seq, m, dims):
     return step
 
 
-def _max_timer(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    t = torch.tensor([(time.perf_counter() - t0) * 1e3], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
 
 
 def _rank(layout: str, quick: bool, reps: int) -> dict:
@@ -241,7 +235,7 @@ def _rank(layout: str, quick: bool, reps: int) -> dict:
             variants[name] = build()
         except Exception as e:  # noqa: BLE001 - a variant that cannot run here is a row
             missing[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    stats = interleaved(variants, warmup=2, reps=reps, timer=_max_timer,
+    stats = interleaved(variants, warmup=2, reps=reps, timer=max_over_ranks_timer(),
                         before_each=dist.barrier)
     return {"stats": stats, "missing": missing, "tokens": batch * seq}
 
