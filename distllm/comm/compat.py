@@ -1,0 +1,71 @@
+"""The one place where torch-version differences are handled.
+
+distllm supports torch 2.11 through 2.14.1. Any torch API newer than 2.11 (or whose
+name changed inside that range) is reached through this module, never probed at the
+call site. Each choice is made once, when this module is imported.
+
+Collectives on one flat tensor:
+
+- :func:`all_gather_into`: ``torch.distributed.all_gather_single`` where torch has it
+  (it replaces the deprecated ``all_gather_into_tensor``), else
+  ``all_gather_into_tensor``;
+- :func:`reduce_scatter_into`: ``torch.distributed.reduce_scatter_single`` where torch
+  has it, else ``reduce_scatter_tensor``.
+
+Both call the torch function as is: a backend that lacks the collective (gloo has no
+reduce-scatter) still raises, and callers keep their own workaround for it
+(:class:`distllm.comm.overlap.CommContext` exchanges pairwise on gloo).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, Work
+
+__all__ = ["ALL_GATHER_API", "REDUCE_SCATTER_API", "all_gather_into", "reduce_scatter_into"]
+
+
+def _pick(module: Any, new: str, old: str) -> tuple[str, Callable[..., Any]]:
+    """``(name, function)`` of ``module.<new>`` when it exists, else of ``module.<old>``."""
+    fn = getattr(module, new, None)
+    if fn is not None:
+        return new, fn
+    return old, getattr(module, old)
+
+
+# Name of the torch.distributed function each wrapper calls, for `distllm info` and tests.
+ALL_GATHER_API, _all_gather = _pick(dist, "all_gather_single", "all_gather_into_tensor")
+REDUCE_SCATTER_API, _reduce_scatter = _pick(dist, "reduce_scatter_single", "reduce_scatter_tensor")
+
+
+def all_gather_into(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """All-gather ``inp`` from every rank of ``group`` into ``out``, in rank order.
+
+    ``out`` holds ``world * inp.numel()`` elements: the ranks' inputs concatenated along
+    dim 0 (or stacked). Returns the work handle when ``async_op``, else ``None``.
+    """
+    return _all_gather(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+) -> Work | None:
+    """Reduce ``inp`` (``world * out.numel()`` elements) over ``group`` with ``op``; rank
+    ``r`` receives slice ``r`` of the result (along dim 0) in ``out``.
+
+    Returns the work handle when ``async_op``, else ``None``.
+    """
+    return _reduce_scatter(out, inp, op=op, group=group, async_op=async_op)
