@@ -41,9 +41,20 @@ def stage_layer_ids(n_layers: int, pp: int, v: int, pp_rank: int) -> list[list[i
 
 
 def _decay_groups(params: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
-    """AdamW groups: decay on matrices, none on biases, norms and position embeddings."""
-    decay = [p for n, p in params if p.dim() >= 2 and not n.endswith("wpe")]
-    no_decay = [p for n, p in params if not (p.dim() >= 2 and not n.endswith("wpe"))]
+    """AdamW groups: decay on matrices, none on biases, norms and position embeddings.
+
+    Decided from each parameter's name and shape, so it must see the parameters as the
+    model built them: before ZeRO-3 packs them into shards (a sharded parameter reads as an
+    empty 1-D tensor)."""
+    if any(p.numel() == 0 for _, p in params):
+        raise RuntimeError("decay groups are decided from parameter shapes: build them before "
+                           "ZeroOptimizer(stage=3) shards the parameters")
+
+    def decays(n: str, p: nn.Parameter) -> bool:
+        return p.dim() >= 2 and not n.endswith("wpe")
+
+    decay = [p for n, p in params if decays(n, p)]
+    no_decay = [p for n, p in params if not decays(n, p)]
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
 
@@ -92,24 +103,16 @@ class Engine:
         from distllm.parallel.data.zero import ZeroOptimizer
 
         self.ddp = None
-        # stage 3 gathers layers by module hooks, so it takes the module (one param group)
-        params = self.module if p.zero == 3 else groups
-        if p.zero == 3 and o.weight_decay > 0:
-            self._warn_once("ZeRO-3 takes the module, not param groups: weight decay applies "
-                            "to every parameter (biases and norms included)")
-        units = [layer for c in self.chunks for layer in c.layer_list()] if p.zero == 3 else None
-        self.zero = ZeroOptimizer(params, torch.optim.AdamW, stage=p.zero, dims=self.dims,
+        # stage 3 gathers layers by module hooks, so it takes the module, with the same
+        # decay / no-decay groups (decided above, before anything is sharded)
+        z3 = p.zero == 3
+        units = [layer for c in self.chunks for layer in c.layer_list()] if z3 else None
+        self.zero = ZeroOptimizer(self.module if z3 else groups, torch.optim.AdamW,
+                                  stage=p.zero, dims=self.dims, param_groups=groups if z3 else None,
                                   bucket_cap_mb=p.bucket_cap_mb, units=units,
-                                  finish_on_backward_end=finish_on_end, foreach=True,
-                                  weight_decay=o.weight_decay, **adam)
+                                  finish_on_backward_end=finish_on_end, foreach=True, **adam)
         self.grad_sync = self.zero
         self.optimizer = self.zero
-
-    def _warn_once(self, msg: str) -> None:
-        if self.dims.rank == 0:
-            import logging
-
-            logging.getLogger("distllm").warning(msg)
 
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
