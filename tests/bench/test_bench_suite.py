@@ -162,11 +162,13 @@ def test_registry_names_every_suite_and_its_module_imports():
                                   "pipeline", "train_e2e"]
     avail = {n: (ok, why) for n, ok, why in suite.availability()}
     here = Path(harness.__file__).parent
-    for name, s in suite.SUITES.items():
-        if (here / f"{s.module.rsplit('.', 1)[1]}.py").is_file():  # a module that exists runs
-            assert avail[name][0], avail[name][1]
-        else:  # one still missing is listed with its reason, not dropped
-            assert not avail[name][0] and "cannot be imported" in avail[name][1]
+    for name, s in suite.SUITES.items():  # every registered suite ships and runs
+        path = here / f"{s.module.rsplit('.', 1)[1]}.py"
+        assert path.is_file(), f"suite {name!r} is registered but {path} does not exist"
+        assert avail[name][0], f"suite {name!r} cannot run: {avail[name][1]}"
+    # a module that is missing is listed with its reason, not dropped
+    [(name, ok, why)] = suite.availability({"gone": suite.Suite("gone", "distllm.bench.nope", "t")})
+    assert name == "gone" and not ok and "cannot be imported" in why, why
     assert suite.parse_suites("zero,ddp") == ["ddp", "zero"]
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -25,9 +26,12 @@ NBYTES = 8 << 20  # 8 MiB of float32
 
 
 def _need_root() -> None:
-    """Network namespaces need root: elsewhere the emulated link is legitimately absent."""
+    """Network namespaces need root: elsewhere the emulated link is legitimately absent (CI
+    runs as root, so these tests run there)."""
     if os.geteuid() != 0:
-        pytest.skip("not root: network namespaces cannot be created in this environment")
+        pytest.skip("not root, so no network namespaces: UNTESTED here are the rate-limited "
+                    "link (its bandwidth, gloo binding to it) and the removal of its "
+                    "namespaces on exit, exceptions and signals; run as root to test them")
 
 
 def _open(nranks: int, rate: str | None) -> EmulatedNetwork:
@@ -164,18 +168,50 @@ def test_removed_when_the_process_is_signalled(sig):
     assert not any(n in _list_netns() for n in names), f"left behind after {sig.name}"
 
 
-def test_delay_needs_netem():
-    """A delay is added by netem under the tbf; a kernel without sch_netem makes the whole
-    network unavailable with that reason (and nothing is left behind)."""
+def _kernel_has_netem() -> bool:
+    """Whether this kernel attaches a netem qdisc, probed on the loopback of a scratch
+    namespace (independently of EmulatedNetwork; named so that cleanup_stale would find it)."""
+    name = f"dlnet-{os.getpid()}-{secrets.token_hex(3)}-0"
+    subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
+    try:
+        probe = subprocess.run(["tc", "-n", name, "qdisc", "add", "dev", "lo", "root", "netem",
+                                "delay", "1ms"], capture_output=True)
+        return probe.returncode == 0
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_delay_is_added_by_netem_under_the_tbf():
     _need_root()
+    if not _kernel_has_netem():
+        pytest.skip("this kernel has no sch_netem: UNTESTED here is the delayed link (netem "
+                    "under the tbf); the fallback without netem is tested below")
     with EmulatedNetwork(nranks=2, rate="1gbit", delay_ms=1.0) as net:
-        names = list(net.namespaces)
-        if net.available:
-            out = subprocess.run(["tc", "-n", names[0], "qdisc", "show", "dev", IFNAME],
-                                 capture_output=True, text=True, check=True).stdout
-            assert "netem" in out and "delay 1ms" in out and "tbf" in out, out
-        else:
-            assert "netem" in net.reason and not net.namespaces, net.reason
+        assert net.available, f"the kernel has netem, yet the network failed: {net.reason}"
+        out = subprocess.run(["tc", "-n", net.namespaces[0], "qdisc", "show", "dev", IFNAME],
+                             capture_output=True, text=True, check=True).stdout
+        assert "netem" in out and "delay 1ms" in out and "tbf" in out, out
+    assert not [n for n in _list_netns() if n.startswith(net.tag)], "left behind"
+
+
+def test_delay_without_netem_makes_the_network_unavailable(monkeypatch):
+    """A kernel without sch_netem (emulated: tc refuses the netem qdisc) makes the whole
+    network unavailable with that reason, and nothing is left behind."""
+    from distllm.bench import netem
+
+    _need_root()
+    real_tc = netem._tc
+
+    def tc_without_netem(ns, *args):
+        if "netem" in args:
+            raise OSError(f"`tc -n {ns} ... netem` failed: Error: Specified qdisc kind is unknown.")
+        real_tc(ns, *args)
+
+    monkeypatch.setattr(netem, "_tc", tc_without_netem)
+    with EmulatedNetwork(nranks=2, rate="1gbit", delay_ms=1.0) as net:
+        assert not net.available, "a delay was asked for and netem is missing, yet available"
+        assert "sch_netem" in net.reason and "delay_ms" in net.reason, net.reason
+        assert not net.namespaces and net.setup is None and net.env == {}
     assert not [n for n in _list_netns() if n.startswith(net.tag)], "left behind"
 
 

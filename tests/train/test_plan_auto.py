@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -21,7 +22,17 @@ def test_plan_auto_trains_the_chosen_layout(tmp_path):
     tp, pp, dp, zero = (int(part[len(key):]) for part, key in
                         zip(name.split(".")[:4], ("tp", "pp", "dp", "zero"), strict=True))
     assert tp * pp * dp == 2
-    # the run really used that layout
-    assert f"tp{tp}.pp{pp}.dp{dp}.zero{zero}" in out.stdout
+    # the run really used that layout: the trainer's banner (rank 0, on stderr) reports the
+    # mesh the ranks built, which the launcher's line above does not
+    banner = [ln for ln in out.stderr.splitlines() if ln.startswith("distllm train: tiny")]
+    assert len(banner) == 1, f"no training banner on stderr:\n{out.stderr[-2000:]}"
+    ran = re.search(r" (tp\d+\.pp\d+\.dp\d+\.zero\d) .*micro_batches=(\d+) .*world=(\d+)",
+                    banner[0])
+    assert ran, banner[0]
+    assert ran.group(1) == f"tp{tp}.pp{pp}.dp{dp}.zero{zero}", (
+        f"the planner chose {name} but the ranks trained {ran.group(1)}")
+    planned_m = re.search(r"\.m(\d+)(?:\.|$)", name).group(1)
+    assert ran.group(2) == planned_m, f"micro-batches: planned {name}, ran {ran.group(2)}"
+    assert ran.group(3) == "2", banner[0]
     steps = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2] and all(s["loss"] > 0 for s in steps)
