@@ -35,7 +35,11 @@ pass ``finish_on_backward_end=False`` when a step's gradients come from several
 Checkpoints: :meth:`ZeroOptimizer.state_dict` holds *full, unsharded* tensors keyed by
 parameter name (``sd["master"][name]``, ``sd["state"][name][key]``), identical on every DP
 rank, so a ``torch.distributed.checkpoint`` save dedups them and a load works for any DP
-size (see :mod:`distllm.parallel.data.zero_state`).
+size (see :mod:`distllm.parallel.data.zero_state`). The model's own weights:
+``module.state_dict()`` (or :meth:`ZeroOptimizer.full_state_dict`) holds full tensors at every
+stage (stage 3 gathers them: collective over DP) and ``module.load_state_dict(full)`` loads
+into the shards and master weights, as FSDP's ``get_model_state_dict(model,
+options=StateDictOptions(full_state_dict=True))`` / ``set_model_state_dict`` do.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from distllm.parallel.data.ddp import _broadcast_from_dp0, dp_group_of
 from distllm.parallel.data.grad_norm import clip_by, global_norm, is_tp_sharded
 from distllm.parallel.data.zero3 import ShardedParams
 from distllm.parallel.data.zero_setup import HALF, broadcast_params, check_args, param_groups_of
-from distllm.parallel.data.zero_state import gather_state, load_state
+from distllm.parallel.data.zero_state import ModuleStateHooks, gather_state, load_state
 from distllm.parallel.mesh import ParallelDims
 
 __all__ = ["ZeroOptimizer"]
@@ -126,6 +130,7 @@ class ZeroOptimizer:
         self._rs_impl = reduce_scatter_impl
         self._build(groups, units, bucket_cap_mb, prefetch, finish_on_backward_end)
         self._install_gather_hooks(overlap_param_gather)
+        self._state_hooks = ModuleStateHooks(self) if module is not None else None
         self.optimizer = optimizer_cls(
             [{"params": [self.masters[i] for i in idx], **opts}
              for idx, (_, opts) in zip(self._group_buckets, groups, strict=True) if idx],
@@ -349,9 +354,7 @@ class ZeroOptimizer:
             idx = sorted({where[p] for p in mod.parameters(recurse=False) if p in where})
             if idx:
                 self._gather_hooks.append(mod.register_forward_pre_hook(self._waiter(idx)))
-        # a checkpoint of the module's weights must see the gathered values
-        self._gather_hooks.append(self.module.register_state_dict_pre_hook(
-            lambda *_args: self.wait_params()))
+        # module.state_dict() waits too: see ModuleStateHooks
 
     def _waiter(self, idx: list[int]):
         def hook(_mod, _args) -> None:
@@ -365,6 +368,18 @@ class ZeroOptimizer:
     def param_groups(self) -> list[dict]:
         """The inner optimizer's param groups (set ``lr`` here, or schedule ``.optimizer``)."""
         return self.optimizer.param_groups
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The model's full (unsharded) weights, keyed as ``module.state_dict()`` keys them;
+        without a module, ``{name: parameter}``. Collective over DP at stage 3 (every DP rank
+        must call it), where each parameter is gathered into a full copy. The same as
+        ``module.state_dict()``, which the hooks of stage 3 also fill with full copies (its
+        ``load_state_dict`` loads full tensors into the shards). PyTorch FSDP's analogue is
+        ``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))``."""
+        self.wait_params()
+        if self.module is not None:
+            return self.module.state_dict()
+        return {self.names[p]: p.detach() for p in self.reducer.params()}
 
     def state_dict(self) -> dict[str, Any]:
         """Full tensors per parameter name (collective over DP: every rank must call it)."""

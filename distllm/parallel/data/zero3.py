@@ -7,8 +7,10 @@ only its slice (``L/N`` elements) between uses; the full buffer's storage is fre
 (``untyped_storage().resize_(0)``) and re-allocated for each gather, so views of it saved
 for backward remain valid. The parameters stay the same ``nn.Parameter`` objects: while
 gathered, ``p.data`` is its view of the full buffer; while sharded it is an empty tensor
-(so reading a sharded parameter outside its layer's forward/backward fails loudly; use
-``ZeroOptimizer.state_dict()`` for the full weights).
+(so reading a sharded parameter outside its layer's forward/backward fails loudly).
+``module.state_dict()`` and ``module.load_state_dict()`` still see full tensors: hooks
+installed by :class:`~distllm.parallel.ZeroOptimizer` gather the units involved around
+them (:meth:`ShardedParams.gather` / :meth:`ShardedParams.release`).
 
 Forward: a forward pre-hook all-gathers the unit (waiting on its prefetch, if any) and
 starts the all-gather of the next unit (``prefetch=True``); a forward post-hook frees it
@@ -172,15 +174,53 @@ class ShardedParams:
         self.unshard(u, wait=True) if any(f.state == "gathering" for f in self.flats[u]) else None
         for f in self.flats[u]:
             if f.state == "full":
-                f.full.untyped_storage().resize_(0)
-                for p in f.params:  # a sharded parameter reads as empty, never as freed memory
-                    p.data = self._empty
-                f.state = "sharded"
+                self._free(f)
+
+    def _free(self, f: _Flat) -> None:
+        f.full.untyped_storage().resize_(0)
+        for p in f.params:  # a sharded parameter reads as empty, never as freed memory
+            p.data = self._empty
+        f.state = "sharded"
 
     def reshard_all(self) -> None:
         for u in self.units:
             self.reshard(u)
             self._landed[u].clear()
+
+    # --- reads and writes outside forward/backward (module state dicts) ---------------------
+    def units_covering(self, mod: nn.Module) -> list[nn.Module]:
+        """The units to gather before ``mod``'s own parameters can be read: ``mod`` itself if
+        it is a unit, and the units of the parameters it holds directly (a tied weight may
+        belong to another unit)."""
+        out = [mod] if mod in self.flats else []
+        for p in mod.parameters(recurse=False):
+            u = self.unit_of.get(p)
+            if u is not None and u not in out:
+                out.append(u)
+        return out
+
+    @torch.no_grad()
+    def gather(self, units: list[nn.Module]) -> list[_Flat]:
+        """All-gather the sharded parameters of ``units`` (collective over DP; every DP rank
+        calls it with the same units) and return the flats it gathered, for :meth:`release`."""
+        todo = [f for u in units for f in self.flats[u] if f.state == "sharded"]
+        for u in units:
+            self.unshard(u, wait=False)
+        for u in units:
+            self.unshard(u, wait=True)
+        return todo
+
+    @torch.no_grad()
+    def release(self, flats: list[_Flat], commit: bool = False) -> None:
+        """Free ``flats`` (gathered by :meth:`gather`) again. ``commit``: first keep this
+        rank's slice of what the full parameters now hold (values written while gathered)."""
+        for f in flats:
+            if f.state != "full":
+                continue
+            if commit:
+                s = f.numel // self.nranks
+                f.shard.copy_(f.full[self.rank * s: (self.rank + 1) * s])
+            self._free(f)
 
     # --- hooks ---------------------------------------------------------------------------
     def _pre_forward(self, mod: nn.Module, args) -> None:

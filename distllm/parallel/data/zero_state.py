@@ -10,18 +10,25 @@
 identical on every DP rank (collective: one all-gather over DP per bucket and state key),
 so a ``torch.distributed.checkpoint`` save writes each tensor once, and the DP size may
 change between save and load. ``load_state`` slices this rank's shard out of it.
+
+:class:`ModuleStateHooks` keeps the model's own ``state_dict()`` / ``load_state_dict()``
+meaningful under ZeRO: at stage 3 the units involved are gathered around them (a collective
+over DP), a saved parameter is a full copy (never a view of a buffer freed right after),
+and loaded values go into this rank's shard; at every stage, loaded values also reach the
+fp32 master weights under mixed precision (else the next step would overwrite them).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from distllm.comm.buckets import all_gather_flat
 
-__all__ = ["gather_state", "load_state"]
+__all__ = ["gather_state", "load_state", "ModuleStateHooks"]
 
 
 def _full(z, i: int, shard: Tensor) -> Tensor:
@@ -97,3 +104,75 @@ def load_state(z, sd: dict[str, Any]) -> None:
     z.skipped_steps = int(sd.get("skipped_steps", 0))
     z.loss_scale = float(sd.get("loss_scale", z.loss_scale))
     z._publish()
+
+
+class ModuleStateHooks:
+    """``state_dict`` / ``load_state_dict`` hooks on the modules of ``z.module`` that hold
+    parameters of ``z`` directly (and, at stage 3, on its gather units). Each hook handles the
+    parameters its own module holds, so calling either method on a submodule works too."""
+
+    def __init__(self, z) -> None:
+        self.z, self.sharded = z, z.sharded
+        self.where = {p: (i, off) for i, b in enumerate(z.reducer.buckets)
+                      for p, off in zip(b.params, b.offsets, strict=True)}
+        self._gathered: dict[nn.Module, list] = {}
+        self._incoming: dict[nn.Module, dict[nn.Parameter, Tensor]] = {}
+        self.handles = []
+        for mod in z.module.modules():
+            own = any(p in self.where for p in mod.parameters(recurse=False))
+            if not (own or (self.sharded is not None and mod in self.sharded.flats)):
+                continue
+            self.handles += [mod.register_state_dict_pre_hook(self._save_pre),
+                             # (a plain function: torch marks it with an attribute)
+                             mod.register_state_dict_post_hook(functools.partial(self._save_post)),
+                             mod.register_load_state_dict_pre_hook(self._load_pre),
+                             mod.register_load_state_dict_post_hook(self._load_post)]
+
+    def _gather(self, mod: nn.Module) -> None:
+        self.z.wait_params()
+        if self.sharded is not None:
+            self._gathered[mod] = self.sharded.gather(self.sharded.units_covering(mod))
+
+    def _own(self, mod: nn.Module):
+        return ((n, p) for n, p in mod.named_parameters(recurse=False, remove_duplicate=False)
+                if p in self.where)
+
+    def _save_pre(self, mod: nn.Module, prefix: str, keep_vars: bool) -> None:
+        self._gather(mod)
+
+    @torch.no_grad()
+    def _save_post(self, mod: nn.Module, sd: dict, prefix: str, _meta) -> None:
+        if self.sharded is None:
+            return
+        for n, p in self._own(mod):  # copies: the gathered storage is freed just below
+            v = sd.get(prefix + n)
+            if isinstance(v, Tensor) and p.numel() and (
+                    v.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()):
+                sd[prefix + n] = v.detach().clone()
+        self.sharded.release(self._gathered.pop(mod, []))
+
+    def _load_pre(self, mod: nn.Module, sd: dict, prefix: str, meta: dict, *_rest) -> None:
+        if meta.get("assign_to_params_buffers", False):
+            raise ValueError("load_state_dict(assign=True) would replace parameters that "
+                             "ZeroOptimizer has packed into its buffers: use assign=False")
+        self._gather(mod)  # stage 3: the parameters take their full shape to be loaded into
+        self._incoming[mod] = {p: sd[prefix + n] for n, p in self._own(mod)
+                               if isinstance(sd.get(prefix + n), Tensor)
+                               and sd[prefix + n].shape == p.shape}
+
+    @torch.no_grad()
+    def _load_post(self, mod: nn.Module, _incompatible) -> None:
+        incoming = self._incoming.pop(mod, {})
+        if self.z.mixed:  # else the masters are the parameters' storage (or shard) itself
+            for p, v in incoming.items():
+                self._set_master(p, v)
+        if self.sharded is not None:
+            self.sharded.release(self._gathered.pop(mod, []), commit=True)
+
+    def _set_master(self, p: nn.Parameter, v: Tensor) -> None:
+        """Write full value ``v`` of ``p`` into the part of its master shard this rank has."""
+        i, off = self.where[p]
+        lo, hi = self.z._shard_range(self.z.reducer.buckets[i].numel)
+        a, e = max(off, lo), min(off + v.numel(), hi)
+        if a < e:
+            self.z.masters[i][a - lo: e - lo].copy_(v.reshape(-1)[a - off: e - off])
