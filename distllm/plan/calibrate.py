@@ -61,21 +61,30 @@ def measure_gemm(dtype: str = "float32", hidden: int = 128, tokens: int = 4096) 
     return {"peak": peak, "efficiency": min(1.0, model / peak), "rates": rates}
 
 
+# The per-operator overhead is what the cost model adds for every eager operator of a
+# block, in forward and (twice) in backward (``cost.OPS_PER_LAYER_FWD``): host time with
+# autograd in the loop, not a bare kernel launch. So it is timed on a tiny training step whose
+# arithmetic is negligible: x (4, 8) @ w (8, 8) -> GeLU -> sum, forward and backward, about
+# 8 operators (mm, gelu, sum; their 5 backward kernels).
+OP_PROBE_OPS = 8
+OP_PROBE = ("measured: a tiny eager forward + backward (x (4, 8) @ w (8, 8) -> GeLU -> sum, "
+            f"autograd included), time per step / {OP_PROBE_OPS} operators")
+
+
 def measure_memory_and_ops() -> tuple[float, float]:
+    """(memory bandwidth in bytes/s, per-operator overhead in s; see ``OP_PROBE``)."""
     import torch
 
     n = 1 << 24
     a, b, c = torch.ones(n), torch.ones(n), torch.empty(n)
     t = _median_time(lambda: torch.add(a, b, out=c), reps=5)
-    # eager + autograd overhead: a small linear -> gelu -> sum, forward and backward, is
-    # about 8 operators (addmm, gelu, sum; their 5 backward kernels)
     w = torch.randn(8, 8, requires_grad=True)
     x = torch.randn(4, 8)
 
     def tiny_step():
         torch.nn.functional.gelu(x @ w).sum().backward()
 
-    t_op = _median_time(lambda: [tiny_step() for _ in range(200)], reps=5) / 200 / 8
+    t_op = _median_time(lambda: [tiny_step() for _ in range(200)], reps=5) / 200 / OP_PROBE_OPS
     return 3 * 4 * n / t, t_op
 
 
@@ -182,7 +191,7 @@ def calibrate(net_rate: str | None = "1gbit", ranks: int = 4) -> Profile:
             "matmul_efficiency": f"median of tiny-width GEMMs over peak: "
             f"{ {k: round(v / 1e9, 2) for k, v in g32['rates'].items()} } GFLOP/s",
             "memory_bandwidth": "measured out-of-place add of 64 MiB tensors",
-            "op_overhead_s": "measured eager add of 4-element tensors",
+            "op_overhead_s": OP_PROBE,
             "memory_bytes": f"host RAM / {ranks} ranks",
             "note": "taken on a shared machine; re-run on an idle one for stable numbers",
         },

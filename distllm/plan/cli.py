@@ -13,8 +13,8 @@ import argparse
 import json
 import sys
 
-from .cost import GB, Estimate
-from .hardware import load_profile, profile_names
+from .cost import GB, STATE_BYTES, Estimate
+from .hardware import canonical_dtype, load_profile, profile_names
 from .model import ModelShape, preset, preset_names
 from .search import CHECKPOINTING, explain, model_states_table, search
 
@@ -123,15 +123,69 @@ def _params_mode(a: argparse.Namespace) -> int:
             f"--gpus={a.gpus}: drop --dp or make tp*pp*dp = gpus"
         )
     rows = model_states_table(a.params, a.gpus, a.tp or 1, a.pp or 1, a.gpu, a.dtype or "bfloat16")
+    dtype = canonical_dtype(a.dtype or "bfloat16")  # valid: the table above accepted it
     if a.zero is not None:
         rows = [r for r in rows if r.layout.zero == a.zero]
     if a.json:
-        print(json.dumps([r.as_dict() for r in rows], indent=1))
+        out = [r.as_dict() for r in rows]
+        if a.explain:
+            for d, r in zip(out, rows, strict=True):
+                d["explain"] = _state_formula(r, dtype)
+        print(json.dumps(out, indent=1))
     else:
         print(f"model states of {a.params:.4g} parameters on {a.gpus} devices ({a.gpu}):")
         for r in rows:
             print("  " + _row(r))
+        if a.explain:
+            print(_explain_params(a.params, rows, dtype))
     return 0
+
+
+# what each state holds per parameter, by its byte count (see cost.STATE_BYTES)
+_STATE_WHAT = {
+    "params": "weights",
+    "grads": "gradients",
+    "optimizer": "AdamW states (fp32 master weights, momentum, variance)",
+}
+
+
+def _state_formula(est: Estimate, dtype: str) -> str:
+    """``"2P + 2P/64 + 12P/64 = 16.6 GB"``: P parameters per device, each state's bytes per
+    parameter, divided by dp where this ZeRO stage shards it."""
+    lay, mem = est.layout, est.memory
+    sharded = {"params": lay.zero >= 3, "grads": lay.zero >= 2, "optimizer": lay.zero >= 1}
+    terms = [
+        f"{b}P" + (f"/{lay.dp}" if sharded[k] else "")
+        for k, b in zip(("params", "grads", "optimizer"), STATE_BYTES[dtype], strict=True)
+    ]
+    return f"{' + '.join(terms)} = {mem['total'] / GB:.1f} GB"
+
+
+def _explain_params(n_params: float, rows: list[Estimate], dtype: str) -> str:
+    """How ``--params`` rows are computed: the per-device count, the bytes per parameter of
+    each state, and each stage's sum."""
+    lay = rows[0].layout
+    pb, gb, ob = STATE_BYTES[dtype]
+    what = dict(_STATE_WHAT)
+    if pb == gb and ob == 2 * pb:  # no separate master copy: momentum and variance only
+        what["optimizer"] = "AdamW momentum and variance"
+    lines = [
+        "explained:",
+        f"  P = {n_params:.4g} parameters / (tp*pp = {lay.tp}*{lay.pp}) = "
+        f"{n_params / (lay.tp * lay.pp):.4g} per device; dp = {lay.dp}",
+        f"  bytes per parameter ({dtype} training): {pb} {what['params']}, {gb} "
+        f"{what['grads']}, {ob} {what['optimizer']}",
+        "  ZeRO-1 shards the optimizer states over dp, ZeRO-2 the gradients too, ZeRO-3 the "
+        "weights too:",
+    ]
+    for r in rows:
+        verdict = f"  REJECTED: {r.rejected_reason}" if r.rejected_reason else "  fits"
+        lines.append(f"    zero{r.layout.zero}: {_state_formula(r, dtype)}{verdict}")
+    lines.append(
+        "  activations are not counted: a bare parameter count has no shape (give --model, "
+        "or --layers/--hidden/--heads/--vocab/--seq-len, for a full plan)"
+    )
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:

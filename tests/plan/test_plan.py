@@ -70,6 +70,35 @@ def test_cli_params_json_explain(capsys):
         assert (r["tp"], r["pp"], r["dp"]) == (1, 1, 64)
     assert [round(r["memory_gb"]["total"], 1) for r in rows] == [120.0, 31.4, 16.6, 1.9]
     assert rows[2]["memory_gb"]["grads"] == pytest.approx(2 * 7.5 / 64, rel=1e-6)
+    # --explain gives each stage its formula: bytes per parameter, divided by dp where sharded
+    assert [r["explain"] for r in rows] == [
+        "2P + 2P + 12P = 120.0 GB",
+        "2P + 2P + 12P/64 = 31.4 GB",
+        "2P + 2P/64 + 12P/64 = 16.6 GB",
+        "2P/64 + 2P/64 + 12P/64 = 1.9 GB",
+    ]
+
+
+def test_cli_params_explain_text(capsys):
+    argv = ["plan", "--params", "7.5e9", "--gpus", "64", "--tp", "2", "--pp", "1"]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    assert "explained" not in plain  # the table alone
+    assert main([*argv, "--explain", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model states of 7.5e+09 parameters on 64 devices")
+    assert "P = 7.5e+09 parameters / (tp*pp = 2*1) = 3.75e+09 per device; dp = 32" in out
+    assert "4 weights, 4 gradients, 8 AdamW momentum and variance" in out  # fp32: no master
+    assert "zero2: 4P + 4P/32 + 8P/32 = 16.4 GB  fits" in out, out  # 15 + 0.47 + 0.94
+    assert "activations are not counted" in out
+    assert main([*argv, "--json"]) == 0
+    assert all("explain" not in r for r in json.loads(capsys.readouterr().out))
+
+
+def test_cpu_profile_says_what_calibrate_measures():
+    from distllm.plan.calibrate import OP_PROBE
+
+    assert load_profile("cpu").source["op_overhead_s"] == OP_PROBE
 
 
 def _megatron(shape: ModelShape, b: int, t: int, sp: bool, ckpt: str) -> float:
@@ -191,8 +220,12 @@ def test_explain_lists_rejections(capsys):
             "--explain",
         ]
     )
-    out = capsys.readouterr().out
-    assert rc == 2 or rc == 0
+    cap = capsys.readouterr()
+    out = cap.out
+    # without pipeline parallelism or ZeRO nothing fits 175B on 80 GB devices: every layout
+    # is listed as rejected, then the error says what to change (exit code 2)
+    assert rc == 2, cap.err
+    assert "no layout fits" in cap.err and "--gpus" in cap.err, cap.err
     assert "tp=16 crosses the node boundary (8 GPUs per node)" in out
     assert re_search(r"needs \d+\.\d GB of the 80 GB", out)
 
