@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from distllm.bench import timeline
 
+from distllm.comm.compat import all_gather_into, reduce_scatter_into
+
 __all__ = ["Probe", "snapshot", "trace", "full_numel", "time_collective"]
 
 _COLL_NAMES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
@@ -146,8 +148,8 @@ def time_collective(coll: str, numel: int, dtype, device, group, reps: int = 9) 
     full = torch.ones(n, dtype=dtype, device=device)
     part = full[: n // world].clone()
     fns = {"all_reduce": lambda: dist.all_reduce(full, group=group),
-           "all_gather": lambda: dist.all_gather_single(full, part, group=group),
-           "reduce_scatter": lambda: dist.reduce_scatter_single(part, full, group=group)}
+           "all_gather": lambda: all_gather_into(full, part, group=group),
+           "reduce_scatter": lambda: reduce_scatter_into(part, full, group=group)}
     fn, sync = fns[coll], (torch.cuda.synchronize if full.is_cuda else (lambda: None))
     samples = []
     for i in range(reps + 1):

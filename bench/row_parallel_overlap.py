@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from distllm.bench.harness import BenchConfig, Stats, interleaved, max_over_ranks_timer, row
 
+from distllm.comm.compat import all_gather_into, reduce_scatter_into
+
 SUITE = "row_overlap"
 CHUNKS = (2, 4, 8)
 _PRESETS = {True: [(256, 256, 512)], False: [(2048, 512, 2048), (512, 512, 1024)]}
@@ -74,7 +76,7 @@ def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
             v["allreduce"] = lambda: dist.all_reduce(comm_in, group=comm.group)
         else:  # the engine's reduce-scatter (gloo: pairwise exchange), and torch's for scale
             v["reducescatter_alone"] = lambda: comm.run("reduce_scatter", comm_out, comm_in)
-            v["torch_reducescatter_alone"] = lambda: dist.reduce_scatter_single(
+            v["torch_reducescatter_alone"] = lambda: reduce_scatter_into(
                 comm_out, comm_in, group=comm.group)
         auto = RowParallelLinear(k * tp, n, dims, bias=False, sequence_parallel=kind == "rs",
                                  overlap="auto", dtype=dtype)
@@ -87,8 +89,7 @@ def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
         mm = lambda a, o: torch.mm(a, w.t(), out=o)  # noqa: E731
         ekind, a, n_out, then = "all_gather", x, n, None
         comm_out = torch.empty(m * k, dtype=dtype)
-        v["allgather_alone"] = lambda: dist.all_gather_single(comm_out, x.view(-1),
-                                                              group=comm.group)
+        v["allgather_alone"] = lambda: all_gather_into(comm_out, x.view(-1), group=comm.group)
         auto = ColumnParallelLinear(k, n * tp, dims, bias=False, sequence_parallel=True,
                                     overlap="auto", dtype=dtype)
         with torch.no_grad():

@@ -11,7 +11,8 @@ Variants as in :mod:`distllm.bench.row_parallel_overlap`: the parts alone
 penalty), ``sequential``, ``chunked<c>``, ``auto`` (the module with ``overlap="auto"``) and
 ``ideal`` = max(GEMM, collective); ``hidden_frac`` = (sequential - variant) / collective.
 On gloo the reduce-scatter is the engine's pairwise exchange (``reducescatter_alone``);
-``torch_reducescatter_alone`` times ``torch.distributed.reduce_scatter_single`` for scale.
+``torch_reducescatter_alone`` times torch's reduce-scatter (through
+:func:`distllm.comm.compat.reduce_scatter_into`) for scale.
 Run: ``distllm bench --suite sp_overlap --net 2gbit``, or
 ``python -m distllm.bench.sp_overlap --net 2gbit``.
 """

@@ -40,22 +40,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from distllm.comm.compat import all_gather_into, reduce_scatter_into
+
 __all__ = ["Bucket", "GradBuckets", "assign_buckets", "FIRST_BUCKET_BYTES"]
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # same first-bucket size as torch DDP
 
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def reduce_scatter_flat(out: Tensor, inp: Tensor, group, async_op: bool = False):
     """Sum-reduce-scatter ``inp`` (``N * out.numel()``) into ``out`` over ``group``."""
-    return _reduce_scatter(out, inp, group=group, async_op=async_op)
+    return reduce_scatter_into(out, inp, group=group, async_op=async_op)
 
 
 def all_gather_flat(out: Tensor, inp: Tensor, group, async_op: bool = False):
     """All-gather ``inp`` into ``out`` (``N * inp.numel()``) over ``group``, in rank order."""
-    return _all_gather(out, inp, group=group, async_op=async_op)
+    return all_gather_into(out, inp, group=group, async_op=async_op)
 
 
 def assign_buckets(params: list[torch.nn.Parameter], cap_bytes: int,

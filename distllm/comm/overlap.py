@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from distllm.comm.compat import all_gather_into, reduce_scatter_into
+
 __all__ = ["CommContext", "NullComm", "OverlapCounter", "OverlapStats", "chunk_bounds",
            "pipeline_bounds", "matmul_all_reduce", "allgather_matmul", "matmul_reduce_scatter",
            "run_engine"]
@@ -205,12 +207,12 @@ class CommContext:
         if op == "all_reduce":
             return dist.all_reduce(out, group=self.group, async_op=async_op)
         if op == "all_gather":
-            return dist.all_gather_single(out, inp, group=self.group, async_op=async_op)
+            return all_gather_into(out, inp, group=self.group, async_op=async_op)
         if op == "reduce_scatter":
             if self.backend == "gloo" and not out.is_cuda:
                 work = _PairwiseReduceScatter(out, inp, self)
                 return work if async_op else work.wait()
-            return dist.reduce_scatter_single(out, inp, group=self.group, async_op=async_op)
+            return reduce_scatter_into(out, inp, group=self.group, async_op=async_op)
         raise ValueError(f"unknown collective {op!r}")
 
     def launch(self, op: str, out: torch.Tensor, inp: torch.Tensor | None = None) -> _Handle:

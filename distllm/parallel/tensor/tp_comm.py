@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from distllm.comm.compat import all_gather_into
 from distllm.comm.overlap import CommContext
 
 __all__ = [
@@ -64,7 +65,7 @@ def all_gather_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tens
     dim = dim % x.dim()
     x = x.movedim(dim, 0).contiguous()  # (n, ...) so that ranks concatenate along dim 0
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(out, x, group=group)
+    all_gather_into(out, x, group=group)
     return out.movedim(0, dim).contiguous()
 
 
