@@ -1,21 +1,29 @@
 # Two commands for a newcomer: `make train` and `make test`. Both set up .venv first.
+# VENV and TORCH pick another environment, e.g. `make setup VENV=.venv-2.11 TORCH=torch==2.11.0`.
+# The editable install compiles distllm/_C*.so and _cuda*.so into this tree, so only one venv's
+# build is in place at a time: setting up another venv here rebuilds them for its torch (and
+# the first one rebuilds on its next `make`). `make test-torch211` builds in a copy instead.
 PYTHON ?= python3
-VENV   := .venv
-PY     := $(VENV)/bin/python
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
 TORCH  ?= torch==2.14.1
-STAMP  := $(VENV)/.distllm-installed
+STAMP   = $(VENV)/.distllm-installed
 SRCS   := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cpp csrc/cuda/*.h)
 PYTEST_ARGS ?=
+# which venv the in-tree extensions were last compiled for
+EXT_OWNER := build/.extensions-venv
+EXT_STALE  = $(if $(filter-out $(abspath $(VENV)),$(file <$(EXT_OWNER))),FORCE)
 
-.PHONY: train test test-full lint bench clean setup
+.PHONY: train test test-full lint bench clean setup setup-torch211 test-torch211 FORCE
 
 setup: $(STAMP)
 
-$(STAMP): $(SRCS)
+$(STAMP): $(SRCS) $(EXT_STALE)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)" setuptools wheel ninja pybind11
 	$(PY) -m pip install --no-build-isolation -e ".[dev]"
+	@mkdir -p $(dir $(EXT_OWNER)) && echo "$(abspath $(VENV))" > $(EXT_OWNER)
 	@touch $@
 
 train: $(STAMP)
@@ -36,6 +44,25 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/distllm bench --quick --out runs/bench
+
+# The oldest supported torch (CI runs this after `make test`). The tree is copied to
+# $(OLD_TREE) (tracked and unignored files; its compiled extensions are kept between
+# runs) and set up there against $(OLD_VENV), so this tree's extensions stay .venv's.
+OLD_TORCH ?= torch==2.11.0
+OLD_VENV  ?= .venv-2.11
+OLD_TREE  := build/torch-2.11
+
+setup-torch211:
+	@mkdir -p $(OLD_TREE)
+	find $(OLD_TREE) -mindepth 1 -path $(OLD_TREE)/build -prune -o -type f ! -name '*.so' -print0 \
+	  | xargs -0r rm -f
+	git ls-files -z -co --exclude-standard \
+	  | tar --null --ignore-failed-read -T - -cf - | tar -xf - -C $(OLD_TREE)
+	$(MAKE) -C $(OLD_TREE) setup VENV=$(abspath $(OLD_VENV)) TORCH=$(OLD_TORCH) PYTHON=$(PYTHON)
+
+test-torch211: setup-torch211
+	$(MAKE) -C $(OLD_TREE) test VENV=$(abspath $(OLD_VENV)) TORCH=$(OLD_TORCH) PYTHON=$(PYTHON) \
+	  PYTEST_ARGS='$(PYTEST_ARGS)'
 
 clean:
 	rm -rf build *.egg-info distllm/*.so runs
