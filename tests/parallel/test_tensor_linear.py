@@ -160,6 +160,11 @@ def test_chunk_bounds():
             assert all(x[1] == y[0] for x, y in zip(b[:-1], b[1:], strict=True))
 
 
+def _forced(times: dict[str, float]):
+    """A stand-in for autotune's measurement returning fixed best-of times (ms)."""
+    return lambda run, comm, rows, cuda, reps, extra: (list(times), list(times.values()))
+
+
 def _auto_and_errors():
     dims = ParallelDims(tp=2)
     torch.manual_seed(0)
@@ -171,17 +176,36 @@ def _auto_and_errors():
             records.append(rec.getMessage())
 
     logging.getLogger("distllm").addHandler(_Catch())
+    real, measured = autotune._measure, []
+
+    def counting(*args):
+        measured.append(args[2])
+        return real(*args)
+
+    autotune._measure = counting
     rw = RowParallelLinear(8, 4, dims, overlap="auto", dtype=DT)
     x = torch.randn(2, 6, 4, dtype=DT)
     for _ in range(3):
         rw(x)
     st = rw.overlap_stats.forward
     assert st.calls == 3 and st.comm_ms_est >= 0.0 and st.reason
-    fell_back = st.mode == "none"
     # the choice is the same on every rank (timings are reduced with MAX)
     choice = torch.tensor([float(st.chunks)])
     torch.distributed.all_reduce(choice, op=torch.distributed.ReduceOp.MAX)
     assert choice.item() == st.chunks
+    # the log line, with the outcome forced each way (a real measurement may go either way)
+    outcomes = {}
+    for tag, times in (("slower", {"compute": 1.0, "sequential": 10.0, "2": 11.0, "4": 12.0}),
+                       ("faster", {"compute": 1.0, "sequential": 10.0, "2": 6.0, "4": 8.0})):
+        autotune.clear_cache()
+        records.clear()
+        autotune._measure = _forced(times)
+        layer = RowParallelLinear(8, 4, dims, overlap="auto", dtype=DT)
+        for _ in range(3):
+            layer(x)
+        f = layer.overlap_stats.forward
+        outcomes[tag] = (f.mode, f.chunks, len([m for m in records if "falls back" in m]))
+    autotune._measure = real
     msgs = []
     for bad in (
         lambda: ColumnParallelLinear(8, 7, dims),
@@ -195,12 +219,16 @@ def _auto_and_errors():
         with pytest.raises(ValueError) as ei:
             bad()
         msgs.append(str(ei.value))
-    return fell_back, len([m for m in records if "falls back" in m]), msgs
+    return len(measured), outcomes, msgs
 
 
 def test_auto_consistent_logs_once_and_bad_input():
-    for fell_back, n_logs, msgs in run_distributed(_auto_and_errors, 2, timeout=120):
-        assert n_logs == (1 if fell_back else 0)  # three calls, one measurement, one line
+    for n_measured, outcomes, msgs in run_distributed(_auto_and_errors, 2, timeout=120):
+        assert n_measured == 1, f"three calls of one shape measured {n_measured} times"
+        # chunked slower than sequential: no overlap, said once over three calls
+        assert outcomes["slower"] == ("none", 0, 1), outcomes
+        # chunked faster: the fastest chunk count, nothing logged
+        assert outcomes["faster"] == ("chunked", 2, 0), outcomes
         assert "out_features" in msgs[0] and "in_features" in msgs[1]
         assert "overlap" in msgs[2] and "chunks" in msgs[3] and "activation" in msgs[4]
         assert "seq_len" in msgs[5] and "seq_len" in msgs[6]
