@@ -1,6 +1,11 @@
-"""FusedLinearGeLU and fuse(model): float64 parity with Linear -> GeLU (values and gradients),
-parameter sharing, Sequential and Hugging Face MLP blocks (GPT-2's Conv1D, BERT), and what
-must be left alone."""
+"""FusedLinearGeLU and fuse(model): parity with Linear -> GeLU in float64 (values and
+gradients), parameter sharing, Sequential and Hugging Face MLP blocks (GPT-2's Conv1D, BERT),
+and what must be left alone.
+
+Each parity test pins the fused layers' backend and runs once per backend this CPU machine
+runs: ``cpu`` (oneDNN) in float64, and ``triton`` through its interpreter in float32 (Triton
+has no float64), both against the unfused model in float64. ``auto`` picks by timing, so it
+has its own test: the choice it made is recorded and is one of the candidates."""
 
 from __future__ import annotations
 
@@ -17,41 +22,82 @@ from transformers.models.bert.modeling_bert import BertIntermediate
 from transformers.models.gpt2.modeling_gpt2 import GPT2Model
 
 from distllm.nn import FusedLinearGeLU, fuse
-from distllm.nn.fused import gelu_approximate
+from distllm.nn.fused import _FusedConv1DGeLU, gelu_approximate
+from distllm.ops import _autotune
 
 torch.manual_seed(0)
-F64 = dict(rtol=1e-12, atol=1e-12)  # float64: the same math, different association order
+BACKENDS = ["cpu", "triton"]  # the fused backends that run on a CPU machine
+DTYPE = {"cpu": torch.float64, "triton": torch.float32}
+TOL = {
+    torch.float64: dict(rtol=1e-12, atol=1e-12),  # the same math, another association order
+    torch.float32: dict(rtol=2e-5, atol=2e-5),  # fp32 rounding of GEMMs over K <= 123, GeLU
+}
 
 
-def _same_outputs_and_grads(a: nn.Module, b: nn.Module, x: torch.Tensor) -> None:
-    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ya, yb = a(xa), b(xb)
-    torch.testing.assert_close(ya, yb, **F64)
+@pytest.fixture
+def ran(monkeypatch) -> dict[str, set[str]]:
+    """The backends the fused op's forward and backward actually ran."""
+    from distllm.ops import _linear_gelu_impl as impl
+
+    seen: dict[str, set[str]] = {"fwd": set(), "bwd": set()}
+    for phase in seen:
+        real = getattr(impl, phase)
+
+        def record(backend, *args, _real=real, _phase=phase):
+            seen[_phase].add(backend)
+            return _real(backend, *args)
+
+        monkeypatch.setattr(impl, phase, record)
+    return seen
+
+
+def _pin(model: nn.Module, backend: str) -> int:
+    """Run every fused layer of ``model`` on ``backend``; return how many there are."""
+    fused = [m for m in model.modules() if isinstance(m, (FusedLinearGeLU, _FusedConv1DGeLU))]
+    for m in fused:
+        m.backend = backend
+    return len(fused)
+
+
+def _fused_copy(ref: nn.Module, backend: str, expect: int) -> nn.Module:
+    """A copy of ``ref`` in the backend's dtype with its Linear -> GeLU pairs fused (``expect``
+    of them) and pinned to ``backend``."""
+    model = copy.deepcopy(ref).to(DTYPE[backend])
+    assert fuse(model) == expect, f"fuse() swapped a different number of pairs than {expect}"
+    assert _pin(model, backend) == expect
+    return model
+
+
+def _same_outputs_and_grads(ref: nn.Module, model: nn.Module, x: torch.Tensor) -> None:
+    """``model`` (any dtype) against ``ref`` (float64): output, input grad, every param grad."""
+    dtype = next(model.parameters()).dtype
+    tol = TOL[dtype]
+    xa, xb = x.clone().requires_grad_(), x.to(dtype).requires_grad_()
+    ya, yb = ref(xa), model(xb)
+    torch.testing.assert_close(yb.double(), ya, **tol, msg="output")
     g = torch.randn_like(ya)
     ya.backward(g)
-    yb.backward(g)
-    torch.testing.assert_close(xa.grad, xb.grad, **F64)
-    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    yb.backward(g.to(dtype))
+    torch.testing.assert_close(xb.grad.double(), xa.grad, **tol, msg="input grad")
+    pa, pb = dict(ref.named_parameters()), dict(model.named_parameters())
     assert pa.keys() == pb.keys()
     for k in pa:
-        torch.testing.assert_close(pa[k].grad, pb[k].grad, **F64, msg=k)
+        torch.testing.assert_close(pb[k].grad.double(), pa[k].grad, **tol, msg=f"grad {k}")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_fused_layer_matches_linear_gelu(approximate, bias):
+def test_fused_layer_matches_linear_gelu(backend, approximate, bias, ran):
     lin = nn.Linear(123, 77, bias=bias, dtype=torch.float64)
     ref = nn.Sequential(lin, nn.GELU(approximate=approximate))
-    fused = FusedLinearGeLU.from_linear(copy.deepcopy(lin), approximate)
+    fused = FusedLinearGeLU.from_linear(
+        copy.deepcopy(lin).to(DTYPE[backend]), approximate, backend=backend
+    )
+    assert fused.backend == backend
     x = torch.randn(3, 7, 123, dtype=torch.float64).transpose(0, 1)  # 3-D, non-contiguous
-    ya = ref(x)
-    yb = fused(x)
-    torch.testing.assert_close(ya, yb, **F64)
-    ya.sum().backward()
-    yb.sum().backward()
-    torch.testing.assert_close(lin.weight.grad, fused.weight.grad, **F64)
-    if bias:
-        torch.testing.assert_close(lin.bias.grad, fused.bias.grad, **F64)
+    _same_outputs_and_grads(ref, nn.Sequential(fused, nn.Identity()), x)  # same param names
+    assert ran == {"fwd": {backend}, "bwd": {backend}}, f"the fused op ran {ran}"
 
 
 def test_from_linear_shares_parameters_and_state_dict_keys():
@@ -68,8 +114,9 @@ def test_from_linear_shares_parameters_and_state_dict_keys():
         FusedLinearGeLU.from_linear(nn.Conv1d(2, 2, 1))
 
 
-def test_fuse_sequential_counts_and_keeps_outputs():
-    model = nn.Sequential(
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fuse_sequential_counts_and_keeps_outputs(backend, ran):
+    ref = nn.Sequential(
         nn.Linear(8, 16),
         nn.GELU(approximate="tanh"),  # fused
         nn.Linear(16, 16),
@@ -80,15 +127,15 @@ def test_fuse_sequential_counts_and_keeps_outputs():
         nn.GELU(),  # not adjacent: left alone
         nn.Linear(12, 4),
     ).double()
-    ref = copy.deepcopy(model)
-    keys = set(model.state_dict())
-    assert fuse(model) == 2
+    keys = set(ref.state_dict())
+    model = _fused_copy(ref, backend, 2)
     assert isinstance(model[0], FusedLinearGeLU) and model[0].approximate == "tanh"
     assert isinstance(model[1], nn.Identity) and isinstance(model[3], nn.ReLU)
     assert isinstance(model[4][0], FusedLinearGeLU) and model[4][0].approximate == "none"
     assert type(model[5]) is nn.Linear and isinstance(model[7], nn.GELU)
     assert set(model.state_dict()) == keys  # checkpoints still load
     _same_outputs_and_grads(ref, model, torch.randn(5, 8, dtype=torch.float64))
+    assert ran == {"fwd": {backend}, "bwd": {backend}}, f"the fused op ran {ran}"
     assert fuse(model) == 0  # idempotent
 
 
@@ -125,12 +172,14 @@ class _SubLinear(nn.Linear):
         (nn.SiLU(), 0),
     ],
 )
-def test_fuse_hf_style_block(act, n):
-    block = _Block(act).double()
-    ref = copy.deepcopy(block)
-    assert fuse(block) == n
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fuse_hf_style_block(act, n, backend, ran):
+    ref = _Block(act).double()
+    block = _fused_copy(ref, backend, n)
     assert isinstance(block.fc, FusedLinearGeLU) == bool(n)
     _same_outputs_and_grads(ref, block, torch.randn(2, 3, 8, dtype=torch.float64))
+    want = {backend} if n else set()
+    assert ran == {"fwd": want, "bwd": want}, f"the fused op ran {ran}"
 
 
 def test_fuse_leaves_reused_outputs_and_linear_subclasses_alone():
@@ -139,7 +188,8 @@ def test_fuse_leaves_reused_outputs_and_linear_subclasses_alone():
     assert gelu_approximate(nn.ReLU()) is None and gelu_approximate(NewGELUActivation()) == "tanh"
 
 
-def test_fuse_gpt2_conv1d_mlp():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fuse_gpt2_conv1d_mlp(backend, ran):
     cfg = GPT2Config(
         n_embd=32,
         n_layer=2,
@@ -152,32 +202,50 @@ def test_fuse_gpt2_conv1d_mlp():
         bos_token_id=0,
         eos_token_id=0,
     )
-    model = GPT2Model(cfg).double().eval()
-    ref = copy.deepcopy(model)
-    keys = {k: v.shape for k, v in model.state_dict().items()}
-    assert fuse(model) == 2  # one c_fc (Conv1D, weight (in, out)) -> gelu_new per layer
+    ref = GPT2Model(cfg).double().eval()
+    keys = {k: v.shape for k, v in ref.state_dict().items()}
+    model = _fused_copy(ref, backend, 2)  # one c_fc (Conv1D, weight (in, out)) -> gelu_new
+    assert isinstance(model.h[0].mlp.c_fc, _FusedConv1DGeLU)
     assert {k: v.shape for k, v in model.state_dict().items()} == keys  # Conv1D layout kept
     ids = torch.randint(0, 50, (2, 9))
     ya, yb = ref(ids).last_hidden_state, model(ids).last_hidden_state
-    torch.testing.assert_close(ya, yb, **F64)
+    tol = TOL[DTYPE[backend]]
+    torch.testing.assert_close(yb.double(), ya, **tol)
     ya.sum().backward()
     yb.sum().backward()
     ga, gb = ref.h[0].mlp.c_fc.weight.grad, model.h[0].mlp.c_fc.weight.grad
-    torch.testing.assert_close(ga, gb, **F64)
+    torch.testing.assert_close(gb.double(), ga, **tol)
+    assert ran == {"fwd": {backend}, "bwd": {backend}}, f"the fused op ran {ran}"
 
 
-def test_fuse_bert_intermediate():
-    block = BertIntermediate(
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fuse_bert_intermediate(backend, ran):
+    ref = BertIntermediate(
         BertConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2)
     ).double()
-    ref = copy.deepcopy(block)
-    assert fuse(block) == 1
+    block = _fused_copy(ref, backend, 1)
     _same_outputs_and_grads(ref, block, torch.randn(3, 5, 32, dtype=torch.float64))
+    assert ran == {"fwd": {backend}, "bwd": {backend}}, f"the fused op ran {ran}"
 
 
-def test_fuse_float32_within_rounding():
-    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
-    ref = copy.deepcopy(model)
-    fuse(model)
-    x = torch.randn(33, 64)
-    torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-5)  # fp32 GEMM reordering
+def test_fuse_auto_records_its_choice(monkeypatch):
+    """fuse() leaves backend="auto": the first call of a shape measures the candidates and
+    records the choice, which later calls reuse; the output is right whichever it picked."""
+    ref = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).double()
+    model = copy.deepcopy(ref).float()
+    assert fuse(model) == 1, "fuse() did not swap the one Linear -> GELU pair"
+    assert model[0].backend == "auto"
+    _autotune.clear()
+    measured, real = [], _autotune.measure
+    monkeypatch.setattr(_autotune, "measure", lambda c, *a, **k: measured.append(sorted(c))
+                        or real(c, *a, **k))
+    x = torch.randn(33, 64, dtype=torch.float64)
+    y = model(x.float())
+    key = "linear_gelu|torch.float32|(33, 64)x(256, 64)|bias=True|none|grad=True"
+    chosen = [v for k, v in _autotune.cached().items() if k.endswith(key)]
+    assert len(chosen) == 1, f"auto recorded no choice for {key}: {_autotune.cached()}"
+    assert measured == [["cpu", "reference"]]  # the Triton interpreter is never a candidate
+    assert chosen[0] in measured[0]
+    torch.testing.assert_close(y.double(), ref(x), **TOL[torch.float32])
+    model(x.float())
+    assert len(measured) == 1, "the second call measured again instead of reusing the choice"
