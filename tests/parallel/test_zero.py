@@ -1,151 +1,97 @@
-"""ZeRO-0/1/2/3 against a single process on the global batch (float64, ~1e-10), memory
-against the ZeRO paper's model, gradient accumulation, unused parameters, inf/NaN
-skipping, checkpoint round trip and overlap of the reduction with backward."""
+"""ZeRO-0/1/2/3 against a single process on the global batch (float64, ~1e-10) with the
+trainer's default optimizer settings (AdamW with decay on matrices only, global-norm
+clipping, warm-up), memory against the ZeRO paper's model, gradient accumulation, unused
+parameters, inf/NaN skipping, checkpoint round trip and overlap of the reduction with
+backward. One spawn per rank function and world size; each scenario is its own test."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from distllm.testing import run_distributed
+from tests.parallel._zero_util import (
+    OPT,
+    TOL,
+    SpawnCache,
+    adamw,
+    batch,
+    groups_of,
+    local,
+    loss_fn,
+    make,
+    max_err,
+    set_lr,
+    train_step,
+)
 
-TOL = 1e-10  # float64 parity: only summation order differs
-
-
-class Block(nn.Module):
-    def __init__(self, h: int, f: int) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(h)
-        self.up = nn.Linear(h, f)
-        self.down = nn.Linear(f, h)
-
-    def forward(self, x):
-        return x + self.down(torch.nn.functional.gelu(self.up(self.ln(x))))
-
-
-class Net(nn.Module):
-    """A tiny GPT-like stack with odd sizes (so buckets need padding)."""
-
-    def __init__(self, d_in: int = 7, h: int = 13, f: int = 23, n: int = 3, out: int = 5,
-                 unused: bool = False) -> None:
-        super().__init__()
-        self.inp = nn.Linear(d_in, h)
-        self.blocks = nn.ModuleList(Block(h, f) for _ in range(n))
-        self.head = nn.Linear(h, out)
-        self.extra = nn.Linear(h, out) if unused else None  # used on DP rank 0 only
-        self.never = nn.Parameter(torch.ones(3)) if unused else None  # never used
-
-    def forward(self, x, use_extra: bool = False):
-        x = self.inp(x)
-        for b in self.blocks:
-            x = b(x)
-        y = self.head(x)
-        if use_extra:
-            y = y + self.extra(x)
-        return y
+__all__ = ["TOL", "batch", "local", "loss_fn", "make"]  # also used by test_ddp
 
 
-def make(seed: int = 0, dtype=torch.float64, **kw) -> Net:
-    torch.manual_seed(seed)
-    return Net(**kw).to(dtype)
+@pytest.fixture(scope="module")
+def spawned():
+    return SpawnCache()
 
 
-def batch(step: int, n: int = 8, d_in: int = 7, out: int = 5):
-    g = torch.Generator().manual_seed(100 + step)
-    # 3-D input (b, s, d): the layers see (8, 3, 7)
-    return (torch.randn(n, 3, d_in, generator=g, dtype=torch.float64),
-            torch.randn(n, 3, out, generator=g, dtype=torch.float64))
+# --- parity with the single process ----------------------------------------------------------
+
+CASES = {
+    "adamw-s0": dict(stage=0),
+    "adamw-s1": dict(stage=1),
+    "adamw-s2": dict(stage=2),
+    "adamw-s3": dict(stage=3),
+    "adamw-s2-reduce-scatter": dict(stage=2, rs="reduce_scatter"),  # gloo's own collective
+    "adamw-s3-no-prefetch": dict(stage=3, prefetch=False),
+    "sgd-momentum-s2": dict(stage=2, sgd=True),  # any elementwise optimizer works
+}
+MOMENTS = {"AdamW": ("exp_avg", "exp_avg_sq"), "SGD": ("momentum_buffer",)}
 
 
-def local(t, dims):
-    n = t.shape[0] // dims.dp
-    return t[dims.dp_rank * n: (dims.dp_rank + 1) * n]
-
-
-def loss_fn(model, x, y, **kw):
-    return (model(x, **kw) - y).pow(2).mean()
-
-
-def groups_of(model: Net, wd: float = 0.1, named: bool = False):
-    def pick(dec):
-        return [(n, p) if named else p for n, p in model.named_parameters()
-                if (n.endswith("weight") and "ln" not in n) == dec]
-
-    decay, rest = pick(True), pick(False)
-    return [{"params": decay, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}]
-
-
-def _max_err(a: dict, b: dict) -> float:
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-def _run_case(dims, stage: int, opt_cls, opt_kw: dict, *, use_groups: bool, clip: float | None,
-              prefetch: bool = True, steps: int = 3, rs: str = "auto") -> dict:
+def _run_case(dims, stage: int, sgd: bool = False, prefetch: bool = True,
+              rs: str = "auto", steps: int = 3) -> dict:
     from distllm.parallel import ZeroOptimizer
 
     model, ref = make(), make()
+    opt_cls, kw = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}) if sgd else (
+        torch.optim.AdamW, adamw())
     if stage in (1, 3):  # the module (ZeRO-1: gathers overlap forward); groups by keyword
         z = ZeroOptimizer(model, opt_cls, stage=stage, dims=dims, prefetch=prefetch,
-                          param_groups=groups_of(model) if use_groups else None,
-                          bucket_cap_mb=0.002, **opt_kw)
-    else:
-        z = ZeroOptimizer(groups_of(model, named=True) if use_groups else model, opt_cls,
-                          stage=stage, dims=dims, bucket_cap_mb=0.002, reduce_scatter_impl=rs,
-                          **opt_kw)
-    ropt = opt_cls(groups_of(ref) if use_groups else ref.parameters(), **opt_kw)
-    norms = []
-    for s in range(steps):
-        x, y = batch(s)
-        z.zero_grad()
-        loss_fn(model, local(x, dims), local(y, dims)).backward()
-        ropt.zero_grad()
-        loss_fn(ref, x, y).backward()
-        if clip is not None:
-            n1 = z.clip_grad_norm_(clip)
-            n2 = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
-            norms.append(abs(n1.item() - n2.item()))
-        z.step()
-        ropt.step()
+                          param_groups=groups_of(model), bucket_cap_mb=0.002, **kw)
+    else:  # named param groups, no module
+        z = ZeroOptimizer(groups_of(model, named=True), opt_cls, stage=stage, dims=dims,
+                          bucket_cap_mb=0.002, reduce_scatter_impl=rs, **kw)
+    ropt = opt_cls(groups_of(ref), **kw)
+    norms = [train_step(z, ropt, model, ref, dims, s, base_lr=kw["lr"]) for s in range(steps)]
     sd = z.state_dict()
     refp = dict(ref.named_parameters())
-    errs = {"master": _max_err({k: sd["master"][k] for k in refp}, refp), "norm": max(norms or [0])}
-    if stage < 3:
-        errs["params"] = _max_err(dict(model.named_parameters()), refp)
-    for key in {"AdamW": ("exp_avg", "exp_avg_sq"), "SGD": ("momentum_buffer",)}[opt_cls.__name__]:
-        mine = {n: sd["state"][n][key] for n in refp}
-        theirs = {n: ropt.state[p][key] for n, p in refp.items()}
-        errs[key] = _max_err(mine, theirs)
-    return errs
+    errs = {"master": max_err({k: sd["master"][k] for k in refp}, refp),
+            "weights": max_err(z.full_state_dict(), refp),
+            "norm": max(abs(a - b) for a, b in norms)}
+    for key in MOMENTS[opt_cls.__name__]:
+        errs[key] = max_err({n: sd["state"][n][key] for n in refp},
+                            {n: ropt.state[p][key] for n, p in refp.items()})
+    return {"errs": errs, "ref_norms": [b for _, b in norms]}
 
 
-def zero_parity(tp: int = 1) -> dict:
+def zero_parity() -> dict:
     from distllm import ParallelDims
 
-    dims = ParallelDims(tp=tp)
-    adam = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
-    out = {}
-    for stage in (0, 1, 2, 3):
-        out[f"adamw-s{stage}"] = _run_case(dims, stage, torch.optim.AdamW, adam,
-                                           use_groups=stage % 2 == 1, clip=0.05)
-    out["adamw-s3-groups"] = _run_case(dims, 3, torch.optim.AdamW, adam, use_groups=True,
-                                       clip=0.05, steps=2)
-    # SGD with momentum; the reduce-scatter collective itself (auto picks all-reduce on gloo)
-    out["sgd-s2-rs"] = _run_case(dims, 2, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9},
-                                 use_groups=False, clip=0.05, rs="reduce_scatter")
-    out["adamw-s3-noprefetch"] = _run_case(dims, 3, torch.optim.AdamW, adam, use_groups=False,
-                                           clip=None, prefetch=False, steps=2)
-    return out
+    dims = ParallelDims()
+    return {name: _run_case(dims, **spec) for name, spec in CASES.items()}
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_zero_stages_match_single_process(world):
-    res = run_distributed(zero_parity, world, timeout=240)
-    for rank_res in res:
-        for case, errs in rank_res.items():
-            for what, e in errs.items():
-                assert e < TOL, f"{case}: {what} differs from the single process by {e:.3g}"
+@pytest.mark.parametrize("case", list(CASES))
+def test_zero_matches_single_process(spawned, case, world):
+    for rank_res in spawned(zero_parity, world):
+        res = rank_res[case]
+        # clipping is really exercised (the default max norm is reached)
+        assert max(res["ref_norms"]) > OPT.grad_clip, res["ref_norms"]
+        for what, e in res["errs"].items():
+            assert e < TOL, f"{case}: {what} differs from the single process by {e:.3g}"
 
 
 # --- memory, accumulation, unused params, skipping, checkpoints, overlap -----------------------
@@ -178,15 +124,17 @@ def _accumulation(dims) -> dict:
     out = {}
     for stage in (1, 2, 3):
         model, ref = make(unused=True), make(unused=True)
-        z = ZeroOptimizer(model, torch.optim.SGD, stage=stage, dims=dims, lr=0.1,
-                          bucket_cap_mb=0.002)
-        ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        z = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, dims=dims,
+                          param_groups=groups_of(model), bucket_cap_mb=0.002, **adamw())
+        ropt = torch.optim.AdamW(groups_of(ref), **adamw())
+        set_lr(0, z, ropt)
         x, y = batch(0)
         xl, yl = local(x, dims), local(y, dims)
         h = xl.shape[0] // 2
         with z.no_sync():
             (0.5 * loss_fn(model, xl[:h], yl[:h])).backward()
         (0.5 * loss_fn(model, xl[h:], yl[h:], use_extra=dims.dp_rank == 0)).backward()
+        z.clip_grad_norm_(OPT.grad_clip)
         z.step()
         # the reference: rank 0's second half also goes through `extra` (scaled to the mean)
         n = x.shape[0] // dims.dp
@@ -195,6 +143,7 @@ def _accumulation(dims) -> dict:
         extra = (ref(x[n // 2: n]) + ye - y[n // 2: n]).pow(2).mean() - loss_fn(
             ref, x[n // 2: n], y[n // 2: n])
         (ref_loss + extra * 0.5 / dims.dp).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), OPT.grad_clip)
         ropt.step()
         sd = z.state_dict()
         out[stage] = max((sd["master"][k] - p).abs().max().item()
@@ -206,35 +155,34 @@ def _skip_and_reload(dims) -> dict:
     from distllm.parallel import ZeroOptimizer
 
     model, ref = make(), make()
-    z = ZeroOptimizer(model, torch.optim.AdamW, stage=2, dims=dims, lr=1e-2, bucket_cap_mb=0.002)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    x, y = batch(0)
-    loss_fn(model, local(x, dims), local(y, dims)).backward()
-    z.step()
-    loss_fn(ref, x, y).backward()
-    ropt.step()
-    # a NaN on one rank only: every rank skips
+    z = ZeroOptimizer(groups_of(model, named=True), torch.optim.AdamW, stage=2, dims=dims,
+                      bucket_cap_mb=0.002, **adamw())
+    ropt = torch.optim.AdamW(groups_of(ref), **adamw())
+    train_step(z, ropt, model, ref, dims, 0)
+    # a NaN on one rank only: every rank skips (clipping first, as the trainer does)
+    x, y = batch(1)
     z.zero_grad()
     scale = float("nan") if dims.dp_rank == dims.dp - 1 else 1.0
     (scale * loss_fn(model, local(x, dims), local(y, dims))).backward()
+    z.clip_grad_norm_(OPT.grad_clip)
     stepped = z.step()
     # checkpoint into a stage-1 and a stage-3 optimizer, then one more step each
     sd = z.state_dict()
     errs = {}
-    ropt.zero_grad()
-    x2, y2 = batch(1)
-    loss_fn(ref, x2, y2).backward()
-    ropt.step()
+    ref_state = {k: v.clone() for k, v in ref.state_dict().items()}
+    ropt_state = ropt.state_dict()
     for stage in (1, 3):
-        m2 = make(seed=5)
-        z2 = ZeroOptimizer(m2, torch.optim.AdamW, stage=stage, dims=dims, lr=1e-2,
-                           bucket_cap_mb=0.001)
+        m2, r2 = make(seed=5), make()
+        r2.load_state_dict(ref_state)
+        ropt2 = torch.optim.AdamW(groups_of(r2), **adamw())
+        ropt2.load_state_dict(copy.deepcopy(ropt_state))  # load shares the tensors
+        z2 = ZeroOptimizer(m2, torch.optim.AdamW, stage=stage, dims=dims,
+                           param_groups=groups_of(m2), bucket_cap_mb=0.001, **adamw())
         z2.load_state_dict(sd)
-        loss_fn(m2, local(x2, dims), local(y2, dims)).backward()
-        z2.step()
+        train_step(z2, ropt2, m2, r2, dims, 1)
         sd2 = z2.state_dict()
         errs[stage] = max((sd2["master"][k] - p).abs().max().item()
-                          for k, p in ref.named_parameters())
+                          for k, p in r2.named_parameters())
     return {"stepped": stepped, "skipped": z.skipped_steps, "reload": errs}
 
 
@@ -244,16 +192,17 @@ def _loss_scale(dims) -> dict:
     from distllm.parallel import ZeroOptimizer
 
     model, ref = make(), make()
-    z = ZeroOptimizer(model, torch.optim.AdamW, stage=1, dims=dims, lr=1e-2,
-                      loss_scale="dynamic")
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    z = ZeroOptimizer(model, torch.optim.AdamW, stage=1, dims=dims, loss_scale="dynamic",
+                      param_groups=groups_of(model), **adamw())
+    ropt = torch.optim.AdamW(groups_of(ref), **adamw())
+    set_lr(0, z, ropt)
     x, y = batch(0)
     s0 = z.loss_scale
     z.scale_loss(loss_fn(model, local(x, dims), local(y, dims))).backward()
-    z.clip_grad_norm_(0.05)
+    z.clip_grad_norm_(OPT.grad_clip)
     z.step()
     loss_fn(ref, x, y).backward()
-    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), OPT.grad_clip)
     ropt.step()
     z.wait_params()  # the parameter all-gather overlaps the next forward; read after waiting
     err = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters(),
@@ -301,23 +250,47 @@ def zero_extras() -> dict:
             "scale": _loss_scale(dims)}
 
 
-def test_zero_memory_accumulation_skip_reload_overlap():
-    res = run_distributed(zero_extras, 2, timeout=240)
-    for r in res:
-        for (stage, g), (got, want, slack) in r["memory"].items():
-            assert abs(got - want) <= slack, (
-                f"stage {stage}, {g}-byte grads: {got} bytes held, ZeRO model says {want:.0f}")
-        for stage, e in r["accum"].items():
-            assert e < TOL, f"stage {stage}: no_sync accumulation + unused params off by {e:.3g}"
-        assert r["skip"]["stepped"] is False and r["skip"]["skipped"] == 1
-        for stage, e in r["skip"]["reload"].items():
-            assert e < TOL, f"reload into stage {stage}: off by {e:.3g}"
+@pytest.mark.parametrize("grad_bytes", [2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_memory_matches_zero_model(spawned, stage, grad_bytes):
+    for r in spawned(zero_extras, 2):
+        got, want, slack = r["memory"][(stage, grad_bytes)]
+        assert abs(got - want) <= slack, (
+            f"stage {stage}, {grad_bytes}-byte grads: {got} bytes held, ZeRO model says {want:.0f}")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_no_sync_accumulation_with_unused_params(spawned, stage):
+    for r in spawned(zero_extras, 2):
+        e = r["accum"][stage]
+        assert e < TOL, f"stage {stage}: no_sync accumulation + unused params off by {e:.3g}"
+
+
+def test_nan_on_one_rank_skips_the_step_everywhere(spawned):
+    for r in spawned(zero_extras, 2):
+        assert r["skip"]["stepped"] is False and r["skip"]["skipped"] == 1, r["skip"]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoint_reloads_into_another_stage(spawned, stage):
+    for r in spawned(zero_extras, 2):
+        e = r["skip"]["reload"][stage]
+        assert e < TOL, f"reload of a stage-2 checkpoint into stage {stage}: off by {e:.3g}"
+
+
+def test_dynamic_loss_scale(spawned):
+    for r in spawned(zero_extras, 2):
         sc = r["scale"]
         assert sc["err"] < TOL and sc["halved"] and not sc["stepped"] and sc["skipped"] == 1, sc
-        for stage, o in r["overlap"].items():
-            assert o["buckets"] > 2, o
-            assert o["first_hooks"] < o["nparams"], f"stage {stage}: launched after backward {o}"
-            assert o["before_end"] >= 1 and o["in_backward"] >= 2, f"stage {stage}: {o}"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_reduction_overlaps_backward(spawned, stage):
+    for r in spawned(zero_extras, 2):
+        o = r["overlap"][stage]
+        assert o["buckets"] > 2, o
+        assert o["first_hooks"] < o["nparams"], f"stage {stage}: launched after backward {o}"
+        assert o["before_end"] >= 1 and o["in_backward"] >= 2, f"stage {stage}: {o}"
 
 
 def test_bad_input():

@@ -1,0 +1,169 @@
+"""The model's own ``state_dict()`` / ``load_state_dict()`` under ZeroOptimizer: full tensors
+at stage 3 (gathered over DP, never the empty shards), loads that reach the shards and the
+mixed-precision master weights, on 2 gloo ranks against a float64 single process."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from tests.parallel._zero_util import (
+    TOL,
+    SpawnCache,
+    adamw,
+    batch,
+    groups_of,
+    local,
+    loss_fn,
+    make,
+    max_err,
+    train_step,
+)
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    return SpawnCache()
+
+
+def _zero3(model, dims):
+    from distllm.parallel import ZeroOptimizer
+
+    return ZeroOptimizer(model, torch.optim.AdamW, stage=3, dims=dims,
+                         param_groups=groups_of(model), bucket_cap_mb=0.002, **adamw())
+
+
+def _after_one_step(dims) -> dict:
+    model, ref = make(), make()
+    z = _zero3(model, dims)
+    ropt = torch.optim.AdamW(groups_of(ref), **adamw())
+    train_step(z, ropt, model, ref, dims, 0)
+    sd, want = model.state_dict(), ref.state_dict()
+    out = {"shapes": {k: (tuple(v.shape), tuple(want[k].shape)) for k, v in sd.items()},
+           "module": max_err(sd, want), "full_state_dict": max_err(z.full_state_dict(), want),
+           "held_after": z.sharded.full_bytes_held(),
+           "sharded_after": all(p.numel() == 0 for p in model.parameters())}
+    for sub in ("blocks.1", "head"):  # a gather unit; leftovers of the root unit
+        out[sub] = max_err(model.get_submodule(sub).state_dict(),
+                           ref.get_submodule(sub).state_dict())
+    # loaded values reach the shards (the next step starts from them) and the optimizer goes
+    # on: load other weights into both, then one more step each
+    other = make(seed=5).state_dict()
+    model.load_state_dict(other)
+    ref.load_state_dict(other)
+    out["loaded"] = max_err(model.state_dict(), other)
+    train_step(z, ropt, model, ref, dims, 1)
+    out["step_after_load"] = max_err(model.state_dict(), ref.state_dict())
+    out["master_after_load"] = max_err(z.state_dict()["master"], dict(ref.named_parameters()))
+    return out
+
+
+def _round_trip(dims) -> dict:
+    """torch.save of the full state dict, loaded into a fresh ZeRO-3 model of other weights."""
+    model, ref = make(), make()
+    z = _zero3(model, dims)
+    train_step(z, torch.optim.AdamW(groups_of(ref), **adamw()), model, ref, dims, 0)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    m2 = make(seed=5)
+    z2 = _zero3(m2, dims)
+    buf.seek(0)
+    m2.load_state_dict(torch.load(buf, weights_only=True))
+    x, _ = batch(1)
+    with torch.no_grad():
+        fwd = (m2(local(x, dims)) - ref(local(x, dims))).abs().max().item()
+    return {"state_dict": max_err(m2.state_dict(), ref.state_dict()), "forward": fwd,
+            "held_after": z2.sharded.full_bytes_held()}
+
+
+def _mixed_masters(dims) -> dict:
+    """bf16 parameters, fp32 masters: a loaded fp32 state dict reaches the masters exactly."""
+    from distllm.parallel import ZeroOptimizer
+
+    out = {}
+    for stage in (0, 1, 2, 3):
+        model = make(dtype=torch.float32)
+        z = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, dims=dims,
+                          param_dtype=torch.bfloat16, bucket_cap_mb=0.002, **adamw())
+        x, y = batch(0)
+        loss_fn(model, local(x, dims).bfloat16(), local(y, dims).bfloat16()).backward()
+        z.step()
+        other = make(seed=5, dtype=torch.float32).state_dict()
+        model.load_state_dict(other)
+        out[stage] = {"master": max_err(z.state_dict()["master"], other),
+                      "params": max_err(model.state_dict(),
+                                        {k: v.bfloat16() for k, v in other.items()})}
+    return out
+
+
+def _assign_refused(dims) -> str:
+    model = make()
+    _zero3(model, dims)
+    try:
+        model.load_state_dict(make(seed=5).state_dict(), assign=True)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def zero_module_state() -> dict:
+    from distllm import ParallelDims
+
+    dims = ParallelDims()
+    return {"step": _after_one_step(dims), "round_trip": _round_trip(dims),
+            "mixed": _mixed_masters(dims), "assign": _assign_refused(dims)}
+
+
+def _results(spawned) -> list[dict]:
+    return spawned(zero_module_state, 2)
+
+
+def test_zero3_state_dict_holds_full_tensors(spawned):
+    for r in _results(spawned):
+        for k, (got, want) in r["step"]["shapes"].items():
+            assert got == want, f"{k}: state_dict gives shape {got}, the model's is {want}"
+        assert r["step"]["module"] < TOL, r["step"]
+
+
+def test_zero3_full_state_dict(spawned):
+    for r in _results(spawned):
+        assert r["step"]["full_state_dict"] < TOL, r["step"]
+
+
+@pytest.mark.parametrize("sub", ["blocks.1", "head"])
+def test_zero3_submodule_state_dict(spawned, sub):
+    for r in _results(spawned):
+        assert r["step"][sub] < TOL, f"{sub}.state_dict() off by {r['step'][sub]:.3g}"
+
+
+def test_zero3_state_dict_reshards(spawned):
+    for r in _results(spawned):
+        assert r["step"]["held_after"] == 0 and r["step"]["sharded_after"], r["step"]
+        assert r["round_trip"]["held_after"] == 0, r["round_trip"]
+
+
+def test_zero3_load_state_dict_then_train(spawned):
+    for r in _results(spawned):
+        s = r["step"]
+        assert s["loaded"] == 0.0, s
+        assert s["step_after_load"] < TOL and s["master_after_load"] < TOL, s
+
+
+def test_zero3_save_load_round_trip(spawned):
+    for r in _results(spawned):
+        rt = r["round_trip"]
+        assert rt["state_dict"] < TOL and rt["forward"] < TOL, rt
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_load_state_dict_reaches_mixed_precision_masters(spawned, stage):
+    for r in _results(spawned):
+        m = r["mixed"][stage]
+        assert m["master"] == 0.0 and m["params"] == 0.0, f"stage {stage}: {m}"
+
+
+def test_load_state_dict_with_assign_is_refused(spawned):
+    for r in _results(spawned):
+        assert "assign=False" in r["assign"], r["assign"]
