@@ -241,13 +241,29 @@ def _overlap(dims) -> dict:
     return out
 
 
+def _groups_after_shard(dims) -> str:
+    """The trainer's decay groups are decided from shapes: once ZeRO-3 has sharded the
+    parameters (empty 1-D tensors) deciding them again must fail, not put every matrix in the
+    no-decay group."""
+    from distllm.parallel import ZeroOptimizer
+    from distllm.train.engine import _decay_groups
+
+    model = make()
+    ZeroOptimizer(model, torch.optim.AdamW, stage=3, dims=dims, param_groups=groups_of(model))
+    try:
+        _decay_groups(list(model.named_parameters()), OPT.weight_decay)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
 def zero_extras() -> dict:
     from distllm import ParallelDims
 
     dims = ParallelDims()
     return {"memory": _memory(dims), "accum": _accumulation(dims),
             "skip": _skip_and_reload(dims), "overlap": _overlap(dims),
-            "scale": _loss_scale(dims)}
+            "scale": _loss_scale(dims), "groups": _groups_after_shard(dims)}
 
 
 @pytest.mark.parametrize("grad_bytes", [2, 4])
@@ -291,6 +307,11 @@ def test_reduction_overlaps_backward(spawned, stage):
         assert o["buckets"] > 2, o
         assert o["first_hooks"] < o["nparams"], f"stage {stage}: launched after backward {o}"
         assert o["before_end"] >= 1 and o["in_backward"] >= 2, f"stage {stage}: {o}"
+
+
+def test_decay_groups_refuse_sharded_parameters(spawned):
+    for r in spawned(zero_extras, 2):
+        assert "before ZeroOptimizer(stage=3) shards" in r["groups"], r["groups"]
 
 
 def test_bad_input():
