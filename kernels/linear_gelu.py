@@ -35,10 +35,10 @@ import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-_SQRT1_2 = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
-_K0 = 0.7978845608028654
-_K1 = 0.044715
+# The GeLU constants are literals inside the jitted helpers below: a plain module float read
+# in @triton.jit code compiles nowhere (the compiler accepts only constexpr globals, which
+# the interpreter in turn mishandles in arithmetic); tests/ops/test_triton_compile.py
+# compiles every kernel for sm_80 and sm_90.
 
 
 @triton.jit
@@ -49,23 +49,40 @@ def _tanh(z):
 
 
 @triton.jit
+def _tanh_arg(u):
+    # a(u) = k0 (u + k1 u^3), k0 = sqrt(2 / pi), k1 = 0.044715
+    return 0.7978845608028654 * (u + 0.044715 * u * u * u)
+
+
+@triton.jit
+def _tanh_arg_grad(u):
+    # a'(u) = k0 (1 + 3 k1 u^2)
+    return 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * u * u)
+
+
+@triton.jit
+def _cdf(u):
+    # Phi(u) = (1 + erf(u / sqrt 2)) / 2; 0.7071067811865476 = 1 / sqrt 2
+    return 0.5 * (1.0 + tl.math.erf(u * 0.7071067811865476))
+
+
+@triton.jit
 def _gelu(u, APPROX_TANH: tl.constexpr):
     if APPROX_TANH:
-        t = _tanh(_K0 * (u + _K1 * u * u * u))
-        out = 0.5 * u * (1.0 + t)
+        out = 0.5 * u * (1.0 + _tanh(_tanh_arg(u)))
     else:
-        out = 0.5 * u * (1.0 + tl.math.erf(u * _SQRT1_2))
+        out = u * _cdf(u)
     return out
 
 
 @triton.jit
 def _gelu_grad(u, APPROX_TANH: tl.constexpr):
     if APPROX_TANH:
-        t = _tanh(_K0 * (u + _K1 * u * u * u))
-        d = 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * _K0 * (1.0 + 3.0 * _K1 * u * u)
+        t = _tanh(_tanh_arg(u))
+        d = 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * _tanh_arg_grad(u)
     else:
-        cdf = 0.5 * (1.0 + tl.math.erf(u * _SQRT1_2))
-        d = cdf + u * tl.exp(-0.5 * u * u) * _INV_SQRT_2PI
+        # phi(u) = exp(-u^2 / 2) / sqrt(2 pi); 0.3989422804014327 = 1 / sqrt(2 pi)
+        d = _cdf(u) + u * tl.exp(-0.5 * u * u) * 0.3989422804014327
     return d
 
 
@@ -85,6 +102,7 @@ def _fwd_kernel(
     stride_wk,  # element strides of W along N and K
     stride_ym,
     stride_yn,  # element strides of y (and u) along M and N
+    M_BUCKET,  # next power of two of M: the autotuner's key, not read by the kernel
     HAS_BIAS: tl.constexpr,
     SAVE_PRE: tl.constexpr,
     APPROX_TANH: tl.constexpr,
@@ -107,7 +125,7 @@ def _fwd_kernel(
     pid_n = (pid % width) // size_m
 
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: M*N may pass 2^31
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # int64: N*K may pass 2^31
     rk = tl.arange(0, BLOCK_K)
     x_tile = x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk  # (BM, BK)
     w_tile = w_ptr + rk[:, None] * stride_wk + rn[None, :] * stride_wn  # (BK, BN) = W^T tile
@@ -184,16 +202,145 @@ def _fwd_configs() -> list[triton.Config]:
     ]
 
 
+_BWD_META = {"BLOCK_M": 16, "BLOCK_N": 64} if _INTERPRET else {"BLOCK_M": 32, "BLOCK_N": 128}
+_BWD_LAUNCH = {"num_warps": 4, "num_stages": 1}  # an elementwise pass: nothing to pipeline
+_ELEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _smem_estimate(cfg: triton.Config, elem_bytes: int) -> int:
+    """Upper bound of the forward kernel's shared memory: (stages - 1) buffered (BM, BK) and
+    (BK, BN) operand tiles. Exact for fp32; 16-bit tiles compile smaller (the compiled sizes
+    are checked against it in tests/ops/test_triton_compile.py)."""
+    k = cfg.kwargs
+    tiles = k["BLOCK_M"] * k["BLOCK_K"] + k["BLOCK_K"] * k["BLOCK_N"]
+    return (cfg.num_stages - 1) * tiles * elem_bytes
+
+
+def _prune(configs: list, elem_bytes: int, smem_limit: int) -> list:
+    """The configs whose shared memory fits ``smem_limit`` bytes (e.g. fp32's 192 KB tiles do
+    not fit an A100's 163 KB); the smallest config is always kept."""
+    kept = [c for c in configs if _smem_estimate(c, elem_bytes) <= smem_limit]
+    return kept or configs[-1:]
+
+
+def _prune_for_launch(configs: list, named_args: dict, **kwargs) -> list:
+    """``early_config_prune`` of the autotuner: drop configs that cannot launch here."""
+    x = named_args["x_ptr"]
+    limit = torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin
+    return _prune(configs, x.element_size(), limit)
+
+
 if _INTERPRET:
     _fwd = _fwd_kernel
     _FWD_META = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
 else:  # pragma: no cover - needs a GPU
-    _fwd = triton.autotune(configs=_fwd_configs(), key=["M", "N", "K", "HAS_BIAS", "SAVE_PRE"])(
-        _fwd_kernel
-    )
+    # DISTLLM_TRITON_TUNE=min: the last (smallest) configuration only, no tuning runs (the
+    # GPU tests: one compile per specialization instead of one per configuration).
+    _TUNE = os.environ.get("DISTLLM_TRITON_TUNE", "full")
+    if _TUNE not in ("full", "min"):
+        raise ValueError(f"DISTLLM_TRITON_TUNE={_TUNE!r}: use 'full' (default) or 'min'")
+    _fwd = triton.autotune(
+        configs=_fwd_configs()[-1:] if _TUNE == "min" else _fwd_configs(),
+        # M_BUCKET, not M: a new token count reuses the tuning of its power-of-two bucket
+        key=["M_BUCKET", "N", "K", "HAS_BIAS", "SAVE_PRE", "APPROX_TANH", "ALLOW_TF32"],
+        prune_configs_by={"early_config_prune": _prune_for_launch},
+    )(_fwd_kernel)
     _FWD_META = {}
 
-_BWD_META = {"BLOCK_M": 16, "BLOCK_N": 64} if _INTERPRET else {"BLOCK_M": 32, "BLOCK_N": 128}
+_FWD_POINTERS = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "u_ptr")
+_FWD_INTS = (
+    "M",
+    "N",
+    "K",
+    "stride_xm",
+    "stride_xk",
+    "stride_wn",
+    "stride_wk",
+    "stride_ym",
+    "stride_yn",
+    "M_BUCKET",
+)
+# What a launch from contiguous tensors finds 16-divisible (stride_xk = stride_wk =
+# stride_yn = 1 are not; M is whatever the batch is).
+_FWD_ALIGNED = (
+    "x_ptr",
+    "w_ptr",
+    "b_ptr",
+    "y_ptr",
+    "u_ptr",
+    "N",
+    "K",
+    "stride_xm",
+    "stride_wn",
+    "stride_ym",
+    "M_BUCKET",
+)
+_BWD_POINTERS = ("g_ptr", "u_ptr", "gu_ptr", "db_ptr")
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def aot_variants(arch: int) -> list:
+    """Every kernel specialization a GPU launch of this module can make on sm_<arch>, for
+    ``distllm.kernels.aot``: each forward tuning config the autotuner may pick there, for
+    each dtype (fp32 with and without TF32), with every epilogue flag on; every
+    combination of the epilogue flags (bias, pre-activation saved, erf or tanh) with one
+    config; the generic (unaligned) form; and the backward pass for each dtype and flag."""
+    from distllm.kernels.aot import SMEM_LIMIT, Variant
+
+    mod, out = __name__, []
+
+    def fwd(dt, tf32, cfg, flags, aligned):
+        bias, save, tanh = flags
+        ce = (
+            ("HAS_BIAS", bias),
+            ("SAVE_PRE", save),
+            ("APPROX_TANH", tanh),
+            ("ALLOW_TF32", tf32),
+            ("DOT_FP32", False),
+            *sorted(cfg.kwargs.items()),
+        )
+        return Variant(
+            mod,
+            "_fwd_kernel",
+            dt,
+            _FWD_POINTERS,
+            _FWD_INTS,
+            ce,
+            cfg.num_warps,
+            cfg.num_stages,
+            aligned=_FWD_ALIGNED if aligned else (),
+        )
+
+    all_on = (True, True, False)
+    for dt in _DTYPES:
+        configs = _prune(_fwd_configs(), _ELEM_BYTES[dt], SMEM_LIMIT[arch])
+        for tf32 in (False, True) if dt == "float32" else (False,):
+            out += [fwd(dt, tf32, c, all_on, True) for c in configs]
+            flags = [(b, s, t) for b in (0, 1) for s in (0, 1) for t in (0, 1)]
+            out += [
+                fwd(dt, tf32, configs[-1], tuple(map(bool, f)), True)
+                for f in flags
+                if tuple(map(bool, f)) != all_on
+            ]
+            out.append(fwd(dt, tf32, configs[-1], all_on, False))
+        for bias in (False, True):
+            for tanh in (False, True):
+                ce = (("HAS_BIAS", bias), ("APPROX_TANH", tanh), *sorted(_BWD_META.items()))
+                out.append(
+                    Variant(
+                        mod,
+                        "_bwd_kernel",
+                        dt,
+                        _BWD_POINTERS,
+                        ("M", "N"),
+                        ce,
+                        _BWD_LAUNCH["num_warps"],
+                        _BWD_LAUNCH["num_stages"],
+                        fp32_pointers=("db_ptr",),
+                        aligned=_BWD_POINTERS,
+                    )
+                )
+    return out
 
 
 def interpreting() -> bool:
@@ -245,10 +392,13 @@ def linear_gelu_fwd(
         weight.stride(1),
         y.stride(0),
         y.stride(1),
+        triton.next_power_of_2(M),
         HAS_BIAS=bias is not None,
         SAVE_PRE=save_pre,
         APPROX_TANH=approximate == "tanh",
-        ALLOW_TF32=bool(torch.backends.cuda.matmul.allow_tf32) and not _INTERPRET,
+        ALLOW_TF32=x.dtype == torch.float32
+        and bool(torch.backends.cuda.matmul.allow_tf32)
+        and not _INTERPRET,
         DOT_FP32=_INTERPRET and x.dtype == torch.bfloat16,
         **_FWD_META,
     )
@@ -281,6 +431,7 @@ def gelu_bwd_pass(
         APPROX_TANH=approximate == "tanh",
         BLOCK_M=bm,
         BLOCK_N=bn,
+        **({} if _INTERPRET else _BWD_LAUNCH),
     )
     db = parts.sum(0).to(pre.dtype) if has_bias else None
     return gu, db

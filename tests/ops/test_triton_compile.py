@@ -1,0 +1,92 @@
+"""Every Triton kernel compiles for sm_80 and sm_90, ahead of time and with no GPU.
+
+The interpreter the other CPU tests use accepts code the compiler refuses, so this test
+runs the compiler itself (``python -m distllm.kernels.aot``) in a subprocess without
+``TRITON_INTERPRET`` and with a fresh ``TRITON_CACHE_DIR``: a cached result from an earlier
+compile must not hide a failure. One run serves the tests below (about two minutes on two
+cores; the variants are listed by each kernel module's ``aot_variants``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def aot(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("aot")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp / "cache")
+    out = tmp / "aot.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "distllm.kernels.aot", "--arch", "80,90", "--json", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert out.exists(), f"the AOT run wrote nothing (rc={proc.returncode}):\n{proc.stderr[-3000:]}"
+    res = json.loads(out.read_text())
+    res["stdout"] = proc.stdout
+    res["returncode"] = proc.returncode
+    print(proc.stdout)
+    return res
+
+
+def _errors(res: dict, n: int = 3) -> str:
+    bad = [r for r in res["rows"] if not r["ok"]][:n]
+    return "\n\n".join(f"{r['label']} @ sm_{r['arch']}:\n{r['error']}" for r in bad)
+
+
+def test_every_variant_compiles_for_sm80_and_sm90(aot):
+    assert aot["rows"], "no variant was compiled: the kernel modules list none"
+    assert {r["arch"] for r in aot["rows"]} == {80, 90}
+    assert not aot["failed"], (
+        f"{len(aot['failed'])} of {len(aot['rows'])} Triton variants do not compile "
+        f"(triton {aot['triton']}); first errors:\n{_errors(aot)}"
+    )
+
+
+def test_every_kernel_is_covered(aot):
+    # A module-level @triton.jit `*_kernel` that no aot_variants() lists would reach a GPU
+    # uncompiled: list it in its module's aot_variants().
+    assert aot["uncovered"] == []
+
+
+def test_kept_configs_fit_the_targets_shared_memory(aot):
+    # aot_variants() lists only the configs the autotuner keeps on that arch (the same
+    # prune); the compiled size must then fit, or the estimate behind the prune is wrong.
+    over = [
+        f"{r['label']}@sm_{r['arch']}: {r['shared_bytes']} > {r['smem_limit_bytes']}"
+        for r in aot["rows"]
+        if r["ok"] and not r["fits"]
+    ]
+    assert over == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("arch", [80, 90])
+def test_each_dtype_has_forward_tuning_configs(aot, dtype, arch):
+    fwd = {
+        (r["num_warps"], r["num_stages"], tuple(sorted(r["constexprs"].items())))
+        for r in aot["rows"]
+        if r["kernel"] == "_fwd_kernel" and r["dtype"] == dtype and r["arch"] == arch
+    }
+    assert len(fwd) >= 2, f"only {len(fwd)} forward variants for {dtype} on sm_{arch}"
+
+
+def test_the_prune_keeps_what_the_measured_sizes_allow():
+    # The estimate is an upper bound of the compiled size (checked above); it must also not
+    # drop the whole list on any target.
+    from distllm.kernels import linear_gelu as k
+    from distllm.kernels.aot import SMEM_LIMIT
+
+    for dt, nbytes in k._ELEM_BYTES.items():
+        for arch, limit in SMEM_LIMIT.items():
+            kept = k._prune(k._fwd_configs(), nbytes, limit)
+            assert kept, f"no forward config left for {dt} on sm_{arch}"
