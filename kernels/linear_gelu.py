@@ -343,6 +343,30 @@ def aot_variants(arch: int) -> list:
     return out
 
 
+def interpreter_problem() -> str | None:
+    """Why this process's Triton interpreter cannot run the kernels, or None.
+
+    Triton 3.6's interpreter converts a loop bound with ``int()`` of a one-element array,
+    which numpy 2.4 refuses ("only 0-dimensional arrays can be converted to Python
+    scalars"); Triton 3.8's squeezes it first. The kernels are not at fault, and the
+    compiler (GPU) path is unaffected.
+    """
+    if not _INTERPRET:
+        return None
+    import numpy as np
+
+    def version(v: str) -> tuple[int, int]:
+        major, minor = v.split(".")[:2]
+        return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+    if version(triton.__version__) < (3, 8) and version(np.__version__) >= (2, 4):
+        return (
+            f"the Triton {triton.__version__} interpreter cannot run with numpy "
+            f"{np.__version__}: install numpy<2.4 (or triton>=3.8) to use TRITON_INTERPRET=1"
+        )
+    return None
+
+
 def interpreting() -> bool:
     """Whether Triton runs through its CPU interpreter in this process."""
     return _INTERPRET

@@ -3,7 +3,14 @@
 
 - ``cuda``: cuBLASLt epilogues from ``distllm._cuda`` (GELU_AUX_BIAS forward; backward: the
   GeLU-derivative kernel of ``bias_gelu_backward``, then the weight-gradient GEMM with the
-  BGRADB epilogue, which also yields the bias gradient). tanh GeLU only.
+  BGRADB epilogue, which also yields the bias gradient). tanh GeLU only. float32 operands use
+  TF32 when ``torch.backends.cuda.matmul.allow_tf32`` is set. When cuBLASLt offers no
+  algorithm for the inputs (the op raises ``NotImplementedError``), the call runs on the next
+  backend (triton, else reference) and says so once through ``logging.getLogger("distllm")``.
+  (cuBLASLt's DGELU_BGRAD epilogue, ``torch.ops.distllm.cublaslt_dgelu_bgrad``, fuses the
+  GeLU derivative into a GEMM that produces the incoming gradient, i.e. the data-gradient GEMM
+  of the layer that consumes y; this op's backward receives that gradient already computed,
+  so it has no GEMM to fuse it into.)
 - ``triton``: ``distllm.kernels.linear_gelu`` (GPU; on CPU only through TRITON_INTERPRET=1,
   explicitly, never picked by ``auto``).
 - ``cpu``: oneDNN through torch (``mkldnn._linear_pointwise``): with the GeLU post-op when the
@@ -15,11 +22,14 @@
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from distllm import _ext
+
+log = logging.getLogger("distllm")
 
 BACKENDS = ("cuda", "triton", "cpu", "reference")
 _GEMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -32,7 +42,8 @@ def _triton_module():
         from distllm.kernels import linear_gelu as k
     except Exception as exc:  # noqa: BLE001 - triton missing or broken: report why
         return None, f"triton import failed ({type(exc).__name__}: {exc})"
-    return k, "ok"
+    problem = k.interpreter_problem()
+    return (None, problem) if problem else (k, "ok")
 
 
 def _cuda_ext_status() -> tuple[bool, str]:
@@ -137,10 +148,10 @@ def why_not(backend: str, x: torch.Tensor, weight: torch.Tensor, approximate: st
 def fwd(backend: str, x, w, b, approximate: str, save_pre: bool):
     """(y, pre) for 2-D x (M, K), w (N, K); pre is empty((0,)) unless save_pre."""
     if backend == "cuda":
-        y, pre = torch.ops.distllm.cublaslt_linear_gelu(
-            _aligned(x), _aligned(w), None if b is None else _aligned(b), save_pre
-        )
-        return y, pre
+        try:
+            return _cublaslt_fwd(x, w, b, save_pre)
+        except ValueError as exc:  # cuBLASLt has no algorithm for these inputs
+            backend = _after_cuda(x, w, approximate, "forward", exc)
     if backend == "triton":
         k, _ = _triton_module()
         return k.linear_gelu_fwd(x, w, b, approximate, save_pre)
@@ -149,6 +160,41 @@ def fwd(backend: str, x, w, b, approximate: str, save_pre: bool):
     pre = F.linear(x, w, b)  # (M, K) @ (K, N) + b
     y = F.gelu(pre, approximate=approximate)
     return y, (pre if save_pre else pre.new_empty(0))
+
+
+def _cublaslt_fwd(x, w, b, save_pre: bool):
+    """(y, pre) through cuBLASLt's GELU(_AUX)(_BIAS) epilogue."""
+    b = None if b is None else _aligned(b)
+    return torch.ops.distllm.cublaslt_linear_gelu(_aligned(x), _aligned(w), b, save_pre, _tf32())
+
+
+def _cublaslt_wgrad(gu, x, has_bias: bool):
+    """(dw, db): the weight-gradient GEMM with the BGRADB epilogue."""
+    return torch.ops.distllm.cublaslt_wgrad_bgrad(gu, _aligned(x), has_bias, _tf32())
+
+
+def _tf32() -> bool:
+    """Whether float32 cuBLASLt GEMMs may use TF32 (torch's own matmul switch)."""
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+_fallback_warned: set[str] = set()
+
+
+def _after_cuda(x, w, approximate: str, phase: str, exc: Exception) -> str:
+    """The backend that runs when cuBLASLt has no algorithm (triton if it can serve these
+    inputs, else the reference; in backward, torch's GEMMs). Says so once per phase."""
+    nxt = "triton" if why_not("triton", x, w, approximate) is None else "reference"
+    instead = f"backend {nxt!r}" if phase == "forward" else "torch's GEMMs for dW and db"
+    if phase not in _fallback_warned:
+        _fallback_warned.add(phase)
+        log.warning(
+            "linear_gelu backend 'cuda' (%s): %s; using %s instead",
+            phase,
+            str(exc).splitlines()[0],
+            instead,
+        )
+    return nxt
 
 
 def _cpu_fwd(x, w, b, approximate, save_pre):
@@ -184,7 +230,10 @@ def bwd(
     elif backend == "cuda":
         gu = torch.ops.distllm.bias_gelu_backward(grad, pre, None, approximate)
         if need_dw:  # dW GEMM with the bias gradient in its BGRADB epilogue
-            dw, db = torch.ops.distllm.cublaslt_wgrad_bgrad(gu, _aligned(x), has_bias)
+            try:
+                dw, db = _cublaslt_wgrad(gu, x, has_bias)
+            except ValueError as exc:  # no algorithm: the plain GEMMs below
+                _after_cuda(x, w, approximate, "backward", exc)
     else:
         gu = torch.ops.aten.gelu_backward(grad, pre, approximate=approximate)
     if has_bias and (db is None or db.numel() == 0):
