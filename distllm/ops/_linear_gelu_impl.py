@@ -150,7 +150,7 @@ def fwd(backend: str, x, w, b, approximate: str, save_pre: bool):
     if backend == "cuda":
         try:
             return _cublaslt_fwd(x, w, b, save_pre)
-        except ValueError as exc:  # cuBLASLt has no algorithm for these inputs
+        except NotImplementedError as exc:  # cuBLASLt has no algorithm for these inputs
             backend = _after_cuda(x, w, approximate, "forward", exc)
     if backend == "triton":
         k, _ = _triton_module()
@@ -232,7 +232,7 @@ def bwd(
         if need_dw:  # dW GEMM with the bias gradient in its BGRADB epilogue
             try:
                 dw, db = _cublaslt_wgrad(gu, x, has_bias)
-            except ValueError as exc:  # no algorithm: the plain GEMMs below
+            except NotImplementedError as exc:  # no algorithm: the plain GEMMs below
                 _after_cuda(x, w, approximate, "backward", exc)
     else:
         gu = torch.ops.aten.gelu_backward(grad, pre, approximate=approximate)
