@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from distllm.comm.compat import all_gather_into, reduce_scatter_into
+from distllm.comm.connections import warn_max_connections
 
 __all__ = ["CommContext", "NullComm", "OverlapCounter", "OverlapStats", "chunk_bounds",
            "pipeline_bounds", "matmul_all_reduce", "allgather_matmul", "matmul_reduce_scatter",
@@ -224,6 +225,7 @@ class CommContext:
             if self.trace is not None and work is not None:
                 self._trace_done(work, op, t0)
             return _Handle(work=work)
+        warn_max_connections(out.device)  # once per process: Hopper wants it set to 1
         comm = self._stream(out.device)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(out.device))  # after the chunk's GEMM

@@ -87,17 +87,35 @@ def measure(
     """Fastest ms of each candidate over ``reps`` interleaved rounds after one warm-up round.
 
     The minimum, not the median: other work on the machine only ever adds time, so the
-    minimum is the better estimate of a candidate's own cost on a shared machine."""
+    minimum is the better estimate of a candidate's own cost on a shared machine.
+
+    A candidate that raises is dropped (and logged), so that one backend failing on these
+    inputs does not take ``auto`` down with it; if every candidate raises, RuntimeError."""
     names = list(candidates)
-    for n in names:
-        candidates[n]()
-    if sync is not None:
-        sync()
+    failed: dict[str, str] = {}
+
+    def attempt(n: str) -> float | None:
+        try:
+            return _time_ms(candidates[n], sync)
+        except Exception as exc:  # noqa: BLE001 - any failure disqualifies the candidate
+            failed[n] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            log.warning("autotune: candidate %r raised (%s); dropped", n, failed[n])
+            return None
+
+    for n in names:  # warm-up round
+        attempt(n)
     samples: dict[str, list[float]] = {n: [] for n in names}
     for i in range(reps):
         for n in names if i % 2 == 0 else names[::-1]:
-            samples[n].append(_time_ms(candidates[n], sync))
-    return {n: min(s) for n, s in samples.items()}
+            if n not in failed and (t := attempt(n)) is not None:
+                samples[n].append(t)
+    out = {n: min(s) for n, s in samples.items() if n not in failed and s}
+    if not out:
+        raise RuntimeError(
+            "autotune: every candidate raised: "
+            + "; ".join(f"{n}: {why}" for n, why in failed.items())
+        )
+    return out
 
 
 def lookup(key: str, device: torch.device) -> str | None:

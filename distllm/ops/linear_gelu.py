@@ -111,7 +111,16 @@ def linear_gelu(
     Differentiable in x, weight and bias. ``approximate`` as in ``F.gelu``. ``backend``:
     "auto" (measured per shape and device), "cuda", "triton", "cpu" or "reference"; an explicit
     backend that cannot serve the inputs raises ValueError naming those that can.
+
+    Under ``torch.autocast`` it follows ``F.linear``: floating operands other than float64 are
+    cast to the autocast dtype (gradients flow back to the original dtypes).
     """
+    device_type = _autocast_device(x)
+    if device_type is not None:
+        dtype = torch.get_autocast_dtype(device_type)
+        x, weight, bias = (_autocast_cast(t, device_type, dtype) for t in (x, weight, bias))
+        with torch.autocast(device_type, enabled=False):  # the backends see the cast dtypes
+            return linear_gelu(x, weight, bias, approximate=approximate, backend=backend)
     _check(x, weight, bias, approximate, backend)
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
@@ -126,6 +135,26 @@ def linear_gelu(
     x2 = x.reshape(math.prod(lead), x.shape[-1])  # (..., K) -> (M, K); a view if layout allows
     y, _ = torch.ops.distllm.linear_gelu_fwd(x2, weight, bias, approximate, backend, needs_grad)
     return y.reshape(*lead, weight.shape[0])
+
+
+def _autocast_device(x) -> str | None:
+    """The device type whose autocast is on for ``x``, else None."""
+    if not isinstance(x, torch.Tensor) or x.device.type not in ("cpu", "cuda"):
+        return None
+    return x.device.type if torch.is_autocast_enabled(x.device.type) else None
+
+
+def _autocast_cast(t, device_type: str, dtype: torch.dtype):
+    """Autocast's rule for a lower-precision op: floating tensors on the autocast device,
+    float64 excepted, go to ``dtype``; anything else is left as it is."""
+    if (
+        isinstance(t, torch.Tensor)
+        and t.is_floating_point()
+        and t.dtype != torch.float64
+        and t.device.type == device_type
+    ):
+        return t.to(dtype)
+    return t
 
 
 # ----------------------------------------------------------------------------- auto

@@ -149,6 +149,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     """Y = X @ W_r^T (+ b_r) with W_r = this rank's rows of W; see the module table."""
 
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, weight, bias, plan, sp):
         n, k = weight.shape  # (N/tp, K)
         x = x.contiguous()
@@ -163,6 +164,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, gy):
         x_full, w = ctx.saved_tensors
         n, k = w.shape
@@ -189,6 +191,7 @@ class _RowParallelMatmul(torch.autograd.Function):
     """Y = sum_r X_r @ W_r^T (+ b) with W_r = this rank's columns of W; see the module table."""
 
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, weight, bias, plan, sp):
         n, k = weight.shape  # (N, K/tp)
         x = x.contiguous()
@@ -204,6 +207,7 @@ class _RowParallelMatmul(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, gy):
         x, w = ctx.saved_tensors
         n, k = w.shape

@@ -85,11 +85,13 @@ class _CopyToTP(torch.autograd.Function):
     """f: forward identity, backward all-reduce."""
 
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, group):
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, g):
         return all_reduce_copy(g, ctx.group), None
 
@@ -98,10 +100,12 @@ class _ReduceFromTP(torch.autograd.Function):
     """g: forward all-reduce, backward identity."""
 
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, group):
         return all_reduce_copy(x, group)
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, g):
         return g, None
 
@@ -110,11 +114,13 @@ class _Split(torch.autograd.Function):
     """Forward: keep this rank's slice along ``dim``; backward: all-gather along ``dim``."""
 
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
         return split_dim(x, dim, group)
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, g):
         return all_gather_dim(g, ctx.dim, ctx.group), None, None
 
@@ -124,11 +130,13 @@ class _Gather(torch.autograd.Function):
     reduce-scatter (``reduce_grad=True``: the consumer's gradient is partial per rank)."""
 
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, dim, group, reduce_grad):
         ctx.dim, ctx.group, ctx.reduce_grad = dim, group, reduce_grad
         return all_gather_dim(x, dim, group)
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, g):
         if ctx.reduce_grad:
             return reduce_scatter_dim(g, ctx.dim, ctx.group), None, None, None
@@ -139,11 +147,13 @@ class _ReduceScatter(torch.autograd.Function):
     """Forward: reduce-scatter along ``dim``; backward: all-gather along ``dim``."""
 
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
         return reduce_scatter_dim(x, dim, group)
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, g):
         return all_gather_dim(g, ctx.dim, ctx.group), None, None
 
@@ -153,11 +163,13 @@ class _SyncGrad(torch.autograd.Function):
     parameters applied to a sequence shard (each rank sees a partial gradient)."""
 
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, p, group):
         ctx.group = group
         return p.view_as(p)
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, g):
         return all_reduce_copy(g, ctx.group), None
 
