@@ -65,8 +65,9 @@ def _timed(fn: Callable[[], object], cuda: bool) -> float:
 
 
 def _measure(run: Callable[[CommContext, int], object], comm: CommContext, rows: int,
-             cuda: bool, reps: int, extra: int) -> tuple[list[str], list[float]]:
+             device: torch.device, reps: int, extra: int) -> tuple[list[str], list[float]]:
     null = NullComm(comm)
+    cuda = device.type == "cuda"
     cands = sorted({c for c in (*CANDIDATES, extra) if 2 <= c <= rows})
     variants: dict[str, Callable[[], object]] = {
         "compute": lambda: run(null, 1),
@@ -82,18 +83,21 @@ def _measure(run: Callable[[CommContext, int], object], comm: CommContext, rows:
             t = _timed(variants[n], cuda)
             if i:
                 samples[n].append(t)
-    best = torch.tensor([min(samples[n]) for n in names], dtype=torch.float64)
+    # on the group's device (NCCL takes CUDA tensors only); read back once per measurement
+    best = torch.tensor([min(samples[n]) for n in names], dtype=torch.float64, device=device)
     dist.all_reduce(best, op=dist.ReduceOp.MAX, group=comm.group)
     return names, best.tolist()
 
 
 def choose(key: tuple, run: Callable[[CommContext, int], object], comm: CommContext, rows: int,
-           cuda: bool, what: str, chunks_hint: int = 4, reps: int = 5,
+           device: torch.device, what: str, chunks_hint: int = 4, reps: int = 5,
            margin: float = 0.03) -> Choice:
     """The cached :class:`Choice` for ``key``; measured on first use.
 
     ``run(comm, chunks)`` runs the schedule once (``chunks=0``: sequential); ``rows`` bounds
-    the chunk counts tried; ``what`` names the layer in the log line.
+    the chunk counts tried; ``device`` is where the layer's tensors live (the timings are
+    reduced over the group there; CUDA is synchronised around each timed run); ``what``
+    names the layer in the log line.
     """
     full_key = (comm.backend, comm.ranks, *key)
     if full_key in _CACHE:
@@ -101,7 +105,7 @@ def choose(key: tuple, run: Callable[[CommContext, int], object], comm: CommCont
     if comm.world == 1:
         ch = Choice(0, 0.0, 0.0, 0.0, "tp=1: nothing to communicate")
     else:
-        names, med = _measure(run, comm, rows, cuda, reps, chunks_hint)
+        names, med = _measure(run, comm, rows, device, reps, chunks_hint)
         t = dict(zip(names, med, strict=True))
         chunked = {n: v for n, v in t.items() if n not in ("compute", "sequential")}
         best = min(chunked, key=chunked.get) if chunked else None

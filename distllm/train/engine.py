@@ -1,23 +1,28 @@
 """Assembly of one rank's share of the training job: its GPT layers (TP inside), the pipeline
 executor (PP), the data-parallel wrapper or ZeRO optimizer (DP), and AdamW.
 
-``Engine.train_step(tokens, targets)`` runs the forward and backward of one global batch's
-share of this rank (all micro-batches) and leaves DP-synchronised gradients;
-``Engine.step(lr, max_norm)`` clips by the global norm (over TP, PP and DP) and steps.
+``Engine.forward_backward(tokens, targets)`` (or ``train_step``, which reads the loss back)
+runs the forward and backward of one global batch's share of this rank (all micro-batches)
+and leaves DP-synchronised gradients; ``Engine.update(max_norm, loss)`` (or ``step``) clips
+by the global norm (over TP, PP and DP) and steps.
+Every tensor that meets a collective lives on the mesh's device, and a step reads the device
+from the host once (the loss, the gradient norm and the inf/NaN flag together).
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from distllm.models.gpt import GPT, GPTConfig
 from distllm.parallel.mesh import ParallelDims
 from distllm.train.config import TrainConfig
 
-__all__ = ["Engine", "DTYPE", "stage_layer_ids"]
+__all__ = ["Engine", "DTYPE", "StepMetrics", "stage_layer_ids"]
 
 DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -57,6 +62,15 @@ def _decay_groups(params: list[tuple[str, nn.Parameter]], weight_decay: float) -
     no_decay = [p for n, p in params if not decays(n, p)]
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """What :meth:`Engine.update` read back from the device (its one host sync)."""
+
+    loss: float  # the global loss (Engine.global_loss); nan when update() was given none
+    grad_norm: float  # before clipping
+    skipped: bool  # a gradient was inf/NaN: the optimizer did not step (ZeRO)
 
 
 class Engine:
@@ -142,19 +156,26 @@ class Engine:
     # --- one step ------------------------------------------------------------------------
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward + backward of this rank's rows of the global batch; returns the mean loss
-        over them on the last stage (0.0 elsewhere)."""
+        over them on the last stage (0.0 elsewhere). Reading it is a host sync: a training
+        loop calls :meth:`forward_backward` and :meth:`update`, which read once per step."""
+        return float(self.forward_backward(tokens, targets))
+
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """:meth:`train_step` with the loss left on the device: a float64 scalar (no host
+        sync; pass it to :meth:`update`)."""
         tokens, targets = tokens.to(self.device), targets.to(self.device)
         if self.pipeline is not None:
-            return self.pipeline.train_step(tokens, targets, self._loss)
+            return self.pipeline.train_step_tensor(tokens, targets, self._loss)
         m = self.cfg.parallel.micro_batches
         model = self.chunks[0]
-        total = 0.0
+        total: torch.Tensor | None = None
         for k, (tok, tgt) in enumerate(zip(tokens.chunk(m), targets.chunk(m), strict=True)):
             ctx = self.grad_sync.no_sync() if k < m - 1 else contextlib.nullcontext()
             with ctx:
                 loss = model.loss(self._forward(model, tok), tgt)
                 (loss / m).backward()
-            total += float(loss.detach())
+            part = loss.detach().to(torch.float64)
+            total = part if total is None else total + part
         self.grad_sync.finish_grad_sync()
         return total / m
 
@@ -164,19 +185,47 @@ class Engine:
     def _forward(self, model: GPT, tok: torch.Tensor) -> torch.Tensor:
         return self.ddp(tok) if self.ddp is not None else model(tok)
 
+    def global_loss(self, local: torch.Tensor | float) -> torch.Tensor:
+        """The step's loss, the same on every rank, as a float64 scalar on the device: the
+        last stage's TP-rank-0 values of ``local`` (this rank's loss) averaged over DP.
+        Collective: one all-reduce over the world group (world size > 1)."""
+        d = self.dims
+        mine = torch.as_tensor(local, dtype=torch.float64, device=self.device).reshape(1).clone()
+        if not (d.is_last_stage and d.tp_rank == 0):
+            mine = torch.zeros_like(mine)
+        if d.world_size > 1:
+            dist.all_reduce(mine, group=d.world_group)
+        return mine[0] / d.dp
+
     def step(self, max_norm: float) -> float:
-        """Clip by the global gradient norm, step AdamW, zero the gradients; returns the
-        norm before clipping."""
+        """:meth:`update` without a loss; returns the gradient norm before clipping."""
+        return self.update(max_norm).grad_norm
+
+    def update(self, max_norm: float, loss: torch.Tensor | None = None) -> StepMetrics:
+        """Clip by the global gradient norm (``max_norm <= 0``: no clipping), step AdamW
+        (ZeRO: unless a gradient is inf/NaN on some rank), zero the gradients.
+
+        ``loss``: this rank's :meth:`forward_backward` loss, reduced by :meth:`global_loss`.
+        The norm, the loss and the inf/NaN flag are read back together: the step's one host
+        sync. Collectives: the norm's all-reduce, ZeRO's inf/NaN all-reduce, the loss's.
+        """
+        max_norm = max_norm if max_norm > 0 else float("inf")
+        norm = (self.zero if self.zero is not None else self.ddp).clip_grad_norm_(max_norm)
+        vals = {"grad_norm": norm.to(torch.float64)}
+        if loss is not None:
+            vals["loss"] = self.global_loss(loss)
         if self.zero is not None:
-            norm = self.zero.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"))
-        else:
-            norm = self.ddp.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"))
-        self.optimizer.step()
+            vals["found_inf"] = self.zero.found_inf().to(torch.float64)
+        read = dict(zip(vals, torch.stack(list(vals.values())).tolist(), strict=True))
+        skipped = bool(read.get("found_inf", 0.0))
         if self.zero is not None:
+            self.zero.step(found_inf=skipped)
             self.zero.zero_grad()
         else:
+            self.optimizer.step()
             self.ddp.zero_grad(set_to_none=False)
-        return float(norm)
+        return StepMetrics(loss=read.get("loss", float("nan")), grad_norm=read["grad_norm"],
+                           skipped=skipped)
 
     # --- evaluation ----------------------------------------------------------------------
     @torch.no_grad()

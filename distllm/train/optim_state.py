@@ -6,6 +6,11 @@ is the fp32 master under mixed precision). :func:`install` does the reverse. Bot
 whether the optimizer is ``torch.optim.AdamW`` behind DDP or a
 :class:`distllm.parallel.ZeroOptimizer` (whose ``state_dict`` already holds full tensors
 keyed ``master.<name>`` / ``state.<name>.<key>``).
+
+Loaded tensors arrive on the CPU (``torch.distributed.checkpoint`` reads into CPU
+targets); :func:`install` puts weights and moments on the device of the parameters (or
+ZeRO masters) they belong to, and the optimizer step count on the CPU, where
+``torch.optim.AdamW`` keeps it.
 """
 
 from __future__ import annotations
@@ -56,18 +61,19 @@ def install(engine, local: dict[nn.Parameter, dict[str, torch.Tensor]], step: in
         sd = engine.zero.state_dict()  # the template: every key, right dtypes
         for p, d in local.items():
             n = names[p]
-            sd["master"][n] = d["weight"].to(sd["master"][n].dtype).reshape(sd["master"][n].shape)
+            like = sd["master"][n]  # full, on the masters' device
+            put = dict(device=like.device, dtype=like.dtype)
+            sd["master"][n] = d["weight"].to(**put).reshape(like.shape)
             if any(k in d for k in MOMENTS):
-                dt = sd["master"][n].dtype
-                sd["state"][n] = {"step": torch.tensor(float(step)),
-                                  **{k: d[k].to(dt).reshape(sd["master"][n].shape)
+                sd["state"][n] = {"step": torch.tensor(float(step)),  # on CPU, as AdamW keeps it
+                                  **{k: d[k].to(**put).reshape(like.shape)
                                      for k in MOMENTS if k in d}}
         engine.zero.load_state_dict(sd)
         return
     opt = engine.optimizer
     for p, d in local.items():
         p.copy_(d["weight"].reshape(p.shape))
-        if any(k in d for k in MOMENTS):
+        if any(k in d for k in MOMENTS):  # moments beside the parameter, step on CPU
             opt.state[p] = {"step": torch.tensor(float(step)),
-                            **{k: d[k].to(p.dtype).reshape(p.shape).clone()
+                            **{k: d[k].to(device=p.device, dtype=p.dtype).reshape(p.shape).clone()
                                for k in MOMENTS if k in d}}

@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from distllm.parallel.mesh import ParallelDims
 from distllm.train.config import TrainConfig, check_layout
@@ -38,7 +37,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def peak_flops(dtype: torch.dtype, device: torch.device) -> tuple[float, str]:
     """Peak FLOP/s of one rank's device for MFU: the datasheet's dense figure on known GPUs,
-    else a measured GEMM rate (a CPU's practical peak); returns ``(flops, how)``."""
+    else a GEMM rate measured on ``device`` (a practical peak); returns ``(flops, how)``."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         # dense TFLOP/s from the datasheets (SXM): (bf16, tf32, fp32, fp64)
@@ -51,15 +50,21 @@ def peak_flops(dtype: torch.dtype, device: torch.device) -> tuple[float, str]:
                 else:
                     val = fp64 if dtype == torch.float64 else bf16
                 return val * 1e12, f"{name} datasheet"
-    n = 512
-    a = torch.randn(n, n, dtype=dtype if dtype != torch.bfloat16 else torch.float32)
+    cuda = device.type == "cuda"
+    n = 4096 if cuda else 512
+    a = torch.randn(n, n, device=device,
+                    dtype=dtype if cuda or dtype != torch.bfloat16 else torch.float32)
     a @ a
     dt = float("inf")
     for _ in range(5):  # the best of 5: a loaded machine only slows some of them
+        if cuda:
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         a @ a
+        if cuda:
+            torch.cuda.synchronize(device)
         dt = min(dt, time.perf_counter() - t0)
-    return 2 * n**3 / max(dt, 1e-9), f"best of 5 measured {n}^3 GEMMs"
+    return 2 * n**3 / max(dt, 1e-9), f"best of 5 measured {n}^3 GEMMs on {device}"
 
 
 @dataclass
@@ -100,15 +105,6 @@ class _Progress:
             self.bar.stop()
 
 
-def _global_loss(loss: float, dims: ParallelDims) -> float:
-    """The step's loss on every rank: the last stage's TP-rank-0 values averaged over DP."""
-    mine = loss if (dims.is_last_stage and dims.tp_rank == 0) else 0.0
-    t = torch.tensor([mine], dtype=torch.float64, device=dims.device)
-    if dims.world_size > 1:
-        dist.all_reduce(t)
-    return float(t) / dims.dp
-
-
 def _log(msg: str, dims: ParallelDims) -> None:
     if dims.rank == 0:
         print(msg, file=sys.stderr, flush=True)
@@ -130,7 +126,7 @@ def _validate(engine, corpus, cfg: TrainConfig, seq: int, dims: ParallelDims) ->
     total = 0.0
     for _ in range(n):
         tok, tgt = loader.next()
-        total += _global_loss(engine.eval_loss(tok, tgt), dims)
+        total += float(engine.global_loss(engine.eval_loss(tok, tgt)))
     engine.train(True)
     return total / max(n, 1)
 
@@ -169,9 +165,9 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
             engine.set_lr(lr)
             tok, tgt = loader.next()
             t0 = time.perf_counter()
-            local = engine.train_step(tok, tgt)
-            norm = engine.step(cfg.optim.grad_clip)
-            loss = _global_loss(local, dims)
+            # the step's one host sync reads the loss, the norm and the inf/NaN flag together
+            out = engine.update(cfg.optim.grad_clip, loss=engine.forward_backward(tok, tgt))
+            loss, norm = out.loss, out.grad_norm
             dt = time.perf_counter() - t0
             result.losses.append(loss)
             tps = tokens_per_step / dt

@@ -40,19 +40,25 @@ def global_norm(pieces: Iterable[tuple[Tensor, bool]], *, dims, norm_type: float
     """Global norm of gradient ``pieces`` = ``(tensor, tp_sharded)`` held by this rank.
 
     Collective: one all-reduce over ``dims.model_parallel_group`` (or the world group
-    when ``dp_sharded``); returns a float64 scalar tensor, the same on every rank.
+    when ``dp_sharded``); returns a float64 scalar tensor on the gradients' device (the
+    mesh's device when this rank holds none), the same on every rank. No host sync.
     """
     norm_type = _check_norm_type(norm_type)
     count_replicated = dims is None or dims.tp_rank == 0
-    acc = torch.zeros((), dtype=torch.float64)
+    acc: Tensor | None = None
     for g, tp_sharded in pieces:
         if g.numel() == 0 or not (tp_sharded or count_replicated):
             continue
         g = g.detach()
         if norm_type == 2.0:
-            acc += torch.linalg.vector_norm(g, dtype=torch.float64).square()
+            part = torch.linalg.vector_norm(g, dtype=torch.float64).square()
+            acc = part if acc is None else acc + part
         else:
-            acc = torch.maximum(acc, g.abs().max().to(torch.float64))
+            part = g.abs().max().to(torch.float64)
+            acc = part if acc is None else torch.maximum(acc, part)
+    if acc is None:  # nothing here; the collective still needs this rank's zero
+        acc = torch.zeros((), dtype=torch.float64,
+                          device=dims.device if dims is not None else None)
     if dims is not None:
         group = dims.world_group if dp_sharded else dims.model_parallel_group
         if dist.get_world_size(group) > 1:
@@ -64,7 +70,8 @@ def global_norm(pieces: Iterable[tuple[Tensor, bool]], *, dims, norm_type: float
 def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, *, dims,
                     norm_type: float = 2.0) -> Tensor:
     """Clip the (DP-synchronised, full) gradients of ``parameters`` in place so that the
-    global norm over TP and PP is at most ``max_norm``; returns the norm before clipping.
+    global norm over TP and PP is at most ``max_norm``; returns the norm before clipping
+    (a float64 scalar on the gradients' device; no host sync).
 
     Use it with :class:`~distllm.parallel.DistributedDataParallel` (after backward) or with
     plain replicated data parallelism; for ZeRO use ``ZeroOptimizer.clip_grad_norm_``.
@@ -73,15 +80,24 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, *, dims,
     params = [p for p in parameters if p.grad is not None]
     norm = global_norm(((p.grad, is_tp_sharded(p)) for p in params), dims=dims,
                        norm_type=norm_type)
-    clip_by(norm, max_norm, (p.grad for p in params))
+    clip_by(norm, max_norm, [p.grad for p in params])
     return norm
 
 
 def clip_by(norm: Tensor, max_norm: float, grads: Iterable[Tensor]) -> None:
-    """Scale ``grads`` by ``min(1, max_norm / (norm + 1e-6))`` (torch's formula)."""
-    if not torch.isfinite(norm):
+    """Scale ``grads`` by ``min(1, max_norm / (norm + 1e-6))`` (torch's formula), on the
+    device: no host sync. A non-finite ``norm`` scales by 1 (the gradients stay as they
+    are, and the optimizer's inf/NaN check decides whether the step happens); so does
+    ``max_norm = inf`` (nothing to clip; nothing is launched)."""
+    max_norm = float(max_norm)
+    if max_norm == float("inf"):
         return
-    coef = float(max_norm) / (float(norm) + 1e-6)
-    if coef < 1.0:
-        for g in grads:
-            g.mul_(coef)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.dtype, g.device), []).append(g)
+    for (dtype, device), gs in groups.items():
+        # the coefficient in the dtype the multiply computes in (fp32 for half gradients)
+        op_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        torch._foreach_mul_(gs, coef.to(device=device, dtype=op_dtype))

@@ -271,24 +271,35 @@ class ZeroOptimizer:
         """``loss * loss_scale`` (call ``.backward()`` on it)."""
         return loss * self.loss_scale if self.loss_scale != 1.0 else loss
 
-    def _found_inf(self) -> bool:
-        flag = torch.zeros((), dtype=torch.float32)
-        for m in self.masters:
-            if m.grad is not None and not torch.isfinite(m.grad).all():
-                flag.fill_(1.0)
-                break
+    @torch.no_grad()
+    def found_inf(self) -> Tensor:
+        """1.0 if a gradient of any rank holds inf/NaN, else 0.0: a float32 scalar on the
+        parameters' device, the same on every rank (the gradient sync is finished first).
+        Collective: one all-reduce (MAX) over the world group; no host sync."""
+        self._prepare_grads()
+        grads = [m.grad for m in self.masters if m.grad is not None and m.grad.numel()]
+        if grads:
+            finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+            flag = (~finite).to(torch.float32)
+        else:
+            dev = self.masters[0].device if self.masters else self.dims.device
+            flag = torch.zeros((), dtype=torch.float32, device=dev)
         if dist.get_world_size(self.dims.world_group) > 1:  # every rank skips together
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dims.world_group)
-        return bool(flag.item())
+        return flag
 
     @torch.no_grad()
-    def step(self, closure=None) -> bool:
+    def step(self, closure=None, *, found_inf: bool | None = None) -> bool:
         """Finish the gradient sync, step the shards, and bring the parameters up to date.
-        Returns False (and counts it in ``skipped_steps``) if a gradient was inf/NaN."""
+        Returns False (and counts it in ``skipped_steps``) if a gradient was inf/NaN.
+
+        ``found_inf``: the value of :meth:`found_inf` when the caller has read it back
+        already (e.g. with the loss, in its one host sync of the step); by default it is
+        computed and read here (one host sync)."""
         if closure is not None:
             raise ValueError("closure is not supported: compute the loss before step()")
         self._prepare_grads()
-        skip = self._found_inf()
+        skip = bool(self.found_inf().item()) if found_inf is None else bool(found_inf)
         self._prepared = False
         if self.dynamic:
             self._update_scale(skip)

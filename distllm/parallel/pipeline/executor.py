@@ -162,7 +162,15 @@ class PipelineParallel(nn.Module):
         (call ``zero_grad`` between steps). The loss is this data-parallel replica's; average
         it over ``dims.dp_group`` for logging if wanted. Collectives: P2P between stages, one
         broadcast of the loss over ``dims.pp_group``, plus whatever ``grad_sync`` does.
+        Reading the loss is one host sync; :meth:`train_step_tensor` leaves it on the device.
         """
+        return float(self.train_step_tensor(batch, targets, loss_fn))
+
+    def train_step_tensor(self, batch: torch.Tensor | None, targets: torch.Tensor | None,
+                          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                          ) -> torch.Tensor:
+        """:meth:`train_step` with the loss left on the device (a float64 scalar on
+        ``dims.device``): no host sync, so a training loop reads it with its other metrics."""
         return self._step(self.schedule, batch, targets, loss_fn, train=True)
 
     @torch.no_grad()
@@ -173,23 +181,21 @@ class PipelineParallel(nn.Module):
         any batch shape and ``micro_batches`` (each activation carries its shape)."""
         m = micro_batches or self.micro_batches
         sched = forward_only_schedule(self.pp, m, self.v)
-        return self._step(sched, batch, targets, loss_fn, train=False)
+        return float(self._step(sched, batch, targets, loss_fn, train=False))
 
-    def _step(self, sched: Schedule, batch, targets, loss_fn, train: bool) -> float:
+    def _step(self, sched: Schedule, batch, targets, loss_fn, train: bool) -> torch.Tensor:
         m = sched.micro_batches
         if self.is_first and batch is None or self.is_last and targets is None:
             raise ValueError("the first stage needs the batch and the last stage the targets")
         mbs = split_micro_batches(batch, m, "the batch") if self.is_first else None
         tgts = split_micro_batches(targets, m, "the targets") if self.is_last else None
         run = _StepRun(self, sched, mbs, tgts, loss_fn, train)
-        loss = run.execute()
+        loss = run.execute()  # (1,) float64 on the device; 0 off the last stage
         if train and self.grad_sync is not None:
             self.grad_sync.finish_grad_sync()
-        t = torch.tensor([loss if self.is_last else 0.0], dtype=torch.float64,
-                         device=self.dims.device)
         if self.pp > 1:
-            dist.broadcast(t, src=self.pp_ranks[-1], group=self.dims.pp_group)
-        return float(t.item())
+            dist.broadcast(loss, src=self.pp_ranks[-1], group=self.dims.pp_group)
+        return loss[0]
 
 
 class _StepRun:
@@ -213,7 +219,9 @@ class _StepRun:
         if pp.track_memory:
             self.param_ptrs = {q.untyped_storage().data_ptr() for q in pp.parameters()}
 
-    def execute(self) -> float:
+    def execute(self) -> torch.Tensor:
+        """Run this rank's actions; the mean loss over the micro-batches, ``(1,)`` float64 on
+        the device (zero off the last stage), not read back."""
         comm = self.comm
         self.stats.t_start = time.perf_counter()
         for a in self.sched.actions[self.rank]:
@@ -228,8 +236,8 @@ class _StepRun:
         self.stats.t_end = time.perf_counter()
         self.pp.last_stats = self.stats
         if not self.losses:
-            return 0.0
-        return float(torch.stack(self.losses).sum() / self.sched.micro_batches)
+            return torch.zeros(1, dtype=torch.float64, device=self.pp.dims.device)
+        return (torch.stack(self.losses).sum() / self.sched.micro_batches).reshape(1)
 
     def _peer(self, a: Action) -> tuple[tuple, int]:
         key, peer_pp_rank = message_of(a, self.rank, self.p)

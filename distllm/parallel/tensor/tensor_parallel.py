@@ -124,7 +124,7 @@ class OverlapPlan:
                    n_out, str(a.dtype), a.device.type)
             choice = autotune.choose(
                 key, lambda c, ch: run_engine(kind, a, mm, n_out, c, ch, then), comm, rows,
-                a.is_cuda, f"{self.name} {direction}", chunks_hint=self.chunks)
+                a.device, f"{self.name} {direction}", chunks_hint=self.chunks)
             chunks, est, reason = choice.chunks, choice.comm_ms, choice.reason
         comm.wait_ms = 0.0
         out = run_engine(kind, a, mm, n_out, comm, chunks, then)
