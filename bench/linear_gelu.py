@@ -8,10 +8,12 @@ Cases are (phase, M x K x N, dtype); phases:
 - ``fwd+bwd``: one training step of the layer.
 
 Variants: ``unfused`` (``F.gelu(F.linear(x, w, b))`` eager), ``fused-auto`` (the measured
-choice), ``fused-<backend>`` for each backend (an unavailable one is a row with its reason),
-the ``peer`` (CPU: oneDNN's linear with GeLU post-op, ``torch.ops.mkldnn._linear_pointwise``;
-CUDA: ``torch._addmm_activation(..., use_gelu=True)``, forward only: neither has a backward),
-``gemm-only`` (the bare GEMM with bias, a lower bound on time) and, on CPU, the candidate
+choice), ``fused-<backend>`` for each backend of the device (CPU: ``cpu``; CUDA: ``cuda`` and
+``triton``; one that cannot serve the case is a row with its reason), the ``peer`` (CPU:
+oneDNN's linear with GeLU post-op, ``torch.ops.mkldnn._linear_pointwise``; CUDA:
+``torch._addmm_activation(..., use_gelu=True)``, forward only: neither has a backward),
+``gemm-only`` (the bare GEMM with bias, a lower bound on time), on CUDA ``gemm-nobias``
+(``F.linear`` without bias: the bare cuBLAS GEMM) and, on CPU, the candidate
 ``cpu-rowblocked`` (the GEMM in row blocks of 256, each block's bias+GeLU applied right after
 its GEMM while it is in cache), which lost to oneDNN and is kept for the record.
 
@@ -39,7 +41,8 @@ _PRESETS = {
     ("cuda", True): [(2048, 1024, 4096), (8192, 4096, 16384)],
     ("cuda", False): [(2048, 1024, 4096), (8192, 4096, 16384), (4096, 8192, 28672)],
 }
-_BACKENDS = ("cuda", "triton", "cpu")
+# The fused backends that run on each device (Triton on CPU is its interpreter: a test tool).
+_DEVICE_BACKENDS = {"cpu": ("cpu",), "cuda": ("cuda", "triton")}
 
 
 def _shapes(cfg: BenchConfig) -> list[tuple[int, int, int]]:
@@ -81,10 +84,11 @@ def _row_blocked(x, w, b, approximate, block=256):
 def _variants(phase: str, x, w, b, approximate: str, device: str):
     """name -> (callable, role) | (None, reason) for one phase."""
     from distllm.ops import backends, linear_gelu
+    from distllm.ops._linear_gelu_impl import why_not
 
     avail = backends()
     xg, wg, bg = (t.detach().clone().requires_grad_(phase != "fwd") for t in (x, w, b))
-    grad = torch.randn(x.shape[0], w.shape[0], device=device, dtype=x.dtype)
+    grad = torch.randn(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
     out: dict[str, tuple] = {}
 
     def unfused():
@@ -97,16 +101,12 @@ def _variants(phase: str, x, w, b, approximate: str, device: str):
         "unfused": (unfused, "unfused"),
         "fused-auto": (fused("auto"), "fused"),
     }
-    for be in _BACKENDS:
-        if not avail[be].startswith("ok") or (be == "triton" and device == "cpu"):
-            fwds[f"fused-{be}"] = (
-                None,
-                avail[be]
-                if not avail[be].startswith("ok")
-                else "Triton runs only through the interpreter on CPU",
-            )
+    for be in _DEVICE_BACKENDS[device]:  # a backend for another device is no variant here
+        if not avail[be].startswith("ok"):
+            fwds[f"fused-{be}"] = (None, avail[be])
             continue
-        fwds[f"fused-{be}"] = (fused(be), "fused")
+        why = why_not(be, x, w, approximate)  # e.g. cuBLASLt's GeLU is the tanh form only
+        fwds[f"fused-{be}"] = (None, why) if why else (fused(be), "fused")
     if phase == "fwd":
         out.update(fwds)
         out.update(_peers(x, w, b, approximate, device))
@@ -126,6 +126,8 @@ def _variants(phase: str, x, w, b, approximate: str, device: str):
 
 def _peers(x, w, b, approximate, device):
     out: dict[str, tuple] = {"gemm-only": (lambda: F.linear(x, w, b), "part")}
+    if device == "cuda":  # the bare cuBLAS GEMM: the floor of any fused epilogue
+        out["gemm-nobias"] = (lambda: F.linear(x, w), "part")
     if device == "cpu":
         lp = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
         if lp is None or x.dtype not in (torch.float32, torch.bfloat16):

@@ -21,8 +21,8 @@ import pytest  # noqa: E402
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    if torch.cuda.is_available():
-        return
+    if torch.cuda.is_available() or config.getoption("collectonly"):
+        return  # listing the gpu tests (--collect-only) needs no GPU
     gpu = [it for it in items if it.get_closest_marker("gpu")]
     if gpu and "not gpu" not in (config.getoption("-m") or ""):
         raise pytest.UsageError(

@@ -38,7 +38,9 @@ class FusedLinearGeLU(nn.Module):
     ``nn.GELU(approximate)``, with the same parameter names and shapes as ``nn.Linear``.
 
     ``backend`` is passed to :func:`distllm.ops.linear_gelu` ("auto" picks the fastest
-    measured backend per shape and device).
+    measured backend per shape and device). Under ``torch.autocast`` it behaves as
+    ``nn.Linear``: the input and parameters are cast to the autocast dtype (float64 is left
+    alone) and the gradients reach the parameters in their own dtype.
     """
 
     def __init__(

@@ -104,8 +104,10 @@ def test_measure_drops_a_raising_candidate(caplog):
     with caplog.at_level(logging.WARNING, logger="distllm"):
         times = _autotune.measure({"bad": boom, "ok": ok}, None, reps=3)
     assert set(times) == {"ok"} and calls["ok"] == 4  # warm-up + 3 timed
-    assert any("'bad' raised" in r.getMessage() and "shared memory" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "'bad' raised" in r.getMessage() and "shared memory" in r.getMessage()
+        for r in caplog.records
+    )
     _autotune.clear()
     assert _autotune.choose("fallback-test|1", torch.device("cpu"), {"bad": boom, "ok": ok}) == "ok"
     with pytest.raises(RuntimeError, match=r"every candidate raised: bad: RuntimeError"):
@@ -130,7 +132,6 @@ def test_auto_drops_a_backend_that_raises(monkeypatch):
     assert chosen in (["cpu"], ["reference"]), chosen
     xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
     F.gelu(F.linear(xs, ws, bs), approximate="tanh").sum().backward()
-    torch.testing.assert_close(y, F.gelu(F.linear(x, w, b), approximate="tanh"), rtol=0,
-                               atol=1e-12)
+    torch.testing.assert_close(y, F.gelu(F.linear(x, w, b), approximate="tanh"), rtol=0, atol=1e-12)
     for got, want in ((xr.grad, xs.grad), (wr.grad, ws.grad), (br.grad, bs.grad)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

@@ -1,0 +1,316 @@
+"""The GPU benchmark of ``bench/gpu_check.sh``: three measurements on one CUDA GPU, each
+timed with CUDA events over interleaved repetitions (median, p10..p90), in one process.
+
+1. ``linear_gelu``: y = gelu_tanh(x W^T + b) in bfloat16 at (M, K, N) = (8192, 4096, 16384)
+   and (4096, 4096, 4096), forward without autograd: ``fused-cuda`` (cuBLASLt epilogue),
+   ``fused-triton``, ``unfused`` (F.linear then F.gelu), ``peer-addmm-activation``
+   (``torch._addmm_activation(b, x, W^T, use_gelu=True)``, PyTorch's own fused epilogue) and
+   ``gemm-nobias`` (F.linear without bias: the bare cuBLAS GEMM, the floor). TFLOP/s count
+   2*M*K*N per call; ``speedup_vs_unfused`` is the ratio of medians in this run.
+2. ``chunk_penalty``: one (8192, 8192) @ (8192, 8192) GEMM against the same product as 4
+   row-chunk GEMMs (what an overlap engine with 4 chunks runs instead of one GEMM).
+3. ``two_streams``: a GEMM on one stream beside an elementwise kernel (a stand-in for a
+   communication kernel) on a second stream, issued in either order: the fraction of the
+   shorter one hidden (1 = fully concurrent, 0 = serialised). Measured in two child
+   processes, with and without ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (which must be set before
+   CUDA starts).
+
+Run: ``python -m distllm.bench.gpu_bench --out results.json`` (``--quick``: fewer
+repetitions). Rows are :func:`distllm.bench.harness.row` dicts; a variant that fails is a
+row with ``status="error"`` and its reason, never a crash of the whole run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from distllm.bench.harness import interleaved, machine_info, markdown_table, row
+
+SUITE = "gpu"
+LINEAR_SHAPES = [(8192, 4096, 16384), (4096, 4096, 4096)]
+CHUNK_N, CHUNKS = 8192, 4
+Timer = Callable[[Callable[[], object]], float]
+
+
+def cuda_event_timer(fn: Callable[[], object]) -> float:
+    """ms of GPU time of ``fn``'s work on the current stream, between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def _usable(variants: dict[str, Callable[[], object]]) -> tuple[dict, dict[str, str]]:
+    """Run each variant once: ``(those that ran, {name: error} of those that raised)``."""
+    ok, failed = {}, {}
+    for name, fn in variants.items():
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - one failing variant must not end the run
+            failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        else:
+            ok[name] = fn
+    return ok, failed
+
+
+def _timed_rows(
+    case: str,
+    variants: dict,
+    timer: Timer,
+    reps: int,
+    warmup: int,
+    flops: float,
+    base: str,
+    **common,
+) -> list[dict]:
+    live, failed = _usable(variants)
+    st = interleaved(live, warmup=warmup, reps=reps, timer=timer) if live else {}
+    out = [row(SUITE, case, n, status="error", reason=why, **common) for n, why in failed.items()]
+    for name, s in st.items():
+        sp = st[base].median_ms / s.median_ms if base in st else None
+        out.append(
+            row(SUITE, case, name, s, flops=flops, speedup_vs_unfused=sp, spread=s.spread, **common)
+        )
+    return out
+
+
+def linear_gelu_variants(x, w, b) -> dict[str, Callable[[], object]]:
+    """The variants of measurement 1 on ``x`` (M, K), ``w`` (N, K), ``b`` (N,)."""
+    from distllm.ops import linear_gelu
+
+    wt = w.t()
+    return {
+        "unfused": lambda: F.gelu(F.linear(x, w, b), approximate="tanh"),
+        "fused-cuda": lambda: linear_gelu(x, w, b, approximate="tanh", backend="cuda"),
+        "fused-triton": lambda: linear_gelu(x, w, b, approximate="tanh", backend="triton"),
+        "peer-addmm-activation": lambda: torch._addmm_activation(b, x, wt, use_gelu=True),
+        "gemm-nobias": lambda: F.linear(x, w),
+    }
+
+
+def bench_linear_gelu(
+    shapes, dtype: torch.dtype, device: str, timer: Timer, reps: int, warmup: int = 3
+) -> list[dict]:
+    rows = []
+    for M, K, N in shapes:
+        g = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(M, K, device=device, dtype=dtype, generator=g)
+        w = torch.randn(N, K, device=device, dtype=dtype, generator=g) * K**-0.5
+        b = torch.randn(N, device=device, dtype=dtype, generator=g) * 0.1
+        case = f"linear_gelu fwd {M}x{K}x{N} {str(dtype).removeprefix('torch.')}"
+        with torch.no_grad():
+            rows += _timed_rows(
+                case,
+                linear_gelu_variants(x, w, b),
+                timer,
+                reps,
+                warmup,
+                2.0 * M * K * N,
+                "unfused",
+                shape=f"{M}x{K}x{N}",
+                dtype=str(dtype).removeprefix("torch."),
+                device=device,
+            )
+        del x, w, b
+    return rows
+
+
+def bench_chunk_penalty(
+    n: int, chunks: int, dtype: torch.dtype, device: str, timer: Timer, reps: int, warmup: int = 3
+) -> list[dict]:
+    """One (n, n) @ (n, n) GEMM against ``chunks`` row-chunk GEMMs of the same product."""
+    from distllm.comm.overlap import chunk_bounds
+
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    bm = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    c = torch.empty(n, n, device=device, dtype=dtype)
+
+    def chunked():
+        for s, e in chunk_bounds(n, chunks):
+            torch.mm(a[s:e], bm, out=c[s:e])  # (n/chunks, n) @ (n, n)
+
+    variants = {"one-gemm": lambda: torch.mm(a, bm, out=c), f"{chunks}-chunk-gemms": chunked}
+    rows = _timed_rows(
+        f"chunk penalty {n}^3 {str(dtype).removeprefix('torch.')}",
+        variants,
+        timer,
+        reps,
+        warmup,
+        2.0 * n**3,
+        "one-gemm",
+        device=device,
+        shape=f"{n}x{n}x{n}",
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    for r in rows:  # "speedup" of the chunked form below 1 is the penalty
+        r["role"] = "part"
+    return rows
+
+
+def overlap_fraction(t_a: float, t_b: float, t_both: float) -> float:
+    """Fraction of the shorter of two kernels hidden when both run at once:
+    (t_a + t_b - t_both) / min(t_a, t_b), clipped to [0, 1]."""
+    shorter = min(t_a, t_b)
+    if shorter <= 0:
+        return 0.0
+    return max(0.0, min(1.0, (t_a + t_b - t_both) / shorter))
+
+
+def two_streams(n: int = 8192, elems: int = 1 << 29, reps: int = 10) -> dict[str, float]:
+    """GEMM (n^3, bf16) on stream 1 beside an elementwise kernel over ``elems`` bf16 values on
+    stream 2: medians of each alone and of both, in both issue orders (ms), and the hidden
+    fractions. Runs in the calling process, whose CUDA_DEVICE_MAX_CONNECTIONS is fixed."""
+    import statistics
+
+    dev = torch.device("cuda")
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    bm = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    c = torch.empty(n, n, device=dev, dtype=torch.bfloat16)
+    src = torch.randn(elems, device=dev, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    s_gemm, s_elem = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def gemm():
+        with torch.cuda.stream(s_gemm):
+            torch.mm(a, bm, out=c)
+
+    def elem():
+        with torch.cuda.stream(s_elem):
+            torch.add(src, 1.0, out=dst)
+
+    def timed(*fns) -> float:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for s in (s_gemm, s_elem):
+            s.wait_event(start)
+        for fn in fns:
+            fn()
+        for s in (s_gemm, s_elem):
+            torch.cuda.current_stream().wait_stream(s)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    cases = {
+        "gemm": (gemm,),
+        "elementwise": (elem,),
+        "gemm_then_elementwise": (gemm, elem),
+        "elementwise_then_gemm": (elem, gemm),
+    }
+    samples: dict[str, list[float]] = {k: [] for k in cases}
+    for i in range(reps + 2):  # two warm-up rounds
+        for k in list(cases) if i % 2 else list(cases)[::-1]:
+            t = timed(*cases[k])
+            if i >= 2:
+                samples[k].append(t)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    for order in ("gemm_then_elementwise", "elementwise_then_gemm"):
+        med[f"hidden_{order}"] = overlap_fraction(med["gemm"], med["elementwise"], med[order])
+    return med
+
+
+def two_streams_rows(reps: int, python: str = sys.executable) -> list[dict]:
+    """``two_streams`` in two child processes: CUDA_DEVICE_MAX_CONNECTIONS unset and 1."""
+    rows = []
+    for value in (None, "1"):
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+        if value is not None:
+            env["CUDA_DEVICE_MAX_CONNECTIONS"] = value
+        label = f"CUDA_DEVICE_MAX_CONNECTIONS={value or 'unset'}"
+        cmd = [python, "-m", "distllm.bench.gpu_bench", "--two-streams-child", str(reps)]
+        try:
+            p = subprocess.run(
+                cmd, env=env, capture_output=True, text=True, timeout=120, check=False
+            )
+            res = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else None
+            why = "" if res else (p.stderr.strip().splitlines() or ["no output"])[-1]
+        except (subprocess.SubprocessError, ValueError, IndexError) as exc:
+            res, why = None, f"{type(exc).__name__}: {exc}"
+        if res is None:
+            rows.append(row(SUITE, f"two streams, {label}", "-", status="error", reason=why))
+            continue
+        for k, v in res.items():
+            rows.append(
+                row(
+                    SUITE,
+                    f"two streams, {label}",
+                    k,
+                    status="ok",
+                    **({"hidden_frac": v} if k.startswith("hidden_") else {"ms": v}),
+                )
+            )
+    return rows
+
+
+def run_all(
+    quick: bool = False,
+    timer: Timer = cuda_event_timer,
+    device: str = "cuda",
+    linear_shapes=None,
+    chunk_n: int = CHUNK_N,
+    streams: bool = True,
+) -> list[dict]:
+    reps = 10 if quick else 30
+    rows = bench_linear_gelu(linear_shapes or LINEAR_SHAPES, torch.bfloat16, device, timer, reps)
+    rows += bench_chunk_penalty(chunk_n, CHUNKS, torch.bfloat16, device, timer, reps)
+    if streams:
+        rows += two_streams_rows(reps)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m distllm.bench.gpu_bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--out", type=Path, help="write the rows and the machine here (JSON)")
+    ap.add_argument("--quick", action="store_true", help="10 repetitions instead of 30")
+    ap.add_argument("--two-streams-child", type=int, metavar="REPS", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_bench: no CUDA device is visible to torch", file=sys.stderr)
+        return 2
+    if args.two_streams_child:
+        print(json.dumps(two_streams(reps=args.two_streams_child)))
+        return 0
+    rows = run_all(quick=args.quick)
+    print(
+        markdown_table(
+            rows,
+            [
+                "case",
+                "variant",
+                "ms",
+                "ms_p10",
+                "ms_p90",
+                "tflops",
+                "speedup_vs_unfused",
+                "hidden_frac",
+                "status",
+                "reason",
+            ],
+        )
+    )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(
+            json.dumps({"machine": machine_info(), "rows": rows}, indent=1, default=str)
+        )
+    return 1 if any(r["status"] == "error" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""The GPU benchmark's parts that run without a GPU: its arithmetic (TFLOP/s, ratios, the
+hidden fraction of two streams) on CPU tensors with a fake timer, one error row per failing
+variant, the refusal without CUDA; and bench/linear_gelu.py offering only the fused
+backends of the device it runs on (no ``fused-cpu`` on CUDA)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from distllm.bench import gpu_bench
+from distllm.bench import linear_gelu as lg_bench
+
+from distllm.ops import _linear_gelu_impl as impl
+
+
+def _fake_timer(ms: dict[str, float], calls: list[str]):
+    """A timer that runs ``fn`` and reports the time scripted for it (looked up by the
+    variant name the benchmark bound it to)."""
+    names = {}
+
+    def timer(fn):
+        fn()
+        name = names.get(fn)
+        calls.append(name)
+        return ms.get(name, 1.0)
+
+    return timer, names
+
+
+def test_linear_gelu_rows_math_with_a_fake_timer(monkeypatch):
+    scripted = {"unfused": 4.0, "peer-addmm-activation": 2.0, "gemm-nobias": 1.0}
+    calls: list[str] = []
+    timer, names = _fake_timer(scripted, calls)
+    real = gpu_bench.linear_gelu_variants
+
+    def named(x, w, b):
+        vs = real(x, w, b)
+        names.update({fn: n for n, fn in vs.items()})
+        return vs
+
+    monkeypatch.setattr(gpu_bench, "linear_gelu_variants", named)
+    M, K, N = 7, 16, 24
+    rows = gpu_bench.bench_linear_gelu([(M, K, N)], torch.float32, "cpu", timer, reps=5, warmup=2)
+    by = {r["variant"]: r for r in rows}
+    # fused-cuda cannot run on CPU tensors: an error row with the reason, not a crash
+    assert by["fused-cuda"]["status"] == "error" and "backend='cuda'" in by["fused-cuda"]["reason"]
+    for name, ms in scripted.items():
+        r = by[name]
+        assert r["status"] == "ok" and r["reps"] == 5
+        assert r["ms"] == r["ms_p10"] == r["ms_p90"] == ms
+        assert r["tflops"] == pytest.approx(2 * M * K * N / (ms * 1e-3) / 1e12)
+        assert r["speedup_vs_unfused"] == pytest.approx(4.0 / ms)
+    assert calls.count("unfused") == 2 + 5  # warm-up rounds, then the timed repetitions
+
+
+def test_chunk_penalty_rows_and_result():
+    ms = iter(itertools.cycle([2.0, 3.0]))  # one-gemm, chunked alternate (A B, B A, ...)
+
+    def timer(fn):
+        fn()
+        return next(ms)
+
+    rows = gpu_bench.bench_chunk_penalty(16, 4, torch.float32, "cpu", timer, reps=4, warmup=1)
+    assert {r["variant"] for r in rows} == {"one-gemm", "4-chunk-gemms"}
+    assert all(r["status"] == "ok" and r["tflops"] > 0 for r in rows)
+    # the chunked GEMMs compute the same product as the one GEMM
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(16, 16, generator=g), torch.randn(16, 16, generator=g)
+    c = torch.empty(16, 16)
+    from distllm.comm.overlap import chunk_bounds
+
+    for s, e in chunk_bounds(16, 4):
+        torch.mm(a[s:e], b, out=c[s:e])
+    torch.testing.assert_close(c, a @ b)
+
+
+@pytest.mark.parametrize(
+    "t_a,t_b,t_both,want",
+    [
+        (1.0, 1.0, 1.0, 1.0),  # fully concurrent
+        (1.0, 1.0, 2.0, 0.0),  # serialised
+        (2.0, 1.0, 2.5, 0.5),  # half of the shorter hidden
+        (1.0, 1.0, 0.5, 1.0),  # faster than either alone (noise): clipped
+        (1.0, 1.0, 3.0, 0.0),  # slower than both in a row (noise): clipped
+        (0.0, 1.0, 1.0, 0.0),
+    ],
+)
+def test_overlap_fraction(t_a, t_b, t_both, want):
+    assert gpu_bench.overlap_fraction(t_a, t_b, t_both) == pytest.approx(want)
+
+
+def test_main_refuses_without_cuda(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_bench.main([]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def _ok_everywhere(monkeypatch):
+    monkeypatch.setattr(
+        impl,
+        "availability",
+        lambda: {b: "ok: test" for b in ("cuda", "triton", "cpu", "reference")},
+    )
+    real = impl.why_not
+
+    def why_not(backend, x, w, approximate):
+        if backend == "cuda":  # as on a GPU: cuBLASLt's GeLU is the tanh form
+            return None if approximate == "tanh" else "tanh only"
+        return None if backend == "triton" else real(backend, x, w, approximate)
+
+    monkeypatch.setattr(impl, "why_not", why_not)
+
+
+def test_linear_gelu_bench_offers_only_the_devices_backends(monkeypatch):
+    _ok_everywhere(monkeypatch)
+    x, w, b = torch.randn(4, 8), torch.randn(16, 8), torch.randn(16)
+    on_cuda = lg_bench._variants("fwd", x, w, b, "tanh", "cuda")
+    assert "fused-cpu" not in on_cuda and "cpu-rowblocked" not in on_cuda
+    assert {"fused-cuda", "fused-triton", "gemm-nobias", "peer-addmm-activation"} <= set(on_cuda)
+    assert on_cuda["fused-cuda"][0] is not None and on_cuda["fused-triton"][0] is not None
+    erf = lg_bench._variants("fwd", x, w, b, "none", "cuda")
+    assert erf["fused-cuda"] == (None, "tanh only")  # a row with its reason, not a failure
+    on_cpu = lg_bench._variants("fwd_train", x, w, b, "none", "cpu")
+    assert not {"fused-cuda", "fused-triton", "gemm-nobias"} & set(on_cpu)
+    assert on_cpu["fused-cpu"][0] is not None

@@ -1,0 +1,230 @@
+"""linear_gelu on CUDA tensors, every backend that serves them (``cuda`` = cuBLASLt epilogues,
+``triton``, ``reference``, and ``auto``; ``cpu`` is refused for CUDA tensors), against a
+float64 reference with per-dtype tolerances: odd sizes (1, 7, 123, 769), 3-D and
+non-contiguous inputs, inference and training; the cuBLASLt ops on pointers aligned to
+16 bytes only, TF32 on and off, the fallback when cuBLASLt has no algorithm, and the
+Triton tuning switch the GPU check sets (DISTLLM_TRITON_TUNE=min)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distllm import _ext
+from distllm.ops import _autotune, linear_gelu, linear_gelu_reference
+from distllm.ops import _linear_gelu_impl as impl
+
+pytestmark = pytest.mark.gpu
+
+# Relative tolerance per dtype, as a fraction of the reference's largest magnitude:
+TOL = {
+    torch.float32: 2e-5,  # fp32 accumulation (TF32 off) over K <= 1000 + erf/tanh ulps
+    torch.float16: 4e-3,  # y, the saved pre-activation and dL/du are each rounded (2^-11)
+    torch.bfloat16: 3e-2,  # the same roundings with an 8-bit mantissa (2^-8 = 3.9e-3 each)
+}
+TF32_TOL = 5e-3  # inputs rounded to a 10-bit mantissa (2^-11) before an fp32-accumulated dot
+# cuBLASLt needs in/out features that are multiples of 8; the other backends take any size
+ALIGNED = [(1, 768, 1024), (7, 1000, 512), (123, 256, 776), (769, 512, 1024)]
+ODD = [(1, 769, 123), (7, 123, 769), (123, 769, 7), (769, 7, 123)]
+
+
+@pytest.fixture(autouse=True)
+def _fp32_is_fp32():
+    assert torch.cuda.is_available(), "needs CUDA (run through bench/gpu_check.sh)"
+    assert _ext.load("_cuda") is not None, _ext.status("_cuda")  # the cuBLASLt ops
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _data(M, K, N, dtype, bias=True, lead=(), noncontig=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, M, K, generator=g, dtype=torch.float64)
+    w = torch.randn(N, K, generator=g, dtype=torch.float64) * K**-0.5
+    b = torch.randn(N, generator=g, dtype=torch.float64) * 0.5 if bias else None
+    x, w = x.to(dtype).cuda(), w.to(dtype).cuda()
+    if noncontig:  # column-major x (last two dims) and weight: transposed views
+        x = x.transpose(-1, -2).contiguous().transpose(-1, -2)
+        w = w.t().contiguous().t()
+    return x, w, (b.to(dtype).cuda() if bias else None)
+
+
+def _err(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert got.shape == want.shape, (got.shape, want.shape)
+    if want.numel() == 0:
+        return 0.0
+    scale = max(want.abs().max().item(), 1e-3)
+    return (got.double() - want).abs().max().item() / scale
+
+
+def _errors(backend, x, w, b, approximate, grads=True) -> dict[str, float]:
+    """Relative max errors of y (and dx, dw, db) against float64 autograd."""
+    leaves = [None if t is None else t.detach().clone().requires_grad_(grads) for t in (x, w, b)]
+    refs = [None if t is None else t.detach().double().requires_grad_(grads) for t in (x, w, b)]
+    y = linear_gelu(*leaves, approximate=approximate, backend=backend)
+    ref = linear_gelu_reference(*refs, approximate=approximate)
+    assert y.is_cuda and y.dtype == x.dtype
+    errs = {"y": _err(y, ref)}
+    if grads:
+        g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        y.backward(g.to(y.dtype).cuda())
+        ref.backward(g.cuda())
+        for name, got, want in zip(("dx", "dw", "db"), leaves, refs, strict=True):
+            if got is not None:
+                errs[name] = _err(got.grad, want.grad)
+    return errs
+
+
+def _cases(backend):
+    """Every (approximate, bias) combination on the first shape, then one per shape in turn
+    (each new combination is a Triton compile; the GPU check has minutes, not hours)."""
+    shapes = ALIGNED if backend == "cuda" else ALIGNED + ODD
+    combos = [("tanh", True), ("tanh", False)]
+    if backend != "cuda":  # cuBLASLt's GeLU epilogue is the tanh form
+        combos += [("none", True), ("none", False)]
+    first = [(shapes[0], a, b) for a, b in combos]
+    return first + [(s, *combos[i % len(combos)]) for i, s in enumerate(shapes[1:])]
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton", "reference", "auto"])
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_backends_match_float64(backend, dtype):
+    bad = {}
+    for (M, K, N), approximate, bias in _cases(backend):
+        errs = _errors(backend, *_data(M, K, N, dtype, bias), approximate)
+        if max(errs.values()) > TOL[dtype]:
+            bad[(M, K, N, approximate, bias)] = errs
+    assert not bad, f"tolerance {TOL[dtype]}: {bad}"
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton", "reference", "auto"])
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_3d_noncontiguous_training_and_inference(backend, dtype):
+    x, w, b = _data(33, 96, 80, dtype, lead=(3,), noncontig=True)
+    assert not x.is_contiguous() and not w.is_contiguous()
+    for approximate in ("tanh",) if backend == "cuda" else ("tanh", "none"):
+        errs = _errors(backend, x, w, b, approximate)
+        with torch.no_grad():  # no saved pre-activation: GELU_BIAS epilogue on cuBLASLt
+            errs.update(
+                {
+                    f"{k} (no grad)": v
+                    for k, v in _errors(backend, x, w, b, approximate, grads=False).items()
+                }
+            )
+        assert max(errs.values()) <= TOL[dtype], errs
+
+
+def test_cpu_backend_refuses_cuda_tensors():
+    x, w, b = _data(7, 64, 32, torch.float32)
+    with pytest.raises(ValueError, match=r"backend='cpu' cannot run here.*cuda, triton"):
+        linear_gelu(x, w, b, approximate="tanh", backend="cpu")
+    with pytest.raises(ValueError, match="tanh"):
+        linear_gelu(x, w, b, approximate="none", backend="cuda")
+
+
+def test_auto_never_picks_cpu_on_cuda():
+    _autotune.clear()
+    x, w, b = _data(123, 256, 776, torch.bfloat16)
+    errs = _errors("auto", x, w, b, "tanh")
+    assert max(errs.values()) <= TOL[torch.bfloat16], errs
+    chosen = {k: v for k, v in _autotune.cached().items() if "(123, 256)x(776, 256)" in k}
+    assert chosen and set(chosen.values()) <= {"cuda", "triton", "reference"}, chosen
+
+
+def _offset(t: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """A copy of ``t`` whose data starts ``nbytes`` past a 256-byte-aligned allocation."""
+    n = nbytes // t.element_size()
+    buf = torch.empty(t.numel() + n, dtype=t.dtype, device=t.device)
+    out = buf[n:].view(t.shape)
+    out.copy_(t)
+    assert out.data_ptr() % 256 == nbytes % 256
+    return out
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_cublaslt_ops_on_16_byte_aligned_pointers(dtype):
+    # the dispatch guarantees 16 bytes; cuBLASLt assumes 256 unless told the real alignment
+    x, w, b = _data(123, 256, 776, dtype)
+    x16, w16, b16 = (_offset(t, 16) for t in (x, w, b))
+    y, pre = torch.ops.distllm.cublaslt_linear_gelu(x16, w16, b16, True)
+    pre_ref = F.linear(x.double(), w.double(), b.double())
+    assert _err(pre, pre_ref) <= TOL[dtype]
+    assert _err(y, F.gelu(pre_ref, approximate="tanh")) <= TOL[dtype]
+    gu = torch.randn_like(pre)
+    dw, db = torch.ops.distllm.cublaslt_wgrad_bgrad(_offset(gu, 16), x16, True)
+    assert _err(dw, gu.double().t() @ x.double()) <= TOL[dtype]
+    assert _err(db, gu.double().sum(0)) <= TOL[dtype]
+
+
+def test_cublaslt_two_byte_aligned_is_correct_or_refused():
+    # 2-byte alignment: cuBLASLt either has a kernel for it (the result must be right) or
+    # none (a NotImplementedError that names the alignments), never a wrong answer
+    x, w, b = _data(64, 256, 512, torch.bfloat16)
+    x2 = _offset(x, 2)
+    want = F.gelu(F.linear(x.double(), w.double(), b.double()), approximate="tanh")
+    try:
+        y, _ = torch.ops.distllm.cublaslt_linear_gelu(x2, w, b, False)
+    except NotImplementedError as exc:
+        assert "no algorithm" in str(exc) and "alignments" in str(exc)
+    else:
+        assert _err(y, want) <= TOL[torch.bfloat16]
+    # the public op always answers (its dispatch realigns, or falls back)
+    y = linear_gelu(x2, w, b, approximate="tanh", backend="cuda")
+    assert _err(y, want) <= TOL[torch.bfloat16]
+
+
+def test_tf32_flag_reaches_cublaslt():
+    x, w, b = _data(512, 1024, 1024, torch.float32)
+    want = F.gelu(F.linear(x.double(), w.double(), b.double()), approximate="tanh")
+    errs = {}
+    for tf32 in (False, True):
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        y, _ = impl.fwd("cuda", x, w, b, "tanh", False)
+        errs[tf32] = _err(y, want)
+    assert errs[False] <= TOL[torch.float32], errs
+    # TF32 rounds the inputs to 10 mantissa bits: visibly coarser than fp32, still close
+    assert 10 * errs[False] < errs[True] <= TF32_TOL, errs
+
+
+def test_cuda_backend_falls_back_when_cublaslt_has_no_algorithm(monkeypatch, caplog):
+    def no_algorithm(*args):
+        raise NotImplementedError("cuBLASLt found no algorithm for epilogue (test)")
+
+    monkeypatch.setattr(impl, "_cublaslt_fwd", no_algorithm)
+    monkeypatch.setattr(impl, "_cublaslt_wgrad", no_algorithm)
+    monkeypatch.setattr(impl, "_fallback_warned", set())
+    x, w, b = _data(123, 256, 776, torch.float32)
+    with caplog.at_level(logging.WARNING, logger="distllm"):
+        for _ in range(2):
+            errs = _errors("cuda", x, w, b, "tanh")
+            assert max(errs.values()) <= TOL[torch.float32], errs
+    warned = [r.getMessage() for r in caplog.records if "no algorithm" in r.getMessage()]
+    assert len(warned) == 2, warned  # once for the forward, once for the backward
+    assert "instead" in warned[0]
+
+
+def test_dgelu_bgrad_op_matches_float64():
+    g = torch.Generator().manual_seed(0)
+    dy, w2, pre = (
+        torch.randn(s, generator=g, dtype=torch.float64) for s in ((123, 32), (32, 776), (123, 776))
+    )
+    dpre, db = torch.ops.distllm.cublaslt_dgelu_bgrad(*(t.float().cuda() for t in (dy, w2, pre)))
+    pd = pre.clone().requires_grad_()
+    F.gelu(pd, approximate="tanh").backward(dy @ w2)
+    assert _err(dpre.cpu(), pd.grad) <= TOL[torch.float32]
+    assert _err(db.cpu(), pd.grad.sum(0)) <= TOL[torch.float32]
+
+
+def test_triton_tuning_switch():
+    from distllm.kernels import linear_gelu as k
+
+    n = len(k._fwd.configs)
+    if os.environ.get("DISTLLM_TRITON_TUNE") == "min":
+        assert n == 1
+    else:
+        assert n == len(k._fwd_configs()) > 1
