@@ -24,6 +24,9 @@ Targets (from the design issue) are checked per row in ``extra.targets``: gpipe/
 bubble within 0.03 (sleep) / 0.05 (compute) of ``(p-1)/(m+p-1)`` at m >= 8; interleaved
 <= 0.6x and zb-h1 <= 0.5x the 1f1b bubble (sleep), zb-h1 peak activations <= 1f1b's;
 1f1b peak <= p; simulator within 10% of the measured step. ``1f1b`` is the baseline role.
+Each row says what its stages were (``extra.stage``; ``extra.synthetic`` for sleeps), and the
+report's verdict names it: a schedule that wins on sleeping stages has a smaller bubble, which
+is not the same as a faster step on real compute (zb-h1's split backward costs time there).
 
 Run: ``distllm bench --suite pipeline [--quick]`` or ``python -m distllm.bench.pipeline``.
 """
@@ -40,6 +43,9 @@ from torch import nn
 
 SUITE = "pipeline"
 SCHEDS = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))
+# what each kind of case runs on, named in its verdict; sleep stages are synthetic: their
+# verdicts measure the schedules' bubbles and recommend nothing
+STAGES = {"sleep": "fixed-duration (sleep) stages", "compute": "real compute (MLP blocks)"}
 
 
 class _Sleep(torch.autograd.Function):
@@ -189,7 +195,8 @@ def _case_rows(kind: str, p: int, m: int, per_rank: list[dict], lat: float) -> l
             peak_act=[d["peak_act"] for d in reps[-1]],
             op_ms={k: [round(x * 1e3, 3) for x in med[k]] for k in med},
             overhead_ms=[round(x * 1e3, 3) for x in ovh],
-            p2p_latency_ms=round(lat * 1e3, 4), virtual_stages=v))
+            p2p_latency_ms=round(lat * 1e3, 4), virtual_stages=v, stage=STAGES[kind],
+            synthetic=kind == "sleep"))
     base = bubbles.get("1f1b")
     for r in rows:
         if base:

@@ -148,7 +148,7 @@ def plot_timeline(rows: list[dict], suite: str, out_dir: Path) -> Path | None:
     for ax, r in zip(axes[:, 0], tl, strict=True):
         _draw_lanes(ax, r["extra"]["timeline"])
         hid = r.get("hidden_frac")
-        hid_s = f", {100 * hid:.0f}% of comm hidden" if isinstance(hid, int | float) else ""
+        hid_s = f", hid {100 * hid:.0f}% of the hideable" if isinstance(hid, int | float) else ""
         ax.set_title(f"{r['variant']} ({r.get('case')}){hid_s}", fontsize=9)
     axes[-1, 0].set_xlabel("ms from the start of the step")
     fig.suptitle(f"{suite}: one step, compute and communication", fontsize=10)

@@ -13,6 +13,13 @@ sets it, else guessed from its name (:func:`role_of`):
 
 Speed-ups are ratios of medians measured in the same run (``unfused.ms / variant.ms``).
 A win counts only when the p10..p90 bands do not overlap.
+
+A ``hidden_frac`` above its ceiling (``extra.hidden_ceiling``, else 1: nothing hides more
+than all of what could hide) is impossible, so the measurement is wrong: :func:`annotate`
+sets ``extra.above_ceiling`` on every row with a hidden share, and the tables mark such a
+figure with ``⚠`` and a note. A case whose rows say what they were measured on
+(``extra.stage``) names it in its verdict; on a synthetic stage (``extra.synthetic``, e.g.
+fixed-duration sleeps) the verdict reports the ratio and recommends nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +33,11 @@ from typing import Any
 from distllm.bench.harness import _fmt
 
 __all__ = ["role_of", "annotate", "verdict", "suite_table", "write_report", "by_case",
-           "speedup_band", "not_measured", "summary_table"]
+           "speedup_band", "not_measured", "summary_table", "above_ceiling"]
+
+CEILING_MARK = "⚠"
+CEILING_NOTE = (f"{CEILING_MARK}: hidden above its ceiling (100% of what could hide), which "
+                "no overlap can do: the measurement of that row is wrong, not the overlap.")
 
 _IDEAL = ("ideal",)
 _PART = ("_only", "_alone", "alone", "part:")
@@ -83,14 +94,28 @@ def speedup_band(base: dict, r: dict) -> tuple[float, float, float]:
     return b10 / r90, base["ms"] / r["ms"], b90 / r10
 
 
+def above_ceiling(r: dict) -> bool | None:
+    """Whether ``r``'s hidden share exceeds its ceiling (None: the row has no hidden share)."""
+    hid = r.get("hidden_frac")
+    if not isinstance(hid, int | float):
+        return None
+    extra = r.get("extra") if isinstance(r.get("extra"), dict) else {}
+    ceiling = extra.get("hidden_ceiling")
+    return hid > (ceiling if isinstance(ceiling, int | float) else 1.0)
+
+
 def annotate(rows: list[dict]) -> list[dict]:
-    """Fill ``speedup_vs_unfused`` (if the module did not), ``extra.role`` and
-    ``extra.speedup_vs_peer`` in place, per case; returns ``rows``."""
+    """Fill ``speedup_vs_unfused`` (if the module did not), ``extra.role``,
+    ``extra.speedup_vs_peer`` and ``extra.above_ceiling`` in place, per case; returns
+    ``rows``."""
     for case_rows in by_case(rows).values():
         base, peer = _best(case_rows, "unfused"), _best(case_rows, "peer")
         for r in case_rows:
             extra = r["extra"] if isinstance(r.get("extra"), dict) else {}
             extra["role"] = role_of(r)
+            over = above_ceiling(r)
+            if over is not None:
+                extra["above_ceiling"] = over
             if _ok(r) and peer is not None and r is not peer:
                 extra["speedup_vs_peer"] = peer["ms"] / r["ms"]
             r["extra"] = extra
@@ -110,8 +135,28 @@ def _auto_note(rows: list[dict], base: dict | None) -> str:
     return f"; auto runs at {mid:.2f}x of {b}"
 
 
+def _stage(rows: list[dict]) -> tuple[str, bool]:
+    """What a case was measured on (``extra.stage``) and whether that is synthetic."""
+    for r in rows:
+        extra = r.get("extra") if isinstance(r.get("extra"), dict) else {}
+        if extra.get("stage"):
+            return str(extra["stage"]), bool(extra.get("synthetic"))
+    return "", False
+
+
 def verdict(rows: list[dict]) -> str:
-    """One line for one case: who wins, by how much, and whether it is beyond the spread."""
+    """One line for one case: who wins, by how much, and whether it is beyond the spread;
+    prefixed with what it was measured on when the rows say, and with no advice when that
+    is synthetic."""
+    line = _verdict(rows)
+    stage, synthetic = _stage(rows)
+    if synthetic:
+        line = line.split(" — ")[0] + (" — measured on synthetic stages: not a "
+                                       "recommendation (real compute decides)")
+    return f"on {stage}: {line}" if stage else line
+
+
+def _verdict(rows: list[dict]) -> str:
     bad = [r for r in rows if r.get("status") != "ok"]
     fused, base = _best(rows, "fused"), _best(rows, "unfused")
     if base is None:
@@ -150,7 +195,6 @@ _COLS = ["case", "variant", "role", "ms", "p10..p90", "TFLOP/s", "GB/s", "hidden
 def _cells(r: dict) -> list[str]:
     extra = r.get("extra") if isinstance(r.get("extra"), dict) else {}
     band = f"{_fmt(r.get('ms_p10'))}..{_fmt(r.get('ms_p90'))}" if r.get("ms_p10") else ""
-    hid = r.get("hidden_frac")
     status = r.get("status") or ""
     if status != "ok":
         status = _why(r)[:160]
@@ -158,10 +202,20 @@ def _cells(r: dict) -> list[str]:
     sp = None if part else r.get("speedup_vs_unfused")
     spp = None if part else extra.get("speedup_vs_peer")
     return [str(r.get("case")), str(r.get("variant")), role_of(r), _fmt(r.get("ms")), band,
-            _fmt(r.get("tflops")), _fmt(r.get("gbps")),
-            f"{100 * hid:.0f}%" if isinstance(hid, int | float) else "",
+            _fmt(r.get("tflops")), _fmt(r.get("gbps")), _hidden_cell(r),
             _fmt(r.get("peak_mem_mb")), f"{sp:.2f}x" if sp else "",
             f"{spp:.2f}x" if spp else "", status.replace("|", "/").replace("\n", " ")]
+
+
+def _hidden_cell(r: dict) -> str:
+    hid = r.get("hidden_frac")
+    if not isinstance(hid, int | float):
+        return ""
+    return f"{100 * hid:.0f}%" + (f" {CEILING_MARK}" if above_ceiling(r) else "")
+
+
+def _ceiling_note(rows: Iterable[dict]) -> list[str]:
+    return ["", CEILING_NOTE] if any(above_ceiling(r) for r in rows) else []
 
 
 def _why(r: dict) -> str:
@@ -190,6 +244,7 @@ def suite_table(rows: list[dict]) -> str:
     if ok:
         lines += ["| " + " | ".join(_COLS) + " |", "|" + "---|" * len(_COLS)]
         lines += ["| " + " | ".join(_cells(r)) + " |" for r in ok]
+        lines += _ceiling_note(ok)
     missing = not_measured(rows)
     if missing:
         lines += ([""] if ok else []) + ["Not measured here:", ""] + missing
@@ -201,19 +256,20 @@ def summary_table(rows: list[dict]) -> str:
     best fused variant, speed-up with its p10..p90 band, hidden share, and the verdict."""
     lines = ["| suite | case | baseline ms | best | its ms | speed-up (band) | hidden | verdict |",
              "|---|---|---|---|---|---|---|---|"]
+    shown = []
     for (suite, case), crows in by_case(rows).items():
         base, best = _best(crows, "unfused") or _best(crows, "peer"), _best(crows, "fused")
         if best is None:
             continue
-        sp, hid = "", best.get("hidden_frac")
+        shown.append(best)
+        sp = ""
         if base is not None:
             lo, mid, hi = speedup_band(base, best)
             sp = f"{mid:.2f}x ({lo:.2f}..{hi:.2f})"
         b = f"{_fmt(base['ms'])} ({base['variant']})" if base else ""
-        h = f"{100 * hid:.0f}%" if isinstance(hid, int | float) else ""
         lines.append(f"| {suite} | {case} | {b} | {best['variant']} | {_fmt(best['ms'])} | "
-                     f"{sp} | {h} | {verdict(crows)} |")
-    return "\n".join(lines)
+                     f"{sp} | {_hidden_cell(best)} | {verdict(crows)} |")
+    return "\n".join(lines + _ceiling_note(shown))
 
 
 def _header(machine: dict[str, Any], meta: dict[str, Any]) -> list[str]:

@@ -153,6 +153,47 @@ def test_roles_and_verdicts():
     assert report.verdict(gone) == "not measured here: needs CUDA"
 
 
+def test_hidden_above_its_ceiling_is_flagged(tmp_path):
+    """Synthetic rows: a hidden share above its ceiling (1 unless the row says otherwise) is
+    flagged in the rows (results.json) and marked in both REPORT.md tables."""
+    rows = report.annotate([
+        _r("sequential", 10.0),
+        _r("chunked2", 7.0, hidden_frac=0.60, hidden_ceiling=1.0),  # fine
+        _r("chunked4", 6.0, hidden_frac=1.14, hidden_ceiling=1.0),  # impossible: flagged
+        _r("auto", 6.5, hidden_frac=0.95),  # no ceiling given: 1
+        _r("chunked8", 8.0, hidden_frac=0.40, hidden_ceiling=0.3),  # above its own ceiling
+        _r("gemm", 5.0),  # a part: no hidden share, no flag
+        _r("sequential", 10.0, case="d"), _r("chunked4", 8.0, case="d", hidden_frac=1.0),
+    ])
+    flags = {(r["case"], r["variant"]): r["extra"].get("above_ceiling") for r in rows}
+    assert flags == {("c", "sequential"): None, ("c", "chunked2"): False,
+                     ("c", "chunked4"): True, ("c", "auto"): False, ("c", "chunked8"): True,
+                     ("c", "gemm"): None, ("d", "sequential"): None,
+                     ("d", "chunked4"): False}, flags  # exactly at the ceiling: possible
+    table = report.suite_table(rows)
+    assert "| 114% ⚠ |" in table and "| 60% |" in table and "| 40% ⚠ |" in table
+    assert report.CEILING_NOTE in table
+    summary = report.summary_table(rows)  # the best fused of case c is chunked4: flagged
+    assert "| chunked4 | 6 | " in summary and "| 114% ⚠ |" in summary, summary
+    assert report.CEILING_NOTE in summary
+    clean = report.annotate([_r("sequential", 10.0), _r("chunked2", 7.0, hidden_frac=0.6)])
+    assert report.CEILING_NOTE not in report.suite_table(clean) + report.summary_table(clean)
+
+
+def test_verdict_names_the_stage_and_advises_only_on_real_compute():
+    sleep = [_r("1f1b", 226.0, stage="fixed-duration (sleep) stages", synthetic=True,
+                role="unfused"),  # the pipeline suite's baseline
+             _r("zb-h1", 163.9, stage="fixed-duration (sleep) stages", synthetic=True)]
+    v = report.verdict(report.annotate(sleep))
+    assert v.startswith("on fixed-duration (sleep) stages: zb-h1 wins by 1.38x over 1f1b"), v
+    assert "use it" not in v and "not a recommendation" in v, v
+    real = [_r("1f1b", 104.1, stage="real compute (MLP blocks)", role="unfused"),
+            _r("zb-h1", 126.0, stage="real compute (MLP blocks)")]
+    v = report.verdict(report.annotate(real))
+    assert v == ("on real compute (MLP blocks): zb-h1 loses (0.83x, 1.21x slower than 1f1b) "
+                 "— keep 1f1b"), v
+
+
 def test_registry_names_every_suite_and_its_module_imports():
     from pathlib import Path
 
