@@ -8,8 +8,10 @@
 
 Variants as in :mod:`distllm.bench.row_parallel_overlap`: the parts alone
 (``allgather_alone`` / ``reducescatter_alone``, ``gemm``, ``gemm_chunked<c>`` for the chunking
-penalty), ``sequential``, ``chunked<c>``, ``auto`` (the module with ``overlap="auto"``) and
-``ideal`` = max(GEMM, collective); ``hidden_frac`` = (sequential - variant) / collective.
+penalty, and each schedule's ``compute_alone_c<c>`` / ``comm_alone_c<c>``), ``sequential``,
+``chunked<c>``, ``auto`` (the module with ``overlap="auto"``) and ``ideal`` = max(GEMM,
+collective); ``hidden_frac`` = (compute + comm - variant) / min(compute, comm) with the
+variant's own parts, the share of what could hide (ceiling 1).
 On gloo the reduce-scatter is the engine's pairwise exchange (``reducescatter_alone``);
 ``torch_reducescatter_alone`` times torch's reduce-scatter (through
 :func:`distllm.comm.compat.reduce_scatter_into`) for scale.
