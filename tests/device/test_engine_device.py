@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from distllm.train import checkpoint
 from distllm.train.engine import Engine
@@ -13,6 +14,7 @@ from distllm.train.optim_state import MOMENTS, collect, install
 from tests.device._fakecuda import CUDA, CudaDims, emulate_backward, fake_world
 from tests.train._util import make_cfg
 
+AG = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 LAYOUTS = {  # name: (world, make_cfg options)
     "tp2-ddp": (2, dict(tp=2)),
     "dp2-ddp": (2, dict(dp=2)),
@@ -63,15 +65,22 @@ def test_engine_update_on_cuda(cuda_job, monkeypatch, tmp_path, layout):
             reads = host.syncs[before:]
             assert [how for how, _ in reads] == ["tolist"], f"one host read per step: {reads}"
             assert out.skipped is False
-    expect = {"all_reduce"} if engine.zero is None or engine.zero.nranks == 1 else {
-        "all_reduce", checkpoint_gather_name()}
-    rec.check(expect=expect)
+    zero_dp = engine.zero is not None and engine.zero.nranks > 1
+    rec.check(expect={"all_reduce", AG} if zero_dp else {"all_reduce"})
 
 
-def checkpoint_gather_name() -> str:
-    import torch.distributed as dist
-
-    return "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+def test_engine_skips_the_step_its_one_read_flags(cuda_job, monkeypatch, tmp_path):
+    """The inf/NaN flag read with the metrics decides the step: no second read."""
+    rec, host = cuda_job
+    host.value = lambda t: 1.0  # every metric reads as 1: found_inf too
+    with fake_world(2):
+        engine = _build(tmp_path, 2, dict(dp=2, zero=2))
+        _backward(monkeypatch, engine)
+        out = engine.update(1.0, loss=torch.tensor(2.5, dtype=torch.float64, device=CUDA))
+    assert out.skipped and engine.zero.skipped_steps == 1
+    assert not engine.zero.optimizer.state  # AdamW never stepped
+    assert [how for how, _ in host.syncs] == ["tolist"], host.syncs
+    rec.check(expect={"all_reduce"})
 
 
 @pytest.mark.parametrize("layout", ["tp2-ddp", "dp2-ddp", "dp2-zero1", "dp2-zero3-bf16"])
@@ -116,4 +125,4 @@ def test_gpt_forward_and_loss_on_cuda(cuda_job, tmp_path, sp):
     assert loss.device == CUDA and loss.dim() == 0
     assert all(how == "tolist" and where.startswith("comm/autotune.py")
                for how, where in host.syncs), host.syncs  # the auto-tuner's measurements
-    rec.check(expect={"all_reduce"} | ({checkpoint_gather_name()} if sp else set()))
+    rec.check(expect={"all_reduce", AG} if sp else {"all_reduce"})
