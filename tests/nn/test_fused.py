@@ -23,7 +23,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Model
 
 from distllm.nn import FusedLinearGeLU, fuse
 from distllm.nn.fused import _FusedConv1DGeLU, gelu_approximate
-from distllm.ops import _autotune
+from distllm.ops import _autotune, backends
 
 torch.manual_seed(0)
 BACKENDS = ["cpu", "triton"]  # the fused backends that run on a CPU machine
@@ -51,6 +51,14 @@ def ran(monkeypatch) -> dict[str, set[str]]:
     return seen
 
 
+def _need(backend: str) -> None:
+    """The Triton interpreter does not run everywhere (e.g. Triton 3.6 with numpy >= 2.4):
+    there, say what goes untested instead of failing on the environment."""
+    status = backends()[backend]
+    if not status.startswith("ok"):
+        pytest.skip(f"UNTESTED here: the fused layers on backend {backend!r} ({status})")
+
+
 def _pin(model: nn.Module, backend: str) -> int:
     """Run every fused layer of ``model`` on ``backend``; return how many there are."""
     fused = [m for m in model.modules() if isinstance(m, (FusedLinearGeLU, _FusedConv1DGeLU))]
@@ -62,6 +70,7 @@ def _pin(model: nn.Module, backend: str) -> int:
 def _fused_copy(ref: nn.Module, backend: str, expect: int) -> nn.Module:
     """A copy of ``ref`` in the backend's dtype with its Linear -> GeLU pairs fused (``expect``
     of them) and pinned to ``backend``."""
+    _need(backend)
     model = copy.deepcopy(ref).to(DTYPE[backend])
     assert fuse(model) == expect, f"fuse() swapped a different number of pairs than {expect}"
     assert _pin(model, backend) == expect
@@ -91,6 +100,7 @@ def _same_outputs_and_grads(ref: nn.Module, model: nn.Module, x: torch.Tensor) -
 def test_fused_layer_matches_linear_gelu(backend, approximate, bias, ran):
     lin = nn.Linear(123, 77, bias=bias, dtype=torch.float64)
     ref = nn.Sequential(lin, nn.GELU(approximate=approximate))
+    _need(backend)
     fused = FusedLinearGeLU.from_linear(
         copy.deepcopy(lin).to(DTYPE[backend]), approximate, backend=backend
     )
