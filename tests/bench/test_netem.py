@@ -82,8 +82,8 @@ def test_two_ranks_rate_limited_and_removed():
         net.__exit__(None, None, None)
     assert not any(n in _list_netns() for n in names), "namespaces left behind"
     assert not net.available and net.setup is None and net.env == {}
-    assert link["correct"] and lo["correct"]
-    assert link["local_addrs"] == [[f"{SUBNET}.1"], [f"{SUBNET}.2"]], link
+    assert link["correct"] and lo["correct"], "the all-reduce summed wrong over the link"
+    assert link["local_addrs"] == [[f"{SUBNET}.1"], [f"{SUBNET}.2"]], link  # gloo bound to it
     ideal_ms = NBYTES * 8 / rate * 1e3  # ring all-reduce of 2 ranks: N bytes out per rank
     ratio = ideal_ms / link["median_ms"]  # achieved fraction of the link rate
     assert 0.3 <= ratio <= 1.2, f"{link['median_ms']:.1f} ms vs ideal {ideal_ms:.1f} ms"
@@ -96,19 +96,20 @@ def test_one_rank():
         one = measure_allreduce(net, 1, 1 << 16, reps=1)
     finally:
         net.__exit__(None, None, None)
-    assert one["correct"] and not net.namespaces
+    assert one["correct"], "a 1-rank all-reduce over the lone veth is wrong"
+    assert not net.namespaces, f"left behind: {net.namespaces}"
 
 
 def test_four_ranks_through_a_bridge():
     net = _open(4, "2gbit")
     names = list(net.namespaces)
     try:
-        assert len(names) == 5  # four ranks and the bridge's
+        assert len(names) == 5, names  # four ranks and the bridge's
         link = measure_allreduce(net, 4, NBYTES, reps=2)
     finally:
         net.__exit__(None, None, None)
     assert not any(n in _list_netns() for n in names), "namespaces left behind"
-    assert link["correct"]
+    assert link["correct"], "the 4-rank all-reduce through the bridge summed wrong"
     assert link["local_addrs"] == [[f"{SUBNET}.{r + 1}"] for r in range(4)], link
     ideal_ms = 2 * 3 / 4 * NBYTES * 8 / 2e9 * 1e3  # ring: 2 (n-1)/n N bytes out per rank
     assert 0.3 <= ideal_ms / link["median_ms"] <= 1.2, (link["median_ms"], ideal_ms)
