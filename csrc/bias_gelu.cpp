@@ -9,26 +9,10 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include "checks.h"
 #include "gelu.h"
 
 namespace distllm {
-
-GeluKind parse_approximate(c10::string_view approximate) {
-  if (approximate == "none") return GeluKind::Exact;
-  if (approximate == "tanh") return GeluKind::Tanh;
-  TORCH_CHECK(false, "approximate must be 'none' or 'tanh', got '", std::string(approximate), "'");
-}
-
-void check_bias(const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() >= 1, "bias_gelu: x must have at least 1 dimension");
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == x.size(-1), "bias_gelu: bias must be (",
-                x.size(-1), ",), got ", bias->sizes());
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type(), "bias_gelu: bias dtype ",
-                bias->scalar_type(), " differs from x dtype ", x.scalar_type());
-    TORCH_CHECK(bias->device() == x.device(), "bias_gelu: bias and x are on different devices");
-  }
-}
 
 namespace {
 
@@ -64,7 +48,7 @@ void run_cpu(const at::Tensor& x, const c10::optional<at::Tensor>& bias, const a
 
 at::Tensor bias_gelu_cpu(const at::Tensor& x_in, const c10::optional<at::Tensor>& bias_in,
                          c10::string_view approximate) {
-  check_bias(x_in, bias_in);
+  check_bias_gelu_args("bias_gelu", x_in, bias_in);
   const GeluKind kind = parse_approximate(approximate);
   const at::Tensor x = x_in.contiguous();
   c10::optional<at::Tensor> bias;
@@ -79,10 +63,7 @@ at::Tensor bias_gelu_cpu(const at::Tensor& x_in, const c10::optional<at::Tensor>
 at::Tensor bias_gelu_backward_cpu(const at::Tensor& grad_in, const at::Tensor& x_in,
                                   const c10::optional<at::Tensor>& bias_in,
                                   c10::string_view approximate) {
-  check_bias(x_in, bias_in);
-  TORCH_CHECK(grad_in.sizes() == x_in.sizes(), "bias_gelu_backward: grad ", grad_in.sizes(),
-              " and x ", x_in.sizes(), " differ in shape");
-  TORCH_CHECK(grad_in.scalar_type() == x_in.scalar_type(), "bias_gelu_backward: dtype mismatch");
+  check_bias_gelu_args("bias_gelu_backward", x_in, bias_in, &grad_in);
   const GeluKind kind = parse_approximate(approximate);
   const at::Tensor x = x_in.contiguous();
   const at::Tensor grad = grad_in.contiguous();

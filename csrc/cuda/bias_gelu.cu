@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "../checks.h"
 #include "../gelu.h"
 
 namespace distllm {
@@ -31,22 +32,13 @@ __global__ void bias_gelu_kernel(const scalar_t* __restrict__ x,     // (rows, n
   }
 }
 
-static GeluKind parse_kind(c10::string_view approximate) {
-  if (approximate == "none") return GeluKind::Exact;
-  TORCH_CHECK(approximate == "tanh", "approximate must be 'none' or 'tanh'");
-  return GeluKind::Tanh;
-}
-
 template <bool kBackward>
 static at::Tensor launch(const at::Tensor* grad_in, const at::Tensor& x_in,
                          const c10::optional<at::Tensor>& bias_in, c10::string_view approximate) {
-  TORCH_CHECK(x_in.is_cuda(), "bias_gelu (CUDA): x must be a CUDA tensor");
-  if (bias_in) {
-    TORCH_CHECK(bias_in->dim() == 1 && bias_in->size(0) == x_in.size(-1),
-                "bias_gelu: bias must be (", x_in.size(-1), ",)");
-    TORCH_CHECK(bias_in->scalar_type() == x_in.scalar_type(), "bias_gelu: bias dtype differs from x");
-  }
-  const GeluKind kind = parse_kind(approximate);
+  const char* op = kBackward ? "bias_gelu_backward (CUDA)" : "bias_gelu (CUDA)";
+  DISTLLM_CHECK_ARG(x_in.is_cuda(), op, "x", "must be a CUDA tensor, got one on ", x_in.device());
+  check_bias_gelu_args(op, x_in, bias_in, grad_in);  // bias and grad on x's device
+  const GeluKind kind = parse_approximate(approximate);
   c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
   at::Tensor grad;
@@ -76,7 +68,6 @@ at::Tensor bias_gelu_cuda(const at::Tensor& x, const c10::optional<at::Tensor>& 
 
 at::Tensor bias_gelu_backward_cuda(const at::Tensor& grad, const at::Tensor& x,
                                    const c10::optional<at::Tensor>& bias, c10::string_view approximate) {
-  TORCH_CHECK(grad.sizes() == x.sizes(), "bias_gelu_backward: grad and x differ in shape");
   return launch<true>(&grad, x, bias, approximate);
 }
 

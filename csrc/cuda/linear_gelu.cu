@@ -17,13 +17,24 @@
 //       (the second MLP GEMM); it needs that GEMM, so it is exposed for callers that own it.
 //   distllm::cublaslt_wgrad_bgrad(gpre (M,N), x (M,K), with_bias) -> (dw (N,K), dbias)
 //       dw = gpre^T @ x; epilogue BGRADB fuses dbias = gpre.sum(0) into the weight-grad GEMM.
+//
+// Every op takes `allow_tf32` (the caller passes torch.backends.cuda.matmul.allow_tf32):
+// float32 operands then use CUBLAS_COMPUTE_32F_FAST_TF32, else CUBLAS_COMPUTE_32F.
+// The preference's minimum alignments of A, B, C and D are those of the actual pointers
+// (cuBLASLt assumes 256 bytes otherwise, and may pick a kernel that faults on a tensor that
+// starts 16 bytes into an allocation). When cuBLASLt offers no algorithm the ops raise
+// NotImplementedError (c10::NotImplementedError), which the Python dispatch catches to use
+// the next backend; other failures are RuntimeErrors.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <cstdint>
 #include <tuple>
+
+#include "../checks.h"
 
 namespace distllm {
 namespace {
@@ -74,30 +85,58 @@ struct Gemm {
   int64_t aux_ld = 0;
 };
 
-void run_gemm(const Gemm& g, at::ScalarType st, const at::Device& dev) {
+// Largest power of two dividing the address, capped at 256 (cuBLASLt's default assumption).
+uint32_t alignment_bytes(const void* p) {
+  const auto addr = reinterpret_cast<uintptr_t>(p);
+  uint32_t a = 1;
+  while (a < 256 && addr % (2 * a) == 0) a *= 2;
+  return a;
+}
+
+cublasComputeType_t compute_type(at::ScalarType st, bool allow_tf32) {
+  return (st == at::kFloat && allow_tf32) ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+}
+
+void set_epilogue(const Gemm& g, cublasLtMatmulDesc_t op, cudaDataType_t dt) {
+  LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &g.epilogue,
+                                          sizeof(g.epilogue)));
+  if (g.bias != nullptr) {
+    LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias,
+                                            sizeof(g.bias)));
+    LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &dt,
+                                            sizeof(dt)));
+  }
+  if (g.aux != nullptr) {
+    LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                            &g.aux, sizeof(g.aux)));
+    LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+                                            &g.aux_ld, sizeof(g.aux_ld)));
+    // The aux matrix takes D's type by default (the attribute is for fp8 outputs).
+  }
+}
+
+void set_preference(const Gemm& g, cublasLtMatmulPreference_t pref, size_t ws_size) {
+  LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                &ws_size, sizeof(ws_size)));
+  const uint32_t align[4] = {alignment_bytes(g.A), alignment_bytes(g.B), alignment_bytes(g.D),
+                             alignment_bytes(g.D)};  // C is D (beta = 0, in place)
+  const cublasLtMatmulPreferenceAttributes_t attr[4] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  for (int i = 0; i < 4; ++i) {
+    LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr[i], &align[i], sizeof(align[i])));
+  }
+}
+
+void run_gemm(const Gemm& g, at::ScalarType st, const at::Device& dev, bool allow_tf32) {
   const cudaDataType_t dt = lt_dtype(st);
-  const cublasComputeType_t ct = CUBLAS_COMPUTE_32F;
   Desc desc;
-  LT_CHECK(cublasLtMatmulDescCreate(&desc.op, ct, CUDA_R_32F));
+  LT_CHECK(cublasLtMatmulDescCreate(&desc.op, compute_type(st, allow_tf32), CUDA_R_32F));
   const cublasOperation_t opa = g.ta ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t opb = g.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
   LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
   LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
-  LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &g.epilogue,
-                                          sizeof(g.epilogue)));
-  if (g.bias != nullptr) {
-    LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias,
-                                            sizeof(g.bias)));
-    LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &dt,
-                                            sizeof(dt)));
-  }
-  if (g.aux != nullptr) {
-    LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
-                                            &g.aux, sizeof(g.aux)));
-    LT_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
-                                            &g.aux_ld, sizeof(g.aux_ld)));
-    // The aux matrix takes D's type by default (the attribute is for fp8 outputs).
-  }
+  set_epilogue(g, desc.op, dt);
   LT_CHECK(cublasLtMatrixLayoutCreate(&desc.a, dt, g.ta ? g.k : g.m, g.ta ? g.m : g.k, g.lda));
   LT_CHECK(cublasLtMatrixLayoutCreate(&desc.b, dt, g.tb ? g.n : g.k, g.tb ? g.k : g.n, g.ldb));
   LT_CHECK(cublasLtMatrixLayoutCreate(&desc.d, dt, g.m, g.n, g.ldd));
@@ -107,38 +146,54 @@ void run_gemm(const Gemm& g, at::ScalarType st, const at::Device& dev) {
   at::Tensor ws = at::empty({static_cast<int64_t>(ws_size)},
                             at::TensorOptions().dtype(at::kByte).device(dev));
   LT_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
-  LT_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_size, sizeof(ws_size)));
+  set_preference(g, desc.pref, ws_size);
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
   cublasLtMatmulHeuristicResult_t heur{};
   int found = 0;
-  LT_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d, desc.d,
-                                          desc.pref, 1, &heur, &found));
-  TORCH_CHECK(found > 0, "cuBLASLt found no algorithm for epilogue ", static_cast<int>(g.epilogue),
-              " with m=", g.m, " n=", g.n, " k=", g.k,
-              " (leading dimensions must be multiples of 8 elements)");
+  const cublasStatus_t st_heur = cublasLtMatmulAlgoGetHeuristic(
+      handle, desc.op, desc.a, desc.b, desc.d, desc.d, desc.pref, 1, &heur, &found);
+  // NotImplementedError in Python: the dispatch falls back to the next backend.
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      st_heur == CUBLAS_STATUS_SUCCESS && found > 0,
+      "cuBLASLt found no algorithm for epilogue ", static_cast<int>(g.epilogue), " (", st,
+      ", m=", g.m, " n=", g.n, " k=", g.k, ", alignments A/B/D ", alignment_bytes(g.A), "/",
+      alignment_bytes(g.B), "/", alignment_bytes(g.D), " bytes, heuristic status ",
+      static_cast<int>(st_heur), ", ", found, " results)");
   const float alpha = 1.f, beta = 0.f;
   LT_CHECK(cublasLtMatmul(handle, desc.op, &alpha, g.A, desc.a, g.B, desc.b, &beta, g.D, desc.d,
                           g.D, desc.d, &heur.algo, ws.data_ptr(), ws_size,
                           at::cuda::getCurrentCUDAStream()));
 }
 
-void check_2d(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda() && t.dim() == 2 && t.is_contiguous(), "cublaslt: ", name,
-              " must be a contiguous 2-D CUDA tensor, got sizes ", t.sizes());
+// A contiguous 2-D CUDA tensor on `device`, of dtype `dtype` (the first operand's).
+void check_operand(const at::Tensor& t, const char* op, const char* arg, const at::Device& device,
+                   at::ScalarType dtype, const char* ref) {
+  DISTLLM_CHECK_ARG(t.is_cuda() && t.dim() == 2 && t.is_contiguous(), op, arg,
+                    "must be a contiguous 2-D CUDA tensor, got sizes ", t.sizes(), " on ",
+                    t.device());
+  DISTLLM_CHECK_SAME_DEVICE(t, device, op, arg, ref);
+  DISTLLM_CHECK_SAME_DTYPE(t, dtype, op, arg, ref);
 }
 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> cublaslt_linear_gelu(const at::Tensor& x, const at::Tensor& w,
                                                         const c10::optional<at::Tensor>& bias,
-                                                        bool save_pre) {
-  check_2d(x, "x");
-  check_2d(w, "weight");
-  TORCH_CHECK(x.size(1) == w.size(1), "cublaslt_linear_gelu: in-features differ");
-  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "cublaslt_linear_gelu: dtypes differ");
+                                                        bool save_pre, bool allow_tf32) {
+  const char* op = "cublaslt_linear_gelu";
+  check_operand(x, op, "x", x.device(), x.scalar_type(), "x");
+  check_operand(w, op, "weight", x.device(), x.scalar_type(), "x");
+  DISTLLM_CHECK_ARG(x.size(1) == w.size(1), op, "weight", "has ", w.size(1),
+                    " in-features but x has ", x.size(1));
   c10::cuda::CUDAGuard guard(x.device());
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const bool has_bias = bias.has_value();
+  if (has_bias) {
+    DISTLLM_CHECK_ARG(bias->is_contiguous() && bias->dim() == 1 && bias->numel() == N, op, "bias",
+                      "must be a contiguous (", N, ",) tensor, got sizes ", bias->sizes());
+    DISTLLM_CHECK_SAME_DEVICE(*bias, x.device(), op, "bias", "x");
+    DISTLLM_CHECK_SAME_DTYPE(*bias, x.scalar_type(), op, "bias", "x");
+  }
   at::Tensor y = at::empty({M, N}, x.options());
   at::Tensor pre = save_pre ? at::empty({M, N}, x.options()) : at::empty({0}, x.options());
   if (M == 0 || N == 0) return {y, pre};
@@ -148,12 +203,7 @@ std::tuple<at::Tensor, at::Tensor> cublaslt_linear_gelu(const at::Tensor& x, con
   g.A = w.data_ptr(); g.lda = K;
   g.B = x.data_ptr(); g.ldb = K;     // x stored (K, M) column-major
   g.D = y.data_ptr(); g.ldd = N;     // y^T (N, M) column-major == y (M, N) row-major
-  const bool has_bias = bias.has_value();
-  if (has_bias) {
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type(),
-                "cublaslt_linear_gelu: bias must be a contiguous (", N, ",) tensor of x's dtype");
-    g.bias = const_cast<void*>(bias->data_ptr());
-  }
+  if (has_bias) g.bias = const_cast<void*>(bias->data_ptr());
   if (save_pre) {
     g.aux = pre.data_ptr();
     g.aux_ld = N;
@@ -161,18 +211,21 @@ std::tuple<at::Tensor, at::Tensor> cublaslt_linear_gelu(const at::Tensor& x, con
   } else {
     g.epilogue = has_bias ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU;
   }
-  run_gemm(g, x.scalar_type(), x.device());
+  run_gemm(g, x.scalar_type(), x.device(), allow_tf32);
   return {y, pre};
 }
 
 std::tuple<at::Tensor, at::Tensor> cublaslt_dgelu_bgrad(const at::Tensor& dy, const at::Tensor& w2,
-                                                        const at::Tensor& pre) {
-  check_2d(dy, "dy");
-  check_2d(w2, "w2");
-  check_2d(pre, "pre");
+                                                        const at::Tensor& pre, bool allow_tf32) {
+  const char* op = "cublaslt_dgelu_bgrad";
+  check_operand(dy, op, "dy", dy.device(), dy.scalar_type(), "dy");
+  check_operand(w2, op, "w2", dy.device(), dy.scalar_type(), "dy");
+  check_operand(pre, op, "pre", dy.device(), dy.scalar_type(), "dy");
   const int64_t M = dy.size(0), P = dy.size(1), N = w2.size(1);
-  TORCH_CHECK(w2.size(0) == P && pre.size(0) == M && pre.size(1) == N,
-              "cublaslt_dgelu_bgrad: expected dy (M,P), w2 (P,N), pre (M,N)");
+  DISTLLM_CHECK_ARG(w2.size(0) == P, op, "w2", "must be (P, N) with P = dy.size(1) = ", P,
+                    ", got ", w2.sizes());
+  DISTLLM_CHECK_ARG(pre.size(0) == M && pre.size(1) == N, op, "pre", "must be (", M, ", ", N,
+                    "), got ", pre.sizes());
   c10::cuda::CUDAGuard guard(dy.device());
   at::Tensor dpre = at::empty({M, N}, dy.options());
   at::Tensor dbias = at::zeros({N}, dy.options());
@@ -186,16 +239,17 @@ std::tuple<at::Tensor, at::Tensor> cublaslt_dgelu_bgrad(const at::Tensor& dy, co
   g.bias = dbias.data_ptr();           // bias gradient: reduced over the columns of D (over M)
   g.aux = const_cast<void*>(pre.data_ptr());
   g.aux_ld = N;
-  run_gemm(g, dy.scalar_type(), dy.device());
+  run_gemm(g, dy.scalar_type(), dy.device(), allow_tf32);
   return {dpre, dbias};
 }
 
 std::tuple<at::Tensor, at::Tensor> cublaslt_wgrad_bgrad(const at::Tensor& gpre, const at::Tensor& x,
-                                                        bool with_bias) {
-  check_2d(gpre, "gpre");
-  check_2d(x, "x");
+                                                        bool with_bias, bool allow_tf32) {
+  const char* op = "cublaslt_wgrad_bgrad";
+  check_operand(x, op, "x", x.device(), x.scalar_type(), "x");
+  check_operand(gpre, op, "gpre", x.device(), x.scalar_type(), "x");
   const int64_t M = gpre.size(0), N = gpre.size(1), K = x.size(1);
-  TORCH_CHECK(x.size(0) == M, "cublaslt_wgrad_bgrad: gpre and x differ in rows");
+  DISTLLM_CHECK_ARG(x.size(0) == M, op, "x", "has ", x.size(0), " rows but gpre has ", M);
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor dw = at::empty({N, K}, x.options());
   at::Tensor db = with_bias ? at::zeros({N}, x.options()) : at::empty({0}, x.options());
@@ -211,16 +265,19 @@ std::tuple<at::Tensor, at::Tensor> cublaslt_wgrad_bgrad(const at::Tensor& gpre, 
     g.epilogue = CUBLASLT_EPILOGUE_BGRADB;  // db[n] = sum_m gpre[m, n], columns of D
     g.bias = db.data_ptr();
   }
-  run_gemm(g, x.scalar_type(), x.device());
+  run_gemm(g, x.scalar_type(), x.device(), allow_tf32);
   return {dw, db};
 }
 
 }  // namespace distllm
 
 TORCH_LIBRARY_FRAGMENT(distllm, m) {
-  m.def("cublaslt_linear_gelu(Tensor x, Tensor weight, Tensor? bias, bool save_pre) -> (Tensor, Tensor)");
-  m.def("cublaslt_dgelu_bgrad(Tensor dy, Tensor w2, Tensor pre) -> (Tensor, Tensor)");
-  m.def("cublaslt_wgrad_bgrad(Tensor gpre, Tensor x, bool with_bias) -> (Tensor, Tensor)");
+  m.def("cublaslt_linear_gelu(Tensor x, Tensor weight, Tensor? bias, bool save_pre, "
+        "bool allow_tf32=False) -> (Tensor, Tensor)");
+  m.def("cublaslt_dgelu_bgrad(Tensor dy, Tensor w2, Tensor pre, bool allow_tf32=False) "
+        "-> (Tensor, Tensor)");
+  m.def("cublaslt_wgrad_bgrad(Tensor gpre, Tensor x, bool with_bias, bool allow_tf32=False) "
+        "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(distllm, CUDA, m) {

@@ -100,11 +100,37 @@ def test_public_function_matches_reference():
 @pytest.mark.parametrize(
     "bad_bias,match",
     [
-        (torch.randn(63), "bias must be"),
-        (torch.randn(2, 64), "bias must be"),
-        (torch.randn(64, dtype=torch.float64), "dtype"),
+        (torch.randn(63), r"bias_gelu: bias must be \(64,\)"),
+        (torch.randn(2, 64), r"bias_gelu: bias must be \(64,\)"),
+        (torch.randn(64, dtype=torch.float64), "bias_gelu: bias has dtype Double but x has"),
     ],
 )
 def test_bad_bias(bad_bias, match):
     with pytest.raises(RuntimeError, match=match):
         torch.ops.distllm.bias_gelu(torch.randn(3, 64), bad_bias, "none")
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda x, b: torch.ops.distllm.bias_gelu(x[0, 0], None, "none"), "x must have at least"),
+        (lambda x, b: torch.ops.distllm.bias_gelu(x, b, "erf"), "approximate must be"),
+        (
+            lambda x, b: torch.ops.distllm.bias_gelu_backward(x[:, :5], x, b, "none"),
+            r"bias_gelu_backward: grad has shape \[3, 5\] but x has shape \[3, 64\]",
+        ),
+        (
+            lambda x, b: torch.ops.distllm.bias_gelu_backward(x.double(), x, b, "none"),
+            "bias_gelu_backward: grad has dtype Double but x has dtype Float",
+        ),
+        (
+            lambda x, b: torch.ops.distllm.bias_gelu_backward(x, x, b[:3], "none"),
+            r"bias_gelu_backward: bias must be \(64,\)",
+        ),
+    ],
+)
+def test_checks_name_the_argument(call, match):
+    # the checks shared by the CPU and CUDA kernels (csrc/checks.h); the CUDA-only ones
+    # (a bias or grad on another device) are in tests/gpu/test_bias_gelu_cuda.py
+    with pytest.raises(RuntimeError, match=match):
+        call(torch.randn(3, 64), torch.randn(64))
