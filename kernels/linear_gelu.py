@@ -208,17 +208,18 @@ _ELEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def _smem_estimate(cfg: triton.Config, elem_bytes: int) -> int:
-    """Upper bound of the forward kernel's shared memory: (stages - 1) buffered (BM, BK) and
-    (BK, BN) operand tiles. Exact for fp32; 16-bit tiles compile smaller (the compiled sizes
-    are checked against it in tests/ops/test_triton_compile.py)."""
+    """Upper bound of the forward kernel's shared memory: ``num_stages`` buffered (BM, BK)
+    and (BK, BN) operand tiles. Hopper's fp32-with-TF32 path (wgmma) holds all of them;
+    other paths hold one stage fewer, 16-bit tiles less still. The compiled sizes are
+    checked against this bound for sm_80 and sm_90 in tests/ops/test_triton_compile.py."""
     k = cfg.kwargs
     tiles = k["BLOCK_M"] * k["BLOCK_K"] + k["BLOCK_K"] * k["BLOCK_N"]
-    return (cfg.num_stages - 1) * tiles * elem_bytes
+    return cfg.num_stages * tiles * elem_bytes
 
 
 def _prune(configs: list, elem_bytes: int, smem_limit: int) -> list:
-    """The configs whose shared memory fits ``smem_limit`` bytes (e.g. fp32's 192 KB tiles do
-    not fit an A100's 163 KB); the smallest config is always kept."""
+    """The configs whose shared memory fits ``smem_limit`` bytes (fp32's 128x256x64 tiles in
+    three stages need 288 KB on Hopper with TF32); the smallest config is always kept."""
     kept = [c for c in configs if _smem_estimate(c, elem_bytes) <= smem_limit]
     return kept or configs[-1:]
 
