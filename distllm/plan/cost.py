@@ -13,24 +13,30 @@ Memory (bytes per device, on the heaviest pipeline stage):
   * times the micro-batches in flight of the schedule (1F1B: p on the first stage; GPipe: m;
     interleaved: p + (p-1)/v; ZB-H1: as 1F1B).
 
-Step time: GEMM FLOPs at the profile's efficiency, memory-bound work at its bandwidth, an
-alpha-beta time per collective on its link class (ring, or tree where cheaper, for
-all-reduce), overlap credited only where distllm overlaps (the row-parallel GEMM with its
-all-reduce in forward, the DP bucket reduction with the last micro-batch's backward, the
-ZeRO-3 prefetched gather with the previous layer) and only to the extent the link's
-``overlap`` allows, and the pipeline bubble (see :mod:`distllm.plan.bubble`).
+Which code runs (the stage split, the gradient dtype, whether the pipeline keeps each stage
+output) is the :class:`~distllm.plan.runtime.Runtime`'s; step time is
+:mod:`distllm.plan.timing`'s.
 """
 
 from __future__ import annotations
 
-import math
-
-from .bubble import in_flight, pipeline_time
-from .hardware import Link, Profile, canonical_dtype
+from .bubble import in_flight
+from .collectives import collective_time
+from .hardware import Profile, canonical_dtype
 from .layout import GB, Estimate, Layout
 from .model import ModelShape
+from .runtime import Runtime, runtime
+from .timing import TimeModel
 
-__all__ = ["Layout", "Estimate", "CostModel", "STATE_BYTES", "collective_time", "GB"]
+__all__ = [
+    "Layout",
+    "Estimate",
+    "CostModel",
+    "STATE_BYTES",
+    "collective_time",
+    "state_bytes",
+    "GB",
+]
 
 # (parameter, gradient, optimizer) bytes per parameter, per training dtype (Adam/AdamW).
 STATE_BYTES = {
@@ -40,32 +46,20 @@ STATE_BYTES = {
     "float64": (8, 8, 16),
 }
 ACT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
-OVERLAP_CHUNKS = 4  # chunks of the overlapped row-parallel GEMM + all-reduce
-OPS_PER_LAYER_FWD = 24  # eager operators of one block's forward (norms, GEMMs, attention, ...)
 
 
-def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
-    """Alpha-beta time of one collective of ``nbytes`` (the full buffer) over ``n`` ranks.
-
-    ring all-reduce 2(n-1) steps of nbytes/n; tree all-reduce 2*log2(n) latencies and 2x the
-    bytes (pipelined); the cheaper of the two is taken, as NCCL does. reduce-scatter and
-    all-gather are half a ring all-reduce. p2p is one message.
-    """
-    if n <= 1 and kind != "p2p":
-        return 0.0
-    a, b = link.latency, link.beta
-    if kind == "p2p":
-        return a + nbytes * b
-    ring_half = (n - 1) * a + (n - 1) / n * nbytes * b
-    if kind in ("reduce_scatter", "all_gather"):
-        return ring_half
-    if kind == "all_reduce":
-        tree = 2 * math.ceil(math.log2(n)) * a + 2 * nbytes * b
-        return min(2 * ring_half, tree)
-    raise ValueError(f"unknown collective {kind!r}")
+def state_bytes(n_params: float, dp: int, zero: int, per: tuple[int, int, int]) -> dict:
+    """Bytes of parameters, gradients and optimizer states of ``n_params`` parameters under
+    a ZeRO stage over ``dp`` ranks, at ``per`` = (parameter, gradient, optimizer) bytes."""
+    pb, gb, ob = per
+    return {
+        "params": pb * n_params / (dp if zero >= 3 else 1),
+        "grads": gb * n_params / (dp if zero >= 2 else 1),
+        "optimizer": ob * n_params / (dp if zero >= 1 else 1),
+    }
 
 
-class CostModel:
+class CostModel(TimeModel):
     """Predicts memory and step time of layouts for one model on one cluster."""
 
     def __init__(
@@ -80,8 +74,10 @@ class CostModel:
         bucket_mb: float = 25.0,
         simulator=None,
         ranks_per_host: int | None = None,
+        runtime_name: str | Runtime = "distllm",
     ) -> None:
         self.shape, self.profile = shape, profile
+        self.runtime = runtime(runtime_name)
         self.world, self.gpn = world, gpus_per_node
         self.dtype = canonical_dtype(dtype)
         if self.dtype not in STATE_BYTES:
@@ -93,29 +89,35 @@ class CostModel:
         # ranks that share one host's cores (CPU profiles): a node's, unless said otherwise
         self.ranks_per_host = ranks_per_host or min(world, gpus_per_node)
         self.peak = profile.flops(self.dtype)
-        self.rate = self.peak * profile.matmul_efficiency
+        self.param_bytes, grad, self.optim_bytes = STATE_BYTES[self.dtype]
+        # 16-bit training: the gradient dtype the runtime accumulates and reduces in
+        self.grad_bytes = self.runtime.grad_bytes_mixed if self.e == 2 else grad
         self._cache: dict = {}
 
     # ---------------------------------------------------------------- memory --------
     def ranks(self, pp: int, v: int) -> list[tuple[int, bool, bool]]:
-        """(blocks, holds the embedding, holds the head) of each pipeline rank.
+        """(blocks, holds the embedding, holds the head) of each pipeline rank; chunk ``c``
+        of the ``pp * v`` runs on rank ``c % pp``.
 
-        As distllm's engine splits them: the layer list is embedding, blocks, head
-        (``layers + 2`` entries) cut into ``pp * v`` chunks as evenly as possible, earlier
-        chunks taking the remainder; chunk c runs on rank ``c % pp``.
+        Runtime ``entries`` (distllm's engine): the list embedding, blocks, head
+        (``layers + 2`` entries) cut as evenly as possible, earlier chunks taking the
+        remainder. Runtime ``blocks`` (Megatron-LM): the blocks cut as evenly, the embedding
+        added to the first chunk and the head to the last.
         """
         key = ("ranks", pp, v)
         if key not in self._cache:
-            n = self.shape.layers + 2
+            blocks_only = self.runtime.stage_split == "blocks"
+            n = self.shape.layers + (0 if blocks_only else 2)
             base, extra = divmod(n, pp * v)
             out = [[0, False, False] for _ in range(pp)]
             lo = 0
             for c in range(pp * v):
                 hi = lo + base + (1 if c < extra else 0)
                 r = out[c % pp]
-                r[1] |= lo == 0
-                r[2] |= hi == n
-                r[0] += (hi - lo) - (lo == 0) - (hi == n)
+                first, last = lo == 0, hi == n
+                r[1] |= first
+                r[2] |= last
+                r[0] += (hi - lo) - (0 if blocks_only else first + last)
                 lo = hi
             self._cache[key] = [tuple(r) for r in out]
         return self._cache[key]
@@ -150,12 +152,8 @@ class CostModel:
         return self._cache[key]
 
     def model_state_bytes(self, n_params: float, dp: int, zero: int) -> dict[str, float]:
-        pb, gb, ob = STATE_BYTES[self.dtype]
-        return {
-            "params": pb * n_params / (dp if zero >= 3 else 1),
-            "grads": gb * n_params / (dp if zero >= 2 else 1),
-            "optimizer": ob * n_params / (dp if zero >= 1 else 1),
-        }
+        return state_bytes(n_params, dp, zero, (self.param_bytes, self.grad_bytes,
+                                                self.optim_bytes))
 
     def layer_activation_bytes(self, b: int, tp: int, sp: bool, ckpt: str) -> float:
         """Bytes one block keeps for backward per micro-batch of b sequences, per TP rank."""
@@ -185,192 +183,64 @@ class CostModel:
 
     def memory(self, lay: Layout) -> dict[str, float]:
         """Bytes per device on the pipeline rank that needs the most."""
+        return max(
+            (self.rank_memory(lay, r) for r in self._heavy_ranks(lay.pp, lay.virtual_stages)),
+            key=lambda m: m["total"],
+        )
+
+    def heaviest_rank(self, lay: Layout) -> int:
+        """The pipeline rank whose memory :meth:`memory` reports."""
+        return max(
+            self._heavy_ranks(lay.pp, lay.virtual_stages),
+            key=lambda r: self.rank_memory(lay, r)["total"],
+        )
+
+    def rank_memory(self, lay: Layout, r: int) -> dict[str, float]:
+        """Bytes on pipeline rank ``r``: model states, activations at the peak of
+        forward-backward, the optimizer step's peak, and the larger as ``total``."""
         s = self.shape
         b = s.global_batch // (lay.dp * lay.micro_batches)
         params, per_layer = self.rank_params(lay)
+        blocks, has_e, has_h = self.ranks(lay.pp, lay.virtual_stages)[r]
+        mem = self.model_state_bytes(params[r], lay.dp, lay.zero)
+        if lay.zero >= 3:  # the gathered block being used and the one being prefetched
+            mem["params"] += 2 * per_layer * self.param_bytes
+        act = self._activations(lay, b, r, blocks, has_e, has_h)
+        mem["activations"] = act
+        states = mem["params"] + mem["grads"] + mem["optimizer"]
+        # the optimizer step's temporaries come after the activations are freed
+        local = params[r] / (lay.dp if lay.zero >= 1 else 1)
+        mem["optimizer_step"] = states + self.runtime.optimizer_temp_bytes * local
+        mem["total"] = max(states + act, mem["optimizer_step"])
+        return mem
+
+    def _activations(self, lay: Layout, b: int, r: int, blocks: int, has_e: bool,
+                     has_h: bool) -> float:
+        """Activation bytes of pipeline rank ``r`` at the peak of forward-backward."""
+        s = self.shape
         per = self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, lay.checkpointing)
         bs = b * s.seq_len
         logits = (self.e + 4) * bs * s.padded_vocab(lay.tp) / lay.tp  # logits + fp32 softmax
         sp = lay.tp if lay.sequence_parallel else 1
-        emb = (self.e + (1 if s.dropout else 0)) * bs * s.hidden / sp
+        # the embedding's output is the first block's input (counted there); its dropout
+        # keeps a byte mask per element
+        emb = (1 if s.dropout else 0) * bs * s.hidden / sp
         fkey = ("flight", lay.schedule, lay.pp, lay.micro_batches, lay.virtual_stages)
-        send_out = self.e * bs * s.hidden / sp
-        # gradients alive while one block runs backward: the MLP's inner gradient and two of
-        # the residual stream (the saved tensors of that block are freed as it goes)
-        work = self.e * (bs * s.ffn / lay.tp + 2 * bs * s.hidden)
-        logits_grad = 4 * bs * s.padded_vocab(lay.tp) / lay.tp
         flight = self._cache.get(fkey)
         if flight is None:
             flight = self._cache[fkey] = in_flight(*fkey[1:])
-        best: dict[str, float] = {}
-        ranks = self.ranks(lay.pp, lay.virtual_stages)
-        for r in self._heavy_ranks(lay.pp, lay.virtual_stages):
-            blocks, has_e, has_h = ranks[r]
-            mem = self.model_state_bytes(params[r], lay.dp, lay.zero)
-            if lay.zero >= 3:  # the gathered block being used and the one being prefetched
-                mem["params"] += 2 * per_layer * STATE_BYTES[self.dtype][0]
-            # a rank that sends keeps each in-flight micro-batch's stage output until its
-            # backward (the residual stream is not saved by autograd, the executor holds it)
-            held = send_out if (lay.pp > 1 and not has_h) else 0.0
-            act = flight[r] * (
-                blocks * per + (emb if has_e else 0) + (logits if has_h else 0) + held
-            )
-            act += work if blocks else (logits_grad if has_h else 0.0)
-            if lay.checkpointing == "full":  # one block's activations live during recompute
-                act += self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, "none")
-            mem["activations"] = act
-            mem["total"] = mem["params"] + mem["grads"] + mem["optimizer"] + act
-            if not best or mem["total"] > best["total"]:
-                best = mem
-        return best
-
-    # ---------------------------------------------------------------- time ----------
-    def _link(self, group: str, lay: Layout) -> Link:
-        span = {"tp": lay.tp, "dp": lay.tp * lay.dp, "pp": lay.tp * lay.dp * lay.pp}[group]
-        if group == "pp":  # neighbours are dp*tp ranks apart
-            return self.profile.link(lay.tp * lay.dp >= self.gpn and lay.pp > 1)
-        return self.profile.link(span > self.gpn)
-
-    def layer_times(self, b: int, lay: Layout) -> dict[str, float]:
-        """Seconds of one block per micro-batch on one rank (uncontended)."""
-        key = ("lt", b, lay.tp, lay.sequence_parallel, lay.checkpointing, lay.dp, lay.zero)
-        if key in self._cache:
-            return self._cache[key]
-        s, p, t = self.shape, self.profile, lay.tp
-        gemm, core = s.layer_flops_fwd(b * s.seq_len)
-        t_gemm, t_core = gemm / t / self.rate, core / t / self.rate
-        none_bytes = self.layer_activation_bytes(b, t, lay.sequence_parallel, "none")
-        t_elem = 2 * none_bytes / p.memory_bandwidth
-        t_ops = OPS_PER_LAYER_FWD * p.op_overhead_s
-        fwd = t_gemm + t_core + t_elem + t_ops
-        bwd = 2 * (t_gemm + t_core + t_elem + t_ops)
-        if lay.checkpointing == "full":
-            bwd += fwd
-        elif lay.checkpointing == "selective":
-            bwd += t_core
-        tp_f = tp_b = 0.0
-        if t > 1:
-            link = self._link("tp", lay)
-            msg = self.e * b * s.seq_len * s.hidden
-            if lay.sequence_parallel:
-                one = collective_time("all_gather", msg, t, link) + collective_time(
-                    "reduce_scatter", msg, t, link
-                )
-            else:
-                one = collective_time("all_reduce", msg, t, link)
-            # forward: 2 per block, each overlapped with the row-parallel GEMM (chunked)
-            row_gemm = (
-                t_gemm * (s.hidden + s.ffn) / (s.hidden + 2 * s.kv_dim + s.hidden + 2 * s.ffn)
-            )
-            hidden = min(one, row_gemm) * link.overlap * (OVERLAP_CHUNKS - 1) / OVERLAP_CHUNKS
-            tp_f, tp_b = 2 * one - 2 * hidden, 2 * one  # backward: not overlapped
-        z3_f = z3_b = 0.0
-        if lay.zero >= 3 and lay.dp > 1:
-            _, per_layer = self.rank_params(lay)
-            link = self._link("dp", lay)
-            nbytes = per_layer * STATE_BYTES[self.dtype][0]
-            ag = collective_time("all_gather", nbytes, lay.dp, link)
-            z3_f = max(0.0, ag - link.overlap * fwd)
-            z3_b = max(0.0, ag - link.overlap * bwd)
-        out = dict(
-            fwd=fwd, bwd=bwd, w=t_gemm, tp_f=tp_f, tp_b=tp_b, z3_f=z3_f, z3_b=z3_b, gemm=t_gemm
-        )
-        self._cache[key] = out
-        return out
-
-    def rank_times(self, lay: Layout) -> tuple[list[float], ...]:
-        """Forward, backward, weight-gradient and (inside those) TP/ZeRO-3 communication
-        seconds of one micro-batch per pipeline rank."""
-        s, p = self.shape, self.profile
-        b = s.global_batch // (lay.dp * lay.micro_batches)
-        key = (
-            "rt",
-            b,
-            lay.tp,
-            lay.sequence_parallel,
-            lay.checkpointing,
-            lay.dp,
-            lay.zero,
-            lay.pp,
-            lay.virtual_stages,
-        )
-        if key in self._cache:
-            return self._cache[key]
-        lt = self.layer_times(b, lay)
-        bs, v_pad = b * s.seq_len, s.padded_vocab(lay.tp)
-        head_gemm = 2 * bs * s.hidden * v_pad / lay.tp / self.rate
-        head = head_gemm + 3 * 4 * bs * v_pad / lay.tp / p.memory_bandwidth + 4 * p.op_overhead_s
-        emb = 2 * self.e * bs * s.hidden / p.memory_bandwidth + 2 * p.op_overhead_s
-        tf, tb, tw, tc = [], [], [], []
-        for blocks, has_e, has_h in self.ranks(lay.pp, lay.virtual_stages):
-            ex = (emb if has_e else 0.0) + (head if has_h else 0.0)
-            tf.append(blocks * (lt["fwd"] + lt["tp_f"] + lt["z3_f"]) + ex)
-            tb.append(blocks * (lt["bwd"] + lt["tp_b"] + lt["z3_b"]) + 2 * ex)
-            tw.append(blocks * lt["gemm"] + (head_gemm if has_h else 0.0))
-            tc.append(blocks * (lt["tp_f"] + lt["tp_b"] + lt["z3_f"] + lt["z3_b"]))
-        self._cache[key] = (tf, tb, tw, tc)
-        return tf, tb, tw, tc
-
-    def _tail(self, lay: Layout, tb: list[float]) -> tuple[float, float, float, float]:
-        """After a rank's last backward: the exposed part of the bucketed DP reduction
-        (overlapped with that backward), the ZeRO-1/2 all-gather of the updated shards and
-        the optimizer step; the slowest rank's (total, reduction, gather, optimizer)."""
-        params, _ = self.rank_params(lay)
-        best = (0.0, 0.0, 0.0, 0.0)
-        for r in self._heavy_ranks(lay.pp, lay.virtual_stages):
-            n_params = params[r]
-            red = ag = 0.0
-            if lay.dp > 1:
-                link = self._link("dp", lay)
-                gbytes = STATE_BYTES[self.dtype][1] * n_params
-                kind = "reduce_scatter" if lay.zero >= 2 else "all_reduce"
-                red = collective_time(kind, gbytes, lay.dp, link)
-                n_buckets = max(1, math.ceil(gbytes / self.bucket_bytes))
-                red = max(red - link.overlap * tb[r], red / n_buckets)
-                if lay.zero in (1, 2):
-                    nbytes = STATE_BYTES[self.dtype][0] * n_params
-                    ag = collective_time("all_gather", nbytes, lay.dp, link)
-            opt = n_params / (lay.dp if lay.zero >= 1 else 1) * 32 / self.profile.memory_bandwidth
-            if red + ag + opt > best[0]:
-                best = (red + ag + opt, red, ag, opt)
-        return best
-
-    def step_time(self, lay: Layout) -> tuple[float, dict[str, float]]:
-        s, p = self.shape, self.profile
-        b = s.global_batch // (lay.dp * lay.micro_batches)
-        m = lay.micro_batches
-        lt = self.layer_times(b, lay)
-        tf, tb, tw, tc = self.rank_times(lay)
-        t_comm = 0.0
-        if lay.pp > 1:
-            msg = self.e * b * s.seq_len * s.hidden / (lay.tp if lay.sequence_parallel else 1)
-            t_comm = collective_time("p2p", msg, 2, self._link("pp", lay))
-        pipe = pipeline_time(
-            lay.schedule, lay.pp, m, lay.virtual_stages, tf, tb, tw, t_comm, self.simulator
-        )
-        tail, dp_exp, zero_ag, t_opt = self._tail(lay, tb)
-        step = pipe + tail + p.step_overhead_s
-        if p.cores:  # ranks share the cores: the busy time of all of them must fit too
-            per_stage = self.ranks_per_host / lay.pp
-            # waiting on a rate-limited wire leaves the cores to the other ranks
-            cpu_comm = 1.0 if self._link("tp", lay).uses_cpu else 0.0
-            busy = [f + b_ - (1.0 - cpu_comm) * c for f, b_, c in zip(tf, tb, tc, strict=True)]
-            work = per_stage * m * sum(busy)
-            # TP/ZeRO-3 ranks wait on the wire in lockstep: that wait adds to the shared work
-            wire = (1.0 - cpu_comm) * m * max(tc)
-            step = max(step, work / p.cores + wire + tail + p.step_overhead_s)
-        blocks = max(r[0] for r in self.ranks(lay.pp, lay.virtual_stages))
-        parts = dict(
-            step=step,
-            compute=m * (max(tf) + max(tb)),
-            pipeline=pipe,
-            tp_comm=m * blocks * (lt["tp_f"] + lt["tp_b"]),
-            pp_p2p=t_comm,
-            dp_comm=dp_exp,
-            zero_comm=zero_ag + m * blocks * (lt["z3_f"] + lt["z3_b"]),
-            optimizer=t_opt,
-        )
-        return step, parts
+        # a rank that sends keeps each in-flight micro-batch's stage output until its
+        # backward (the residual stream is not saved by autograd, the executor holds it)
+        keeps = self.runtime.keeps_stage_output and lay.pp > 1 and not has_h
+        held = self.e * bs * s.hidden / sp if keeps else 0.0
+        act = flight[r] * (blocks * per + (emb if has_e else 0) + (logits if has_h else 0) + held)
+        # gradients alive while one block runs backward: the MLP's inner gradient and two of
+        # the residual stream (the saved tensors of that block are freed as it goes)
+        work = self.e * (bs * s.ffn / lay.tp + 2 * bs * s.hidden)
+        act += work if blocks else (4 * bs * s.padded_vocab(lay.tp) / lay.tp if has_h else 0.0)
+        if lay.checkpointing == "full":  # one block's activations live during recompute
+            act += self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, "none")
+        return act
 
     def evaluate(self, lay: Layout) -> Estimate:
         est = Estimate(lay, memory=self.memory(lay))

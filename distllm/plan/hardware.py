@@ -12,7 +12,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Link", "Profile", "load_profile", "profile_names", "detect_profile", "PROFILE_DIR"]
+__all__ = [
+    "Gemm",
+    "Link",
+    "Profile",
+    "load_profile",
+    "profile_names",
+    "detect_profile",
+    "PROFILE_DIR",
+]
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
 
@@ -57,6 +65,26 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Gemm:
+    """GEMM efficiency by shape: a tiled kernel on ``sms`` multiprocessors.
+
+    A GEMM of ``(m, k) @ (k, n)`` is cut into output tiles of ``tile_m x tile_n``; the tiles
+    run in waves of ``sms``, so the last wave may leave SMs idle (wave quantization), and a
+    tile that sticks out of the matrix does wasted work (tile quantization). A full wave of
+    full tiles reaches ``max_efficiency`` of peak; a GEMM whose bytes outweigh its FLOPs is
+    bound by memory instead (the roofline)."""
+
+    max_efficiency: float
+    """Fraction of peak that the best-shaped large GEMM reaches (a measured maximum)."""
+    shape_fraction: float = 1.0
+    """What an ordinary large GEMM reaches of that best shape (beyond quantization)."""
+    tile_m: int = 256
+    tile_n: int = 128
+    sms: int = 108
+    source: str = ""
+
+
+@dataclass(frozen=True)
 class Profile:
     """A device and its node: what the cost model needs to know about the hardware."""
 
@@ -80,6 +108,12 @@ class Profile:
     """CPU profiles: cores a node has; ranks beyond that share them (time scales up)."""
     step_overhead_s: float = 0.0
     """Fixed time per optimizer step beyond compute and communication."""
+    gemm: Gemm | None = None
+    """GEMM efficiency by shape; None: every GEMM runs at ``matmul_efficiency``."""
+    memory_efficiency: float = 1.0
+    """Achievable fraction of ``memory_bandwidth`` for elementwise kernels (1.0 if measured)."""
+    flash_efficiency: float | None = None
+    """Fraction of peak a fused (flash) attention kernel reaches; None: the GEMM efficiency."""
     description: str = ""
     source: dict[str, Any] = field(default_factory=dict)
 
@@ -114,8 +148,12 @@ class Profile:
                 "op_overhead_s",
                 "cores",
                 "step_overhead_s",
+                "memory_efficiency",
+                "flash_efficiency",
             )
         }
+        if self.gemm is not None:
+            d["gemm"] = dict(vars(self.gemm))
         d["links"] = {
             k: {
                 "bandwidth": v.bandwidth,
@@ -146,11 +184,15 @@ class Profile:
                     "op_overhead_s",
                     "cores",
                     "step_overhead_s",
+                    "memory_efficiency",
+                    "flash_efficiency",
                     "description",
                     "source",
                 )
                 if k in d
             }
+            if d.get("gemm"):
+                kw["gemm"] = Gemm(**d["gemm"])
             peak = {canonical_dtype(k): float(v) for k, v in d["peak_flops"].items()}
             return cls(
                 name=d["name"],
@@ -162,6 +204,8 @@ class Profile:
             )
         except KeyError as e:
             raise ValueError(f"profile is missing the field {e.args[0]!r}") from None
+        except TypeError as e:  # an unknown key in a link or in "gemm"
+            raise ValueError(f"profile {d.get('name')!r} has a malformed entry: {e}") from None
 
 
 def profile_names() -> list[str]:

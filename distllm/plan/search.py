@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 
 from .bubble import SCHEDULES, simulator_or_none
-from .cost import GB, CostModel, Estimate, Layout
-from .hardware import Profile, load_profile
+from .cost import GB, STATE_BYTES, CostModel, Estimate, Layout, state_bytes
+from .hardware import Profile, canonical_dtype, load_profile
 from .model import ModelShape
 
 __all__ = ["SearchResult", "search", "best_layout", "divisors", "MAX_V"]
@@ -73,8 +73,11 @@ def _tp_reason(shape: ModelShape, tp: int, gpn: int) -> str | None:
     return None
 
 
-def _schedules(shape: ModelShape, pp: int, m: int, pins: dict) -> list[tuple[str, int, str | None]]:
-    """(schedule, v, reason-or-None) for one (pp, m), with distllm's pipeline rules."""
+def _schedules(
+    shape: ModelShape, pp: int, m: int, pins: dict, even: bool
+) -> list[tuple[str, int, str | None]]:
+    """(schedule, v, reason-or-None) for one (pp, m), with the runtime's pipeline rules
+    (``even``: the blocks must divide evenly over the ``pp * v`` chunks)."""
     if pp == 1:
         return [("none", 1, None)]
     out = []
@@ -82,7 +85,11 @@ def _schedules(shape: ModelShape, pp: int, m: int, pins: dict) -> list[tuple[str
         if pins.get("schedule") and sch != pins["schedule"]:
             continue
         if sch == "interleaved-1f1b":
-            vs = [v for v in range(2, MAX_V + 1) if pp * v <= shape.layers]
+            vs = [
+                v
+                for v in range(2, MAX_V + 1)
+                if pp * v <= shape.layers and not (even and shape.layers % (pp * v))
+            ]
             if not vs:
                 out.append((sch, 2, f"interleaving needs layers={shape.layers} >= pp*v = {2 * pp}"))
             for v in vs:
@@ -94,7 +101,7 @@ def _schedules(shape: ModelShape, pp: int, m: int, pins: dict) -> list[tuple[str
     return out
 
 
-def _enumerate(shape: ModelShape, world: int, gpn: int, pins: dict):
+def _enumerate(shape: ModelShape, world: int, gpn: int, pins: dict, even: bool = False):
     """Yield (Layout, reason-or-None) for every combination."""
     B = shape.global_batch
     for tp in divisors(world):
@@ -111,15 +118,19 @@ def _enumerate(shape: ModelShape, world: int, gpn: int, pins: dict):
             reason = treason
             if reason is None and pp > shape.layers:
                 reason = f"pp={pp} is more stages than layers={shape.layers}"
+            if reason is None and even and shape.layers % pp:
+                reason = f"pp={pp} does not divide layers={shape.layers} (this runtime's split)"
             if reason is None and B % dp:
                 reason = f"global batch {B} is not divisible by dp={dp}"
             if reason is not None:
                 yield base, reason
                 continue
-            yield from _inner(shape, tp, pp, dp, B // dp, pins)
+            yield from _inner(shape, tp, pp, dp, B // dp, pins, even)
 
 
-def _inner(shape: ModelShape, tp: int, pp: int, dp: int, per_replica: int, pins: dict):
+def _inner(
+    shape: ModelShape, tp: int, pp: int, dp: int, per_replica: int, pins: dict, even: bool
+):
     zeros = [pins["zero"]] if pins.get("zero") is not None else [0, 1, 2, 3]
     ms = [pins["micro_batches"]] if pins.get("micro_batches") else divisors(per_replica)
     cks = [pins["checkpointing"]] if pins.get("checkpointing") else list(CHECKPOINTING)
@@ -132,7 +143,7 @@ def _inner(shape: ModelShape, tp: int, pp: int, dp: int, per_replica: int, pins:
             if per_replica % m == 0
             else (f"micro_batches={m} does not divide the {per_replica} sequences per DP replica")
         )
-        for sch, v, sreason in _schedules(shape, pp, m, pins):
+        for sch, v, sreason in _schedules(shape, pp, m, pins, even):
             for zero in zeros:
                 zreason = (
                     f"zero={zero} with dp=1 shards nothing (use zero=0)"
@@ -157,15 +168,16 @@ def search(
     use_simulator: bool = True,
     keep_rejected: bool = True,
     ranks_per_host: int | None = None,
+    runtime_name: str = "distllm",
 ) -> SearchResult:
-    """Every layout of ``shape`` on ``world`` devices, ranked by predicted step time."""
+    """Every layout of ``shape`` on ``world`` devices, ranked by predicted step time, as
+    the training code ``runtime_name`` (:mod:`distllm.plan.runtime`) would run them."""
     t0 = time.perf_counter()
     prof = load_profile(profile)
     gpn = gpus_per_node or min(prof.gpus_per_node, world)
     _check_cluster(world, gpn)
     pins = dict(pins or {})
     dtype = dtype or ("float32" if prof.cores else "bfloat16")
-    sim = simulator_or_none() if use_simulator else None
     cm = CostModel(
         shape,
         prof,
@@ -174,10 +186,14 @@ def search(
         dtype=dtype,
         flash_attention=flash_attention,
         ranks_per_host=ranks_per_host,
+        runtime_name=runtime_name,
     )
+    # the replay overlaps transfers with compute: only for a runtime whose transfers do
+    sim = simulator_or_none() if use_simulator and cm.runtime.p2p_async else None
     cap = prof.usable_bytes
     ranked, rejected = [], []
-    for lay, reason in _enumerate(shape, world, gpn, pins):
+    even = cm.runtime.stage_split == "blocks"
+    for lay, reason in _enumerate(shape, world, gpn, pins, even):
         if reason is not None:
             if keep_rejected:
                 rejected.append(Estimate(lay, rejected_reason=reason))
@@ -198,7 +214,7 @@ def search(
 
 def _too_big(mem: dict[str, float], prof: Profile) -> str:
     return (
-        f"needs {mem['total'] / GB:.1f} GB of the {prof.memory_bytes / GB:.0f} GB "
+        f"needs {mem['total'] / GB:.1f} GB of the {prof.memory_bytes / GB:.3g} GB "
         f"({prof.usable_bytes / GB:.1f} GB usable)"
     )
 
@@ -283,12 +299,14 @@ def model_states_table(
         raise ValueError(f"gpus={world} is not divisible by tp*pp={tp * pp}: change --tp/--pp")
     prof = load_profile(profile)
     dp = world // (tp * pp)
-    shape = ModelShape("params", 1, 1, 1, 1, 1, 1, 1)
-    cm = CostModel(shape, prof, world, prof.gpus_per_node, dtype=dtype)
+    dt = canonical_dtype(dtype)
+    if dt not in STATE_BYTES:
+        raise ValueError(f"dtype={dtype!r}: choose --dtype from {', '.join(STATE_BYTES)}")
     out = []
     for zero in range(4):
         lay = Layout(tp, pp, dp, zero)
-        mem = cm.model_state_bytes(n_params / (tp * pp), dp, zero)
+        # the ZeRO paper's accounting: 16-bit gradients under mixed precision
+        mem = state_bytes(n_params / (tp * pp), dp, zero, STATE_BYTES[dt])
         mem["activations"] = 0.0
         mem["total"] = sum(mem.values())
         est = Estimate(lay, memory=mem)

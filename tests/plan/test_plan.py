@@ -26,7 +26,7 @@ def test_zero_paper_table():
         got = est.memory["total"] / GB
         assert got == pytest.approx(want[est.layout.zero], rel=0.02), est.layout
     rows = model_states_table(7.5e9, 64)
-    assert rows[0].rejected_reason == "needs 120.0 GB of the 80 GB (73.6 GB usable)"
+    assert rows[0].rejected_reason == "needs 120.0 GB of the 85.9 GB (79.0 GB usable)"
     assert all(r.rejected_reason is None for r in rows[1:])
 
 
@@ -227,7 +227,7 @@ def test_explain_lists_rejections(capsys):
     assert rc == 2, cap.err
     assert "no layout fits" in cap.err and "--gpus" in cap.err, cap.err
     assert "tp=16 crosses the node boundary (8 GPUs per node)" in out
-    assert re_search(r"needs \d+\.\d GB of the 80 GB", out)
+    assert re_search(r"needs \d+\.\d GB of the 85.9 GB", out)
 
 
 def re_search(pattern: str, text: str) -> bool:

@@ -1,0 +1,129 @@
+"""What the training software does, as far as memory and step time are concerned.
+
+The hardware profile says how fast the machine is; a :class:`Runtime` says which of its
+communication the training code overlaps, how it splits layers over pipeline stages, what it
+keeps in memory and how its optimizer step runs. ``distllm`` (the default) describes this
+package's trainer; ``megatron-lm-2021`` the code behind Narayanan et al. 2021 (Megatron-LM,
+arXiv:2104.04473), so that the planner's physics can be checked against that paper's Table 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Runtime", "RUNTIMES", "runtime", "runtime_names"]
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """One training code's behaviour, each field with where it comes from (``source``)."""
+
+    name: str
+    stage_split: str
+    """``entries``: the list [embedding, blocks..., head] is cut into ``pp * v`` chunks as
+    evenly as possible, earlier chunks taking the remainder (distllm's engine);
+    ``blocks``: the blocks are cut evenly (``layers`` divisible by ``pp * v``), the embedding
+    joins the first stage and the head the last (Megatron-LM)."""
+    tp_overlap: bool
+    """The row-parallel GEMM overlaps its all-reduce in forward (chunked)."""
+    dp_overlap: bool
+    """The data-parallel gradient reduction overlaps the last micro-batch's backward."""
+    grad_bytes_mixed: int
+    """Gradient bytes per parameter kept across micro-batches in 16-bit training."""
+    optimizer_bytes: float
+    """Bytes of memory traffic per (local) parameter of one optimizer step, with the
+    gradient-norm clipping and the copy back to the 16-bit weights."""
+    optimizer_temp_bytes: float
+    """Transient bytes per (local) parameter while the optimizer step runs."""
+    p2p_scatter_gather: bool
+    """Each TP rank sends 1/tp of a pipeline message, all-gathered over NVLink on arrival."""
+    p2p_async: bool
+    """Pipeline sends and receives run in the background of compute (replayed by the
+    schedule simulator); False: each transfer sits on the critical path (the closed form
+    charges it per chunk)."""
+    keeps_stage_output: bool
+    """A pipeline rank keeps the output it sent for each micro-batch in flight until that
+    micro-batch's backward (the root of its autograd graph)."""
+    causal_skip: bool
+    """The fused attention kernel skips the masked half of the scores."""
+    source: dict[str, str] = field(default_factory=dict)
+
+
+RUNTIMES: dict[str, Runtime] = {
+    "distllm": Runtime(
+        name="distllm",
+        stage_split="entries",
+        tp_overlap=True,
+        dp_overlap=True,
+        grad_bytes_mixed=4,
+        optimizer_bytes=100.0,
+        optimizer_temp_bytes=4.0,
+        p2p_scatter_gather=False,
+        p2p_async=True,
+        keeps_stage_output=True,
+        causal_skip=True,
+        source={
+            "stage_split": "distllm.train.engine: _all_chunk_ids over mcfg.n_pipeline_layers",
+            "tp_overlap": "distllm.nn row-parallel layers: chunked GEMM + all-reduce (--overlap)",
+            "dp_overlap": "distllm.parallel.data: buckets reduced as backward fills them",
+            "grad_bytes_mixed": "ZeroOptimizer: fp32 gradient buckets under bf16 "
+            "(reduce_dtype = master dtype)",
+            "optimizer_bytes": "torch.optim.AdamW(foreach=True) on fp32 masters: lerp (12), "
+            "mul (8), addcmul (12), decay mul (8), sqrt (8), div (8), add (8), addcdiv (16); "
+            "clipping norm and scale (12); bf16 copy of the masters (6); zeroing (4)",
+            "optimizer_temp_bytes": "AdamW(foreach=True): _foreach_sqrt of the second moments "
+            "makes one fp32 temporary per parameter",
+            "p2p_async": "distllm.parallel.pipeline.pp_comm: batched isend/irecv, waited "
+            "for only by the compute that consumes them",
+            "keeps_stage_output": "distllm.parallel.pipeline.executor holds each micro-batch's "
+            "stage output until its backward",
+            "causal_skip": "torch scaled_dot_product_attention(is_causal=True)",
+        },
+    ),
+    "megatron-lm-2021": Runtime(
+        name="megatron-lm-2021",
+        stage_split="blocks",
+        tp_overlap=False,
+        dp_overlap=False,
+        grad_bytes_mixed=2,
+        optimizer_bytes=52.0,
+        optimizer_temp_bytes=4.0,
+        p2p_scatter_gather=True,
+        p2p_async=False,
+        keeps_stage_output=True,
+        causal_skip=False,
+        source={
+            "paper": "Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on "
+            "GPU Clusters Using Megatron-LM' (arXiv:2104.04473)",
+            "stage_split": "Megatron-LM: --num-layers divided evenly over pipeline stages "
+            "(and over model chunks with interleaving)",
+            "tp_overlap": "Megatron-LM 2021: RowParallelLinear all-reduces after its GEMM",
+            "dp_overlap": "Megatron-LM 2021 local DDP: allreduce_gradients() after the "
+            "pipeline flush (paper sec. 4.2: data-parallel communication once per batch)",
+            "grad_bytes_mixed": "fp16 training: main_grad buffer in the parameter dtype",
+            "optimizer_bytes": "fp16 optimizer: grad copy to fp32 (6), unscale and inf check "
+            "(8), norm (4), apex FusedAdam (read p, g, m, v, write p, m, v: 28), copy to fp16 "
+            "weights (6)",
+            "optimizer_temp_bytes": "fp16 optimizer: main_grad.float() makes an fp32 copy",
+            "p2p_scatter_gather": "paper sec. 4.1: scatter/gather communication optimization",
+            "p2p_async": "Megatron-LM 2021 p2p_communication: batch_isend_irecv, waited at "
+            "once, then torch.cuda.synchronize()",
+            "keeps_stage_output": "Megatron-LM 2021 schedules keep output_tensors for backward",
+            "causal_skip": "no fused attention: the full s x s scores (paper sec. 5)",
+        },
+    ),
+}
+
+
+def runtime_names() -> list[str]:
+    return sorted(RUNTIMES)
+
+
+def runtime(name: str | Runtime) -> Runtime:
+    """A runtime by name (``distllm``, ``megatron-lm-2021``)."""
+    if isinstance(name, Runtime):
+        return name
+    if name not in RUNTIMES:
+        raise ValueError(f"unknown runtime {name!r}: choose --runtime from "
+                         f"{', '.join(runtime_names())}")
+    return RUNTIMES[name]

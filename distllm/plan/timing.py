@@ -1,0 +1,241 @@
+"""Step time of a layout: kernels per block (:mod:`distllm.plan.kernels`), communication
+(alpha-beta per link class), the pipeline schedule (:mod:`distllm.plan.bubble`), the
+data-parallel reduction and the optimizer, with overlap credited only where the runtime
+(:mod:`distllm.plan.runtime`) overlaps and only as far as the link's ``overlap`` allows.
+
+Per block and micro-batch, on one TP rank:
+  * forward: the four linear GEMMs by shape, the attention core (fused, or two batched GEMMs
+    and the softmax/dropout over the scores), the elementwise kernels, per-operator host
+    overhead (CPU profiles);
+  * backward: input- and weight-gradient GEMMs, the attention core's backward, twice the
+    elementwise bytes; full recomputation adds one forward (its all-reduces included),
+    selective recomputation the attention core's;
+  * tensor parallelism: two all-reduces of the ``(b, s, h)`` stream in forward and two in
+    backward (an all-gather and a reduce-scatter each with sequence parallelism); the
+    forward ones overlapped with the row-parallel GEMM when the runtime does so;
+  * ZeRO-3: the block's all-gather before its forward and its backward, prefetched behind
+    the previous block's compute.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .bubble import pipeline_time
+from .collectives import collective_time
+from .kernels import (
+    CE_BYTES_PER_LOGIT,
+    attention_times,
+    block_elementwise_bytes,
+    gemm_time,
+    linear_gemms,
+    linear_times,
+    mem_time,
+)
+from .layout import Layout
+
+__all__ = ["TimeModel", "OVERLAP_CHUNKS", "OPS_PER_LAYER_FWD"]
+
+OVERLAP_CHUNKS = 4  # chunks of the overlapped row-parallel GEMM + all-reduce
+OPS_PER_LAYER_FWD = 24  # eager operators of one block's forward (norms, GEMMs, attention, ...)
+
+
+class TimeModel:
+    """The time half of :class:`distllm.plan.cost.CostModel` (which provides the shapes,
+    the profile, the runtime, the stage split and the per-rank parameter counts)."""
+
+    def _link(self, group: str, lay: Layout):
+        if group == "pp":  # neighbours are dp*tp ranks apart
+            return self.profile.link(lay.tp * lay.dp >= self.gpn and lay.pp > 1)
+        span = {"tp": lay.tp, "dp": lay.tp * lay.dp}[group]
+        return self.profile.link(span > self.gpn)
+
+    def _tp_collective(self, nbytes: float, lay: Layout) -> float:
+        """One TP synchronisation point of ``nbytes`` (all-reduce, or AG + RS under SP)."""
+        if lay.tp == 1:
+            return 0.0
+        link = self._link("tp", lay)
+        if lay.sequence_parallel:
+            return collective_time("all_gather", nbytes, lay.tp, link) + collective_time(
+                "reduce_scatter", nbytes, lay.tp, link
+            )
+        return collective_time("all_reduce", nbytes, lay.tp, link)
+
+    def layer_times(self, b: int, lay: Layout) -> dict[str, float]:
+        """Seconds of one block per micro-batch on one rank (uncontended)."""
+        key = ("lt", b, lay.tp, lay.sequence_parallel, lay.checkpointing, lay.dp, lay.zero)
+        if key in self._cache:
+            return self._cache[key]
+        s, p, t, rt = self.shape, self.profile, lay.tp, self.runtime
+        tokens = b * s.seq_len
+        lin_f, lin_dg, lin_wg = linear_times(p, self.peak, s, tokens, t, self.e)
+        att_f, att_b = attention_times(
+            p, self.peak, s, b, t, self.e, self.flash, rt.causal_skip
+        )
+        elem = mem_time(p, block_elementwise_bytes(s, tokens, t, lay.sequence_parallel, self.e))
+        ops = OPS_PER_LAYER_FWD * p.op_overhead_s
+        fwd = lin_f + att_f + elem + ops
+        bwd = lin_dg + lin_wg + att_b + 2 * (elem + ops)
+        recompute = {"full": fwd, "selective": att_f}.get(lay.checkpointing, 0.0)
+        tp_f = tp_b = 0.0
+        if t > 1:
+            one = self._tp_collective(self.e * tokens * s.hidden, lay)
+            hidden = 0.0
+            if rt.tp_overlap:  # each hidden behind its row-parallel GEMM, chunked
+                gemms = linear_gemms(s, tokens, t)
+                row = [gemm_time(p, self.peak, *gemms[i], elem=self.e) for i in (1, 3)]
+                chunks = (OVERLAP_CHUNKS - 1) / OVERLAP_CHUNKS
+                hidden = sum(min(one, r) for r in row) * self._link("tp", lay).overlap * chunks
+            tp_f = 2 * one - hidden
+            tp_b = 2 * one + (tp_f if lay.checkpointing == "full" else 0.0)
+        z3_f = z3_b = 0.0
+        if lay.zero >= 3 and lay.dp > 1:
+            link = self._link("dp", lay)
+            nbytes = self.rank_params(lay)[1] * self.param_bytes
+            ag = collective_time("all_gather", nbytes, lay.dp, link)
+            z3_f = max(0.0, ag - link.overlap * fwd)  # prefetched behind the previous block
+            z3_b = max(0.0, ag - link.overlap * (bwd + recompute))
+        out = dict(
+            fwd=fwd,
+            bwd=bwd + recompute,
+            recompute=recompute,
+            gemm=lin_f + lin_dg + lin_wg,
+            attention=att_f + att_b,
+            elementwise=3 * elem,
+            w=lin_wg,
+            tp_f=tp_f,
+            tp_b=tp_b,
+            z3_f=z3_f,
+            z3_b=z3_b,
+        )
+        self._cache[key] = out
+        return out
+
+    def _ends(self, b: int, lay: Layout) -> tuple[float, float, float, float]:
+        """(embedding forward, head forward, head backward, head weight-gradient) seconds."""
+        s, p, t = self.shape, self.profile, lay.tp
+        tokens, v_pad = b * s.seq_len, s.padded_vocab(t)
+        n = tokens * s.hidden
+        m, vn = tokens, v_pad // t
+        head_f = gemm_time(p, self.peak, m, vn, s.hidden, elem=self.e)  # (T, h) @ (h, V/t)
+        head_dg = gemm_time(p, self.peak, m, s.hidden, vn, elem=self.e)
+        head_w = gemm_time(p, self.peak, s.hidden, vn, m, elem=self.e)
+        ce = mem_time(p, CE_BYTES_PER_LOGIT * tokens * vn)
+        norm = mem_time(p, 4 * self.e * n) + 3 * p.op_overhead_s
+        msg = self.e * n
+        emb = mem_time(p, 4 * self.e * n) + 2 * p.op_overhead_s + self._tp_collective(msg, lay)
+        head_fwd = head_f + ce / 2 + norm
+        head_bwd = head_dg + head_w + ce / 2 + 2 * norm + self._tp_collective(msg, lay)
+        return emb, head_fwd, head_bwd, head_w
+
+    def rank_times(self, lay: Layout) -> tuple[list[float], ...]:
+        """Forward, backward, weight-gradient and (inside those) TP/ZeRO-3 communication
+        seconds of one micro-batch per pipeline rank."""
+        s = self.shape
+        b = s.global_batch // (lay.dp * lay.micro_batches)
+        key = ("rt", b, lay.tp, lay.sequence_parallel, lay.checkpointing, lay.dp, lay.zero,
+               lay.pp, lay.virtual_stages)
+        if key in self._cache:
+            return self._cache[key]
+        lt = self.layer_times(b, lay)
+        emb, head_f, head_b, head_w = self._ends(b, lay)
+        tf, tb, tw, tc = [], [], [], []
+        for blocks, has_e, has_h in self.ranks(lay.pp, lay.virtual_stages):
+            tf.append(blocks * (lt["fwd"] + lt["tp_f"] + lt["z3_f"])
+                      + (emb if has_e else 0.0) + (head_f if has_h else 0.0))
+            tb.append(blocks * (lt["bwd"] + lt["tp_b"] + lt["z3_b"])
+                      + (emb if has_e else 0.0) + (head_b if has_h else 0.0))
+            tw.append(blocks * lt["w"] + (head_w if has_h else 0.0))
+            tc.append(blocks * (lt["tp_f"] + lt["tp_b"] + lt["z3_f"] + lt["z3_b"]))
+        self._cache[key] = (tf, tb, tw, tc)
+        return tf, tb, tw, tc
+
+    def p2p_time(self, lay: Layout) -> float:
+        """One pipeline message (a micro-batch's activation or its gradient) between stages."""
+        if lay.pp == 1:
+            return 0.0
+        s = self.shape
+        b = s.global_batch // (lay.dp * lay.micro_batches)
+        full = self.e * b * s.seq_len * s.hidden
+        if lay.sequence_parallel:
+            return collective_time("p2p", full / lay.tp, 2, self._link("pp", lay))
+        if self.runtime.p2p_scatter_gather and lay.tp > 1:  # send 1/t, all-gather on NVLink
+            return collective_time("p2p", full / lay.tp, 2, self._link("pp", lay)) + (
+                collective_time("all_gather", full, lay.tp, self._link("tp", lay))
+            )
+        return collective_time("p2p", full, 2, self._link("pp", lay))
+
+    def _tail(self, lay: Layout, tb: list[float]) -> tuple[float, float, float, float]:
+        """After a rank's last backward: the exposed part of the DP gradient reduction (with
+        ``dp_overlap``, overlapped with that backward), the ZeRO-1/2 all-gather of the
+        updated shards and the optimizer step; the slowest rank's (total, reduction,
+        gather, optimizer)."""
+        params, _ = self.rank_params(lay)
+        rt, best = self.runtime, (0.0, 0.0, 0.0, 0.0)
+        for r in self._heavy_ranks(lay.pp, lay.virtual_stages):
+            n_params = params[r]
+            red = ag = 0.0
+            if lay.dp > 1:
+                link = self._link("dp", lay)
+                gbytes = self.grad_bytes * n_params
+                kind = "reduce_scatter" if lay.zero >= 2 else "all_reduce"
+                red = collective_time(kind, gbytes, lay.dp, link)
+                if rt.dp_overlap:
+                    n_buckets = max(1, math.ceil(gbytes / self.bucket_bytes))
+                    red = max(red - link.overlap * tb[r], red / n_buckets)
+                if lay.zero in (1, 2):
+                    nbytes = self.param_bytes * n_params
+                    ag = collective_time("all_gather", nbytes, lay.dp, link)
+            ranks = self.ranks(lay.pp, lay.virtual_stages)
+            if self.shape.tied_embeddings and lay.pp > 1 and (ranks[r][1] or ranks[r][2]):
+                # the first and last stages each hold the word embedding: its gradients
+                # are summed between them once per step
+                words = self.shape.padded_vocab(lay.tp) * self.shape.hidden / lay.tp
+                link = self.profile.link(lay.tp * lay.dp * lay.pp > self.gpn)
+                red += collective_time("all_reduce", self.grad_bytes * words, 2, link)
+            local = n_params / (lay.dp if lay.zero >= 1 else 1)
+            opt = mem_time(self.profile, local * rt.optimizer_bytes)
+            if red + ag + opt > best[0]:
+                best = (red + ag + opt, red, ag, opt)
+        return best
+
+    def step_time(self, lay: Layout) -> tuple[float, dict[str, float]]:
+        s, p = self.shape, self.profile
+        b = s.global_batch // (lay.dp * lay.micro_batches)
+        m = lay.micro_batches
+        lt = self.layer_times(b, lay)
+        tf, tb, tw, tc = self.rank_times(lay)
+        t_comm = self.p2p_time(lay)
+        pipe = pipeline_time(
+            lay.schedule, lay.pp, m, lay.virtual_stages, tf, tb, tw, t_comm, self.simulator
+        )
+        tail, dp_exp, zero_ag, t_opt = self._tail(lay, tb)
+        step = pipe + tail + p.step_overhead_s
+        if p.cores:  # ranks share the cores: the busy time of all of them must fit too
+            per_stage = self.ranks_per_host / lay.pp
+            # waiting on a rate-limited wire leaves the cores to the other ranks
+            cpu_comm = 1.0 if self._link("tp", lay).uses_cpu else 0.0
+            busy = [f + b_ - (1.0 - cpu_comm) * c for f, b_, c in zip(tf, tb, tc, strict=True)]
+            work = per_stage * m * sum(busy)
+            # TP/ZeRO-3 ranks wait on the wire in lockstep: that wait adds to the shared work
+            wire = (1.0 - cpu_comm) * m * max(tc)
+            step = max(step, work / p.cores + wire + tail + p.step_overhead_s)
+        blocks = max(r[0] for r in self.ranks(lay.pp, lay.virtual_stages))
+        chunks = m * (lay.virtual_stages if lay.pp > 1 else 1)
+        parts = dict(
+            step=step,
+            compute=m * (max(tf) + max(tb)),
+            pipeline=pipe,
+            bubble=max(0.0, pipe - m * max(f + b_ for f, b_ in zip(tf, tb, strict=True))),
+            gemm=m * blocks * lt["gemm"],
+            attention=m * blocks * lt["attention"],
+            elementwise=m * blocks * lt["elementwise"],
+            recompute=m * blocks * lt["recompute"],
+            tp_comm=m * blocks * (lt["tp_f"] + lt["tp_b"]),
+            pp_p2p=t_comm,
+            pp_p2p_total=2 * chunks * t_comm if lay.pp > 1 else 0.0,
+            dp_comm=dp_exp,
+            zero_comm=zero_ag + m * blocks * (lt["z3_f"] + lt["z3_b"]),
+            optimizer=t_opt,
+        )
+        return step, parts

@@ -1,0 +1,161 @@
+"""``distllm plan --verify``: the planner's memory for one rank of a layout against a dry run
+of the real training code (:mod:`distllm.plan.dry_run`) at that layout.
+
+The model is distllm's GPT (:class:`distllm.models.gpt.GPTConfig`); the planner is given the
+same shape (untied embeddings, no dropout, the vocabulary padded to ``64 * tp``), the
+``distllm`` runtime and fused attention, so both describe the same job. The rank compared is
+the pipeline rank the planner finds heaviest (first DP and TP rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cost import CostModel
+from .dry_run import DryRun, dry_run
+from .hardware import load_profile
+from .layout import GB, Layout
+from .model import ModelShape
+
+__all__ = ["Verification", "verify", "gpt_config_for", "shape_for", "train_config_for"]
+
+KEYS = ("params", "grads", "optimizer")
+
+
+def gpt_config_for(shape: ModelShape):
+    """distllm's GPT of ``shape`` (GeLU MLP, biases, learned positions, untied head)."""
+    from distllm.models.gpt import GPTConfig
+
+    if shape.gated_mlp or not shape.biases or not shape.learned_positions:
+        raise ValueError(
+            f"--verify builds distllm's GPT (GeLU MLP, biases, learned positions); "
+            f"{shape.name} is not one: choose --model gpt2-xl, gpt3-175b, ... or GPT shape flags"
+        )
+    return GPTConfig(
+        vocab_size=shape.vocab,
+        n_layers=shape.layers,
+        hidden_size=shape.hidden,
+        n_heads=shape.heads,
+        ffn_hidden_size=shape.ffn,
+        max_seq_len=shape.seq_len,
+        n_kv_heads=shape.kv_heads or None,
+        tie_embeddings=False,
+        name=shape.name,
+    )
+
+
+def shape_for(mcfg, global_batch: int, seq_len: int) -> ModelShape:
+    """The planner's view of distllm's GPT ``mcfg``."""
+    return ModelShape(
+        mcfg.name,
+        mcfg.n_layers,
+        mcfg.hidden_size,
+        mcfg.n_heads,
+        mcfg.ffn_hidden_size,
+        mcfg.vocab_size,
+        seq_len,
+        global_batch,
+        kv_heads=mcfg.n_kv_heads or 0,
+        vocab_multiple=64,
+        tied_embeddings=mcfg.tie_embeddings,
+        dropout=False,
+        source="distllm.models.gpt.GPTConfig",
+    )
+
+
+def train_config_for(lay: Layout, shape: ModelShape, dtype: str):
+    """The :class:`distllm.train.config.TrainConfig` that runs ``lay`` for ``shape``."""
+    from distllm.train.config import ParallelConfig, TrainConfig
+
+    par = ParallelConfig(
+        tp=lay.tp,
+        pp=lay.pp,
+        dp=lay.dp,
+        zero=lay.zero,
+        schedule=lay.schedule if lay.pp > 1 else "1f1b",
+        micro_batches=lay.micro_batches,
+        virtual_stages=max(2, lay.virtual_stages),
+        sequence_parallel=lay.sequence_parallel,
+        overlap="none",
+    )
+    return TrainConfig(
+        model=shape.name,
+        parallel=par,
+        global_batch=shape.global_batch,
+        seq_len=shape.seq_len,
+        dtype=dtype,
+        activation_checkpointing=lay.checkpointing,
+        progress=False,
+    )
+
+
+@dataclass
+class Verification:
+    """The planner's prediction and the dry run's measurement for one rank (bytes)."""
+
+    layout: Layout
+    model: str
+    pp_rank: int
+    predicted: dict[str, float]
+    measured: DryRun
+
+    @property
+    def error(self) -> float:
+        """Predicted peak over measured peak, minus one."""
+        return self.predicted["total"] / self.measured.peak - 1.0
+
+    def as_dict(self) -> dict:
+        m = self.measured
+        return {
+            "layout": self.layout.name(),
+            "model": self.model,
+            "world": m.world,
+            "rank": m.rank,
+            "pp_rank": self.pp_rank,
+            "predicted_gb": {k: v / GB for k, v in self.predicted.items()},
+            "measured_gb": {
+                **{k: v / GB for k, v in m.states.items()},
+                **{f"peak_{k}": v / GB for k, v in m.phases.items()},
+                "total": m.peak / GB,
+            },
+            "peak_phase": m.peak_phase,
+            "error": self.error,
+            "dry_run_seconds": m.seconds,
+            "ops": m.ops,
+        }
+
+    def report(self) -> str:
+        m, p = self.measured, self.predicted
+        lines = [
+            f"verify {self.layout.name()} of {self.model}: rank {m.rank} of {m.world} "
+            f"(pipeline rank {self.pp_rank}), dry run of the real code in {m.seconds:.1f} s "
+            f"({m.ops} ops on fake tensors)",
+            f"  {'':12s} {'planner':>10s} {'dry run':>10s}",
+        ]
+        for k in KEYS:
+            lines.append(f"  {k:12s} {p[k] / GB:10.3f} {m.states.get(k, 0) / GB:10.3f}")
+        fb = m.phases.get("forward-backward", 0)
+        act_measured = fb - sum(m.states.get(k, 0) for k in KEYS)
+        lines.append(f"  {'activations':12s} {p['activations'] / GB:10.3f} "
+                     f"{act_measured / GB:10.3f}  (forward-backward peak minus the states)")
+        lines.append(f"  {'opt. step':12s} {p['optimizer_step'] / GB:10.3f} "
+                     f"{m.phases.get('optimizer', 0) / GB:10.3f}")
+        lines.append(f"  {'peak':12s} {p['total'] / GB:10.3f} {m.peak / GB:10.3f}  "
+                     f"error {self.error:+.1%} (measured peak in {m.peak_phase})")
+        return "\n".join(lines)
+
+
+def verify(shape: ModelShape, lay: Layout, *, dtype: str = "bfloat16",
+           profile: str = "a100-80gb", pp_rank: int | None = None) -> Verification:
+    """Dry-run ``lay`` for ``shape`` (as distllm's GPT) and compare one rank's peak memory
+    with the planner's."""
+    mcfg = gpt_config_for(shape)
+    plan_shape = shape_for(mcfg, shape.global_batch, shape.seq_len)
+    world = lay.tp * lay.pp * lay.dp
+    prof = load_profile(profile)
+    cm = CostModel(plan_shape, prof, world, min(world, prof.gpus_per_node), dtype=dtype,
+                   flash_attention=True, runtime_name="distllm")
+    r = cm.heaviest_rank(lay) if pp_rank is None else pp_rank
+    predicted = cm.rank_memory(lay, r)
+    measured = dry_run(train_config_for(lay, plan_shape, dtype), mcfg, world, pp_rank=r)
+    return Verification(lay, plan_shape.name, r, predicted, measured)
