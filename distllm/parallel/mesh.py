@@ -4,60 +4,74 @@ Global rank ``r`` has coordinates ``pp_rank = r // (dp*tp)``, ``dp_rank = (r // 
 ``tp_rank = r % tp``; so a TP group is ``tp`` consecutive ranks (one node's NVLink domain),
 DP groups stride by ``tp``, and PP groups stride by ``dp*tp`` (across nodes).
 
-One object holds every group and is passed explicitly to every module that communicates;
-nothing is kept in globals.
+Two steps, so that the first is testable without processes:
+
+1. validation: ``ParallelDims(tp, pp, dp, world_size=N)`` checks the integers against the
+   world size, infers ``dp=-1`` and computes every group's rank list (pure arithmetic);
+2. building: :meth:`ParallelDims.build` starts ``torch.distributed`` if needed and creates
+   the process groups (a collective: every rank calls it).
+
+``ParallelDims(tp, pp, dp)`` without ``world_size`` does both at once, over the current
+world (started from torchrun's environment, or as a 1-rank world): what users write under
+torchrun. One object holds every group and is passed explicitly to every module that
+communicates; nothing is kept in globals.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["ParallelDims", "mesh_groups", "divisors"]
+__all__ = ["ParallelDims", "MeshShape", "mesh_groups", "divisors"]
 
 
 def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in increasing order."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def mesh_groups(world: int, tp: int, pp: int, dp: int) -> dict[str, list[list[int]]]:
     """Rank lists of every group of the ``(pp, dp, tp)`` mesh (pure arithmetic, no processes).
 
-    Keys: ``tp``, ``dp``, ``pp``, ``dp_tp`` (a pipeline stage's ranks), ``pp_tp`` (the
-    model-parallel ranks of one data-parallel replica).
+    Keys: ``tp``, ``dp``, ``pp``, and ``pp_tp`` (the model-parallel ranks of one
+    data-parallel replica, over which the gradient norm is reduced).
     """
-    assert tp * pp * dp == world
-    coords = {r: (r // (dp * tp), (r // tp) % dp, r % tp) for r in range(world)}
+    if tp * pp * dp != world:
+        raise ValueError(f"tp*pp*dp = {tp}*{pp}*{dp} does not match the world size {world}")
+    coords = [(r // (dp * tp), (r // tp) % dp, r % tp) for r in range(world)]
 
     def by(fixed: tuple[int, ...]) -> list[list[int]]:
-        groups: dict[tuple, list[int]] = {}
+        groups: dict[tuple[int, ...], list[int]] = {}
         for r in range(world):
-            key = tuple(coords[r][i] for i in fixed)
-            groups.setdefault(key, []).append(r)
+            groups.setdefault(tuple(coords[r][i] for i in fixed), []).append(r)
         return [groups[k] for k in sorted(groups)]
 
     return {
-        "tp": by((0, 1)),  # same pp, dp: vary tp
+        "tp": by((0, 1)),  # same pp and dp coordinates: tp varies
         "dp": by((0, 2)),
         "pp": by((1, 2)),
-        "dp_tp": by((0,)),
         "pp_tp": by((1,)),
     }
 
 
-def _resolve(world: int, tp: int, pp: int, dp: int) -> int:
+def _resolve_dp(world: int, tp: int, pp: int, dp: int) -> int:
+    """Validate the sizes against ``world`` and return ``dp`` (inferred when -1)."""
     for name, v in (("tp", tp), ("pp", pp)):
-        if not isinstance(v, int) or v < 1:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name}={v!r}: it must be a positive integer")
-    if not isinstance(dp, int) or (dp < 1 and dp != -1):
+    if not isinstance(dp, int) or isinstance(dp, bool) or (dp < 1 and dp != -1):
         raise ValueError(
             f"dp={dp!r}: it must be a positive integer, or -1 to use every remaining rank"
         )
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise ValueError(f"world_size={world!r}: it must be a positive integer")
     if dp == -1:
         if world % (tp * pp) != 0:
             ok = [(t, p) for t in divisors(world) for p in divisors(world // t)]
@@ -76,6 +90,13 @@ def _resolve(world: int, tp: int, pp: int, dp: int) -> int:
     return dp
 
 
+def _current_world_size() -> int:
+    """The running world's size, or the one torchrun announces (1 outside torchrun)."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def _init_from_env(backend: str | None, timeout: datetime.timedelta) -> None:
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -88,17 +109,30 @@ def _init_from_env(backend: str | None, timeout: datetime.timedelta) -> None:
         dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
 
 
+class MeshShape(Protocol):
+    """Anything with mesh sizes: the training config's ``ParallelConfig``, the planner's
+    ``Layout``, another ``ParallelDims``."""
+
+    tp: int
+    pp: int
+    dp: int
+
+
 @dataclass
 class ParallelDims:
-    """The process groups of a ``(pp, dp, tp)`` mesh over the current ``torch.distributed`` world.
+    """The ``(pp, dp, tp)`` mesh: sizes validated at construction, process groups built by
+    :meth:`build` (at once when ``world_size`` is not given).
 
     Args:
         tp: tensor-parallel size (consecutive ranks).
         pp: pipeline-parallel size (outermost).
         dp: data-parallel size; ``-1`` takes every remaining rank (``world // (tp*pp)``).
-        backend: used only when this object has to start ``torch.distributed`` itself
+        backend: used only when :meth:`build` has to start ``torch.distributed`` itself
             (from torchrun's environment, or a 1-rank world): ``nccl`` with CUDA, else ``gloo``.
         timeout_s: collective timeout, so that a dead rank ends the job instead of hanging it.
+        world_size: ``None`` (default): the current world's, and the groups are built at
+            once. An integer: the sizes are only validated against it (no processes, no
+            groups) until :meth:`build` is called.
     """
 
     tp: int = 1
@@ -106,24 +140,81 @@ class ParallelDims:
     dp: int = -1
     backend: str | None = None
     timeout_s: float = 600.0
-    rank: int = field(init=False)
-    world_size: int = field(init=False)
+    world_size: int | None = None
 
     def __post_init__(self) -> None:
-        if not dist.is_initialized():
-            _resolve(int(os.environ.get("WORLD_SIZE", "1")), self.tp, self.pp, self.dp)
-            _init_from_env(self.backend, datetime.timedelta(seconds=self.timeout_s))
-        self.world_size = dist.get_world_size()
-        self.rank = dist.get_rank()
-        self.dp = _resolve(self.world_size, self.tp, self.pp, self.dp)
-        self.groups = mesh_groups(self.world_size, self.tp, self.pp, self.dp)
+        build_now = self.world_size is None
+        if build_now:
+            self.world_size = _current_world_size()
+        self.dp = _resolve_dp(self.world_size, self.tp, self.pp, self.dp)
+        self._rank: int | None = None
         self._pg: dict[str, ProcessGroup] = {}
+        if build_now:
+            self.build()
+
+    @classmethod
+    def from_layout(cls, layout: MeshShape, **kw) -> ParallelDims:
+        """The mesh of ``layout``'s ``tp``, ``pp`` and ``dp`` (a ``ParallelConfig``, a planner
+        ``Layout``, ...; read by attribute, so this layer imports neither). ``kw``: the
+        other arguments (``backend``, ``timeout_s``, ``world_size``)."""
+        return cls(tp=layout.tp, pp=layout.pp, dp=layout.dp, **kw)
+
+    def build(self) -> ParallelDims:
+        """Create the process groups, starting ``torch.distributed`` first if it is not
+        running (from torchrun's environment, or as a 1-rank world). Collective: every rank
+        of the world calls it. Returns ``self``; a second call does nothing."""
+        if self._rank is not None:
+            return self
+        world = _current_world_size()
+        if world != self.world_size:
+            raise ValueError(
+                f"world_size={self.world_size}, but the job has {world} ranks: pass "
+                f"world_size={world} (or leave it out to take the job's)"
+            )
+        if not dist.is_initialized():
+            _init_from_env(self.backend, datetime.timedelta(seconds=self.timeout_s))
         for name, rank_lists in self.groups.items():
             # every rank takes part in creating every group, in the same order
-            mine, _ = dist.new_subgroups_by_enumeration(rank_lists)
-            self._pg[name] = mine
+            self._pg[name], _ = dist.new_subgroups_by_enumeration(rank_lists)
+        self._rank = dist.get_rank()
+        return self
+
+    @property
+    def is_built(self) -> bool:
+        """Whether :meth:`build` has created the process groups."""
+        return self._rank is not None
+
+    @cached_property
+    def groups(self) -> dict[str, list[list[int]]]:
+        """Rank lists of every group of this mesh (see :func:`mesh_groups`)."""
+        return mesh_groups(self.world_size, self.tp, self.pp, self.dp)
+
+    def _built(self) -> None:
+        if self._rank is None:
+            raise RuntimeError(
+                f"ParallelDims(tp={self.tp}, pp={self.pp}, dp={self.dp}, "
+                f"world_size={self.world_size}) has only validated its sizes: call .build() "
+                f"on every rank before using its rank, coordinates or process groups"
+            )
 
     # --- coordinates -------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This process's global rank (once built)."""
+        self._built()
+        return self._rank
+
+    def coords_of(self, rank: int) -> tuple[int, int, int]:
+        """``(pp_rank, dp_rank, tp_rank)`` of global ``rank`` (pure arithmetic)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank}: choose a rank in 0..{self.world_size - 1}")
+        return (rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp)
+
+    @property
+    def coords(self) -> tuple[int, int, int]:
+        """``(pp_rank, dp_rank, tp_rank)`` of this rank."""
+        return self.coords_of(self.rank)
+
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp
@@ -136,41 +227,37 @@ class ParallelDims:
     def pp_rank(self) -> int:
         return self.rank // (self.dp * self.tp)
 
-    @property
-    def coords(self) -> tuple[int, int, int]:
-        """``(pp_rank, dp_rank, tp_rank)``."""
-        return (self.pp_rank, self.dp_rank, self.tp_rank)
-
     # --- groups ------------------------------------------------------------------------
+    def _group(self, name: str) -> ProcessGroup:
+        self._built()
+        return self._pg[name]
+
     @property
     def tp_group(self) -> ProcessGroup:
-        return self._pg["tp"]
+        return self._group("tp")
 
     @property
     def dp_group(self) -> ProcessGroup:
-        return self._pg["dp"]
+        return self._group("dp")
 
     @property
     def pp_group(self) -> ProcessGroup:
-        return self._pg["pp"]
-
-    @property
-    def stage_group(self) -> ProcessGroup:
-        """All ranks of this pipeline stage (dp x tp)."""
-        return self._pg["dp_tp"]
+        return self._group("pp")
 
     @property
     def model_parallel_group(self) -> ProcessGroup:
         """All ranks holding one replica of the model (pp x tp)."""
-        return self._pg["pp_tp"]
+        return self._group("pp_tp")
 
     @property
     def world_group(self) -> ProcessGroup:
+        self._built()
         return dist.group.WORLD
 
     def group_ranks(self, name: str) -> list[int]:
-        """Global ranks of this rank's group ``name`` (tp, dp, pp, dp_tp, pp_tp)."""
-        return next(g for g in self.groups[name] if self.rank in g)
+        """Global ranks of this rank's group ``name`` (``tp``, ``dp``, ``pp``, ``pp_tp``)."""
+        rank = self.rank
+        return next(g for g in self.groups[name] if rank in g)
 
     # --- pipeline neighbours -----------------------------------------------------------
     @property
@@ -192,12 +279,15 @@ class ParallelDims:
 
     @property
     def device(self) -> torch.device:
+        self._built()
         if dist.get_backend() == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
     def __repr__(self) -> str:
+        where = f"rank={self._rank}, coords(pp,dp,tp)={self.coords}" if self.is_built else (
+            "not built")
         return (
-            f"ParallelDims(tp={self.tp}, pp={self.pp}, dp={self.dp}, rank={self.rank}, "
-            f"coords(pp,dp,tp)={self.coords})"
+            f"ParallelDims(tp={self.tp}, pp={self.pp}, dp={self.dp}, "
+            f"world_size={self.world_size}, {where})"
         )

@@ -1,0 +1,195 @@
+"""ParallelDims: its validation and rank arithmetic without processes, then its groups on every
+factorisation of 1, 2, 4 and 8 gloo ranks, against an independent computation of the groups,
+and the errors that name the knob."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distllm.parallel.mesh import ParallelDims, mesh_groups
+from distllm.testing import DistributedFailure, run_distributed
+
+
+def _expected(world, tp, pp, dp, rank):
+    """Groups by brute force over a (pp, dp, tp) grid built with numpy-style indexing."""
+    grid = torch.arange(world).reshape(pp, dp, tp)
+    p, d, t = (grid == rank).nonzero()[0].tolist()
+    return {
+        "tp": grid[p, d, :].tolist(),
+        "dp": grid[p, :, t].tolist(),
+        "pp": grid[:, d, t].tolist(),
+        "pp_tp": grid[:, d, :].flatten().tolist(),
+        "coords": (p, d, t),
+        "next": grid[p + 1, d, t].item() if p + 1 < pp else None,
+        "prev": grid[p - 1, d, t].item() if p > 0 else None,
+    }
+
+
+def _factorisations(world):
+    for tp, pp in itertools.product(range(1, world + 1), repeat=2):
+        if world % (tp * pp) == 0:
+            yield tp, pp, world // (tp * pp)
+
+
+CASES = [(w, *f) for w in (1, 2, 4, 8) for f in _factorisations(w)]
+IDS = [f"w{w}-tp{t}-pp{p}-dp{d}" for w, t, p, d in CASES]
+
+
+# --- validation: no processes ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("world,tp,pp,dp", CASES, ids=IDS)
+def test_validation_and_rank_arithmetic_need_no_processes(world, tp, pp, dp):
+    dims = ParallelDims(tp=tp, pp=pp, dp=-1, world_size=world)
+    assert dims.dp == dp and not dims.is_built
+    assert ParallelDims(tp=tp, pp=pp, dp=dp, world_size=world).dp == dp
+    for rank in range(world):
+        exp = _expected(world, tp, pp, dp, rank)
+        assert dims.coords_of(rank) == exp["coords"]
+        for name in ("tp", "dp", "pp", "pp_tp"):
+            mine = [g for g in dims.groups[name] if rank in g]
+            assert mine == [exp[name]], (name, rank, mine, exp[name])
+    # every family partitions the world
+    for groups in dims.groups.values():
+        assert sorted(r for g in groups for r in g) == list(range(world))
+    assert not dist.is_initialized()
+
+
+def test_mesh_groups_by_hand():
+    g = mesh_groups(8, tp=2, pp=2, dp=2)
+    assert g == {
+        "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "pp_tp": [[0, 1, 4, 5], [2, 3, 6, 7]],
+    }
+
+
+BAD = [
+    (3, 1, -1, "dp=-1 cannot be inferred: world size 4 is not divisible by tp\\*pp=3"),
+    (2, 2, 2, "tp\\*pp\\*dp = 2\\*2\\*2 = 8 does not match the world size 4: set dp=-1"),
+    (0, 1, -1, "tp=0: it must be a positive integer"),
+    (1, -2, -1, "pp=-2: it must be a positive integer"),
+    (1, 1, 0, "dp=0: it must be a positive integer, or -1"),
+]
+
+
+@pytest.mark.parametrize("tp,pp,dp,words", BAD)
+def test_bad_sizes_name_the_knob(tp, pp, dp, words):
+    with pytest.raises(ValueError, match=words):
+        ParallelDims(tp=tp, pp=pp, dp=dp, world_size=4)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(tp=True), "tp=True"),
+    (dict(tp=2.0), "tp=2.0"),
+    (dict(dp="2"), "dp='2'"),
+    (dict(world_size=0), "world_size=0"),
+])
+def test_non_integers_are_refused(kw, words):
+    with pytest.raises(ValueError, match=words):
+        ParallelDims(**{"world_size": 4, **kw})
+
+
+def test_an_unbuilt_mesh_says_to_build_it():
+    dims = ParallelDims(tp=2, world_size=4)
+    for attr in ("rank", "coords", "tp_group", "dp_group", "pp_group", "model_parallel_group",
+                 "world_group", "device", "next_pp_rank"):
+        with pytest.raises(RuntimeError, match=r"call \.build\(\) on every rank"):
+            getattr(dims, attr)
+    assert "not built" in repr(dims)
+    with pytest.raises(ValueError, match="rank=4: choose a rank in 0..3"):
+        dims.coords_of(4)
+
+
+def test_build_refuses_a_world_of_another_size(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="world_size=2, but the job has 1 ranks: pass "
+                                         "world_size=1"):
+        ParallelDims(world_size=2).build()
+    assert not dist.is_initialized()  # refused before starting anything
+
+
+def test_from_layout_reads_any_layout():
+    from distllm.plan.layout import Layout
+    from distllm.train.config import ParallelConfig
+
+    for layout in (ParallelConfig(tp=2, pp=2, dp=-1), Layout(2, 2, 2),
+                   SimpleNamespace(tp=2, pp=2, dp=2)):
+        dims = ParallelDims.from_layout(layout, world_size=8, timeout_s=5.0)
+        assert (dims.tp, dims.pp, dims.dp, dims.timeout_s) == (2, 2, 2, 5.0), layout
+    with pytest.raises(ValueError, match="does not match the world size 4"):
+        ParallelDims.from_layout(Layout(2, 2, 2), world_size=4)
+
+
+# --- building: gloo ranks --------------------------------------------------------------
+
+
+def _check_mesh(tp, pp, dp_arg, two_steps):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if two_steps:
+        dims = ParallelDims(tp=tp, pp=pp, dp=dp_arg, world_size=world)
+        assert not dims.is_built
+        assert dims.build() is dims and dims.is_built
+    else:
+        dims = ParallelDims(tp=tp, pp=pp, dp=dp_arg)
+    exp = _expected(world, tp, pp, dims.dp, rank)
+    assert dims.coords == tuple(exp["coords"])
+    for name in ("tp", "dp", "pp", "pp_tp"):
+        assert dims.group_ranks(name) == exp[name]
+    assert dims.next_pp_rank == exp["next"] and dims.prev_pp_rank == exp["prev"]
+    assert dims.is_first_stage == (exp["coords"][0] == 0)
+    assert dims.is_last_stage == (exp["coords"][0] == pp - 1)
+    # the process groups really contain those ranks: all-gather of the global rank
+    for name, attr in (("tp", "tp_group"), ("dp", "dp_group"), ("pp", "pp_group"),
+                       ("pp_tp", "model_parallel_group")):
+        g = getattr(dims, attr)
+        out = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(g))]
+        dist.all_gather(out, torch.tensor([rank]), group=g)
+        assert [int(t) for t in out] == exp[name], (name, out, exp[name])
+    return dims.coords
+
+
+@pytest.mark.parametrize("world,tp,pp,dp", CASES, ids=IDS)
+def test_mesh_groups(world, tp, pp, dp):
+    # dp passed explicitly on half the cases and inferred (-1) on the others; the groups
+    # built by the constructor on some and by an explicit build() on the others
+    dp_arg = dp if (tp + pp) % 2 == 0 else -1
+    two_steps = (tp * 3 + pp) % 2 == 0
+    coords = run_distributed(_check_mesh, world, tp, pp, dp_arg, two_steps, timeout=120)
+    assert sorted(coords) == sorted(itertools.product(range(pp), range(dp), range(tp)))
+
+
+def _bad(tp, pp, dp):
+    ParallelDims(tp=tp, pp=pp, dp=dp)
+
+
+@pytest.mark.parametrize("tp,pp,dp,words", BAD)
+def test_bad_sizes_under_a_running_world(tp, pp, dp, words):
+    with pytest.raises(DistributedFailure, match=f"ValueError: {words}"):
+        run_distributed(_bad, 4, tp, pp, dp, timeout=60)
+
+
+def test_single_process_without_torchrun():
+    # ParallelDims starts a 1-rank gloo world itself when none is running
+    code = (
+        "import distllm, torch.distributed as dist\n"
+        "d = distllm.ParallelDims()\n"
+        "assert dist.is_initialized() and d.world_size == 1 and d.dp == 1\n"
+        "assert d.coords == (0, 0, 0) and d.is_built\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
