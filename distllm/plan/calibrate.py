@@ -30,14 +30,10 @@ AR_SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
 
 
 def _median_time(fn, reps: int = 7, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    """Median seconds of ``fn`` over ``reps`` calls after ``warmup`` more."""
+    from distllm.diagnostics.timing import interleaved
+
+    return interleaved({"fn": fn}, warmup=warmup, reps=reps)["fn"].median_ms * 1e-3
 
 
 def measure_gemm(dtype: str = "float32", hidden: int = 128, tokens: int = 4096) -> dict:
@@ -89,21 +85,12 @@ def measure_memory_and_ops() -> tuple[float, float]:
 
 
 def _ar_rank(sizes: tuple[int, ...], reps: int) -> dict:
-    import torch
-    import torch.distributed as dist
+    """Median seconds of a float32 all-reduce of each size (each repetition the slowest
+    rank's)."""
+    from distllm.diagnostics.timing import time_collective
 
-    out = {}
-    for nbytes in sizes:
-        x = torch.ones(nbytes // 4)
-        dist.all_reduce(x)
-        ts = []
-        for _ in range(reps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            ts.append(time.perf_counter() - t0)
-        out[nbytes] = statistics.median(ts)
-    return out
+    return {nbytes: statistics.median(time_collective("all_reduce", nbytes // 4, reps=reps))
+            * 1e-3 for nbytes in sizes}
 
 
 def fit_alpha_beta(times: dict[int, float], n: int) -> tuple[float, float]:
@@ -132,7 +119,7 @@ def measure_link(net_rate: str | None, nranks: int = 4, reps: int = 15) -> tuple
         res = run_distributed(_ar_rank, nranks, AR_SIZES, reps, timeout=300)
         where = f"gloo all-reduce on loopback, {nranks} ranks, 1 thread each"
     else:
-        from distllm.bench.netem import EmulatedNetwork
+        from distllm.testing.netem import EmulatedNetwork
 
         with EmulatedNetwork(nranks=nranks, rate=net_rate) as net:
             if not net.available:

@@ -16,6 +16,7 @@ import sys
 from .cost import GB, STATE_BYTES, Estimate
 from .hardware import canonical_dtype, load_profile, profile_names
 from .model import ModelShape, preset, preset_names
+from .runtime import runtime, runtime_names
 from .search import CHECKPOINTING, explain, model_states_table, search
 
 __all__ = ["add_arguments", "run", "shape_from_args"]
@@ -61,9 +62,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="attention keeps its s x s probabilities (no fused attention)",
     )
+    s.add_argument(
+        "--runtime",
+        default="distllm",
+        help="the training code whose behaviour is modelled: "
+        f"{', '.join(runtime_names())} (default distllm)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=5, help="layouts to show")
-    o.add_argument("--explain", action="store_true", help="also every rejected layout and why")
+    o.add_argument(
+        "--explain",
+        action="store_true",
+        help="the chosen layout's step term by term, and every rejected layout and why",
+    )
+    o.add_argument(
+        "--verify",
+        action="store_true",
+        help="dry-run the real training code for the chosen layout's heaviest rank on fake "
+        "tensors and compare its peak memory with the planner's",
+    )
     o.add_argument("--json", action="store_true", help="print JSON instead of a table")
     o.add_argument(
         "--calibrate",
@@ -199,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
     if args.params is not None:
         return _params_mode(args)
     shape = shape_from_args(args)
+    runtime(args.runtime)  # a bad runtime name fails before the search
     res = search(
         shape,
         args.gpus,
@@ -208,22 +226,31 @@ def run(args: argparse.Namespace) -> int:
         pins=_pins(args),
         flash_attention=not args.no_flash,
         keep_rejected=args.explain or not args.json,
+        runtime_name=args.runtime,
     )
+    if args.verify:
+        return _verify(args, shape, res)
+    steps = _explained_steps(args, shape, res) if args.explain and res.ranked else None
     if args.json:
         out = {
             "model": shape.name,
             "gpus": args.gpus,
             "profile": args.gpu,
+            "runtime": args.runtime,
             "search_seconds": res.seconds,
             "ranked": [e.as_dict() for e in res.ranked[: args.top]],
         }
         if args.explain:
             out["rejected"] = [e.as_dict() for e in res.rejected]
+            if steps:
+                out["ranked"][0]["step_terms_s"] = steps[0]
         json.dump(out, sys.stdout, indent=1)
         print()
     else:
         if res.ranked:
             print(explain(res.best, shape, res))
+            if steps:
+                print(steps[1])
             print(f"\ntop {min(args.top, len(res.ranked))} of {len(res.ranked)}:")
             for e in res.ranked[: args.top]:
                 print("  " + _row(e))
@@ -233,4 +260,38 @@ def run(args: argparse.Namespace) -> int:
                 print("  " + _row(e))
     if not res.ranked:
         res.best  # noqa: B018 - raises ValueError saying why nothing fits
+    return 0
+
+
+def _cost_model(args: argparse.Namespace, shape: ModelShape, res):
+    from .cost import CostModel
+
+    prof = load_profile(args.gpu)
+    gpn = args.gpus_per_node or min(prof.gpus_per_node, args.gpus)
+    dtype = args.dtype or ("float32" if prof.cores else "bfloat16")
+    return CostModel(shape, prof, args.gpus, gpn, dtype=dtype,
+                     flash_attention=not args.no_flash, runtime_name=args.runtime)
+
+
+def _explained_steps(args: argparse.Namespace, shape: ModelShape, res):
+    """(terms in seconds, text) of the chosen layout's step."""
+    from .breakdown import explain_step, step_terms
+
+    cm = _cost_model(args, shape, res)
+    best = cm.evaluate(res.best.layout)  # the closed form, as the terms are
+    return step_terms(best, cm), explain_step(best, cm)
+
+
+def _verify(args: argparse.Namespace, shape: ModelShape, res) -> int:
+    """``--verify``: the dry run of the chosen layout against the planner's memory."""
+    from .verify import verify
+
+    best = res.best  # raises, saying why, when nothing fits
+    dtype = args.dtype or ("float32" if load_profile(args.gpu).cores else "bfloat16")
+    v = verify(shape, best.layout, dtype=dtype, profile=args.gpu)
+    if args.json:
+        json.dump(v.as_dict(), sys.stdout, indent=1)
+        print()
+    else:
+        print(v.report())
     return 0

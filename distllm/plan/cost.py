@@ -203,16 +203,41 @@ class CostModel(TimeModel):
         params, per_layer = self.rank_params(lay)
         blocks, has_e, has_h = self.ranks(lay.pp, lay.virtual_stages)[r]
         mem = self.model_state_bytes(params[r], lay.dp, lay.zero)
-        if lay.zero >= 3:  # the gathered block being used and the one being prefetched
-            mem["params"] += 2 * per_layer * self.param_bytes
+        unit = self._largest_unit(lay, per_layer, has_e, has_h)
+        if lay.zero >= 3:  # the gathered unit being used and the next block, prefetched
+            mem["params"] += (unit + per_layer) * self.param_bytes
         act = self._activations(lay, b, r, blocks, has_e, has_h)
         mem["activations"] = act
         states = mem["params"] + mem["grads"] + mem["optimizer"]
+        # gradients in flight during backward, beyond the resident ones
+        mem["grads_in_flight"] = self._grads_in_flight(lay, params[r], unit)
+        act += mem["grads_in_flight"]
         # the optimizer step's temporaries come after the activations are freed
         local = params[r] / (lay.dp if lay.zero >= 1 else 1)
         mem["optimizer_step"] = states + self.runtime.optimizer_temp_bytes * local
         mem["total"] = max(states + act, mem["optimizer_step"])
         return mem
+
+    def _largest_unit(self, lay: Layout, per_layer: float, has_e: bool, has_h: bool) -> float:
+        """Parameters of the largest layer on a rank (a block, the embedding or the head):
+        the unit ZeRO-3 gathers whole, and the largest single gradient."""
+        s, t = self.shape, lay.tp
+        vocab = s.padded_vocab(t) * s.hidden / t
+        emb = vocab + (s.seq_len * s.hidden if s.learned_positions else 0)
+        head = 0 if s.tied_embeddings and lay.pp == 1 else vocab
+        return max(per_layer, emb if has_e else 0, head if has_h else 0)
+
+    def _grads_in_flight(self, lay: Layout, n_params: float, unit: float) -> float:
+        """Gradient bytes alive during backward beyond the resident gradients: a 16-bit
+        gradient before it is added to a wider bucket, the buckets being reduced (ZeRO-2/3),
+        or, when micro-batches accumulate in full-size buffers, all of them."""
+        mixed = self.grad_bytes != self.param_bytes  # grads land in another dtype's bucket
+        landing = self.param_bytes * unit if mixed else 0.0
+        if lay.zero < 2:
+            return landing
+        if lay.micro_batches > 1 and self.runtime.zero_grad_accumulation == "full":
+            return self.grad_bytes * n_params + landing
+        return self.grad_bytes * max(unit, self.bucket_bytes / self.grad_bytes) + landing
 
     def _activations(self, lay: Layout, b: int, r: int, blocks: int, has_e: bool,
                      has_h: bool) -> float:
@@ -237,7 +262,9 @@ class CostModel(TimeModel):
         # gradients alive while one block runs backward: the MLP's inner gradient and two of
         # the residual stream (the saved tensors of that block are freed as it goes)
         work = self.e * (bs * s.ffn / lay.tp + 2 * bs * s.hidden)
-        act += work if blocks else (4 * bs * s.padded_vocab(lay.tp) / lay.tp if has_h else 0.0)
+        # the head's backward starts with the fp32 gradient of the logits and its cast
+        head = (4 + self.e) * bs * s.padded_vocab(lay.tp) / lay.tp if has_h else 0.0
+        act += max(work if blocks else 0.0, head)
         if lay.checkpointing == "full":  # one block's activations live during recompute
             act += self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, "none")
         return act

@@ -5,8 +5,9 @@ the pipeline executor, DDP or ZeRO, AdamW) is built and run for two training ste
 tensors: ``FakeTensorMode`` gives every tensor a shape, a dtype and a device but no memory
 and no arithmetic, and the ``fake`` process-group backend answers every collective at once.
 A dispatch mode counts the bytes of every storage alive (each storage once, freed when the
-last tensor on it dies) and keeps the peak; the second step's peak is the steady state
-(optimizer states exist, gradient buffers are in place).
+last tensor on it dies, resized when ``UntypedStorage.resize_`` says so) and keeps the peak;
+the second step's peak is the steady state (optimizer states exist, gradient buffers are in
+place).
 
 What a dry run cannot know it is told: a value read back from a fake tensor (a loss, a
 norm, an inf/NaN flag) reads as zero; the shape header a pipeline stage receives is the
@@ -59,14 +60,24 @@ class _Counter(TorchDispatchMode):
         st = t.untyped_storage()
         if st in self._seen:
             return
-        n = st.nbytes()
-        self._seen[st] = n
+        box = [st.nbytes()]  # the storage's current size, updated on resize_
+        self._seen[st] = box
+        self._add(box[0])
+        weakref.finalize(st, self._free, box)
+
+    def resized(self, st: torch.UntypedStorage) -> None:
+        """A tracked storage changed size in place (ZeRO-3 frees and re-gathers this way)."""
+        box = self._seen.get(st)
+        if box is not None:
+            n, box[0] = box[0], st.nbytes()
+            self._add(box[0] - n)
+
+    def _add(self, n: int) -> None:
         self.live += n
         self.peak = max(self.peak, self.live)
-        weakref.finalize(st, self._free, n)
 
-    def _free(self, n: int) -> None:
-        self.live -= n
+    def _free(self, box: list[int]) -> None:
+        self.live -= box[0]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -91,8 +102,9 @@ class _Counter(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _patched(header: tuple[torch.Size, torch.dtype]) -> Iterator[None]:
-    """The stand-ins listed in the module docstring, undone on exit."""
+def _patched(header: tuple[torch.Size, torch.dtype], counter: _Counter) -> Iterator[None]:
+    """The stand-ins listed in the module docstring, and the counting of in-place storage
+    resizes (which no op reports), undone on exit."""
     from distllm.parallel.pipeline import pp_comm
 
     bases: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -113,7 +125,14 @@ def _patched(header: tuple[torch.Size, torch.dtype]) -> Iterator[None]:
         return orig_to(self, *args, **kwargs)
 
     work = torch._C._distributed_c10d.FakeWork
-    orig_done = work.is_completed
+    orig_done, orig_resize = work.is_completed, torch.UntypedStorage.resize_
+
+    def resize_(st: torch.UntypedStorage, size: int):
+        out = orig_resize(st, size)
+        counter.resized(st)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
     FakeTensor.data_ptr = data_ptr
     torch.nn.Module.to = to
     pp_comm._decode = lambda _hdr: header
@@ -125,6 +144,7 @@ def _patched(header: tuple[torch.Size, torch.dtype]) -> Iterator[None]:
         torch.nn.Module.to = orig_to
         pp_comm._decode = orig_decode
         work.is_completed = orig_done
+        torch.UntypedStorage.resize_ = orig_resize
 
 
 @dataclass
@@ -209,7 +229,7 @@ def dry_run(train_cfg, model_cfg, world: int, pp_rank: int = 0) -> DryRun:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     counter = _Counter()
     try:
-        with _patched(header), FakeTensorMode(allow_non_fake_inputs=True), counter:
+        with _patched(header, counter), FakeTensorMode(allow_non_fake_inputs=True), counter:
             dims = ParallelDims(tp=p.tp, pp=p.pp, dp=dp)
             engine = Engine(train_cfg, model_cfg, dims)
             rows = train_cfg.global_batch // dp

@@ -1,10 +1,17 @@
-"""A layout (one point of the search) and its estimate (the cost model's predictions)."""
+"""A layout (one point of the search) and its estimate (the cost model's predictions).
+
+A training run's config converts to a :class:`Layout` with :meth:`Layout.from_config`; the
+other way is :meth:`distllm.train.config.ParallelConfig.from_layout`, and the mesh of either
+is :meth:`distllm.parallel.mesh.ParallelDims.from_layout`.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+from distllm.parallel.mesh import ParallelDims
 
 __all__ = ["Layout", "Estimate", "GB"]
 
@@ -27,6 +34,21 @@ class Layout(NamedTuple):
     sequence_parallel: bool = False
     virtual_stages: int = 1
     """Model chunks per rank (interleaved-1f1b)."""
+
+    @classmethod
+    def from_config(cls, cfg: Any, world_size: int) -> Layout:
+        """The layout a training run uses on ``world_size`` ranks (``dp=-1`` resolved).
+
+        ``cfg`` is a :class:`distllm.train.config.TrainConfig`, read by attribute (its
+        ``parallel`` fields and ``activation_checkpointing``), so that the planner does not
+        import the trainer.
+        """
+        p = cfg.parallel
+        dp = ParallelDims.from_layout(p, world_size=world_size).dp
+        pipelined = p.pp > 1
+        return cls(p.tp, p.pp, dp, p.zero, p.schedule if pipelined else "none",
+                   p.micro_batches, cfg.activation_checkpointing, p.sequence_parallel,
+                   p.chunks_per_rank)
 
     def name(self) -> str:
         s = f"tp{self.tp}.pp{self.pp}.dp{self.dp}.zero{self.zero}"

@@ -46,6 +46,10 @@ class Runtime:
     micro-batch's backward (the root of its autograd graph)."""
     causal_skip: bool
     """The fused attention kernel skips the masked half of the scores."""
+    zero_grad_accumulation: str
+    """ZeRO-2/3 with several micro-batches: ``full`` (gradients accumulate in full-size
+    buffers, reduce-scattered in the last micro-batch) or ``shard`` (reduce-scattered every
+    micro-batch into the shard)."""
     source: dict[str, str] = field(default_factory=dict)
 
 
@@ -62,6 +66,7 @@ RUNTIMES: dict[str, Runtime] = {
         p2p_async=True,
         keeps_stage_output=True,
         causal_skip=True,
+        zero_grad_accumulation="full",
         source={
             "stage_split": "distllm.train.engine: _all_chunk_ids over mcfg.n_pipeline_layers",
             "tp_overlap": "distllm.nn row-parallel layers: chunked GEMM + all-reduce (--overlap)",
@@ -78,6 +83,8 @@ RUNTIMES: dict[str, Runtime] = {
             "keeps_stage_output": "distllm.parallel.pipeline.executor holds each micro-batch's "
             "stage output until its backward",
             "causal_skip": "torch scaled_dot_product_attention(is_causal=True)",
+            "zero_grad_accumulation": "distllm.parallel.data buckets: non-persistent "
+            "buffers filled under no_sync() until the last micro-batch",
         },
     ),
     "megatron-lm-2021": Runtime(
@@ -92,6 +99,7 @@ RUNTIMES: dict[str, Runtime] = {
         p2p_async=False,
         keeps_stage_output=True,
         causal_skip=False,
+        zero_grad_accumulation="shard",
         source={
             "paper": "Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on "
             "GPU Clusters Using Megatron-LM' (arXiv:2104.04473)",
@@ -110,6 +118,7 @@ RUNTIMES: dict[str, Runtime] = {
             "once, then torch.cuda.synchronize()",
             "keeps_stage_output": "Megatron-LM 2021 schedules keep output_tensors for backward",
             "causal_skip": "no fused attention: the full s x s scores (paper sec. 5)",
+            "zero_grad_accumulation": "no ZeRO in the paper's runs",
         },
     ),
 }

@@ -88,13 +88,18 @@ class TimeModel:
                 hidden = sum(min(one, r) for r in row) * self._link("tp", lay).overlap * chunks
             tp_f = 2 * one - hidden
             tp_b = 2 * one + (tp_f if lay.checkpointing == "full" else 0.0)
-        z3_f = z3_b = 0.0
+        z3_f = z3_b = z3_rs = 0.0
         if lay.zero >= 3 and lay.dp > 1:
             link = self._link("dp", lay)
-            nbytes = self.rank_params(lay)[1] * self.param_bytes
-            ag = collective_time("all_gather", nbytes, lay.dp, link)
+            n = self.rank_params(lay)[1]
+            ag = collective_time("all_gather", n * self.param_bytes, lay.dp, link)
             z3_f = max(0.0, ag - link.overlap * fwd)  # prefetched behind the previous block
             z3_b = max(0.0, ag - link.overlap * (bwd + recompute))
+            # the block's gradients are reduce-scattered in the backward that completes them
+            # (every micro-batch's, or only the last one's when they accumulate in full
+            # buffers), on the same wire as the next block's gather: what that adds
+            rs = collective_time("reduce_scatter", n * self.grad_bytes, lay.dp, link)
+            z3_rs = max(0.0, ag + rs - link.overlap * (bwd + recompute)) - z3_b
         out = dict(
             fwd=fwd,
             bwd=bwd + recompute,
@@ -107,6 +112,7 @@ class TimeModel:
             tp_b=tp_b,
             z3_f=z3_f,
             z3_b=z3_b,
+            z3_rs=z3_rs,
         )
         self._cache[key] = out
         return out
@@ -175,7 +181,13 @@ class TimeModel:
         for r in self._heavy_ranks(lay.pp, lay.virtual_stages):
             n_params = params[r]
             red = ag = 0.0
-            if lay.dp > 1:
+            if lay.dp > 1 and lay.zero >= 3:  # per block, inside backward (layer_times)
+                b = self.shape.global_batch // (lay.dp * lay.micro_batches)
+                lt = self.layer_times(b, lay)
+                once = rt.zero_grad_accumulation == "full"
+                red = (1 if once else lay.micro_batches) * self.ranks(lay.pp, lay.virtual_stages)[
+                    r][0] * lt["z3_rs"]
+            elif lay.dp > 1:
                 link = self._link("dp", lay)
                 gbytes = self.grad_bytes * n_params
                 kind = "reduce_scatter" if lay.zero >= 2 else "all_reduce"
