@@ -3,8 +3,7 @@
 - :mod:`distllm.comm.overlap`: chunked GEMM + all-reduce, all-gather + GEMM and
   GEMM + reduce-scatter (tensor and sequence parallelism), with per-layer
   :class:`~distllm.comm.overlap.OverlapStats`;
-- :mod:`distllm.comm.autotune`: ``overlap="auto"``'s cached measurement;
-- :mod:`distllm.comm.buckets`: bucketed data-parallel gradient reduction.
+- :mod:`distllm.comm.autotune`: ``overlap="auto"``'s cached measurement.
 
 Names are imported lazily from the module that defines them.
 """

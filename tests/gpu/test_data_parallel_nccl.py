@@ -10,7 +10,7 @@ DDP and ZeRO at dp >= 2 over NCCL (the bucket all-reduce / reduce-scatter, the a
 of ZeRO-1/2 parameters and of ZeRO-3 layers, the cross-rank inf flag of the loss scaler,
 the all-reduce of the global norm over DP shards), and the same under tp >= 2 / pp >= 2
 (the TP all-reduce of sharded norms, pipeline P2P). Their float64 parity runs on gloo in
-tests/parallel/test_ddp.py and tests/parallel/test_zero.py.
+tests/parallel/data/test_ddp.py and tests/parallel/data/test_zero.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Forward: no collective (the wrapped module runs as is).
 Backward: each bucket of gradients is averaged with an asynchronous all-reduce over the
 DP group of ``dims`` as soon as its last gradient has been accumulated, while autograd goes
-on with earlier layers (see :mod:`distllm.comm.buckets`). At the end of the backward pass
+on with earlier layers (see :mod:`distllm.parallel.data.buckets`). At the end of the backward pass
 the remaining buckets are launched and all reductions are waited for, so that after
 ``loss.backward()`` every ``param.grad`` holds the DP average, as with
 ``torch.nn.parallel.DistributedDataParallel``.
@@ -16,26 +16,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
-from distllm.comm.buckets import FIRST_BUCKET_BYTES, GradBuckets, assign_buckets
+from distllm.parallel.data.buckets import FIRST_BUCKET_BYTES, GradBuckets, assign_buckets
 from distllm.parallel.data.grad_norm import clip_grad_norm_
+from distllm.parallel.data.replicas import broadcast_from_dp0, dp_group_of
 from distllm.parallel.mesh import ParallelDims
 
-__all__ = ["DistributedDataParallel", "clip_grad_norm_", "dp_group_of"]
-
-
-def dp_group_of(dims: ParallelDims | None):
-    """The DP process group of ``dims`` (``None`` when there is no DP, i.e. dp == 1)."""
-    if dims is None:
-        raise ValueError("dims=None: pass a distllm.ParallelDims (e.g. ParallelDims(tp=1, pp=1))")
-    if not hasattr(dims, "dp_group"):
-        raise ValueError(f"dims={dims!r} has no dp_group: pass a distllm.ParallelDims")
-    return dims.dp_group if dims.dp > 1 else None
+__all__ = ["DistributedDataParallel", "clip_grad_norm_"]
 
 
 def check_module(module: nn.Module) -> list[nn.Parameter]:
+    """``module``'s trainable parameters; a clear error when it is no module or has none."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     params = [p for p in module.parameters() if p.requires_grad]
@@ -95,7 +87,8 @@ class DistributedDataParallel(nn.Module):
         self.dims = dims
         self.group = group
         if group is not None:
-            _broadcast_from_dp0(module, dims, broadcast_buffers)
+            bufs = list(module.buffers()) if broadcast_buffers else []
+            broadcast_from_dp0([*module.parameters(), *bufs], dims)
         buckets = assign_buckets(params, int(bucket_cap_mb * 2**20), int(first_bucket_mb * 2**20))
         self.find_unused_parameters = find_unused_parameters
         self.reducer: GradBuckets | None = None
@@ -147,6 +140,13 @@ class DistributedDataParallel(nn.Module):
         """Elements per bucket, bucket 0 (reduced first) first."""
         return [b.numel for b in self.reducer.buckets] if self.reducer else []
 
+    def held_tensors(self) -> dict[str, list[Tensor]]:
+        """The tensors this rank holds for training, by kind (``params``, ``grads``), for
+        :func:`~distllm.parallel.data.memory.memory_report`."""
+        bufs = [b.buffer for b in self.reducer.buckets] if self.reducer is not None else []
+        return {"params": list(self.module.parameters()),
+                "grads": bufs + [p.grad for p in self.module.parameters()]}
+
 
 def _reachable_params(out: Any) -> set[torch.Tensor]:
     """Leaf tensors whose AccumulateGrad node is reachable from the tensors in ``out``."""
@@ -166,10 +166,3 @@ def _reachable_params(out: Any) -> set[torch.Tensor]:
         stack.extend(nxt for nxt, _ in fn.next_functions)
     return found
 
-
-@torch.no_grad()
-def _broadcast_from_dp0(module: nn.Module, dims: ParallelDims, buffers: bool) -> None:
-    src = dims.group_ranks("dp")[0]
-    tensors = list(module.parameters()) + (list(module.buffers()) if buffers else [])
-    for t in tensors:
-        dist.broadcast(t.data, src=src, group=dims.dp_group)

@@ -1,9 +1,15 @@
 """Bytes per rank of parameters, gradients and optimizer states, measured from the tensors
 actually held (each storage counted once), and the ZeRO paper's model to compare with.
+
+A wrapper reports what it holds through a ``held_tensors()`` method (``{"params": [...],
+"grads": [...], "optimizer": [...]}``, as :class:`~distllm.parallel.ZeroOptimizer` and
+:class:`~distllm.parallel.DistributedDataParallel` define it); a plain module is measured
+from its parameters and their ``.grad``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -35,7 +41,7 @@ class MemoryReport:
         return {**asdict(self), "total": self.total}
 
 
-def _bytes(tensors, seen: set) -> int:
+def _bytes(tensors: Iterable[Any], seen: set) -> int:
     n = 0
     for t in tensors:
         if not isinstance(t, Tensor):
@@ -57,33 +63,18 @@ def _optimizer_tensors(opt: torch.optim.Optimizer):
 def memory_report(obj: Any, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
     """Measure a :class:`~distllm.parallel.ZeroOptimizer`, a
     :class:`~distllm.parallel.DistributedDataParallel` or a plain module (pass its
-    ``optimizer`` to count the optimizer state)."""
-    from distllm.parallel.data.zero import ZeroOptimizer
-
-    seen: set = set()
-    if isinstance(obj, ZeroOptimizer):
-        return _zero_report(obj, seen)
-    module: nn.Module = obj
-    params = _bytes(module.parameters(), seen)
-    reducer = getattr(obj, "reducer", None)
-    bufs = [b.buffer for b in reducer.buckets] if reducer is not None else []
-    grads = _bytes(bufs + [p.grad for p in module.parameters()], seen)
-    opt = _bytes(_optimizer_tensors(optimizer), seen) if optimizer is not None else 0
-    return MemoryReport(params, grads, opt)
-
-
-def _zero_report(z, seen: set) -> MemoryReport:
-    if z.sharded is not None:
-        shards = [f.shard for fl in z.sharded.flats.values() for f in fl]
-        fulls = [f.full for fl in z.sharded.flats.values() for f in fl]
-        params = _bytes(shards + fulls, seen)
+    ``optimizer`` to count the optimizer state). Kinds are counted in the order params,
+    grads, optimizer, so a storage shared by two kinds counts in the first."""
+    if hasattr(obj, "held_tensors"):
+        held = obj.held_tensors()
     else:
-        params = _bytes([f for f in z.flat if f is not None], seen)
-    grads = _bytes([b.buffer for b in z.reducer.buckets] + [b.shard for b in z.reducer.buckets]
-                   + [p.grad for p in z.reducer.params()] + [m.grad for m in z.masters], seen)
-    masters = _bytes(z.masters, seen)  # nothing new when the masters alias the parameters
-    opt = _bytes(_optimizer_tensors(z.optimizer), seen)
-    return MemoryReport(params, grads, masters + opt)
+        module: nn.Module = obj
+        held = {"params": list(module.parameters()),
+                "grads": [p.grad for p in module.parameters()]}
+    if optimizer is not None:
+        held.setdefault("optimizer", []).extend(_optimizer_tensors(optimizer))
+    seen: set = set()
+    return MemoryReport(*(_bytes(held.get(k, ()), seen) for k in ("params", "grads", "optimizer")))
 
 
 def zero_model_bytes(psi: int, n: int, stage: int, *, param_bytes: int = 2, grad_bytes: int = 2,

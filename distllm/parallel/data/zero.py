@@ -40,6 +40,10 @@ size (see :mod:`distllm.parallel.data.zero_state`). The model's own weights:
 stage (stage 3 gathers them: collective over DP) and ``module.load_state_dict(full)`` loads
 into the shards and master weights, as FSDP's ``get_model_state_dict(model,
 options=StateDictOptions(full_state_dict=True))`` / ``set_model_state_dict`` do.
+
+Parts, in this package: ``buckets`` (gradients), ``zero3`` (stage-3 parameter shards),
+``zero_gather`` (stage-1/2 parameter all-gathers), ``loss_scale``, ``zero_state``
+(checkpoints, module state-dict hooks), ``zero_setup`` (arguments, flat buffers).
 """
 
 from __future__ import annotations
@@ -52,15 +56,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from distllm.comm.buckets import FIRST_BUCKET_BYTES, GradBuckets, all_gather_flat, assign_buckets
-from distllm.parallel.data.ddp import _broadcast_from_dp0, dp_group_of
+from distllm.parallel.data.buckets import FIRST_BUCKET_BYTES, GradBuckets, assign_buckets
 from distllm.parallel.data.grad_norm import clip_by, global_norm, is_tp_sharded
+from distllm.parallel.data.loss_scale import LossScaler
+from distllm.parallel.data.memory import MemoryReport, memory_report
+from distllm.parallel.data.replicas import broadcast_from_dp0, dp_group_of
 from distllm.parallel.data.zero3 import ShardedParams
-from distllm.parallel.data.zero_setup import HALF, broadcast_params, check_args, param_groups_of
+from distllm.parallel.data.zero_gather import ParamGathers
+from distllm.parallel.data.zero_setup import HALF, check_args, pack_bucket, param_groups_of
 from distllm.parallel.data.zero_state import ModuleStateHooks, gather_state, load_state
 from distllm.parallel.mesh import ParallelDims
 
 __all__ = ["ZeroOptimizer"]
+
 
 class ZeroOptimizer:
     """ZeRO-0/1/2/3 data parallelism wrapped around a ``torch.optim`` optimizer.
@@ -115,10 +123,9 @@ class ZeroOptimizer:
         self.group = dp_group_of(dims)
         self.nranks = dims.dp if self.group is not None else 1
         self.rank = dims.dp_rank if self.group is not None else 0
-        if self.group is not None and module is not None:
-            _broadcast_from_dp0(module, dims, buffers=True)
-        elif self.group is not None:
-            broadcast_params(groups, dims)
+        if self.group is not None:
+            broadcast_from_dp0([*module.parameters(), *module.buffers()] if module is not None
+                               else [p for ps, _ in groups for p in ps], dims)
         dtypes = {p.dtype for ps, _ in groups for p in ps}
         if param_dtype is None and len(dtypes) > 1:
             raise ValueError(f"parameters of several dtypes {sorted(map(str, dtypes))}: pass "
@@ -129,14 +136,16 @@ class ZeroOptimizer:
         self.reduce_dtype = reduce_dtype or self.master_dtype
         self._rs_impl = reduce_scatter_impl
         self._build(groups, units, bucket_cap_mb, prefetch, finish_on_backward_end)
-        self._install_gather_hooks(overlap_param_gather)
+        self._gathers = ParamGathers(
+            module, self.reducer.buckets, self.group,
+            overlap=overlap_param_gather and stage in (1, 2) and self.nranks > 1)
         self._state_hooks = ModuleStateHooks(self) if module is not None else None
         self.optimizer = optimizer_cls(
             [{"params": [self.masters[i] for i in idx], **opts}
              for idx, (_, opts) in zip(self._group_buckets, groups, strict=True) if idx],
             **optim_kwargs)
         self.skipped_steps = 0
-        self._init_scaler(loss_scale)
+        self.scaler = LossScaler(loss_scale)
         self._prepared = False
 
     # --- construction --------------------------------------------------------------------
@@ -167,15 +176,17 @@ class ZeroOptimizer:
             self._group_buckets[gid[b.params[0]]].append(b.index)
         self._build_flat_params()
 
-    def _shard_range(self, numel: int) -> tuple[int, int]:
+    def shard_range(self, numel: int) -> tuple[int, int]:
+        """``(lo, hi)``: the slice of a bucket of ``numel`` (padded) elements whose master
+        weights and optimizer state this rank holds (the whole bucket at stage 0)."""
         s = numel // self.nranks if self.stage >= 1 else numel
         lo = self.rank * s if self.stage >= 1 else 0
         return lo, lo + s
 
     @torch.no_grad()
     def _build_flat_params(self) -> None:
-        """Stages 0-2: params become views of one flat (compute-dtype) buffer per bucket.
-        Masters: the fp32 copy (mixed precision) or the rank's slice of the flat buffer."""
+        """Stages 0-2: params become views of one flat buffer per bucket (``self.flat``).
+        Masters: the fp32 copy (mixed precision) or this rank's slice of the parameters."""
         self.flat: list[Tensor | None] = []
         self.masters: list[Tensor] = []
         for b in self.reducer.buckets:
@@ -185,15 +196,10 @@ class ZeroOptimizer:
                 self.flat.append(None)
                 self.masters.append(master if self.mixed else shard)
                 continue
-            full = torch.zeros(b.numel, dtype=self.master_dtype, device=b.params[0].device)
-            for p, off in zip(b.params, b.offsets, strict=True):
-                full[off: off + p.numel()].copy_(p.detach().reshape(-1))
-            flat = full.to(self.param_dtype) if self.mixed else full
-            for p, off in zip(b.params, b.offsets, strict=True):
-                p.data = flat[off: off + p.numel()].view_as(p)
-            lo, hi = self._shard_range(b.numel)
+            flat, master = pack_bucket(b, self.shard_range(b.numel), self.param_dtype,
+                                       self.master_dtype)
             self.flat.append(flat)
-            self.masters.append(full[lo:hi].clone() if self.mixed else flat[lo:hi])
+            self.masters.append(master)
 
     # --- gradient sync -----------------------------------------------------------------
     @contextlib.contextmanager
@@ -224,7 +230,7 @@ class ZeroOptimizer:
             g = b.shard if b.shard is not None else torch.zeros(
                 b.shard_numel, dtype=self.reduce_dtype, device=self.masters[i].device)
         else:
-            lo, hi = self._shard_range(b.numel)
+            lo, hi = self.shard_range(b.numel)
             g = b.buffer[lo:hi]
         return g if g.dtype == self.master_dtype else g.to(self.master_dtype)
 
@@ -244,7 +250,7 @@ class ZeroOptimizer:
         """``(grad slice, tp_sharded)`` for every run of this rank's shards."""
         for i, m in enumerate(self.masters):
             b = self.reducer.buckets[i]
-            lo, hi = self._shard_range(b.numel)
+            lo, hi = self.shard_range(b.numel)
             for p, off, shape in zip(b.params, b.offsets, b.shapes, strict=True):
                 a, e = max(off, lo), min(off + shape.numel(), hi)
                 if a < e:
@@ -260,16 +266,18 @@ class ZeroOptimizer:
         clip_by(norm, max_norm, (m.grad for m in self.masters))
         return norm
 
-    def _init_scaler(self, loss_scale) -> None:
-        self.dynamic = loss_scale == "dynamic"
-        if not (loss_scale is None or self.dynamic or float(loss_scale) > 0):
-            raise ValueError(f"loss_scale={loss_scale!r}: use None, a positive number or 'dynamic'")
-        self.loss_scale = 2.0**16 if self.dynamic else float(loss_scale or 1.0)
-        self._good_steps = 0
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without loss scaling)."""
+        return self.scaler.scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self.scaler.scale = float(value)
 
     def scale_loss(self, loss: Tensor) -> Tensor:
         """``loss * loss_scale`` (call ``.backward()`` on it)."""
-        return loss * self.loss_scale if self.loss_scale != 1.0 else loss
+        return self.scaler.scale_loss(loss)
 
     @torch.no_grad()
     def found_inf(self) -> Tensor:
@@ -301,8 +309,7 @@ class ZeroOptimizer:
         self._prepare_grads()
         skip = bool(self.found_inf().item()) if found_inf is None else bool(found_inf)
         self._prepared = False
-        if self.dynamic:
-            self._update_scale(skip)
+        self.scaler.update(skip)
         if skip:
             self.skipped_steps += 1
             self.zero_grad()
@@ -310,24 +317,16 @@ class ZeroOptimizer:
         self.optimizer.step()
         for m in self.masters:
             m.grad = None  # a cast copy (reduce_dtype != master dtype) is not kept
-        self._publish()
+        self.publish_params()
         return True
 
-    def _update_scale(self, skip: bool) -> None:
-        if skip:
-            self.loss_scale = max(self.loss_scale / 2.0, 1.0)
-            self._good_steps = 0
-        else:
-            self._good_steps += 1
-            if self._good_steps % 2000 == 0:
-                self.loss_scale *= 2.0
-
     @torch.no_grad()
-    def _publish(self) -> None:
-        """Write the updated masters into the compute parameters. Stages 1 and 2 all-gather
-        the shards; with a module (``overlap_param_gather``) the gathers are only launched
-        here and each is waited for by a forward pre-hook of the modules whose parameters
-        are in that bucket, so they overlap the optimizer step's tail and the next forward."""
+    def publish_params(self) -> None:
+        """Write the master weights into the compute parameters (after ``step`` or a load).
+        Stages 1 and 2 all-gather the shards (collective over DP); with a module
+        (``overlap_param_gather``) the gathers are only launched here and each is waited for
+        by a forward pre-hook of the modules whose parameters are in that bucket, so they
+        overlap the optimizer step's tail and the next forward (see :meth:`wait_params`)."""
         for i, m in enumerate(self.masters):
             if self.sharded is not None:
                 if self.mixed:
@@ -339,40 +338,15 @@ class ZeroOptimizer:
                     flat.copy_(m)
                 continue
             src = m.to(self.param_dtype) if self.mixed else m  # non-mixed: in place
-            work = all_gather_flat(flat, src, self.group, async_op=True)
-            self._gathers[i] = (work, src)
-        if not self._gather_hooks:
+            self._gathers.launch(i, flat, src)
+        if not self._gathers.overlapped:
             self.wait_params()
 
     def wait_params(self) -> None:
         """Wait for the parameter all-gathers launched by the last ``step`` (stages 1-2).
-        Needed only to read a parameter outside the forward of the module that owns it."""
-        for i in list(self._gathers):
-            self._wait_gather(i)
-
-    def _wait_gather(self, i: int) -> None:
-        pending = self._gathers.pop(i, None)
-        if pending is not None:
-            pending[0].wait()
-
-    def _install_gather_hooks(self, enabled: bool) -> None:
-        self._gathers: dict[int, tuple[Any, Tensor]] = {}
-        self._gather_hooks = []
-        if not enabled or self.module is None or self.stage not in (1, 2) or self.nranks == 1:
-            return
-        where = {p: b.index for b in self.reducer.buckets for p in b.params}
-        for mod in self.module.modules():
-            idx = sorted({where[p] for p in mod.parameters(recurse=False) if p in where})
-            if idx:
-                self._gather_hooks.append(mod.register_forward_pre_hook(self._waiter(idx)))
-        # module.state_dict() waits too: see ModuleStateHooks
-
-    def _waiter(self, idx: list[int]):
-        def hook(_mod, _args) -> None:
-            for i in idx:
-                self._wait_gather(i)
-
-        return hook
+        Needed only to read a parameter outside the forward of the module that owns it
+        (``module.state_dict()`` waits by itself: see :class:`ModuleStateHooks`)."""
+        self._gathers.wait_all()
 
     # --- state ---------------------------------------------------------------------------
     @property
@@ -381,11 +355,9 @@ class ZeroOptimizer:
         return self.optimizer.param_groups
 
     def full_state_dict(self) -> dict[str, Tensor]:
-        """The model's full (unsharded) weights, keyed as ``module.state_dict()`` keys them;
-        without a module, ``{name: parameter}``. Collective over DP at stage 3 (every DP rank
-        must call it), where each parameter is gathered into a full copy. The same as
-        ``module.state_dict()``, which the hooks of stage 3 also fill with full copies (its
-        ``load_state_dict`` loads full tensors into the shards). PyTorch FSDP's analogue is
+        """The model's full (unsharded) weights, keyed as ``module.state_dict()`` keys them
+        (it is that call); without a module, ``{name: parameter}``. Collective over DP at
+        stage 3 (every DP rank must call it). PyTorch FSDP's analogue is
         ``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))``."""
         self.wait_params()
         if self.module is not None:
@@ -403,9 +375,21 @@ class ZeroOptimizer:
         load_state(self, sd)
         self.wait_params()
 
-    def memory_report(self):
-        from distllm.parallel.data.memory import memory_report
+    def held_tensors(self) -> dict[str, list[Tensor]]:
+        """The tensors this rank holds, by kind, for :func:`~distllm.parallel.memory_report`:
+        ``params`` (flat compute buffers, or stage-3 shards and gathered layers), ``grads``
+        (buckets, reduced shards, any ``.grad``) and ``optimizer`` (master weights, then the
+        inner optimizer's state)."""
+        params = self.sharded.tensors() if self.sharded else [f for f in self.flat if f is not None]
+        buckets = self.reducer.buckets
+        grads = ([b.buffer for b in buckets] + [b.shard for b in buckets]
+                 + [p.grad for p in self.reducer.params()] + [m.grad for m in self.masters])
+        state = [v for st in self.optimizer.state.values() for v in st.values()
+                 if isinstance(v, Tensor)]
+        return {"params": params, "grads": grads, "optimizer": [*self.masters, *state]}
 
+    def memory_report(self) -> MemoryReport:
+        """Bytes this rank holds (see :func:`distllm.parallel.memory_report`)."""
         self.wait_params()
         return memory_report(self)
 

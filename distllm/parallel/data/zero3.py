@@ -18,7 +18,7 @@ starts the all-gather of the next unit (``prefetch=True``); a forward post-hook 
 Backward: the first gradient reaching a unit's outputs all-gathers it again and prefetches
 the unit that runs backward next; when every parameter of the unit has its gradient
 accumulated, the full parameters are freed (the gradient bucket is reduce-scattered by
-:class:`~distllm.comm.buckets.GradBuckets`).
+:class:`~distllm.parallel.data.buckets.GradBuckets`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from distllm.comm.buckets import GradBuckets, all_gather_flat
+from distllm.comm.compat import all_gather_into
+from distllm.parallel.data.buckets import GradBuckets
 
 __all__ = ["ShardedParams", "default_units"]
 
@@ -158,7 +159,7 @@ class ShardedParams:
                 if self.group is None:
                     f.full.copy_(f.shard)
                 else:
-                    f.work = all_gather_flat(f.full, f.shard, self.group, async_op=True)
+                    f.work = all_gather_into(f.full, f.shard, group=self.group, async_op=True)
                 f.state = "gathering"
         if wait:
             for f in self.flats[u]:
@@ -272,5 +273,12 @@ class ShardedParams:
             self._landed[u].clear()
             self.reshard(u)
 
+    # --- inspection ---------------------------------------------------------------------
+    def tensors(self) -> list[Tensor]:
+        """Every shard, then every full buffer (a freed one holds no bytes)."""
+        flats = [f for fl in self.flats.values() for f in fl]
+        return [f.shard for f in flats] + [f.full for f in flats]
+
     def full_bytes_held(self) -> int:
+        """Bytes of gathered (full) parameters held now: 0 when every unit is sharded."""
         return sum(f.full.untyped_storage().nbytes() for fl in self.flats.values() for f in fl)

@@ -1,21 +1,22 @@
-"""Argument checks and parameter collection for :class:`~distllm.parallel.ZeroOptimizer`."""
+"""Construction pieces of :class:`~distllm.parallel.ZeroOptimizer`: argument checks, the
+parameters and param groups it is given, and the flat buffers of stages 0-2."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from distllm.parallel.mesh import ParallelDims
+from distllm.parallel.data.buckets import Bucket
 
-__all__ = ["check_args", "param_groups_of", "broadcast_params", "HALF"]
+__all__ = ["check_args", "param_groups_of", "pack_bucket", "HALF"]
 
 HALF = (torch.float16, torch.bfloat16)
 
 
 def check_args(stage: int, optimizer_cls: Any) -> None:
+    """Refuse a stage outside 0-3 and an optimizer that is not a ``torch.optim`` class."""
     if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ValueError(f"stage={stage!r}: choose 0 (plain DP), 1 (shard optimizer states), "
                          "2 (+ gradients) or 3 (+ parameters)")
@@ -64,9 +65,19 @@ def param_groups_of(module_or_params, param_groups=None
 
 
 @torch.no_grad()
-def broadcast_params(groups, dims: ParallelDims) -> None:
-    src = dims.group_ranks("dp")[0]
-    for ps, _ in groups:
-        for p in ps:
-            dist.broadcast(p.data, src=src, group=dims.dp_group)
+def pack_bucket(b: Bucket, shard: tuple[int, int], param_dtype: torch.dtype,
+                master_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Pack ``b``'s parameters into one flat ``param_dtype`` buffer and make each parameter
+    a view of it; return ``(flat, master)``. ``master`` is this rank's ``shard = (lo, hi)``
+    of the bucket: an fp32 copy when ``master_dtype`` differs (mixed precision), else a view
+    of ``flat`` itself (the optimizer then updates the parameters in place)."""
+    full = torch.zeros(b.numel, dtype=master_dtype, device=b.params[0].device)
+    for p, off in zip(b.params, b.offsets, strict=True):
+        full[off: off + p.numel()].copy_(p.detach().reshape(-1))
+    mixed = param_dtype != master_dtype
+    flat = full.to(param_dtype) if mixed else full
+    for p, off in zip(b.params, b.offsets, strict=True):
+        p.data = flat[off: off + p.numel()].view_as(p)
+    lo, hi = shard
+    return flat, full[lo:hi].clone() if mixed else flat[lo:hi]
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from distllm.comm.buckets import all_gather_flat
+from distllm.comm.compat import all_gather_into
 
 __all__ = ["gather_state", "load_state", "ModuleStateHooks"]
 
@@ -36,7 +36,7 @@ def _full(z, i: int, shard: Tensor) -> Tensor:
     if z.stage == 0 or z.nranks == 1:
         return shard.detach().clone()
     out = torch.empty(shard.numel() * z.nranks, dtype=shard.dtype, device=shard.device)
-    all_gather_flat(out, shard.detach().contiguous(), z.group)
+    all_gather_into(out, shard.detach().contiguous(), group=z.group)
     return out
 
 
@@ -79,7 +79,7 @@ def _my_slice(z, i: int, per_param: dict[str, Tensor], like: Tensor) -> Tensor:
     full = torch.zeros(b.numel, dtype=like.dtype, device=like.device)
     for p, off, shape in zip(b.params, b.offsets, b.shapes, strict=True):
         full[off: off + shape.numel()].copy_(per_param[z.names[p]].reshape(-1))
-    lo, hi = z._shard_range(b.numel)
+    lo, hi = z.shard_range(b.numel)
     return full[lo:hi]
 
 
@@ -103,7 +103,7 @@ def load_state(z, sd: dict[str, Any]) -> None:
         g.update({k: v for k, v in saved.items() if k != "params"})
     z.skipped_steps = int(sd.get("skipped_steps", 0))
     z.loss_scale = float(sd.get("loss_scale", z.loss_scale))
-    z._publish()
+    z.publish_params()
 
 
 class ModuleStateHooks:
@@ -172,7 +172,7 @@ class ModuleStateHooks:
     def _set_master(self, p: nn.Parameter, v: Tensor) -> None:
         """Write full value ``v`` of ``p`` into the part of its master shard this rank has."""
         i, off = self.where[p]
-        lo, hi = self.z._shard_range(self.z.reducer.buckets[i].numel)
+        lo, hi = self.z.shard_range(self.z.reducer.buckets[i].numel)
         a, e = max(off, lo), min(off + v.numel(), hi)
         if a < e:
             self.z.masters[i][a - lo: e - lo].copy_(v.reshape(-1)[a - off: e - off])

@@ -9,7 +9,7 @@ import io
 import pytest
 import torch
 
-from tests.parallel._zero_util import (
+from tests.parallel.data._common import (
     TOL,
     SpawnCache,
     adamw,

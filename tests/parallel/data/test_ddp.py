@@ -1,6 +1,7 @@
 """distllm DDP against torch's DDP and a single process on the global batch (float64,
 ~1e-10); gradient accumulation, clipping (also across TP), unused parameters, overlap of
-the all-reduce with backward, dp == 1, and bad input."""
+the all-reduce with backward, dp == 1, and bad input. One spawn per rank function and
+world size; each scenario is its own test."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distllm.testing import run_distributed
-from tests.parallel.test_zero import TOL, batch, local, loss_fn, make
+from tests.parallel.data._common import TOL, SpawnCache, batch, local, loss_fn, make
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    return SpawnCache()
 
 
 def _max_diff(a: nn.Module, b: nn.Module, grads: bool = False) -> float:
@@ -162,15 +167,17 @@ def _zero_dp1(dims) -> float:
     return err
 
 
-def ddp_main(world: int) -> dict:
+def ddp_scenarios() -> dict:
+    """Every DP scenario on this world: parity and unused parameters on the DP group; at
+    world 4, clipping across tp=2; at world 2, dp == 1 (tp=2 over 2 ranks)."""
     from distllm import ParallelDims
     from distllm.parallel import DistributedDataParallel
 
     dims = ParallelDims()
     out = {"parity": _parity(dims), "unused": _unused_and_overlap(dims)}
-    if world == 4:
+    if dist.get_world_size() == 4:
         out["tp_clip"] = _tp_clip()
-    else:  # dp == 1 (tp=2 over 2 ranks): a plain wrapper, gradients untouched
+    else:  # dp == 1: a plain wrapper, gradients untouched
         dims1 = ParallelDims(tp=2)
         m, ref = make(), make()
         d = DistributedDataParallel(m, dims=dims1)
@@ -184,23 +191,46 @@ def ddp_main(world: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_ddp_matches_torch_ddp_and_single_process(world):
-    res = run_distributed(ddp_main, world, world, timeout=240)
-    for r in res:
-        for what, e in r["parity"].items():
-            assert e < TOL, f"{what}: {e:.3g}"
+@pytest.mark.parametrize("what", ["grad_vs_torch", "norm", "params_vs_torch",
+                                  "params_vs_single"])
+def test_ddp_matches_torch_ddp_and_single_process(spawned, world, what):
+    for r in spawned(ddp_scenarios, world):
+        e = r["parity"][what]
+        assert e < TOL, f"{what}: {e:.3g}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_unused_parameters_get_the_average(spawned, world):
+    for r in spawned(ddp_scenarios, world):
         u = r["unused"]
         assert u["unused_err"] < TOL, u
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reduction_overlaps_backward(spawned, world):
+    for r in spawned(ddp_scenarios, world):
+        u = r["unused"]
         assert u["buckets"] > 2 and u["first_hooks"] < u["nparams"], u
         assert u["before_end"] >= 1 and u["in_backward"] >= 2, u
-        if world == 4:
-            for kind, (norm, want, clipped) in r["tp_clip"].items():
-                assert abs(norm - want) < TOL, f"{kind}: global norm {norm} != {want}"
-                if clipped is not None:
-                    assert abs(clipped - 0.5) < 1e-6, f"{kind}: clipped norm {clipped}"
-        else:
-            assert r["dp1"][0] and r["dp1"][1] < TOL, r["dp1"]
-            assert r["dp1_zero"] < TOL, f"ZeRO with dp=1 off by {r['dp1_zero']:.3g}"
+
+
+@pytest.mark.parametrize("kind", ["ddp", "zero0", "zero2", "zero3"])
+def test_clip_across_tp(spawned, kind):
+    for r in spawned(ddp_scenarios, 4):
+        norm, want, clipped = r["tp_clip"][kind]
+        assert abs(norm - want) < TOL, f"{kind}: global norm {norm} != {want}"
+        assert abs(clipped - 0.5) < 1e-6, f"{kind}: clipped norm {clipped}"
+
+
+def test_dp1_ddp_leaves_gradients_alone(spawned):
+    for r in spawned(ddp_scenarios, 2):
+        no_reducer, err = r["dp1"]
+        assert no_reducer and err < TOL, r["dp1"]
+
+
+def test_dp1_zero_equals_plain_adamw(spawned):
+    for r in spawned(ddp_scenarios, 2):
+        assert r["dp1_zero"] < TOL, f"ZeRO with dp=1 off by {r['dp1_zero']:.3g}"
 
 
 def test_bad_input():

@@ -27,6 +27,10 @@ A step is a *cycle*: hooks fire (under ``no_sync`` they only accumulate), bucket
 then :meth:`GradBuckets.finish` launches whatever did not launch (parameters that got no
 gradient contribute zeros, so unused parameters never hang a step), waits for every
 collective and leaves the results in place. ``finish`` is idempotent within a cycle.
+
+Used by :class:`~distllm.parallel.data.ddp.DistributedDataParallel` (all-reduce) and
+:class:`~distllm.parallel.data.zero.ZeroOptimizer` (all-reduce at stages 0-1,
+reduce-scatter at stages 2-3).
 """
 
 from __future__ import annotations
@@ -40,23 +44,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from distllm.comm.compat import all_gather_into, reduce_scatter_into
+from distllm.comm.collectives import reduce_scatter, reduce_scatter_by_all_reduce
+from distllm.comm.compat import reduce_scatter_into
 
-__all__ = ["Bucket", "GradBuckets", "assign_buckets", "FIRST_BUCKET_BYTES"]
+__all__ = ["Bucket", "GradBuckets", "assign_buckets", "FIRST_BUCKET_BYTES",
+           "REDUCE_SCATTER_IMPLS"]
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # same first-bucket size as torch DDP
 
-
-
-def reduce_scatter_flat(out: Tensor, inp: Tensor, group, async_op: bool = False):
-    """Sum-reduce-scatter ``inp`` (``N * out.numel()``) into ``out`` over ``group``."""
-    return reduce_scatter_into(out, inp, group=group, async_op=async_op)
-
-
-def all_gather_flat(out: Tensor, inp: Tensor, group, async_op: bool = False):
-    """All-gather ``inp`` into ``out`` (``N * inp.numel()``) over ``group``, in rank order."""
-    return all_gather_into(out, inp, group=group, async_op=async_op)
-
+# How reduce_scatter mode reduces a bucket: "auto" is the backend's best (on gloo, whose
+# reduce-scatter is slow, an all-reduce of the bucket keeping this rank's slice),
+# "reduce_scatter" always the backend's own collective, "all_reduce" always the all-reduce.
+REDUCE_SCATTER_IMPLS = {
+    "auto": reduce_scatter,
+    "reduce_scatter": reduce_scatter_into,
+    "all_reduce": reduce_scatter_by_all_reduce,
+}
 
 def assign_buckets(params: list[torch.nn.Parameter], cap_bytes: int,
                    first_cap_bytes: int = FIRST_BUCKET_BYTES,
@@ -106,12 +109,12 @@ class Bucket:
     out: Tensor | None = None  # reduce_scatter output, added into ``shard`` on completion
     fresh: bool = True  # the buffer holds nothing of this cycle yet
     shard_fresh: bool = True
+    nranks: int = 1  # size of the group the bucket is reduced over
 
     @property
     def shard_numel(self) -> int:
-        return self.numel // max(1, self._nranks)
-
-    _nranks: int = 1
+        """Elements of one rank's slice of the (padded) bucket."""
+        return self.numel // self.nranks
 
 
 class GradBuckets:
@@ -130,12 +133,11 @@ class GradBuckets:
         on_finish: called at the end of :meth:`finish` (e.g. to free gathered parameters).
         pad_to: pad each bucket to a multiple of this (default: the group size in
             reduce_scatter mode, else 1); ZeRO-1 pads to the group size to shard states.
-        reduce_scatter_impl: how reduce_scatter mode reduces: ``"reduce_scatter"`` (the
-            collective), ``"all_reduce"`` (all-reduce the bucket, keep this rank's slice), or
-            ``"auto"``: all_reduce on gloo, reduce_scatter otherwise. Gloo's reduce-scatter
-            (torch 2.14, 2 ranks, 20 MB fp32 bucket) measured 137 ms against 19 ms for its
-            all-reduce over loopback, and 87 ms against 99 ms over an emulated 10 Gbit/s
-            link, so on gloo the all-reduce is the better reduce-scatter; NCCL's is used as is.
+        reduce_scatter_impl: how reduce_scatter mode reduces (a key of
+            :data:`REDUCE_SCATTER_IMPLS`): ``"reduce_scatter"`` (the backend's collective),
+            ``"all_reduce"`` (all-reduce the bucket, keep this rank's slice), or ``"auto"``:
+            :func:`distllm.comm.collectives.reduce_scatter`, the all-reduce on gloo (whose
+            reduce-scatter is slower than its all-reduce), the collective elsewhere.
         finish_on_backward_end: queue :meth:`finish` at the end of the backward pass in which
             the first synchronised gradient landed (the drop-in DDP behaviour). Turn it off
             when one step's gradients come from several ``autograd.backward`` calls (a
@@ -162,15 +164,10 @@ class GradBuckets:
         self.on_bucket_ready = on_bucket_ready
         self.on_finish = on_finish
         self.pad_to = pad_to or (self.nranks if mode == "reduce_scatter" else 1)
-        self.group_rank = dist.get_rank(group) if group is not None else 0
-        if reduce_scatter_impl not in ("auto", "reduce_scatter", "all_reduce"):
-            raise ValueError(f"reduce_scatter_impl={reduce_scatter_impl!r}: use 'auto', "
-                             "'reduce_scatter' or 'all_reduce'")
-        if reduce_scatter_impl == "auto":
-            gloo = group is not None and dist.get_backend(group) == "gloo"
-            reduce_scatter_impl = "all_reduce" if gloo else "reduce_scatter"
-        self.rs_via_all_reduce = (mode == "reduce_scatter" and self.nranks > 1
-                                  and reduce_scatter_impl == "all_reduce")
+        if reduce_scatter_impl not in REDUCE_SCATTER_IMPLS:
+            raise ValueError(f"reduce_scatter_impl={reduce_scatter_impl!r}: use one of "
+                             f"{sorted(REDUCE_SCATTER_IMPLS)}")
+        self._reduce_scatter = REDUCE_SCATTER_IMPLS[reduce_scatter_impl]
         self.finish_on_backward_end = finish_on_backward_end
         self.buckets: list[Bucket] = []
         self.where: dict[torch.nn.Parameter, tuple[Bucket, int]] = {}
@@ -183,7 +180,8 @@ class GradBuckets:
         self._hooks_fired = 0
         self.launch_log: list[tuple[int, float, int]] = []
         self.launches_in_backward = 0  # launches from a hook, i.e. while backward ran
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.where]
+        for p in self.where:
+            p.register_post_accumulate_grad_hook(self._hook)
 
     # --- layout ------------------------------------------------------------------------
     def _add_bucket(self, i: int, ps: list[torch.nn.Parameter]) -> None:
@@ -195,7 +193,7 @@ class GradBuckets:
             offsets.append(n)
             n += p.numel()
         pad = -n % self.pad_to
-        b = Bucket(i, list(ps), offsets, [p.shape for p in ps], n + pad, _nranks=self.nranks)
+        b = Bucket(i, list(ps), offsets, [p.shape for p in ps], n + pad, nranks=self.nranks)
         if self.persistent:
             b.buffer = torch.zeros(b.numel, dtype=self.dtype, device=ps[0].device)
         self.buckets.append(b)
@@ -217,11 +215,6 @@ class GradBuckets:
             b.buffer.zero_()
         b.fresh = False
         return b.buffer
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
     # --- the hook ------------------------------------------------------------------------
     def _accumulate(self, p: torch.nn.Parameter) -> None:
@@ -303,13 +296,9 @@ class GradBuckets:
             if self.nranks > 1:
                 b.work = dist.all_reduce(buf, group=self.group, async_op=True)
             return
-        if self.rs_via_all_reduce:  # the rank's slice is taken when the all-reduce completes
-            b.out = buf
-            b.work = dist.all_reduce(buf, group=self.group, async_op=True)
-            return
         b.out = torch.empty(b.shard_numel, dtype=self.dtype, device=buf.device)
         if self.nranks > 1:
-            b.work = reduce_scatter_flat(b.out, buf, self.group, async_op=True)
+            b.work = self._reduce_scatter(b.out, buf, group=self.group, async_op=True)
         else:
             b.out.copy_(buf)
 
@@ -318,16 +307,12 @@ class GradBuckets:
             b.work.wait()
             b.work = None
         if self.mode == "reduce_scatter" and b.out is not None:
-            out = b.out
-            if out.numel() != b.shard_numel:  # reduced by all-reduce: keep this rank's slice
-                lo = self.group_rank * b.shard_numel
-                out = out[lo: lo + b.shard_numel]
             if b.shard is None:
-                b.shard = out.clone() if out is not b.out else out
+                b.shard = b.out
             elif b.shard_fresh:
-                b.shard.copy_(out)
+                b.shard.copy_(b.out)
             else:
-                b.shard.add_(out)
+                b.shard.add_(b.out)
             b.shard_fresh = False
             b.out = None
             if not self.persistent:
@@ -362,6 +347,7 @@ class GradBuckets:
             self.on_finish()
 
     def start_cycle_log(self) -> None:
+        """Clear :attr:`launch_log` and the count of launches from backward."""
         self.launch_log = []
         self.launches_in_backward = 0
 
@@ -385,4 +371,5 @@ class GradBuckets:
         self._synced = False
 
     def params(self) -> Iterable[torch.nn.Parameter]:
+        """Every bucketed parameter, bucket 0's first."""
         return self.where.keys()

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.parallel._zero_util import (
+from tests.parallel.data._common import (
     OPT,
     TOL,
     SpawnCache,
@@ -27,8 +27,6 @@ from tests.parallel._zero_util import (
     set_lr,
     train_step,
 )
-
-__all__ = ["TOL", "batch", "local", "loss_fn", "make"]  # also used by test_ddp
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
-"""Shared pieces of the data-parallel tests: a small odd-sized model, its batches, the
-trainer's default optimizer settings, one reference-checked training step, and a cache of
-spawned runs (one spawn per rank function and world size, each scenario its own test)."""
+"""Shared pieces of the data-parallel tests (DDP, ZeRO, buckets): a small odd-sized model,
+its batches, the trainer's default optimizer settings, one reference-checked training step,
+and a cache of spawned runs (one spawn per rank function and world size, each scenario its
+own test)."""
 
 from __future__ import annotations
 
@@ -13,22 +14,12 @@ from torch import nn
 from distllm.testing import DistributedFailure, run_distributed
 from distllm.train.config import OptimConfig, TrainConfig
 from distllm.train.trainer import lr_at
+from tests._models import Block
 
 TOL = 1e-10  # float64 parity: only summation order differs
 
 OPT = OptimConfig()  # the trainer's defaults: AdamW, weight decay, clipping, warm-up
 SCHEDULE = TrainConfig(steps=60)  # the default warm-up (5%: the first 3 steps) of a 60-step run
-
-
-class Block(nn.Module):
-    def __init__(self, h: int, f: int) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(h)
-        self.up = nn.Linear(h, f)
-        self.down = nn.Linear(f, h)
-
-    def forward(self, x):
-        return x + self.down(torch.nn.functional.gelu(self.up(self.ln(x))))
 
 
 class Net(nn.Module):

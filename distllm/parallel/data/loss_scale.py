@@ -1,0 +1,44 @@
+"""Loss scaling for half-precision training: a constant scale, or a dynamic one that halves
+on an inf/NaN gradient and doubles after a run of good steps (as ``torch.amp.GradScaler``)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+__all__ = ["LossScaler"]
+
+DYNAMIC_INIT = 2.0**16  # the first dynamic scale, as torch.amp.GradScaler's default
+GROWTH_INTERVAL = 2000  # good steps in a row before a dynamic scale doubles
+
+
+class LossScaler:
+    """``loss_scale``: ``None`` (no scaling), a positive constant, or ``"dynamic"``.
+
+    Attributes:
+        scale: the current multiplier of the loss (1.0 when off).
+        dynamic: whether :meth:`update` changes ``scale``.
+    """
+
+    def __init__(self, loss_scale: float | str | None) -> None:
+        self.dynamic = loss_scale == "dynamic"
+        if not (loss_scale is None or self.dynamic or float(loss_scale) > 0):
+            raise ValueError(f"loss_scale={loss_scale!r}: use None, a positive number or 'dynamic'")
+        self.scale = DYNAMIC_INIT if self.dynamic else float(loss_scale or 1.0)
+        self._good_steps = 0
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """``loss * scale`` (the loss itself when the scale is 1)."""
+        return loss * self.scale if self.scale != 1.0 else loss
+
+    def update(self, skipped: bool) -> None:
+        """After a step: a dynamic scale halves (not below 1) when the step was skipped for an
+        inf/NaN gradient, and doubles after ``GROWTH_INTERVAL`` good steps in a row."""
+        if not self.dynamic:
+            return
+        if skipped:
+            self.scale = max(self.scale / 2.0, 1.0)
+            self._good_steps = 0
+        else:
+            self._good_steps += 1
+            if self._good_steps % GROWTH_INTERVAL == 0:
+                self.scale *= 2.0

@@ -1,0 +1,72 @@
+"""ZeRO-1/2: the all-gather of the updated parameter shards after ``step``, overlapped with
+the next forward.
+
+Each bucket's all-gather is launched at the end of ``step`` and waited for by a forward
+pre-hook of every module that owns a parameter of that bucket, so the gathers overlap the
+optimizer step's tail and the next forward. Code reading a parameter outside its module's
+forward waits for all of them first (:meth:`ParamGathers.wait_all`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor, nn
+from torch.distributed import Work
+
+from distllm.comm.compat import all_gather_into
+from distllm.parallel.data.buckets import Bucket
+
+__all__ = ["ParamGathers"]
+
+
+class ParamGathers:
+    """The in-flight parameter all-gathers of one ZeRO optimizer, by bucket index.
+
+    Args:
+        module: the model whose modules get forward pre-hooks, or ``None`` (no hooks).
+        buckets: the gradient buckets (their parameters are views of the flat buffers).
+        group: the DP process group the shards are gathered over.
+        overlap: install the forward pre-hooks; without them :attr:`overlapped` is False and
+            the caller waits at once.
+    """
+
+    def __init__(self, module: nn.Module | None, buckets: list[Bucket], group,
+                 overlap: bool) -> None:
+        self.group = group
+        self.pending: dict[int, tuple[Work, Tensor]] = {}  # index -> (work, source kept alive)
+        self.hooks = []
+        if not overlap or module is None:
+            return
+        where = {p: b.index for b in buckets for p in b.params}
+        for mod in module.modules():
+            idx = sorted({where[p] for p in mod.parameters(recurse=False) if p in where})
+            if idx:
+                self.hooks.append(mod.register_forward_pre_hook(self._waiter(idx)))
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether forward pre-hooks wait for the gathers (else they must be waited at once)."""
+        return bool(self.hooks)
+
+    def launch(self, i: int, flat: Tensor, shard: Tensor) -> None:
+        """Start gathering every rank's ``shard`` of bucket ``i`` into ``flat``."""
+        self.pending[i] = (all_gather_into(flat, shard, group=self.group, async_op=True), shard)
+
+    def wait(self, i: int) -> None:
+        """Wait for bucket ``i``'s gather, if one is in flight."""
+        pending = self.pending.pop(i, None)
+        if pending is not None:
+            pending[0].wait()
+
+    def wait_all(self) -> None:
+        """Wait for every gather in flight."""
+        for i in list(self.pending):
+            self.wait(i)
+
+    def _waiter(self, idx: list[int]) -> Callable[[nn.Module, object], None]:
+        def hook(_mod: nn.Module, _args: object) -> None:
+            for i in idx:
+                self.wait(i)
+
+        return hook
