@@ -68,10 +68,11 @@ def _train(argv: list[str], world: int | None) -> None:
     if world is None:
         assert args.nproc, "a `distllm train` outside torchrun needs --nproc N (or torchrun)"
         world = args.nproc
-    if args.plan == "auto":
-        apply_plan(args, world)
     try:
-        precheck(config_from_args(args), world)
+        cfg = config_from_args(args)
+        if args.plan == "auto":
+            cfg, _ = apply_plan(cfg, world)
+        precheck(cfg, world)
     except ValueError as exc:
         raise AssertionError(f"invalid at world size {world}: {exc}") from None
 

@@ -25,7 +25,11 @@ from torch import nn
 
 from distllm.parallel.mesh import ParallelDims
 
-__all__ = ["GPTConfig", "GPT", "Embedding", "Block", "Head", "PRESETS"]
+__all__ = ["GPTConfig", "GPT", "Embedding", "Block", "Head", "PRESETS", "CHECKPOINTING"]
+
+CHECKPOINTING = ("none", "selective", "full")
+"""Activation checkpointing of a :class:`Block`: none, selective (recompute the attention
+half) or full (recompute the whole block)."""
 
 
 @dataclass(frozen=True)
@@ -184,6 +188,9 @@ class Block(nn.Module):
         super().__init__()
         from distllm.nn import ParallelAttention, ParallelMLP
 
+        if checkpointing not in CHECKPOINTING:
+            raise ValueError(f"checkpointing={checkpointing!r}: choose one of "
+                             f"{', '.join(CHECKPOINTING)}")
         sp = sequence_parallel and dims.tp > 1
         self.checkpointing = checkpointing
         self.ln_1 = _layer_norm(cfg, dims, sp, dtype)

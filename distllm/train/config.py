@@ -1,29 +1,55 @@
 """Typed configuration of a training run: parallel layout, optimiser, and the run itself.
 
-Every field has a docstring; ``__post_init__`` checks name the knob to change. The command
-line (:mod:`distllm.train.cli`) is a thin layer that fills these dataclasses. Checks that need
-the world size (``tp*pp*dp``) or the model (heads, layers) are in :func:`check_layout`.
+Every field has a docstring (the string literal under it), from which ``distllm train``
+(:mod:`distllm.train.cli`) generates its flags and their help; a field's ``metadata`` may
+give its ``choices`` and, where the flag is not ``--<field-name>``, its ``flag``.
+``__post_init__`` checks name the knob to change. Checks that need the world size
+(``tp*pp*dp``) or the model (heads, layers) are in :func:`check_layout`.
+
+The lists of choices live with what implements them: schedules in
+:mod:`distllm.parallel.pipeline.schedules`, overlap modes in the tensor-parallel layers,
+activation checkpointing in :mod:`distllm.models.gpt`; dtype names in :mod:`distllm.dtypes`.
+The planner's :class:`~distllm.plan.layout.Layout` converts to a :class:`ParallelConfig`
+with :meth:`ParallelConfig.from_layout`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any
+
+from distllm.models.gpt import CHECKPOINTING, GPTConfig
+from distllm.parallel.pipeline.schedules import SCHEDULES
+from distllm.parallel.tensor.tensor_parallel import OVERLAP_MODES
+
+if TYPE_CHECKING:
+    from distllm.plan.layout import Layout
 
 __all__ = [
     "ParallelConfig",
     "OptimConfig",
     "TrainConfig",
-    "SCHEDULES",
-    "DTYPES",
-    "ACTIVATION_CHECKPOINTING",
+    "TRAIN_DTYPES",
     "check_layout",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
-DTYPES = ("float32", "bfloat16", "float64")
-ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
-OVERLAP = ("auto", "chunked", "none")
+TRAIN_DTYPES = ("float32", "bfloat16", "float64")
+"""The compute dtypes training runs (names of :data:`distllm.dtypes.DTYPES`)."""
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def _choice(default: Any, choices: tuple, **meta: Any) -> Any:
+    """A field whose value must be one of ``choices`` (checked in ``__post_init__``)."""
+    return field(default=default, metadata={"choices": choices, **meta})
+
+
+def _check_choices(obj: Any) -> None:
+    for f in fields(obj):
+        choices = f.metadata.get("choices")
+        if choices is not None and getattr(obj, f.name) not in choices:
+            raise ValueError(f"{f.name}={getattr(obj, f.name)!r}: choose one of "
+                             f"{', '.join(map(str, choices))}")
 
 
 def _positive(name: str, value: int) -> None:
@@ -41,10 +67,10 @@ class ParallelConfig:
     """Pipeline-parallel size: stages the layer list is cut into."""
     dp: int = -1
     """Data-parallel size; -1 takes every remaining rank (world // (tp*pp))."""
-    zero: int = 0
+    zero: int = _choice(0, ZERO_STAGES)
     """ZeRO stage over the DP group: 0 = plain DDP, 1 = optimizer states sharded,
     2 = + gradients sharded, 3 = + parameters sharded."""
-    schedule: str = "1f1b"
+    schedule: str = _choice("1f1b", SCHEDULES)
     """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zb-h1 (used when pp > 1)."""
     micro_batches: int = 0
     """Micro-batches per step and DP rank; 0 picks max(1, pp) (gpipe/1f1b) or 2*pp."""
@@ -52,11 +78,11 @@ class ParallelConfig:
     """Model chunks per rank for interleaved-1f1b (ignored by the other schedules)."""
     sequence_parallel: bool = False
     """Keep LayerNorm/dropout activations sharded along the sequence inside a TP group."""
-    overlap: str = "auto"
+    overlap: str = _choice("auto", OVERLAP_MODES)
     """Row-parallel GEMM + all-reduce overlap: auto (measured), chunked, or none."""
     bucket_cap_mb: float = 25.0
     """Data-parallel gradient bucket size in MiB."""
-    timeout_s: float = 300.0
+    timeout_s: float = field(default=300.0, metadata={"flag": "--timeout"})
     """Collective timeout in seconds: a dead rank ends the job after at most this long."""
 
     def __post_init__(self) -> None:
@@ -64,12 +90,7 @@ class ParallelConfig:
         _positive("pp", self.pp)
         if not isinstance(self.dp, int) or (self.dp < 1 and self.dp != -1):
             raise ValueError(f"dp={self.dp!r}: it must be a positive integer, or -1 to infer it")
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"zero={self.zero!r}: choose a ZeRO stage in {{0, 1, 2, 3}}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
-        if self.overlap not in OVERLAP:
-            raise ValueError(f"overlap={self.overlap!r}: choose one of {', '.join(OVERLAP)}")
+        _check_choices(self)
         if self.micro_batches < 0:
             raise ValueError(f"micro_batches={self.micro_batches}: use 0 (auto) or a count >= 1")
         if self.micro_batches == 0:
@@ -93,6 +114,23 @@ class ParallelConfig:
     def layout(self) -> str:
         """Short name of the layout, e.g. ``tp2.pp2.dp1.zero0``."""
         return f"tp{self.tp}.pp{self.pp}.dp{self.dp}.zero{self.zero}"
+
+    @classmethod
+    def from_layout(cls, layout: Layout, base: ParallelConfig | None = None) -> ParallelConfig:
+        """The training layout that runs the planner's ``layout``: its sizes, ZeRO stage,
+        micro-batches and sequence parallelism, and with pp > 1 its schedule and virtual
+        stages. What a ``Layout`` does not decide (the overlap mode, the bucket size, the
+        timeout, and the schedule when pp = 1) comes from ``base`` (default: the defaults).
+        Activation checkpointing is a field of :class:`TrainConfig`:
+        ``layout.checkpointing``."""
+        kw: dict[str, Any] = dict(tp=layout.tp, pp=layout.pp, dp=layout.dp, zero=layout.zero,
+                                  micro_batches=layout.micro_batches,
+                                  sequence_parallel=layout.sequence_parallel)
+        if layout.pp > 1:
+            kw["schedule"] = layout.schedule
+            if layout.schedule == "interleaved-1f1b":
+                kw["virtual_stages"] = layout.virtual_stages
+        return replace(base or cls(), **kw)
 
 
 @dataclass
@@ -150,9 +188,9 @@ class TrainConfig:
     """Optimizer steps to run (in total, counting steps done before a resume)."""
     seed: int = 1234
     """Seed of the initial weights and of the data order."""
-    dtype: str = "float32"
+    dtype: str = _choice("float32", TRAIN_DTYPES)
     """Compute dtype: float32, bfloat16 (with fp32 master weights) or float64."""
-    activation_checkpointing: str = "none"
+    activation_checkpointing: str = _choice("none", CHECKPOINTING)
     """Recompute activations in backward: none, selective (attention core) or full (blocks)."""
     data: str | None = None
     """A text file or a folder of text files; None uses the Python standard library's sources."""
@@ -168,7 +206,7 @@ class TrainConfig:
     ``steps`` (for preemptible jobs that continue with --resume)."""
     save_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
-    save_final: bool = True
+    save_final: bool = field(default=True, metadata={"flag": "--no-save"})
     """Save a checkpoint after the last step."""
     eval_batches: int = 8
     """Global batches of held-out data used for the validation loss at the end (0: none)."""
@@ -182,13 +220,7 @@ class TrainConfig:
         if self.seq_len < 0:
             raise ValueError(f"seq_len={self.seq_len}: use 0 (the preset's) or a positive length")
         _positive("steps", self.steps)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
-        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-            raise ValueError(
-                f"activation_checkpointing={self.activation_checkpointing!r}: choose one of "
-                f"{', '.join(ACTIVATION_CHECKPOINTING)}"
-            )
+        _check_choices(self)
         if self.n_layers < 0:
             raise ValueError(f"n_layers={self.n_layers}: use 0 (the preset's) or a positive depth")
         if self.stop_after < 0:
@@ -207,10 +239,8 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def model_config(self):
+    def model_config(self) -> GPTConfig:
         """The ``GPTConfig`` of ``model`` with this run's overrides."""
-        from distllm.models.gpt import GPTConfig
-
         over = {"n_layers": self.n_layers} if self.n_layers else {}
         return GPTConfig.preset(self.model, **over)
 

@@ -25,7 +25,6 @@ import torch
 
 __all__ = [
     "ByteTokenizer",
-    "padded_vocab_size",
     "Corpus",
     "load_corpus",
     "BatchLoader",
@@ -33,12 +32,6 @@ __all__ = [
 ]
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".json", ".csv", ".c", ".h", ".html", ".tex")
-
-
-def padded_vocab_size(vocab: int, tp: int, multiple: int = 64) -> int:
-    """``vocab`` rounded up to a multiple of ``multiple * tp`` (each TP shard a multiple of 64)."""
-    m = multiple * tp
-    return (vocab + m - 1) // m * m
 
 
 class ByteTokenizer:

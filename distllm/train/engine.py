@@ -18,13 +18,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distllm.dtypes import DTYPES as DTYPE
 from distllm.models.gpt import GPT, GPTConfig
 from distllm.parallel.mesh import ParallelDims
 from distllm.train.config import TrainConfig
 
 __all__ = ["Engine", "DTYPE", "StepMetrics", "stage_layer_ids"]
-
-DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 def _all_chunk_ids(n_layers: int, pp: int, v: int) -> list[list[int]]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from distllm.dtypes import dtype_name
 from distllm.parallel.mesh import ParallelDims
 from distllm.train.config import TrainConfig, check_layout
 from distllm.train.data import BatchLoader, load_corpus
@@ -36,20 +37,26 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def peak_flops(dtype: torch.dtype, device: torch.device) -> tuple[float, str]:
-    """Peak FLOP/s of one rank's device for MFU: the datasheet's dense figure on known GPUs,
-    else a GEMM rate measured on ``device`` (a practical peak); returns ``(flops, how)``."""
+    """Peak FLOP/s of one rank's device for MFU: on a GPU with a hardware profile
+    (:mod:`distllm.plan.hardware`), the profile's dense figure for ``dtype`` (TF32's for
+    float32 when TF32 matmuls are allowed); else a GEMM rate measured on ``device`` (a
+    practical peak). Returns ``(flops, how)``."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        # dense TFLOP/s from the datasheets (SXM): (bf16, tf32, fp32, fp64)
-        table = {"H100": (989, 495, 67, 67), "H200": (989, 495, 67, 67),
-                 "A100": (312, 156, 19.5, 19.5)}
-        for key, (bf16, tf32, fp32, fp64) in table.items():
-            if key in name:
-                if dtype == torch.float32:
-                    val = tf32 if torch.backends.cuda.matmul.allow_tf32 else fp32
-                else:
-                    val = fp64 if dtype == torch.float64 else bf16
-                return val * 1e12, f"{name} datasheet"
+        from distllm.plan.hardware import detect_profile, load_profile
+
+        name = dtype_name(dtype)
+        if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+            name = "tf32"
+        try:
+            prof = load_profile(detect_profile())
+            return prof.flops(name), f"profile {prof.name} ({name})"
+        except ValueError:  # a GPU without a profile, or a profile without this dtype
+            pass
+    return _measured_flops(dtype, device)
+
+
+def _measured_flops(dtype: torch.dtype, device: torch.device) -> tuple[float, str]:
+    """The best of 5 timed square GEMMs on ``device``."""
     cuda = device.type == "cuda"
     n = 4096 if cuda else 512
     a = torch.randn(n, n, device=device,
@@ -197,7 +204,7 @@ def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> TrainResult:
 
     p = cfg.parallel
     if dims is None:
-        dims = ParallelDims(tp=p.tp, pp=p.pp, dp=p.dp, timeout_s=p.timeout_s)
+        dims = ParallelDims.from_layout(p, timeout_s=p.timeout_s)
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
     mcfg = cfg.model_config()

@@ -61,3 +61,134 @@ def test_resume_refuses_another_model(capsys, corpus, tmp_path):
     line = _err(capsys, ["--resume", "--out", str(out), "--data", corpus, "--seq-len", "32"])
     assert "different model" in line and "n_layers: checkpoint 2 vs run 4" in line
     assert "no complete checkpoint" in _err(capsys, ["--resume", "--out", str(tmp_path / "x")])
+
+
+# --- flags generated from the config dataclasses --------------------------------------
+
+# every flag of the hand-written parser this one replaced, with its default
+OLD_FLAGS = {
+    "--nproc": 0, "--tp": 1, "--pp": 1, "--dp": -1, "--zero": 0, "--schedule": "1f1b",
+    "--micro-batches": 0, "--virtual-stages": 2, "--sequence-parallel": False,
+    "--overlap": "auto", "--plan": "none", "--bucket-cap-mb": 25.0, "--timeout": 300.0,
+    "--model": "tiny", "--global-batch": 32, "--seq-len": 0, "--steps": 300, "--seed": 1234,
+    "--dtype": "float32", "--activation-checkpointing": "none", "--data": None,
+    "--out": "runs/train", "--resume": False, "--n-layers": 0, "--stop-after": 0,
+    "--save-every": 0, "--no-save": True, "--eval-batches": 8, "--no-progress": True,
+    "--deterministic": False, "--lr": 3e-3, "--min-lr-ratio": 0.1, "--warmup-steps": -1,
+    "--weight-decay": 0.1, "--grad-clip": 1.0,
+}
+
+
+def _parser():
+    import argparse
+
+    from distllm.train.cli import add_arguments
+
+    p = argparse.ArgumentParser(prog="distllm train")
+    add_arguments(p)
+    return p
+
+
+def test_every_old_flag_keeps_its_name_and_default():
+    p = _parser()
+    actions = {s: a for a in p._actions for s in a.option_strings}
+    assert set(OLD_FLAGS) <= set(actions), set(OLD_FLAGS) - set(actions)
+    for flag, default in OLD_FLAGS.items():
+        assert actions[flag].default == default, (flag, actions[flag].default, default)
+
+
+def test_no_flags_give_the_default_config():
+    from distllm.train.cli import config_from_args
+    from distllm.train.config import TrainConfig
+
+    assert config_from_args(_parser().parse_args([])) == TrainConfig()
+
+
+def test_each_flag_sets_its_field():
+    from distllm.train.cli import config_from_args
+    from distllm.train.config import OptimConfig, ParallelConfig, TrainConfig
+
+    argv = ("--tp 2 --pp 2 --dp 3 --zero 2 --schedule interleaved-1f1b --micro-batches 4 "
+            "--virtual-stages 3 --sequence-parallel --overlap chunked --bucket-cap-mb 4.5 "
+            "--timeout 60 --model gpt2-small --global-batch 24 --seq-len 64 --steps 9 "
+            "--seed 5 --dtype bfloat16 --activation-checkpointing selective --data d.txt "
+            "--out o --resume --n-layers 3 --stop-after 4 --save-every 2 --no-save "
+            "--eval-batches 0 --no-progress --deterministic --lr 0.01 --min-lr-ratio 0.2 "
+            "--warmup-steps 3 --weight-decay 0.05 --beta1 0.8 --beta2 0.9 --eps 1e-6 "
+            "--grad-clip 0.5").split()
+    want = TrainConfig(
+        model="gpt2-small", global_batch=24, seq_len=64, steps=9, seed=5, dtype="bfloat16",
+        activation_checkpointing="selective", data="d.txt", out="o", resume=True, n_layers=3,
+        stop_after=4, save_every=2, save_final=False, eval_batches=0, progress=False,
+        deterministic=True,
+        parallel=ParallelConfig(tp=2, pp=2, dp=3, zero=2, schedule="interleaved-1f1b",
+                                micro_batches=4, virtual_stages=3, sequence_parallel=True,
+                                overlap="chunked", bucket_cap_mb=4.5, timeout_s=60.0),
+        optim=OptimConfig(lr=0.01, min_lr_ratio=0.2, warmup_steps=3, weight_decay=0.05,
+                          beta1=0.8, beta2=0.9, eps=1e-6, grad_clip=0.5))
+    assert config_from_args(_parser().parse_args(argv)) == want
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    dict(steps=3, out="/tmp/x", save_final=False, progress=False, data="c.txt"),
+    dict(activation_checkpointing="full", dtype="float64", resume=True),
+])
+def test_config_to_argv_round_trips(kw):
+    from distllm.train.cli import config_from_args, config_to_argv
+    from distllm.train.config import OptimConfig, ParallelConfig, TrainConfig
+
+    for par in (ParallelConfig(), ParallelConfig(tp=2, pp=2, schedule="gpipe", timeout_s=7.0,
+                                                 sequence_parallel=True)):
+        cfg = TrainConfig(parallel=par, optim=OptimConfig(lr=1e-4, beta2=0.99), **kw)
+        assert config_from_args(_parser().parse_args(config_to_argv(cfg))) == cfg
+
+
+def test_help_comes_from_the_field_docstrings(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for words in ("Collective timeout in seconds: a dead rank ends the job after at most this "
+                  "long. (default: 300.0)",
+                  "-1 uses 5% of the steps (at least 1)",  # a literal % survives argparse
+                  "--schedule {gpipe,1f1b,interleaved-1f1b,zb-h1}",
+                  "--no-save Save a checkpoint after the last step. On by default: this flag "
+                  "turns it off.",
+                  "--timeout TIMEOUT Collective timeout",
+                  "Stop this run after this many steps in total (0: run to steps), saving",
+                  "--nproc NPROC start torchrun"):
+        assert words in out, words
+
+
+def test_flags_of_a_config_class():
+    import dataclasses
+
+    from distllm.train.cli import field_docs, flags
+
+    @dataclasses.dataclass
+    class Cfg:
+        a: int = 1
+        """The a."""
+        b: str = dataclasses.field(default="x", metadata={"choices": ("x",)})
+        """The
+        b, 5%."""
+        on: bool = True
+        """Turned on."""
+
+    assert field_docs(Cfg) == {"a": "The a.", "b": "The b, 5%.", "on": "Turned on."}
+    a, b, on = flags((("x", Cfg, None),))
+    assert (a.flag, a.default, a.kwargs["type"]) == ("--a", 1, int)
+    assert (b.flag, b.kwargs["choices"], b.kwargs["help"]) == (
+        "--b", ("x",), "The b, 5%%. (default: %(default)s)")
+    assert (on.flag, on.kwargs["action"], on.kwargs["help"]) == (
+        "--no-on", "store_false", "Turned on. On by default: this flag turns it off.")
+
+    @dataclasses.dataclass
+    class Undocumented:
+        a: int = 1
+        """The a."""
+        c: float = 0.0
+
+    with pytest.raises(TypeError, match="Undocumented.c has no docstring: write one under it"):
+        flags((("x", Undocumented, None),))

@@ -1,0 +1,95 @@
+"""Config checks that name the knob, the choices each field takes from the module that
+implements it, and the conversions between ParallelConfig, the planner's Layout and
+ParallelDims (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from distllm.dtypes import DTYPES
+from distllm.models.gpt import CHECKPOINTING
+from distllm.parallel.mesh import ParallelDims
+from distllm.parallel.pipeline.schedules import SCHEDULES
+from distllm.parallel.tensor.tensor_parallel import OVERLAP_MODES
+from distllm.plan.layout import Layout
+from distllm.train.config import TRAIN_DTYPES, ParallelConfig, TrainConfig, check_layout
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(zero=4), "zero=4: choose one of 0, 1, 2, 3"),
+    (dict(schedule="x"), "schedule='x': choose one of gpipe, 1f1b, interleaved-1f1b, zb-h1"),
+    (dict(tp=0), "tp=0"),
+    (dict(pp=4, micro_batches=2), "micro_batches=2 < pp=4"),
+    (dict(overlap="y"), "overlap='y': choose one of auto, chunked, none"),
+])
+def test_parallel_config_names_the_knob(kw, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace("[", r"\[")):
+        ParallelConfig(**kw)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(dtype="float16"), "dtype='float16': choose one of float32, bfloat16, float64"),
+    (dict(activation_checkpointing="some"), "activation_checkpointing='some': choose one of "
+                                            "none, selective, full"),
+])
+def test_train_config_names_the_knob(kw, words):
+    with pytest.raises(ValueError, match=words):
+        TrainConfig(**kw)
+
+
+def test_choices_come_from_the_implementing_modules():
+    assert set(TRAIN_DTYPES) <= set(DTYPES)
+    for f, want in (("schedule", SCHEDULES), ("overlap", OVERLAP_MODES)):
+        assert ParallelConfig.__dataclass_fields__[f].metadata["choices"] is want
+    fields = TrainConfig.__dataclass_fields__
+    assert fields["activation_checkpointing"].metadata["choices"] is CHECKPOINTING
+    assert fields["dtype"].metadata["choices"] is TRAIN_DTYPES
+
+
+def test_layout_checks():
+    cfg = TrainConfig(parallel=ParallelConfig(tp=2, pp=2), global_batch=8)
+    assert check_layout(cfg, 8, n_layers=4, n_heads=4, hidden=128, seq_len=32) == 2
+    with pytest.raises(ValueError, match="does not divide the world size 6"):
+        check_layout(cfg, 6, n_layers=4, n_heads=4, hidden=128, seq_len=32)
+    with pytest.raises(ValueError, match="--n-layers"):
+        check_layout(TrainConfig(parallel=ParallelConfig(pp=8)), 8, n_layers=4, n_heads=4,
+                     hidden=128, seq_len=32)
+
+
+LAYOUTS = [
+    Layout(2, 1, 4),
+    Layout(1, 2, 2, 1, "gpipe", 3, "full"),
+    Layout(2, 2, 2, 2, "1f1b", 4, "selective", True),
+    Layout(1, 4, 1, 0, "interleaved-1f1b", 8, "none", False, 3),
+    Layout(1, 2, 1, 3, "zb-h1", 2),
+]
+
+
+@pytest.mark.parametrize("lay", LAYOUTS, ids=[lay.name() for lay in LAYOUTS])
+def test_layout_to_config_and_back(lay):
+    world = lay.tp * lay.pp * lay.dp
+    p = ParallelConfig.from_layout(lay)
+    assert (p.tp, p.pp, p.dp, p.zero, p.micro_batches, p.sequence_parallel) == (
+        lay.tp, lay.pp, lay.dp, lay.zero, lay.micro_batches, lay.sequence_parallel)
+    assert p.chunks_per_rank == lay.virtual_stages
+    cfg = TrainConfig(parallel=p, activation_checkpointing=lay.checkpointing)
+    assert Layout.from_config(cfg, world) == lay
+    dims = ParallelDims.from_layout(p, world_size=world)
+    assert (dims.tp, dims.pp, dims.dp) == (lay.tp, lay.pp, lay.dp)
+
+
+def test_from_layout_keeps_what_a_layout_does_not_decide():
+    base = ParallelConfig(schedule="gpipe", overlap="chunked", bucket_cap_mb=4.0, timeout_s=9.0,
+                          virtual_stages=5)
+    p = ParallelConfig.from_layout(Layout(2, 1, 2, 1, "none", 2), base)
+    assert (p.schedule, p.overlap, p.bucket_cap_mb, p.timeout_s, p.virtual_stages) == (
+        "gpipe", "chunked", 4.0, 9.0, 5)
+    q = ParallelConfig.from_layout(Layout(1, 2, 2, 0, "1f1b", 2), base)
+    assert q.schedule == "1f1b" and q.virtual_stages == 5 and q.chunks_per_rank == 1
+
+
+def test_from_config_resolves_dp_and_names_a_bad_world():
+    cfg = TrainConfig(parallel=ParallelConfig(tp=2, dp=-1))
+    assert Layout.from_config(cfg, 6) == Layout(2, 1, 3, 0, "none", 1)
+    with pytest.raises(ValueError, match="world size 5 is not divisible by tp\\*pp=2"):
+        Layout.from_config(cfg, 5)

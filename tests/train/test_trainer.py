@@ -1,0 +1,48 @@
+"""The trainer's peak FLOP/s for MFU: the hardware profiles' datasheet figures on known GPUs,
+a measurement elsewhere (no processes, no GPU: the device is only named)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distllm.train import trainer
+
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def gpu_named(monkeypatch):
+    def name(n: str) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: n)
+
+    monkeypatch.setattr(trainer, "_measured_flops", lambda dtype, device: (1.0, "measured"))
+    return name
+
+
+@pytest.mark.parametrize("gpu, dtype, tf32, tflops", [
+    # dense datasheet figures (NVIDIA H100 SXM, A100 SXM)
+    ("NVIDIA H100 80GB HBM3", torch.bfloat16, False, 989),
+    ("NVIDIA H100 80GB HBM3", torch.float32, False, 67),
+    ("NVIDIA H100 80GB HBM3", torch.float32, True, 494.7),
+    ("NVIDIA H200", torch.float64, False, 67),
+    ("NVIDIA A100-SXM4-80GB", torch.bfloat16, False, 312),
+    ("NVIDIA A100-SXM4-80GB", torch.float32, True, 156),
+    ("NVIDIA A100-SXM4-80GB", torch.float64, False, 19.5),
+])
+def test_known_gpus_read_their_profile(gpu_named, gpu, dtype, tf32, tflops):
+    gpu_named(gpu)
+    matmul = torch.backends.cuda.matmul  # its flags are not plain attributes: set and restore
+    old, matmul.allow_tf32 = matmul.allow_tf32, tf32
+    try:
+        flops, how = trainer.peak_flops(dtype, CUDA)
+    finally:
+        matmul.allow_tf32 = old
+    assert flops == pytest.approx(tflops * 1e12, rel=1e-12) and how.startswith("profile "), how
+
+
+def test_an_unknown_gpu_and_the_cpu_are_measured(gpu_named):
+    gpu_named("Tesla T4")
+    assert trainer.peak_flops(torch.float32, CUDA) == (1.0, "measured")
+    assert trainer.peak_flops(torch.float32, torch.device("cpu")) == (1.0, "measured")
