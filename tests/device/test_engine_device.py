@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from distllm.comm.compat import ALL_GATHER_API
 from distllm.train import checkpoint
 from distllm.train.engine import Engine
 from distllm.train.optim_state import MOMENTS, collect, install
 from tests.device._fakecuda import CUDA, CudaDims, emulate_backward, fake_world
 from tests.train._util import make_cfg
 
-AG = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+AG = ALL_GATHER_API  # torch's name for the all-gather, as compat picks it
 LAYOUTS = {  # name: (world, make_cfg options)
     "tp2-ddp": (2, dict(tp=2)),
     "dp2-ddp": (2, dict(dp=2)),

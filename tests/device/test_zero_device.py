@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from distllm.comm.compat import ALL_GATHER_API, REDUCE_SCATTER_API
 from distllm.parallel import ZeroOptimizer
 from tests.device._fakecuda import CUDA, CudaDims, emulate_backward, fake_world
 
-AG = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-RS = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+AG, RS = ALL_GATHER_API, REDUCE_SCATTER_API  # torch's names for them, as compat picks
 EXPECT = {0: {"all_reduce"}, 1: {"all_reduce", AG}, 2: {"all_reduce", AG, RS},
           3: {"all_reduce", AG, RS}}
 
