@@ -1,5 +1,8 @@
 """Parallelism: the mesh, tensor (``tensor/``), pipeline (``pipeline/``) and data (``data/``).
 
+``mesh.ParallelDims`` validates the sizes at construction and builds the process groups in a
+separate step (``build()``, done at once when no ``world_size`` is given).
+
 Names are imported lazily so that each part loads only when used.
 """
 
