@@ -5,7 +5,8 @@ Output in ``--out DIR`` (default ``runs/bench-<UTC time>``): ``results.json`` an
 suite with speed-ups and a verdict per case), ``<suite>_speedup.png`` and, for the overlap
 suites, ``<suite>_timeline.png``; with ``--compare OLD_DIR`` also ``COMPARE.md``. A markdown
 table goes to stdout. ``--doctor`` instead profiles a small distllm.nn model on 2 gloo ranks
-and reports, per layer, how much of each collective was hidden (see distllm.bench.doctor).
+and reports, per layer, how much of each collective was hidden (the library's
+:func:`distllm.diagnostics.diagnose`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ __all__ = ["add_arguments", "run"]
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16", "half": "float16", "float64": "float64"}
 _SHAPE = re.compile(r"^\s*\d+(\s*,\s*\d+)+\s*$")
-_RATE = re.compile(r"^\s*\d+(\.\d+)?\s*([kmg]?bit|[kmg]?bps)?\s*$", re.IGNORECASE)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--shapes", default=None,
-                   help="a preset name understood by the suites, or explicit 'M,K,N;M,K,N'")
+                   help="explicit shapes 'M,K,N;M,K,N' (default: each suite's presets)")
     p.add_argument("--net", default=None, metavar="RATE",
                    help="emulated link for multi-rank suites, e.g. 2gbit (root + iproute2)")
     p.add_argument("--reps", type=int, default=None, help="override each suite's repetitions")
@@ -63,12 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check_rate(rate: str) -> None:
-    try:
-        from distllm.bench.netem import parse_rate
-    except ImportError:
-        if not _RATE.match(rate):
-            raise ValueError(f"--net {rate!r}: give a rate like 2gbit or 500mbit") from None
-        return
+    from distllm.testing.netem import parse_rate
+
     try:
         parse_rate(rate)
     except ValueError as exc:
@@ -81,11 +77,11 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--dtype {args.dtype!r} is unknown; use one of float32, bfloat16, "
                          "float16")
     args.dtype = _DTYPES[args.dtype]
-    if args.shapes and "," in args.shapes:
+    if args.shapes:
         bad = [s for s in args.shapes.split(";") if s.strip() and not _SHAPE.match(s)]
         if bad:
             raise ValueError(f"--shapes: {bad[0]!r} is not a list of integers; write "
-                             "'M,K,N;M,K,N' (e.g. '128,256,512;7,769,1000') or a preset name")
+                             "'M,K,N;M,K,N' (e.g. '128,256,512;7,769,1000')")
     if args.net:
         _check_rate(args.net)
     if args.reps is not None and args.reps < 1:
@@ -146,9 +142,9 @@ def _doctor_rank(overlap: str, require: bool | None, steps: int, trace: str | No
     """One rank of ``--doctor``: two MLP blocks (column-parallel GEMM + GeLU, then
     row-parallel GEMM) at tp=2, SGD steps on a fixed batch, diagnosed."""
     import torch
-    from distllm.bench.doctor import diagnose
 
     import distllm
+    from distllm.diagnostics import diagnose
     from distllm.nn import ColumnParallelLinear, RowParallelLinear
 
     torch.manual_seed(0)
@@ -186,7 +182,7 @@ def _doctor(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         kw: dict = {}
         if args.net:
-            from distllm.bench.netem import EmulatedNetwork
+            from distllm.testing.netem import EmulatedNetwork
 
             net = stack.enter_context(EmulatedNetwork(2, args.net))
             link = args.net if net.available else f"loopback ({args.net} unavailable: " \
@@ -221,7 +217,8 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from distllm.bench import plots, report
-    from distllm.bench.harness import BenchConfig, write_rows
+    from distllm.bench.harness import BenchConfig
+    from distllm.bench.rows import write_rows
     from distllm.bench.suite import SUITES, parse_suites, run_suites
 
     if args.list:

@@ -27,24 +27,29 @@ approximation). ``peak_mem_mb``: bytes of parameters + gradients + optimizer sta
 rank after a step, measured from the tensors (:func:`distllm.parallel.memory_report`;
 activations and transient buffers excluded; torch DDP's internal buckets are not visible and
 not counted). ``extra.grad_opt_mb``: the gradient + optimizer part alone. Rows of
-``TIMELINES`` carry one profiled step of rank 0 (``timeline``, :mod:`distllm.bench.timeline`) and
-``profiled_hidden_frac``, the share of the collectives' running time under compute.
+``TIMELINES`` carry one profiled step of rank 0 (``timeline``, from
+:mod:`distllm.diagnostics.timeline`) and ``profiled_hidden_frac``, the share of the
+collectives' running time under compute.
 
-Networks: loopback, and ``cfg.net`` (default ``10gbit`` when run as a script) through
-:mod:`distllm.bench.netem`; where that cannot be built, rows say so and run on loopback.
-Run: ``python -m distllm.bench.ddp_overlap [--quick] [--net 10gbit]`` or
-``distllm bench --suite ddp,zero --net 10gbit``.
+Cases are phases (``ddp``, ``zero``, and without ``quick`` the bucket-size ``sweep``), each
+on 2 ranks over loopback and ``cfg.net`` through :mod:`distllm.testing.netem`; where the
+link cannot be built, rows say so and run on loopback.
+Run: ``distllm bench --suite ddp,zero --net 10gbit``.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from distllm.bench.harness import BenchConfig, Stats, interleaved, max_over_ranks_timer, row
-from distllm.bench.timeline import hidden, profile_timeline
+from distllm.bench.harness import BenchConfig, Case, Result, Setup
+from distllm.bench.rows import row
 from torch import nn
 
+from distllm.diagnostics.timeline import hidden, profile_timeline
+from distllm.diagnostics.timing import Stats
+
 SUITE_DDP, SUITE_ZERO = "ddp", "zero"
+SUITE = SUITE_DDP  # cases of the zero phase name their suite
 # (hidden, layers, heads, batch, seq): full ~20M parameters; quick ~1.6M
 _PRESETS = {False: (640, 4, 10, 4, 16), True: (256, 2, 4, 2, 16)}
 SWEEP_MB = (1, 5, 25, 100)
@@ -203,7 +208,7 @@ def _parts(shape, x, dims, cap) -> dict:
     """The parts alone: forward, forward + backward (no communication), the bucketed
     all-reduce of gradient-sized buffers (the same buckets, launched asynchronously and
     waited for at the end, as :class:`DistributedDataParallel` does), and the AdamW step."""
-    from distllm.comm.buckets import assign_buckets
+    from distllm.parallel.data.buckets import assign_buckets
 
     m = _model(shape)
     opt = _adamw(m.parameters())
@@ -242,9 +247,26 @@ PHASES = {
 }
 
 
-def _rank(phase: str, shape, reps: int, cap: float) -> dict:
+def cases(cfg: BenchConfig) -> list[Case]:
+    """One case per phase: ``ddp`` (and without ``quick`` its bucket-size ``sweep``) when the
+    ``ddp`` suite is asked for, ``zero`` when ``zero`` is; each on 2 ranks."""
+    wanted = cfg.extra.get("suites") or [SUITE_DDP, SUITE_ZERO]
+    if cfg.device != "cpu":
+        return [Case("-", suite=s, skip="the CPU suite (gloo ranks); the GPU run is the "
+                     "training benchmark") for s in (SUITE_DDP, SUITE_ZERO) if s in wanted]
+    phases = (["ddp"] if SUITE_DDP in wanted else []) + (
+        ["zero"] if SUITE_ZERO in wanted else []) + (
+        ["sweep"] if SUITE_DDP in wanted and not cfg.quick else [])
+    return [Case(p, {"phase": p}, ranks=2, networks=True,
+                 suite=SUITE_ZERO if p == "zero" else SUITE_DDP) for p in phases]
+
+
+def setup(cfg: BenchConfig, case: Case) -> Setup:
+    """Every variant of the phase on this rank (one that cannot be built here is listed
+    with its error); afterwards each one's memory and one profiled step."""
     from distllm import ParallelDims
 
+    shape, phase, cap = _PRESETS[cfg.quick], case.params["phase"], 25.0
     dims = ParallelDims()
     _, _, _, batch, seq = shape
     torch.manual_seed(1 + dims.rank)
@@ -259,13 +281,24 @@ def _rank(phase: str, shape, reps: int, cap: float) -> dict:
             missing[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     if phase == "ddp":
         variants.update(_parts(shape, x, dims, cap))
-    stats = interleaved(variants, warmup=2, reps=reps, timer=max_over_ranks_timer(),
-                        before_each=dist.barrier)
-    mem = {n: f().as_dict() for n, f in mems.items()}
-    timelines = {n: profile_timeline(variants[n], warmup=0, before=dist.barrier)
-                 for n in TIMELINES if n in variants}
-    return {"stats": stats, "mem": mem, "missing": missing, "timelines": timelines,
-            "psi": sum(p.numel() for p in _model(shape).parameters())}
+
+    def finish(stats: dict[str, Stats]) -> dict:
+        mem = {n: f().as_dict() for n, f in mems.items()}
+        timelines = {n: profile_timeline(variants[n], warmup=0, before=dist.barrier)
+                     for n in TIMELINES if n in variants}
+        return {"mem": mem, "timelines": timelines,
+                "psi": sum(p.numel() for p in _model(shape).parameters())}
+
+    return Setup(variants, missing, warmup=2, reps=cfg.reps or (3 if cfg.quick else 10),
+                 finish=finish)
+
+
+def rows(cfg: BenchConfig, case: Case, result: Result) -> list[dict]:
+    shape, info = _PRESETS[cfg.quick], result.info[0]
+    res = {"stats": result.stats, "missing": result.unavailable, **info}
+    label = f"{result.net} {info['psi'] / 1e6:.1f}M b{shape[3]}s{shape[4]}h{shape[0]}"
+    build = {"ddp": _ddp_rows, "zero": _zero_rows, "sweep": _sweep_rows}[case.params["phase"]]
+    return build(res, label, result.net, result.net_reason)
 
 
 # --- rows ----------------------------------------------------------------------------------------
@@ -350,56 +383,3 @@ def _sweep_rows(res: dict, case: str, label: str, reason: str) -> list[dict]:
     return [row(SUITE_DDP, f"{case} sweep", name, s, vs_torch_ddp=s.median_ms / base,
                 role="peer" if name == "torch_ddp" else "fused",
                 **_rowkw(res, name, label, reason)) for name, s in st.items()]
-
-
-def run(cfg: BenchConfig) -> list[dict]:
-    from distllm.bench.netem import link
-
-    from distllm.testing import run_distributed
-
-    if cfg.device != "cpu":
-        return [row(s, "-", "-", status="unavailable", reason="the CPU suite (gloo ranks); the "
-                    "GPU run is the training benchmark") for s in (SUITE_DDP, SUITE_ZERO)]
-    shape = _PRESETS[cfg.quick]
-    reps = cfg.reps or (3 if cfg.quick else 10)
-    wanted = cfg.extra.get("suites") or [SUITE_DDP, SUITE_ZERO]
-    phases = (["ddp"] if SUITE_DDP in wanted else []) + (
-        ["zero"] if SUITE_ZERO in wanted else []) + (
-        ["sweep"] if SUITE_DDP in wanted and not cfg.quick else [])
-    nets = ([None] if not (cfg.quick and cfg.net) else []) + ([cfg.net] if cfg.net else [])
-    rows: list[dict] = []
-    for rate in nets:
-        with link(rate) as lk:
-            for phase in phases:
-                res = run_distributed(_rank, 2, phase, shape, reps, 25.0, timeout=1800,
-                                      setup=lk.setup, env=lk.env)[0]
-                case = f"{lk.label} {res['psi'] / 1e6:.1f}M b{shape[3]}s{shape[4]}h{shape[0]}"
-                build = {"ddp": _ddp_rows, "zero": _zero_rows, "sweep": _sweep_rows}[phase]
-                rows.extend(build(res, case, lk.label, lk.reason))
-    return rows
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from distllm.bench.harness import markdown_table
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--net", default="10gbit", help="emulated link rate; 'none' for loopback only")
-    ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--suites", default="ddp,zero")
-    a = ap.parse_args(argv)
-    cfg = BenchConfig(quick=a.quick, net=None if a.net == "none" else a.net, reps=a.reps,
-                      extra={"suites": a.suites.split(",")})
-    rows = run(cfg)
-    for r in rows:  # the timelines are for plots, not for the table
-        r["extra"] = {k: (round(v, 3) if isinstance(v, float) else v)
-                      for k, v in (r.get("extra") or {}).items() if k != "timeline"}
-    print(markdown_table(rows, columns=["suite", "case", "variant", "ms", "ms_p10", "ms_p90",
-                                        "hidden_frac", "peak_mem_mb", "status", "extra"]))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

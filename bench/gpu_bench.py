@@ -16,7 +16,7 @@ timed with CUDA events over interleaved repetitions (median, p10..p90), in one p
    CUDA starts).
 
 Run: ``python -m distllm.bench.gpu_bench --out results.json`` (``--quick``: fewer
-repetitions). Rows are :func:`distllm.bench.harness.row` dicts; a variant that fails is a
+repetitions). Rows are :func:`distllm.bench.rows.row` dicts; a variant that fails is a
 row with ``status="error"`` and its reason, never a crash of the whole run.
 """
 
@@ -32,36 +32,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from distllm.bench.harness import interleaved, machine_info, markdown_table, row
+from distllm.bench.rows import machine_info, markdown_table, row
+
+from distllm.diagnostics.timing import Timer, cuda_event_timer, interleaved
 
 SUITE = "gpu"
 LINEAR_SHAPES = [(8192, 4096, 16384), (4096, 4096, 4096)]
 CHUNK_N, CHUNKS = 8192, 4
-Timer = Callable[[Callable[[], object]], float]
-
-
-def cuda_event_timer(fn: Callable[[], object]) -> float:
-    """ms of GPU time of ``fn``'s work on the current stream, between two CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
-def _usable(variants: dict[str, Callable[[], object]]) -> tuple[dict, dict[str, str]]:
-    """Run each variant once: ``(those that ran, {name: error} of those that raised)``."""
-    ok, failed = {}, {}
-    for name, fn in variants.items():
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - one failing variant must not end the run
-            failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        else:
-            ok[name] = fn
-    return ok, failed
-
 
 def _timed_rows(
     case: str,
@@ -73,8 +50,8 @@ def _timed_rows(
     base: str,
     **common,
 ) -> list[dict]:
-    live, failed = _usable(variants)
-    st = interleaved(live, warmup=warmup, reps=reps, timer=timer) if live else {}
+    failed: dict[str, str] = {}  # a variant that raises is a row with its error, not a crash
+    st = interleaved(variants, warmup=warmup, reps=reps, timer=timer, errors=failed)
     out = [row(SUITE, case, n, status="error", reason=why, **common) for n, why in failed.items()]
     for name, s in st.items():
         sp = st[base].median_ms / s.median_ms if base in st else None

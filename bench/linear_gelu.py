@@ -17,25 +17,30 @@ oneDNN's linear with GeLU post-op, ``torch.ops.mkldnn._linear_pointwise``; CUDA:
 ``cpu-rowblocked`` (the GEMM in row blocks of 256, each block's bias+GeLU applied right after
 its GEMM while it is in cache), which lost to oneDNN and is kept for the record.
 
-The CPU backend was chosen with this module: at (M, K, N) = (2048, 1024, 4096) float32 on a
-2-core AMD EPYC (single-thread CPU time, 7 interleaved reps, median, machine shared with
-other jobs), forward: unfused 239 ms, row-blocked GEMM + epilogue 234 ms, oneDNN GeLU
-post-op 186 ms, the ``cpu`` backend (oneDNN) 188 ms. So ``cpu`` is oneDNN and there is no
-C++ GEMM kernel in ``csrc/``. Run with ``cfg.extra["linear_gelu_timer"] = "cpu"`` to use
-that timer on a busy machine.
+The CPU backend was chosen with this module at (M, K, N) = (2048, 1024, 4096) float32: the
+row-blocked GEMM + epilogue gained nothing over unfused while oneDNN's GeLU post-op did, so
+``cpu`` is oneDNN and there is no C++ GEMM kernel in ``csrc/`` (figures in
+``bench/results/cpu-linear-gelu-2048x1024x4096-20261129/``). Run with
+``cfg.extra["linear_gelu_timer"] = "cpu"`` to time CPU time of one thread on a busy machine.
+
+One case per (phase, shape, dtype); ``cfg.extra`` may set ``approximate`` and
+``linear_gelu_dtypes``.
 """
 
 from __future__ import annotations
 
-import time
+import contextlib
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from distllm.bench.harness import BenchConfig, interleaved, row
+from distllm.bench.harness import BenchConfig, Case, Result, Setup, shapes
+from distllm.bench.rows import row
+
+from distllm.diagnostics.timing import process_time_timer, wall_timer
 
 SUITE = "linear_gelu"
-_PRESETS = {
+PRESETS = {
     ("cpu", True): [(256, 256, 1024)],
     ("cpu", False): [(2048, 1024, 4096)],
     ("cuda", True): [(2048, 1024, 4096), (8192, 4096, 16384)],
@@ -43,16 +48,7 @@ _PRESETS = {
 }
 # The fused backends that run on each device (Triton on CPU is its interpreter: a test tool).
 _DEVICE_BACKENDS = {"cpu": ("cpu",), "cuda": ("cuda", "triton")}
-
-
-def _shapes(cfg: BenchConfig) -> list[tuple[int, int, int]]:
-    if cfg.shapes and "," in cfg.shapes:
-        return [tuple(int(v) for v in s.split(",")) for s in cfg.shapes.split(";") if s.strip()]
-    return _PRESETS[(cfg.device, cfg.quick)]
-
-
-def cases(cfg: BenchConfig) -> list[str]:
-    return [",".join(map(str, s)) for s in _shapes(cfg)]
+PHASES = ("fwd", "fwd_train", "bwd", "fwd+bwd")
 
 
 def _dtypes(cfg: BenchConfig) -> list[torch.dtype]:
@@ -148,15 +144,6 @@ def _peers(x, w, b, approximate, device):
     return out
 
 
-def _cpu_timer(fn) -> float:
-    """ms of CPU time of this process for one call: on a machine shared with other jobs the
-    wall clock measures the neighbours; with one torch thread (set by ``run``) CPU time is
-    the work done. Chosen with ``cfg.extra["linear_gelu_timer"] = "cpu"``; rows say so."""
-    t0 = time.process_time()
-    fn()
-    return (time.process_time() - t0) * 1e3
-
-
 def _flops(phase: str, M: int, K: int, N: int) -> float:
     return {"fwd": 2, "fwd_train": 2, "bwd": 4, "fwd+bwd": 6}[phase] * M * K * N
 
@@ -169,82 +156,69 @@ def _reps(cfg: BenchConfig, M: int, K: int, N: int, device: str) -> int:
     return 3 if cfg.quick else (7 if M * K * N > 4e9 else 10)
 
 
-def run(cfg: BenchConfig) -> list[dict]:
-    device = cfg.device
-    if device == "cuda" and not torch.cuda.is_available():
-        return [row(SUITE, "-", "-", status="unavailable", reason="no CUDA device")]
-    approximate = cfg.extra.get("approximate", "tanh" if device == "cuda" else "none")
-    sync = torch.cuda.synchronize if device == "cuda" else None
-    rows: list[dict] = []
-    cpu_timer = cfg.extra.get("linear_gelu_timer") == "cpu" and device == "cpu"
+def _cpu_timer(cfg: BenchConfig) -> bool:
+    """Whether to time CPU time of one thread (``cfg.extra["linear_gelu_timer"] = "cpu"``)."""
+    return cfg.extra.get("linear_gelu_timer") == "cpu" and cfg.device == "cpu"
+
+
+def cases(cfg: BenchConfig) -> list[Case]:
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        return [Case("-", skip="no CUDA device")]
+    return [Case(f"{phase} {M}x{K}x{N} {str(dtype).removeprefix('torch.')}",
+                 {"phase": phase, "shape": (M, K, N), "dtype": dtype})
+            for M, K, N in shapes(cfg, PRESETS[(cfg.device, cfg.quick)])
+            for dtype in _dtypes(cfg) for phase in PHASES]
+
+
+def setup(cfg: BenchConfig, case: Case) -> Setup:
+    """The variants of one phase on ``x`` (M, K), ``w`` (N, K), ``b`` (N,), seeded alike for
+    every phase of a shape; the forward phase runs without autograd."""
+    device, phase, (M, K, N) = cfg.device, case.params["phase"], case.params["shape"]
+    dtype = case.params["dtype"]
     threads = torch.get_num_threads()
-    if cpu_timer:
+    if _cpu_timer(cfg):
         torch.set_num_threads(1)
-    try:
-        for shape in _shapes(cfg):
-            rows += _run_shape(cfg, shape, approximate, device, sync)
-    finally:
-        torch.set_num_threads(threads)
-    for r in rows:
-        r.setdefault("extra", {})
-        if isinstance(r["extra"], dict):
-            r["extra"]["timer"] = "cpu-time, 1 thread" if cpu_timer else "wall"
-    return rows
+    torch.manual_seed(0)
+    x = torch.randn(M, K, device=device, dtype=dtype)
+    w = torch.randn(N, K, device=device, dtype=dtype) * K**-0.5
+    b = torch.randn(N, device=device, dtype=dtype) * 0.1
+    vs = _variants(phase, x, w, b, _approximate(cfg), device)
+    grad = torch.no_grad if phase == "fwd" else contextlib.nullcontext
+
+    def under_grad_mode(fn: Callable[[], object]) -> Callable[[], object]:
+        def call() -> object:
+            with grad():
+                return fn()
+
+        return call
+
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    return Setup({n: under_grad_mode(fn) for n, (fn, _) in vs.items() if fn is not None},
+                 {n: why for n, (fn, why) in vs.items() if fn is None}, warmup=1,
+                 reps=_reps(cfg, M, K, N, device),
+                 timer=process_time_timer if _cpu_timer(cfg) else wall_timer(sync),
+                 finish=lambda stats: {n: role for n, (fn, role) in vs.items()},
+                 close=lambda: torch.set_num_threads(threads))
 
 
-def _run_shape(cfg, shape, approximate, device, sync) -> list[dict]:
-    M, K, N = shape
-    rows: list[dict] = []
-    for dtype in _dtypes(cfg):
-        torch.manual_seed(0)
-        x = torch.randn(M, K, device=device, dtype=dtype)
-        w = torch.randn(N, K, device=device, dtype=dtype) * K**-0.5
-        b = torch.randn(N, device=device, dtype=dtype) * 0.1
-        for phase in ("fwd", "fwd_train", "bwd", "fwd+bwd"):
-            rows += _run_phase(cfg, phase, x, w, b, approximate, device, sync)
-    return rows
+def _approximate(cfg: BenchConfig) -> str:
+    return cfg.extra.get("approximate", "tanh" if cfg.device == "cuda" else "none")
 
 
-def _run_phase(cfg, phase, x, w, b, approximate, device, sync) -> list[dict]:
-    M, K = x.shape
-    N = w.shape[0]
-    case = f"{phase} {M}x{K}x{N} {str(x.dtype).removeprefix('torch.')}"
-    vs = _variants(phase, x, w, b, approximate, device)
-    live = {n: fn for n, (fn, _) in vs.items() if fn is not None}
-    ctx = torch.no_grad() if phase == "fwd" else torch.enable_grad()
-    with ctx:
-        st = interleaved(
-            live,
-            warmup=1,
-            reps=_reps(cfg, M, K, N, device),
-            sync=sync,
-            timer=_cpu_timer if cfg.extra.get("linear_gelu_timer") == "cpu" else None,
-        )
-    base = st.get("unfused")
+def rows(cfg: BenchConfig, case: Case, result: Result) -> list[dict]:
+    """A row per variant in the order they were built: timed, or unavailable with why."""
+    phase, (M, K, N), dtype = case.params["phase"], case.params["shape"], case.params["dtype"]
+    st, base = result.stats, result.stats.get("unfused")
+    common = dict(device=cfg.device, dtype=str(dtype).removeprefix("torch."),
+                  shape=f"{M}x{K}x{N}", phase=phase, approximate=_approximate(cfg),
+                  timer="cpu-time, 1 thread" if _cpu_timer(cfg) else "wall")
     out = []
-    for n, (fn, role_or_reason) in vs.items():
-        common = dict(
-            device=device,
-            dtype=str(x.dtype).removeprefix("torch."),
-            shape=f"{M}x{K}x{N}",
-            phase=phase,
-            approximate=approximate,
-        )
-        if fn is None:
-            out.append(row(SUITE, case, n, status="unavailable", reason=role_or_reason, **common))
+    for n, role_or_reason in result.info[0].items():
+        if n not in st:
+            out.append(row(SUITE, case.label, n, status="unavailable", reason=role_or_reason,
+                           **common))
             continue
-        s = st[n]
-        sp = base.median_ms / s.median_ms if base else None
-        out.append(
-            row(
-                SUITE,
-                case,
-                n,
-                s,
-                flops=_flops(phase, M, K, N),
-                role=role_or_reason,
-                speedup_vs_unfused=sp,
-                **common,
-            )
-        )
+        sp = base.median_ms / st[n].median_ms if base else None
+        out.append(row(SUITE, case.label, n, st[n], flops=_flops(phase, M, K, N),
+                       role=role_or_reason, speedup_vs_unfused=sp, **common))
     return out

@@ -28,7 +28,9 @@ Each row says what its stages were (``extra.stage``; ``extra.synthetic`` for sle
 report's verdict names it: a schedule that wins on sleeping stages has a smaller bubble, which
 is not the same as a faster step on real compute (zb-h1's split backward costs time there).
 
-Run: ``distllm bench --suite pipeline [--quick]`` or ``python -m distllm.bench.pipeline``.
+One case per (kind of stage, m), on its ``p`` gloo ranks; ``cfg.extra`` may narrow them:
+``kinds`` (``["sleep"]``), ``ms``, ``t_ms`` (the sleep stages' time per action).
+Run: ``distllm bench --suite pipeline [--quick]``.
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ import time
 
 import torch
 import torch.distributed as dist
-from distllm.bench.harness import BenchConfig, row, stats_of
+from distllm.bench.harness import BenchConfig, Case, Result, Setup
+from distllm.bench.rows import row
 from torch import nn
+
+from distllm.diagnostics.timing import stats_of
 
 SUITE = "pipeline"
 SCHEDS = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))
@@ -122,33 +127,51 @@ def _p2p_latency(dims, shape, reps: int = 20) -> float:
     return float(lat)
 
 
-def _rank_main(kind: str, p: int, ms: list[int], reps: int, t_ms: float, hidden: int,
-               rows_per_mb: int, blocks: int) -> dict:
+def _plans(cfg: BenchConfig) -> dict[str, tuple[int, dict]]:
+    """Per kind of stage: the pipeline depth and the stage parameters."""
+    t_ms = cfg.extra.get("t_ms") or (4.0 if cfg.quick else 10.0)
+    return {"sleep": (4, dict(t_ms=t_ms, hidden=8, rows_per_mb=1, blocks=4)),
+            "compute": (2, dict(t_ms=0.0, hidden=128 if cfg.quick else 256, rows_per_mb=32,
+                                blocks=8))}
+
+
+def cases(cfg: BenchConfig) -> list[Case]:
+    ms = cfg.extra.get("ms") or ([4, 8] if cfg.quick else [4, 8, 16])
+    kinds = cfg.extra.get("kinds", ("sleep", "compute"))
+    return [Case(f"{kind} p={p} m={m}", {"kind": kind, "p": p, "m": m, **kw}, ranks=p,
+                 timeout=900) for kind, (p, kw) in _plans(cfg).items() if kind in kinds
+            for m in ms]
+
+
+def setup(cfg: BenchConfig, case: Case) -> Setup:
+    """On each of the ``p`` ranks: one pipeline per schedule; each call is one training
+    step, whose executor record (timestamps, peaks) is kept for the rows."""
     from distllm import ParallelDims
     from distllm.parallel.pipeline import PipelineParallel
 
+    kind, p, m = case.params["kind"], case.params["p"], case.params["m"]
+    t_ms, hidden = case.params["t_ms"], case.params["hidden"]
+    rows_per_mb, blocks = case.params["rows_per_mb"], case.params["blocks"]
     dims = ParallelDims(tp=1, pp=p, dp=1)
     shape = (rows_per_mb, 8 if kind == "sleep" else hidden)
-    out = {"latency_s": _p2p_latency(dims, shape), "cases": {}}
-    for m in ms:
-        pipes = {}
-        for name, v in SCHEDS:
-            if name == "interleaved-1f1b" and m % p:
-                continue
-            pipes[name] = PipelineParallel(_layers(kind, p, v, t_ms, hidden, blocks), dims, name,
-                                           m, v, track_memory=True)
-        # the batch requires grad so that stage 0's B walks its input branch like any stage's
-        x = torch.randn(m * rows_per_mb, shape[1], requires_grad=kind == "sleep")
-        names, rec = list(pipes), {n: [] for n in pipes}
-        for rep in range(reps + 1):
-            for n in names if rep % 2 == 0 else names[::-1]:
-                pipes[n].zero_grad(set_to_none=True)
-                dist.barrier()
-                pipes[n].train_step(x, x.detach(), _mse)
-                if rep:
-                    rec[n].append(_summary(pipes[n].last_stats))
-        out["cases"][m] = rec
-    return out
+    latency = _p2p_latency(dims, shape)
+    pipes = {name: PipelineParallel(_layers(kind, p, v, t_ms, hidden, blocks), dims, name, m, v,
+                                    track_memory=True)
+             for name, v in SCHEDS if not (name == "interleaved-1f1b" and m % p)}
+    # the batch requires grad so that stage 0's B walks its input branch like any stage's
+    x = torch.randn(m * rows_per_mb, shape[1], requires_grad=kind == "sleep")
+    rec: dict[str, list[dict]] = {n: [] for n in pipes}
+
+    def step(n: str) -> None:
+        pipes[n].zero_grad(set_to_none=True)
+        pipes[n].train_step(x, x.detach(), _mse)
+        rec[n].append(_summary(pipes[n].last_stats))
+
+    warmup = 1
+    return Setup({n: (lambda n=n: step(n)) for n in pipes}, warmup=warmup,
+                 reps=cfg.reps or (3 if cfg.quick else 5),
+                 finish=lambda stats: {"latency_s": latency,
+                                       "rec": {n: r[warmup:] for n, r in rec.items()}})
 
 
 def _summary(st) -> dict:
@@ -229,49 +252,9 @@ def _targets(kind: str, m: int, rows: list[dict]) -> None:
         e["targets"] = {k: "met" if ok else f"missed: {why}" for k, (ok, why) in t.items()}
 
 
-def run(cfg: BenchConfig) -> list[dict]:
-    from distllm.testing import run_distributed
-
-    quick, ex = cfg.quick, cfg.extra or {}
-    ms = ex.get("ms") or ([4, 8] if quick else [4, 8, 16])
-    reps = cfg.reps or (3 if quick else 5)
-    t_ms = ex.get("t_ms") or (4.0 if quick else 10.0)
-    plans = [("sleep", 4, dict(t_ms=t_ms, hidden=8, rows_per_mb=1, blocks=4)),
-             ("compute", 2, dict(t_ms=0.0, hidden=128 if quick else 256, rows_per_mb=32,
-                                 blocks=8))]
-    rows: list[dict] = []
-    for kind, p, kw in plans:
-        if kind not in ex.get("kinds", ("sleep", "compute")):
-            continue
-        try:
-            res = run_distributed(_rank_main, p, kind, p, ms, reps, kw["t_ms"], kw["hidden"],
-                                  kw["rows_per_mb"], kw["blocks"], timeout=900, threads=1)
-        except Exception as e:  # noqa: BLE001 - reported as a row, never dropped
-            rows.append(row(SUITE, f"{kind} p={p}", "all", status="error", reason=str(e)[-500:]))
-            continue
-        for m in ms:
-            rows += _case_rows(kind, p, m, [r["cases"][m] for r in res], res[0]["latency_s"])
-    return rows
-
-
-def main() -> None:
-    import argparse
-
-    from distllm.bench.harness import markdown_table
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--reps", type=int, default=None)
-    a = ap.parse_args()
-    rows = run(BenchConfig(quick=a.quick, reps=a.reps))
-    for r in rows:
-        r.update({k: r["extra"].get(k) for k in ("bubble_mean", "bubble_ideal_1f1b", "sim_ms",
-                                                  "sim_err", "bubble_vs_1f1b", "peak_act")}
-                 if r.get("extra") else {})
-    print(markdown_table(rows, ["case", "variant", "ms", "ms_p10", "ms_p90", "sim_ms", "sim_err",
-                                "bubble_mean", "bubble_ideal_1f1b", "bubble_vs_1f1b",
-                                "peak_act", "peak_mem_mb", "status"]))
-
-
-if __name__ == "__main__":
-    main()
+def rows(cfg: BenchConfig, case: Case, result: Result) -> list[dict]:
+    """The schedules' rows from every rank's executor records (the runner's own timings,
+    each a whole step, are not what the bubbles are read from)."""
+    kind, p, m = case.params["kind"], case.params["p"], case.params["m"]
+    return _case_rows(kind, p, m, [info["rec"] for info in result.info],
+                      result.info[0]["latency_s"])

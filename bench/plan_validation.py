@@ -7,21 +7,32 @@ and its step times are read back from the run's ``metrics.jsonl`` (median after 
 The same ranks then build the training engine again and measure memory: model states from
 the tensors held (``distllm.parallel.data.memory.memory_report``), plus the peak of
 allocations during one step (``torch.profiler`` memory events). Layouts run in rounds
-(A B C ... A B C) so that drift of the shared machine hits them alike.
+(A B C, C B A, ...) so that drift of the shared machine hits them alike.
 
-    python -m distllm.bench.plan_validation [--net 1gbit] [--rounds 2] [--out DIR]
+One case per network (loopback, and ``--net``). The predictions use ``cfg.extra["profile"]``
+(a profile name or file), else a calibration of this machine (``distllm plan --calibrate``;
+a ``--quick`` run uses the packaged ``cpu`` profile and measures :data:`QUICK_LAYOUTS`).
+``cfg.extra`` may also set ``rounds``, ``steps`` and ``layouts`` (tuples as in
+:data:`LAYOUTS`). The planner's own pick is always measured too. :func:`repredict`
+recomputes the predictions of an earlier run's ``results.json`` with the current model.
+
+    distllm bench --suite plan_validation --net 1gbit
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import functools
 import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from distllm.bench.harness import BenchConfig, markdown_table, row, stats_of, write_rows
+from distllm.bench.harness import BenchConfig, Case, Result, Setup
+from distllm.bench.rows import row
+
+from distllm.diagnostics.timing import stats_of
 
 SUITE = "plan_validation"
 BATCH, SEQ, RANKS = 16, 128, 4
@@ -37,6 +48,7 @@ LAYOUTS = [
     (2, 2, 1, 0, "gpipe", 2, "none"),
     (1, 1, 4, 0, "none", 2, "full"),
 ]
+QUICK_LAYOUTS = [LAYOUTS[0], LAYOUTS[3], LAYOUTS[5]]
 
 
 def _layout(t: tuple):
@@ -196,55 +208,80 @@ def _as_tuple(lay) -> tuple:
     return (lay.tp, lay.pp, lay.dp, lay.zero, lay.schedule, lay.micro_batches, lay.checkpointing)
 
 
-def run(cfg: BenchConfig) -> list[dict]:
-    from distllm.plan import load_profile
+@functools.cache
+def _calibrated(net: str | None):
     from distllm.plan.calibrate import calibrate
 
-    rounds = int(cfg.extra.get("rounds", 1 if cfg.quick else 2))
-    steps = int(cfg.extra.get("steps", 5 if cfg.quick else 8))
-    nets = [None] + ([cfg.net] if cfg.net else [])
-    prof_path = cfg.extra.get("profile")
-    profile = load_profile(prof_path) if prof_path else calibrate(cfg.net, ranks=RANKS)
-    if cfg.out is not None:  # the profile the predictions used, for --repredict
+    return calibrate(net, ranks=RANKS)
+
+
+def _profile(cfg: BenchConfig):
+    """The hardware profile of the predictions (see the module docstring)."""
+    from distllm.plan import load_profile
+
+    name = cfg.extra.get("profile") or ("cpu" if cfg.quick else None)
+    return load_profile(name) if name else _calibrated(cfg.net)
+
+
+def cases(cfg: BenchConfig) -> list[Case]:
+    """One case per network; its variants (the layouts) start their own 4 ranks each."""
+    return [Case(f"tiny/{RANKS} ranks", networks=True)]
+
+
+def setup(cfg: BenchConfig, case: Case) -> Setup:
+    """Each layout (and the planner's pick) is one variant: a whole training run on 4 ranks
+    over the case's network, whose step times and memory are kept for the rows."""
+    from distllm.testing.netem import EmulatedNetwork
+
+    profile = _profile(cfg)
+    if cfg.out is not None:  # the profile the predictions used, for repredict()
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         Path(cfg.out, "profile.json").write_text(json.dumps(profile.to_json(), indent=1))
-    rows: list[dict] = []
-    for rate in nets:
-        rows += _one_network(rate, profile, rounds, steps)
-    return rows
-
-
-def _one_network(rate: str | None, profile, rounds: int, steps: int) -> list[dict]:
-    net_name = rate or "loopback"
+    stack = contextlib.ExitStack()
     net = None
-    if rate is not None:
-        from distllm.bench.netem import EmulatedNetwork
-
-        net = EmulatedNetwork(nranks=RANKS, rate=rate).__enter__()
+    if case.net is not None:
+        net = stack.enter_context(EmulatedNetwork(nranks=RANKS, rate=case.net))
         if not net.available:
-            return [row(SUITE, "tiny/4 ranks", net_name, status="unavailable", reason=net.reason)]
-    gpn = RANKS if rate is None else 1  # emulated: every group crosses the rate-limited link
+            stack.close()
+            return Setup(unavailable={case.net: net.reason})
+    gpn = RANKS if case.net is None else 1  # emulated: every group crosses the slow link
     try:
         pick = _as_tuple(_planner_pick(profile, gpn))
-        layouts = LAYOUTS + ([pick] if pick not in LAYOUTS else [])
-        samples: dict[tuple, list[float]] = {t: [] for t in layouts}
-        mem: dict[tuple, dict] = {}
-        with tempfile.TemporaryDirectory(prefix="planval-data-") as folder:
-            data = _corpus(folder)
-            for k in range(rounds):
-                for t in layouts:
-                    got = _measure(t, steps, net, data, probe=k == 0)
-                    samples[t] += got["times"]
-                    mem[t] = got["mem"] or mem[t]
-                    print(
-                        f"{net_name} {_layout(t).name()}: steps {got['times']}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-    finally:
-        if net is not None:
-            net.close()
-    return _rows(net_name, layouts, samples, mem, profile, gpn, pick)
+        data = _corpus(stack.enter_context(tempfile.TemporaryDirectory(prefix="planval-")))
+    except BaseException:
+        stack.close()
+        raise
+    chosen = [tuple(t) for t in cfg.extra.get("layouts") or
+              (QUICK_LAYOUTS if cfg.quick else LAYOUTS)]
+    layouts = chosen + ([pick] if pick not in chosen else [])
+    steps = int(cfg.extra.get("steps", 5 if cfg.quick else 8))
+    samples: dict[tuple, list[float]] = {t: [] for t in layouts}
+    mem: dict[tuple, dict] = {}
+
+    def measure(t: tuple) -> None:
+        got = _measure(t, steps, net, data, probe=t not in mem)
+        samples[t] += got["times"]
+        mem.setdefault(t, got["mem"])
+        print(f"{case.net or 'loopback'} {_layout(t).name()}: steps {got['times']}",
+              file=sys.stderr, flush=True)
+
+    def finish(stats) -> dict:
+        return {"layouts": layouts, "samples": samples, "mem": mem, "profile": profile,
+                "gpn": gpn, "pick": pick}
+
+    return Setup({_layout(t).name(): (lambda t=t: measure(t)) for t in layouts}, warmup=0,
+                 reps=int(cfg.extra.get("rounds", 1 if cfg.quick else 2)), finish=finish,
+                 close=stack.close)
+
+
+def rows(cfg: BenchConfig, case: Case, result: Result) -> list[dict]:
+    net_name = case.net or "loopback"
+    if result.unavailable:
+        return [row(SUITE, case.label, net_name, status="unavailable",
+                    reason=result.unavailable[case.net])]
+    i = result.info[0]
+    return _rows(net_name, i["layouts"], i["samples"], i["mem"], i["profile"], i["gpn"],
+                 i["pick"])
 
 
 def _rows(net_name, layouts, samples, mem, profile, gpn, pick) -> list[dict]:
@@ -324,42 +361,3 @@ def repredict(results: Path, profile) -> list[dict]:
             )
         )
     return out
-
-
-# the table printed by main(); a --repredict run has no slowdown/status columns to show
-_COLUMNS = ["case", "variant", "ms", "predicted_ms", "time_error", "measured_mem_mb",
-            "predicted_mem_mb", "mem_error", "slowdown_vs_fastest", "status", "reason"]
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--net", default="1gbit", help="emulated link rate ('' for loopback only)")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=8, help="steps per run (2 are warm-up)")
-    ap.add_argument("--profile", default=None, help="use this profile instead of calibrating")
-    ap.add_argument("--out", default="runs/plan_validation")
-    ap.add_argument(
-        "--repredict",
-        default=None,
-        help="results.json of an earlier run: recompute only the predictions",
-    )
-    a = ap.parse_args(argv)
-    if a.repredict:
-        from distllm.plan import load_profile
-
-        rows = repredict(Path(a.repredict), load_profile(a.profile or "cpu"))
-        print(markdown_table(rows, _COLUMNS[:8]))
-        return 0
-    cfg = BenchConfig(
-        net=a.net or None,
-        out=Path(a.out),
-        extra={"rounds": a.rounds, "steps": a.steps, "profile": a.profile},
-    )
-    rows = run(cfg)
-    write_rows(rows, cfg.out)
-    print(markdown_table([flat(r) for r in rows], _COLUMNS))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from distllm.bench.harness import _fmt
+from distllm.bench.rows import fmt
 
 __all__ = ["role_of", "annotate", "verdict", "suite_table", "write_report", "by_case",
            "speedup_band", "not_measured", "summary_table", "above_ceiling"]
@@ -194,16 +194,16 @@ _COLS = ["case", "variant", "role", "ms", "p10..p90", "TFLOP/s", "GB/s", "hidden
 
 def _cells(r: dict) -> list[str]:
     extra = r.get("extra") if isinstance(r.get("extra"), dict) else {}
-    band = f"{_fmt(r.get('ms_p10'))}..{_fmt(r.get('ms_p90'))}" if r.get("ms_p10") else ""
+    band = f"{fmt(r.get('ms_p10'))}..{fmt(r.get('ms_p90'))}" if r.get("ms_p10") else ""
     status = r.get("status") or ""
     if status != "ok":
         status = _why(r)[:160]
     part = role_of(r) == "part"  # a component timed alone: no speed-up to claim
     sp = None if part else r.get("speedup_vs_unfused")
     spp = None if part else extra.get("speedup_vs_peer")
-    return [str(r.get("case")), str(r.get("variant")), role_of(r), _fmt(r.get("ms")), band,
-            _fmt(r.get("tflops")), _fmt(r.get("gbps")), _hidden_cell(r),
-            _fmt(r.get("peak_mem_mb")), f"{sp:.2f}x" if sp else "",
+    return [str(r.get("case")), str(r.get("variant")), role_of(r), fmt(r.get("ms")), band,
+            fmt(r.get("tflops")), fmt(r.get("gbps")), _hidden_cell(r),
+            fmt(r.get("peak_mem_mb")), f"{sp:.2f}x" if sp else "",
             f"{spp:.2f}x" if spp else "", status.replace("|", "/").replace("\n", " ")]
 
 
@@ -266,8 +266,8 @@ def summary_table(rows: list[dict]) -> str:
         if base is not None:
             lo, mid, hi = speedup_band(base, best)
             sp = f"{mid:.2f}x ({lo:.2f}..{hi:.2f})"
-        b = f"{_fmt(base['ms'])} ({base['variant']})" if base else ""
-        lines.append(f"| {suite} | {case} | {b} | {best['variant']} | {_fmt(best['ms'])} | "
+        b = f"{fmt(base['ms'])} ({base['variant']})" if base else ""
+        lines.append(f"| {suite} | {case} | {b} | {best['variant']} | {fmt(best['ms'])} | "
                      f"{sp} | {_hidden_cell(best)} | {verdict(crows)} |")
     return "\n".join(lines + _ceiling_note(shown))
 

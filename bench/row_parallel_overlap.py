@@ -27,10 +27,10 @@ sensitive to a loaded machine). Case ``bwd M,K,N``:
 (``chunked<c>`` chunks the dX GEMM too).
 
 ``cfg.net`` (e.g. ``"2gbit"``) runs the ranks in network namespaces joined by a
-rate-limited link (:mod:`distllm.bench.netem`), and loopback too unless ``quick``; where the
-link cannot be built the rows say so and run on loopback. Run:
-``distllm bench --suite row_overlap --net 2gbit``, or
-``python -m distllm.bench.row_parallel_overlap --net 2gbit``.
+rate-limited link (:mod:`distllm.testing.netem`), and loopback too unless ``quick``; where
+the link cannot be built the rows say so and run on loopback. With ``--device cuda`` the
+cases are one GPU's: the GEMM's chunking penalty and its slowdown beside a copy kernel.
+Run: ``distllm bench --suite row_overlap --net 2gbit``.
 """
 
 from __future__ import annotations
@@ -39,25 +39,38 @@ import time
 
 import torch
 import torch.distributed as dist
-from distllm.bench.harness import BenchConfig, Stats, interleaved, max_over_ranks_timer, row
+from distllm.bench.harness import BenchConfig, Case, Result, Setup, shapes
+from distllm.bench.rows import row
 
 from distllm.comm.compat import all_gather_into, reduce_scatter_into
+from distllm.diagnostics.timing import Stats, cuda_event_timer
 
 SUITE = "row_overlap"
 CHUNKS = (2, 4, 8)
-_PRESETS = {True: [(256, 256, 512)], False: [(2048, 512, 2048), (512, 512, 1024)]}
+PRESETS = {True: [(256, 256, 512)], False: [(2048, 512, 2048), (512, 512, 1024)]}
+GPU_PRESETS = {True: [(8192, 8192, 8192)], False: [(8192, 8192, 8192), (4096, 4096, 16384)]}
+CPU_DTYPES = ("float32", "float64", "bfloat16")
 
 
-def _shapes(cfg: BenchConfig, presets=_PRESETS) -> list[tuple[int, int, int]]:
-    if cfg.shapes and "," in cfg.shapes:
-        return [tuple(int(v) for v in s.split(",")) for s in cfg.shapes.split(";") if s.strip()]
-    return presets[cfg.quick]
+def kind_cases(cfg: BenchConfig, suite: str, kinds: tuple[str, ...], presets: dict,
+               skip: str = "") -> list[Case]:
+    """One case per (kind, shape) on 2 gloo ranks, over loopback and ``cfg.net``."""
+    if skip:
+        return [Case("-", suite=suite, skip=skip)]
+    return [Case(f"{kind} {','.join(map(str, shape))}", {"kind": kind, "shape": shape},
+                 ranks=2, networks=True, suite=suite)
+            for kind in kinds for shape in shapes(cfg, presets[cfg.quick])]
 
 
-def cases(cfg: BenchConfig) -> list[str]:
-    return [",".join(map(str, s)) for s in _shapes(cfg)]
-
-
+def cases(cfg: BenchConfig) -> list[Case]:
+    if cfg.device == "cuda":
+        if not torch.cuda.is_available():
+            return [Case("-", skip="no CUDA device visible")]
+        return [Case(f"gpu {','.join(map(str, s))}", {"gpu": True, "shape": s})
+                for s in shapes(cfg, GPU_PRESETS[cfg.quick])]
+    skip = "" if cfg.dtype in CPU_DTYPES else \
+        f"dtype={cfg.dtype}: the CPU suite runs {'/'.join(CPU_DTYPES)}"
+    return kind_cases(cfg, SUITE, ("fwd", "bwd"), PRESETS, skip)
 
 
 def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
@@ -182,27 +195,42 @@ def _timeline(comm, engine_args, chunks: int) -> list[dict]:
              "end_ms": (t1 - start) * 1e3} for lane, n, t0, t1 in spans]
 
 
-def _rank(kinds: tuple[str, ...], shapes, reps: int, warmup: int, dtype_name: str):
+def setup(cfg: BenchConfig, case: Case) -> Setup:
+    """The variants of one case, built on every rank (see the module docstring)."""
+    if case.params.get("gpu"):
+        return _gpu_setup(cfg, case)
     from distllm import ParallelDims
     from distllm.comm.overlap import CommContext
 
     dims = ParallelDims(tp=dist.get_world_size())
     comm = CommContext(dims.tp_group)
-    dtype = getattr(torch, dtype_name)
-    out = []
-    for kind, shape in ((kd, sh) for kd in kinds for sh in shapes):
-        v, st, engine_args = _variants(kind, shape, dims, comm, dtype)
-        res = interleaved(v, warmup=warmup, reps=reps, timer=max_over_ranks_timer(dims.tp_group),
-                          before_each=lambda: dist.barrier(group=dims.tp_group))
+    v, st, engine_args = _variants(case.params["kind"], case.params["shape"], dims, comm,
+                                   getattr(torch, cfg.dtype))
+
+    def finish(stats: dict[str, Stats]) -> dict:
+        """The auto layer's record, and one traced step of the sequential schedule and of
+        the fastest chunked one."""
         info = st.as_dict() if hasattr(st, "as_dict") else {}
-        best = min((n for n in res if n.startswith("chunked")), key=lambda n: res[n].median_ms)
+        best = min((n for n in stats if n.startswith("chunked")),
+                   key=lambda n: stats[n].median_ms)
         info["timelines"] = {"sequential": _timeline(comm, engine_args, 0),
                              best: _timeline(comm, engine_args, int(best[len("chunked"):]))}
-        out.append((kind, shape, res, info))
+        return info
+
+    return Setup(v, warmup=2, reps=cfg.reps or (5 if cfg.quick else 10), finish=finish)
+
+
+def rows(cfg: BenchConfig, case: Case, result: Result) -> list[dict]:
+    if case.params.get("gpu"):
+        return _gpu_rows(cfg, case, result)
+    out = case_rows(case.suite or SUITE, case.params["kind"], case.params["shape"],
+                    result.stats, result.info[0], result.net, cfg.dtype)
+    for r in out:
+        r["reason"] = result.net_reason
     return out
 
 
-def _case_rows(suite: str, kind: str, shape, res: dict[str, Stats], info: dict, net: str,
+def case_rows(suite: str, kind: str, shape, res: dict[str, Stats], info: dict, net: str,
                dtype: str) -> list[dict]:
     m, k, n = shape
     case = f"{kind} {m},{k},{n} {net}"
@@ -253,46 +281,19 @@ def _chunks_of(name: str, extra: dict) -> int | None:
     return extra.get("auto_chunks") if name == "auto" else None
 
 
-def run_kinds(cfg: BenchConfig, suite: str, kinds: tuple[str, ...], shapes) -> list[dict]:
-    """Run ``kinds`` over ``shapes`` on 2 ranks for loopback and/or ``cfg.net``."""
-    from distllm.bench.netem import link
-
-    from distllm.testing import run_distributed
-
-    reps = cfg.reps or (5 if cfg.quick else 10)
-    nets = [cfg.net] if cfg.net else [None]
-    if cfg.net and not cfg.quick:
-        nets = [None, cfg.net]
-    rows: list[dict] = []
-    for net_rate in nets:
-        with link(net_rate) as lk:
-            label, reason = lk.label, lk.reason
-            per = run_distributed(_rank, 2, kinds, shapes, reps, 2, cfg.dtype, timeout=1800,
-                                  setup=lk.setup, env=lk.env)
-            for kind, shape, res, info in per[0]:
-                for r in _case_rows(suite, kind, shape, res, info, label, cfg.dtype):
-                    r["reason"] = reason
-                    rows.append(r)
-    return rows
-
-
-def _cuda_timer(fn) -> float:
-    """ms between events on the current stream around ``fn`` (a side stream is not timed)."""
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b)
-
-
-def _cuda_case(m: int, k: int, n: int, dtype, reps: int, side) -> dict:
+def _gpu_setup(cfg: BenchConfig, case: Case) -> Setup:
+    """One GPU: the GEMM whole, in 4 equal row chunks, in the engines' 4 tapered pieces, and
+    beside a copy kernel on another stream that moves the all-reduce's bytes (the
+    memory/SM interference a concurrent NCCL all-reduce adds). Times from CUDA events."""
     from distllm.comm.overlap import chunk_bounds, pipeline_bounds
 
+    m, k, n = case.params["shape"]
+    dtype = getattr(torch, cfg.dtype)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(n, k, device="cuda", dtype=dtype)
     out = torch.empty(m, n, device="cuda", dtype=dtype)
     src, dst = torch.empty_like(out), torch.empty_like(out)  # the all-reduce's bytes
+    side = torch.cuda.Stream()
 
     def gemm(bounds) -> None:
         for s, e in bounds:
@@ -308,92 +309,24 @@ def _cuda_case(m: int, k: int, n: int, dtype, reps: int, side) -> dict:
                 "gemm_chunked4": lambda: gemm(chunk_bounds(m, 4)),
                 "gemm_pipeline4": lambda: gemm(pipeline_bounds(m, 4)),
                 "gemm_with_copy": with_copy}
-    return interleaved(variants, warmup=3, reps=reps, timer=_cuda_timer,
-                       before_each=torch.cuda.synchronize)
+    return Setup(variants, warmup=3, reps=cfg.reps or 20, timer=cuda_event_timer,
+                 before_each=torch.cuda.synchronize)
 
 
-def _cuda_rows(cfg: BenchConfig) -> list[dict]:
-    """One GPU: the chunking penalty of the GEMM (equal chunks and the engines' tapered ones)
-    and its slowdown while a copy kernel on another stream moves the all-reduce's bytes (the
-    memory/SM interference a concurrent NCCL all-reduce adds). Times from CUDA events."""
-    if not torch.cuda.is_available():
-        return [row(SUITE, "-", "-", status="unavailable", reason="no CUDA device visible")]
-    dtype = getattr(torch, cfg.dtype)
-    shapes = [(8192, 8192, 8192)] if cfg.quick else [(8192, 8192, 8192), (4096, 4096, 16384)]
-    if cfg.shapes and "," in cfg.shapes:
-        shapes = _shapes(cfg)
-    side = torch.cuda.Stream()
-    rows = []
-    for m, k, n in shapes:
-        res = _cuda_case(m, k, n, dtype, cfg.reps or 20, side)
-        base = res["gemm"].median_ms
-        for name, st in res.items():
-            pen = st.median_ms / base - 1
-            if name == "gemm":
-                extra = {"role": "unfused"}
-            elif name == "gemm_with_copy":
-                extra = {"role": "part", "slowdown": pen}
-            else:  # the target: chunking penalty <= 5%
-                extra = {"role": "part", "chunking_penalty": pen, "meets_target": pen <= 0.05}
-            rows.append(row(SUITE, f"gpu {m},{k},{n}", name, st, flops=2.0 * m * k * n,
-                            device="cuda", dtype=cfg.dtype, shape=f"{m}x{k}x{n}",
-                            speedup_vs_unfused=base / st.median_ms, **extra))
-    return rows
-
-
-def run(cfg: BenchConfig) -> list[dict]:
-    if cfg.device == "cuda":
-        return _cuda_rows(cfg)
-    if cfg.dtype not in ("float32", "float64", "bfloat16"):
-        return [row(SUITE, "-", "-", status="unavailable",
-                    reason=f"dtype={cfg.dtype}: the CPU suite runs float32/float64/bfloat16")]
-    return run_kinds(cfg, SUITE, ("fwd", "bwd"), _shapes(cfg))
-
-
-def summary(rows: list[dict]) -> str:
-    """One line per case: hidden fraction of the best chunked variant and auto vs sequential."""
-    lines = []
-    cases_ = {r["case"] for r in rows}
-    for c in sorted(cases_):
-        cr = {r["variant"]: r for r in rows if r["case"] == c and r.get("ms")}
-        ch = [r for v, r in cr.items() if v.startswith("chunked")]
-        if not ch or "auto" not in cr:
-            continue
-        best = min(ch, key=lambda r: r["ms"])
-        auto = cr["auto"]
-        hmin = best["extra"].get("hidden_frac_min")
-        hid = best["hidden_frac"]
-        hid_s = "n/a" if hid is None else f"{hid:.0%}" + (
-            " (above its ceiling: a wrong measurement)" if hid > 1 else "")
-        lines.append(f"{c}: best {best['variant']} hides {hid_s} of what could (best-of-reps "
-                     f"{hmin if hmin is None else format(hmin, '.0%')}) "
-                     f"({best['ms']:.1f} ms vs sequential {cr['sequential']['ms']:.1f} ms, ideal "
-                     f"{cr['ideal']['ms']:.1f} ms); auto={auto['extra'].get('auto_chunks')} "
-                     f"chunks, {auto['extra']['vs_sequential']:+.1%} vs sequential")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None, suite_run=run, stem: str = SUITE) -> int:
-    import argparse
-    from pathlib import Path
-
-    from distllm.bench.harness import markdown_table, write_rows
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--net", default=None)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--shapes", default=None)
-    ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--out", type=Path, default=None)
-    a = ap.parse_args(argv)
-    rows = suite_run(BenchConfig(quick=a.quick, net=a.net, shapes=a.shapes, reps=a.reps))
-    print(markdown_table(rows, ["case", "variant", "ms", "ms_p10", "ms_p90", "hidden_frac",
-                                "speedup_vs_unfused", "status"]))
-    print(summary(rows))
-    if a.out:
-        write_rows(rows, a.out, stem=stem)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def _gpu_rows(cfg: BenchConfig, case: Case, result: Result) -> list[dict]:
+    m, k, n = case.params["shape"]
+    res = result.stats
+    base = res["gemm"].median_ms
+    out = []
+    for name, st in res.items():
+        pen = st.median_ms / base - 1
+        if name == "gemm":
+            extra = {"role": "unfused"}
+        elif name == "gemm_with_copy":
+            extra = {"role": "part", "slowdown": pen}
+        else:  # the target: chunking penalty <= 5%
+            extra = {"role": "part", "chunking_penalty": pen, "meets_target": pen <= 0.05}
+        out.append(row(SUITE, case.label, name, st, flops=2.0 * m * k * n, device="cuda",
+                       dtype=cfg.dtype, shape=f"{m}x{k}x{n}",
+                       speedup_vs_unfused=base / st.median_ms, **extra))
+    return out

@@ -15,31 +15,23 @@ variant's own parts, the share of what could hide (ceiling 1).
 On gloo the reduce-scatter is the engine's pairwise exchange (``reducescatter_alone``);
 ``torch_reducescatter_alone`` times torch's reduce-scatter (through
 :func:`distllm.comm.compat.reduce_scatter_into`) for scale.
-Run: ``distllm bench --suite sp_overlap --net 2gbit``, or
-``python -m distllm.bench.sp_overlap --net 2gbit``.
+The cases are built, timed and reported by :mod:`distllm.bench.row_parallel_overlap`'s
+``setup`` and ``rows``. Run: ``distllm bench --suite sp_overlap --net 2gbit``.
 """
 
 from __future__ import annotations
 
-from distllm.bench.harness import BenchConfig, row
-from distllm.bench.row_parallel_overlap import _shapes, main, run_kinds
+from distllm.bench.harness import BenchConfig, Case
+from distllm.bench.row_parallel_overlap import CPU_DTYPES, kind_cases, rows, setup
+
+__all__ = ["SUITE", "cases", "setup", "rows"]
 
 SUITE = "sp_overlap"
 # ag: a comm-heavy all-gather has K large; rs: a comm-heavy reduce-scatter has N large
-_PRESETS = {True: [(256, 256, 256)], False: [(2048, 512, 2048), (2048, 2048, 512)]}
+PRESETS = {True: [(256, 256, 256)], False: [(2048, 512, 2048), (2048, 2048, 512)]}
 
 
-def cases(cfg: BenchConfig) -> list[str]:
-    return [",".join(map(str, s)) for s in _shapes(cfg, _PRESETS)]
-
-
-def run(cfg: BenchConfig) -> list[dict]:
-    if cfg.device != "cpu" or cfg.dtype not in ("float32", "float64", "bfloat16"):
-        return [row(SUITE, "-", "-", status="unavailable",
-                    reason=f"this suite runs 2 gloo ranks on CPU (device={cfg.device}, "
-                           f"dtype={cfg.dtype})")]
-    return run_kinds(cfg, SUITE, ("ag", "rs"), _shapes(cfg, _PRESETS))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(suite_run=run, stem=SUITE))
+def cases(cfg: BenchConfig) -> list[Case]:
+    skip = "" if cfg.device == "cpu" and cfg.dtype in CPU_DTYPES else (
+        f"this suite runs 2 gloo ranks on CPU (device={cfg.device}, dtype={cfg.dtype})")
+    return kind_cases(cfg, SUITE, ("ag", "rs"), PRESETS, skip)

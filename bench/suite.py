@@ -1,19 +1,15 @@
-"""The suite registry and the runner behind ``distllm bench``.
+"""The suite registry and the loop behind ``distllm bench``.
 
-A suite is a benchmark module (``bench/<name>.py``, installed as ``distllm.bench.<name>``)
-that exposes ``run(cfg: BenchConfig) -> list[dict]`` (rows from ``harness.row``). The runner
-imports each selected module, runs it, and returns every row it produced. Nothing is
-silently dropped:
+A suite is a module (``bench/<name>.py``, installed as ``distllm.bench.<name>``) with
+``SUITE``, ``cases(cfg)``, ``setup(cfg, case)`` and ``rows(cfg, case, result)``: the contract
+of the one runner, :mod:`distllm.bench.harness`. :func:`run_suites` imports each selected
+module, runs its cases one by one (one step of the progress bar each) and returns every row.
+Nothing is silently dropped:
 
 - a module that is missing or fails to import gives one row with ``status="unavailable"``
   and the import error as ``reason``;
-- a module whose ``run`` raises gives one row with ``status="error"`` and the exception;
-- a module that returns no rows gives one row with ``status="error"`` saying so.
-
-Progress is shown per case when the module can list its cases: an optional
-``cases(cfg) -> list[str]`` returns shape strings (from explicit ``--shapes "M,K,N;M,K,N"``
-or its presets), and the runner then calls ``run`` once per case with ``cfg.shapes`` set to
-it. Otherwise ``run`` is called once with ``cfg.shapes`` as given, one step of the bar.
+- a case (or a module's ``cases``) that raises gives one row with ``status="error"`` and
+  the exception; a case that returns no rows, one row saying so.
 
 Two suites may share a module (``ddp`` and ``zero`` both live in ``ddp_overlap``): the
 module runs once with ``cfg.extra["suites"]`` naming the suites wanted, and each row goes to
@@ -27,22 +23,24 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from distllm.bench.harness import BenchConfig, row
+from distllm.bench.harness import BenchConfig, Case, run_case
+from distllm.bench.rows import row
 
 __all__ = ["Suite", "SUITES", "parse_suites", "availability", "run_suites", "SuiteRun"]
+
+_CONTRACT = ("cases", "setup", "rows")
 
 
 @dataclass(frozen=True)
 class Suite:
     name: str
-    module: str  # importable module exposing run(cfg) -> list[dict]
+    module: str  # importable module with SUITE, cases(cfg), setup(cfg, case), rows(...)
     title: str
     overlap: bool = False  # an overlap suite: its rows may carry a timeline to draw
 
@@ -59,6 +57,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
           overlap=True),
     Suite("pipeline", "distllm.bench.pipeline", "Pipeline schedules: bubble and step time"),
     Suite("train_e2e", "distllm.bench.train_e2e", "End-to-end training step against PyTorch"),
+    Suite("plan_validation", "distllm.bench.plan_validation",
+          "Planner predictions against measured training steps"),
 ]}
 
 
@@ -76,19 +76,23 @@ def parse_suites(spec: str | None, registry: dict[str, Suite] | None = None) -> 
 
 
 def _import(modname: str) -> tuple[Any | None, str]:
+    """The suite module, or None and why it cannot be used."""
     try:
-        return importlib.import_module(modname), ""
+        mod = importlib.import_module(modname)
     except Exception as exc:  # noqa: BLE001 - any import failure is reported as a reason
         return None, f"{modname} cannot be imported: {type(exc).__name__}: {exc}"
+    lacks = [n for n in _CONTRACT if not callable(getattr(mod, n, None))]
+    if lacks or not isinstance(getattr(mod, "SUITE", None), str):
+        return None, (f"{modname} is not a suite: it lacks "
+                      f"{', '.join(lacks + ([] if hasattr(mod, 'SUITE') else ['SUITE']))}")
+    return mod, ""
 
 
 def availability(registry: dict[str, Suite] | None = None) -> list[tuple[str, bool, str]]:
-    """(name, available, reason) per suite: whether its module imports and has ``run``."""
+    """(name, available, reason) per suite: whether its module imports and is a suite."""
     out = []
     for name, s in (SUITES if registry is None else registry).items():
         mod, why = _import(s.module)
-        if mod is not None and not callable(getattr(mod, "run", None)):
-            mod, why = None, f"{s.module} has no run(cfg)"
         out.append((name, mod is not None, why or s.title))
     return out
 
@@ -101,17 +105,16 @@ class SuiteRun:
     elapsed_s: dict[str, float]
 
 
-def _cases(mod: Any, cfg: BenchConfig) -> list[str | None]:
-    if callable(getattr(mod, "cases", None)):
-        try:
-            return list(mod.cases(cfg)) or [None]
-        except Exception:  # noqa: BLE001 - fall back to one run over the module's own shapes
-            return [None]
-    return [None]  # one call with cfg.shapes as given (the module may ignore it)
-
-
 def _failure_row(suite: str, status: str, reason: str, case: str = "-") -> dict:
     return row(suite, case, "-", status=status, reason=reason)
+
+
+def _error(names: list[str], exc: BaseException, label: str) -> list[dict]:
+    """One error row per suite, naming the exception and where it was raised."""
+    tb = traceback.format_exc(limit=-3).strip().splitlines()
+    where = next((ln.strip() for ln in reversed(tb) if ln.strip().startswith("File")), "")
+    return [_failure_row(n, "error", f"{type(exc).__name__}: {exc} ({where})", label)
+            for n in names]
 
 
 def _assign(r: dict, names: list[str]) -> str:
@@ -126,27 +129,18 @@ def _assign(r: dict, names: list[str]) -> str:
     return names[0]
 
 
-def _run_case(mod: Any, names: list[str], cfg: BenchConfig, case: str | None,
+def _run_case(mod: Any, names: list[str], cfg: BenchConfig, case: Case,
               registered: frozenset[str] = frozenset()) -> list[dict]:
-    c = dataclasses.replace(cfg, shapes=case if case is not None else cfg.shapes,
-                            extra={**cfg.extra, "suites": list(names)})
-    label = case or "-"
     try:
-        rows = mod.run(c)
-    except Exception as exc:  # noqa: BLE001 - a failing module is a row, not a crash
-        tb = traceback.format_exc(limit=-3).strip().splitlines()
-        where = next((ln.strip() for ln in reversed(tb) if ln.strip().startswith("File")), "")
-        return [_failure_row(n, "error", f"{type(exc).__name__}: {exc} ({where})", label)
-                for n in names]
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        return [_failure_row(n, "error", f"run() returned {type(rows).__name__}, "
-                             "not a list of row dicts", label) for n in names]
+        rows = run_case(mod, cfg, case)
+    except Exception as exc:  # noqa: BLE001 - a failing case is a row, not a crash
+        return _error(names, exc, case.label)
     if not rows:
-        return [_failure_row(n, "error", "run() returned no rows", label) for n in names]
+        return [_failure_row(n, "error", "rows() returned no rows", case.label) for n in names]
     out = []
     for r in rows:
         own = r.get("suite")
-        r = {**row(names[0], label, "-"), **r}
+        r = {**row(names[0], case.label, "-"), **r}
         if own not in names and (not own or own in registered or len(names) > 1):
             r["suite"] = _assign(r, names) if len(names) > 1 else names[0]
         # else: a sub-suite of this module's own (e.g. train_overhead): kept under its name
@@ -157,45 +151,24 @@ def _run_case(mod: Any, names: list[str], cfg: BenchConfig, case: str | None,
 
 @contextlib.contextmanager
 def _progress(total: int, enabled: bool) -> Iterator[Callable[[str, bool], None]]:
-    """Yield ``step(description, advance)``; rich if present, else tqdm, else plain lines."""
+    """Yield ``step(description, advance)``: a rich progress bar on stderr."""
     if not enabled:
         yield lambda desc, adv: None
         return
-    try:
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
-        cols = (TextColumn("[bold]bench[/]"), BarColumn(), MofNCompleteColumn(),
-                TimeElapsedColumn(), TextColumn("{task.description}"))
-        with Progress(*cols, console=Console(stderr=True)) as p:
-            task = p.add_task("", total=total)
-            yield lambda desc, adv: p.update(task, description=desc, advance=int(adv))
-        return
-    except ImportError:
-        pass
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        done = [0]
-
-        def plain(desc: str, adv: bool) -> None:
-            done[0] += int(adv)
-            print(f"[bench {done[0]}/{total}] {desc}", file=sys.stderr, flush=True)
-
-        yield plain
-        return
-    with tqdm(total=total, file=sys.stderr, desc="bench") as bar:
-        def step(desc: str, adv: bool) -> None:
-            bar.set_postfix_str(desc)
-            bar.update(int(adv))
-
-        yield step
+    cols = (TextColumn("[bold]bench[/]"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), TextColumn("{task.description}"))
+    with Progress(*cols, console=Console(stderr=True)) as p:
+        task = p.add_task("", total=total)
+        yield lambda desc, adv: p.update(task, description=desc, advance=int(adv))
 
 
 def _groups(names: list[str], registry: dict[str, Suite]) -> list[tuple[str, list[str]]]:
@@ -206,30 +179,44 @@ def _groups(names: list[str], registry: dict[str, Suite]) -> list[tuple[str, lis
     return list(groups.items())
 
 
+def _plan(names: list[str], cfg: BenchConfig, registry: dict[str, Suite]):
+    """Per module: its suites, the module, the config it runs with and its cases (or the
+    rows that say why it cannot run)."""
+    plan, failed = [], {}
+    for i, (modname, group) in enumerate(_groups(names, registry)):
+        mod, why = _import(modname)
+        if mod is None:
+            failed[i] = [_failure_row(n, "unavailable", why) for n in group]
+            continue
+        c = dataclasses.replace(cfg, extra={**cfg.extra, "suites": list(group)})
+        try:
+            cases = list(mod.cases(c))
+        except Exception as exc:  # noqa: BLE001 - a module that cannot list its cases
+            failed[i] = _error(group, exc, "-")
+            continue
+        if not cases:
+            failed[i] = [_failure_row(n, "error", "cases() returned no cases") for n in group]
+            continue
+        plan.append((i, group, mod, c, cases))
+    return plan, failed
+
+
 def run_suites(names: list[str], cfg: BenchConfig, *, progress: bool = True,
                registry: dict[str, Suite] | None = None) -> SuiteRun:
     """Run the named suites and return all their rows (see the module docstring)."""
     registry = SUITES if registry is None else registry
-    plan: list[tuple[int, list[str], Any, list[str | None]]] = []
-    per_group: dict[int, list[dict]] = {}  # rows by group, concatenated in registry order
-    for i, (modname, group) in enumerate(_groups(names, registry)):
-        mod, why = _import(modname)
-        if mod is not None and not callable(getattr(mod, "run", None)):
-            mod, why = None, f"{modname} has no run(cfg)"
-        if mod is None:
-            per_group[i] = [_failure_row(n, "unavailable", why) for n in group]
-            continue
-        plan.append((i, group, mod, _cases(mod, cfg)))
+    plan, per_group = _plan(names, cfg, registry)  # rows by group, in registry order
     elapsed: dict[str, float] = {}
     known = frozenset(registry)
-    with _progress(sum(len(c) for *_, c in plan), progress) as step:
-        for i, group, mod, cases in plan:
+    with _progress(sum(len(p[-1]) for p in plan), progress) as step:
+        for i, group, mod, c, cases in plan:
             t0 = time.perf_counter()
             got: list[dict] = []
             for case in cases:
-                step(f"{'+'.join(group)} {case or ''}".strip(), False)
-                got += _run_case(mod, group, cfg, case, known)
-                step(f"{'+'.join(group)} {case or ''}".strip(), True)
+                desc = f"{'+'.join(group)} {case.label}"
+                step(desc, False)
+                got += _run_case(mod, group, c, case, known)
+                step(desc, True)
             order = {n: j for j, n in enumerate(group)}
             per_group[i] = sorted(got, key=lambda r: order.get(r["suite"], len(order)))
             for n in group:

@@ -11,25 +11,29 @@ AdamW) of the same GPT (the ``tiny`` preset's shape) on 2 gloo ranks, at three l
   (``PipelineStage`` + ``Schedule1F1B``), same micro-batches.
 
 Each layout's variants are interleaved in one run (timer: the slowest rank's step), on
-loopback and, with ``cfg.net``, on the emulated network (:mod:`distllm.bench.netem`).
+loopback and, with ``cfg.net``, on the emulated network (:mod:`distllm.testing.netem`).
 ``vs_torch`` is the torch variant's best median over distllm's (>= 1.0: distllm is faster).
 
 Suite ``train_overhead``: the fixed per-step overhead of the ``tiny`` model at tp1.pp1.dp1,
 measured with ``torch.profiler``: step wall time minus the time spent inside operators
-(aten, c10d, distllm custom ops; self times, so nothing is counted twice). Target <= 5%.
+(aten, c10d, distllm custom ops; self times, so nothing is counted twice), the plain and
+the profiled steps interleaved (the profiler slows the host). Target <= 5%.
 """
 
 from __future__ import annotations
 
-import time
+import statistics
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from distllm.bench.harness import BenchConfig, interleaved, max_over_ranks_timer, row
+from distllm.bench.harness import BenchConfig, Case, Result, Setup
+from distllm.bench.rows import row
 from torch import nn
 
-__all__ = ["run"]
+from distllm.diagnostics.timing import Stats
+
+__all__ = ["SUITE", "cases", "setup", "rows"]
 
 SUITE, SUITE_OVH = "train_e2e", "train_overhead"
 LAYOUTS = ("tp2", "dp2.zero2", "pp2.1f1b")
@@ -212,32 +216,45 @@ def _torch_pp(cfg, batch, seq, m, dims):
 
 
 
-def _rank(layout: str, quick: bool, reps: int) -> dict:
+def cases(cfg: BenchConfig) -> list[Case]:
+    """Each layout on 2 ranks (loopback and ``cfg.net``), then the overhead on 1 rank."""
+    if cfg.device != "cpu":
+        return [Case("-", skip="the CPU suite (gloo ranks)")]
+    return [Case(layout, {"layout": layout}, ranks=2, networks=True) for layout in LAYOUTS] + [
+        Case("tiny tp1.pp1.dp1", {"overhead": True}, ranks=1, suite=SUITE_OVH, timeout=600)]
+
+
+def setup(cfg: BenchConfig, case: Case) -> Setup:
+    """distllm's step and its torch peers at one layout (a peer that cannot be built here is
+    listed with its error), or the overhead case's plain and profiled steps."""
     from distllm import ParallelDims
     from distllm.models.gpt import GPTConfig
 
     torch.set_num_threads(1)
-    batch, seq, m = _SHAPES[quick]
-    cfg = GPTConfig.preset("tiny")
+    reps = cfg.reps or (3 if cfg.quick else 10)
+    if case.params.get("overhead"):
+        return _overhead_setup(cfg, reps)
+    layout = case.params["layout"]
+    batch, seq, m = _SHAPES[cfg.quick]
+    gcfg = GPTConfig.preset("tiny")
     kw = {"tp2": dict(tp=2), "dp2.zero2": dict(dp=2), "pp2.1f1b": dict(pp=2)}[layout]
     dims = ParallelDims(**kw)
-    builders = {"distllm": lambda: _distllm(layout, cfg, batch, seq, m, dims)}
+    builders = {"distllm": lambda: _distllm(layout, gcfg, batch, seq, m, dims)}
     if layout == "tp2":
-        builders["torch_dtensor_tp"] = lambda: _torch_tp(cfg, batch, seq, dims)
+        builders["torch_dtensor_tp"] = lambda: _torch_tp(gcfg, batch, seq, dims)
     elif layout == "dp2.zero2":
-        builders["torch_ddp"] = lambda: _torch_dp("ddp", cfg, batch, seq, dims)
-        builders["torch_fsdp2_zero2"] = lambda: _torch_dp("fsdp2", cfg, batch, seq, dims)
+        builders["torch_ddp"] = lambda: _torch_dp("ddp", gcfg, batch, seq, dims)
+        builders["torch_fsdp2_zero2"] = lambda: _torch_dp("fsdp2", gcfg, batch, seq, dims)
     else:
-        builders["torch_pipelining_1f1b"] = lambda: _torch_pp(cfg, batch, seq, m, dims)
+        builders["torch_pipelining_1f1b"] = lambda: _torch_pp(gcfg, batch, seq, m, dims)
     variants, missing = {}, {}
     for name, build in builders.items():
         try:
             variants[name] = build()
         except Exception as e:  # noqa: BLE001 - a variant that cannot run here is a row
             missing[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    stats = interleaved(variants, warmup=2, reps=reps, timer=max_over_ranks_timer(),
-                        before_each=dist.barrier)
-    return {"stats": stats, "missing": missing, "tokens": batch * seq}
+    return Setup(variants, missing, warmup=2, reps=reps,
+                 finish=lambda stats: {"tokens": batch * seq})
 
 
 def _layout_rows(layout: str, res: dict, label: str, reason: str) -> list[dict]:
@@ -265,38 +282,28 @@ def _shape_of(tokens: int) -> str:
     return f"{tokens} tokens/step"
 
 
-def _overhead_rank(quick: bool, reps: int) -> dict:
-    """Profile tiny at tp1.pp1.dp1: the step's wall time (unprofiled steps, interleaved with
-    the profiled ones, since the profiler slows the host) against the time spent inside
-    operators (profiled steps)."""
-    import statistics
-
+def _overhead_setup(cfg: BenchConfig, reps: int) -> Setup:
+    """tiny at tp1.pp1.dp1: ``wall`` is one plain step; ``profiled`` the same step under
+    ``torch.profiler``, recording the time spent inside operators."""
     from torch.profiler import ProfilerActivity, profile
 
     from distllm import ParallelDims
     from distllm.models.gpt import GPTConfig
 
-    torch.set_num_threads(1)
-    batch, seq, _ = _SHAPES[quick]
+    batch, seq, _ = _SHAPES[cfg.quick]
     step = _distllm_single(GPTConfig.preset("tiny"), batch, seq, ParallelDims())
-    for _ in range(3):
-        step()
-    walls, ops = [], []
-    for _ in range(max(reps, 5)):
-        t0 = time.perf_counter()
-        step()
-        walls.append((time.perf_counter() - t0) * 1e3)
+    ops: list[float] = []
+
+    def profiled() -> None:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             step()
         ops.append(_op_ms(prof))
-    wall, op = statistics.median(walls), statistics.median(ops)
-    return {"wall_ms": wall, "wall_p10": _q(walls, 0.1), "wall_p90": _q(walls, 0.9),
-            "op_ms": op, "overhead_frac": max(0.0, wall - op) / wall}
 
+    def finish(stats: dict[str, Stats]) -> dict:
+        return {"op_ms": statistics.median(ops[-stats["profiled"].n:])}
 
-def _q(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    return Setup({"wall": step, "profiled": profiled}, warmup=3, reps=max(reps, 5),
+                 finish=finish)
 
 
 def _distllm_single(cfg, batch, seq, dims):
@@ -322,48 +329,12 @@ def _op_ms(prof) -> float:
     return total_us / 1e3
 
 
-def run(cfg: BenchConfig) -> list[dict]:
-    from distllm.bench.netem import link
-
-    from distllm.testing import run_distributed
-
-    if cfg.device != "cpu":
-        return [row(SUITE, "-", "-", status="unavailable",
-                    reason="the CPU suite (gloo ranks)")]
-    reps = cfg.reps or (3 if cfg.quick else 10)
-    rows: list[dict] = []
-    nets = [None] + ([cfg.net] if cfg.net else [])
-    for rate in nets:
-        with link(rate) as lk:
-            label, reason = lk.label, lk.reason
-            for layout in LAYOUTS:
-                res = run_distributed(_rank, 2, layout, cfg.quick, reps, timeout=1800,
-                                      setup=lk.setup, env=lk.env)[0]
-                rows.extend(_layout_rows(layout, res, label, reason))
-    ovh = run_distributed(_overhead_rank, 1, cfg.quick, reps, timeout=600)[0]
-    rows.append(row(SUITE_OVH, "tiny tp1.pp1.dp1", "distllm", None, ms=ovh["wall_ms"],
-                    ms_p10=ovh["wall_p10"], ms_p90=ovh["wall_p90"], op_ms=ovh["op_ms"],
-                    overhead_frac=ovh["overhead_frac"],
-                    target="<= 0.05", met=ovh["overhead_frac"] <= 0.05, device="cpu",
-                    dtype="float32"))
-    return rows
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from distllm.bench.harness import markdown_table
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--net", default=None, help="emulated link rate, e.g. 2gbit")
-    ap.add_argument("--reps", type=int, default=None)
-    a = ap.parse_args(argv)
-    rows = run(BenchConfig(quick=a.quick, net=a.net, reps=a.reps))
-    print(markdown_table(rows, columns=["suite", "case", "variant", "ms", "ms_p10", "ms_p90",
-                                        "status", "reason", "extra"]))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def rows(cfg: BenchConfig, case: Case, result: Result) -> list[dict]:
+    if case.params.get("overhead"):
+        wall, op = result.stats["wall"], result.info[0]["op_ms"]
+        frac = max(0.0, wall.median_ms - op) / wall.median_ms
+        return [row(SUITE_OVH, case.label, "distllm", wall, op_ms=op, overhead_frac=frac,
+                    target="<= 0.05", met=frac <= 0.05, device="cpu", dtype="float32")]
+    res = {"stats": result.stats, "missing": result.unavailable,
+           "tokens": result.info[0]["tokens"]}
+    return _layout_rows(case.params["layout"], res, result.net, result.net_reason)

@@ -112,18 +112,3 @@ def test_build_mode_knob_is_checked(monkeypatch):
     monkeypatch.setenv("DISTLLM_BUILD_CUDA", "yes")
     with pytest.raises(SystemExit, match="DISTLLM_BUILD_CUDA='yes'"):
         build._cuda_mode()
-
-
-def test_harness_interleaves_and_reports_spread():
-    from distllm.bench.harness import interleaved, markdown_table, row
-
-    calls = []
-    st = interleaved(
-        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, warmup=1, reps=4
-    )
-    # warm-up a b, then a b | b a | a b | b a
-    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b", "b", "a"]
-    assert st["a"].n == 4 and st["a"].p10_ms <= st["a"].median_ms <= st["a"].p90_ms
-    r = row("s", "c", "a", st["a"], flops=1e9, status="ok", note="x")
-    assert r["ms"] == st["a"].median_ms and r["tflops"] > 0 and r["extra"] == {"note": "x"}
-    assert "| c | a |" in markdown_table([r])

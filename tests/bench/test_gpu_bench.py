@@ -1,7 +1,6 @@
 """The GPU benchmark's parts that run without a GPU: its arithmetic (TFLOP/s, ratios, the
 hidden fraction of two streams) on CPU tensors with a fake timer, one error row per failing
-variant, the refusal without CUDA; and bench/linear_gelu.py offering only the fused
-backends of the device it runs on (no ``fused-cpu`` on CUDA)."""
+variant, and the refusal without CUDA."""
 
 from __future__ import annotations
 
@@ -10,9 +9,6 @@ import itertools
 import pytest
 import torch
 from distllm.bench import gpu_bench
-from distllm.bench import linear_gelu as lg_bench
-
-from distllm.ops import _linear_gelu_impl as impl
 
 
 def _fake_timer(ms: dict[str, float], calls: list[str]):
@@ -95,33 +91,3 @@ def test_main_refuses_without_cuda(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu_bench.main([]) == 2
     assert "no CUDA device" in capsys.readouterr().err
-
-
-def _ok_everywhere(monkeypatch):
-    monkeypatch.setattr(
-        impl,
-        "availability",
-        lambda: {b: "ok: test" for b in ("cuda", "triton", "cpu", "reference")},
-    )
-    real = impl.why_not
-
-    def why_not(backend, x, w, approximate):
-        if backend == "cuda":  # as on a GPU: cuBLASLt's GeLU is the tanh form
-            return None if approximate == "tanh" else "tanh only"
-        return None if backend == "triton" else real(backend, x, w, approximate)
-
-    monkeypatch.setattr(impl, "why_not", why_not)
-
-
-def test_linear_gelu_bench_offers_only_the_devices_backends(monkeypatch):
-    _ok_everywhere(monkeypatch)
-    x, w, b = torch.randn(4, 8), torch.randn(16, 8), torch.randn(16)
-    on_cuda = lg_bench._variants("fwd", x, w, b, "tanh", "cuda")
-    assert "fused-cpu" not in on_cuda and "cpu-rowblocked" not in on_cuda
-    assert {"fused-cuda", "fused-triton", "gemm-nobias", "peer-addmm-activation"} <= set(on_cuda)
-    assert on_cuda["fused-cuda"][0] is not None and on_cuda["fused-triton"][0] is not None
-    erf = lg_bench._variants("fwd", x, w, b, "none", "cuda")
-    assert erf["fused-cuda"] == (None, "tanh only")  # a row with its reason, not a failure
-    on_cpu = lg_bench._variants("fwd_train", x, w, b, "none", "cpu")
-    assert not {"fused-cuda", "fused-triton", "gemm-nobias"} & set(on_cpu)
-    assert on_cpu["fused-cpu"][0] is not None

@@ -7,9 +7,10 @@
   kernels that are not NCCL.
 
 The hidden part of the communication is the time during which both lanes are busy:
-``hidden = |comm ∩ compute| / |comm|`` over merged intervals. The events follow the timeline
-contract of ``bench/plots.py`` (``lane``, ``name``, ``start_ms``, ``end_ms``), so a
-benchmark module can attach them to a row: ``row(..., timeline=profile_timeline(step))``.
+``hidden = |comm ∩ compute| / |comm|`` over merged intervals. Events are dicts with
+``lane``, ``name``, ``start_ms`` and ``end_ms``: the timeline that the overlap doctor
+reports and that ``distllm bench`` draws when a benchmark row carries one
+(``row(..., timeline=profile_timeline(step))``).
 """
 
 from __future__ import annotations

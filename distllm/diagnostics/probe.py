@@ -1,6 +1,7 @@
-"""Measuring probes of the overlap doctor (:mod:`distllm.bench.doctor`): per-layer hooks
-that time each forward and backward and open a profiler range around it, the read-out of
-the profiler's events per layer range, and the timing of a collective alone.
+"""Measuring probes of the overlap doctor (:mod:`distllm.diagnostics.doctor`): per-layer
+hooks that time each forward and backward and open a profiler range around it, the read-out
+of the profiler's events per layer range, and the size of the tensor a layer's collective
+moves (timed alone with :func:`distllm.diagnostics.timing.time_collective`).
 """
 
 from __future__ import annotations
@@ -9,12 +10,10 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
-from distllm.bench import timeline
 
-from distllm.comm.compat import all_gather_into, reduce_scatter_into
+from distllm.diagnostics import timeline
 
-__all__ = ["Probe", "snapshot", "trace", "full_numel", "time_collective"]
+__all__ = ["Probe", "snapshot", "trace", "full_numel"]
 
 _COLL_NAMES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
                "reducescatter", "gloo:", "nccl:")
@@ -132,33 +131,14 @@ def trace(prof) -> tuple[dict, dict, list[dict]]:
     return counts, hid, step_tl
 
 
-def full_numel(coll: str, direction: str, in_n: int, out_n: int, tp: int, row: bool) -> int:
-    """Elements of the full (unsharded) tensor the collective moves."""
-    if coll == "all_reduce":
-        return out_n if direction == "forward" else in_n
-    if coll == "all_gather":  # gathered: the column input (fwd) / the row dY (bwd)
-        return (in_n if not row else out_n) * tp
-    return (out_n if row else in_n) * tp  # reduce-scatter input: row Y (fwd) / column dX (bwd)
+def full_numel(coll: str, direction: str, in_n: int, out_n: int, tp: int) -> int:
+    """Elements of the full (unsharded) tensor that ``coll`` moves in ``direction``, from
+    the numbers of elements of the layer's input and output on this rank.
 
-
-def time_collective(coll: str, numel: int, dtype, device, group, reps: int = 9) -> float:
-    """Median ms of one blocking collective of that size on ``group`` (MAX over ranks)."""
-    world = dist.get_world_size(group)
-    n = -(-numel // world) * world
-    full = torch.ones(n, dtype=dtype, device=device)
-    part = full[: n // world].clone()
-    fns = {"all_reduce": lambda: dist.all_reduce(full, group=group),
-           "all_gather": lambda: all_gather_into(full, part, group=group),
-           "reduce_scatter": lambda: reduce_scatter_into(part, full, group=group)}
-    fn, sync = fns[coll], (torch.cuda.synchronize if full.is_cuda else (lambda: None))
-    samples = []
-    for i in range(reps + 1):
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        if i:
-            samples.append((time.perf_counter() - t0) * 1e3)
-    med = torch.tensor([statistics.median(samples)], dtype=torch.float64)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX, group=group)
-    return float(med.item())
+    Forward, an all-gather acts on the input (column-parallel under sequence parallelism)
+    and the others on the output (row-parallel); backward, an all-gather acts on the
+    output's gradient (row-parallel) and the others on the input's (column-parallel).
+    """
+    acts_on_input = (coll == "all_gather") == (direction == "forward")
+    n = in_n if acts_on_input else out_n
+    return n if coll == "all_reduce" else n * tp

@@ -20,11 +20,16 @@ the user asked for is not happening: by default every layer built with ``overlap
 must run its collectives overlapped; with ``require_overlap=True`` every layer that
 communicates must (so ``overlap="none"`` or an ``auto`` fallback fails); ``min_hidden`` also
 fails layers that overlap but hide less than that fraction. ``distllm bench --doctor`` runs
-it on a small built-in model on 2 gloo ranks (see ``distllm.bench.cli``).
+it on a small built-in model on 2 gloo ranks.
+
+The collective of a layer and direction is the one its ``overlap_stats`` records as having
+run (``collective``: ``all_reduce``, ``all_gather``, ``reduce_scatter`` or ``none``); for a
+record without that field, or a direction that never went through the overlap engine, it is
+inferred from the layer (row- or column-parallel, with or without sequence parallelism).
 
 Usage inside a training script (every rank)::
 
-    from distllm.bench.doctor import diagnose
+    from distllm.diagnostics import diagnose
     report = diagnose(model, lambda: train_step(batch), steps=3, require_overlap=True)
     print(report.to_markdown())
 """
@@ -39,7 +44,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
-from distllm.bench.doctor_probe import Probe, full_numel, snapshot, time_collective, trace
+
+from distllm.diagnostics.probe import Probe, full_numel, snapshot, trace
+from distllm.diagnostics.timing import COLLECTIVES, time_collective
 
 __all__ = ["diagnose", "DoctorReport", "LayerDirection", "OverlapNotHappening"]
 
@@ -157,12 +164,31 @@ def _layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return out
 
 
-def _collective(m: torch.nn.Module, direction: str) -> str:
+def _recorded_collective(m: torch.nn.Module, direction: str) -> str | None:
+    """The collective that the layer's record says ran in ``direction``: the ``collective``
+    field of that direction's counter, else of the record itself (a name, or a mapping by
+    direction); None where the record has no such field or nothing ran yet."""
+    stats = m.overlap_stats
+    ran = getattr(getattr(stats, direction, None), "collective", None)
+    if ran is None:
+        ran = getattr(stats, "collective", None)
+        if isinstance(ran, dict):
+            ran = ran.get(direction)
+    return str(ran) if ran else None
+
+
+def _inferred_collective(m: torch.nn.Module, direction: str) -> str:
+    """Fallback for a record without ``collective``: the collective a Megatron layer runs,
+    from its kind (row- or column-parallel) and whether it is sequence-parallel."""
     sp = bool(getattr(m, "sequence_parallel", False))
     row = "Row" in type(m).__name__
     if direction == "forward":
         return ("reduce_scatter" if sp else "all_reduce") if row else "all_gather"
     return ("all_gather" if row else "reduce_scatter") if sp else "all_reduce"
+
+
+def _collective(m: torch.nn.Module, direction: str) -> str:
+    return _recorded_collective(m, direction) or _inferred_collective(m, direction)
 
 
 def _requested(m: torch.nn.Module) -> str:
@@ -176,6 +202,9 @@ def _communicates(m: torch.nn.Module, direction: str, input_grad: bool) -> bool:
     g = _group(m)
     if g is None or dist.get_world_size(g) < 2:
         return False
+    ran = _recorded_collective(m, direction)
+    if ran is not None:
+        return ran != "none"
     if bool(getattr(m, "sequence_parallel", False)):
         return True
     row = "Row" in type(m).__name__
@@ -234,11 +263,13 @@ def _measure_comm(rows: list[LayerDirection], layers: dict, probe: Probe) -> Non
         m = layers[r.layer]
         if r.comm_ms is not None or r.calls == 0 or r.layer not in probe.shapes:
             continue
+        if r.collective not in COLLECTIVES:  # "none": nothing to time
+            continue
         in_n, out_n, dtype, device, _ = probe.shapes[r.layer]
         g = _group(m)
-        n = full_numel(r.collective, r.direction, in_n, out_n, dist.get_world_size(g),
-                        "Row" in r.kind)
-        r.comm_ms, r.comm_source = time_collective(r.collective, n, dtype, device, g), "doctor"
+        n = full_numel(r.collective, r.direction, in_n, out_n, dist.get_world_size(g))
+        samples = time_collective(r.collective, n, dtype=dtype, device=device, group=g)
+        r.comm_ms, r.comm_source = statistics.median(samples), "doctor"
 
 
 def _judge(rows: list[LayerDirection], require_overlap: bool | None,

@@ -1,4 +1,4 @@
-"""An emulated cluster link for multi-rank benchmarks on one machine.
+"""An emulated cluster link for multi-rank benchmarks, calibration and tests on one machine.
 
 Over loopback, communication between ranks costs CPU time and is never bandwidth-bound, so
 overlapping it with computation gains nothing. :class:`EmulatedNetwork` gives each rank
@@ -17,6 +17,10 @@ interface gloo must bind to. Addresses are in 10.213.0.0/24 and exist only insid
 namespaces this object created; everything is removed on exit, on exceptions, on SIGTERM
 and at interpreter exit. Needs Linux, root and iproute2; elsewhere ``available`` is False,
 ``reason`` says why, ``setup`` is None and ``env`` is empty (the caller runs on loopback).
+
+:func:`open_network` wraps that for a run: a :class:`Network` with the label its rows
+carry (the rate, or ``loopback`` with the reason of the fallback). :func:`measure_allreduce`
+checks a link: the sum of an all-reduce, its time and the interface gloo bound to.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["EmulatedNetwork", "Link", "link", "parse_rate", "cleanup_stale", "IFNAME", "PREFIX"]
+__all__ = ["EmulatedNetwork", "Network", "open_network", "measure_allreduce", "parse_rate",
+           "cleanup_stale", "IFNAME", "PREFIX"]
 
 PREFIX = "dlnet"  # namespace names: dlnet-<pid>-<random>-<rank> and dlnet-<pid>-<random>-br
 IFNAME = "dl0"  # the rank's interface, same name in every namespace
@@ -300,52 +305,49 @@ class EmulatedNetwork:
         return f"EmulatedNetwork(nranks={self.nranks}, {rate}, {state})"
 
 
-# ---- a quick check of the link: python -m distllm.bench.netem --net 2gbit ------------------
+# ---- where a run's ranks talk, and a check of the link ---------------------------------------
 @dataclass
-class Link:
-    """Where a benchmark's ranks talk: ``label`` for its rows ("2gbit", or "loopback"),
-    ``reason`` why an asked-for emulated link fell back to loopback ("" otherwise), and the
+class Network:
+    """Where a run's ranks talk: ``label`` for its rows ("2gbit", or "loopback"), ``reason``
+    why an asked-for emulated link fell back to loopback ("" otherwise), and the
     ``setup``/``env`` to pass to ``run_distributed``."""
 
     label: str
     reason: str
-    setup: object | None
+    setup: Callable[[int, int], None] | None
     env: dict[str, str] | None
 
 
 @contextlib.contextmanager
-def link(rate: str | None, nranks: int = 2) -> Iterator[Link]:
+def open_network(rate: str | None, nranks: int = 2) -> Iterator[Network]:
     """An emulated link of ``rate`` for ``nranks`` ranks (``None``: loopback), as a
-    :class:`Link`; where the emulated network cannot be made it is loopback with the reason."""
+    :class:`Network`; where the emulated network cannot be made it is loopback with the
+    reason."""
     if not rate:
-        yield Link("loopback", "", None, None)
+        yield Network("loopback", "", None, None)
         return
     with EmulatedNetwork(nranks, rate) as net:
         if net.available:
-            yield Link(str(rate), "", net.setup, net.env)
+            yield Network(str(rate), "", net.setup, net.env)
         else:
-            yield Link("loopback", f"{rate} unavailable: {net.reason}", None, None)
+            yield Network("loopback", f"{rate} unavailable: {net.reason}", None, None)
 
 
 def _allreduce_rank(nbytes: int, reps: int) -> dict:
-    """Time ``reps`` all-reduces of ``nbytes`` of float32 (after one warm-up); report the
-    interface gloo's TCP connections use (from this namespace's /proc/net/tcp)."""
-    import time
-
+    """One all-reduce of ``nbytes`` of float32 checked for its sum (and warming the link
+    up), then ``reps`` timed ones; the interface gloo's TCP connections use (from this
+    namespace's /proc/net/tcp)."""
     import torch
     import torch.distributed as dist
 
+    from distllm.diagnostics.timing import time_collective
+
     world, rank = dist.get_world_size(), dist.get_rank()
     x = torch.full((nbytes // 4,), float(rank + 1))
-    dist.all_reduce(x)  # also the warm-up
+    dist.all_reduce(x)
     correct = bool((x == world * (world + 1) / 2).all())
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(x)
-        times.append(time.perf_counter() - t0)
-    return {"times_s": times, "local_addrs": _tcp_local_addrs(), "correct": correct}
+    times_ms = time_collective("all_reduce", nbytes // 4, reps=reps, warmup=0)
+    return {"times_ms": times_ms, "local_addrs": _tcp_local_addrs(), "correct": correct}
 
 
 def _tcp_local_addrs() -> list[str]:
@@ -362,43 +364,16 @@ def _tcp_local_addrs() -> list[str]:
 
 def measure_allreduce(net: EmulatedNetwork | None, nranks: int = 2, nbytes: int = 8 << 20,
                       reps: int = 5) -> dict:
-    """Median all-reduce time and algorithm bandwidth (``nbytes`` / time) over ``net``
-    (None or unavailable: loopback)."""
+    """Median all-reduce time (each repetition the slowest rank's) and algorithm bandwidth
+    (``nbytes`` / time) over ``net`` (None or unavailable: loopback)."""
     import statistics
 
-    from distllm.testing import run_distributed
+    from distllm.testing.distributed import run_distributed
 
     use = net is not None and net.available
     res = run_distributed(_allreduce_rank, nranks, nbytes, reps, timeout=120,
                           setup=net.setup if use else None, env=net.env if use else None)
-    med = statistics.median(max(r["times_s"][i] for r in res) for i in range(reps))
-    return {"median_ms": med * 1e3, "algbw_gbit": nbytes * 8 / med / 1e9,
+    med_ms = statistics.median(res[0]["times_ms"])
+    return {"median_ms": med_ms, "algbw_gbit": nbytes * 8 / (med_ms * 1e-3) / 1e9,
             "local_addrs": [r["local_addrs"] for r in res],
             "correct": all(r["correct"] for r in res)}
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(description="all-reduce over loopback vs an emulated link")
-    ap.add_argument("--net", default="2gbit", help="link rate, e.g. 2gbit, 10gbit, 500mbit")
-    ap.add_argument("--delay-ms", type=float, default=None)
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--mbytes", type=float, default=8.0)
-    ap.add_argument("--reps", type=int, default=5)
-    a = ap.parse_args(argv)
-    nbytes = int(a.mbytes * (1 << 20)) // 4 * 4
-    lo = measure_allreduce(None, a.ranks, nbytes, a.reps)
-    print(f"loopback   : {lo['median_ms']:8.1f} ms  {lo['algbw_gbit']:6.2f} Gbit/s algbw")
-    with EmulatedNetwork(a.ranks, a.net, a.delay_ms) as net:
-        if not net.available:
-            print(f"{a.net}: unavailable ({net.reason})")
-            return 1
-        r = measure_allreduce(net, a.ranks, nbytes, a.reps)
-        print(f"{a.net:<11}: {r['median_ms']:8.1f} ms  {r['algbw_gbit']:6.2f} Gbit/s algbw"
-              f"  (gloo on {r['local_addrs']})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

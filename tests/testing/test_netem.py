@@ -11,7 +11,8 @@ import sys
 import time
 
 import pytest
-from distllm.bench.netem import (
+
+from distllm.testing.netem import (
     IFNAME,
     SUBNET,
     EmulatedNetwork,
@@ -145,7 +146,7 @@ def test_removed_after_exception_and_stale_cleanup():
 
 _CHILD = """
 import sys, time
-from distllm.bench.netem import EmulatedNetwork
+from distllm.testing.netem import EmulatedNetwork
 with EmulatedNetwork(nranks=2, rate="1gbit") as net:
     assert net.available, net.reason
     print(" ".join(net.namespaces), flush=True)
@@ -198,7 +199,7 @@ def test_delay_is_added_by_netem_under_the_tbf():
 def test_delay_without_netem_makes_the_network_unavailable(monkeypatch):
     """A kernel without sch_netem (emulated: tc refuses the netem qdisc) makes the whole
     network unavailable with that reason, and nothing is left behind."""
-    from distllm.bench import netem
+    from distllm.testing import netem
 
     _need_root()
     real_tc = netem._tc
@@ -216,12 +217,12 @@ def test_delay_without_netem_makes_the_network_unavailable(monkeypatch):
     assert not [n for n in _list_netns() if n.startswith(net.tag)], "left behind"
 
 
-def test_link_labels_loopback_and_fallback(monkeypatch):
-    from distllm.bench import netem
+def test_network_labels_loopback_and_fallback(monkeypatch):
+    from distllm.testing import netem
 
-    with netem.link(None) as lk:
+    with netem.open_network(None) as lk:
         assert (lk.label, lk.reason, lk.setup, lk.env) == ("loopback", "", None, None)
     monkeypatch.setattr(netem, "_unavailable_reason", lambda nranks, delay_ms: "no namespaces")
-    with netem.link("2gbit") as lk:
+    with netem.open_network("2gbit") as lk:
         assert lk.label == "loopback" and lk.setup is None and lk.env is None
         assert lk.reason == "2gbit unavailable: no namespaces"

@@ -7,9 +7,10 @@ import json
 
 import pytest
 from distllm.bench import compare, suite
-from distllm.bench.harness import row, stats_of
+from distllm.bench.rows import row
 
 from distllm.cli import main
+from distllm.diagnostics.timing import stats_of
 
 
 def _r(variant, ms, spread=0.05, case="1,2,3", suite_="s", status="ok", reason=""):

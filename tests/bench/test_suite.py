@@ -1,7 +1,7 @@
 """`distllm bench`: a --quick run on tiny shapes, checking the structure of every output file.
 
 The registry is replaced by a synthetic fast suite (tests/bench/fake_suites.py), a module
-whose run() raises, a module that does not exist, and the real linear_gelu suite on a tiny
+whose setup() raises, a module that does not exist, and the real linear_gelu suite on a tiny
 shape, so that the run stays well under a minute on 2 shared cores.
 """
 
@@ -14,21 +14,29 @@ import types
 
 import pytest
 from distllm.bench import report, suite
-from distllm.bench.harness import ROW_FIELDS, BenchConfig, row, stats_of
+from distllm.bench.harness import BenchConfig, Case, Setup
+from distllm.bench.rows import ROW_FIELDS, row
 
 from distllm.cli import main
+from distllm.diagnostics.timing import stats_of
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _broken_run(cfg: BenchConfig) -> list[dict]:
-    raise RuntimeError("synthetic failure inside run()")
+def _broken_setup(cfg: BenchConfig, case: Case) -> Setup:
+    raise RuntimeError("synthetic failure inside setup()")
+
+
+def _suite_module(name: str, setup, rows) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.SUITE, mod.setup, mod.rows = name, setup, rows
+    mod.cases = lambda cfg: [Case("c")]
+    return mod
 
 
 @pytest.fixture
 def registry(monkeypatch):
-    broken = types.ModuleType("fake_broken_suite")
-    broken.run = _broken_run
+    broken = _suite_module("fake_broken_suite", _broken_setup, lambda cfg, case, res: [])
     monkeypatch.setitem(sys.modules, "fake_broken_suite", broken)
     reg = {
         "fake": suite.Suite("fake", "tests.bench.fake_suites", "synthetic", overlap=True),
@@ -92,6 +100,7 @@ def test_quick_run_writes_every_file(registry, tmp_path, capsys):
     assert "ahead of torch_peer" in md
     assert "## Summary" in md and "| fake | 16,32,24 | " in md
     assert "needs a CUDA device" in md and "synthetic failure" in md
+    assert "_broken_setup" in md  # the error row says where it was raised
     for png in ["fake_speedup.png", "fake_timeline.png", "linear_gelu_speedup.png"]:
         assert (out / png).read_bytes()[:8] == PNG_MAGIC, png
         assert f"]({png})" in md
@@ -200,7 +209,7 @@ def test_registry_names_every_suite_and_its_module_imports():
     from distllm.bench import harness
 
     assert list(suite.SUITES) == ["linear_gelu", "row_overlap", "sp_overlap", "ddp", "zero",
-                                  "pipeline", "train_e2e"]
+                                  "pipeline", "train_e2e", "plan_validation"]
     avail = {n: (ok, why) for n, ok, why in suite.availability()}
     here = Path(harness.__file__).parent
     for name, s in suite.SUITES.items():  # every registered suite ships and runs
@@ -210,18 +219,20 @@ def test_registry_names_every_suite_and_its_module_imports():
     # a module that is missing is listed with its reason, not dropped
     [(name, ok, why)] = suite.availability({"gone": suite.Suite("gone", "distllm.bench.nope", "t")})
     assert name == "gone" and not ok and "cannot be imported" in why, why
+    # a module without the runner's contract is not a suite, and says what it lacks
+    [(_, ok, why)] = suite.availability({"h": suite.Suite("h", "distllm.bench.harness", "t")})
+    assert not ok and "lacks cases, setup, rows, SUITE" in why, why
     assert suite.parse_suites("zero,ddp") == ["ddp", "zero"]
 
 
-def _two_suite_run(cfg: BenchConfig) -> list[dict]:
+def _two_suite_rows(cfg: BenchConfig, case: Case, result) -> list[dict]:
     st = stats_of([1.0, 1.1, 1.2])
     return [row("sub", "c", "x", st), row("", "c", "unfused", st), row("other", "c", "y", st),
             row("main", "c", "fused", st)]
 
 
 def test_rows_keep_sub_suites_and_registered_names_are_reassigned(monkeypatch):
-    mod = types.ModuleType("fake_two_suites")
-    mod.run = _two_suite_run
+    mod = _suite_module("fake_two_suites", lambda cfg, case: Setup(), _two_suite_rows)
     monkeypatch.setitem(sys.modules, "fake_two_suites", mod)
     reg = {"main": suite.Suite("main", "fake_two_suites", "t"),
            "other": suite.Suite("other", "distllm.bench.no_such_suite", "t")}

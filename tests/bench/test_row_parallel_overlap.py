@@ -1,0 +1,80 @@
+"""The row-parallel overlap benchmark runs end to end (tiny shapes, loopback) and produces
+every row; the hidden share of each variant is measured against its
+own parts (its compute and its collectives, each alone and run its way), as a share of what
+could hide, so that it cannot exceed 1 unless the measurement is wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distllm.bench import row_parallel_overlap
+from distllm.bench.harness import BenchConfig, run
+
+from distllm.diagnostics.timing import stats_of
+
+
+def check_rows(rows, kinds):
+    """Every variant of each kind of case ran, with its parts, ideal and timeline."""
+    assert all(r["status"] == "ok" for r in rows), [r for r in rows if r["status"] != "ok"]
+    for kind in kinds:
+        got = {r["variant"]: r for r in rows if r["case"].startswith(kind + " ")}
+        for v in ("gemm", "sequential", "chunked2", "chunked4", "chunked8", "auto", "ideal",
+                  "gemm_chunked4"):
+            assert v in got, (kind, sorted(got))
+        comm = next(got[n] for n in ("allreduce", "allgather_alone", "reducescatter_alone")
+                    if n in got)
+        assert got["ideal"]["ms"] == max(got["gemm"]["ms"], comm["ms"])
+        assert got["chunked4"]["hidden_frac"] is not None
+        assert "chunking_penalty" in got["gemm_chunked4"]["extra"]
+        assert got["auto"]["extra"]["auto_chunks"] in (0, 2, 4, 8)
+        lanes = {e["lane"] for e in got["sequential"]["extra"]["timeline"]}
+        assert lanes == {"compute", "comm"}
+
+
+def test_row_parallel_bench_rows():
+    cfg = BenchConfig(quick=True, shapes="64,32,64", reps=1)
+    check_rows(run(row_parallel_overlap, cfg), ("fwd", "bwd"))
+
+
+def test_cuda_rows_say_why_when_unavailable():
+    rows = run(row_parallel_overlap, BenchConfig(device="cuda", dtype="bfloat16", quick=True))
+    if not torch.cuda.is_available():
+        assert rows[0]["status"] == "unavailable" and "CUDA" in rows[0]["reason"]
+    else:
+        assert {r["variant"] for r in rows} >= {"gemm", "gemm_chunked4", "gemm_with_copy"}
+
+
+def _st(ms: float):
+    return stats_of([ms * 0.98, ms, ms * 1.02])  # min = 0.98 ms
+
+
+def test_row_overlap_hidden_uses_each_variants_own_parts():
+    res = {name: _st(ms) for name, ms in {
+        "allreduce": 20.0,  # one blocking all-reduce of the whole tensor
+        "gemm": 10.0, "gemm_chunked4": 11.0, "sequential": 30.0,
+        "chunked4": 25.0, "auto": 26.0,
+        "compute_alone_c0": 10.0, "comm_alone_c0": 20.0,
+        "compute_alone_c4": 12.0, "comm_alone_c4": 24.0,  # chunked: slower parts
+    }.items()}
+    info = {"forward": {"chunks": 4, "reason": "4 chunks"}}
+    rows = {r["variant"]: r for r in row_parallel_overlap.case_rows(
+        "row_overlap", "fwd", (8, 8, 8), res, info, "loopback", "float32")}
+    # (12 + 24 - 25) / min(12, 24): the share of its own hideable time; against the blocking
+    # all-reduce and the sequential time it would read (30 - 25) / 20 = 25%
+    assert rows["chunked4"]["hidden_frac"] == pytest.approx(11 / 12)
+    assert rows["auto"]["hidden_frac"] == pytest.approx(10 / 12)  # auto ran 4 chunks
+    e = rows["chunked4"]["extra"]
+    assert (e["compute_ms"], e["comm_ms"], e["hideable_ms"], e["hidden_ceiling"]) == (
+        12.0, 24.0, 12.0, 1.0)
+    assert e["hidden_frac_min"] == pytest.approx((12 + 24 - 25) * 0.98 / (12 * 0.98))
+    for part in ("compute_alone_c4", "comm_alone_c0", "gemm", "allreduce"):
+        assert rows[part]["extra"]["role"] == "part" and rows[part]["hidden_frac"] is None
+    assert rows["sequential"]["hidden_frac"] is None  # the baseline
+    assert rows["ideal"]["hidden_frac"] == pytest.approx(1.0)
+
+
+def test_row_overlap_hidden_share_bounds():
+    assert row_parallel_overlap.hidden_share(30.0, 10.0, 20.0) == 0.0  # nothing hidden
+    assert row_parallel_overlap.hidden_share(20.0, 10.0, 20.0) == 1.0  # all of the GEMM
+    assert row_parallel_overlap.hidden_share(19.0, 10.0, 20.0) > 1.0  # impossible: flagged
+    assert row_parallel_overlap.hidden_share(5.0, 0.0, 5.0) is None  # nothing could hide

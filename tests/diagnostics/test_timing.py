@@ -1,0 +1,108 @@
+"""The one timing module: interleaved order, samples and their summary, a failing variant
+dropped on request, and across 2 gloo ranks the max over ranks and a collective timed alone."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distllm.diagnostics import timing
+from distllm.testing import run_distributed
+
+
+def test_interleaved_order_and_samples():
+    calls = []
+    samples = timing.interleaved_samples(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, warmup=1, reps=4)
+    # warm-up a b, then a b | b a | a b | b a
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b", "b", "a"]
+    assert set(samples) == {"a", "b"} and all(len(s) == 4 for s in samples.values())
+    st = timing.interleaved({"a": lambda: None}, warmup=0, reps=4)["a"]
+    assert st.n == 4 and st.p10_ms <= st.median_ms <= st.p90_ms and st.min_ms <= st.p10_ms
+
+
+def test_stats_of_quantiles():
+    st = timing.stats_of([4.0, 1.0, 3.0, 2.0, 5.0])
+    assert (st.median_ms, st.p10_ms, st.p90_ms, st.min_ms, st.n) == (3.0, 1.4, 4.6, 1.0, 5)
+    assert st.spread == pytest.approx((4.6 - 1.4) / 6)
+    assert timing.stats_of([2.0]).p90_ms == 2.0
+    with pytest.raises(ValueError, match="no samples"):
+        timing.stats_of([])
+
+
+def test_timers_and_before_each():
+    fake = iter([5.0, 7.0, 6.0])
+    before = []
+    samples = timing.interleaved_samples({"x": lambda: None}, warmup=0, reps=3,
+                                         timer=lambda fn: next(fake),
+                                         before_each=lambda: before.append(1))
+    assert samples == {"x": [5.0, 7.0, 6.0]} and len(before) == 3
+    synced = []
+    ms = timing.wall_timer(lambda: (time.sleep(0.02), synced.append(1)))(lambda: None)
+    assert ms >= 20.0 and synced == [1]  # the sync is inside the timed region
+    busy = timing.process_time_timer(lambda: sum(range(200_000)))
+    idle = timing.process_time_timer(lambda: time.sleep(0.05))
+    assert busy > 0 and idle < 25.0  # CPU time: a sleep costs (almost) none
+
+
+def test_a_failing_variant_is_dropped_when_asked():
+    calls = {"ok": 0, "bad": 0}
+
+    def bad():
+        calls["bad"] += 1
+        raise RuntimeError("no kernel for this shape\nsecond line")
+
+    errors: dict[str, str] = {}
+    samples = timing.interleaved_samples(
+        {"ok": lambda: calls.__setitem__("ok", calls["ok"] + 1), "bad": bad}, warmup=1,
+        reps=3, errors=errors)
+    assert list(samples) == ["ok"] and len(samples["ok"]) == 3 and calls == {"ok": 4, "bad": 1}
+    assert errors == {"bad": "RuntimeError: no kernel for this shape"}
+    with pytest.raises(RuntimeError, match="no kernel"):
+        timing.interleaved_samples({"bad": bad}, warmup=0, reps=1)
+
+
+def test_single_process_max_over_ranks_is_the_identity():
+    assert timing.max_over_ranks([1.5, 2]) == [1.5, 2.0]
+
+
+def _ranks() -> dict:
+    rank = dist.get_rank()
+    out = {"max": timing.max_over_ranks([float(rank), 10.0 - rank])}
+    slow = timing.max_over_ranks_timer(lambda fn: 3.0 if rank == 1 else 1.0)
+    out["timer"] = slow(lambda: None)
+    out["ar"] = timing.time_collective("all_reduce", 1 << 16, reps=3)
+    out["ag"] = timing.time_collective("all_gather", 1001, reps=2, warmup=0)
+    try:
+        timing.time_collective("broadcast", 4)
+    except ValueError as exc:
+        out["bad"] = str(exc)
+    return out
+
+
+def test_across_ranks_the_slowest_rank_counts():
+    res = run_distributed(_ranks, 2, timeout=120)
+    for r in res:  # both ranks get the same answers
+        assert r["max"] == [1.0, 10.0] and r["timer"] == 3.0
+        assert len(r["ar"]) == 3 and all(t > 0 for t in r["ar"])
+        assert len(r["ag"]) == 2 and "op='broadcast'" in r["bad"]
+    assert res[0]["ar"] == res[1]["ar"]  # each repetition is the max over the two ranks
+
+
+def test_collective_timings_sit_on_the_groups_device(monkeypatch):
+    """NCCL takes CUDA tensors only: the timings' all-reduce goes to the group's device."""
+    seen, real_tensor = [], torch.tensor
+    monkeypatch.setattr(timing.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(timing.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(timing.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(timing.torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(timing.torch, "tensor", lambda v, dtype, device: seen.append(device)
+                        or real_tensor(v, dtype=dtype))
+    monkeypatch.setattr(timing.dist, "all_reduce", lambda t, op, group: None)
+    assert timing.max_over_ranks([1.0]) == [1.0]
+    assert seen == [torch.device("cuda", 3)]
+    timing.max_over_ranks([1.0], device="cpu")
+    assert seen[-1] == torch.device("cpu")
