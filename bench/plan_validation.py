@@ -13,8 +13,9 @@ One case per network (loopback, and ``--net``). The predictions use ``cfg.extra[
 (a profile name or file), else a calibration of this machine (``distllm plan --calibrate``;
 a ``--quick`` run uses the packaged ``cpu`` profile and measures :data:`QUICK_LAYOUTS`).
 ``cfg.extra`` may also set ``rounds``, ``steps`` and ``layouts`` (tuples as in
-:data:`LAYOUTS`). The planner's own pick is always measured too. :func:`repredict`
-recomputes the predictions of an earlier run's ``results.json`` with the current model.
+:data:`LAYOUTS`; ``[]``: only the pick). The planner's own pick is always measured too.
+:func:`repredict` recomputes the predictions of an earlier run's ``results.json`` with the
+current model.
 
     distllm bench --suite plan_validation --net 1gbit
 """
@@ -251,8 +252,9 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
     except BaseException:
         stack.close()
         raise
-    chosen = [tuple(t) for t in cfg.extra.get("layouts") or
-              (QUICK_LAYOUTS if cfg.quick else LAYOUTS)]
+    chosen = cfg.extra.get("layouts")
+    chosen = [tuple(t) for t in (chosen if chosen is not None else
+                                 QUICK_LAYOUTS if cfg.quick else LAYOUTS)]
     layouts = chosen + ([pick] if pick not in chosen else [])
     steps = int(cfg.extra.get("steps", 5 if cfg.quick else 8))
     samples: dict[tuple, list[float]] = {t: [] for t in layouts}
