@@ -216,7 +216,8 @@ def time_collective(op: str, numel: int, *, dtype: torch.dtype = torch.float32,
     ``numel`` elements (the full, unsharded tensor; rounded up to a multiple of the group
     size) on ``group``, after ``warmup`` more; a barrier before each, and each repetition's
     time the MAX over ranks. Collective: call it on every rank of ``group``."""
-    from distllm.comm.compat import all_gather_into, reduce_scatter_into
+    from distllm.comm.collectives import reduce_scatter
+    from distllm.comm.compat import all_gather_into
 
     if op not in COLLECTIVES:
         raise ValueError(f"time_collective: op={op!r}; choose one of {', '.join(COLLECTIVES)}")
@@ -226,7 +227,7 @@ def time_collective(op: str, numel: int, *, dtype: torch.dtype = torch.float32,
     part = full[: n // world].clone()
     fn = {"all_reduce": lambda: dist.all_reduce(full, group=group),
           "all_gather": lambda: all_gather_into(full, part, group=group),
-          "reduce_scatter": lambda: reduce_scatter_into(part, full, group=group)}[op]
+          "reduce_scatter": lambda: reduce_scatter(part, full, group=group)}[op]
     sync = torch.cuda.synchronize if full.is_cuda else None
     samples = interleaved_samples({op: fn}, warmup=warmup, reps=reps, timer=wall_timer(sync),
                                   before_each=lambda: dist.barrier(group=group))[op]

@@ -76,6 +76,7 @@ def _ranks() -> dict:
     out["timer"] = slow(lambda: None)
     out["ar"] = timing.time_collective("all_reduce", 1 << 16, reps=3)
     out["ag"] = timing.time_collective("all_gather", 1001, reps=2, warmup=0)
+    out["rs"] = timing.time_collective("reduce_scatter", 1001, reps=2)  # gloo: all-reduce
     try:
         timing.time_collective("broadcast", 4)
     except ValueError as exc:
@@ -88,7 +89,7 @@ def test_across_ranks_the_slowest_rank_counts():
     for r in res:  # both ranks get the same answers
         assert r["max"] == [1.0, 10.0] and r["timer"] == 3.0
         assert len(r["ar"]) == 3 and all(t > 0 for t in r["ar"])
-        assert len(r["ag"]) == 2 and "op='broadcast'" in r["bad"]
+        assert len(r["ag"]) == len(r["rs"]) == 2 and "op='broadcast'" in r["bad"]
     assert res[0]["ar"] == res[1]["ar"]  # each repetition is the max over the two ranks
 
 
