@@ -21,9 +21,13 @@ class LossScaler:
 
     def __init__(self, loss_scale: float | str | None) -> None:
         self.dynamic = loss_scale == "dynamic"
-        if not (loss_scale is None or self.dynamic or float(loss_scale) > 0):
+        try:
+            constant = 1.0 if loss_scale is None or self.dynamic else float(loss_scale)
+        except (TypeError, ValueError):
+            constant = -1.0
+        if not constant > 0:
             raise ValueError(f"loss_scale={loss_scale!r}: use None, a positive number or 'dynamic'")
-        self.scale = DYNAMIC_INIT if self.dynamic else float(loss_scale or 1.0)
+        self.scale = DYNAMIC_INIT if self.dynamic else constant
         self._good_steps = 0
 
     def scale_loss(self, loss: Tensor) -> Tensor:

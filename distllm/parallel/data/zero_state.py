@@ -31,8 +31,8 @@ from distllm.comm.compat import all_gather_into
 __all__ = ["gather_state", "load_state", "ModuleStateHooks"]
 
 
-def _full(z, i: int, shard: Tensor) -> Tensor:
-    """The whole bucket ``i`` from this rank's ``shard`` (all-gather over DP for stage >= 1)."""
+def _full(z, shard: Tensor) -> Tensor:
+    """The whole bucket from this rank's ``shard`` of it (all-gather over DP for stage >= 1)."""
     if z.stage == 0 or z.nranks == 1:
         return shard.detach().clone()
     out = torch.empty(shard.numel() * z.nranks, dtype=shard.dtype, device=shard.device)
@@ -55,7 +55,7 @@ def gather_state(z) -> dict[str, Any]:
     master: dict[str, Tensor] = {}
     state: dict[str, dict[str, Any]] = {}
     for i, m in enumerate(z.masters):
-        master.update(_split(z, i, _full(z, i, m)))
+        master.update(_split(z, i, _full(z, m)))
         st = z.optimizer.state.get(m, {})
         names = [z.names[p] for p in z.reducer.buckets[i].params]
         for n in names:
@@ -63,7 +63,7 @@ def gather_state(z) -> dict[str, Any]:
         for key in sorted(st):
             v = st[key]
             if _is_elementwise(v, m):
-                for n, t in _split(z, i, _full(z, i, v)).items():
+                for n, t in _split(z, i, _full(z, v)).items():
                     state[n][key] = t
             else:
                 for n in names:
