@@ -52,9 +52,9 @@ __all__ = ["Bucket", "GradBuckets", "assign_buckets", "FIRST_BUCKET_BYTES",
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # same first-bucket size as torch DDP
 
-# How reduce_scatter mode reduces a bucket: "auto" is the backend's best (on gloo, whose
-# reduce-scatter is slow, an all-reduce of the bucket keeping this rank's slice),
-# "reduce_scatter" always the backend's own collective, "all_reduce" always the all-reduce.
+# How reduce_scatter mode reduces a bucket: "auto" is the shared reduce-scatter, which
+# works around gloo's slow collective; "reduce_scatter" always the backend's own collective;
+# "all_reduce" always an all-reduce of the bucket, of which this rank keeps its slice.
 REDUCE_SCATTER_IMPLS = {
     "auto": reduce_scatter,
     "reduce_scatter": reduce_scatter_into,
@@ -136,8 +136,8 @@ class GradBuckets:
         reduce_scatter_impl: how reduce_scatter mode reduces (a key of
             :data:`REDUCE_SCATTER_IMPLS`): ``"reduce_scatter"`` (the backend's collective),
             ``"all_reduce"`` (all-reduce the bucket, keep this rank's slice), or ``"auto"``:
-            :func:`distllm.comm.collectives.reduce_scatter`, the all-reduce on gloo (whose
-            reduce-scatter is slower than its all-reduce), the collective elsewhere.
+            :func:`distllm.comm.collectives.reduce_scatter` (the collective on NCCL, a
+            faster substitute on gloo).
         finish_on_backward_end: queue :meth:`finish` at the end of the backward pass in which
             the first synchronised gradient landed (the drop-in DDP behaviour). Turn it off
             when one step's gradients come from several ``autograd.backward`` calls (a

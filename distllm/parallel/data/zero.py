@@ -101,9 +101,9 @@ class ZeroOptimizer:
             of the modules owning its parameters, and before ``module.state_dict()``; other
             code reading a parameter outside its module's forward calls :meth:`wait_params`
             first. Without a module: waited at once.
-        reduce_scatter_impl: stages 2-3: ``"auto"`` (gloo: all-reduce the bucket and keep
-            the rank's slice, as gloo's reduce-scatter is slow; else reduce-scatter),
-            ``"reduce_scatter"`` or ``"all_reduce"``.
+        reduce_scatter_impl: stages 2-3: ``"auto"`` (the shared ``reduce_scatter`` of
+            :mod:`distllm.comm.collectives`: the collective on NCCL, a faster substitute on
+            gloo), ``"reduce_scatter"`` (the backend's own) or ``"all_reduce"``.
         finish_on_backward_end: see the module docstring.
     """
 
