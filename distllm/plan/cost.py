@@ -206,12 +206,10 @@ class CostModel(TimeModel):
         unit = self._largest_unit(lay, per_layer, has_e, has_h)
         if lay.zero >= 3:  # the gathered unit being used and the next block, prefetched
             mem["params"] += (unit + per_layer) * self.param_bytes
-        act = self._activations(lay, b, r, blocks, has_e, has_h)
+        buffers, landing = self._grads_in_flight(lay, params[r], unit)
+        act = self._activations(lay, b, r, blocks, has_e, has_h, landing) + buffers
         mem["activations"] = act
         states = mem["params"] + mem["grads"] + mem["optimizer"]
-        # gradients in flight during backward, beyond the resident ones
-        mem["grads_in_flight"] = self._grads_in_flight(lay, params[r], unit)
-        act += mem["grads_in_flight"]
         # the optimizer step's temporaries come after the activations are freed
         local = params[r] / (lay.dp if lay.zero >= 1 else 1)
         mem["optimizer_step"] = states + self.runtime.optimizer_temp_bytes * local
@@ -227,21 +225,25 @@ class CostModel(TimeModel):
         head = 0 if s.tied_embeddings and lay.pp == 1 else vocab
         return max(per_layer, emb if has_e else 0, head if has_h else 0)
 
-    def _grads_in_flight(self, lay: Layout, n_params: float, unit: float) -> float:
-        """Gradient bytes alive during backward beyond the resident gradients: a 16-bit
-        gradient before it is added to a wider bucket, the buckets being reduced (ZeRO-2/3),
-        or, when micro-batches accumulate in full-size buffers, all of them."""
+    def _grads_in_flight(self, lay: Layout, n_params: float, unit: float) -> tuple[float, float]:
+        """Gradient bytes during backward beyond the resident gradients: (buffers alive all
+        through backward, the largest transient as one layer's gradients land).
+
+        Buffers: with ZeRO-2/3, micro-batches that accumulate in full-size buffers keep all
+        of them. Transient: a 16-bit gradient before it is added to a wider bucket, and with
+        ZeRO-2/3 the bucket it lands in, until its reduction is done."""
         mixed = self.grad_bytes != self.param_bytes  # grads land in another dtype's bucket
         landing = self.param_bytes * unit if mixed else 0.0
         if lay.zero < 2:
-            return landing
+            return 0.0, landing
         if lay.micro_batches > 1 and self.runtime.zero_grad_accumulation == "full":
-            return self.grad_bytes * n_params + landing
-        return self.grad_bytes * max(unit, self.bucket_bytes / self.grad_bytes) + landing
+            return self.grad_bytes * n_params, landing
+        return 0.0, landing + self.grad_bytes * max(unit, self.bucket_bytes / self.grad_bytes)
 
     def _activations(self, lay: Layout, b: int, r: int, blocks: int, has_e: bool,
-                     has_h: bool) -> float:
-        """Activation bytes of pipeline rank ``r`` at the peak of forward-backward."""
+                     has_h: bool, landing: float = 0.0) -> float:
+        """Activation bytes of pipeline rank ``r`` at the peak of forward-backward; ``landing``:
+        the gradient bytes in flight as one layer's gradients land (see _grads_in_flight)."""
         s = self.shape
         per = self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, lay.checkpointing)
         bs = b * s.seq_len
@@ -264,7 +266,9 @@ class CostModel(TimeModel):
         work = self.e * (bs * s.ffn / lay.tp + 2 * bs * s.hidden)
         # the head's backward starts with the fp32 gradient of the logits and its cast
         head = (4 + self.e) * bs * s.padded_vocab(lay.tp) / lay.tp if has_h else 0.0
-        act += max(work if blocks else 0.0, head)
+        # one of these transients at a time: a block's backward, the head's, or a layer's
+        # gradients landing (the saved tensors of the layer before are freed by then)
+        act += max(work if blocks else 0.0, head, landing)
         if lay.checkpointing == "full":  # one block's activations live during recompute
             act += self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, "none")
         return act

@@ -1,13 +1,13 @@
 """A dry run of the real training code for one rank of a layout this machine cannot run.
 
 The trainer's own engine (:class:`distllm.train.engine.Engine`: the GPT chunks of this rank,
-the pipeline executor, DDP or ZeRO, AdamW) is built and run for two training steps on fake
+the pipeline executor, DDP or ZeRO, AdamW) is built and run for one training step on fake
 tensors: ``FakeTensorMode`` gives every tensor a shape, a dtype and a device but no memory
 and no arithmetic, and the ``fake`` process-group backend answers every collective at once.
 A dispatch mode counts the bytes of every storage alive (each storage once, freed when the
-last tensor on it dies, resized when ``UntypedStorage.resize_`` says so) and keeps the peak;
-the second step's peak is the steady state (optimizer states exist, gradient buffers are in
-place).
+last tensor on it dies, resized when ``UntypedStorage.resize_`` says so) and keeps the peak.
+An optimizer update before the first gradient creates the optimizer states and gradient
+shards first, so the measured step is a steady-state one (its peaks equal a second step's).
 
 What a dry run cannot know it is told: a value read back from a fake tensor (a loss, a
 norm, an inf/NaN flag) reads as zero; the shape header a pipeline stage receives is the
@@ -156,11 +156,11 @@ class DryRun:
     rank: int
     pp_rank: int
     peak: int
-    """Most bytes alive at once in the second step."""
+    """Most bytes alive at once in the measured step."""
     peak_phase: str
     """``forward-backward`` or ``optimizer``: where that peak was."""
     phases: dict[str, int] = field(default_factory=dict)
-    """Peak of each phase of the second step."""
+    """Peak of each phase of the measured step."""
     states: dict[str, int] = field(default_factory=dict)
     """params, grads, optimizer: the bytes the engine holds after the step."""
     seconds: float = 0.0
@@ -198,7 +198,7 @@ def _state_bytes(engine) -> dict[str, int]:
 
 
 def dry_run(train_cfg, model_cfg, world: int, pp_rank: int = 0) -> DryRun:
-    """Two training steps of global rank ``pp_rank * dp * tp`` (pipeline rank ``pp_rank``,
+    """One training step of global rank ``pp_rank * dp * tp`` (pipeline rank ``pp_rank``,
     first DP and TP rank) of ``train_cfg``'s layout on ``world`` fake ranks.
 
     ``train_cfg``: a :class:`distllm.train.config.TrainConfig` (its ``parallel`` layout,
@@ -234,16 +234,17 @@ def dry_run(train_cfg, model_cfg, world: int, pp_rank: int = 0) -> DryRun:
             engine = Engine(train_cfg, model_cfg, dims)
             rows = train_cfg.global_batch // dp
             tokens = torch.zeros(rows, seq, dtype=torch.long)
+            # an update before any gradient creates the optimizer states and the gradient
+            # shards, so that the step measured next is a steady-state one
+            engine.update(train_cfg.optim.grad_clip)
             phases: dict[str, int] = {}
-            for step in range(2):
-                for phase in ("forward-backward", "optimizer"):
-                    counter.peak = counter.live
-                    if phase == "forward-backward":
-                        loss = engine.forward_backward(tokens, tokens)
-                    else:
-                        engine.update(train_cfg.optim.grad_clip, loss)
-                    if step == 1:
-                        phases[phase] = counter.peak
+            for phase in ("forward-backward", "optimizer"):
+                counter.peak = counter.live
+                if phase == "forward-backward":
+                    loss = engine.forward_backward(tokens, tokens)
+                else:
+                    engine.update(train_cfg.optim.grad_clip, loss)
+                phases[phase] = counter.peak
             states = _state_bytes(engine)
             del engine, loss
     finally:

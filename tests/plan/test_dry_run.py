@@ -1,0 +1,106 @@
+"""The planner's memory against a dry run of the real training code (``distllm plan
+--verify``): distllm's engine built for one rank of a layout on fake tensors and the fake
+process-group backend, one steady-state step, every storage counted.
+
+Targets: within 10% for DP, ZeRO-1/2/3 and pipeline layouts of gpt2-xl at 8 to 64 fake
+ranks. Two layouts run by default (ZeRO-3, whose gathered units the dry run must see freed
+by ``resize_``, and a 4-stage pipeline on 64 ranks, whose peak is its activations in
+flight); the rest, and GPT-3 175B, in ``make test-full``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
+
+from distllm.cli import main
+from distllm.plan import Layout, preset
+from distllm.plan.dry_run import dry_run
+from distllm.plan.verify import train_config_for, verify
+
+TOLERANCE = 0.10  # the target: the planner within 10% of the dry run's peak
+
+GPT2XL = {  # name: (layout, micro-batches are the layout's; batch = dp * m sequences)
+    "dp8-zero3": Layout(1, 1, 8, 3, "none", 1, "none", False, 1),
+    "pp4.dp16-zero1": Layout(1, 4, 16, 1, "1f1b", 4, "none", False, 1),
+}
+GPT2XL_FULL = {
+    "dp8-ddp": Layout(1, 1, 8, 0, "none", 1, "none", False, 1),
+    "dp8-zero1": Layout(1, 1, 8, 1, "none", 1, "none", False, 1),
+    "dp8-zero2": Layout(1, 1, 8, 2, "none", 1, "none", False, 1),
+    "dp8-zero2-m2": Layout(1, 1, 8, 2, "none", 2, "none", False, 1),
+    "dp64-zero3": Layout(1, 1, 64, 3, "none", 1, "none", False, 1),
+    "pp2.dp4-interleaved": Layout(1, 2, 4, 0, "interleaved-1f1b", 4, "none", False, 2),
+    "pp2.dp4-1f1b": Layout(1, 2, 4, 0, "1f1b", 4, "none", False, 1),
+}
+
+
+def _check(lay: Layout, model: str = "gpt2-xl", seq: int = 0):
+    shape = preset(model)
+    shape = shape.with_(global_batch=lay.dp * lay.micro_batches, seq_len=seq or shape.seq_len)
+    # a pipeline's first stage holds the most micro-batches in flight
+    v = verify(shape, lay, pp_rank=0 if lay.pp > 1 else None)
+    assert abs(v.error) < TOLERANCE, v.report()
+    # the states are exact: the planner counts what the engine allocates
+    for key in ("grads", "optimizer"):
+        assert v.predicted[key] == pytest.approx(v.measured.states[key], rel=0.01), v.report()
+    return v
+
+
+@pytest.mark.parametrize("name", list(GPT2XL))
+def test_gpt2_xl_dry_run_agrees_with_the_planner(name):
+    _check(GPT2XL[name])
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("name", list(GPT2XL_FULL))
+def test_gpt2_xl_dry_run_agrees_with_the_planner_full(name):
+    _check(GPT2XL_FULL[name])
+
+
+@pytest.mark.full
+def test_gpt3_175b_dry_run():
+    """One rank of GPT-3 175B at tp=8, pp=16, dp=8 (1024 devices): 6 blocks of 1.8B
+    parameters each on fake tensors, with full recomputation."""
+    v = _check(Layout(8, 16, 8, 1, "1f1b", 16, "full", False, 1), "gpt3-175b")
+    assert v.measured.world == 1024 and v.measured.states["params"] > 3e9
+
+
+def test_dry_run_counts_the_states_of_a_small_engine():
+    """tiny GPT, float32 DDP on 2 fake ranks: parameters, gradient buckets (views) and
+    AdamW moments are exactly 4 + 4 + 8 bytes per parameter; the peak of the optimizer
+    step adds AdamW's one fp32 temporary per parameter; nothing leaks out of the run."""
+    shape = preset("tiny").with_(global_batch=2, seq_len=64)
+    lay = Layout(1, 1, 2, 0, "none", 1, "none", False, 1)
+    from distllm.plan.verify import gpt_config_for
+
+    mcfg = gpt_config_for(shape)
+    res = dry_run(train_config_for(lay, shape, "float32"), mcfg, 2)
+    n = mcfg.num_params() + (mcfg.padded_vocab(1) - mcfg.vocab_size) * mcfg.hidden_size * 2
+    # AdamW's step count is one fp32 scalar per parameter tensor: embedding (token,
+    # position), 12 per block (two norms, four linears, weight and bias), head (norm, matrix)
+    tensors = 2 + 12 * mcfg.n_layers + 3
+    assert res.states == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n + 4 * tensors}
+    assert res.phases["optimizer"] == pytest.approx(20 * n, rel=0.02)
+    assert res.phases["forward-backward"] > 16 * n
+    assert not dist.is_initialized()
+    assert "data_ptr" not in vars(FakeTensor)
+    assert torch.nn.Module.to.__module__ == "torch.nn.modules.module"
+
+
+def test_cli_verify(capsys):
+    argv = ["plan", "--model", "tiny", "--gpus", "4", "--gpu", "a100-80gb", "--tp", "1",
+            "--pp", "2", "--dp", "2", "--zero", "1", "--micro-batches", "2", "--schedule",
+            "1f1b", "--checkpointing", "none", "--global-batch", "4", "--seq-len", "64",
+            "--verify"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"] == "tp1.pp2.dp2.zero1.1f1b.m2" and out["world"] == 4
+    assert abs(out["error"]) < TOLERANCE, out
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("verify tp1.pp2.dp2.zero1.1f1b.m2 of tiny") and "error" in text
