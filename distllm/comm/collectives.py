@@ -1,15 +1,23 @@
 """Collectives every parallelism shares, written once.
 
-- :func:`reduce_scatter`: sum-reduce-scatter of one flat tensor. Gloo's reduce-scatter is
-  slower than its all-reduce of the same tensor, so on gloo it is
-  :func:`reduce_scatter_by_all_reduce`; other backends (NCCL) run the collective, through
+- :func:`reduce_scatter`: sum-reduce-scatter of one flat tensor, the one every parallelism
+  calls (the DP gradient buckets, the TP overlap engines and mappings). On gloo with CPU
+  tensors it is :func:`reduce_scatter_pairwise`: gloo's own reduce-scatter moves as many
+  bytes as its all-reduce, the pairwise exchange the minimum (each rank sends
+  ``(world-1)/world`` of its input once). Gloo with CUDA tensors takes
+  :func:`reduce_scatter_by_all_reduce` (gloo's point-to-point takes CPU tensors); other
+  backends (NCCL) run the collective, through
   :func:`distllm.comm.compat.reduce_scatter_into`.
+- :func:`reduce_scatter_pairwise`: rank ``r`` sends slice ``q`` of its input straight to
+  rank ``q`` and sums the slices ``r`` it receives (``isend`` / ``irecv`` that gloo's
+  transport threads progress); ``inp`` is only read.
 - :func:`reduce_scatter_by_all_reduce`: the all-reduce of the whole input, of which each
-  rank keeps its slice, on any backend.
+  rank keeps its slice, on any backend (``inp`` is overwritten with the full sum).
 - :func:`broadcast_from`: a broadcast whose source is named by its rank *within* the group
   (torch's ``src`` is a global rank).
 
-Each returns, with ``async_op=True``, a handle with ``wait()`` and ``is_completed()``.
+Each returns, with ``async_op=True``, a handle with ``wait()`` and ``is_completed()``; the
+reduce-scatters write ``out`` by the time ``wait()`` returns.
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ from torch.distributed import ProcessGroup, Work
 
 from distllm.comm.compat import reduce_scatter_into
 
-__all__ = ["reduce_scatter", "reduce_scatter_by_all_reduce", "broadcast_from"]
+__all__ = ["reduce_scatter", "reduce_scatter_pairwise", "reduce_scatter_by_all_reduce",
+           "broadcast_from"]
 
 
 class _SliceOnWait:
@@ -33,6 +42,9 @@ class _SliceOnWait:
     def is_completed(self) -> bool:
         return self.done or self.work.is_completed()
 
+    def get_future(self) -> torch.futures.Future:
+        return self.work.get_future()
+
     def wait(self) -> bool:
         if not self.done:
             self.work.wait()
@@ -42,10 +54,49 @@ class _SliceOnWait:
         return True
 
 
+class _PairwiseOnWait:
+    """The pairwise exchange in flight; :meth:`wait` sums this rank's slices into ``out``."""
+
+    def __init__(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None):
+        world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.out, self.parts = out, inp.view(world, -1)  # (world, n): slice q goes to rank q
+        self.bufs: list[torch.Tensor] = []
+        self.works: list[Work] = []
+        for q in range(world):
+            if q == self.rank:
+                continue
+            buf = torch.empty_like(self.parts[q])
+            self.bufs.append(buf)
+            self.works.append(dist.irecv(buf, group=group, group_src=q))
+            self.works.append(dist.isend(self.parts[q], group=group, group_dst=q))
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done or all(w.is_completed() for w in self.works)
+
+    def wait(self) -> bool:
+        if not self.done:
+            for w in self.works:
+                w.wait()
+            acc = self.out.view(-1)
+            acc.copy_(self.parts[self.rank])
+            for buf in self.bufs:  # peers in rank order: the same summation order every run
+                acc.add_(buf)
+            self.works, self.bufs, self.done = [], [], True
+        return True
+
+
 def _check_sizes(out: torch.Tensor, inp: torch.Tensor, world: int) -> None:
     if inp.numel() != world * out.numel():
         raise ValueError(f"reduce-scatter over {world} ranks: inp has {inp.numel()} elements, "
                          f"out {out.numel()}; inp must hold {world} * out.numel() (pad it)")
+
+
+def _finish(handle: _SliceOnWait | _PairwiseOnWait, async_op: bool):
+    if async_op:
+        return handle
+    handle.wait()
+    return None
 
 
 def reduce_scatter_by_all_reduce(out: torch.Tensor, inp: torch.Tensor,
@@ -58,21 +109,33 @@ def reduce_scatter_by_all_reduce(out: torch.Tensor, inp: torch.Tensor,
     world = dist.get_world_size(group)
     _check_sizes(out, inp, world)
     lo = dist.get_rank(group) * out.numel()
-    handle = _SliceOnWait(dist.all_reduce(inp, group=group, async_op=True), out, inp, lo)
-    if async_op:
-        return handle
-    handle.wait()
-    return None
+    work = dist.all_reduce(inp, group=group, async_op=True)
+    return _finish(_SliceOnWait(work, out, inp, lo), async_op)
+
+
+def reduce_scatter_pairwise(out: torch.Tensor, inp: torch.Tensor,
+                            group: ProcessGroup | None = None,
+                            async_op: bool = False) -> _PairwiseOnWait | None:
+    """Reduce-scatter by point-to-point messages: rank ``r`` sends slice ``q`` of ``inp``
+    (contiguous, ``world * out.numel()`` elements) to rank ``q`` and writes into ``out`` its
+    own slice ``r`` plus the slices ``r`` of its peers, summed in rank order. ``inp`` is
+    read, not written; it must stay unchanged until the handle is waited on. Returns the
+    handle when ``async_op`` (``out`` is written by its ``wait()``), else ``None``."""
+    _check_sizes(out, inp, dist.get_world_size(group))
+    return _finish(_PairwiseOnWait(out, inp, group), async_op)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None = None,
-                   async_op: bool = False) -> Work | _SliceOnWait | None:
+                   async_op: bool = False) -> Work | _SliceOnWait | _PairwiseOnWait | None:
     """Sum-reduce-scatter ``inp`` (``world * out.numel()`` elements, contiguous) over
     ``group``: rank ``r`` receives slice ``r`` in ``out``. On gloo
-    :func:`reduce_scatter_by_all_reduce` (which overwrites ``inp``), elsewhere the backend's
-    collective. Returns the handle when ``async_op``, else ``None``."""
+    :func:`reduce_scatter_pairwise` for CPU tensors and :func:`reduce_scatter_by_all_reduce`
+    (which overwrites ``inp``) for CUDA ones; elsewhere the backend's collective. Returns
+    the handle when ``async_op``, else ``None``."""
     if dist.get_backend(group) == "gloo":
-        return reduce_scatter_by_all_reduce(out, inp, group, async_op)
+        if inp.is_cuda:
+            return reduce_scatter_by_all_reduce(out, inp, group, async_op)
+        return reduce_scatter_pairwise(out, inp, group, async_op)
     _check_sizes(out, inp, dist.get_world_size(group))
     return reduce_scatter_into(out, inp, group=group, async_op=async_op)
 
