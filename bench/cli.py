@@ -98,8 +98,10 @@ def _check(args: argparse.Namespace) -> None:
 def _list() -> int:
     from distllm.bench.suite import availability
 
-    for name, ok, why in availability():
-        print(f"{name:12s} {'available  ' if ok else 'UNAVAILABLE'}  {why}")
+    rows = availability()
+    width = max(len(name) for name, _, _ in rows)
+    for name, ok, why in rows:
+        print(f"{name:{width}s} {'available  ' if ok else 'UNAVAILABLE'}  {why}")
     return 0
 
 
