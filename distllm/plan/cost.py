@@ -238,7 +238,11 @@ class CostModel(TimeModel):
             return 0.0, landing
         if lay.micro_batches > 1 and self.runtime.zero_grad_accumulation == "full":
             return self.grad_bytes * n_params, landing
-        return 0.0, landing + self.grad_bytes * max(unit, self.bucket_bytes / self.grad_bytes)
+        # ZeRO-3 reduces one layer per bucket; ZeRO-2 up to the bucket cap (never more than
+        # the rank holds)
+        bucket = unit if lay.zero >= 3 else min(max(unit, self.bucket_bytes / self.grad_bytes),
+                                                n_params)
+        return 0.0, landing + self.grad_bytes * bucket
 
     def _activations(self, lay: Layout, b: int, r: int, blocks: int, has_e: bool,
                      has_h: bool, landing: float = 0.0) -> float:

@@ -191,7 +191,8 @@ def _state_bytes(engine) -> dict[str, int]:
         state = [v for s in z.optimizer.state.values() for v in s.values()]
         out["optimizer"] = size(list(z.masters) + state)
     else:
-        bufs = [b.buffer for b in engine.ddp.reducer.buckets]
+        reducer = getattr(engine.ddp, "reducer", None)  # none with a single DP rank
+        bufs = [b.buffer for b in reducer.buckets] if reducer is not None else []
         out["grads"] = size(bufs + [p.grad for p in params])
         out["optimizer"] = size(v for s in engine.optimizer.state.values() for v in s.values())
     return out

@@ -67,7 +67,8 @@ def test_gpt3_175b_dry_run():
     """One rank of GPT-3 175B at tp=8, pp=16, dp=8 (1024 devices): 6 blocks of 1.8B
     parameters each on fake tensors, with full recomputation."""
     v = _check(Layout(8, 16, 8, 1, "1f1b", 16, "full", False, 1), "gpt3-175b")
-    assert v.measured.world == 1024 and v.measured.states["params"] > 3e9
+    assert v.measured.world == 1024
+    assert v.measured.states["params"] == pytest.approx(v.predicted["params"], rel=1e-3)
 
 
 def test_dry_run_counts_the_states_of_a_small_engine():
