@@ -1,5 +1,7 @@
-"""The planner: a cost model (memory, FLOPs, alpha-beta communication, pipeline bubble) and a
-search over TP x PP x DP x ZeRO x micro-batches x schedule x checkpointing.
+"""The planner: a cost model (memory, FLOPs, GEMMs by shape, alpha-beta communication,
+pipeline bubble) of a training code (a runtime) on a hardware profile, a search over TP x PP x
+DP x ZeRO x micro-batches x schedule x checkpointing, and a dry run of the real code on fake
+tensors (:mod:`distllm.plan.dry_run`, ``distllm plan --verify``) that checks its memory.
 
 Importing it needs neither torch.distributed nor a device::
 
@@ -10,6 +12,7 @@ Importing it needs neither torch.distributed nor a device::
 from .cost import CostModel, Estimate, Layout
 from .hardware import Link, Profile, detect_profile, load_profile, profile_names
 from .model import ModelShape, preset, preset_names
+from .runtime import Runtime, runtime_names
 from .search import SearchResult, best_layout, model_states_table, search
 
 __all__ = [
@@ -23,6 +26,8 @@ __all__ = [
     "preset",
     "preset_names",
     "Profile",
+    "Runtime",
+    "runtime_names",
     "Link",
     "load_profile",
     "profile_names",

@@ -58,7 +58,7 @@ def measure_gemm(dtype: str = "float32", hidden: int = 128, tokens: int = 4096) 
 
 
 # The per-operator overhead is what the cost model adds for every eager operator of a
-# block, in forward and (twice) in backward (``cost.OPS_PER_LAYER_FWD``): host time with
+# block, in forward and (twice) in backward (``timing.OPS_PER_LAYER_FWD``): host time with
 # autograd in the loop, not a bare kernel launch. So it is timed on a tiny training step whose
 # arithmetic is negligible: x (4, 8) @ w (8, 8) -> GeLU -> sum, forward and backward, about
 # 8 operators (mm, gelu, sum; their 5 backward kernels).

@@ -198,6 +198,21 @@ def _state_bytes(engine) -> dict[str, int]:
     return out
 
 
+def _measure(engine, counter: _Counter, tokens: torch.Tensor, clip: float):
+    """(peak bytes of each phase, state bytes) of one steady-state step of ``engine``."""
+    # an update before any gradient creates the optimizer states and the gradient shards,
+    # so that the step measured next is a steady-state one
+    engine.update(clip)
+    phases: dict[str, int] = {}
+    counter.peak = counter.live
+    loss = engine.forward_backward(tokens, tokens)
+    phases["forward-backward"] = counter.peak
+    counter.peak = counter.live
+    engine.update(clip, loss)
+    phases["optimizer"] = counter.peak
+    return phases, _state_bytes(engine)
+
+
 def dry_run(train_cfg, model_cfg, world: int, pp_rank: int = 0) -> DryRun:
     """One training step of global rank ``pp_rank * dp * tp`` (pipeline rank ``pp_rank``,
     first DP and TP rank) of ``train_cfg``'s layout on ``world`` fake ranks.
@@ -231,23 +246,10 @@ def dry_run(train_cfg, model_cfg, world: int, pp_rank: int = 0) -> DryRun:
     counter = _Counter()
     try:
         with _patched(header, counter), FakeTensorMode(allow_non_fake_inputs=True), counter:
-            dims = ParallelDims(tp=p.tp, pp=p.pp, dp=dp)
-            engine = Engine(train_cfg, model_cfg, dims)
-            rows = train_cfg.global_batch // dp
-            tokens = torch.zeros(rows, seq, dtype=torch.long)
-            # an update before any gradient creates the optimizer states and the gradient
-            # shards, so that the step measured next is a steady-state one
-            engine.update(train_cfg.optim.grad_clip)
-            phases: dict[str, int] = {}
-            for phase in ("forward-backward", "optimizer"):
-                counter.peak = counter.live
-                if phase == "forward-backward":
-                    loss = engine.forward_backward(tokens, tokens)
-                else:
-                    engine.update(train_cfg.optim.grad_clip, loss)
-                phases[phase] = counter.peak
-            states = _state_bytes(engine)
-            del engine, loss
+            engine = Engine(train_cfg, model_cfg, ParallelDims(tp=p.tp, pp=p.pp, dp=dp))
+            tokens = torch.zeros(train_cfg.global_batch // dp, seq, dtype=torch.long)
+            phases, states = _measure(engine, counter, tokens, train_cfg.optim.grad_clip)
+            del engine
     finally:
         dist.destroy_process_group()
     where = max(phases, key=phases.get)

@@ -61,6 +61,23 @@ class TimeModel:
             )
         return collective_time("all_reduce", nbytes, lay.tp, link)
 
+    def _tp_times(self, tokens: int, lay: Layout) -> tuple[float, float]:
+        """(forward, backward) seconds of a block's TP collectives not hidden by compute:
+        two in forward (overlapped with the row-parallel GEMMs where the runtime does so),
+        two in backward, and the forward's again when backward recomputes it."""
+        if lay.tp == 1:
+            return 0.0, 0.0
+        s, p = self.shape, self.profile
+        one = self._tp_collective(self.e * tokens * s.hidden, lay)
+        hidden = 0.0
+        if self.runtime.tp_overlap:  # each hidden behind its row-parallel GEMM, chunked
+            gemms = linear_gemms(s, tokens, lay.tp)
+            row = [gemm_time(p, self.peak, *gemms[i], elem=self.e) for i in (1, 3)]
+            chunks = (OVERLAP_CHUNKS - 1) / OVERLAP_CHUNKS
+            hidden = sum(min(one, r) for r in row) * self._link("tp", lay).overlap * chunks
+        tp_f = 2 * one - hidden
+        return tp_f, 2 * one + (tp_f if lay.checkpointing == "full" else 0.0)
+
     def layer_times(self, b: int, lay: Layout) -> dict[str, float]:
         """Seconds of one block per micro-batch on one rank (uncontended)."""
         key = ("lt", b, lay.tp, lay.sequence_parallel, lay.checkpointing, lay.dp, lay.zero)
@@ -77,17 +94,7 @@ class TimeModel:
         fwd = lin_f + att_f + elem + ops
         bwd = lin_dg + lin_wg + att_b + 2 * (elem + ops)
         recompute = {"full": fwd, "selective": att_f}.get(lay.checkpointing, 0.0)
-        tp_f = tp_b = 0.0
-        if t > 1:
-            one = self._tp_collective(self.e * tokens * s.hidden, lay)
-            hidden = 0.0
-            if rt.tp_overlap:  # each hidden behind its row-parallel GEMM, chunked
-                gemms = linear_gemms(s, tokens, t)
-                row = [gemm_time(p, self.peak, *gemms[i], elem=self.e) for i in (1, 3)]
-                chunks = (OVERLAP_CHUNKS - 1) / OVERLAP_CHUNKS
-                hidden = sum(min(one, r) for r in row) * self._link("tp", lay).overlap * chunks
-            tp_f = 2 * one - hidden
-            tp_b = 2 * one + (tp_f if lay.checkpointing == "full" else 0.0)
+        tp_f, tp_b = self._tp_times(tokens, lay)
         z3_f = z3_b = z3_rs = 0.0
         if lay.zero >= 3 and lay.dp > 1:
             link = self._link("dp", lay)
