@@ -106,7 +106,7 @@ def bench_chunk_penalty(
     n: int, chunks: int, dtype: torch.dtype, device: str, timer: Timer, reps: int, warmup: int = 3
 ) -> list[dict]:
     """One (n, n) @ (n, n) GEMM against ``chunks`` row-chunk GEMMs of the same product."""
-    from distllm.comm.overlap import chunk_bounds
+    from distllm.parallel.tensor.overlap import chunk_bounds
 
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, dtype=dtype, generator=g)

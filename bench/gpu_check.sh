@@ -88,7 +88,7 @@ ordered=(
   tests/gpu/test_overlap_cuda.py
   tests/gpu/test_linear_gelu_cuda.py
   tests/ops/test_linear_gelu.py
-  tests/parallel/test_tensor_linear.py
+  tests/parallel/tensor/test_overlap.py
   tests/parallel/test_pipeline_gpu.py
   tests/gpu/test_data_parallel_nccl.py
   tests/gpu/test_train_cuda.py

@@ -75,9 +75,9 @@ def cases(cfg: BenchConfig) -> list[Case]:
 
 def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
     """name -> callable for one case; and the auto module/plan whose stats to report."""
-    from distllm.comm.overlap import chunk_bounds, run_engine
     from distllm.nn.parallel_linear import ColumnParallelLinear, RowParallelLinear
-    from distllm.parallel.tensor.tensor_parallel import OverlapPlan
+    from distllm.parallel.tensor.layers import OverlapPlan
+    from distllm.parallel.tensor.overlap import chunk_bounds, run_engine
 
     m, k, n = shape
     tp = dims.tp
@@ -149,7 +149,7 @@ def _schedule_parts(v: dict, engine_args, comm, extra_chunks: tuple[int, ...]) -
     (the engine with chunks ``c`` and a communicator that moves nothing) and
     ``comm_alone_c<c>`` (the same engine, the same chunks and asynchronous handles, with the
     GEMMs and ``then`` removed); ``c0`` is the sequential schedule."""
-    from distllm.comm.overlap import NullComm, run_engine
+    from distllm.parallel.tensor.overlap import NullComm, run_engine
 
     ekind, a, mm, n_out, then = engine_args
     null = NullComm(comm)
@@ -170,7 +170,7 @@ def hidden_share(variant_ms: float, compute_ms: float, comm_ms: float) -> float 
 def _timeline(comm, engine_args, chunks: int) -> list[dict]:
     """One traced run of the engine: GEMM pieces on lane ``compute``, collectives (launch to
     completion, as gloo reports it) on lane ``comm``; ms from the start."""
-    from distllm.comm.overlap import run_engine
+    from distllm.parallel.tensor.overlap import run_engine
 
     ekind, a, mm, n_out, then = engine_args
     spans: list[tuple[str, str, float, float]] = []
@@ -200,7 +200,7 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
     if case.params.get("gpu"):
         return _gpu_setup(cfg, case)
     from distllm import ParallelDims
-    from distllm.comm.overlap import CommContext
+    from distllm.parallel.tensor.overlap import CommContext
 
     dims = ParallelDims(tp=dist.get_world_size())
     comm = CommContext(dims.tp_group)
@@ -285,7 +285,7 @@ def _gpu_setup(cfg: BenchConfig, case: Case) -> Setup:
     """One GPU: the GEMM whole, in 4 equal row chunks, in the engines' 4 tapered pieces, and
     beside a copy kernel on another stream that moves the all-reduce's bytes (the
     memory/SM interference a concurrent NCCL all-reduce adds). Times from CUDA events."""
-    from distllm.comm.overlap import chunk_bounds, pipeline_bounds
+    from distllm.parallel.tensor.overlap import chunk_bounds, pipeline_bounds
 
     m, k, n = case.params["shape"]
     dtype = getattr(torch, cfg.dtype)

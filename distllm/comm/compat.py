@@ -14,7 +14,7 @@ Collectives on one flat tensor:
 
 Both call the torch function as is: a backend that lacks the collective (gloo has no
 reduce-scatter) still raises, and callers keep their own workaround for it
-(:class:`distllm.comm.overlap.CommContext` exchanges pairwise on gloo).
+(:func:`distllm.comm.collectives.reduce_scatter` exchanges pairwise on gloo).
 """
 
 from __future__ import annotations

@@ -167,7 +167,7 @@ class Embedding(nn.Module):
         x = self.wte(tokens)  # (b, s, h), or (b, s/tp, h) under sequence parallelism
         if not self.sp:
             return x + self.wpe[:s]  # (b, s, h) + (s, h)
-        from distllm.parallel.tensor.tp_comm import sync_grad_over_tp
+        from distllm.parallel.tensor.mappings import sync_grad_over_tp
 
         per = s // self.dims.tp
         wpe = sync_grad_over_tp(self.wpe, self.dims.tp_group)  # this rank's positions only

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distllm.nn.parallel_linear import ColumnParallelLinear, RowParallelLinear
-from distllm.parallel.tensor.tensor_parallel import shard
+from distllm.parallel.tensor.sharding import shard
 
 __all__ = ["ParallelAttention", "DenseAttention", "check_heads"]
 

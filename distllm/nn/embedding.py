@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distllm.parallel.tensor.tensor_parallel import mark_tensor_parallel, shard
-from distllm.parallel.tensor.tp_comm import (
+from distllm.parallel.tensor.mappings import (
     reduce_from_tp_region,
     reduce_scatter_to_sequence_parallel,
 )
+from distllm.parallel.tensor.sharding import mark_tensor_parallel, shard
 
 __all__ = ["VocabParallelEmbedding"]
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distllm.parallel.tensor.tensor_parallel import mark_sequence_parallel
-from distllm.parallel.tensor.tp_comm import sync_grad_over_tp
+from distllm.parallel.tensor.mappings import sync_grad_over_tp
+from distllm.parallel.tensor.sharding import mark_sequence_parallel
 
 __all__ = ["ParallelLayerNorm"]
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distllm.nn.parallel_linear import ACTIVATIONS, ColumnParallelLinear, RowParallelLinear
-from distllm.parallel.tensor.tensor_parallel import check_divisible
+from distllm.parallel.tensor.sharding import check_divisible
 
 __all__ = ["ParallelMLP", "DenseMLP"]
 

@@ -1,11 +1,13 @@
-"""Megatron-style ``ColumnParallelLinear`` and ``RowParallelLinear`` whose collectives are
-overlapped with their GEMMs (engines in :mod:`distllm.comm.overlap`).
+"""Megatron-style ``ColumnParallelLinear`` and ``RowParallelLinear``, the modules users build
+models from; their GEMMs with communication (overlapped by the engines) are in
+:mod:`distllm.parallel.tensor.layers`.
 
-Each layer has ``overlap_stats`` (:class:`distllm.comm.overlap.OverlapStats`): per direction
-(``forward`` / ``backward``) the calls, how many ran an overlapped schedule, the last mode and
-chunk count, the host time blocked on collectives (``wait_ms``), and, with ``overlap="auto"``,
-the measured standalone communication time (``comm_ms_est``) from which ``hidden_ms`` and
-``hidden_frac`` estimate how much communication was hidden. ``overlap_stats.reset()`` clears.
+Each layer has ``overlap_stats`` (:class:`distllm.parallel.tensor.layers.OverlapStats`): per
+direction (``forward`` / ``backward``) the collective that ran, the calls, how many ran an
+overlapped schedule, the last mode and chunk count, the host time blocked on collectives
+(``wait_ms``), and, with ``overlap="auto"``, the measured standalone communication time
+(``comm_ms_est``) from which ``hidden_ms`` and ``hidden_frac`` estimate how much
+communication was hidden. ``overlap_stats.reset()`` clears.
 """
 
 from __future__ import annotations
@@ -16,21 +18,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distllm.parallel.tensor.tensor_parallel import (
+from distllm.parallel.tensor.layers import (
     OverlapPlan,
-    check_divisible,
+    OverlapStats,
     column_parallel_matmul,
-    init_full_weight,
-    mark_tensor_parallel,
     row_parallel_matmul,
-    shard,
 )
-from distllm.parallel.tensor.tp_comm import (
+from distllm.parallel.tensor.mappings import (
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
     gather_from_tp_region,
     scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
+)
+from distllm.parallel.tensor.sharding import (
+    check_divisible,
+    init_full_weight,
+    mark_tensor_parallel,
+    shard,
 )
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ACTIVATIONS", "scatter_sequence",
@@ -88,7 +93,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias = mark_tensor_parallel(nn.Parameter(shard(fb, 0, dims.tp_rank, dims.tp)), 0)
 
     @property
-    def overlap_stats(self):
+    def overlap_stats(self) -> OverlapStats:
         return self.plan.stats
 
     @classmethod
@@ -108,6 +113,9 @@ class ColumnParallelLinear(nn.Module):
         approx = ACTIVATIONS[self.activation]
         engine = tp > 1 and (self.sequence_parallel or self.plan.overlap != "none")
         if not engine:
+            self.plan.ran("forward", "none")
+            if torch.is_grad_enabled():
+                self.plan.ran("backward", "all_reduce" if tp > 1 and x.requires_grad else "none")
             x = copy_to_tp_region(x, group)  # f: backward all-reduce of dX
             if approx is not None:
                 from distllm.ops import linear_gelu
@@ -170,7 +178,7 @@ class RowParallelLinear(nn.Module):
                 self.bias.sequence_parallel = True  # its grad is all-reduced inside backward
 
     @property
-    def overlap_stats(self):
+    def overlap_stats(self) -> OverlapStats:
         return self.plan.stats
 
     @classmethod
@@ -194,6 +202,9 @@ class RowParallelLinear(nn.Module):
                              f"by tp={tp}: choose seq_len a multiple of {tp} under "
                              "sequence_parallel=True")
         if tp == 1:
+            self.plan.ran("forward", "none")
+            if torch.is_grad_enabled():
+                self.plan.ran("backward", "none")
             return F.linear(x, self.weight, self.bias)
         return row_parallel_matmul(x, self.weight, self.bias, self.plan, self.sequence_parallel)
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from distllm.models.gpt import CHECKPOINTING, GPTConfig
 from distllm.parallel.pipeline.schedules import SCHEDULES
-from distllm.parallel.tensor.tensor_parallel import OVERLAP_MODES
+from distllm.parallel.tensor.layers import OVERLAP_MODES
 
 if TYPE_CHECKING:
     from distllm.plan.layout import Layout

@@ -65,7 +65,7 @@ def test_chunk_penalty_rows_and_result():
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(16, 16, generator=g), torch.randn(16, 16, generator=g)
     c = torch.empty(16, 16)
-    from distllm.comm.overlap import chunk_bounds
+    from distllm.parallel.tensor.overlap import chunk_bounds
 
     for s, e in chunk_bounds(16, 4):
         torch.mm(a[s:e], b, out=c[s:e])

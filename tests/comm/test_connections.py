@@ -63,7 +63,7 @@ def test_no_warning_when_set_or_older_gpu(caplog):
 
 def test_engine_cuda_path_asks_for_the_advice(monkeypatch):
     # the overlap engine's CUDA launch consults the advice before it issues anything
-    from distllm.comm import overlap
+    from distllm.parallel.tensor import overlap
 
     class Asked(Exception):
         pass

@@ -32,11 +32,11 @@ def cuda_job(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _fresh_autotune_cache():
-    from distllm.comm import autotune
+    from distllm.parallel.tensor import overlap_tuner
 
-    autotune.clear_cache()
+    overlap_tuner.clear_cache()
     yield
-    autotune.clear_cache()
+    overlap_tuner.clear_cache()
 
 
 @pytest.fixture(autouse=True)

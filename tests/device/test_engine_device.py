@@ -123,6 +123,7 @@ def test_gpt_forward_and_loss_on_cuda(cuda_job, tmp_path, sp):
             model = engine.chunks[0]
             loss = model.loss(engine._forward(model, tok), tok)
     assert loss.device == CUDA and loss.dim() == 0
-    assert all(how == "tolist" and where.startswith("comm/autotune.py")
+    assert all(how == "tolist" and where.startswith("diagnostics/timing.py")
+               and where.endswith("(max_over_ranks)")
                for how, where in host.syncs), host.syncs  # the auto-tuner's measurements
     rec.check(expect={"all_reduce", AG} if sp else {"all_reduce"})

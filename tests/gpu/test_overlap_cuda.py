@@ -7,7 +7,7 @@ CUDA_DEVICE_MAX_CONNECTIONS advice on the real device (warned once on compute ca
 Needing more than one GPU, and therefore not here: the engines with NCCL peers (data
 actually moving between ranks while the next chunk computes), the TP layers at tp >= 2 on
 CUDA, and overlap measured on NVLink. The same schedules run on 2 and 4 gloo ranks in
-tests/parallel/test_tensor_linear.py.
+tests/parallel/tensor/test_overlap.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ TOL = {
 def _engines(dtype_name: str) -> dict[str, float]:
     import torch.distributed as dist
 
-    from distllm.comm.overlap import CommContext, run_engine
+    from distllm.parallel.tensor.overlap import CommContext, run_engine
 
     dtype = getattr(torch, dtype_name)
     comm = CommContext(dist.group.WORLD)
@@ -70,7 +70,7 @@ def test_engines_on_cuda_streams(dtype):
 def _advice_from_a_chunked_engine() -> tuple[tuple[int, int], list[str]]:
     import torch.distributed as dist
 
-    from distllm.comm.overlap import CommContext, run_engine
+    from distllm.parallel.tensor.overlap import CommContext, run_engine
 
     seen: list[str] = []
 

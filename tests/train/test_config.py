@@ -10,7 +10,7 @@ from distllm.dtypes import DTYPES
 from distllm.models.gpt import CHECKPOINTING
 from distllm.parallel.mesh import ParallelDims
 from distllm.parallel.pipeline.schedules import SCHEDULES
-from distllm.parallel.tensor.tensor_parallel import OVERLAP_MODES
+from distllm.parallel.tensor.layers import OVERLAP_MODES
 from distllm.plan.layout import Layout
 from distllm.train.config import TRAIN_DTYPES, ParallelConfig, TrainConfig, check_layout
 

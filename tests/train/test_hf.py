@@ -16,7 +16,7 @@ def _hf_rank(vocab: int, seq: int) -> dict[str, float]:
 
     from distllm import ParallelDims
     from distllm.models import from_hf, to_hf
-    from distllm.parallel.tensor.tp_comm import all_gather_dim
+    from distllm.parallel.tensor.mappings import all_gather_dim
     from distllm.train.engine import stage_layer_ids
 
     torch.manual_seed(0)  # the same random HF model on every rank

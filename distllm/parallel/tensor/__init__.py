@@ -1,15 +1,31 @@
-"""Tensor parallelism (Megatron-style): ``tp_comm`` holds the collectives as autograd
-Functions (the f/g operators, the sequence-parallel all-gather / reduce-scatter),
-``tensor_parallel`` the sharding helpers and the overlapped column/row-parallel GEMMs.
-The modules users build models from live in :mod:`distllm.nn`."""
+"""Tensor parallelism (Megatron-style), all of it in this folder:
 
-from distllm.parallel.tensor.tensor_parallel import (
+- :mod:`~distllm.parallel.tensor.mappings`: the collectives as autograd Functions (the f/g
+  operators, scatter/gather of the last dim, the sequence-parallel all-gather /
+  reduce-scatter pairs), tiered as primitives, then autograd Functions, then wrappers;
+- :mod:`~distllm.parallel.tensor.layers`: the column- and row-parallel GEMMs with their
+  communication, the layer's :class:`OverlapPlan` and the :class:`OverlapStats` it records
+  (including which collective ran);
+- :mod:`~distllm.parallel.tensor.overlap`: the overlap engines (chunked GEMM + all-reduce,
+  all-gather + GEMM, GEMM + reduce-scatter) and the :class:`CommContext` that runs their
+  collectives asynchronously;
+- :mod:`~distllm.parallel.tensor.overlap_tuner`: ``overlap="auto"``'s cached measurement;
+- :mod:`~distllm.parallel.tensor.sharding`: initialising, sharding and marking parameters.
+
+The modules users build models from (``ColumnParallelLinear``, ``RowParallelLinear``,
+``VocabParallelEmbedding``, ...) live in :mod:`distllm.nn`; collectives every parallelism
+shares (the gloo reduce-scatter) in :mod:`distllm.comm`.
+"""
+
+from distllm.parallel.tensor.layers import (
+    OVERLAP_MODES,
+    OverlapCounter,
     OverlapPlan,
+    OverlapStats,
     column_parallel_matmul,
-    mark_tensor_parallel,
     row_parallel_matmul,
 )
-from distllm.parallel.tensor.tp_comm import (
+from distllm.parallel.tensor.mappings import (
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
     gather_from_tp_region,
@@ -19,11 +35,18 @@ from distllm.parallel.tensor.tp_comm import (
     scatter_to_tp_region,
     sync_grad_over_tp,
 )
+from distllm.parallel.tensor.overlap import CommContext
+from distllm.parallel.tensor.sharding import (
+    mark_sequence_parallel,
+    mark_tensor_parallel,
+    shard,
+)
 
 __all__ = [
-    "OverlapPlan", "column_parallel_matmul", "row_parallel_matmul", "mark_tensor_parallel",
+    "OVERLAP_MODES", "OverlapCounter", "OverlapPlan", "OverlapStats", "CommContext",
+    "column_parallel_matmul", "row_parallel_matmul",
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region",
     "gather_from_tp_region", "scatter_to_sequence_parallel_region",
     "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel",
-    "sync_grad_over_tp",
+    "sync_grad_over_tp", "mark_tensor_parallel", "mark_sequence_parallel", "shard",
 ]

@@ -1,7 +1,13 @@
-"""Tensor-parallel collectives as ``autograd.Function``s (Megatron's f/g operators and the
-sequence-parallel pair).
+"""Tensor-parallel mappings: Megatron's f/g operators and the sequence-parallel pairs, in
+three tiers.
 
-Each function names the collective of its forward and of its backward:
+1. **Primitives** (plain functions, no autograd): :func:`all_reduce_copy`,
+   :func:`split_dim`, :func:`all_gather_dim`, :func:`reduce_scatter_dim`.
+2. **Autograd functions**, each pairing a forward collective with its backward one:
+   ``_CopyToTP`` (identity / all-reduce), ``_ReduceFromTP`` (all-reduce / identity),
+   ``_Split`` (split / all-gather), ``_Gather`` (all-gather / split or reduce-scatter),
+   ``_ReduceScatter`` (reduce-scatter / all-gather).
+3. **Public wrappers**, identities when the group has one rank:
 
 =======================================  ============================  =========================
 function                                 forward                       backward
@@ -16,9 +22,10 @@ function                                 forward                       backward
 ``sync_grad_over_tp``                    identity (on a parameter)     all-reduce of its grad
 =======================================  ============================  =========================
 
-All take the tensor-parallel ``group`` explicitly and are identities when it has one rank.
-Incoming gradients are never reduced in place (autograd may share a gradient tensor between
-two branches, e.g. at a residual add).
+``sync_grad_over_tp`` is the f operator applied to a replicated parameter used on a
+sequence shard (each rank sees a partial gradient). All take the tensor-parallel ``group``
+explicitly. Incoming gradients are never reduced in place (autograd may share a gradient
+tensor between two branches, e.g. at a residual add).
 """
 
 from __future__ import annotations
@@ -27,20 +34,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from distllm.comm.collectives import reduce_scatter
 from distllm.comm.compat import all_gather_into
-from distllm.comm.overlap import CommContext
 
 __all__ = [
-    "all_gather_dim", "reduce_scatter_dim", "split_dim",
+    "all_reduce_copy", "split_dim", "all_gather_dim", "reduce_scatter_dim",
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region",
     "gather_from_tp_region", "scatter_to_sequence_parallel_region",
     "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel",
     "sync_grad_over_tp",
 ]
 
-
-def _world(group: ProcessGroup) -> int:
-    return dist.get_world_size(group)
+# ---------------------------------------------------------------- 1. primitives
 
 
 def all_reduce_copy(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -52,7 +57,7 @@ def all_reduce_copy(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 def split_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     """This rank's contiguous slice of ``x`` along ``dim`` (size must divide evenly)."""
-    world, rank = _world(group), dist.get_rank(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     size = x.shape[dim]
     if size % world:
         raise ValueError(f"dimension {dim} of size {size} is not divisible by tp={world}")
@@ -61,7 +66,7 @@ def split_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
 
 def all_gather_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     """Concatenation along ``dim`` of every rank's ``x`` (in rank order)."""
-    world = _world(group)
+    world = dist.get_world_size(group)
     dim = dim % x.dim()
     x = x.movedim(dim, 0).contiguous()  # (n, ...) so that ranks concatenate along dim 0
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -70,19 +75,25 @@ def all_gather_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tens
 
 
 def reduce_scatter_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
-    """Sum over ranks of ``x``, of which this rank keeps its slice along ``dim``."""
-    world = _world(group)
+    """Sum over ranks of ``x``, of which this rank keeps its slice along ``dim`` (``x`` is
+    left untouched)."""
+    world = dist.get_world_size(group)
     dim = dim % x.dim()
     if x.shape[dim] % world:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by tp={world}")
-    x = x.movedim(dim, 0).contiguous()  # (world * n, ...): slice r goes to rank r
-    out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    CommContext(group).run("reduce_scatter", out, x)  # gloo: the pairwise exchange
+    y = x.movedim(dim, 0)  # (world * n, ...): slice r goes to rank r
+    # a private copy: on some backends the reduce-scatter writes into its input
+    y = y.clone() if y.is_contiguous() else y.contiguous()
+    out = torch.empty((y.shape[0] // world, *y.shape[1:]), dtype=y.dtype, device=y.device)
+    reduce_scatter(out, y, group=group)
     return out.movedim(0, dim).contiguous()
 
 
+# ---------------------------------------------------------------- 2. autograd functions
+
+
 class _CopyToTP(torch.autograd.Function):
-    """f: forward identity, backward all-reduce."""
+    """f: forward identity; backward all-reduce of the gradient."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
@@ -97,7 +108,7 @@ class _CopyToTP(torch.autograd.Function):
 
 
 class _ReduceFromTP(torch.autograd.Function):
-    """g: forward all-reduce, backward identity."""
+    """g: forward all-reduce; backward identity."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
@@ -158,24 +169,11 @@ class _ReduceScatter(torch.autograd.Function):
         return all_gather_dim(g, ctx.dim, ctx.group), None, None
 
 
-class _SyncGrad(torch.autograd.Function):
-    """Forward identity on a replicated parameter; backward all-reduces its gradient, for
-    parameters applied to a sequence shard (each rank sees a partial gradient)."""
-
-    @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, p, group):
-        ctx.group = group
-        return p.view_as(p)
-
-    @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
-    def backward(ctx, g):
-        return all_reduce_copy(g, ctx.group), None
+# ---------------------------------------------------------------- 3. public wrappers
 
 
 def _trivial(group: ProcessGroup | None) -> bool:
-    return group is None or _world(group) == 1
+    return group is None or dist.get_world_size(group) == 1
 
 
 def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -217,5 +215,6 @@ def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: ProcessGroup) ->
 
 def sync_grad_over_tp(p: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Use of a replicated parameter on a sequence shard: forward identity, backward
-    all-reduce of its gradient over ``group`` (so every rank's ``.grad`` is the full one)."""
-    return p if _trivial(group) else _SyncGrad.apply(p, group)
+    all-reduce of its gradient over ``group`` (so every rank's ``.grad`` is the full one).
+    The f operator (:func:`copy_to_tp_region`), named for what it does to a parameter."""
+    return p if _trivial(group) else _CopyToTP.apply(p, group)

@@ -1,6 +1,7 @@
-"""Tensor-parallel building blocks: sharding helpers, the overlap plan of a layer, and the
-autograd Functions of the column- and row-parallel GEMMs that drive the overlap engines of
-:mod:`distllm.comm.overlap`.
+"""The tensor-parallel layers' GEMMs with their communication: the overlap plan of a layer,
+the record of what it ran, and the autograd Functions of the column- and row-parallel GEMMs
+that drive the engines of :mod:`distllm.parallel.tensor.overlap`. The modules users build
+models from (``ColumnParallelLinear``, ``RowParallelLinear``) live in :mod:`distllm.nn`.
 
 Collectives (``tp`` ranks; ``sp`` = sequence parallelism):
 
@@ -16,77 +17,96 @@ row, no sp            all-reduce of Y, chunked along rows and     none
 row, sp               reduce-scatter of Y along seq, chunked and  all-gather of dY along seq,
                       overlapped with the GEMM                    overlapped with the dX GEMM
 ====================  ==========================================  ================================
+
+Each direction's :class:`OverlapCounter` records the collective that actually ran
+(``collective``), set by the code path that ran it, which the overlap doctor
+(:mod:`distllm.diagnostics`) reports.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from distllm.comm import autotune
-from distllm.comm.overlap import CommContext, OverlapStats, run_engine
+from distllm.parallel.tensor import overlap_tuner
+from distllm.parallel.tensor.overlap import CommContext, run_engine
 
-__all__ = ["divide", "check_divisible", "shard", "mark_tensor_parallel", "mark_sequence_parallel",
-           "init_full_weight", "OverlapPlan", "column_parallel_matmul", "row_parallel_matmul",
-           "OVERLAP_MODES"]
+__all__ = ["OVERLAP_MODES", "COLLECTIVES", "OverlapCounter", "OverlapStats", "OverlapPlan",
+           "column_parallel_matmul", "row_parallel_matmul"]
 
 OVERLAP_MODES = ("auto", "chunked", "none")
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "none")  # what a direction ran
 
 
-def check_divisible(n: int, tp: int, what: str, knob: str) -> None:
-    """Raise a ValueError naming ``knob`` unless ``tp`` divides ``n``."""
-    if n % tp:
-        ok = [d for d in range(1, min(n, 64) + 1) if n % d == 0]
-        raise ValueError(f"{what}={n} is not divisible by tp={tp}: choose {knob} divisible by "
-                         f"{tp}, or tp in {ok}")
+@dataclass
+class OverlapCounter:
+    """What one direction (forward or backward) of a layer ran, accumulated over calls.
+
+    Fields: ``calls`` (calls through an overlap engine); ``overlapped`` (those that ran an
+    overlapped schedule); ``mode`` and ``chunks`` of the last such call (``mode`` is
+    ``chunked`` or ``none``); ``collective`` the layer's collective in the last call of this
+    direction, engine or not (one of :data:`COLLECTIVES`; ``none`` until one ran);
+    ``wait_ms`` the host time blocked waiting on collectives (CPU only: on CUDA the host does
+    not block); ``comm_ms_est`` the standalone communication time of these calls as measured
+    by ``overlap="auto"`` (0 when not measured); ``reason`` why overlap is off, if it is.
+    """
+
+    calls: int = 0
+    overlapped: int = 0
+    mode: str = "none"
+    chunks: int = 0
+    collective: str = "none"
+    wait_ms: float = 0.0
+    comm_ms_est: float = 0.0
+    reason: str = ""
+
+    @property
+    def hidden_ms(self) -> float | None:
+        """Estimated communication time hidden behind compute (``comm_ms_est - wait_ms``)."""
+        if not self.comm_ms_est:
+            return None
+        return max(0.0, self.comm_ms_est - self.wait_ms)
+
+    @property
+    def hidden_frac(self) -> float | None:
+        h = self.hidden_ms
+        return None if h is None else h / self.comm_ms_est
+
+    def record(self, mode: str, chunks: int, collective: str, wait_ms: float,
+               comm_ms_est: float = 0.0) -> None:
+        """Count one call through an overlap engine."""
+        self.calls += 1
+        self.overlapped += mode == "chunked"
+        self.mode, self.chunks, self.collective = mode, chunks, collective
+        self.wait_ms += wait_ms
+        self.comm_ms_est += comm_ms_est
 
 
-def divide(n: int, tp: int, what: str = "size", knob: str = "the size") -> int:
-    check_divisible(n, tp, what, knob)
-    return n // tp
+@dataclass
+class OverlapStats:
+    """Per-layer record of overlap: ``forward`` and ``backward`` :class:`OverlapCounter`."""
 
+    forward: OverlapCounter = field(default_factory=OverlapCounter)
+    backward: OverlapCounter = field(default_factory=OverlapCounter)
 
-def shard(t: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
-    """This rank's contiguous block of ``t`` along ``dim`` (a copy)."""
-    n = t.shape[dim] // world
-    return t.narrow(dim, rank * n, n).clone().contiguous()
+    def reset(self) -> None:
+        self.forward, self.backward = OverlapCounter(), OverlapCounter()
 
-
-def mark_tensor_parallel(p: torch.nn.Parameter, dim: int) -> torch.nn.Parameter:
-    """Megatron's attributes of a sharded parameter (``tensor_model_parallel`` and
-    ``partition_dim``): grad-norm code counts it on every rank, replicated ones once."""
-    p.tensor_model_parallel = True
-    p.partition_dim = dim
-    return p
-
-
-def mark_sequence_parallel(p: torch.nn.Parameter) -> torch.nn.Parameter:
-    """A replicated parameter applied to a sequence shard. Its gradient is already
-    all-reduced over tp inside the module (nothing for the trainer to do)."""
-    p.sequence_parallel = True
-    return p
-
-
-def init_full_weight(shape: tuple[int, ...], fan_in: int, init_method: Callable | None,
-                     dtype, device) -> torch.Tensor:
-    """The full (unsharded) tensor, initialised identically on every rank given the same seed
-    (``init_method(t)`` in place; default ``nn.Linear``'s uniform(+-1/sqrt(fan_in))), so a
-    model's initial weights do not depend on tp."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    if init_method is not None:
-        init_method(t)
-    else:
-        bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-        torch.nn.init.uniform_(t, -bound, bound)
-    return t
+    def as_dict(self) -> dict:
+        out = {}
+        for name in ("forward", "backward"):
+            c = getattr(self, name)
+            out[name] = {**asdict(c), "hidden_ms": c.hidden_ms, "hidden_frac": c.hidden_frac}
+        return out
 
 
 class OverlapPlan:
     """How a layer overlaps its collectives: ``overlap`` ("auto" | "chunked" | "none"),
-    ``chunks``, the tp group, and the :class:`OverlapStats` of what ran.
+    ``chunks`` (row pieces of the GEMM), the tp group, and the :class:`OverlapStats` of what
+    ran.
 
     ``auto`` measures on the first call per (layer kind, direction, collective, rows rounded
     up to a power of two, K, N, dtype, device, group) and reuses the choice for the shapes
@@ -109,38 +129,48 @@ class OverlapPlan:
             self._comm = CommContext(self.group)
         return self._comm
 
-    def run(self, direction: str, kind: str, a: torch.Tensor, mm, n_out: int, then=None):
-        """Run the engine ``kind`` on ``a`` with this plan's schedule; count it."""
-        comm, est, reason = self.comm, 0.0, ""
+    def ran(self, direction: str, collective: str) -> None:
+        """Note the collective of a ``direction`` that did not go through an engine (``none``
+        for a GEMM alone; ``all_reduce`` for the f operator's backward)."""
+        getattr(self.stats, direction).collective = collective
+
+    def _schedule(self, direction: str, kind: str, a: torch.Tensor, mm, n_out: int, then
+                  ) -> tuple[int, float, str]:
+        """``(chunks, measured comm ms, reason)`` of this call (chunks 0: sequential)."""
         if self.overlap == "none":
-            chunks, reason = 0, "overlap='none'"
-        elif self.overlap == "chunked":
-            chunks = self.chunks
-        else:
-            rows = a.shape[0] if kind == "all_reduce" else a.shape[1] // (
-                self.tp if kind == "reduce_scatter" else 1)
-            m = a.numel() // max(a.shape[-1], 1)  # rows: a new measurement per power of two
-            key = (self.name, direction, kind, 1 << max(m - 1, 0).bit_length(), a.shape[-1],
-                   n_out, str(a.dtype), a.device.type)
-            choice = autotune.choose(
-                key, lambda c, ch: run_engine(kind, a, mm, n_out, c, ch, then), comm, rows,
-                a.device, f"{self.name} {direction}", chunks_hint=self.chunks)
-            chunks, est, reason = choice.chunks, choice.comm_ms, choice.reason
+            return 0, 0.0, "overlap='none'"
+        if self.overlap == "chunked":
+            return self.chunks, 0.0, ""
+        rows = a.shape[0] if kind == "all_reduce" else a.shape[1] // (
+            self.tp if kind == "reduce_scatter" else 1)
+        m = a.numel() // max(a.shape[-1], 1)  # rows: a new measurement per power of two
+        key = (self.name, direction, kind, 1 << max(m - 1, 0).bit_length(), a.shape[-1], n_out,
+               str(a.dtype), a.device.type)
+        choice = overlap_tuner.choose(
+            key, lambda c, ch: run_engine(kind, a, mm, n_out, c, ch, then), self.comm, rows,
+            a.device, f"{self.name} {direction}", chunks_hint=self.chunks)
+        return choice.chunks, choice.comm_ms, choice.reason
+
+    def run(self, direction: str, kind: str, a: torch.Tensor, mm, n_out: int, then=None):
+        """Run the engine of collective ``kind`` on ``a`` with this plan's schedule; count it
+        in ``stats.<direction>``."""
+        chunks, est, reason = self._schedule(direction, kind, a, mm, n_out, then)
+        comm = self.comm
         comm.wait_ms = 0.0
         out = run_engine(kind, a, mm, n_out, comm, chunks, then)
         counter = getattr(self.stats, direction)
-        counter.record("chunked" if chunks else "none", chunks,
+        counter.record("chunked" if chunks else "none", chunks, kind,
                        comm.wait_ms if not a.is_cuda else 0.0, est)
         counter.reason = reason
         return out
 
 
-def _mm_t(w: torch.Tensor):
+def _mm_t(w: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """``out = a @ w.T`` into a preallocated row slice: ``(m, in) @ (in, out)``."""
     return lambda a, o: torch.mm(a, w.t(), out=o)
 
 
-def _mm(w: torch.Tensor):
+def _mm(w: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """``out = a @ w``: ``(m, out) @ (out, in)``, the input-gradient GEMM."""
     return lambda a, o: torch.mm(a, w, out=o)
 
@@ -157,6 +187,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
             (x_full, out), _ = plan.run("forward", "all_gather", x, _mm_t(weight), n)
         else:  # (..., K) @ (K, N/tp)
             x_full, out = x, torch.mm(x.reshape(-1, k), weight.t()).view(*x.shape[:-1], n)
+            plan.ran("forward", "none")
         if bias is not None:
             out = out.add_(bias)
         ctx.save_for_backward(x_full, weight)
@@ -178,6 +209,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
 
         if not need_x:
             gw, gb = wgrad()
+            ctx.plan.ran("backward", "none")
             return None, gw, gb, None, None
         if ctx.sp:  # dX partial (b, s, K) -> reduce-scatter -> (b, s/tp, K)
             gx, (gw, gb) = ctx.plan.run("backward", "reduce_scatter", gy, _mm(w), k, wgrad)
@@ -218,11 +250,11 @@ class _RowParallelMatmul(torch.autograd.Function):
             gb = gy.reshape(-1, n).sum(0)
             if ctx.sp:
                 bias_work = dist.all_reduce(gb, group=ctx.plan.group, async_op=True)
-        if ctx.sp:  # dY (b, s/tp, N) -> all-gather overlapped with dX = dY @ W
-            if need_x or need_w:
-                (gy_full, gx), _ = ctx.plan.run("backward", "all_gather", gy, _mm(w), k)
-            gy2 = gy_full.reshape(-1, n) if need_w else None
+        if ctx.sp and (need_x or need_w):  # dY (b, s/tp, N) -> all-gather, overlapped with dX
+            (gy_full, gx), _ = ctx.plan.run("backward", "all_gather", gy, _mm(w), k)
+            gy2 = gy_full.reshape(-1, n)
         else:
+            ctx.plan.ran("backward", "none")
             gy2 = gy.reshape(-1, n)
             gx = (gy2 @ w).view(x.shape) if need_x else None  # (M, N) @ (N, K/tp)
         gw = gy2.t() @ x.reshape(-1, k) if need_w else None  # (N, M) @ (M, K/tp)
@@ -231,11 +263,13 @@ class _RowParallelMatmul(torch.autograd.Function):
         return (gx if need_x else None), gw, gb, None, None
 
 
-def column_parallel_matmul(x, weight, bias, plan: OverlapPlan, sequence_parallel: bool):
+def column_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           plan: OverlapPlan, sequence_parallel: bool) -> torch.Tensor:
     """Autograd entry of the column-parallel GEMM (see the module table for collectives)."""
     return _ColumnParallelMatmul.apply(x, weight, bias, plan, sequence_parallel)
 
 
-def row_parallel_matmul(x, weight, bias, plan: OverlapPlan, sequence_parallel: bool):
+def row_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        plan: OverlapPlan, sequence_parallel: bool) -> torch.Tensor:
     """Autograd entry of the row-parallel GEMM (see the module table for collectives)."""
     return _RowParallelMatmul.apply(x, weight, bias, plan, sequence_parallel)

@@ -1,7 +1,9 @@
-"""Overlap engines: a GEMM split into chunks, each chunk's collective running while the next
-chunk computes.
+"""Overlap engines: a GEMM split into chunks (pieces of its rows), each chunk's collective
+running while the next chunk computes. The tensor-parallel layers reach them through
+:class:`distllm.parallel.tensor.layers.OverlapPlan`.
 
-Three engines, one per collective, each with a sequential twin (``chunks=0``):
+Three engines, one per collective (:data:`ENGINES`), each with a sequential twin
+(``chunks=0``):
 
 * :func:`matmul_all_reduce` - ``all_reduce(a @ B)``: the row-parallel forward (tensor
   parallelism without sequence parallelism) and the column-parallel input gradient.
@@ -21,8 +23,9 @@ Three engines, one per collective, each with a sequential twin (``chunks=0``):
   rows is computed, then reduce-scattered while chunk ``j+1`` computes.
 
 Asynchrony: on CPU (gloo) every collective is an ``async_op=True`` work handle that gloo
-progresses on its own threads while this thread runs the next GEMM (the reduce-scatter is a
-pairwise exchange of ``isend``/``irecv``, see :class:`_PairwiseReduceScatter`). On CUDA each
+progresses on its own threads while this thread runs the next GEMM (the reduce-scatter is
+:func:`distllm.comm.collectives.reduce_scatter`, on gloo a pairwise exchange of
+``isend``/``irecv``). On CUDA each
 collective is issued on a communication stream that first waits on an event recorded after
 the chunk's GEMM on the compute stream; ``wait`` makes the compute stream wait on an event
 recorded after the collective (the host never blocks).
@@ -35,77 +38,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from distllm.comm.compat import all_gather_into, reduce_scatter_into
+from distllm.comm.collectives import reduce_scatter
+from distllm.comm.compat import all_gather_into
 from distllm.comm.connections import warn_max_connections
 
-__all__ = ["CommContext", "NullComm", "OverlapCounter", "OverlapStats", "chunk_bounds",
-           "pipeline_bounds", "matmul_all_reduce", "allgather_matmul", "matmul_reduce_scatter",
-           "run_engine"]
+__all__ = ["CommContext", "NullComm", "chunk_bounds", "pipeline_bounds", "matmul_all_reduce",
+           "allgather_matmul", "matmul_reduce_scatter", "run_engine", "ENGINES"]
 
 MatMul = Callable[[torch.Tensor, torch.Tensor], None]
 
-
-@dataclass
-class OverlapCounter:
-    """What one direction (forward or backward) of a layer ran, accumulated over calls.
-
-    Fields: ``calls``; ``overlapped`` (calls that ran an overlapped schedule); ``mode`` and
-    ``chunks`` of the last call (``mode`` is ``chunked``, ``none`` or ``local`` for tp=1);
-    ``wait_ms`` the host time blocked waiting on collectives (CPU only: on CUDA the host does
-    not block); ``comm_ms_est`` the standalone communication time of these calls as measured
-    by ``overlap="auto"`` (0 when not measured); ``reason`` why overlap is off, if it is.
-    """
-
-    calls: int = 0
-    overlapped: int = 0
-    mode: str = "none"
-    chunks: int = 0
-    wait_ms: float = 0.0
-    comm_ms_est: float = 0.0
-    reason: str = ""
-
-    @property
-    def hidden_ms(self) -> float | None:
-        """Estimated communication time hidden behind compute (``comm_ms_est - wait_ms``)."""
-        if not self.comm_ms_est:
-            return None
-        return max(0.0, self.comm_ms_est - self.wait_ms)
-
-    @property
-    def hidden_frac(self) -> float | None:
-        h = self.hidden_ms
-        return None if h is None else h / self.comm_ms_est
-
-    def record(self, mode: str, chunks: int, wait_ms: float, comm_ms_est: float = 0.0) -> None:
-        self.calls += 1
-        self.overlapped += mode == "chunked"
-        self.mode, self.chunks = mode, chunks
-        self.wait_ms += wait_ms
-        self.comm_ms_est += comm_ms_est
-
-
-@dataclass
-class OverlapStats:
-    """Per-layer record of overlap: ``forward`` and ``backward`` :class:`OverlapCounter`."""
-
-    forward: OverlapCounter = field(default_factory=OverlapCounter)
-    backward: OverlapCounter = field(default_factory=OverlapCounter)
-
-    def reset(self) -> None:
-        self.forward, self.backward = OverlapCounter(), OverlapCounter()
-
-    def as_dict(self) -> dict:
-        out = {}
-        for name in ("forward", "backward"):
-            c = getattr(self, name)
-            out[name] = {**asdict(c), "hidden_ms": c.hidden_ms, "hidden_frac": c.hidden_frac}
-        return out
+ENGINES = ("all_reduce", "all_gather", "reduce_scatter")  # each engine's collective
 
 
 def pipeline_bounds(n: int, chunks: int) -> list[tuple[int, int]]:
@@ -151,40 +98,6 @@ class _Handle:
             self.work.wait()
 
 
-class _PairwiseReduceScatter:
-    """Reduce-scatter on gloo as a pairwise exchange: rank ``r`` sends part ``q`` of its
-    input straight to rank ``q`` and receives part ``r`` from every peer, then sums. Each
-    rank sends ``(tp-1)/tp`` of the input, the minimum (gloo's own reduce-scatter measured as
-    slow as an all-reduce of the same tensor: 74 ms vs 71 ms for 16 MiB float32 on 2 ranks
-    over an emulated 2 Gbit/s link, 2-core CPU host under load). The transfers progress in
-    gloo's transport threads; the sum runs in :meth:`wait`."""
-
-    def __init__(self, out: torch.Tensor, inp: torch.Tensor, comm: CommContext):
-        self.out, self.parts = out, inp.view(comm.world, -1)  # (tp, n): part q goes to rank q
-        self.rank = comm.rank
-        self.bufs: list[torch.Tensor] = []
-        self.works = []
-        for q in range(comm.world):
-            if q == comm.rank:
-                continue
-            buf = torch.empty_like(self.parts[q])
-            self.bufs.append(buf)
-            self.works.append(dist.irecv(buf, src=comm.ranks[q], group=comm.group))
-            self.works.append(dist.isend(self.parts[q], dst=comm.ranks[q], group=comm.group))
-
-    def get_future(self):
-        return torch.futures.collect_all([w.get_future() for w in self.works])
-
-    def wait(self) -> None:
-        for w in self.works:
-            w.wait()
-        acc = self.out.view(-1)
-        acc.copy_(self.parts[self.rank])
-        for buf in self.bufs:  # peers in rank order: the same summation order every run
-            acc.add_(buf)
-        self.works, self.bufs = [], []
-
-
 class CommContext:
     """A process group plus the means to run its collectives asynchronously (gloo work
     handles on CPU; a communication stream with events on CUDA)."""
@@ -210,10 +123,7 @@ class CommContext:
         if op == "all_gather":
             return all_gather_into(out, inp, group=self.group, async_op=async_op)
         if op == "reduce_scatter":
-            if self.backend == "gloo" and not out.is_cuda:
-                work = _PairwiseReduceScatter(out, inp, self)
-                return work if async_op else work.wait()
-            return reduce_scatter_into(out, inp, group=self.group, async_op=async_op)
+            return reduce_scatter(out, inp, group=self.group, async_op=async_op)
         raise ValueError(f"unknown collective {op!r}")
 
     def launch(self, op: str, out: torch.Tensor, inp: torch.Tensor | None = None) -> _Handle:
@@ -382,7 +292,9 @@ def matmul_reduce_scatter(a: torch.Tensor, mm: MatMul, n_out: int, comm: CommCon
 
 def run_engine(kind: str, a: torch.Tensor, mm: MatMul, n_out: int, comm: CommContext,
                chunks: int, then: Callable[[], object] | None = None):
-    """Dispatch to the engine of ``kind`` (``all_reduce``, ``all_gather``, ``reduce_scatter``)."""
+    """Run the engine of collective ``kind`` (one of :data:`ENGINES`) with ``chunks`` pieces
+    (0: the sequential schedule). Returns ``(out, then's result)``; for ``all_gather`` ``out``
+    is ``(gathered input, product)``."""
     if kind == "all_reduce":
         return matmul_all_reduce(a, mm, n_out, comm, chunks, then)
     if kind == "all_gather":
@@ -390,4 +302,4 @@ def run_engine(kind: str, a: torch.Tensor, mm: MatMul, n_out: int, comm: CommCon
         return (full, out), then() if then else None
     if kind == "reduce_scatter":
         return matmul_reduce_scatter(a, mm, n_out, comm, chunks, then)
-    raise ValueError(f"unknown overlap kind {kind!r}")
+    raise ValueError(f"unknown overlap engine {kind!r}: use one of {ENGINES}")

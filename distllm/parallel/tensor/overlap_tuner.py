@@ -1,11 +1,12 @@
 """``overlap="auto"``: choose the chunk count of an overlap engine (or no overlap) from a
 measurement on the real tensors, cached per (collective, shape, dtype, device, group).
 
-The candidates are timed interleaved (compute alone, sequential, then each chunk count),
-each keeping its fastest repetition (interference from other work only ever adds time, so
-the minimum is the steadier estimate of what a schedule costs); every rank's timings are
-reduced with MAX over the group so that all ranks choose the same schedule (a mismatch
-would pair different collectives). A chunked schedule is chosen
+The candidates (compute alone, the sequential schedule, then each chunk count) are timed
+through :mod:`distllm.diagnostics.timing`: interleaved repetitions after a warm-up round, a
+barrier over the group before each, each candidate keeping its fastest repetition
+(interference from other work only ever adds time, so the minimum is the steadier estimate
+of what a schedule costs), and the MAX of every rank's timings, so that all ranks choose the
+same schedule (a mismatch would pair different collectives). A chunked schedule is chosen
 only when it beats the sequential one by more than ``margin`` (3%); otherwise the layer
 falls back to no overlap and says so once through ``logging.getLogger("distllm")``.
 
@@ -15,14 +16,14 @@ The cache is a measurement record (not configuration): :func:`clear_cache` empti
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from distllm.comm.overlap import CommContext, NullComm
+from distllm.diagnostics.timing import interleaved_samples, max_over_ranks, wall_timer
+from distllm.parallel.tensor.overlap import CommContext, NullComm
 
 __all__ = ["Choice", "choose", "clear_cache", "CANDIDATES"]
 
@@ -51,23 +52,14 @@ class Choice:
 
 
 def clear_cache() -> None:
+    """Forget every measured choice (the next call of each shape measures again)."""
     _CACHE.clear()
-
-
-def _timed(fn: Callable[[], object], cuda: bool) -> float:
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def _measure(run: Callable[[CommContext, int], object], comm: CommContext, rows: int,
              device: torch.device, reps: int, extra: int) -> tuple[list[str], list[float]]:
+    """``(candidate names, best ms of each, MAX over the group)``; collective."""
     null = NullComm(comm)
-    cuda = device.type == "cuda"
     cands = sorted({c for c in (*CANDIDATES, extra) if 2 <= c <= rows})
     variants: dict[str, Callable[[], object]] = {
         "compute": lambda: run(null, 1),
@@ -75,18 +67,12 @@ def _measure(run: Callable[[CommContext, int], object], comm: CommContext, rows:
     }
     for c in cands:
         variants[str(c)] = lambda c=c: run(comm, c)
-    names = list(variants)
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    for i in range(reps + 1):  # round 0 is warm-up
-        for n in names if i % 2 else names[::-1]:
-            dist.barrier(group=comm.group)
-            t = _timed(variants[n], cuda)
-            if i:
-                samples[n].append(t)
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    samples = interleaved_samples(variants, warmup=1, reps=reps, timer=wall_timer(sync),
+                                  before_each=lambda: dist.barrier(group=comm.group))
+    names = list(samples)
     # on the group's device (NCCL takes CUDA tensors only); read back once per measurement
-    best = torch.tensor([min(samples[n]) for n in names], dtype=torch.float64, device=device)
-    dist.all_reduce(best, op=dist.ReduceOp.MAX, group=comm.group)
-    return names, best.tolist()
+    return names, max_over_ranks([min(samples[n]) for n in names], comm.group, device)
 
 
 def choose(key: tuple, run: Callable[[CommContext, int], object], comm: CommContext, rows: int,
@@ -96,7 +82,7 @@ def choose(key: tuple, run: Callable[[CommContext, int], object], comm: CommCont
 
     ``run(comm, chunks)`` runs the schedule once (``chunks=0``: sequential); ``rows`` bounds
     the chunk counts tried; ``device`` is where the layer's tensors live (the timings are
-    reduced over the group there; CUDA is synchronised around each timed run); ``what``
+    reduced over the group there; CUDA is synchronised inside each timed run); ``what``
     names the layer in the log line.
     """
     full_key = (comm.backend, comm.ranks, *key)
@@ -105,8 +91,8 @@ def choose(key: tuple, run: Callable[[CommContext, int], object], comm: CommCont
     if comm.world == 1:
         ch = Choice(0, 0.0, 0.0, 0.0, "tp=1: nothing to communicate")
     else:
-        names, med = _measure(run, comm, rows, device, reps, chunks_hint)
-        t = dict(zip(names, med, strict=True))
+        names, best_ms = _measure(run, comm, rows, device, reps, chunks_hint)
+        t = dict(zip(names, best_ms, strict=True))
         chunked = {n: v for n, v in t.items() if n not in ("compute", "sequential")}
         best = min(chunked, key=chunked.get) if chunked else None
         if best is not None and t[best] < t["sequential"] * (1 - margin):
@@ -117,6 +103,6 @@ def choose(key: tuple, run: Callable[[CommContext, int], object], comm: CommCont
             ch = Choice(0, t["compute"], t["sequential"], t["sequential"],
                         f"no overlap: {why} vs sequential {t['sequential']:.2f} ms")
             log.warning("%s %s on %s x%d: overlap falls back to none (%s)", what, key,
-                     comm.backend, comm.world, ch.reason)
+                        comm.backend, comm.world, ch.reason)
     _CACHE[full_key] = ch
     return ch
