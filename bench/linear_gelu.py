@@ -80,7 +80,7 @@ def _row_blocked(x, w, b, approximate, block=256):
 def _variants(phase: str, x, w, b, approximate: str, device: str):
     """name -> (callable, role) | (None, reason) for one phase."""
     from distllm.ops import backends, linear_gelu
-    from distllm.ops._linear_gelu_impl import why_not
+    from distllm.ops.linear_gelu_backends import why_not
 
     avail = backends()
     xg, wg, bg = (t.detach().clone().requires_grad_(phase != "fwd") for t in (x, w, b))

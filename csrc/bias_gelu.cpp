@@ -1,16 +1,16 @@
-// CPU bias + GeLU epilogue and its derivative, registered as torch.library ops:
-//   distllm::bias_gelu(x, bias?, approximate)             -> gelu(x + bias)
-//   distllm::bias_gelu_backward(grad, x, bias?, approximate) -> grad * gelu'(x + bias)
+// CPU bias + GeLU epilogue and its derivative (the kernels of distllm::bias_gelu and
+// distllm::bias_gelu_backward, whose ops are registered in distllm/ops/bias_gelu.py):
+//   bias_gelu_cpu(x, bias?, approximate)                -> gelu(x + bias)
+//   bias_gelu_backward_cpu(grad, x, bias?, approximate) -> grad * gelu'(x + bias)
 // x is (..., N) and bias (N,); the pre-activation x + bias is never materialised.
 // One pass over memory, OpenMP over rows (at::parallel_for), vectorisable inner loop.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
-#include <torch/library.h>
 
 #include "checks.h"
 #include "gelu.h"
+#include "ops.h"
 
 namespace distllm {
 
@@ -18,7 +18,7 @@ namespace {
 
 // kBackward=false: out = gelu(x + b); kBackward=true: out = g * gelu'(x + b).
 template <typename scalar_t, bool kBackward>
-void run_cpu(const at::Tensor& x, const c10::optional<at::Tensor>& bias, const at::Tensor* grad,
+void run_cpu(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor* grad,
              at::Tensor& out, GeluKind kind) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t n = x.size(-1);
@@ -46,12 +46,12 @@ void run_cpu(const at::Tensor& x, const c10::optional<at::Tensor>& bias, const a
 
 }  // namespace
 
-at::Tensor bias_gelu_cpu(const at::Tensor& x_in, const c10::optional<at::Tensor>& bias_in,
-                         c10::string_view approximate) {
-  check_bias_gelu_args("bias_gelu", x_in, bias_in);
+at::Tensor bias_gelu_cpu(const at::Tensor& x_in, const std::optional<at::Tensor>& bias_in,
+                         std::string_view approximate) {
+  check_bias_gelu_args("bias_gelu", c10::DeviceType::CPU, x_in, bias_in);
   const GeluKind kind = parse_approximate(approximate);
   const at::Tensor x = x_in.contiguous();
-  c10::optional<at::Tensor> bias;
+  std::optional<at::Tensor> bias;
   if (bias_in) bias = bias_in->contiguous();
   at::Tensor out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_gelu_cpu", [&] {
@@ -61,13 +61,13 @@ at::Tensor bias_gelu_cpu(const at::Tensor& x_in, const c10::optional<at::Tensor>
 }
 
 at::Tensor bias_gelu_backward_cpu(const at::Tensor& grad_in, const at::Tensor& x_in,
-                                  const c10::optional<at::Tensor>& bias_in,
-                                  c10::string_view approximate) {
-  check_bias_gelu_args("bias_gelu_backward", x_in, bias_in, &grad_in);
+                                  const std::optional<at::Tensor>& bias_in,
+                                  std::string_view approximate) {
+  check_bias_gelu_args("bias_gelu_backward", c10::DeviceType::CPU, x_in, bias_in, &grad_in);
   const GeluKind kind = parse_approximate(approximate);
   const at::Tensor x = x_in.contiguous();
   const at::Tensor grad = grad_in.contiguous();
-  c10::optional<at::Tensor> bias;
+  std::optional<at::Tensor> bias;
   if (bias_in) bias = bias_in->contiguous();
   at::Tensor out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_gelu_bwd_cpu", [&] {
@@ -77,13 +77,3 @@ at::Tensor bias_gelu_backward_cpu(const at::Tensor& grad_in, const at::Tensor& x
 }
 
 }  // namespace distllm
-
-TORCH_LIBRARY_FRAGMENT(distllm, m) {
-  m.def("bias_gelu(Tensor x, Tensor? bias, str approximate) -> Tensor");
-  m.def("bias_gelu_backward(Tensor grad, Tensor x, Tensor? bias, str approximate) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(distllm, CPU, m) {
-  m.impl("bias_gelu", &distllm::bias_gelu_cpu);
-  m.impl("bias_gelu_backward", &distllm::bias_gelu_backward_cpu);
-}

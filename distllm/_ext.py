@@ -1,5 +1,9 @@
 """Lazy loading of the compiled extensions ``distllm._C`` (CPU) and ``distllm._cuda`` (CUDA).
 
+Each is a plain module of kernels (``csrc/ops.h``, ``csrc/cuda/ops.h``); loading one
+registers nothing. The ops that call them are registered by their own modules in
+:mod:`distllm.ops`.
+
 A missing or broken extension is not an error: :func:`load` returns ``None``, warns once
 with the reason, and callers fall back to the next backend. :func:`status` tells why.
 """
@@ -7,6 +11,7 @@ with the reason, and callers fall back to the next backend. :func:`status` tells
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import threading
 from types import ModuleType
@@ -22,19 +27,16 @@ _reasons: dict[str, str] = {}
 
 def load(name: str) -> ModuleType | None:
     """Import ``distllm.<name>`` (``_C`` or ``_cuda``) once; ``None`` (with a warning) if absent."""
+    if name in _loaded:  # the hot path: no lock once decided
+        return _loaded[name]
     with _lock:
         if name in _loaded:
             return _loaded[name]
         mod: ModuleType | None = None
         try:
-            if name == "_cuda":
-                if load_unlocked("_C") is None:
-                    raise ImportError("distllm._C (which defines the op schemas) is unavailable")
-                if not torch.cuda.is_available():
-                    raise ImportError("no CUDA device is visible to torch")
-            mod = load_unlocked(name)
-            if mod is None:
-                raise ImportError(_reasons.get(name, "import failed"))
+            if name == "_cuda" and not torch.cuda.is_available():
+                raise ImportError("no CUDA device is visible to torch")
+            mod = importlib.import_module(f"distllm.{name}")
         except (ImportError, OSError) as exc:  # a missing .so, or one built for another torch
             _reasons[name] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             log.warning("distllm.%s unavailable (%s); using the next backend", name, _reasons[name])
@@ -42,26 +44,8 @@ def load(name: str) -> ModuleType | None:
         return mod
 
 
-def load_unlocked(name: str) -> ModuleType | None:
-    if name in _loaded and _loaded[name] is not None:
-        return _loaded[name]
-    try:
-        mod = importlib.import_module(f"distllm.{name}")
-    except (ImportError, OSError) as exc:
-        _reasons[name] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return None
-    if name == "_C":
-        from distllm.ops import _registry
-
-        _registry.register_python_side()
-    _loaded[name] = mod
-    return mod
-
-
 def is_built(name: str) -> bool:
     """Whether the compiled file exists, whether or not it can be used on this machine."""
-    import importlib.util
-
     return importlib.util.find_spec(f"distllm.{name}") is not None
 
 

@@ -460,36 +460,3 @@ def gelu_bwd_pass(
     )
     db = parts.sum(0).to(pre.dtype) if has_bias else None
     return gu, db
-
-
-def linear_gelu_bwd(
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    pre: torch.Tensor,
-    has_bias: bool,
-    approximate: str,
-):
-    """(dx, dW, db) of y = gelu(x W^T + b): the fused pass, then the two GEMMs."""
-    gu, db = gelu_bwd_pass(grad, pre, has_bias, approximate)
-    dx = gu @ weight  # (M, N) @ (N, K)
-    dw = gu.t() @ x  # (N, M) @ (M, K)
-    return dx, dw, db
-
-
-class LinearGeLUFunction(torch.autograd.Function):
-    """Autograd wrapper of the two kernels for 2-D ``x``; the ops module wraps it for N-D."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, approximate: str):
-        y, pre = linear_gelu_fwd(x, weight, bias, approximate, save_pre=True)
-        ctx.save_for_backward(x, weight, pre)
-        ctx.has_bias = bias is not None
-        ctx.approximate = approximate
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, pre = ctx.saved_tensors
-        dx, dw, db = linear_gelu_bwd(grad, x, weight, pre, ctx.has_bias, ctx.approximate)
-        return dx, dw, db, None

@@ -1,15 +1,16 @@
-// CUDA bias + GeLU epilogue and its derivative (the same ops as csrc/bias_gelu.cpp):
-//   distllm::bias_gelu(x, bias?, approximate), distllm::bias_gelu_backward(grad, x, bias?, approximate)
-// One thread per element with a grid-stride loop; arithmetic in float (double for double).
+// CUDA bias + GeLU epilogue and its derivative (the CUDA kernels of distllm::bias_gelu and
+// distllm::bias_gelu_backward, whose ops are registered in distllm/ops/bias_gelu.py; the CPU
+// ones are csrc/bias_gelu.cpp). One thread per element with a grid-stride loop; arithmetic
+// in float (double for double).
+#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <ATen/ATen.h>
-#include <torch/library.h>
 
 #include "../checks.h"
 #include "../gelu.h"
+#include "ops.h"
 
 namespace distllm {
 
@@ -34,16 +35,15 @@ __global__ void bias_gelu_kernel(const scalar_t* __restrict__ x,     // (rows, n
 
 template <bool kBackward>
 static at::Tensor launch(const at::Tensor* grad_in, const at::Tensor& x_in,
-                         const c10::optional<at::Tensor>& bias_in, c10::string_view approximate) {
+                         const std::optional<at::Tensor>& bias_in, std::string_view approximate) {
   const char* op = kBackward ? "bias_gelu_backward (CUDA)" : "bias_gelu (CUDA)";
-  DISTLLM_CHECK_ARG(x_in.is_cuda(), op, "x", "must be a CUDA tensor, got one on ", x_in.device());
-  check_bias_gelu_args(op, x_in, bias_in, grad_in);  // bias and grad on x's device
+  check_bias_gelu_args(op, c10::DeviceType::CUDA, x_in, bias_in, grad_in);
   const GeluKind kind = parse_approximate(approximate);
   c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
   at::Tensor grad;
   if (grad_in) grad = grad_in->contiguous();
-  c10::optional<at::Tensor> bias;
+  std::optional<at::Tensor> bias;
   if (bias_in) bias = bias_in->contiguous();
   at::Tensor out = at::empty_like(x);
   const int64_t total = x.numel();
@@ -61,19 +61,15 @@ static at::Tensor launch(const at::Tensor* grad_in, const at::Tensor& x_in,
   return out;
 }
 
-at::Tensor bias_gelu_cuda(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
-                          c10::string_view approximate) {
+at::Tensor bias_gelu_cuda(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                          std::string_view approximate) {
   return launch<false>(nullptr, x, bias, approximate);
 }
 
 at::Tensor bias_gelu_backward_cuda(const at::Tensor& grad, const at::Tensor& x,
-                                   const c10::optional<at::Tensor>& bias, c10::string_view approximate) {
+                                   const std::optional<at::Tensor>& bias,
+                                   std::string_view approximate) {
   return launch<true>(&grad, x, bias, approximate);
 }
 
 }  // namespace distllm
-
-TORCH_LIBRARY_IMPL(distllm, CUDA, m) {
-  m.impl("bias_gelu", &distllm::bias_gelu_cuda);
-  m.impl("bias_gelu_backward", &distllm::bias_gelu_backward_cuda);
-}

@@ -2,39 +2,42 @@
 //
 // cuBLASLt's GELU epilogues implement the tanh approximation
 //   gelu(u) = u/2 * (1 + tanh(sqrt(2/pi) * (u + 0.044715 u^3))),
-// so these ops serve approximate="tanh"; the Python dispatcher routes "none" (erf) elsewhere.
+// so these functions serve approximate="tanh"; the Python dispatch routes "none" (erf)
+// elsewhere.
 //
 // Row-major tensors are handed to cuBLASLt (column-major) as their transposes:
 // a row-major (r, c) matrix is a column-major (c, r) matrix with the same leading dimension c.
 //
-//   distllm::cublaslt_linear_gelu(x (M,K), w (N,K), bias? (N,), save_pre) -> (y (M,N), pre)
+// These are kernels of distllm._cuda, called from the linear_gelu op's "cuda" backend
+// (distllm/ops/linear_gelu_backends.py); they are not ops of their own.
+//
+//   cublaslt_linear_gelu(x (M,K), w (N,K), bias? (N,), save_pre) -> (y (M,N), pre)
 //       D^T(N,M) = op_T(w^T)(N,K) . x^T(K,M); epilogue GELU_AUX_BIAS (or GELU_AUX without bias,
 //       GELU_BIAS / GELU when the pre-activation is not kept): y = gelu(pre), pre = xW^T + b
 //       written as the aux matrix (ld N). pre is empty((0,)) when save_pre is false.
-//   distllm::cublaslt_dgelu_bgrad(dy (M,P), w2 (P,N), pre (M,N)) -> (dpre (M,N), dbias (N,))
+//   cublaslt_dgelu_bgrad(dy (M,P), w2 (P,N), pre (M,N)) -> (dpre (M,N), dbias (N,))
 //       dpre = (dy @ w2) * gelu'(pre), dbias = dpre.sum(0): epilogue DGELU_BGRAD. This is the
 //       backward of gelu(pre) fused into the data-gradient GEMM of the layer that consumes y
 //       (the second MLP GEMM); it needs that GEMM, so it is exposed for callers that own it.
-//   distllm::cublaslt_wgrad_bgrad(gpre (M,N), x (M,K), with_bias) -> (dw (N,K), dbias)
+//   cublaslt_wgrad_bgrad(gpre (M,N), x (M,K), with_bias) -> (dw (N,K), dbias)
 //       dw = gpre^T @ x; epilogue BGRADB fuses dbias = gpre.sum(0) into the weight-grad GEMM.
 //
-// Every op takes `allow_tf32` (the caller passes torch.backends.cuda.matmul.allow_tf32):
+// Every function takes `allow_tf32` (the caller passes torch.backends.cuda.matmul.allow_tf32):
 // float32 operands then use CUBLAS_COMPUTE_32F_FAST_TF32, else CUBLAS_COMPUTE_32F.
 // The preference's minimum alignments of A, B, C and D are those of the actual pointers
 // (cuBLASLt assumes 256 bytes otherwise, and may pick a kernel that faults on a tensor that
-// starts 16 bytes into an allocation). When cuBLASLt offers no algorithm the ops raise
+// starts 16 bytes into an allocation). When cuBLASLt offers no algorithm they raise
 // NotImplementedError (c10::NotImplementedError), which the Python dispatch catches to use
 // the next backend; other failures are RuntimeErrors.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
-#include <torch/extension.h>
-#include <torch/library.h>
 
 #include <cstdint>
 #include <tuple>
 
 #include "../checks.h"
+#include "ops.h"
 
 namespace distllm {
 namespace {
@@ -165,24 +168,24 @@ void run_gemm(const Gemm& g, at::ScalarType st, const at::Device& dev, bool allo
                           at::cuda::getCurrentCUDAStream()));
 }
 
-// A contiguous 2-D CUDA tensor on `device`, of dtype `dtype` (the first operand's).
-void check_operand(const at::Tensor& t, const char* op, const char* arg, const at::Device& device,
-                   at::ScalarType dtype, const char* ref) {
-  DISTLLM_CHECK_ARG(t.is_cuda() && t.dim() == 2 && t.is_contiguous(), op, arg,
-                    "must be a contiguous 2-D CUDA tensor, got sizes ", t.sizes(), " on ",
-                    t.device());
-  DISTLLM_CHECK_SAME_DEVICE(t, device, op, arg, ref);
-  DISTLLM_CHECK_SAME_DTYPE(t, dtype, op, arg, ref);
+// A contiguous 2-D CUDA tensor with the device and dtype of `like` (named `ref`).
+void check_operand(const at::Tensor& t, const char* op, const char* arg, const at::Tensor& like,
+                   const char* ref) {
+  DISTLLM_CHECK_DEVICE_TYPE(t, c10::DeviceType::CUDA, op, arg);
+  DISTLLM_CHECK_ARG(t.dim() == 2 && t.is_contiguous(), op, arg,
+                    "must be a contiguous 2-D tensor, got sizes ", t.sizes(), " and strides ",
+                    t.strides());
+  check_like(t, like, op, arg, ref);
 }
 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> cublaslt_linear_gelu(const at::Tensor& x, const at::Tensor& w,
-                                                        const c10::optional<at::Tensor>& bias,
+                                                        const std::optional<at::Tensor>& bias,
                                                         bool save_pre, bool allow_tf32) {
   const char* op = "cublaslt_linear_gelu";
-  check_operand(x, op, "x", x.device(), x.scalar_type(), "x");
-  check_operand(w, op, "weight", x.device(), x.scalar_type(), "x");
+  check_operand(x, op, "x", x, "x");
+  check_operand(w, op, "weight", x, "x");
   DISTLLM_CHECK_ARG(x.size(1) == w.size(1), op, "weight", "has ", w.size(1),
                     " in-features but x has ", x.size(1));
   c10::cuda::CUDAGuard guard(x.device());
@@ -191,8 +194,7 @@ std::tuple<at::Tensor, at::Tensor> cublaslt_linear_gelu(const at::Tensor& x, con
   if (has_bias) {
     DISTLLM_CHECK_ARG(bias->is_contiguous() && bias->dim() == 1 && bias->numel() == N, op, "bias",
                       "must be a contiguous (", N, ",) tensor, got sizes ", bias->sizes());
-    DISTLLM_CHECK_SAME_DEVICE(*bias, x.device(), op, "bias", "x");
-    DISTLLM_CHECK_SAME_DTYPE(*bias, x.scalar_type(), op, "bias", "x");
+    check_like(*bias, x, op, "bias", "x");
   }
   at::Tensor y = at::empty({M, N}, x.options());
   at::Tensor pre = save_pre ? at::empty({M, N}, x.options()) : at::empty({0}, x.options());
@@ -218,9 +220,9 @@ std::tuple<at::Tensor, at::Tensor> cublaslt_linear_gelu(const at::Tensor& x, con
 std::tuple<at::Tensor, at::Tensor> cublaslt_dgelu_bgrad(const at::Tensor& dy, const at::Tensor& w2,
                                                         const at::Tensor& pre, bool allow_tf32) {
   const char* op = "cublaslt_dgelu_bgrad";
-  check_operand(dy, op, "dy", dy.device(), dy.scalar_type(), "dy");
-  check_operand(w2, op, "w2", dy.device(), dy.scalar_type(), "dy");
-  check_operand(pre, op, "pre", dy.device(), dy.scalar_type(), "dy");
+  check_operand(dy, op, "dy", dy, "dy");
+  check_operand(w2, op, "w2", dy, "dy");
+  check_operand(pre, op, "pre", dy, "dy");
   const int64_t M = dy.size(0), P = dy.size(1), N = w2.size(1);
   DISTLLM_CHECK_ARG(w2.size(0) == P, op, "w2", "must be (P, N) with P = dy.size(1) = ", P,
                     ", got ", w2.sizes());
@@ -246,8 +248,8 @@ std::tuple<at::Tensor, at::Tensor> cublaslt_dgelu_bgrad(const at::Tensor& dy, co
 std::tuple<at::Tensor, at::Tensor> cublaslt_wgrad_bgrad(const at::Tensor& gpre, const at::Tensor& x,
                                                         bool with_bias, bool allow_tf32) {
   const char* op = "cublaslt_wgrad_bgrad";
-  check_operand(x, op, "x", x.device(), x.scalar_type(), "x");
-  check_operand(gpre, op, "gpre", x.device(), x.scalar_type(), "x");
+  check_operand(x, op, "x", x, "x");
+  check_operand(gpre, op, "gpre", x, "x");
   const int64_t M = gpre.size(0), N = gpre.size(1), K = x.size(1);
   DISTLLM_CHECK_ARG(x.size(0) == M, op, "x", "has ", x.size(0), " rows but gpre has ", M);
   c10::cuda::CUDAGuard guard(x.device());
@@ -270,18 +272,3 @@ std::tuple<at::Tensor, at::Tensor> cublaslt_wgrad_bgrad(const at::Tensor& gpre, 
 }
 
 }  // namespace distllm
-
-TORCH_LIBRARY_FRAGMENT(distllm, m) {
-  m.def("cublaslt_linear_gelu(Tensor x, Tensor weight, Tensor? bias, bool save_pre, "
-        "bool allow_tf32=False) -> (Tensor, Tensor)");
-  m.def("cublaslt_dgelu_bgrad(Tensor dy, Tensor w2, Tensor pre, bool allow_tf32=False) "
-        "-> (Tensor, Tensor)");
-  m.def("cublaslt_wgrad_bgrad(Tensor gpre, Tensor x, bool with_bias, bool allow_tf32=False) "
-        "-> (Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(distllm, CUDA, m) {
-  m.impl("cublaslt_linear_gelu", &distllm::cublaslt_linear_gelu);
-  m.impl("cublaslt_dgelu_bgrad", &distllm::cublaslt_dgelu_bgrad);
-  m.impl("cublaslt_wgrad_bgrad", &distllm::cublaslt_wgrad_bgrad);
-}

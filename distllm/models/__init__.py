@@ -1,18 +1,14 @@
-"""GPT models built only from ``distllm.nn`` modules, and Hugging Face conversion."""
+"""GPT models built only from ``distllm.nn`` modules, and Hugging Face conversion.
+
+- ``gpt``: :class:`GPT`, :class:`GPTConfig` and the size :data:`PRESETS`;
+- ``hf``: :func:`from_hf` / :func:`to_hf`, GPT-2 checkpoints in and out;
+- ``sharding``: a layer's canonical (unsharded) weights, loaded into its TP shards and
+  gathered back (checkpoints, initialisation, conversion).
+"""
 
 from __future__ import annotations
 
-from distllm._lazy import lazy_exports
+from distllm.models.gpt import GPT, PRESETS, GPTConfig
+from distllm.models.hf import from_hf, to_hf
 
-_LAZY = {
-    "GPT": "distllm.models.gpt",
-    "GPTConfig": "distllm.models.gpt",
-    "PRESETS": "distllm.models.gpt",
-    "from_hf": "distllm.models.hf",
-    "to_hf": "distllm.models.hf",
-}
-
-__all__ = list(_LAZY)
-
-
-__getattr__ = lazy_exports(__name__, _LAZY)
+__all__ = ["GPT", "GPTConfig", "PRESETS", "from_hf", "to_hf"]

@@ -1,5 +1,6 @@
 """Drop-in fused layers: :class:`FusedLinearGeLU` (``nn.Linear`` then GeLU as one op) and
-:func:`fuse`, which swaps Linear -> GeLU pairs of an existing model in place.
+:func:`fuse`, which reads Linear -> GeLU pairs from each block's ``torch.fx`` graph and swaps
+them in place.
 
 No collective runs in forward or backward (single-device layers).
 """
@@ -8,17 +9,19 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import math
-import re
-import textwrap
 
 import torch
+import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
 from distllm.ops.linear_gelu import linear_gelu
 
 __all__ = ["FusedLinearGeLU", "fuse", "gelu_approximate"]
+
+log = logging.getLogger("distllm")
 
 # Activation classes (matched by name, so transformers need not be installed) -> approximate.
 # All of these compute GeLU exactly or in its tanh form; QuickGELU (x * sigmoid(1.702 x)) and
@@ -178,60 +181,103 @@ def _fused(fc, approximate: str) -> nn.Module:
     return _FusedConv1DGeLU(fc, approximate)
 
 
-def _fuse_sequential(seq: nn.Sequential) -> int:
-    names = list(seq._modules)
-    n = 0
-    for a, b in zip(names, names[1:], strict=False):
-        fc, act = seq._modules[a], seq._modules[b]
-        ap = gelu_approximate(act) if act is not None else None
-        if fc is not None and _fusable_linear(fc) and ap is not None:
-            seq._modules[a] = _fused(fc, ap)
-            seq._modules[b] = nn.Identity()
-            n += 1
-    return n
+class _GeluAttribute(nn.Module):
+    """Stands in, while a block is traced, for a GeLU *function* stored as an attribute
+    (``self.act = F.gelu``), so that its call shows in the graph under the attribute's name."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
 
 
-def _forward_pairs(module: nn.Module) -> list[tuple[str, str]]:
-    """(fc, act) attribute pairs whose output flows only fc -> act in ``forward``'s source:
-    ``self.act(self.fc(x))``, or ``h = self.fc(x)`` directly followed by ``h = self.act(h)``."""
+class _ChildrenAsLeaves(torch.fx.Tracer):
+    """Traces one block's own ``forward`` only: every submodule call is one graph node."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+
+def _trace(block: nn.Module) -> torch.fx.Graph | None:
+    """``block.forward`` as a graph whose nodes call its children (GeLU function attributes
+    included, as modules of the same name); optional arguments defaulting to None are traced
+    as None. None, with a debug log, if the block cannot be traced."""
+    fn_attrs = {k: v for k, v in vars(block).items() if _is_gelu_attr(k, v)}
+    params = inspect.signature(type(block).forward).parameters
+    concrete = {n: None for n, p in params.items() if n != "self" and p.default is None}
+    for name, fn in fn_attrs.items():  # restored below, whatever the trace does
+        delattr(block, name)
+        block._modules[name] = _GeluAttribute(fn)
     try:
-        src = textwrap.dedent(inspect.getsource(type(module).forward))
-    except (OSError, TypeError):
-        return []
-    pairs = []
-    nested = r"(?=self\.(\w+)\(\s*self\.(\w+)\()"  # lookahead: overlapping f(g(h(x)))
-    for outer, inner in re.findall(nested, src):
-        pairs.append((inner, outer))
-    two_line = (
-        r"(?<![\w.])(\w+)\s*=\s*self\.(\w+)\([^()\n]*\)\s*\n"
-        r"\s*\1\s*=\s*self\.(\w+)\(\s*\1\s*\)"
+        return _ChildrenAsLeaves().trace(block, concrete_args=concrete or None)
+    except Exception as exc:  # noqa: BLE001 - an untraceable block is left as it is
+        log.debug(
+            "fuse: %s not traced, left alone (%s: %s)",
+            type(block).__name__,
+            type(exc).__name__,
+            exc,
+        )
+        return None
+    finally:
+        for name, fn in fn_attrs.items():
+            del block._modules[name]
+            object.__setattr__(block, name, fn)
+
+
+def _is_gelu_attr(name: str, value) -> bool:
+    """A GeLU function (not module) stored on a block."""
+    return (
+        not name.startswith("_")
+        and not isinstance(value, nn.Module)
+        and callable(value)
+        and gelu_approximate(value) is not None
     )
-    for _var, fc, act in re.findall(two_line, src):
-        pairs.append((fc, act))
-    # a layer called more than once in forward is not a simple fc -> act edge
-    return [
-        (fc, act)
-        for fc, act in pairs
-        if len(re.findall(rf"self\.{fc}\(", src)) == 1
-        and len(re.findall(rf"self\.{act}\(", src)) == 1
-    ]
 
 
-def _fuse_block(module: nn.Module) -> int:
-    n = 0
-    for fc_name, act_name in _forward_pairs(module):
-        fc = getattr(module, fc_name, None)
-        act = getattr(module, act_name, None)
-        ap = gelu_approximate(act) if act is not None else None
-        if fc is None or ap is None or not _fusable_linear(fc):
+def _pairs(block: nn.Module, graph: torch.fx.Graph) -> list[tuple[str, str, str]]:
+    """(fc, act, approximate) for each child Linear (or HF Conv1D) whose output has one
+    consumer, a child GeLU called on it alone; each called once in the graph."""
+    calls = [n for n in graph.nodes if n.op == "call_module" and "." not in n.target]
+    times = {}
+    for n in calls:
+        times[n.target] = times.get(n.target, 0) + 1
+    out = []
+    for node in calls:
+        fc = getattr(block, node.target)
+        if not _fusable_linear(fc) or times[node.target] != 1 or len(node.users) != 1:
             continue
-        setattr(module, fc_name, _fused(fc, ap))
-        if isinstance(act, nn.Module):
-            setattr(module, act_name, nn.Identity())
-        else:  # a function attribute (e.g. F.gelu): replace by the identity function
-            object.__setattr__(module, act_name, _identity)
-        n += 1
-    return n
+        (user,) = node.users
+        if user.op != "call_module" or "." in user.target or times[user.target] != 1:
+            continue
+        if user.args != (node,) or user.kwargs:
+            continue
+        ap = gelu_approximate(getattr(block, user.target))
+        if ap is not None:
+            out.append((node.target, user.target, ap))
+    return out
+
+
+def _fuse_block(block: nn.Module) -> int:
+    children = dict(block.named_children())
+    if not any(_fusable_linear(m) for m in children.values()):
+        return 0
+    if not any(gelu_approximate(m) for m in children.values()) and not any(
+        _is_gelu_attr(k, v) for k, v in vars(block).items()
+    ):
+        return 0
+    graph = _trace(block)
+    if graph is None:
+        return 0
+    pairs = _pairs(block, graph)
+    for fc_name, act_name, ap in pairs:
+        setattr(block, fc_name, _fused(getattr(block, fc_name), ap))
+        if isinstance(getattr(block, act_name), nn.Module):
+            setattr(block, act_name, nn.Identity())
+        else:  # a function attribute (e.g. F.gelu): replaced by the identity function
+            object.__setattr__(block, act_name, _identity)
+    return len(pairs)
 
 
 def _identity(x):
@@ -242,12 +288,15 @@ def fuse(model: nn.Module) -> int:
     """Swap every Linear -> GeLU pair of ``model`` in place for one fused layer; returns how
     many were swapped.
 
-    Finds pairs in ``nn.Sequential`` (a Linear directly followed by a GeLU module) and in
-    Hugging Face-style MLP blocks whose ``forward`` feeds one Linear (or HF ``Conv1D``) only
-    into a GeLU (``self.act(self.fc(x))`` or the two-line form). The Linear becomes a
+    Reads the pairs from each block's graph: every module whose children include a Linear
+    (or Hugging Face ``Conv1D``) and a GeLU (a module, or a GeLU function stored as an
+    attribute) is traced with ``torch.fx``, its children kept whole, and a Linear whose
+    output feeds only a GeLU, each called once, is a pair. This covers ``nn.Sequential`` and
+    Hugging Face MLP blocks (GPT-2's ``Conv1D``, BERT). The Linear becomes a
     :class:`FusedLinearGeLU` sharing its parameters (a ``Conv1D`` keeps its (in, out)
     layout), the GeLU an identity. Everything else (other activations, Linear subclasses,
-    layers used twice) is left alone; outputs change only by the dtype's rounding.
+    outputs used twice, blocks that cannot be traced) is left alone; outputs change only by
+    the dtype's rounding.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"fuse needs an nn.Module, got {type(model).__name__}")
@@ -255,8 +304,6 @@ def fuse(model: nn.Module) -> int:
     for m in list(model.modules()):
         if isinstance(m, (FusedLinearGeLU, _FusedConv1DGeLU)):
             continue
-        if isinstance(m, nn.Sequential):
-            count += _fuse_sequential(m)
-        elif type(m).forward is not nn.Module.forward:
+        if type(m).forward is not nn.Module.forward:
             count += _fuse_block(m)
     return count

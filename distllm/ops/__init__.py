@@ -1,35 +1,22 @@
-"""Fused ops, one public function each (autograd + backend dispatch:
-cuda extension -> triton -> cpu -> reference)."""
+"""Fused ops, one public function each.
+
+Each op's module registers it with ``torch.library`` and defines its public function, in
+one order: custom op, fake (for ``torch.compile``), autograd, public function.
+
+- :mod:`distllm.ops.bias_gelu`: :func:`bias_gelu`, gelu(x + bias) (the compiled kernels of
+  ``distllm._C`` / ``distllm._cuda``, else the reference);
+- :mod:`distllm.ops.linear_gelu`: :func:`linear_gelu`, gelu(x @ weight.T + bias) as one op,
+  with its backends (cuBLASLt, Triton, oneDNN, reference) in
+  :mod:`distllm.ops.linear_gelu_backends` and :func:`backends` saying which run here;
+- :mod:`distllm.ops.backend_choice`: how ``backend="auto"`` measures and caches its choice.
+
+The compiled extensions load on first use (:mod:`distllm._ext`); a missing one is a one-line
+warning and the next backend.
+"""
 
 from __future__ import annotations
 
-import sys
-import types
+from distllm.ops.bias_gelu import bias_gelu, bias_gelu_reference
+from distllm.ops.linear_gelu import backends, linear_gelu, linear_gelu_reference
 
-from distllm._lazy import lazy_exports
-
-_LAZY = {
-    "bias_gelu": "distllm.ops.bias_gelu",
-    "bias_gelu_reference": "distllm.ops.bias_gelu",
-    "linear_gelu": "distllm.ops.linear_gelu",
-    "linear_gelu_reference": "distllm.ops.linear_gelu",
-    "backends": "distllm.ops.linear_gelu",
-}
-
-__all__ = list(_LAZY)
-
-__getattr__ = lazy_exports(__name__, _LAZY)
-
-
-class _OpsPackage(types.ModuleType):
-    """Keeps each public name bound to its function: importing the submodule of the same name
-    (``distllm.ops.linear_gelu``, by any import path and in any order) would otherwise bind
-    the submodule over it."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in _LAZY and isinstance(value, types.ModuleType) and hasattr(value, name):
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _OpsPackage
+__all__ = ["bias_gelu", "bias_gelu_reference", "linear_gelu", "linear_gelu_reference", "backends"]

@@ -1,21 +1,27 @@
 """``linear_gelu(x, weight, bias=None, *, approximate="none", backend="auto")``:
 y = gelu(x @ weight.T + bias) as one differentiable operation.
 
-Registered with ``torch.library`` as two ops, so that it survives ``torch.compile``:
+Registered with ``torch.library`` here, in the order every op of this package follows
+(custom ops, fakes, autograd, public function), so that it survives ``torch.compile``:
 
-- ``distllm::linear_gelu_fwd(x, weight, bias?, approximate, backend, save_pre) -> (y, pre)``
-  on 2-D ``x`` (M, K); ``pre`` (the pre-activation, what the backward needs) is an empty
-  tensor when ``save_pre`` is false (no gradient is needed);
-- ``distllm::linear_gelu_bwd(grad, x, weight, pre, bias?, approximate, backend, need_dx,
-  need_dw) -> (dx, dweight, dbias)``, the registered autograd formula of the first.
+1. ``distllm::linear_gelu_fwd(x, weight, bias?, approximate, backend, save_pre) -> (y, pre)``
+   on 2-D ``x`` (M, K); ``pre`` (the pre-activation, what the backward needs) is an empty
+   tensor when ``save_pre`` is false (no gradient is needed); and
+   ``distllm::linear_gelu_bwd(grad, x, weight, pre, bias?, approximate, backend, need_dx,
+   need_dw) -> (dx, dweight, dbias)``;
+2. their fake implementations;
+3. the second as the autograd formula of the first;
+4. :func:`linear_gelu`, which checks the inputs, applies autocast and reshapes (..., K) to
+   (M, K).
 
-Backends (``backends()`` says which run here and why not): ``cuda`` (cuBLASLt epilogues,
-``approximate="tanh"`` only), ``triton``, ``cpu`` (oneDNN) and ``reference`` (plain PyTorch).
-``backend="auto"`` picks, per shape, dtype, device and whether a gradient is needed, the
-candidate whose whole call (forward, plus backward in training) measured fastest on first
-use, the unfused reference among them; under ``torch.compile`` the choice is made inside
-the op instead, per phase. See ``distllm.ops._autotune``. No collective runs in forward or
-backward: in a column-parallel layer this is the local shard's computation.
+Backends (:mod:`distllm.ops.linear_gelu_backends`; ``backends()`` says which run here and
+why not): ``cuda`` (cuBLASLt epilogues, ``approximate="tanh"`` only), ``triton``, ``cpu``
+(oneDNN) and ``reference`` (plain PyTorch). ``backend="auto"`` picks, per shape, dtype,
+device and whether a gradient is needed, the candidate whose whole call (forward, plus
+backward in training) measured fastest on first use, the unfused reference among them;
+under ``torch.compile`` the choice is made inside the op instead, per phase (see
+:mod:`distllm.ops.backend_choice`). No collective runs in forward or backward: in a
+column-parallel layer this is the local shard's computation.
 """
 
 from __future__ import annotations
@@ -25,8 +31,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from distllm.ops import _autotune
-from distllm.ops import _linear_gelu_impl as impl
+from distllm.ops import backend_choice
+from distllm.ops import linear_gelu_backends as impl
 
 __all__ = ["linear_gelu", "linear_gelu_reference", "backends"]
 
@@ -34,6 +40,83 @@ _APPROX = ("none", "tanh")
 _CHOICES = ("auto", *impl.BACKENDS)
 
 
+# ----------------------------------------------------------------------------- 1. custom ops
+@torch.library.custom_op("distllm::linear_gelu_fwd", mutates_args=())
+def _fwd_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    approximate: str,
+    backend: str,
+    save_pre: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    name = _resolve_fwd(backend, x, weight, bias, approximate, save_pre)
+    return impl.fwd(name, x, weight, bias, approximate, save_pre)
+
+
+@torch.library.custom_op("distllm::linear_gelu_bwd", mutates_args=())
+def _bwd_op(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    pre: torch.Tensor,
+    bias: torch.Tensor | None,
+    approximate: str,
+    backend: str,
+    need_dx: bool,
+    need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if pre.numel() == 0 and x.shape[0] * weight.shape[0] > 0:
+        pre = F.linear(x, weight, bias)  # forward ran without save_pre: recompute (M, N)
+    has_bias = bias is not None
+    name = _resolve_bwd(backend, grad, x, weight, pre, has_bias, approximate, need_dx, need_dw)
+    return impl.bwd(name, grad, x, weight, pre, has_bias, approximate, need_dx, need_dw)
+
+
+# ----------------------------------------------------------------------------- 2. fakes
+@_fwd_op.register_fake
+def _(x, weight, bias, approximate, backend, save_pre):
+    y = x.new_empty((x.shape[0], weight.shape[0]))
+    return y, (x.new_empty((x.shape[0], weight.shape[0])) if save_pre else x.new_empty(0))
+
+
+@_bwd_op.register_fake
+def _(grad, x, weight, pre, bias, approximate, backend, need_dx, need_dw):
+    dx = x.new_empty(x.shape) if need_dx else x.new_empty(0)
+    dw = weight.new_empty(weight.shape) if need_dw else x.new_empty(0)
+    db = x.new_empty((weight.shape[0],)) if bias is not None else x.new_empty(0)
+    return dx, dw, db
+
+
+# ----------------------------------------------------------------------------- 3. autograd
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, approximate, backend, _save_pre = inputs
+    ctx.save_for_backward(x, weight, bias, output[1])
+    ctx.approximate = approximate
+    ctx.backend = backend
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, grad_y, _grad_pre):
+    x, weight, bias, pre = ctx.saved_tensors
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    dx, dw, db = torch.ops.distllm.linear_gelu_bwd(
+        grad_y, x, weight, pre, bias, ctx.approximate, ctx.backend, need_dx, need_dw
+    )
+    return (
+        dx if need_dx else None,
+        dw if need_dw else None,
+        db if (need_db and bias is not None) else None,
+        None,
+        None,
+        None,
+    )
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- 4. public
 def linear_gelu_reference(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -47,55 +130,6 @@ def linear_gelu_reference(
 def backends() -> dict[str, str]:
     """Each backend name -> ``"ok: ..."`` or ``"unavailable: <reason>"`` in this process."""
     return impl.availability()
-
-
-def _check(x, weight, bias, approximate: str, backend: str) -> None:
-    if approximate not in _APPROX:
-        raise ValueError(f"approximate={approximate!r}: use 'none' (erf) or 'tanh'")
-    if backend not in _CHOICES:
-        raise ValueError(f"backend={backend!r}: use one of {', '.join(_CHOICES)}")
-    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        raise ValueError("linear_gelu: x and weight must be tensors")
-    if weight.dim() != 2:
-        raise ValueError(
-            f"weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}"
-        )
-    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"x's last dimension ({x.shape[-1] if x.dim() else 'scalar'}) must equal "
-            f"weight's in_features ({weight.shape[1]}); weight is (out, in) as in "
-            f"nn.Linear, got x {tuple(x.shape)} and weight {tuple(weight.shape)}"
-        )
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
-        raise ValueError(
-            f"bias must be 1-D of length out_features={weight.shape[0]}, got shape "
-            f"{tuple(bias.shape)}"
-        )
-    ts = [("x", x), ("weight", weight)] + ([("bias", bias)] if bias is not None else [])
-    if len({t.dtype for _, t in ts}) > 1:
-        raise ValueError(
-            "x, weight and bias must share one dtype, got "
-            + ", ".join(f"{n}={t.dtype}" for n, t in ts)
-        )
-    if len({t.device for _, t in ts}) > 1:
-        raise ValueError(
-            "x, weight and bias must be on one device, got "
-            + ", ".join(f"{n}={t.device}" for n, t in ts)
-        )
-    if not x.is_floating_point():
-        raise ValueError(f"linear_gelu needs floating-point tensors, got {x.dtype}")
-
-
-def _require(backend: str, x, weight, approximate: str) -> None:
-    """An explicit backend that cannot serve these inputs is an error naming the ones that can."""
-    why = impl.why_not(backend, x, weight, approximate)
-    if why is None:
-        return
-    ok = [b for b in impl.BACKENDS if impl.why_not(b, x, weight, approximate) is None]
-    raise ValueError(
-        f"backend={backend!r} cannot run here: {why}. Available for these inputs: "
-        f"{', '.join(ok)} (or backend='auto')"
-    )
 
 
 def linear_gelu(
@@ -157,6 +191,55 @@ def _autocast_cast(t, device_type: str, dtype: torch.dtype):
     return t
 
 
+def _check(x, weight, bias, approximate: str, backend: str) -> None:
+    if approximate not in _APPROX:
+        raise ValueError(f"approximate={approximate!r}: use 'none' (erf) or 'tanh'")
+    if backend not in _CHOICES:
+        raise ValueError(f"backend={backend!r}: use one of {', '.join(_CHOICES)}")
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise ValueError("linear_gelu: x and weight must be tensors")
+    if weight.dim() != 2:
+        raise ValueError(
+            f"weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}"
+        )
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"x's last dimension ({x.shape[-1] if x.dim() else 'scalar'}) must equal "
+            f"weight's in_features ({weight.shape[1]}); weight is (out, in) as in "
+            f"nn.Linear, got x {tuple(x.shape)} and weight {tuple(weight.shape)}"
+        )
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(
+            f"bias must be 1-D of length out_features={weight.shape[0]}, got shape "
+            f"{tuple(bias.shape)}"
+        )
+    ts = [("x", x), ("weight", weight)] + ([("bias", bias)] if bias is not None else [])
+    if len({t.dtype for _, t in ts}) > 1:
+        raise ValueError(
+            "x, weight and bias must share one dtype, got "
+            + ", ".join(f"{n}={t.dtype}" for n, t in ts)
+        )
+    if len({t.device for _, t in ts}) > 1:
+        raise ValueError(
+            "x, weight and bias must be on one device, got "
+            + ", ".join(f"{n}={t.device}" for n, t in ts)
+        )
+    if not x.is_floating_point():
+        raise ValueError(f"linear_gelu needs floating-point tensors, got {x.dtype}")
+
+
+def _require(backend: str, x, weight, approximate: str) -> None:
+    """An explicit backend that cannot serve these inputs is an error naming the ones that can."""
+    why = impl.why_not(backend, x, weight, approximate)
+    if why is None:
+        return
+    ok = [b for b in impl.BACKENDS if impl.why_not(b, x, weight, approximate) is None]
+    raise ValueError(
+        f"backend={backend!r} cannot run here: {why}. Available for these inputs: "
+        f"{', '.join(ok)} (or backend='auto')"
+    )
+
+
 # ----------------------------------------------------------------------------- auto
 def _auto_candidates(x, w, approximate: str) -> list[str]:
     names = [b for b in impl.BACKENDS if impl.why_not(b, x, w, approximate) is None]
@@ -179,7 +262,7 @@ def _choose_end_to_end(x, w, b, approximate: str, needs_grad: bool) -> str:
         f"linear_gelu|{x.dtype}|{tuple(x.shape)}x{tuple(w.shape)}|bias={b is not None}"
         f"|{approximate}|grad={needs_grad}"
     )
-    hit = _autotune.lookup(key, x.device)
+    hit = backend_choice.lookup(key, x.device)
     if hit is not None:
         return hit
     names = _auto_candidates(x, w, approximate)
@@ -199,7 +282,7 @@ def _choose_end_to_end(x, w, b, approximate: str, needs_grad: bool) -> str:
 
         return call
 
-    return _autotune.choose(key, x.device, {n: run(n) for n in names}, grad=needs_grad)
+    return backend_choice.choose(key, x.device, {n: run(n) for n in names}, grad=needs_grad)
 
 
 def _resolve_fwd(backend, x, w, b, approximate, save_pre) -> str:
@@ -211,7 +294,7 @@ def _resolve_fwd(backend, x, w, b, approximate, save_pre) -> str:
         f"|{approximate}|pre={save_pre}"
     )
     fns = {n: (lambda n=n: impl.fwd(n, x, w, b, approximate, save_pre)) for n in names}
-    return _autotune.choose(key, x.device, fns)
+    return backend_choice.choose(key, x.device, fns)
 
 
 def _resolve_bwd(backend, grad, x, w, pre, has_bias, approximate, need_dx, need_dw) -> str:
@@ -226,78 +309,4 @@ def _resolve_bwd(backend, grad, x, w, pre, has_bias, approximate, need_dx, need_
         n: (lambda n=n: impl.bwd(n, grad, x, w, pre, has_bias, approximate, need_dx, need_dw))
         for n in names
     }
-    return _autotune.choose(key, x.device, fns)
-
-
-# ----------------------------------------------------------------------------- registration
-@torch.library.custom_op("distllm::linear_gelu_fwd", mutates_args=())
-def _fwd_op(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    approximate: str,
-    backend: str,
-    save_pre: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    name = _resolve_fwd(backend, x, weight, bias, approximate, save_pre)
-    return impl.fwd(name, x, weight, bias, approximate, save_pre)
-
-
-@_fwd_op.register_fake
-def _(x, weight, bias, approximate, backend, save_pre):
-    y = x.new_empty((x.shape[0], weight.shape[0]))
-    return y, (x.new_empty((x.shape[0], weight.shape[0])) if save_pre else x.new_empty(0))
-
-
-@torch.library.custom_op("distllm::linear_gelu_bwd", mutates_args=())
-def _bwd_op(
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    pre: torch.Tensor,
-    bias: torch.Tensor | None,
-    approximate: str,
-    backend: str,
-    need_dx: bool,
-    need_dw: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if pre.numel() == 0 and x.shape[0] * weight.shape[0] > 0:
-        pre = F.linear(x, weight, bias)  # forward ran without save_pre: recompute (M, N)
-    has_bias = bias is not None
-    name = _resolve_bwd(backend, grad, x, weight, pre, has_bias, approximate, need_dx, need_dw)
-    return impl.bwd(name, grad, x, weight, pre, has_bias, approximate, need_dx, need_dw)
-
-
-@_bwd_op.register_fake
-def _(grad, x, weight, pre, bias, approximate, backend, need_dx, need_dw):
-    dx = x.new_empty(x.shape) if need_dx else x.new_empty(0)
-    dw = weight.new_empty(weight.shape) if need_dw else x.new_empty(0)
-    db = x.new_empty((weight.shape[0],)) if bias is not None else x.new_empty(0)
-    return dx, dw, db
-
-
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, approximate, backend, _save_pre = inputs
-    ctx.save_for_backward(x, weight, bias, output[1])
-    ctx.approximate = approximate
-    ctx.backend = backend
-    ctx.mark_non_differentiable(output[1])
-
-
-def _backward(ctx, grad_y, _grad_pre):
-    x, weight, bias, pre = ctx.saved_tensors
-    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-    dx, dw, db = torch.ops.distllm.linear_gelu_bwd(
-        grad_y, x, weight, pre, bias, ctx.approximate, ctx.backend, need_dx, need_dw
-    )
-    return (
-        dx if need_dx else None,
-        dw if need_dw else None,
-        db if (need_db and bias is not None) else None,
-        None,
-        None,
-        None,
-    )
-
-
-_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+    return backend_choice.choose(key, x.device, fns)

@@ -2,25 +2,21 @@
 
 ``mesh.ParallelDims`` validates the sizes at construction and builds the process groups in a
 separate step (``build()``, done at once when no ``world_size`` is given).
-
-Names are imported lazily so that each part loads only when used.
+``DistributedDataParallel``, ``ZeroOptimizer`` and ``memory_report`` come from ``data``.
 """
 
 from __future__ import annotations
 
-from distllm._lazy import lazy_exports
+from distllm.parallel import data, pipeline, tensor
+from distllm.parallel.data import DistributedDataParallel, ZeroOptimizer, memory_report
 from distllm.parallel.mesh import ParallelDims
 
-_LAZY = {
-    "DistributedDataParallel": "distllm.parallel.data.ddp",
-    "ZeroOptimizer": "distllm.parallel.data.zero",
-    "memory_report": "distllm.parallel.data.memory",
-    "pipeline": "distllm.parallel.pipeline",
-    "tensor": "distllm.parallel.tensor",
-    "data": "distllm.parallel.data",
-}
-
-__all__ = ["ParallelDims", *_LAZY]
-
-
-__getattr__ = lazy_exports(__name__, _LAZY)
+__all__ = [
+    "ParallelDims",
+    "DistributedDataParallel",
+    "ZeroOptimizer",
+    "memory_report",
+    "pipeline",
+    "tensor",
+    "data",
+]

@@ -10,17 +10,8 @@
 
 from __future__ import annotations
 
-from distllm._lazy import lazy_exports
+from distllm.train.config import OptimConfig, ParallelConfig, TrainConfig
+from distllm.train.engine import Engine
+from distllm.train.trainer import train
 
-_LAZY = {
-    "train": "distllm.train.trainer",
-    "TrainConfig": "distllm.train.config",
-    "ParallelConfig": "distllm.train.config",
-    "OptimConfig": "distllm.train.config",
-    "Engine": "distllm.train.engine",
-}
-
-__all__ = list(_LAZY)
-
-
-__getattr__ = lazy_exports(__name__, _LAZY)
+__all__ = ["train", "TrainConfig", "ParallelConfig", "OptimConfig", "Engine"]

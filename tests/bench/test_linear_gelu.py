@@ -8,7 +8,7 @@ import torch
 from distllm.bench import linear_gelu as lg_bench
 from distllm.bench.harness import BenchConfig, run
 
-from distllm.ops import _linear_gelu_impl as impl
+from distllm.ops import linear_gelu_backends as impl
 
 
 def _ok_everywhere(monkeypatch):

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from distllm import _ext
-from distllm.ops import _autotune, linear_gelu, linear_gelu_reference
-from distllm.ops import _linear_gelu_impl as impl
+from distllm.ops import backend_choice, linear_gelu, linear_gelu_reference
+from distllm.ops import linear_gelu_backends as impl
 
 pytestmark = pytest.mark.gpu
 
@@ -128,11 +128,11 @@ def test_cpu_backend_refuses_cuda_tensors():
 
 
 def test_auto_never_picks_cpu_on_cuda():
-    _autotune.clear()
+    backend_choice.clear()
     x, w, b = _data(123, 256, 776, torch.bfloat16)
     errs = _errors("auto", x, w, b, "tanh")
     assert max(errs.values()) <= TOL[torch.bfloat16], errs
-    chosen = {k: v for k, v in _autotune.cached().items() if "(123, 256)x(776, 256)" in k}
+    chosen = {k: v for k, v in backend_choice.cached().items() if "(123, 256)x(776, 256)" in k}
     assert chosen and set(chosen.values()) <= {"cuda", "triton", "reference"}, chosen
 
 
@@ -151,12 +151,12 @@ def test_cublaslt_ops_on_16_byte_aligned_pointers(dtype):
     # the dispatch guarantees 16 bytes; cuBLASLt assumes 256 unless told the real alignment
     x, w, b = _data(123, 256, 776, dtype)
     x16, w16, b16 = (_offset(t, 16) for t in (x, w, b))
-    y, pre = torch.ops.distllm.cublaslt_linear_gelu(x16, w16, b16, True)
+    y, pre = _ext.load("_cuda").cublaslt_linear_gelu(x16, w16, b16, True)
     pre_ref = F.linear(x.double(), w.double(), b.double())
     assert _err(pre, pre_ref) <= TOL[dtype]
     assert _err(y, F.gelu(pre_ref, approximate="tanh")) <= TOL[dtype]
     gu = torch.randn_like(pre)
-    dw, db = torch.ops.distllm.cublaslt_wgrad_bgrad(_offset(gu, 16), x16, True)
+    dw, db = _ext.load("_cuda").cublaslt_wgrad_bgrad(_offset(gu, 16), x16, True)
     assert _err(dw, gu.double().t() @ x.double()) <= TOL[dtype]
     assert _err(db, gu.double().sum(0)) <= TOL[dtype]
 
@@ -168,7 +168,7 @@ def test_cublaslt_two_byte_aligned_is_correct_or_refused():
     x2 = _offset(x, 2)
     want = F.gelu(F.linear(x.double(), w.double(), b.double()), approximate="tanh")
     try:
-        y, _ = torch.ops.distllm.cublaslt_linear_gelu(x2, w, b, False)
+        y, _ = _ext.load("_cuda").cublaslt_linear_gelu(x2, w, b, False)
     except NotImplementedError as exc:
         assert "no algorithm" in str(exc) and "alignments" in str(exc)
     else:
@@ -213,7 +213,7 @@ def test_dgelu_bgrad_op_matches_float64():
     dy, w2, pre = (
         torch.randn(s, generator=g, dtype=torch.float64) for s in ((123, 32), (32, 776), (123, 776))
     )
-    dpre, db = torch.ops.distllm.cublaslt_dgelu_bgrad(*(t.float().cuda() for t in (dy, w2, pre)))
+    dpre, db = _ext.load("_cuda").cublaslt_dgelu_bgrad(*(t.float().cuda() for t in (dy, w2, pre)))
     pd = pre.clone().requires_grad_()
     F.gelu(pd, approximate="tanh").backward(dy @ w2)
     assert _err(dpre.cpu(), pd.grad) <= TOL[torch.float32]

@@ -29,7 +29,7 @@ LOSS_TOL, NORM_TOL = 1e-2, 3e-2
 def _one_step(device_type: str, dtype: str, autocast: bool, out: str) -> dict[str, float]:
     from distllm import ParallelDims
     from distllm.nn import ColumnParallelLinear
-    from distllm.ops import _autotune
+    from distllm.ops import backend_choice
     from distllm.train.engine import Engine
 
     dims = ParallelDims(tp=1, pp=1, dp=1)
@@ -52,7 +52,7 @@ def _one_step(device_type: str, dtype: str, autocast: bool, out: str) -> dict[st
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=on):
             res[name + "loss"] = e.train_step(tok, tgt)
         if not name:  # the dtypes linear_gelu computed in (its measured choices are per dtype)
-            keys = [k for k in _autotune.cached() if "|linear_gelu|" in k]
+            keys = [k for k in backend_choice.cached() if "|linear_gelu|" in k]
             res["linear_gelu_in_bf16"] = float(bool(keys) and all("bfloat16" in k for k in keys))
         res[name + "norm"] = e.step(1.0)
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=on):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Model
 
 from distllm.nn import FusedLinearGeLU, fuse
 from distllm.nn.fused import _FusedConv1DGeLU, gelu_approximate
-from distllm.ops import _autotune, backends
+from distllm.ops import backend_choice, backends
 
 torch.manual_seed(0)
 BACKENDS = ["cpu", "triton"]  # the fused backends that run on a CPU machine
@@ -37,7 +38,7 @@ TOL = {
 @pytest.fixture
 def ran(monkeypatch) -> dict[str, set[str]]:
     """The backends the fused op's forward and backward actually ran."""
-    from distllm.ops import _linear_gelu_impl as impl
+    from distllm.ops import linear_gelu_backends as impl
 
     seen: dict[str, set[str]] = {"fwd": set(), "bwd": set()}
     for phase in seen:
@@ -198,6 +199,69 @@ def test_fuse_leaves_reused_outputs_and_linear_subclasses_alone():
     assert gelu_approximate(nn.ReLU()) is None and gelu_approximate(NewGELUActivation()) == "tanh"
 
 
+class _TwoLine(_Block):  # h = fc(x); h = act(h), with an optional mask defaulting to None
+    def forward(self, x, mask=None):
+        h = self.fc(x)
+        h = self.act(h)
+        if mask is not None and mask.any():  # traced with mask=None: no test of a proxy
+            h = h.masked_fill(mask, 0.0)
+        return self.proj(h)
+
+
+class _SharedAct(nn.Module):  # one GeLU after two Linears: neither may turn it into identity
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.act = nn.Linear(8, 8), nn.Linear(8, 8), nn.GELU()
+
+    def forward(self, x):
+        return self.act(self.fc1(x)) + self.act(self.fc2(x))
+
+
+class _DataDependent(_Block):  # control flow on values: cannot be traced
+    def forward(self, x):
+        h = self.act(self.fc(x))
+        return self.proj(h) if h.sum() > 0 else h.sum(-1, keepdim=True).expand(*h.shape[:-1], 8)
+
+
+class _ThroughDropout(_Block):  # fc -> dropout -> act: not a Linear -> GeLU edge
+    def __init__(self):
+        super().__init__(nn.GELU())
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x):
+        return self.proj(self.act(self.drop(self.fc(x))))
+
+
+def test_fuse_two_line_block_with_an_optional_argument():
+    ref = _TwoLine(functools.partial(F.gelu, approximate="tanh")).double()
+    block = copy.deepcopy(ref)
+    assert fuse(block) == 1
+    assert isinstance(block.fc, FusedLinearGeLU) and block.fc.approximate == "tanh"
+    assert "act" not in block._modules  # the function attribute stays a plain attribute
+    _pin(block, "cpu")
+    _same_outputs_and_grads(ref, block, torch.randn(4, 8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [_SharedAct, lambda: _DataDependent(nn.GELU()), _ThroughDropout, lambda: _UsesFcTwice(F.gelu)],
+    ids=["shared-act", "untraceable", "through-dropout", "fc-output-used-twice"],
+)
+def test_fuse_leaves_blocks_without_a_single_consumer_edge_alone(make, caplog):
+    ref = make().double()
+    block = copy.deepcopy(ref)
+    before = {n: type(m) for n, m in block.named_modules()}
+    with caplog.at_level(logging.DEBUG, logger="distllm"):
+        assert fuse(block) == 0
+    assert {n: type(m) for n, m in block.named_modules()} == before
+    if not isinstance(ref.act, nn.Module):  # the function traced as a module is put back
+        assert "act" not in block._modules and vars(block)["act"] is ref.act
+    x = torch.randn(3, 8, dtype=torch.float64)
+    torch.testing.assert_close(block(x), ref(x), rtol=0, atol=0)
+    if isinstance(ref, _DataDependent):
+        assert any("not traced" in r.getMessage() for r in caplog.records), caplog.records
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fuse_gpt2_conv1d_mlp(backend, ran):
     cfg = GPT2Config(
@@ -245,15 +309,16 @@ def test_fuse_auto_records_its_choice(monkeypatch):
     model = copy.deepcopy(ref).float()
     assert fuse(model) == 1, "fuse() did not swap the one Linear -> GELU pair"
     assert model[0].backend == "auto"
-    _autotune.clear()
-    measured, real = [], _autotune.measure
-    monkeypatch.setattr(_autotune, "measure", lambda c, *a, **k: measured.append(sorted(c))
-                        or real(c, *a, **k))
+    backend_choice.clear()
+    measured, real = [], backend_choice.measure
+    monkeypatch.setattr(
+        backend_choice, "measure", lambda c, *a, **k: measured.append(sorted(c)) or real(c, *a, **k)
+    )
     x = torch.randn(33, 64, dtype=torch.float64)
     y = model(x.float())
     key = "linear_gelu|torch.float32|(33, 64)x(256, 64)|bias=True|none|grad=True"
-    chosen = [v for k, v in _autotune.cached().items() if k.endswith(key)]
-    assert len(chosen) == 1, f"auto recorded no choice for {key}: {_autotune.cached()}"
+    chosen = [v for k, v in backend_choice.cached().items() if k.endswith(key)]
+    assert len(chosen) == 1, f"auto recorded no choice for {key}: {backend_choice.cached()}"
     assert measured == [["cpu", "reference"]]  # the Triton interpreter is never a candidate
     assert chosen[0] in measured[0]
     torch.testing.assert_close(y.double(), ref(x), **TOL[torch.float32])

@@ -4,6 +4,9 @@ non-contiguous shapes, bad input."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,6 +130,10 @@ def test_bad_bias(bad_bias, match):
             lambda x, b: torch.ops.distllm.bias_gelu_backward(x, x, b[:3], "none"),
             r"bias_gelu_backward: bias must be \(64,\)",
         ),
+        (  # the extension's own function, called directly with a tensor of another device
+            lambda x, b: _ext.load("_C").bias_gelu(x.to("meta"), None, "none"),
+            "bias_gelu: x must be a cpu tensor, got one on meta",
+        ),
     ],
 )
 def test_checks_name_the_argument(call, match):
@@ -134,3 +141,30 @@ def test_checks_name_the_argument(call, match):
     # (a bias or grad on another device) are in tests/gpu/test_bias_gelu_cuda.py
     with pytest.raises(RuntimeError, match=match):
         call(torch.randn(3, 64), torch.randn(64))
+
+
+def test_ops_are_registered_by_their_module_not_by_the_extension():
+    # distllm._C blocked: the op, its fake and its autograd exist all the same (distllm.ops
+    # registers them), the fake serves torch.compile's tracing, and the eager op says which
+    # extension is missing
+    code = r"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "distllm._C":
+            raise ImportError("blocked for the test")
+sys.meta_path.insert(0, Block())
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+import distllm
+with FakeTensorMode():
+    y = torch.ops.distllm.bias_gelu(torch.empty(3, 5), torch.empty(5), "none")
+    assert y.shape == (3, 5), y.shape
+try:
+    torch.ops.distllm.bias_gelu(torch.randn(3, 5), None, "none")
+except RuntimeError as exc:
+    print(exc)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert "distllm._C is unavailable (blocked for the test)" in out.stdout, out.stdout

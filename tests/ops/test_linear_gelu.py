@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distllm.ops import _autotune, backends, linear_gelu, linear_gelu_reference
+from distllm import _ext
+from distllm.ops import backend_choice, backends, linear_gelu, linear_gelu_reference
 
 # Relative tolerance per dtype, as a fraction of the reference's largest magnitude:
 TOL = {
@@ -213,20 +214,20 @@ def test_torch_compile_fullgraph():
 
 # ---------------------------------------------------------------------------- auto + errors
 def test_auto_measures_once_and_never_picks_the_interpreter(monkeypatch):
-    _autotune.clear()
+    backend_choice.clear()
     calls = []
-    real = _autotune.measure
+    real = backend_choice.measure
 
     def counting(cands, sync, reps=5):
         calls.append(sorted(cands))
         return real(cands, sync, reps)
 
-    monkeypatch.setattr(_autotune, "measure", counting)
+    monkeypatch.setattr(backend_choice, "measure", counting)
     x, w, b = _data(17, 48, 40, torch.float32)
     y1 = linear_gelu(x, w, b)
     y2 = linear_gelu(x, w, b)
     assert calls == [["cpu", "reference"]]  # measured once; triton (interpreter) not a candidate
-    chosen = [v for k, v in _autotune.cached().items() if "(17, 48)x(40, 48)" in k]
+    chosen = [v for k, v in backend_choice.cached().items() if "(17, 48)x(40, 48)" in k]
     assert len(chosen) == 1 and chosen[0] in ("cpu", "reference")
     torch.testing.assert_close(y1, y2, rtol=0, atol=0)
     _close(y1, _oracle(x, w, b, "none")[0], x.dtype, "y")
@@ -311,29 +312,29 @@ def test_gpu_cuda_backend_refuses_erf():
 def test_gpu_dgelu_bgrad_op():
     g = torch.Generator().manual_seed(0)
     dy, w2, pre = (torch.randn(s, generator=g).cuda() for s in ((64, 32), (32, 48), (64, 48)))
-    dpre, db = torch.ops.distllm.cublaslt_dgelu_bgrad(dy, w2, pre)
+    dpre, db = _ext.load("_cuda").cublaslt_dgelu_bgrad(dy, w2, pre)
     pd = pre.double().requires_grad_()
     F.gelu(pd, approximate="tanh").backward(dy.double() @ w2.double())
     torch.testing.assert_close(dpre.double(), pd.grad, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(db.double(), pd.grad.sum(0), rtol=1e-4, atol=1e-3)
 
 
-def test_autotune_persists_only_where_asked(tmp_path, monkeypatch):
+def testbackend_choice_persists_only_where_asked(tmp_path, monkeypatch):
     # without DISTLLM_AUTOTUNE_CACHE a choice lives in this process only
     monkeypatch.delenv("DISTLLM_AUTOTUNE_CACHE", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    _autotune.clear()
+    backend_choice.clear()
     fast = {"a": lambda: None, "b": lambda: sum(range(20000))}
-    assert _autotune.choose("persist-test|1", torch.device("cpu"), fast) == "a"
+    assert backend_choice.choose("persist-test|1", torch.device("cpu"), fast) == "a"
     assert not (tmp_path / "home").exists()
     # with it, the choice is written there and read back by a fresh cache
     path = tmp_path / "tune.json"
     monkeypatch.setenv("DISTLLM_AUTOTUNE_CACHE", str(path))
-    assert _autotune.choose("persist-test|2", torch.device("cpu"), fast) == "a"
+    assert backend_choice.choose("persist-test|2", torch.device("cpu"), fast) == "a"
     assert any(k.endswith("persist-test|2") for k in json.loads(path.read_text()))
-    _autotune.clear()
-    _autotune._disk_loaded = False
-    assert any(k.endswith("persist-test|2") for k in _autotune.cached())
+    backend_choice.clear()
+    backend_choice._disk_loaded = False
+    assert any(k.endswith("persist-test|2") for k in backend_choice.cached())
 
 
 def test_auto_first_call_inside_activation_checkpointing():
@@ -342,7 +343,7 @@ def test_auto_first_call_inside_activation_checkpointing():
     # cached choice) saves fewer and checkpointing fails
     from torch.utils.checkpoint import checkpoint
 
-    _autotune.clear()
+    backend_choice.clear()
     x = torch.randn(7, 33, dtype=torch.float64, requires_grad=True)
     w = torch.randn(45, 33, dtype=torch.float64, requires_grad=True)
     b = torch.randn(45, dtype=torch.float64, requires_grad=True)

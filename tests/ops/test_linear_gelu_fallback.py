@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from distllm import _ext
-from distllm.ops import _autotune, linear_gelu
-from distllm.ops import _linear_gelu_impl as impl
+from distllm.ops import backend_choice, linear_gelu
+from distllm.ops import linear_gelu_backends as impl
 
 TOL32 = 2e-5  # fp32 GEMMs over K <= 64 and erf/tanh ulps, relative to the largest magnitude
 
@@ -102,16 +102,17 @@ def test_measure_drops_a_raising_candidate(caplog):
         calls["ok"] += 1
 
     with caplog.at_level(logging.WARNING, logger="distllm"):
-        times = _autotune.measure({"bad": boom, "ok": ok}, None, reps=3)
+        times = backend_choice.measure({"bad": boom, "ok": ok}, None, reps=3)
     assert set(times) == {"ok"} and calls["ok"] == 4  # warm-up + 3 timed
     assert any(
         "'bad' raised" in r.getMessage() and "shared memory" in r.getMessage()
         for r in caplog.records
     )
-    _autotune.clear()
-    assert _autotune.choose("fallback-test|1", torch.device("cpu"), {"bad": boom, "ok": ok}) == "ok"
+    backend_choice.clear()
+    cands = {"bad": boom, "ok": ok}
+    assert backend_choice.choose("fallback-test|1", torch.device("cpu"), cands) == "ok"
     with pytest.raises(RuntimeError, match=r"every candidate raised: bad: RuntimeError"):
-        _autotune.measure({"bad": boom}, None)
+        backend_choice.measure({"bad": boom}, None)
 
 
 def test_auto_drops_a_backend_that_raises(monkeypatch):
@@ -123,12 +124,12 @@ def test_auto_drops_a_backend_that_raises(monkeypatch):
         raise RuntimeError("CUDA error: an illegal memory access was encountered (test)")
 
     monkeypatch.setattr(impl, "_cublaslt_fwd", fails)
-    _autotune.clear()
+    backend_choice.clear()
     x, w, b = _data(M=13, K=24, N=16, dtype=torch.float64)
     xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
     y = linear_gelu(xr, wr, br, approximate="tanh")  # auto: measures cuda, cpu, reference
     y.sum().backward()
-    chosen = [v for k, v in _autotune.cached().items() if "(13, 24)x(16, 24)" in k]
+    chosen = [v for k, v in backend_choice.cached().items() if "(13, 24)x(16, 24)" in k]
     assert chosen in (["cpu"], ["reference"]), chosen
     xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
     F.gelu(F.linear(xs, ws, bs), approximate="tanh").sum().backward()

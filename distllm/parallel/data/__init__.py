@@ -16,18 +16,16 @@ torch-version compatibility point).
 
 from __future__ import annotations
 
-from distllm._lazy import lazy_exports
+from distllm.parallel.data.ddp import DistributedDataParallel
+from distllm.parallel.data.grad_norm import clip_grad_norm_
+from distllm.parallel.data.memory import MemoryReport, memory_report, zero_model_bytes
+from distllm.parallel.data.zero import ZeroOptimizer
 
-_LAZY = {
-    "DistributedDataParallel": "distllm.parallel.data.ddp",
-    "ZeroOptimizer": "distllm.parallel.data.zero",
-    "memory_report": "distllm.parallel.data.memory",
-    "MemoryReport": "distllm.parallel.data.memory",
-    "zero_model_bytes": "distllm.parallel.data.memory",
-    "clip_grad_norm_": "distllm.parallel.data.grad_norm",
-}
-
-__all__ = list(_LAZY)
-
-
-__getattr__ = lazy_exports(__name__, _LAZY)
+__all__ = [
+    "DistributedDataParallel",
+    "ZeroOptimizer",
+    "memory_report",
+    "MemoryReport",
+    "zero_model_bytes",
+    "clip_grad_norm_",
+]

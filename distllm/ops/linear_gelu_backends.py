@@ -7,7 +7,7 @@
   TF32 when ``torch.backends.cuda.matmul.allow_tf32`` is set. When cuBLASLt offers no
   algorithm for the inputs (the op raises ``NotImplementedError``), the call runs on the next
   backend (triton, else reference) and says so once through ``logging.getLogger("distllm")``.
-  (cuBLASLt's DGELU_BGRAD epilogue, ``torch.ops.distllm.cublaslt_dgelu_bgrad``, fuses the
+  (cuBLASLt's DGELU_BGRAD epilogue, ``distllm._cuda.cublaslt_dgelu_bgrad``, fuses the
   GeLU derivative into a GEMM that produces the incoming gradient, i.e. the data-gradient GEMM
   of the layer that consumes y; this op's backward receives that gradient already computed,
   so it has no GEMM to fuse it into.)
@@ -27,6 +27,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+import distllm.ops.bias_gelu  # noqa: F401 - defines torch.ops.distllm.bias_gelu_backward
 from distllm import _ext
 
 log = logging.getLogger("distllm")
@@ -50,7 +51,7 @@ def _cuda_ext_status() -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "no CUDA device is visible to torch"
     ok, why = _ext.status("_cuda")
-    if ok and not hasattr(torch.ops.distllm, "cublaslt_linear_gelu"):
+    if ok and not hasattr(_ext.load("_cuda"), "cublaslt_linear_gelu"):
         return False, "distllm._cuda was built without csrc/cuda/linear_gelu.cu"
     return ok, why
 
@@ -165,12 +166,12 @@ def fwd(backend: str, x, w, b, approximate: str, save_pre: bool):
 def _cublaslt_fwd(x, w, b, save_pre: bool):
     """(y, pre) through cuBLASLt's GELU(_AUX)(_BIAS) epilogue."""
     b = None if b is None else _aligned(b)
-    return torch.ops.distllm.cublaslt_linear_gelu(_aligned(x), _aligned(w), b, save_pre, _tf32())
+    return _ext.load("_cuda").cublaslt_linear_gelu(_aligned(x), _aligned(w), b, save_pre, _tf32())
 
 
 def _cublaslt_wgrad(gu, x, has_bias: bool):
     """(dw, db): the weight-gradient GEMM with the BGRADB epilogue."""
-    return torch.ops.distllm.cublaslt_wgrad_bgrad(gu, _aligned(x), has_bias, _tf32())
+    return _ext.load("_cuda").cublaslt_wgrad_bgrad(gu, _aligned(x), has_bias, _tf32())
 
 
 def _tf32() -> bool:
@@ -249,9 +250,8 @@ def bwd(
             and gu.numel() > 0
             and w.numel() > 0
         ):
-            # (M, N) @ (N, K) through oneDNN, w.t() being the (out=K, in=N) weight: 84 vs 112 ms
-            # for torch.mm at (M, N, K) = (2048, 4096, 1024) fp32 on a 2-core EPYC under load
-            # (torch.mm already goes to oneDNN for bfloat16).
+            # (M, N) @ (N, K) through oneDNN's linear, w.t() being the (out=K, in=N) weight
+            # (torch.mm goes to oneDNN by itself for bfloat16 only)
             dx = torch.ops.mkldnn._linear_pointwise(gu, w.t(), None, "none", [], "")
         else:
             dx = gu @ w  # (M, N) @ (N, K)

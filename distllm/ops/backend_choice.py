@@ -1,9 +1,11 @@
-"""Measured backend choice for ``backend="auto"``, cached per shape and device.
+"""Which backend ``backend="auto"`` runs: measured once per shape and device, then cached.
 
 The first call with a new key in a process times every candidate on the caller's own
-tensors (a warm-up call, then a few interleaved repetitions, the fastest of them) and
-remembers the fastest candidate in memory. The unfused reference is always a candidate, so
-``auto`` is never slower than unfused beyond measurement noise.
+tensors (a warm-up call, then a few interleaved repetitions, the fastest of them, through
+:mod:`distllm.diagnostics.timing`) and remembers the fastest candidate in memory. The
+unfused reference is always a candidate, so ``auto`` is never slower than unfused beyond
+measurement noise. (Not to be confused with the overlap engines' tuner, which picks how a
+tensor-parallel GEMM overlaps its collective.)
 
 Choices persist across processes only when the user names a file in
 ``DISTLLM_AUTOTUNE_CACHE``: a choice measured while the machine was busy would otherwise
@@ -18,11 +20,12 @@ import logging
 import os
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from distllm.diagnostics.timing import interleaved_samples, wall_timer
 
 log = logging.getLogger("distllm")
 
@@ -70,15 +73,7 @@ def _save_disk() -> None:
             json.dump(_memory, f, indent=0, sort_keys=True)
         os.replace(tmp, path)
     except OSError as exc:
-        log.debug("autotune cache not written (%s)", exc)
-
-
-def _time_ms(fn: Callable[[], object], sync: Callable[[], None] | None) -> float:
-    t0 = time.perf_counter()
-    fn()
-    if sync is not None:
-        sync()
-    return (time.perf_counter() - t0) * 1e3
+        log.debug("backend choice cache not written (%s)", exc)
 
 
 def measure(
@@ -91,28 +86,16 @@ def measure(
 
     A candidate that raises is dropped (and logged), so that one backend failing on these
     inputs does not take ``auto`` down with it; if every candidate raises, RuntimeError."""
-    names = list(candidates)
     failed: dict[str, str] = {}
-
-    def attempt(n: str) -> float | None:
-        try:
-            return _time_ms(candidates[n], sync)
-        except Exception as exc:  # noqa: BLE001 - any failure disqualifies the candidate
-            failed[n] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            log.warning("autotune: candidate %r raised (%s); dropped", n, failed[n])
-            return None
-
-    for n in names:  # warm-up round
-        attempt(n)
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    for i in range(reps):
-        for n in names if i % 2 == 0 else names[::-1]:
-            if n not in failed and (t := attempt(n)) is not None:
-                samples[n].append(t)
-    out = {n: min(s) for n, s in samples.items() if n not in failed and s}
+    samples = interleaved_samples(
+        candidates, warmup=1, reps=reps, timer=wall_timer(sync), errors=failed
+    )
+    for n, why in failed.items():
+        log.warning("backend choice: candidate %r raised (%s); dropped", n, why)
+    out = {n: min(s) for n, s in samples.items() if s}
     if not out:
         raise RuntimeError(
-            "autotune: every candidate raised: "
+            "backend choice: every candidate raised: "
             + "; ".join(f"{n}: {why}" for n, why in failed.items())
         )
     return out
@@ -151,7 +134,10 @@ def choose(
         times = measure(candidates, sync, reps=5)
     best = min(times, key=times.__getitem__)
     log.info(
-        "autotune %s: %s (%s)", full, best, ", ".join(f"{n}={t:.3g}ms" for n, t in times.items())
+        "backend choice %s: %s (%s)",
+        full,
+        best,
+        ", ".join(f"{n}={t:.3g}ms" for n, t in times.items()),
     )
     with _lock:
         _memory[full] = best
