@@ -6,7 +6,6 @@ and input checks. GPU backends: the tests marked ``gpu`` (run by bench/gpu_check
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -317,24 +316,6 @@ def test_gpu_dgelu_bgrad_op():
     F.gelu(pd, approximate="tanh").backward(dy.double() @ w2.double())
     torch.testing.assert_close(dpre.double(), pd.grad, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(db.double(), pd.grad.sum(0), rtol=1e-4, atol=1e-3)
-
-
-def testbackend_choice_persists_only_where_asked(tmp_path, monkeypatch):
-    # without DISTLLM_AUTOTUNE_CACHE a choice lives in this process only
-    monkeypatch.delenv("DISTLLM_AUTOTUNE_CACHE", raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    backend_choice.clear()
-    fast = {"a": lambda: None, "b": lambda: sum(range(20000))}
-    assert backend_choice.choose("persist-test|1", torch.device("cpu"), fast) == "a"
-    assert not (tmp_path / "home").exists()
-    # with it, the choice is written there and read back by a fresh cache
-    path = tmp_path / "tune.json"
-    monkeypatch.setenv("DISTLLM_AUTOTUNE_CACHE", str(path))
-    assert backend_choice.choose("persist-test|2", torch.device("cpu"), fast) == "a"
-    assert any(k.endswith("persist-test|2") for k in json.loads(path.read_text()))
-    backend_choice.clear()
-    backend_choice._disk_loaded = False
-    assert any(k.endswith("persist-test|2") for k in backend_choice.cached())
 
 
 def test_auto_first_call_inside_activation_checkpointing():

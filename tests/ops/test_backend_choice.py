@@ -1,0 +1,54 @@
+"""backend="auto"'s measured choice (distllm.ops.backend_choice), on stand-in candidates: a
+candidate that raises is dropped and said so, every candidate raising is an error naming
+each, and a choice persists across processes only in the file the user names."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from distllm.ops import backend_choice
+
+
+def test_measure_drops_a_raising_candidate(caplog):
+    def boom():
+        raise RuntimeError("out of resources: shared memory")
+
+    calls = {"ok": 0}
+
+    def ok():
+        calls["ok"] += 1
+
+    with caplog.at_level(logging.WARNING, logger="distllm"):
+        times = backend_choice.measure({"bad": boom, "ok": ok}, None, reps=3)
+    assert set(times) == {"ok"} and calls["ok"] == 4  # warm-up + 3 timed
+    assert any(
+        "'bad' raised" in r.getMessage() and "shared memory" in r.getMessage()
+        for r in caplog.records
+    )
+    backend_choice.clear()
+    cands = {"bad": boom, "ok": ok}
+    assert backend_choice.choose("fallback-test|1", torch.device("cpu"), cands) == "ok"
+    with pytest.raises(RuntimeError, match=r"every candidate raised: bad: RuntimeError"):
+        backend_choice.measure({"bad": boom}, None)
+
+
+def test_choice_persists_only_where_asked(tmp_path, monkeypatch):
+    # without DISTLLM_AUTOTUNE_CACHE a choice lives in this process only
+    monkeypatch.delenv("DISTLLM_AUTOTUNE_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    backend_choice.clear()
+    fast = {"a": lambda: None, "b": lambda: sum(range(20000))}
+    assert backend_choice.choose("persist-test|1", torch.device("cpu"), fast) == "a"
+    assert not (tmp_path / "home").exists()
+    # with it, the choice is written there and read back by a fresh cache
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("DISTLLM_AUTOTUNE_CACHE", str(path))
+    assert backend_choice.choose("persist-test|2", torch.device("cpu"), fast) == "a"
+    assert any(k.endswith("persist-test|2") for k in json.loads(path.read_text()))
+    backend_choice.clear()
+    backend_choice._disk_loaded = False
+    assert any(k.endswith("persist-test|2") for k in backend_choice.cached())
