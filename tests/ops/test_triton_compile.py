@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -27,18 +28,27 @@ def aot(tmp_path_factory) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp / "cache")
     out = tmp / "aot.json"
-    proc = subprocess.run(
+    # its own session, so that a timeout ends the compile workers too (orphans would keep
+    # the output pipes open)
+    proc = subprocess.Popen(
         [sys.executable, "-m", "distllm.kernels.aot", "--arch", "80,90", "--json", str(out)],
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=2300,
+        start_new_session=True,
     )
-    assert out.exists(), f"the AOT run wrote nothing (rc={proc.returncode}):\n{proc.stderr[-3000:]}"
+    try:
+        stdout, stderr = proc.communicate(timeout=2300)
+    except BaseException:  # our timeout, pytest-timeout's, or an interrupt
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert out.exists(), f"the AOT run wrote nothing (rc={proc.returncode}):\n{stderr[-3000:]}"
     res = json.loads(out.read_text())
-    res["stdout"] = proc.stdout
+    res["stdout"] = stdout
     res["returncode"] = proc.returncode
-    print(proc.stdout)
+    print(stdout)
     return res
 
 
