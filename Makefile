@@ -21,7 +21,7 @@ setup: $(STAMP)
 $(STAMP): $(SRCS) $(EXT_STALE)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH)" setuptools wheel ninja pybind11
+	$(PY) -m pip install --quiet "$(TORCH)" setuptools wheel ninja pybind11 $(EXTRA_PKGS)
 	$(PY) -m pip install --no-build-isolation -e ".[dev]"
 	@mkdir -p $(dir $(EXT_OWNER)) && echo "$(abspath $(VENV))" > $(EXT_OWNER)
 	@touch $@
@@ -49,6 +49,9 @@ bench: $(STAMP)
 # $(OLD_TREE) (tracked and unignored files; its compiled extensions are kept between
 # runs) and set up there against $(OLD_VENV), so this tree's extensions stay .venv's.
 OLD_TORCH ?= torch==2.11.0
+# Triton 3.6 (torch 2.11's) cannot interpret kernels with numpy >= 2.4 (int() of a
+# one-element array); the CPU tests run Triton through that interpreter.
+OLD_EXTRA ?= "numpy<2.4"
 OLD_VENV  ?= .venv-2.11
 OLD_TREE  := build/torch-2.11
 
@@ -58,7 +61,8 @@ setup-torch211:
 	  | xargs -0r rm -f
 	git ls-files -z -co --exclude-standard \
 	  | tar --null --ignore-failed-read -T - -cf - | tar -xf - -C $(OLD_TREE)
-	$(MAKE) -C $(OLD_TREE) setup VENV=$(abspath $(OLD_VENV)) TORCH=$(OLD_TORCH) PYTHON=$(PYTHON)
+	$(MAKE) -C $(OLD_TREE) setup VENV=$(abspath $(OLD_VENV)) TORCH=$(OLD_TORCH) PYTHON=$(PYTHON) \
+	  EXTRA_PKGS='$(OLD_EXTRA)'
 
 test-torch211: setup-torch211
 	$(MAKE) -C $(OLD_TREE) test VENV=$(abspath $(OLD_VENV)) TORCH=$(OLD_TORCH) PYTHON=$(PYTHON) \
