@@ -12,15 +12,15 @@ def backend_table() -> list[dict]:
     """One row per backend: name, built, usable, reason."""
     import torch
 
-    from distllm import _ext
+    from distllm.ops import extensions
 
     rows = []
     for name, label in (
         ("_C", "CPU extension (distllm._C)"),
         ("_cuda", "CUDA extension (distllm._cuda)"),
     ):
-        built = _ext.is_built(name)
-        usable, why = _ext.status(name) if built else (False, "not built")
+        built = extensions.is_built(name)
+        usable, why = extensions.status(name) if built else (False, "not built")
         if name == "_cuda" and not built:
             why = (
                 "not built (needs a CUDA toolkit and a CUDA torch at install; "

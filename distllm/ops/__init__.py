@@ -10,8 +10,8 @@ one order: custom op, fake (for ``torch.compile``), autograd, public function.
   :mod:`distllm.ops.linear_gelu_backends` and :func:`backends` saying which run here;
 - :mod:`distllm.ops.backend_choice`: how ``backend="auto"`` measures and caches its choice.
 
-The compiled extensions load on first use (:mod:`distllm._ext`); a missing one is a one-line
-warning and the next backend.
+The compiled extensions load on first use (:mod:`distllm.ops.extensions`); a missing one is
+a one-line warning and the next backend.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from distllm import _ext
+from distllm.ops import extensions
 
 __all__ = ["bias_gelu", "bias_gelu_reference"]
 
@@ -34,11 +34,11 @@ def _kernels(x: torch.Tensor) -> ModuleType:
         raise RuntimeError(
             f"distllm::bias_gelu has kernels for CPU and CUDA tensors only, got {x.device}"
         )
-    mod = _ext.load(name)
+    mod = extensions.load(name)
     if mod is None:
         raise RuntimeError(
             f"distllm::bias_gelu on {x.device.type}: distllm.{name} is unavailable "
-            f"({_ext.status(name)[1]}); call distllm.ops.bias_gelu, which falls back to "
+            f"({extensions.status(name)[1]}); call distllm.ops.bias_gelu, which falls back to "
             "the reference"
         )
     return mod
@@ -105,6 +105,6 @@ def bias_gelu(
     if approximate not in _APPROX:
         raise ValueError(f"approximate={approximate!r}: use 'none' (erf) or 'tanh'")
     name = _EXTENSION.get(x.device.type)
-    if name is not None and _ext.load(name) is not None:
+    if name is not None and extensions.load(name) is not None:
         return torch.ops.distllm.bias_gelu(x, bias, approximate)
     return bias_gelu_reference(x, bias, approximate)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import distllm.ops.bias_gelu  # noqa: F401 - defines torch.ops.distllm.bias_gelu_backward
-from distllm import _ext
+from distllm.ops import extensions
 
 log = logging.getLogger("distllm")
 
@@ -50,8 +50,8 @@ def _triton_module():
 def _cuda_ext_status() -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "no CUDA device is visible to torch"
-    ok, why = _ext.status("_cuda")
-    if ok and not hasattr(_ext.load("_cuda"), "cublaslt_linear_gelu"):
+    ok, why = extensions.status("_cuda")
+    if ok and not hasattr(extensions.load("_cuda"), "cublaslt_linear_gelu"):
         return False, "distllm._cuda was built without csrc/cuda/linear_gelu.cu"
     return ok, why
 
@@ -166,12 +166,13 @@ def fwd(backend: str, x, w, b, approximate: str, save_pre: bool):
 def _cublaslt_fwd(x, w, b, save_pre: bool):
     """(y, pre) through cuBLASLt's GELU(_AUX)(_BIAS) epilogue."""
     b = None if b is None else _aligned(b)
-    return _ext.load("_cuda").cublaslt_linear_gelu(_aligned(x), _aligned(w), b, save_pre, _tf32())
+    kernels = extensions.load("_cuda")
+    return kernels.cublaslt_linear_gelu(_aligned(x), _aligned(w), b, save_pre, _tf32())
 
 
 def _cublaslt_wgrad(gu, x, has_bias: bool):
     """(dw, db): the weight-gradient GEMM with the BGRADB epilogue."""
-    return _ext.load("_cuda").cublaslt_wgrad_bgrad(gu, _aligned(x), has_bias, _tf32())
+    return extensions.load("_cuda").cublaslt_wgrad_bgrad(gu, _aligned(x), has_bias, _tf32())
 
 
 def _tf32() -> bool:

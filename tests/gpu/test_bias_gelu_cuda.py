@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distllm import _ext
-from distllm.ops import bias_gelu, bias_gelu_reference
+from distllm.ops import bias_gelu, bias_gelu_reference, extensions
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +25,7 @@ SHAPES = [(1,), (7, 769), (123, 1000), (2, 3, 123), (1, 7)]
 @pytest.fixture(scope="module", autouse=True)
 def _cuda_ext():
     assert torch.cuda.is_available(), "needs CUDA (run through bench/gpu_check.sh)"
-    assert _ext.load("_cuda") is not None, _ext.status("_cuda")
+    assert extensions.load("_cuda") is not None, extensions.status("_cuda")
 
 
 def _inputs(shape, dtype, bias=True, noncontig=False, seed=0):

@@ -14,8 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distllm import _ext
-from distllm.ops import backend_choice, linear_gelu, linear_gelu_reference
+from distllm.ops import backend_choice, extensions, linear_gelu, linear_gelu_reference
 from distllm.ops import linear_gelu_backends as impl
 
 pytestmark = pytest.mark.gpu
@@ -35,7 +34,7 @@ ODD = [(1, 769, 123), (7, 123, 769), (123, 769, 7), (769, 7, 123)]
 @pytest.fixture(autouse=True)
 def _fp32_is_fp32():
     assert torch.cuda.is_available(), "needs CUDA (run through bench/gpu_check.sh)"
-    assert _ext.load("_cuda") is not None, _ext.status("_cuda")  # the cuBLASLt ops
+    assert extensions.load("_cuda") is not None, extensions.status("_cuda")  # the cuBLASLt ops
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
@@ -151,12 +150,12 @@ def test_cublaslt_ops_on_16_byte_aligned_pointers(dtype):
     # the dispatch guarantees 16 bytes; cuBLASLt assumes 256 unless told the real alignment
     x, w, b = _data(123, 256, 776, dtype)
     x16, w16, b16 = (_offset(t, 16) for t in (x, w, b))
-    y, pre = _ext.load("_cuda").cublaslt_linear_gelu(x16, w16, b16, True)
+    y, pre = extensions.load("_cuda").cublaslt_linear_gelu(x16, w16, b16, True)
     pre_ref = F.linear(x.double(), w.double(), b.double())
     assert _err(pre, pre_ref) <= TOL[dtype]
     assert _err(y, F.gelu(pre_ref, approximate="tanh")) <= TOL[dtype]
     gu = torch.randn_like(pre)
-    dw, db = _ext.load("_cuda").cublaslt_wgrad_bgrad(_offset(gu, 16), x16, True)
+    dw, db = extensions.load("_cuda").cublaslt_wgrad_bgrad(_offset(gu, 16), x16, True)
     assert _err(dw, gu.double().t() @ x.double()) <= TOL[dtype]
     assert _err(db, gu.double().sum(0)) <= TOL[dtype]
 
@@ -168,7 +167,7 @@ def test_cublaslt_two_byte_aligned_is_correct_or_refused():
     x2 = _offset(x, 2)
     want = F.gelu(F.linear(x.double(), w.double(), b.double()), approximate="tanh")
     try:
-        y, _ = _ext.load("_cuda").cublaslt_linear_gelu(x2, w, b, False)
+        y, _ = extensions.load("_cuda").cublaslt_linear_gelu(x2, w, b, False)
     except NotImplementedError as exc:
         assert "no algorithm" in str(exc) and "alignments" in str(exc)
     else:
@@ -213,7 +212,8 @@ def test_dgelu_bgrad_op_matches_float64():
     dy, w2, pre = (
         torch.randn(s, generator=g, dtype=torch.float64) for s in ((123, 32), (32, 776), (123, 776))
     )
-    dpre, db = _ext.load("_cuda").cublaslt_dgelu_bgrad(*(t.float().cuda() for t in (dy, w2, pre)))
+    kernels = extensions.load("_cuda")
+    dpre, db = kernels.cublaslt_dgelu_bgrad(*(t.float().cuda() for t in (dy, w2, pre)))
     pd = pre.clone().requires_grad_()
     F.gelu(pd, approximate="tanh").backward(dy @ w2)
     assert _err(dpre.cpu(), pd.grad) <= TOL[torch.float32]

@@ -13,8 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distllm import _ext
-from distllm.ops import backend_choice, backends, linear_gelu, linear_gelu_reference
+from distllm.ops import backend_choice, backends, extensions, linear_gelu, linear_gelu_reference
 
 # Relative tolerance per dtype, as a fraction of the reference's largest magnitude:
 TOL = {
@@ -311,7 +310,7 @@ def test_gpu_cuda_backend_refuses_erf():
 def test_gpu_dgelu_bgrad_op():
     g = torch.Generator().manual_seed(0)
     dy, w2, pre = (torch.randn(s, generator=g).cuda() for s in ((64, 32), (32, 48), (64, 48)))
-    dpre, db = _ext.load("_cuda").cublaslt_dgelu_bgrad(dy, w2, pre)
+    dpre, db = extensions.load("_cuda").cublaslt_dgelu_bgrad(dy, w2, pre)
     pd = pre.double().requires_grad_()
     F.gelu(pd, approximate="tanh").backward(dy.double() @ w2.double())
     torch.testing.assert_close(dpre.double(), pd.grad, rtol=1e-4, atol=1e-4)

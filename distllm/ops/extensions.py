@@ -1,8 +1,9 @@
-"""Lazy loading of the compiled extensions ``distllm._C`` (CPU) and ``distllm._cuda`` (CUDA).
+"""The compiled extensions ``distllm._C`` (CPU) and ``distllm._cuda`` (CUDA), loaded on
+first use.
 
 Each is a plain module of kernels (``csrc/ops.h``, ``csrc/cuda/ops.h``); loading one
 registers nothing. The ops that call them are registered by their own modules in
-:mod:`distllm.ops`.
+:mod:`distllm.ops`; ``distllm info`` reports :func:`is_built` and :func:`status`.
 
 A missing or broken extension is not an error: :func:`load` returns ``None``, warns once
 with the reason, and callers fall back to the next backend. :func:`status` tells why.
