@@ -123,14 +123,16 @@ class ColumnParallelLinear(nn.Module):
                 y = linear_gelu(x, self.weight, self.bias, approximate=approx)
             else:
                 y = F.linear(x, self.weight, self.bias)
-        elif approx is None:
-            y = column_parallel_matmul(x, self.weight, self.bias, self.plan,
-                                       self.sequence_parallel)
         else:
-            from distllm.ops import bias_gelu
+            x, w, b, dev = _autocast_operands(x, self.weight, self.bias)
+            with torch.autocast(dev, enabled=False):  # the engines see the cast dtypes
+                if approx is None:
+                    y = column_parallel_matmul(x, w, b, self.plan, self.sequence_parallel)
+                else:
+                    from distllm.ops import bias_gelu
 
-            pre = column_parallel_matmul(x, self.weight, None, self.plan, self.sequence_parallel)
-            y = bias_gelu(pre, self.bias, approx)
+                    pre = column_parallel_matmul(x, w, None, self.plan, self.sequence_parallel)
+                    y = bias_gelu(pre, b, approx)
         if self.gather_output:
             y = gather_from_tp_region(y, group)
         return y
@@ -206,7 +208,26 @@ class RowParallelLinear(nn.Module):
             if torch.is_grad_enabled():
                 self.plan.ran("backward", "none")
             return F.linear(x, self.weight, self.bias)
-        return row_parallel_matmul(x, self.weight, self.bias, self.plan, self.sequence_parallel)
+        x, w, b, dev = _autocast_operands(x, self.weight, self.bias)
+        with torch.autocast(dev, enabled=False):  # the engines see the cast dtypes
+            return row_parallel_matmul(x, w, b, self.plan, self.sequence_parallel)
+
+
+def _autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """``(x, weight, bias, device_type)`` as ``F.linear`` would see them under autocast: on
+    an autocast-enabled device, floating operands other than float64 go to its dtype (the
+    cast is differentiable, so gradients reach the float32 parameters); otherwise as given.
+    The overlap engines' GEMMs write into preallocated outputs, which autocast cannot cast."""
+    dev = x.device.type if x.device.type in ("cpu", "cuda") else "cpu"
+    if not torch.is_autocast_enabled(dev):
+        return x, weight, bias, dev
+    dtype = torch.get_autocast_dtype(dev)
+
+    def cast(t):
+        ok = t is not None and t.is_floating_point() and t.dtype != torch.float64
+        return t.to(dtype) if ok and t.device.type == dev else t
+
+    return cast(x), cast(weight), cast(bias), dev
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}/tp={self.dims.tp}, out={self.out_features}, "
