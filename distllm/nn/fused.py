@@ -205,12 +205,12 @@ def _trace(block: nn.Module) -> torch.fx.Graph | None:
     included, as modules of the same name); optional arguments defaulting to None are traced
     as None. None, with a debug log, if the block cannot be traced."""
     fn_attrs = {k: v for k, v in vars(block).items() if _is_gelu_attr(k, v)}
-    params = inspect.signature(type(block).forward).parameters
-    concrete = {n: None for n, p in params.items() if n != "self" and p.default is None}
     for name, fn in fn_attrs.items():  # restored below, whatever the trace does
         delattr(block, name)
         block._modules[name] = _GeluAttribute(fn)
     try:
+        params = inspect.signature(type(block).forward).parameters
+        concrete = {n: None for n, p in params.items() if n != "self" and p.default is None}
         return _ChildrenAsLeaves().trace(block, concrete_args=concrete or None)
     except Exception as exc:  # noqa: BLE001 - an untraceable block is left as it is
         log.debug(
