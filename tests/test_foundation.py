@@ -79,6 +79,22 @@ print("ok")
     assert len(warnings) == 1 and "blocked for the test" in warnings[0]
 
 
+def test_import_distllm_loads_the_library_only():
+    # plain imports of the library's packages; Triton, the benchmark suite, the testing
+    # helpers and the compiled extensions wait until asked for
+    code = r"""
+import sys, distllm
+print(distllm.nn.fuse.__module__, distllm.ops.linear_gelu.__module__)
+print(sorted(m for m in ("triton", "distllm.kernels", "distllm.bench", "distllm.testing",
+                         "distllm._C", "distllm._cuda") if m in sys.modules))
+"""
+    out = _run(code=code)
+    assert out.returncode == 0, out.stderr
+    names, loaded = out.stdout.splitlines()[:2]
+    assert names == "distllm.nn.fused distllm.ops.linear_gelu", out.stdout
+    assert loaded == "[]", f"import distllm loaded {loaded}"
+
+
 def test_installed_layout_maps_kernels_and_bench():
     import distllm.bench.harness
     import distllm.kernels
