@@ -32,6 +32,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+from distllm.kernels import linear_gelu_tuning as tuning
+from distllm.kernels.linear_gelu_tuning import aot_variants  # noqa: F401 - read by kernels.aot
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -181,55 +183,7 @@ def _bwd_kernel(
         tl.store(db_ptr + pid_m * N + rn, part, mask=rn < N)
 
 
-def _fwd_configs() -> list[triton.Config]:
-    """Tile shapes for Ampere (sm80) and Hopper (sm90); the tuner keeps the fastest per shape."""
-    shapes = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
-        (128, 256, 64, 8, 3),
-        (256, 128, 64, 8, 3),
-        (128, 128, 64, 8, 4),
-        (128, 128, 32, 4, 4),
-        (128, 64, 32, 4, 4),
-        (64, 128, 32, 4, 4),
-        (64, 256, 32, 4, 4),
-        (64, 64, 32, 4, 4),
-        (32, 64, 32, 4, 5),
-    ]
-    return [
-        triton.Config(
-            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s
-        )
-        for bm, bn, bk, w, s in shapes
-    ]
-
-
-_BWD_META = {"BLOCK_M": 16, "BLOCK_N": 64} if _INTERPRET else {"BLOCK_M": 32, "BLOCK_N": 128}
-_BWD_LAUNCH = {"num_warps": 4, "num_stages": 1}  # an elementwise pass: nothing to pipeline
-_ELEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def _smem_estimate(cfg: triton.Config, elem_bytes: int) -> int:
-    """Upper bound of the forward kernel's shared memory: ``num_stages`` buffered (BM, BK)
-    and (BK, BN) operand tiles. Hopper's fp32-with-TF32 path (wgmma) holds all of them;
-    other paths hold one stage fewer, 16-bit tiles less still. The compiled sizes are
-    checked against this bound for sm_80 and sm_90 in tests/ops/test_triton_compile.py."""
-    k = cfg.kwargs
-    tiles = k["BLOCK_M"] * k["BLOCK_K"] + k["BLOCK_K"] * k["BLOCK_N"]
-    return cfg.num_stages * tiles * elem_bytes
-
-
-def _prune(configs: list, elem_bytes: int, smem_limit: int) -> list:
-    """The configs whose shared memory fits ``smem_limit`` bytes (fp32's 128x256x64 tiles in
-    three stages need 288 KB on Hopper with TF32); the smallest config is always kept."""
-    kept = [c for c in configs if _smem_estimate(c, elem_bytes) <= smem_limit]
-    return kept or configs[-1:]
-
-
-def _prune_for_launch(configs: list, named_args: dict, **kwargs) -> list:
-    """``early_config_prune`` of the autotuner: drop configs that cannot launch here."""
-    x = named_args["x_ptr"]
-    limit = torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin
-    return _prune(configs, x.element_size(), limit)
-
+_BWD_META = {"BLOCK_M": 16, "BLOCK_N": 64} if _INTERPRET else tuning.BWD_META
 
 if _INTERPRET:
     _fwd = _fwd_kernel
@@ -241,107 +195,12 @@ else:  # pragma: no cover - needs a GPU
     if _TUNE not in ("full", "min"):
         raise ValueError(f"DISTLLM_TRITON_TUNE={_TUNE!r}: use 'full' (default) or 'min'")
     _fwd = triton.autotune(
-        configs=_fwd_configs()[-1:] if _TUNE == "min" else _fwd_configs(),
+        configs=tuning.fwd_configs()[-1:] if _TUNE == "min" else tuning.fwd_configs(),
         # M_BUCKET, not M: a new token count reuses the tuning of its power-of-two bucket
         key=["M_BUCKET", "N", "K", "HAS_BIAS", "SAVE_PRE", "APPROX_TANH", "ALLOW_TF32"],
-        prune_configs_by={"early_config_prune": _prune_for_launch},
+        prune_configs_by={"early_config_prune": tuning.prune_for_launch},
     )(_fwd_kernel)
     _FWD_META = {}
-
-_FWD_POINTERS = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "u_ptr")
-_FWD_INTS = (
-    "M",
-    "N",
-    "K",
-    "stride_xm",
-    "stride_xk",
-    "stride_wn",
-    "stride_wk",
-    "stride_ym",
-    "stride_yn",
-    "M_BUCKET",
-)
-# What a launch from contiguous tensors finds 16-divisible (stride_xk = stride_wk =
-# stride_yn = 1 are not; M is whatever the batch is).
-_FWD_ALIGNED = (
-    "x_ptr",
-    "w_ptr",
-    "b_ptr",
-    "y_ptr",
-    "u_ptr",
-    "N",
-    "K",
-    "stride_xm",
-    "stride_wn",
-    "stride_ym",
-    "M_BUCKET",
-)
-_BWD_POINTERS = ("g_ptr", "u_ptr", "gu_ptr", "db_ptr")
-_DTYPES = ("float32", "float16", "bfloat16")
-
-
-def aot_variants(arch: int) -> list:
-    """Every kernel specialization a GPU launch of this module can make on sm_<arch>, for
-    ``distllm.kernels.aot``: each forward tuning config the autotuner may pick there, for
-    each dtype (fp32 with and without TF32), with every epilogue flag on; every
-    combination of the epilogue flags (bias, pre-activation saved, erf or tanh) with one
-    config; the generic (unaligned) form; and the backward pass for each dtype and flag."""
-    from distllm.kernels.aot import SMEM_LIMIT, Variant
-
-    mod, out = __name__, []
-
-    def fwd(dt, tf32, cfg, flags, aligned):
-        bias, save, tanh = flags
-        ce = (
-            ("HAS_BIAS", bias),
-            ("SAVE_PRE", save),
-            ("APPROX_TANH", tanh),
-            ("ALLOW_TF32", tf32),
-            ("DOT_FP32", False),
-            *sorted(cfg.kwargs.items()),
-        )
-        return Variant(
-            mod,
-            "_fwd_kernel",
-            dt,
-            _FWD_POINTERS,
-            _FWD_INTS,
-            ce,
-            cfg.num_warps,
-            cfg.num_stages,
-            aligned=_FWD_ALIGNED if aligned else (),
-        )
-
-    all_on = (True, True, False)
-    for dt in _DTYPES:
-        configs = _prune(_fwd_configs(), _ELEM_BYTES[dt], SMEM_LIMIT[arch])
-        for tf32 in (False, True) if dt == "float32" else (False,):
-            out += [fwd(dt, tf32, c, all_on, True) for c in configs]
-            flags = [(b, s, t) for b in (0, 1) for s in (0, 1) for t in (0, 1)]
-            out += [
-                fwd(dt, tf32, configs[-1], tuple(map(bool, f)), True)
-                for f in flags
-                if tuple(map(bool, f)) != all_on
-            ]
-            out.append(fwd(dt, tf32, configs[-1], all_on, False))
-        for bias in (False, True):
-            for tanh in (False, True):
-                ce = (("HAS_BIAS", bias), ("APPROX_TANH", tanh), *sorted(_BWD_META.items()))
-                out.append(
-                    Variant(
-                        mod,
-                        "_bwd_kernel",
-                        dt,
-                        _BWD_POINTERS,
-                        ("M", "N"),
-                        ce,
-                        _BWD_LAUNCH["num_warps"],
-                        _BWD_LAUNCH["num_stages"],
-                        fp32_pointers=("db_ptr",),
-                        aligned=_BWD_POINTERS,
-                    )
-                )
-    return out
 
 
 def interpreter_problem() -> str | None:
@@ -456,7 +315,7 @@ def gelu_bwd_pass(
         APPROX_TANH=approximate == "tanh",
         BLOCK_M=bm,
         BLOCK_N=bn,
-        **({} if _INTERPRET else _BWD_LAUNCH),
+        **({} if _INTERPRET else tuning.BWD_LAUNCH),
     )
     db = parts.sum(0).to(pre.dtype) if has_bias else None
     return gu, db

@@ -16,7 +16,7 @@ from torch import nn
 from distllm.parallel.mesh import ParallelDims
 
 __all__ = ["canonical_shapes", "init_canonical", "load_layer", "gather_layer",
-           "layer_kind", "module_paths", "unshard"]
+           "layer_kind", "module_paths", "param_table", "shard_full", "unshard"]
 
 # canonical name -> (path in the layer module, how it is split over TP)
 #   "col": rows split (column-parallel out features); "row": columns split; "rep": replicated;
@@ -38,7 +38,9 @@ def layer_kind(cfg, i: int) -> str:
     return "embed" if i == 0 else "head" if i == cfg.n_layers + 1 else "block"
 
 
-def _table(cfg, i: int) -> dict[str, tuple[str, str]]:
+def param_table(cfg, i: int) -> dict[str, tuple[str, str]]:
+    """Layer ``i``'s parameters: canonical name -> (path in the layer module, how it is
+    split over TP: "col", "row", "vocab" or "rep")."""
     kind = layer_kind(cfg, i)
     if kind == "embed":
         return _EMBED
@@ -57,7 +59,7 @@ def canonical_shapes(cfg, i: int) -> dict[str, tuple[int, ...]]:
         "attn.qkv.weight": (qkv, h), "attn.qkv.bias": (qkv,), "attn.proj.weight": (h, h),
         "mlp.fc.weight": (f, h), "mlp.fc.bias": (f,), "mlp.proj.weight": (h, f),
     }
-    return {name: shapes.get(name, (h,)) for name in _table(cfg, i)}
+    return {name: shapes.get(name, (h,)) for name in param_table(cfg, i)}
 
 
 def init_canonical(cfg, i: int, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -98,7 +100,8 @@ def _qkv_rows(cfg, tp: int, rank: int) -> torch.Tensor:
     return torch.cat([q, k, v])
 
 
-def _shard(cfg, dims: ParallelDims, kind: str, full: torch.Tensor) -> torch.Tensor:
+def shard_full(cfg, dims: ParallelDims, kind: str, full: torch.Tensor) -> torch.Tensor:
+    """This TP rank's piece of the full tensor ``full``, split as ``kind`` says."""
     tp, r = dims.tp, dims.tp_rank
     if kind == "rep" or tp == 1 and kind != "vocab":
         return full
@@ -121,11 +124,11 @@ def load_layer(model, i: int, full: dict[str, torch.Tensor]) -> None:
     """Copy canonical tensors ``full`` into layer ``i`` of ``model`` (this rank's TP shard)."""
     layer = model.layers[str(i)]
     cfg, dims = model.cfg, model.dims
-    for name, (path, kind) in _table(cfg, i).items():
+    for name, (path, kind) in param_table(cfg, i).items():
         if name not in full:
             raise KeyError(f"layer {i}: canonical tensor {name!r} is missing")
         dst = _get(layer, path)
-        src = _shard(cfg, dims, kind, full[name])
+        src = shard_full(cfg, dims, kind, full[name])
         if tuple(src.shape) != tuple(dst.shape):
             raise ValueError(f"layer {i} {name}: shard shape {tuple(src.shape)} does not fit "
                              f"the module's {tuple(dst.shape)}")
@@ -167,7 +170,7 @@ def gather_layer(model, i: int, tensors: dict[str, torch.Tensor] | None = None
     path to a local tensor of the same shape to gather instead (e.g. an optimizer state)."""
     layer = model.layers[str(i)]
     out = {}
-    for name, (path, kind) in _table(model.cfg, i).items():
+    for name, (path, kind) in param_table(model.cfg, i).items():
         local = _get(layer, path) if tensors is None else tensors[path]
         out[name] = unshard(model.cfg, model.dims, kind, local)
     return out
@@ -175,4 +178,4 @@ def gather_layer(model, i: int, tensors: dict[str, torch.Tensor] | None = None
 
 def module_paths(cfg, i: int) -> dict[str, str]:
     """canonical name -> parameter path inside layer ``i``."""
-    return {name: path for name, (path, _) in _table(cfg, i).items()}
+    return {name: path for name, (path, _) in param_table(cfg, i).items()}

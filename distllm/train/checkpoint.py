@@ -30,7 +30,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from distllm.models.sharding import _shard, _table, canonical_shapes, gather_layer, module_paths
+from distllm.models.sharding import (
+    canonical_shapes,
+    gather_layer,
+    module_paths,
+    param_table,
+    shard_full,
+)
 from distllm.train.optim_state import MOMENTS, collect, install
 
 __all__ = ["save", "load_latest", "latest", "check_compatible", "FORMAT"]
@@ -164,10 +170,10 @@ def load_latest(out: str | os.PathLike, engine, loader) -> int:
     dcp.load(state, checkpoint_id=str(path))
     local = {}
     for chunk, i, name, _, param in _entries(engine):
-        kind = _table(chunk.cfg, i)[name][1]
+        kind = param_table(chunk.cfg, i)[name][1]
         keys = ("weight", *MOMENTS) if with_optim else ("weight",)
         local[param] = {
-            k: _shard(chunk.cfg, engine.dims, kind,
+            k: shard_full(chunk.cfg, engine.dims, kind,
                       state[f"model.layers.{i}.{name}" if k == "weight"
                             else f"optim.layers.{i}.{name}.{k}"])
             for k in keys}

@@ -97,10 +97,10 @@ def test_each_dtype_has_forward_tuning_configs(aot, dtype, arch):
 def test_the_prune_keeps_what_the_measured_sizes_allow():
     # The estimate is an upper bound of the compiled size (checked above); it must also not
     # drop the whole list on any target.
-    from distllm.kernels import linear_gelu as k
+    from distllm.kernels import linear_gelu_tuning as k
     from distllm.kernels.aot import SMEM_LIMIT
 
-    for dt, nbytes in k._ELEM_BYTES.items():
+    for dt, nbytes in k.ELEM_BYTES.items():
         for arch, limit in SMEM_LIMIT.items():
-            kept = k._prune(k._fwd_configs(), nbytes, limit)
+            kept = k.prune(k.fwd_configs(), nbytes, limit)
             assert kept, f"no forward config left for {dt} on sm_{arch}"
