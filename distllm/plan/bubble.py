@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from distllm.parallel.pipeline.schedules import SCHEDULES
+
 __all__ = ["in_flight", "pipeline_time", "SCHEDULES", "simulator_or_none"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 
 
 def in_flight(schedule: str, p: int, m: int, v: int = 1) -> list[float]:

@@ -15,6 +15,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from distllm.models.gpt import CHECKPOINTING
+
 from .bubble import SCHEDULES, simulator_or_none
 from .cost import GB, STATE_BYTES, CostModel, Estimate, Layout, state_bytes
 from .hardware import Profile, canonical_dtype, load_profile
@@ -23,7 +25,6 @@ from .model import ModelShape
 __all__ = ["SearchResult", "search", "best_layout", "divisors", "MAX_V"]
 
 MAX_V = 8
-CHECKPOINTING = ("none", "selective", "full")
 RESCORE = 8  # candidates re-timed with the simulator
 
 
