@@ -20,10 +20,11 @@ import shlex
 import sys
 from pathlib import Path
 
+from distllm.dtypes import canonical_dtype
+from distllm.parallel.tensor.layers import OVERLAP_MODES
+
 __all__ = ["add_arguments", "run"]
 
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16", "half": "float16", "float64": "float64"}
 _SHAPE = re.compile(r"^\s*\d+(\s*,\s*\d+)+\s*$")
 
 
@@ -54,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="profile a small distllm.nn model on 2 gloo ranks and report, per "
                         "layer, how much communication was hidden; fails if an asked-for "
                         "overlap does not happen")
-    p.add_argument("--overlap", default="chunked", choices=["auto", "chunked", "none"],
+    p.add_argument("--overlap", default="chunked", choices=list(OVERLAP_MODES),
                    help="with --doctor: the overlap mode the model's layers are built with")
     p.add_argument("--require-overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="with --doctor: fail unless every overlap-capable layer overlaps "
@@ -73,10 +74,11 @@ def _check_rate(rate: str) -> None:
 
 def _check(args: argparse.Namespace) -> None:
     """Validate the knobs; each error names the option and what works."""
-    if args.dtype not in _DTYPES:
+    try:
+        args.dtype = canonical_dtype(args.dtype)
+    except ValueError:
         raise ValueError(f"--dtype {args.dtype!r} is unknown; use one of float32, bfloat16, "
-                         "float16")
-    args.dtype = _DTYPES[args.dtype]
+                         "float16") from None
     if args.shapes:
         bad = [s for s in args.shapes.split(";") if s.strip() and not _SHAPE.match(s)]
         if bad:
