@@ -62,15 +62,7 @@ def _layout(t: tuple):
 def _train_cfg(lay, steps: int, out: str, data: str):
     from distllm.train.config import ParallelConfig, TrainConfig
 
-    pc = ParallelConfig(
-        tp=lay.tp,
-        pp=lay.pp,
-        dp=lay.dp,
-        zero=lay.zero,
-        schedule=lay.schedule if lay.pp > 1 else "1f1b",
-        micro_batches=lay.micro_batches,
-        virtual_stages=max(2, lay.virtual_stages),
-    )
+    pc = ParallelConfig.from_layout(lay)
     return TrainConfig(
         model="tiny",
         parallel=pc,

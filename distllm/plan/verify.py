@@ -67,17 +67,7 @@ def train_config_for(lay: Layout, shape: ModelShape, dtype: str):
     """The :class:`distllm.train.config.TrainConfig` that runs ``lay`` for ``shape``."""
     from distllm.train.config import ParallelConfig, TrainConfig
 
-    par = ParallelConfig(
-        tp=lay.tp,
-        pp=lay.pp,
-        dp=lay.dp,
-        zero=lay.zero,
-        schedule=lay.schedule if lay.pp > 1 else "1f1b",
-        micro_batches=lay.micro_batches,
-        virtual_stages=max(2, lay.virtual_stages),
-        sequence_parallel=lay.sequence_parallel,
-        overlap="none",
-    )
+    par = ParallelConfig.from_layout(lay, ParallelConfig(overlap="none"))
     return TrainConfig(
         model=shape.name,
         parallel=par,
