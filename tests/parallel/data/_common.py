@@ -5,13 +5,11 @@ own test)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from distllm.testing import DistributedFailure, run_distributed
 from distllm.train.config import OptimConfig, TrainConfig
 from distllm.train.trainer import lr_at
 from tests._models import Block
@@ -114,20 +112,3 @@ def max_err(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-class SpawnCache:
-    """``cache(fn, world)``: ``fn``'s per-rank results, each ``fn`` run once per world size;
-    a failure is kept and raised by every test that needs it (not re-run)."""
-
-    def __init__(self, timeout: float = 240) -> None:
-        self.timeout, self.done = timeout, {}
-
-    def __call__(self, fn: Callable[[], Any], world: int) -> list[Any]:
-        key = (fn.__name__, world)
-        if key not in self.done:
-            try:
-                self.done[key] = run_distributed(fn, world, timeout=self.timeout)
-            except DistributedFailure as e:
-                self.done[key] = e
-        if isinstance(self.done[key], Exception):
-            raise self.done[key]
-        return self.done[key]

@@ -15,7 +15,8 @@ from distllm.parallel.data.buckets import (
     GradBuckets,
     assign_buckets,
 )
-from tests.parallel.data._common import TOL, SpawnCache
+from tests._spawn import SpawnCache
+from tests.parallel.data._common import TOL
 
 
 @pytest.fixture(scope="module")

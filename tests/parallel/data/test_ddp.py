@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.parallel.data._common import TOL, SpawnCache, batch, local, loss_fn, make
+from tests._spawn import SpawnCache
+from tests.parallel.data._common import TOL, batch, local, loss_fn, make
 
 
 @pytest.fixture(scope="module")

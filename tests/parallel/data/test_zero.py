@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests._spawn import SpawnCache
 from tests.parallel.data._common import (
     OPT,
     TOL,
-    SpawnCache,
     adamw,
     batch,
     groups_of,

@@ -9,9 +9,9 @@ import io
 import pytest
 import torch
 
+from tests._spawn import SpawnCache
 from tests.parallel.data._common import (
     TOL,
-    SpawnCache,
     adamw,
     batch,
     groups_of,
