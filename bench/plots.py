@@ -1,8 +1,10 @@
 """PNG plots for ``distllm bench`` (matplotlib, Agg backend: no display needed).
 
-- ``<suite>_speedup.png``: per suite, the speed-up of each fused and peer variant over the
-  unfused one against the case (shape), with the p10..p90 band as error bars; a suite with
-  no unfused baseline is drawn as time (ms) per case instead.
+- ``<suite>_speedup.png``: per suite, bars of the speed-up of each fused and peer variant
+  over the unfused one, grouped by case (cases are unrelated shapes or layouts: no line
+  joins them), with the p10..p90 band as error bars; a suite with no unfused variant but
+  peers (``train_e2e``: distllm against torch's own building blocks) shows the fused
+  variants' speed-up over each case's fastest peer; one with neither, time (ms) per case.
 - ``<suite>_timeline.png``: for the overlap suites, one step drawn as bars on lanes, so that a
   reader sees how much communication runs under compute.
 
@@ -44,25 +46,52 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
 
 
-def _speedup_series(rows: list[dict]) -> tuple[list[str], dict[str, list[tuple]]]:
-    """cases, and per variant a list of (case index, lo, mid, hi) speed-ups over unfused."""
+def _speedup_series(rows: list[dict]) -> tuple[list[str], dict[str, list[tuple]], str]:
+    """cases, per variant a list of (case index, lo, mid, hi) speed-ups, and what they are
+    over: each case's unfused variant, or (a suite with none, e.g. distllm against torch's
+    own building blocks) its fastest peer, the fused variants then measured against it."""
     cases = by_case(rows)
     labels = [c for (_, c) in cases]
     series: dict[str, list[tuple]] = {}
+    over = "unfused"
+    has_unfused = any(_ok(r) and role_of(r) == "unfused" for r in rows)
     for i, crows in enumerate(cases.values()):
-        base = [r for r in crows if _ok(r) and role_of(r) == "unfused"]
+        base_role, shown = ("unfused", ("fused", "peer", "ideal")) if has_unfused else (
+            "peer", ("fused",))
+        base = [r for r in crows if _ok(r) and role_of(r) == base_role]
         if not base:
             continue
         b = min(base, key=lambda r: r["ms"])
         for r in crows:
-            if _ok(r) and role_of(r) in ("fused", "peer", "ideal"):
+            if _ok(r) and role_of(r) in shown:
                 series.setdefault(str(r["variant"]), []).append((i, *speedup_band(b, r)))
-    return labels, series
+    if not has_unfused:
+        over = "fastest peer"
+    return labels, series, over
+
+
+def _bars(ax, series: dict[str, list[tuple]]) -> None:
+    """Grouped bars, one group per case (cases are unrelated: nothing joins them), one bar
+    per variant, the p10..p90 band as an error bar, the median written on the bar."""
+    n = len(series)
+    width = 0.8 / max(n, 1)
+    for j, (name, pts) in enumerate(series.items()):
+        xs = [p[0] + (j - (n - 1) / 2) * width for p in pts]
+        mids = [p[2] for p in pts]
+        err = [[max(0.0, m - p[1]) for m, p in zip(mids, pts, strict=True)],
+               [max(0.0, p[3] - m) for m, p in zip(mids, pts, strict=True)]]
+        hatch = "//" if "ideal" in name else None
+        bars = ax.bar(xs, mids, width=width * 0.9, yerr=err, capsize=3, label=name,
+                      hatch=hatch, color=f"C{j}", alpha=0.85)
+        for bar, m, p in zip(bars, mids, pts, strict=True):
+            ax.annotate(f"{m:.2f}x", (bar.get_x() + bar.get_width() / 2, max(m, p[3])),
+                        textcoords="offset points", xytext=(0, 2), ha="center", fontsize=6)
 
 
 def plot_speedup(rows: list[dict], suite: str, out_dir: Path) -> Path | None:
-    """Draw ``<suite>_speedup.png`` (or time per case with no baseline); None if no data."""
-    labels, series = _speedup_series(rows)
+    """Draw ``<suite>_speedup.png``: speed-up bars per case (or time per case with no
+    baseline); None if no data."""
+    labels, series, over = _speedup_series(rows)
     timed = not series
     if timed:
         for i, crows in enumerate(by_case(rows).values()):
@@ -75,31 +104,19 @@ def plot_speedup(rows: list[dict], suite: str, out_dir: Path) -> Path | None:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(labels) + 3), 4.2))
-    n = len(series)
-    for j, (name, pts) in enumerate(series.items()):
-        dx = (j - (n - 1) / 2) * 0.08
-        xs = [p[0] + dx for p in pts]
-        mids = [p[2] for p in pts]
-        err = [[m - p[1] for m, p in zip(mids, pts, strict=True)],
-               [p[3] - m for m, p in zip(mids, pts, strict=True)]]
-        ax.errorbar(xs, mids, yerr=err, marker="o", capsize=3, label=name,
-                    linestyle="--" if "ideal" in name else "-")
+    _bars(ax, series)
     ax.set_xticks(range(len(labels)))
-    ax.set_xlim(-0.5, len(labels) - 0.5)
+    ax.set_xlim(-0.6, len(labels) - 0.4)
     ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
     if timed:
         ax.set_ylabel("time per call, ms (median, p10..p90)")
         ax.set_yscale("log")
     else:
-        from matplotlib.ticker import FuncFormatter
-
         ax.axhline(1.0, color="grey", linewidth=1)
-        ax.set_yscale("log", base=2)  # ratios: 2x faster and 2x slower equally far from 1
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
-        ax.set_ylabel("speed-up over the baseline (log scale)")
+        ax.set_ylabel(f"speed-up over {over}")
     ax.set_title(f"{suite}: {'time' if timed else 'speed-up'} by case")
     ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     p = Path(out_dir) / f"{_safe(suite)}_speedup.png"
     fig.savefig(p, dpi=110)

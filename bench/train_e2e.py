@@ -1,7 +1,7 @@
 """End-to-end training throughput: distllm against PyTorch's own building blocks.
 
 Suite ``train_e2e``: tokens/s of one full training step (forward, backward, gradient sync,
-AdamW) of the same GPT (the ``tiny`` preset's shape) on 2 gloo ranks, at three layouts:
+global-norm clipping, AdamW) of the same GPT on 2 gloo ranks, at three layouts:
 
 * ``tp2``: distllm's TP modules (overlapped row-parallel all-reduce) against a dense GPT
   parallelised with DTensor ``parallelize_module`` (``ColwiseParallel`` / ``RowwiseParallel``);
@@ -10,9 +10,22 @@ AdamW) of the same GPT (the ``tiny`` preset's shape) on 2 gloo ranks, at three l
 * ``pp2.1f1b``: distllm's pipeline executor against ``torch.distributed.pipelining``
   (``PipelineStage`` + ``Schedule1F1B``), same micro-batches.
 
-Each layout's variants are interleaved in one run (timer: the slowest rank's step), on
-loopback and, with ``cfg.net``, on the emulated network (:mod:`distllm.testing.netem`).
-``vs_torch`` is the torch variant's best median over distllm's (>= 1.0: distllm is faster).
+Model sizes: ``--shapes "L,H,B,S[,M];..."`` (blocks, hidden size, global batch, sequence
+length, micro-batches; heads of 64 channels, or the ``tiny`` preset's 4 at hidden 128; MLP
+4H; vocabulary 256). Presets: the ``tiny`` preset and 6 blocks at GPT-2 small's width with a
+short sequence (a step of about a second on 2 CPU ranks); ``--quick``: tiny alone.
+
+distllm's step is ``Engine.forward_backward`` then ``Engine.update`` (one host read per
+step: loss, norm and inf/NaN flag together). Each layout's variants are interleaved in one
+run (timer: the slowest rank's step), on loopback and, with ``cfg.net``, on the emulated
+network (:mod:`distllm.testing.netem`). ``vs_torch`` is the torch variant's best median over
+distllm's (>= 1.0: distllm is faster).
+
+After the timing, one step of each variant is profiled on every rank
+(:func:`distllm.bench.step_breakdown.breakdown`: operators, collectives and their bytes,
+copies, allocations, host syncs, time outside operators); rank 0's goes into each row's
+``extra.breakdown`` and, with ``--out``, into ``train_e2e_breakdown.json`` next to the
+results, with distllm's counts against its best peer's (``extra.vs_peer``).
 
 Suite ``train_overhead``: the fixed per-step overhead of the ``tiny`` model at tp1.pp1.dp1,
 measured with ``torch.profiler``: step wall time minus the time spent inside operators
@@ -22,23 +35,50 @@ the profiled steps interleaved (the profiler slows the host). Target <= 5%.
 
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from distllm.bench.harness import BenchConfig, Case, Result, Setup
+from distllm.bench.harness import BenchConfig, Case, Result, Setup, shapes
 from distllm.bench.rows import row
+from distllm.bench.step_breakdown import breakdown, compare_breakdowns
 from torch import nn
 
 from distllm.diagnostics.timing import Stats
 
-__all__ = ["SUITE", "cases", "setup", "rows"]
+__all__ = ["SUITE", "cases", "setup", "rows", "model_of", "BREAKDOWN_FILE"]
 
 SUITE, SUITE_OVH = "train_e2e", "train_overhead"
 LAYOUTS = ("tp2", "dp2.zero2", "pp2.1f1b")
-# (batch, seq, micro-batches) per mode; the model is the tiny preset (4 x h128, vocab 256)
-_SHAPES = {True: (8, 64, 2), False: (16, 128, 4)}
+# (blocks, hidden, global batch, seq, micro-batches) per mode
+_PRESETS = {True: [(4, 128, 8, 64, 2)], False: [(4, 128, 16, 128, 4), (6, 768, 8, 64, 4)]}
+BREAKDOWN_FILE = "train_e2e_breakdown.json"
+
+
+def model_of(shape: tuple[int, ...]):
+    """``(GPTConfig, name)`` of a shape ``(blocks, hidden, batch, seq[, micro-batches])``:
+    the ``tiny`` preset at (4, 128), else heads of 64 channels and an MLP of 4H."""
+    from distllm.models.gpt import GPTConfig
+
+    layers, hidden, _, seq = shape[:4]
+    if (layers, hidden) == (4, 128) and seq <= 128:
+        return GPTConfig.preset("tiny"), "tiny"
+    name = f"{layers}x{hidden}"
+    return GPTConfig(n_layers=layers, hidden_size=hidden, n_heads=max(1, hidden // 64),
+                     ffn_hidden_size=4 * hidden, max_seq_len=max(seq, 128), name=name), name
+
+
+def _shapes(cfg: BenchConfig) -> list[tuple[int, ...]]:
+    out = []
+    for s in shapes(cfg, _PRESETS[cfg.quick]):
+        if len(s) not in (4, 5):
+            raise ValueError(f"--shapes {s}: train_e2e takes 'L,H,B,S[,M]' (blocks, hidden, "
+                             "global batch, sequence length, micro-batches), e.g. '6,768,8,64'")
+        out.append(tuple(s) if len(s) == 5 else (*s, 4))
+    return out
 
 
 # --- a dense GPT of the same shape from torch blocks -------------------------------------
@@ -102,13 +142,15 @@ def _distllm(layout: str, cfg, batch, seq, m, dims):
     tc = TrainConfig(model="tiny", parallel=ParallelConfig(**kw), global_batch=batch,
                      seq_len=seq, steps=10, progress=False)
     eng = Engine(tc, cfg, dims)
-    rows = batch // dims.dp
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, cfg.vocab_size, (rows, seq), generator=g)
+    x = torch.randint(0, cfg.vocab_size, (batch // dims.dp, seq),
+                      generator=torch.Generator().manual_seed(1 + dims.dp_rank))
+    return _engine_step(eng, x)
 
+
+def _engine_step(eng, x):
+    """A training loop's step: forward + backward, then clip + AdamW, one host read."""
     def step():
-        eng.train_step(x, x)
-        eng.step(1.0)
+        eng.update(1.0, eng.forward_backward(x, x))
 
     return step
 
@@ -217,28 +259,21 @@ def _torch_pp(cfg, batch, seq, m, dims):
 
 
 def cases(cfg: BenchConfig) -> list[Case]:
-    """Each layout on 2 ranks (loopback and ``cfg.net``), then the overhead on 1 rank."""
+    """Each layout at each model size on 2 ranks (loopback and ``cfg.net``), then the
+    overhead on 1 rank."""
     if cfg.device != "cpu":
         return [Case("-", skip="the CPU suite (gloo ranks)")]
-    return [Case(layout, {"layout": layout}, ranks=2, networks=True) for layout in LAYOUTS] + [
-        Case("tiny tp1.pp1.dp1", {"overhead": True}, ranks=1, suite=SUITE_OVH, timeout=600)]
+    out = []
+    for shape in _shapes(cfg):
+        name = model_of(shape)[1]
+        out += [Case(f"{layout} {name}", {"layout": layout, "shape": shape}, ranks=2,
+                     networks=True) for layout in LAYOUTS]
+    return out + [Case("tiny tp1.pp1.dp1", {"overhead": True}, ranks=1, suite=SUITE_OVH,
+                       timeout=600)]
 
 
-def setup(cfg: BenchConfig, case: Case) -> Setup:
-    """distllm's step and its torch peers at one layout (a peer that cannot be built here is
-    listed with its error), or the overhead case's plain and profiled steps."""
-    from distllm import ParallelDims
-    from distllm.models.gpt import GPTConfig
-
-    torch.set_num_threads(1)
-    reps = cfg.reps or (3 if cfg.quick else 10)
-    if case.params.get("overhead"):
-        return _overhead_setup(cfg, reps)
-    layout = case.params["layout"]
-    batch, seq, m = _SHAPES[cfg.quick]
-    gcfg = GPTConfig.preset("tiny")
-    kw = {"tp2": dict(tp=2), "dp2.zero2": dict(dp=2), "pp2.1f1b": dict(pp=2)}[layout]
-    dims = ParallelDims(**kw)
+def _builders(layout: str, gcfg, shape, dims) -> dict:
+    _, _, batch, seq, m = shape
     builders = {"distllm": lambda: _distllm(layout, gcfg, batch, seq, m, dims)}
     if layout == "tp2":
         builders["torch_dtensor_tp"] = lambda: _torch_tp(gcfg, batch, seq, dims)
@@ -247,27 +282,55 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
         builders["torch_fsdp2_zero2"] = lambda: _torch_dp("fsdp2", gcfg, batch, seq, dims)
     else:
         builders["torch_pipelining_1f1b"] = lambda: _torch_pp(gcfg, batch, seq, m, dims)
+    return builders
+
+
+def setup(cfg: BenchConfig, case: Case) -> Setup:
+    """distllm's step and its torch peers at one layout and size (a peer that cannot be
+    built here is listed with its error), each profiled once after the timing; or the
+    overhead case's plain and profiled steps."""
+    from distllm import ParallelDims
+
+    torch.set_num_threads(1)
+    reps = cfg.reps or (3 if cfg.quick else 10)
+    if case.params.get("overhead"):
+        return _overhead_setup(cfg, reps)
+    layout, shape = case.params["layout"], tuple(case.params["shape"])
+    gcfg, name = model_of(shape)
+    kw = {"tp2": dict(tp=2), "dp2.zero2": dict(dp=2), "pp2.1f1b": dict(pp=2)}[layout]
+    dims = ParallelDims(**kw)
     variants, missing = {}, {}
-    for name, build in builders.items():
+    for vname, build in _builders(layout, gcfg, shape, dims).items():
         try:
-            variants[name] = build()
+            variants[vname] = build()
         except Exception as e:  # noqa: BLE001 - a variant that cannot run here is a row
-            missing[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    return Setup(variants, missing, warmup=2, reps=reps,
-                 finish=lambda stats: {"tokens": batch * seq})
+            missing[vname] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+    def finish(stats: dict[str, Stats]) -> dict:
+        prof = {n: breakdown(f, before=dist.barrier) for n, f in variants.items()}
+        return {"tokens": shape[2] * shape[3], "model": name, "breakdown": prof}
+
+    return Setup(variants, missing, warmup=2, reps=reps, finish=finish)
 
 
 def _layout_rows(layout: str, res: dict, label: str, reason: str) -> list[dict]:
-    stats, tokens = res["stats"], res["tokens"]
+    stats, tokens, prof = res["stats"], res["tokens"], res.get("breakdown") or {}
     ours = stats.get("distllm")
-    torch_best = min((s.median_ms for n, s in stats.items() if n != "distllm"), default=None)
-    case = f"{label} {layout} tiny b{_shape_of(tokens)}"
+    peers = {n: s for n, s in stats.items() if n != "distllm"}
+    best = min(peers, key=lambda n: peers[n].median_ms) if peers else None
+    case = f"{label} {layout} {res['model']} b{tokens} tokens/step"
     rows = []
     for name, st in stats.items():
         kw = dict(net=label, tokens_per_s=tokens / (st.median_ms * 1e-3), device="cpu",
-                  dtype="float32", role="fused" if name == "distllm" else "peer")
-        if name == "distllm" and torch_best is not None:
-            kw["vs_torch"] = torch_best / st.median_ms
+                  dtype="float32", role="fused" if name == "distllm" else "peer",
+                  model=res["model"], layout=layout)
+        if name in prof:
+            kw["breakdown"] = {k: v for k, v in prof[name].items() if k != "top"}
+        if name == "distllm" and best is not None:
+            kw["vs_torch"] = peers[best].median_ms / st.median_ms
+            kw["best_peer"] = best
+            if name in prof and best in prof:
+                kw["vs_peer"] = compare_breakdowns(prof[name], prof[best])
         if reason:
             kw["note"] = reason
         rows.append(row(SUITE, case, name, st, **kw))
@@ -278,8 +341,13 @@ def _layout_rows(layout: str, res: dict, label: str, reason: str) -> list[dict]:
     return rows
 
 
-def _shape_of(tokens: int) -> str:
-    return f"{tokens} tokens/step"
+def write_breakdown(out: Path, case: str, prof: dict[str, dict]) -> Path:
+    """Add one case's breakdowns (variant -> counts, rank 0) to ``out/BREAKDOWN_FILE``."""
+    p = Path(out) / BREAKDOWN_FILE
+    data = json.loads(p.read_text()) if p.exists() else {}
+    data[case] = prof
+    p.write_text(json.dumps(data, indent=1))
+    return p
 
 
 def _overhead_setup(cfg: BenchConfig, reps: int) -> Setup:
@@ -290,7 +358,7 @@ def _overhead_setup(cfg: BenchConfig, reps: int) -> Setup:
     from distllm import ParallelDims
     from distllm.models.gpt import GPTConfig
 
-    batch, seq, _ = _SHAPES[cfg.quick]
+    _, _, batch, seq, _ = _PRESETS[cfg.quick][0]
     step = _distllm_single(GPTConfig.preset("tiny"), batch, seq, ParallelDims())
     ops: list[float] = []
 
@@ -311,14 +379,8 @@ def _distllm_single(cfg, batch, seq, dims):
     from distllm.train.engine import Engine
 
     tc = TrainConfig(model="tiny", global_batch=batch, seq_len=seq, steps=10, progress=False)
-    eng = Engine(tc, cfg, dims)
     x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
-
-    def step():
-        eng.train_step(x, x)
-        eng.step(1.0)
-
-    return step
+    return _engine_step(Engine(tc, cfg, dims), x)
 
 
 def _op_ms(prof) -> float:
@@ -335,6 +397,9 @@ def rows(cfg: BenchConfig, case: Case, result: Result) -> list[dict]:
         frac = max(0.0, wall.median_ms - op) / wall.median_ms
         return [row(SUITE_OVH, case.label, "distllm", wall, op_ms=op, overhead_frac=frac,
                     target="<= 0.05", met=frac <= 0.05, device="cpu", dtype="float32")]
-    res = {"stats": result.stats, "missing": result.unavailable,
-           "tokens": result.info[0]["tokens"]}
-    return _layout_rows(case.params["layout"], res, result.net, result.net_reason)
+    info = result.info[0]
+    res = {"stats": result.stats, "missing": result.unavailable, **info}
+    out = _layout_rows(case.params["layout"], res, result.net, result.net_reason)
+    if cfg.out is not None and info.get("breakdown"):
+        write_breakdown(cfg.out, out[0]["case"], info["breakdown"])
+    return out

@@ -1,7 +1,10 @@
 """The end-to-end training suite's cases and its rows from synthetic timings: tokens/s and
-distllm against the best torch peer per layout, and the per-step overhead's share."""
+distllm against the best torch peer per layout and model size, the per-step breakdown kept
+beside the results, and the per-step overhead's share."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from distllm.bench import train_e2e
@@ -14,26 +17,53 @@ def _st(ms: float):
     return stats_of([ms * 0.9, ms, ms * 1.1])
 
 
-def test_cases_run_every_layout_then_the_overhead():
+def test_cases_run_every_layout_at_both_sizes_then_the_overhead():
     got = [(c.label, c.ranks, c.networks, c.suite) for c in train_e2e.cases(BenchConfig())]
-    assert got == [("tp2", 2, True, None), ("dp2.zero2", 2, True, None),
-                   ("pp2.1f1b", 2, True, None),
-                   ("tiny tp1.pp1.dp1", 1, False, "train_overhead")]
+    layouts = [(f"{lay} {m}", 2, True, None) for m in ("tiny", "6x768")
+               for lay in ("tp2", "dp2.zero2", "pp2.1f1b")]
+    assert got == [*layouts, ("tiny tp1.pp1.dp1", 1, False, "train_overhead")]
+    assert [c.label for c in train_e2e.cases(BenchConfig(quick=True))][:3] == [
+        "tp2 tiny", "dp2.zero2 tiny", "pp2.1f1b tiny"]
     [gpu] = train_e2e.cases(BenchConfig(device="cuda"))
     assert gpu.skip == "the CPU suite (gloo ranks)"
 
 
-def test_layout_rows_against_the_best_peer():
+def test_shapes_choose_the_model():
+    cases = train_e2e.cases(BenchConfig(shapes="6,768,8,64;2,256,4,32,2"))
+    assert [c.label for c in cases[:4:3]] == ["tp2 6x768", "tp2 2x256"]
+    assert cases[3].params["shape"] == (2, 256, 4, 32, 2)
+    assert cases[0].params["shape"] == (6, 768, 8, 64, 4)  # micro-batches default 4
+    cfg, name = train_e2e.model_of((6, 768, 8, 64, 4))
+    assert (name, cfg.n_heads, cfg.ffn_hidden_size, cfg.vocab_size) == ("6x768", 12, 3072, 256)
+    assert train_e2e.model_of((4, 128, 16, 128))[0].name == "tiny"
+    with pytest.raises(ValueError, match="L,H,B,S"):
+        train_e2e.cases(BenchConfig(shapes="1,2,3"))
+
+
+def _bd(ops: int, syncs: int) -> dict:
+    return {"wall_ms": 10.0, "ops": ops, "op_ms": 9.0, "outside_ms": 1.0, "collectives": 2,
+            "collective_mb": 1.0, "copies": 3, "allocs": 4, "alloc_mb": 0.5, "syncs": syncs,
+            "by_collective": {"allreduce_": 2}, "by_transfer_mb": {}, "top": []}
+
+
+def test_layout_rows_against_the_best_peer_with_breakdowns(tmp_path):
     case = train_e2e.cases(BenchConfig())[1]
+    prof = {"distllm": _bd(100, 1), "torch_ddp": _bd(120, 50), "torch_fsdp2_zero2": _bd(1, 1)}
     res = Result({"distllm": _st(50.0), "torch_ddp": _st(40.0),
                   "torch_fsdp2_zero2": _st(80.0)}, {"x": "ImportError: no"},
-                 [{"tokens": 1000}, {"tokens": 1000}], "2gbit", "")
-    rows = {r["variant"]: r for r in train_e2e.rows(BenchConfig(), case, res)}
-    assert rows["distllm"]["extra"]["vs_torch"] == pytest.approx(40.0 / 50.0)
-    assert rows["distllm"]["extra"]["tokens_per_s"] == pytest.approx(1000 / 0.05)
+                 [{"tokens": 1000, "model": "tiny", "breakdown": prof}] * 2, "2gbit", "")
+    rows = {r["variant"]: r for r in train_e2e.rows(BenchConfig(out=tmp_path), case, res)}
+    ours = rows["distllm"]["extra"]
+    assert ours["vs_torch"] == pytest.approx(40.0 / 50.0)
+    assert ours["tokens_per_s"] == pytest.approx(1000 / 0.05)
+    assert ours["best_peer"] == "torch_ddp"  # the breakdown is compared with the fastest peer
+    assert ours["vs_peer"]["ops"] == [100, 120, -20] and ours["vs_peer"]["syncs"] == [1, 50, -49]
+    assert "top" not in ours["breakdown"] and ours["breakdown"]["ops"] == 100
     assert rows["torch_ddp"]["extra"]["role"] == "peer"
     assert rows["x"]["status"] == "unavailable" and rows["x"]["reason"] == "ImportError: no"
-    assert rows["distllm"]["case"].startswith("2gbit dp2.zero2 ")
+    assert rows["distllm"]["case"] == "2gbit dp2.zero2 tiny b1000 tokens/step"
+    kept = json.loads((tmp_path / train_e2e.BREAKDOWN_FILE).read_text())
+    assert kept == {"2gbit dp2.zero2 tiny b1000 tokens/step": prof}
 
 
 def test_overhead_row():

@@ -1,0 +1,147 @@
+"""Per-step breakdown of a training step from ``torch.profiler``: what a step dispatches,
+so that two implementations of the same step (distllm and its torch peer) can be compared
+count by count, and a regression shows where it came from.
+
+:func:`breakdown` profiles one call of a step function and returns a flat dict:
+
+- ``wall_ms``: the profiled step's wall time (the profiler slows the host: compare counts,
+  and times only within one profile);
+- ``ops``: top-level operators (``aten::``, ``c10d::``, ``distllm::``, ...: an operator
+  called by another one is not counted again), and ``op_ms`` their total time;
+- ``outside_ms``: ``wall_ms - op_ms``, the time spent outside any operator (Python,
+  autograd bookkeeping, hooks, the optimizer's loop);
+- ``collectives`` / ``collective_mb``: collective and point-to-point calls (``c10d::``)
+  and the bytes of their tensors, with ``by_collective`` (name -> calls) and
+  ``by_transfer_mb`` (the backend's transfer -> MB);
+- ``copies``: tensor copies at any depth (``copy_``, which ``clone``, ``_to_copy`` and
+  ``contiguous`` end in, ``cat``, ``_foreach_copy_``);
+- ``allocs`` / ``alloc_mb``: operators that allocated memory for themselves (the
+  profiler's self memory of an operator, net of what it freed, when positive) and the bytes;
+- ``syncs``: host reads of a tensor (``aten::item`` / ``_local_scalar_dense``, whichever
+  the call went through; ``tolist`` counts once per call);
+- ``top``: the ten operators with the largest total time, ``[name, calls, ms]``.
+
+The counts are per call of the step function, on the calling rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+__all__ = ["breakdown", "OP_PREFIXES", "COPY_OPS", "SYNC_OPS", "compare_breakdowns"]
+
+OP_PREFIXES = ("aten::", "c10d::", "distllm::")
+# every copy ends in one of these (clone, _to_copy and contiguous call copy_)
+COPY_OPS = frozenset({"aten::copy_", "aten::cat", "aten::_foreach_copy_"})
+SYNC_OPS = frozenset({"aten::_local_scalar_dense"})
+_SYNC_FALLBACK = frozenset({"aten::item", "aten::tolist"})  # when no _local_scalar_dense
+
+
+def _is_op(name: str) -> bool:
+    return name.startswith(OP_PREFIXES)
+
+
+def _top_level(events) -> list:
+    """Operator events none of whose ancestors is an operator."""
+    out = []
+    for e in events:
+        if not _is_op(e.name):
+            continue
+        p = e.cpu_parent
+        while p is not None and not _is_op(p.name):
+            p = p.cpu_parent
+        if p is None:
+            out.append(e)
+    return out
+
+
+def _union_ms(events) -> float:
+    """Length of the union of the events' time ranges (ms)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+    total, lo, hi = 0.0, None, None
+    for s, t in spans:
+        if hi is None or s > hi:
+            total += (hi - lo) if hi is not None else 0.0
+            lo, hi = s, t
+        else:
+            hi = max(hi, t)
+    total += (hi - lo) if hi is not None else 0.0
+    return total / 1e3
+
+
+def _count(calls: list) -> dict[str, int]:
+    return dict(sorted(Counter(e.name.split(":")[-1] for e in calls).items()))
+
+
+def _transfers(transfers: list) -> dict[str, float]:
+    """name -> MB the backend's own events record (gloo names its tensors' shapes; 4 bytes an
+    element assumed, the float32 of these benchmarks)."""
+    by: dict[str, float] = {}
+    for e in transfers:
+        n = 0
+        for shp in e.input_shapes or []:
+            if isinstance(shp, list) and shp and all(isinstance(d, int) for d in shp):
+                k = 1
+                for d in shp:
+                    k *= d
+                n += k
+        name = e.name.split(":", 1)[1]
+        by[name] = by.get(name, 0.0) + 4 * n / 2**20
+    return {k: round(v, 3) for k, v in sorted(by.items())}
+
+
+def breakdown(step: Callable[[], object], *, before: Callable[[], object] | None = None
+              ) -> dict:
+    """Profile one call of ``step`` (``before`` runs first, outside the timing: a barrier on
+    several ranks) and count what it dispatched (see the module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if before is not None:
+        before()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
+                 profile_memory=True) as prof:
+        t0 = time.perf_counter()
+        step()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    events = list(prof.events())
+    # the step's own thread: the one that ran the most aten operators (gloo's transport
+    # threads record their transfers as events of their own)
+    tid = Counter(e.thread for e in events if e.name.startswith("aten::")).most_common(1)
+    mine = [e for e in events if tid and e.thread == tid[0][0]]
+    top = _top_level(mine)
+    op_ms = _union_ms(top)
+    names = Counter(e.name for e in mine)
+    syncs = sum(names[n] for n in SYNC_OPS) or sum(names[n] for n in _SYNC_FALLBACK)
+    grew = [e.self_cpu_memory_usage for e in mine if e.self_cpu_memory_usage > 0]
+    calls = _count([e for e in top if e.name.startswith("c10d::")])
+    moved = _transfers([e for e in events if e.name.startswith("gloo:")])
+    per_op: dict[str, list[float]] = {}
+    for e in top:
+        s = per_op.setdefault(e.name, [0, 0.0])
+        s[0] += 1
+        s[1] += e.cpu_time_total / 1e3
+    top10 = sorted(([n, c, round(ms, 3)] for n, (c, ms) in per_op.items()),
+                   key=lambda v: -v[2])[:10]
+    return {
+        "wall_ms": round(wall_ms, 3), "ops": len(top), "op_ms": round(op_ms, 3),
+        "outside_ms": round(max(0.0, wall_ms - op_ms), 3),
+        "collectives": sum(calls.values()), "collective_mb": round(sum(moved.values()), 3),
+        "by_collective": calls, "by_transfer_mb": moved,
+        "copies": sum(names[n] for n in COPY_OPS),
+        "allocs": len(grew),
+        "alloc_mb": round(sum(grew) / 2**20, 3),
+        "syncs": int(syncs),
+        "top": top10,
+    }
+
+
+_COUNTS = ("ops", "collectives", "collective_mb", "copies", "allocs", "alloc_mb", "syncs",
+           "outside_ms", "op_ms", "wall_ms")
+
+
+def compare_breakdowns(ours: dict, peer: dict) -> dict[str, list[float]]:
+    """``{count: [ours, peer, ours - peer]}`` for the scalar counts of two breakdowns."""
+    return {k: [ours[k], peer[k], round(ours[k] - peer[k], 3)] for k in _COUNTS
+            if k in ours and k in peer}
