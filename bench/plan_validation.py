@@ -121,10 +121,9 @@ def _rank_main(t: tuple, steps: int, out: str, data: str, probe: bool) -> dict |
     )
     engine = Engine(cfg, mcfg, dims)
 
-    def one_step():
+    def one_step():  # as the trainer steps: one host read (loss, norm, flag together)
         tok, tgt = loader.next()
-        engine.train_step(tok, tgt)
-        engine.step(1.0)
+        engine.update(1.0, loss=engine.forward_backward(tok, tgt))
 
     one_step()  # creates the optimizer state
     gc.collect()

@@ -13,8 +13,8 @@ import argparse
 import json
 import sys
 
-from .cost import GB, STATE_BYTES, Estimate
-from .hardware import canonical_dtype, load_profile, profile_names
+from .cost import GB, STATE_BYTES, Estimate, training_dtype
+from .hardware import load_profile, profile_names
 from .model import ModelShape, preset, preset_names
 from .runtime import runtime, runtime_names
 from .search import CHECKPOINTING, explain, model_states_table, search
@@ -140,7 +140,7 @@ def _params_mode(a: argparse.Namespace) -> int:
             f"--gpus={a.gpus}: drop --dp or make tp*pp*dp = gpus"
         )
     rows = model_states_table(a.params, a.gpus, a.tp or 1, a.pp or 1, a.gpu, a.dtype or "bfloat16")
-    dtype = canonical_dtype(a.dtype or "bfloat16")  # valid: the table above accepted it
+    dtype = training_dtype(a.dtype or "bfloat16")  # valid: the table above accepted it
     if a.zero is not None:
         rows = [r for r in rows if r.layout.zero == a.zero]
     if a.json:

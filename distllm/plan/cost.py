@@ -20,9 +20,11 @@ output) is the :class:`~distllm.plan.runtime.Runtime`'s; step time is
 
 from __future__ import annotations
 
+from distllm.dtypes import canonical_dtype
+
 from .bubble import in_flight
 from .collectives import collective_time
-from .hardware import Profile, canonical_dtype
+from .hardware import Profile
 from .layout import GB, Estimate, Layout
 from .model import ModelShape
 from .runtime import Runtime, runtime
@@ -35,6 +37,7 @@ __all__ = [
     "STATE_BYTES",
     "collective_time",
     "state_bytes",
+    "training_dtype",
     "GB",
 ]
 
@@ -46,6 +49,18 @@ STATE_BYTES = {
     "float64": (8, 8, 16),
 }
 ACT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+def training_dtype(dtype: str) -> str:
+    """The canonical name (:mod:`distllm.dtypes`) of a dtype the planner models; an error
+    names ``--dtype``."""
+    try:
+        d = canonical_dtype(dtype)
+    except ValueError:
+        d = None
+    if d not in STATE_BYTES:
+        raise ValueError(f"dtype={dtype!r}: choose --dtype from {', '.join(STATE_BYTES)}")
+    return d
 
 
 def state_bytes(n_params: float, dp: int, zero: int, per: tuple[int, int, int]) -> dict:
@@ -79,9 +94,7 @@ class CostModel(TimeModel):
         self.shape, self.profile = shape, profile
         self.runtime = runtime(runtime_name)
         self.world, self.gpn = world, gpus_per_node
-        self.dtype = canonical_dtype(dtype)
-        if self.dtype not in STATE_BYTES:
-            raise ValueError(f"dtype={dtype!r}: choose --dtype from {', '.join(STATE_BYTES)}")
+        self.dtype = training_dtype(dtype)
         self.e = ACT_BYTES[self.dtype]
         self.flash = flash_attention
         self.bucket_bytes = bucket_mb * 2**20

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distllm.dtypes import ALIASES
+
 __all__ = [
     "Gemm",
     "Link",
@@ -24,20 +26,13 @@ __all__ = [
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
 
-_DTYPE_ALIASES = {
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "half": "float16",
-    "fp32": "float32",
-    "float": "float32",
-    "fp64": "float64",
-    "double": "float64",
-    "fp8": "float8",
-}
 
 
-def canonical_dtype(dtype: str) -> str:
-    return _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
+def _peak_key(dtype: str) -> str:
+    """A profile's ``peak_flops`` key: the canonical name of a dtype distllm trains in
+    (:mod:`distllm.dtypes`), else the name as written (``float8``, a datasheet figure)."""
+    key = dtype.lower()
+    return ALIASES.get(key, key)
 
 
 @dataclass(frozen=True)
@@ -118,7 +113,7 @@ class Profile:
     source: dict[str, Any] = field(default_factory=dict)
 
     def flops(self, dtype: str) -> float:
-        d = canonical_dtype(dtype)
+        d = _peak_key(dtype)
         if d not in self.peak_flops:
             raise ValueError(
                 f"profile {self.name!r} has no peak FLOP/s for dtype {dtype!r}: "
@@ -193,7 +188,7 @@ class Profile:
             }
             if d.get("gemm"):
                 kw["gemm"] = Gemm(**d["gemm"])
-            peak = {canonical_dtype(k): float(v) for k, v in d["peak_flops"].items()}
+            peak = {_peak_key(k): float(v) for k, v in d["peak_flops"].items()}
             return cls(
                 name=d["name"],
                 peak_flops=peak,

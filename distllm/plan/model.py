@@ -1,4 +1,5 @@
-"""Model shapes for the planner: sizes only, no weights, no torch.
+"""Model shapes for the planner: sizes only, no weights (the vocabulary padding alone is read
+from :mod:`distllm.models`, whose rule it is).
 
 A :class:`ModelShape` describes a decoder-only transformer by the numbers the cost model
 needs (layers, hidden, heads, KV heads, FFN, vocabulary, sequence, global batch) plus the
@@ -9,10 +10,20 @@ and the GPT presets of :mod:`distllm.models` (read from ``GPTConfig`` when it is
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
 __all__ = ["ModelShape", "preset", "PRESETS", "preset_names"]
+
+
+@functools.cache
+def _model_padded_vocab(vocab: int, tp: int) -> int:
+    """Rows of distllm's embedding for a vocabulary of ``vocab`` at tensor parallelism ``tp``:
+    the model's own rule, so that the planner and the code cannot disagree."""
+    from distllm.models import GPTConfig  # lazy: pulls in torch
+
+    return GPTConfig(vocab_size=vocab).padded_vocab(tp)
 
 
 @dataclass(frozen=True)
@@ -37,8 +48,9 @@ class ModelShape:
     """Sequences per optimizer step B."""
     kv_heads: int = 0
     """Key/value heads (grouped-query attention); 0 means equal to ``heads``."""
-    vocab_multiple: int = 128
-    """The embedding is padded to a multiple of ``vocab_multiple * tp`` rows."""
+    vocab_multiple: int | None = None
+    """The embedding is padded to a multiple of ``vocab_multiple * tp`` rows; None: as
+    distllm's model pads it (``distllm.models.GPTConfig.padded_vocab``)."""
     gated_mlp: bool = False
     """SwiGLU-style MLP with three matrices (Llama) instead of two (GPT)."""
     learned_positions: bool = True
@@ -85,6 +97,8 @@ class ModelShape:
         return self.n_kv_heads * self.head_dim
 
     def padded_vocab(self, tp: int = 1) -> int:
+        if self.vocab_multiple is None:
+            return _model_padded_vocab(self.vocab, tp)
         m = self.vocab_multiple * tp
         return math.ceil(self.vocab / m) * m
 
@@ -189,8 +203,8 @@ PRESETS: dict[str, ModelShape] = {
     ),
 }
 
-# Fallback copies of distllm.models.GPTConfig's presets (tiny: byte vocabulary of 256 padded to
-# 64*tp; gpt2-*: the GPT-2 vocabulary), used only when distllm.models cannot be imported;
+# Fallback copies of distllm.models.GPTConfig's presets (tiny: byte vocabulary of 256;
+# gpt2-*: the GPT-2 vocabulary), used only when distllm.models cannot be imported;
 # otherwise preset() reads GPTConfig itself.
 _GPT_LOCAL = {
     "tiny": (4, 128, 4, 512, 256, 128, 32),
@@ -208,7 +222,6 @@ for _n, (_l, _h, _a, _f, _v, _s, _b) in _GPT_LOCAL.items():
         _v,
         _s,
         _b,
-        vocab_multiple=64,
         tied_embeddings=False,
         source=f"distllm.models.GPTConfig.preset({_n!r})",
     )

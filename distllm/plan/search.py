@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from distllm.models.gpt import CHECKPOINTING
 
 from .bubble import SCHEDULES, simulator_or_none
-from .cost import GB, STATE_BYTES, CostModel, Estimate, Layout, state_bytes
-from .hardware import Profile, canonical_dtype, load_profile
+from .cost import GB, STATE_BYTES, CostModel, Estimate, Layout, state_bytes, training_dtype
+from .hardware import Profile, load_profile
 from .model import ModelShape
 
 __all__ = ["SearchResult", "search", "best_layout", "divisors", "MAX_V"]
@@ -300,9 +300,7 @@ def model_states_table(
         raise ValueError(f"gpus={world} is not divisible by tp*pp={tp * pp}: change --tp/--pp")
     prof = load_profile(profile)
     dp = world // (tp * pp)
-    dt = canonical_dtype(dtype)
-    if dt not in STATE_BYTES:
-        raise ValueError(f"dtype={dtype!r}: choose --dtype from {', '.join(STATE_BYTES)}")
+    dt = training_dtype(dtype)
     out = []
     for zero in range(4):
         lay = Layout(tp, pp, dp, zero)

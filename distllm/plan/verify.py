@@ -56,7 +56,6 @@ def shape_for(mcfg, global_batch: int, seq_len: int) -> ModelShape:
         seq_len,
         global_batch,
         kv_heads=mcfg.n_kv_heads or 0,
-        vocab_multiple=64,
         tied_embeddings=mcfg.tie_embeddings,
         dropout=False,
         source="distllm.models.gpt.GPTConfig",
