@@ -327,7 +327,9 @@ class ZeroOptimizer:
         (``overlap_param_gather``) the gathers are only launched here and each is waited for
         by a forward pre-hook of the modules whose parameters are in that bucket, so they
         overlap the optimizer step's tail and the next forward (see :meth:`wait_params`)."""
-        for i, m in enumerate(self.masters):
+        # the last bucket holds the first layers: gathered first, the forward's order
+        for i in reversed(range(len(self.masters))):
+            m = self.masters[i]
             if self.sharded is not None:
                 if self.mixed:
                     self.sharded.shard_of(i).copy_(m)

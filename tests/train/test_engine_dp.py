@@ -1,0 +1,68 @@
+"""The engine's data-parallel side: at ZeRO stages 1 and 2 the parameter all-gathers that
+end a step are launched, not waited for, first layers first, and each is waited for by the
+next forward of the layers that use it; the losses still equal the single-process run's
+(float64, weight decay, clipping and warm-up on)."""
+
+from __future__ import annotations
+
+import pytest
+
+from distllm.testing import run_distributed
+from tests.train._util import make_cfg, train_many
+
+TOL = 1e-12  # float64: layouts differ only in summation order
+
+
+def _gathers_rank(data: str, out: str, zero: int) -> dict:
+    import torch
+
+    from distllm import ParallelDims
+    from distllm.parallel.data import zero_gather
+    from distllm.train.engine import Engine
+
+    cfg = make_cfg(data, out, dp=2, zero=zero)
+    dims = ParallelDims(dp=2)
+    eng = Engine(cfg, cfg.model_config(), dims)
+    order: list[int] = []
+    launch = zero_gather.ParamGathers.launch
+
+    def spy(self, i, flat, shard):
+        order.append(i)
+        return launch(self, i, flat, shard)
+
+    zero_gather.ParamGathers.launch = spy
+    try:
+        x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(dims.rank))
+        eng.update(1.0, eng.forward_backward(x, x))
+        pending_after_step = sorted(eng.zero._gathers.pending)
+        loss = eng.forward_backward(x, x)  # the forward's pre-hooks wait for the gathers
+        pending_after_forward = sorted(eng.zero._gathers.pending)
+        eng.update(1.0, loss)
+    finally:
+        zero_gather.ParamGathers.launch = launch
+    return {"overlapped": eng.zero._gathers.overlapped, "order": order,
+            "buckets": len(eng.zero.reducer.buckets), "after_step": pending_after_step,
+            "after_forward": pending_after_forward}
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_param_gathers_overlap_the_next_forward(corpus, tmp_path, zero):
+    got = run_distributed(_gathers_rank, 2, corpus, str(tmp_path), zero, timeout=300)[0]
+    n = got["buckets"]
+    assert got["overlapped"]
+    assert n > 1  # the order below means something
+    assert got["order"] == list(reversed(range(n))) * 2  # first layers (last bucket) first
+    assert got["after_step"] == list(range(n))  # launched by the step, none waited for
+    assert got["after_forward"] == []
+
+
+LAYOUTS = [dict(dp=2, zero=1), dict(dp=2, zero=2)]
+
+
+def test_zero_1_2_parity(corpus, reference, tmp_path):
+    runs = [dict(steps=60, stop_after=3, **kw) for kw in LAYOUTS]
+    res = run_distributed(train_many, 2, runs, corpus, str(tmp_path), timeout=600)[0]
+    for kw, losses in zip(LAYOUTS, res, strict=True):
+        assert len(losses) == 3
+        for step, (a, b) in enumerate(zip(losses, reference[:3], strict=True)):
+            assert abs(a - b) <= TOL * max(1.0, abs(b)), f"{kw} step {step + 1}: {a} vs {b}"
