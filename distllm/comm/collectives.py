@@ -79,8 +79,13 @@ class _PairwiseOnWait:
             for w in self.works:
                 w.wait()
             acc = self.out.view(-1)
-            acc.copy_(self.parts[self.rank])
-            for buf in self.bufs:  # peers in rank order: the same summation order every run
+            # own slice + peers in rank order: the same summation order every run; the
+            # first sum written straight into ``out`` (no copy of the own slice first)
+            if self.bufs:
+                torch.add(self.parts[self.rank], self.bufs[0], out=acc)
+            else:
+                acc.copy_(self.parts[self.rank])
+            for buf in self.bufs[1:]:
                 acc.add_(buf)
             self.works, self.bufs, self.done = [], [], True
         return True

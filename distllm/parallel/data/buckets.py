@@ -108,6 +108,7 @@ class Bucket:
     work: object = None
     out: Tensor | None = None  # reduce_scatter output, added into ``shard`` on completion
     fresh: bool = True  # the buffer holds nothing of this cycle yet
+    written: set[int] = field(default_factory=set)  # as_view=False: slices holding this cycle
     shard_fresh: bool = True
     nranks: int = 1  # size of the group the bucket is reduced over
 
@@ -209,16 +210,22 @@ class GradBuckets:
         return b.buffer[b.offsets[j]: b.offsets[j] + b.shapes[j].numel()].view(b.shapes[j])
 
     def _ensure_buffer(self, b: Bucket) -> Tensor:
+        """The bucket's buffer. A new one is not zeroed (its first gradient per parameter is
+        copied in, and what none wrote is zeroed at launch: one pass less over the bucket),
+        except for the padding after the last parameter."""
         if b.buffer is None:
-            b.buffer = torch.zeros(b.numel, dtype=self.dtype, device=b.params[0].device)
+            b.buffer = torch.empty(b.numel, dtype=self.dtype, device=b.params[0].device)
+            end = b.offsets[-1] + b.shapes[-1].numel()
+            b.buffer[end:].zero_()
+            b.written.clear()
         elif b.fresh and not self.as_view:
-            b.buffer.zero_()
+            b.written.clear()
         b.fresh = False
         return b.buffer
 
     # --- the hook ------------------------------------------------------------------------
     def _accumulate(self, p: torch.nn.Parameter) -> None:
-        b, _ = self.where[p]
+        b, j = self.where[p]
         self._ensure_buffer(b)
         v = self.view(p)
         if self.as_view:
@@ -229,7 +236,11 @@ class GradBuckets:
                 v.zero_()
                 p.grad = v
         elif p.grad is not None:
-            v.add_(p.grad)  # casts, e.g. bf16 -> fp32
+            if j in b.written:
+                v.add_(p.grad)  # casts, e.g. bf16 -> fp32
+            else:
+                v.copy_(p.grad)
+                b.written.add(j)
             p.grad = None
 
     @torch.no_grad()
@@ -287,6 +298,11 @@ class GradBuckets:
             for p in b.params:
                 if p.grad is None or p.grad.data_ptr() != self.view(p).data_ptr():
                     self._accumulate(p)
+        else:  # a parameter without a gradient this cycle contributes zeros
+            for j, p in enumerate(b.params):
+                if j not in b.written:
+                    self.view(p).zero_()
+                    b.written.add(j)
         b.launched = True
         self.launch_log.append((b.index, time.perf_counter(), self._hooks_fired))
         self.launches_in_backward += int(in_backward)
@@ -296,7 +312,9 @@ class GradBuckets:
             if self.nranks > 1:
                 b.work = dist.all_reduce(buf, group=self.group, async_op=True)
             return
-        b.out = torch.empty(b.shard_numel, dtype=self.dtype, device=buf.device)
+        # a shard holding nothing of this cycle yet receives the reduction itself
+        b.out = b.shard if b.shard is not None and b.shard_fresh else torch.empty(
+            b.shard_numel, dtype=self.dtype, device=buf.device)
         if self.nranks > 1:
             b.work = self._reduce_scatter(b.out, buf, group=self.group, async_op=True)
         else:
@@ -307,10 +325,8 @@ class GradBuckets:
             b.work.wait()
             b.work = None
         if self.mode == "reduce_scatter" and b.out is not None:
-            if b.shard is None:
-                b.shard = b.out
-            elif b.shard_fresh:
-                b.shard.copy_(b.out)
+            if b.shard is None or b.shard_fresh:
+                b.shard = b.out  # (the shard itself when it existed: reduced into)
             else:
                 b.shard.add_(b.out)
             b.shard_fresh = False

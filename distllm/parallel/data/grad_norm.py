@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["clip_grad_norm_", "global_norm", "is_tp_sharded"]
+__all__ = ["clip_grad_norm_", "global_norm", "is_tp_sharded", "all_finite"]
 
 
 def is_tp_sharded(p: Tensor) -> bool:
@@ -101,3 +101,13 @@ def clip_by(norm: Tensor, max_norm: float, grads: Iterable[Tensor]) -> None:
         # the coefficient in the dtype the multiply computes in (fp32 for half gradients)
         op_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
         torch._foreach_mul_(gs, coef.to(device=device, dtype=op_dtype))
+
+
+def all_finite(g: Tensor) -> Tensor:
+    """Whether every element of ``g`` is finite, as a bool scalar on its device. Below
+    float64 it reads ``g`` once, summing in float64 (an inf or NaN makes the sum non-finite,
+    and finite float32 values cannot overflow it) instead of writing a boolean tensor of
+    ``g``'s size; a float64 gradient is checked element by element (its sum could overflow)."""
+    if g.dtype == torch.float64:
+        return torch.isfinite(g).all()
+    return torch.isfinite(torch.sum(g, dtype=torch.float64))

@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from distllm.parallel.data.buckets import FIRST_BUCKET_BYTES, GradBuckets, assign_buckets
-from distllm.parallel.data.grad_norm import clip_by, global_norm, is_tp_sharded
+from distllm.parallel.data.grad_norm import all_finite, clip_by, global_norm, is_tp_sharded
 from distllm.parallel.data.loss_scale import LossScaler
 from distllm.parallel.data.memory import MemoryReport, memory_report
 from distllm.parallel.data.replicas import broadcast_from_dp0, dp_group_of
@@ -287,7 +287,7 @@ class ZeroOptimizer:
         self._prepare_grads()
         grads = [m.grad for m in self.masters if m.grad is not None and m.grad.numel()]
         if grads:
-            finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+            finite = torch.stack([all_finite(g) for g in grads]).all()
             flag = (~finite).to(torch.float32)
         else:
             dev = self.masters[0].device if self.masters else self.dims.device

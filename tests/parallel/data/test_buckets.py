@@ -154,3 +154,46 @@ def test_reduction_gives_the_average(spawned, case, world):
         assert res["err"] < TOL, f"{case}: off the float64 average by {res['err']:.3g}"
         if case != "all_reduce":  # transient buffers: only the shard is kept
             assert res["freed"], res
+
+
+# --- transient buffers: no zero fill, the shard reduced into (one process) -----------------
+
+class _DirtyTorch:
+    """``torch`` for the buckets module, whose ``empty`` returns NaN-filled memory (what a
+    reused allocation may hold), so that a slice nobody wrote would show."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*size, **kw):
+        return torch.empty(*size, **kw).fill_(float("nan"))
+
+
+def _backward(params, grads) -> None:
+    sum((p * g).sum() for p, g in zip(params, grads, strict=True)).backward()
+
+
+def test_transient_buffer_first_gradient_copied_unwritten_zeroed(monkeypatch):
+    from distllm.parallel.data import buckets as mod
+
+    monkeypatch.setattr(mod, "torch", _DirtyTorch())
+    p0, p1, p2 = _params(5, 3, 3, dtype=torch.float64)  # 11 elements, padded to 12
+    gb = GradBuckets([[p0, p1, p2]], group=None, mode="reduce_scatter", dtype=torch.float64,
+                     as_view=False, persistent=False, pad_to=4)
+    g = torch.Generator().manual_seed(0)
+    a0, b0, b1 = (torch.randn(n, generator=g, dtype=torch.float64) for n in (5, 5, 3))
+    with gb.no_sync():  # micro-batch 1: p0 only
+        _backward([p0], [a0])
+    _backward([p0, p1], [b0, b1])  # micro-batch 2 (synchronised): p2 never gets one
+    [b] = gb.buckets
+    want = torch.cat([a0 + b0, b1, torch.zeros(4, dtype=torch.float64)])
+    assert torch.equal(b.shard, want)
+    shard = b.shard
+    gb.zero_grad()
+    c0, c1, c2 = (torch.randn(n, generator=g, dtype=torch.float64) for n in (5, 3, 3))
+    _backward([p0, p1, p2], [c0, c1, c2])
+    assert b.shard is shard  # a fresh shard receives the reduction itself: no copy
+    assert torch.equal(b.shard, torch.cat([c0, c1, c2, torch.zeros(1, dtype=torch.float64)]))
+    _backward([p1], [c1])  # no zero_grad: the next cycle adds to the shard
+    assert torch.equal(b.shard[5:8], c1 + c1) and torch.equal(b.shard[:5], c0)

@@ -331,3 +331,18 @@ def test_bad_input():
     with pytest.raises(ValueError, match="has no dp_group"):
         ZeroOptimizer(m, torch.optim.AdamW, stage=1, dims=object())
     assert not dist.is_initialized()
+
+
+def test_all_finite_reads_inf_and_nan_and_never_overflows():
+    from distllm.parallel.data.grad_norm import all_finite
+
+    big = torch.full((1000,), 3.0e38)  # finite float32 whose float32 sum would overflow
+    assert bool(all_finite(big)) and bool(all_finite(-big))
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            t = torch.zeros(7, dtype=dtype)
+            t[3] = bad
+            assert not bool(all_finite(t)), (bad, dtype)
+    assert bool(all_finite(torch.full((3,), 1e300, dtype=torch.float64)))  # exact at fp64
+    pair = torch.tensor([float("inf"), float("-inf")])  # sums to nan: still flagged
+    assert not bool(all_finite(pair))
