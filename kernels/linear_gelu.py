@@ -89,6 +89,32 @@ def _gelu_grad(u, APPROX_TANH: tl.constexpr):
 
 
 @triton.jit
+def _tile_matmul(
+    a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
+    ALLOW_TF32: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The fp32 (BLOCK_M, BLOCK_N) tile ``A[rm, :] @ B[:, rn]`` of ``A`` (M, K) and ``B``
+    (K, N), each read through its element strides (``stride_bn`` / ``stride_bk``: B's
+    strides along N and K; for the forward B = W^T, W being (N, K))."""
+    rk = tl.arange(0, BLOCK_K)
+    a_tile = a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak  # (BM, BK)
+    b_tile = b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn  # (BK, BN)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + rk) < K
+        a = tl.load(a_tile, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
+        b = tl.load(b_tile, mask=k_ok[:, None] & (rn[None, :] < N), other=0.0)
+        if DOT_FP32:  # the interpreter's bf16 dot is wrong; bf16 x bf16 is exact in fp32
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, allow_tf32=ALLOW_TF32)  # (BM, BK) @ (BK, BN)
+        a_tile += BLOCK_K * stride_ak
+        b_tile += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
 def _fwd_kernel(
     x_ptr,  # (M, K) input rows, any strides
     w_ptr,  # (N, K) weight, nn.Linear layout, any strides
@@ -128,20 +154,8 @@ def _fwd_kernel(
 
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: M*N may pass 2^31
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # int64: N*K may pass 2^31
-    rk = tl.arange(0, BLOCK_K)
-    x_tile = x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk  # (BM, BK)
-    w_tile = w_ptr + rk[:, None] * stride_wk + rn[None, :] * stride_wn  # (BK, BN) = W^T tile
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + rk) < K
-        a = tl.load(x_tile, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
-        b = tl.load(w_tile, mask=k_ok[:, None] & (rn[None, :] < N), other=0.0)
-        if DOT_FP32:  # the interpreter's bf16 dot is wrong; bf16 x bf16 is exact in fp32
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, allow_tf32=ALLOW_TF32)  # (BM, BK) @ (BK, BN)
-        x_tile += BLOCK_K * stride_xk
-        w_tile += BLOCK_K * stride_wk
+    acc = _tile_matmul(x_ptr, w_ptr, rm, rn, M, N, K, stride_xm, stride_xk, stride_wn,
+                       stride_wk, ALLOW_TF32, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
 
     if HAS_BIAS:
         bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
@@ -152,6 +166,55 @@ def _fwd_kernel(
         tl.store(u_ptr + offs, acc.to(u_ptr.dtype.element_ty), mask=out_mask)
     y = _gelu(acc, APPROX_TANH)
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _dgelu_kernel(
+    dy_ptr,  # (M, K) gradient of the next layer's output, any strides
+    w_ptr,  # (K, N) that layer's weight (nn.Linear layout (out=K, in=N)), any strides
+    u_ptr,  # (M, N) pre-activation saved by the forward, contiguous
+    gu_ptr,  # (M, N) output dL/du = (dy @ w) * gelu'(u), contiguous
+    db_ptr,  # (cdiv(M, BLOCK_M), N) fp32 partial bias gradients; unused unless HAS_BIAS
+    M,
+    N,
+    K,
+    stride_dm,
+    stride_dk,  # element strides of dy along M and K
+    stride_wk,
+    stride_wn,  # element strides of w along K and N
+    M_BUCKET,  # next power of two of M: the autotuner's key, not read by the kernel
+    HAS_BIAS: tl.constexpr,
+    APPROX_TANH: tl.constexpr,
+    ALLOW_TF32: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n  # grouped ordering, as the forward's
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: M*N may pass 2^31
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    acc = _tile_matmul(dy_ptr, w_ptr, rm, rn, M, N, K, stride_dm, stride_dk, stride_wn,
+                       stride_wk, ALLOW_TF32, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    offs = rm[:, None] * N + rn[None, :]
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    gu = acc * _gelu_grad(u, APPROX_TANH)  # masked rows: acc = 0 -> gu = 0
+    gu_out = gu.to(gu_ptr.dtype.element_ty)
+    tl.store(gu_ptr + offs, gu_out, mask=mask)
+    if HAS_BIAS:  # the rounded gu is summed, as the GEMMs that consume it see it
+        part = tl.sum(gu_out.to(tl.float32), axis=0)  # (BLOCK_N,)
+        tl.store(db_ptr + pid_m * N + rn, part, mask=rn < N)
 
 
 @triton.jit
@@ -187,6 +250,7 @@ _BWD_META = {"BLOCK_M": 16, "BLOCK_N": 64} if _INTERPRET else tuning.BWD_META
 
 if _INTERPRET:
     _fwd = _fwd_kernel
+    _dgelu = _dgelu_kernel
     _FWD_META = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
 else:  # pragma: no cover - needs a GPU
     # DISTLLM_TRITON_TUNE=min: the last (smallest) configuration only, no tuning runs (the
@@ -201,6 +265,12 @@ else:  # pragma: no cover - needs a GPU
         prune_configs_by={"early_config_prune": tuning.prune_for_launch},
     )(_fwd_kernel)
     _FWD_META = {}
+    _dgelu = triton.autotune(
+        configs=tuning.dgelu_configs()[-1:] if _TUNE == "min" else tuning.dgelu_configs(),
+        key=["M_BUCKET", "N", "K", "HAS_BIAS", "APPROX_TANH", "ALLOW_TF32"],
+        prune_configs_by={"early_config_prune": tuning.prune_for_launch},
+        reset_to_zero=["db_ptr"],
+    )(_dgelu_kernel)
 
 
 def interpreter_problem() -> str | None:
@@ -318,4 +388,54 @@ def gelu_bwd_pass(
         **({} if _INTERPRET else tuning.BWD_LAUNCH),
     )
     db = parts.sum(0).to(pre.dtype) if has_bias else None
+    return gu, db
+
+
+def gemm_dgelu(
+    dy: torch.Tensor, w: torch.Tensor, pre: torch.Tensor, has_bias: bool, approximate: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``gu = (dy @ w) * gelu'(pre)`` for ``dy`` (M, K), ``w`` (K, N), ``pre`` (M, N) in one
+    kernel (the GeLU derivative in the GEMM's epilogue), and ``gu.sum(0)`` if ``has_bias``
+    (per-row-block partial sums written by the same kernel, then summed: deterministic)."""
+    pre = pre.contiguous()
+    M, K = dy.shape
+    N = w.shape[1]
+    gu = torch.empty((M, N), device=dy.device, dtype=dy.dtype)
+    if M == 0 or N == 0 or K == 0:
+        gu.zero_()
+        return gu, (gu.sum(0) if has_bias else None)
+    # one fp32 row of partial column sums per row-block of the smallest tile any config
+    # uses; rows a larger tile leaves unwritten stay zero (the autotuner zeroes the buffer
+    # before each timing run and before the real one: reset_to_zero)
+    bm_min = _FWD_META["BLOCK_M"] if _INTERPRET else tuning.min_block_m(tuning.dgelu_configs())
+    parts = torch.zeros(
+        (triton.cdiv(M, bm_min), N) if has_bias else (1,), device=dy.device, dtype=torch.float32
+    )
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    _dgelu[grid](
+        dy,
+        w,
+        pre,
+        gu,
+        parts,
+        M,
+        N,
+        K,
+        dy.stride(0),
+        dy.stride(1),
+        w.stride(0),
+        w.stride(1),
+        triton.next_power_of_2(M),
+        HAS_BIAS=has_bias,
+        APPROX_TANH=approximate == "tanh",
+        ALLOW_TF32=dy.dtype == torch.float32
+        and bool(torch.backends.cuda.matmul.allow_tf32)
+        and not _INTERPRET,
+        DOT_FP32=_INTERPRET and dy.dtype == torch.bfloat16,
+        **_FWD_META,
+    )
+    db = parts.sum(0).to(dy.dtype) if has_bias else None
     return gu, db

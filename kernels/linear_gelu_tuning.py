@@ -44,6 +44,23 @@ def fwd_configs() -> list[triton.Config]:
     ]
 
 
+def dgelu_configs() -> list[triton.Config]:
+    """Tile shapes of the GEMM with the GeLU-derivative epilogue (the fused MLP backward): a
+    subset of the forward's, as its GEMM has the forward's shapes (M, ffn/tp, hidden) with
+    one more operand read in the epilogue."""
+    keep = {(128, 128, 64), (128, 64, 32), (64, 128, 32), (32, 64, 32)}
+    return [
+        c
+        for c in fwd_configs()
+        if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) in keep
+    ]
+
+
+def min_block_m(configs: list) -> int:
+    """The smallest BLOCK_M among ``configs`` (sizes per-row-block buffers for any of them)."""
+    return min(c.kwargs["BLOCK_M"] for c in configs)
+
+
 BWD_LAUNCH = {"num_warps": 4, "num_stages": 1}  # an elementwise pass: nothing to pipeline
 ELEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -67,7 +84,7 @@ def prune(configs: list, elem_bytes: int, smem_limit: int) -> list:
 
 def prune_for_launch(configs: list, named_args: dict, **kwargs) -> list:
     """``early_config_prune`` of the autotuner: drop configs that cannot launch here."""
-    x = named_args["x_ptr"]
+    x = named_args["x_ptr"] if "x_ptr" in named_args else named_args["dy_ptr"]
     limit = torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin
     return prune(configs, x.element_size(), limit)
 
@@ -101,6 +118,10 @@ _FWD_ALIGNED = (
     "M_BUCKET",
 )
 _BWD_POINTERS = ("g_ptr", "u_ptr", "gu_ptr", "db_ptr")
+_DGELU_POINTERS = ("dy_ptr", "w_ptr", "u_ptr", "gu_ptr", "db_ptr")
+_DGELU_INTS = ("M", "N", "K", "stride_dm", "stride_dk", "stride_wk", "stride_wn", "M_BUCKET")
+_DGELU_ALIGNED = ("dy_ptr", "w_ptr", "u_ptr", "gu_ptr", "db_ptr", "N", "K", "stride_dm",
+                  "stride_wk", "M_BUCKET")
 _DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -136,6 +157,27 @@ def aot_variants(arch: int) -> list:
             aligned=_FWD_ALIGNED if aligned else (),
         )
 
+    def dgelu(dt, tf32, cfg, bias, tanh, aligned):
+        ce = (
+            ("HAS_BIAS", bias),
+            ("APPROX_TANH", tanh),
+            ("ALLOW_TF32", tf32),
+            ("DOT_FP32", False),
+            *sorted(cfg.kwargs.items()),
+        )
+        return Variant(
+            mod,
+            "_dgelu_kernel",
+            dt,
+            _DGELU_POINTERS,
+            _DGELU_INTS,
+            ce,
+            cfg.num_warps,
+            cfg.num_stages,
+            fp32_pointers=("db_ptr",),
+            aligned=_DGELU_ALIGNED if aligned else (),
+        )
+
     all_on = (True, True, False)
     for dt in _DTYPES:
         configs = prune(fwd_configs(), ELEM_BYTES[dt], SMEM_LIMIT[arch])
@@ -148,6 +190,13 @@ def aot_variants(arch: int) -> list:
                 if tuple(map(bool, f)) != all_on
             ]
             out.append(fwd(dt, tf32, configs[-1], all_on, False))
+        dconfigs = prune(dgelu_configs(), ELEM_BYTES[dt], SMEM_LIMIT[arch])
+        for tf32 in (False, True) if dt == "float32" else (False,):
+            for i, cfg in enumerate(dconfigs):  # every config with bias and erf; then the flags
+                flags = [(True, False)] if i else [(b, t) for b in (0, 1) for t in (0, 1)]
+                for bias, tanh in flags:
+                    out.append(dgelu(dt, tf32, cfg, bool(bias), bool(tanh), True))
+            out.append(dgelu(dt, tf32, dconfigs[-1], True, False, False))
         for bias in (False, True):
             for tanh in (False, True):
                 ce = (("HAS_BIAS", bias), ("APPROX_TANH", tanh), *sorted(BWD_META.items()))

@@ -7,7 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distllm.nn.parallel_linear import ACTIVATIONS, ColumnParallelLinear, RowParallelLinear
+from distllm.nn.parallel_linear import (
+    ACTIVATIONS,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    _autocast_operands,
+)
+from distllm.parallel.tensor.fused_mlp import describe_kernel, parallel_mlp, resolve_backend
 from distllm.parallel.tensor.sharding import check_divisible
 
 __all__ = ["ParallelMLP", "DenseMLP"]
@@ -31,7 +37,13 @@ class DenseMLP(nn.Module):
 
 class ParallelMLP(nn.Module):
     """``fc2(gelu(fc1(x)))`` with ``fc1`` column-parallel (fused GEMM + bias + GeLU on the
-    local ``ffn_hidden/tp`` slice) and ``fc2`` row-parallel.
+    local ``ffn_hidden/tp`` slice) and ``fc2`` row-parallel, run as one autograd Function
+    (:func:`distllm.parallel.tensor.fused_mlp.parallel_mlp`) whose backward fuses the GeLU
+    derivative and fc1's bias gradient into fc2's input-gradient GEMM (cuBLASLt
+    DGELU_BGRAD, a Triton GEMM with that epilogue, or the GEMM and one pass on CPU).
+    ``backend`` ("auto", "cuda", "triton", "cpu", "reference") pins what computes both
+    fusions, as :func:`distllm.ops.linear_gelu`'s does; "reference" is the unfused path and
+    "auto" may pick it where it measured faster (``overlap_stats["fc1"].kernel`` says).
 
     Collectives, two per layer over forward and backward together: forward the all-reduce of
     fc2's output, chunked and overlapped with fc2's GEMM; backward the all-reduce of fc1's
@@ -45,7 +57,7 @@ class ParallelMLP(nn.Module):
 
     def __init__(self, hidden: int, ffn_hidden: int, dims, activation: str = "gelu",
                  bias: bool = True, sequence_parallel: bool = False, overlap: str = "auto",
-                 chunks: int = 4, dtype=None, device=None):
+                 chunks: int = 4, dtype=None, device=None, backend: str = "auto"):
         super().__init__()
         if activation not in ("gelu", "gelu_tanh"):
             raise ValueError(f"activation={activation!r}: use 'gelu' or 'gelu_tanh'")
@@ -53,7 +65,7 @@ class ParallelMLP(nn.Module):
         kw = dict(sequence_parallel=sequence_parallel, overlap=overlap, chunks=chunks,
                   dtype=dtype, device=device)
         self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, dims, bias=bias,
-                                        activation=activation, **kw)
+                                        activation=activation, backend=backend, **kw)
         self.fc2 = RowParallelLinear(ffn_hidden, hidden, dims, bias=bias, **kw)
 
     @property
@@ -62,7 +74,7 @@ class ParallelMLP(nn.Module):
 
     @classmethod
     def from_dense(cls, mlp: nn.Module, dims, sequence_parallel: bool = False,
-                   overlap: str = "auto", chunks: int = 4) -> ParallelMLP:
+                   overlap: str = "auto", chunks: int = 4, backend: str = "auto") -> ParallelMLP:
         """Shard a dense MLP with ``fc1`` / ``fc2`` ``nn.Linear``s (e.g. :class:`DenseMLP`)."""
         fc1, fc2 = getattr(mlp, "fc1", None), getattr(mlp, "fc2", None)
         if not isinstance(fc1, nn.Linear) or not isinstance(fc2, nn.Linear):
@@ -73,9 +85,34 @@ class ParallelMLP(nn.Module):
         m = cls.__new__(cls)
         nn.Module.__init__(m)
         kw = dict(sequence_parallel=sequence_parallel, overlap=overlap, chunks=chunks)
-        m.fc1 = ColumnParallelLinear.from_dense(fc1, dims, activation=act, **kw)
+        m.fc1 = ColumnParallelLinear.from_dense(fc1, dims, activation=act, backend=backend, **kw)
         m.fc2 = RowParallelLinear.from_dense(fc2, dims, **kw)
         return m
 
+    @property
+    def backend(self) -> str:
+        return self.fc1.backend
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.fc1(x))  # (b, s, h) -> (b, s, f/tp) -> (b, s, h)
+        # (b, s, h) -> (b, s, f/tp) -> (b, s, h); under sp (b, s/tp, h) in and out
+        fc1, fc2 = self.fc1, self.fc2
+        if fc1.sequence_parallel and x.dim() != 3:
+            raise ValueError("ParallelMLP: sequence_parallel expects (batch, seq/tp, hidden) "
+                             f"input, got shape {tuple(x.shape)}")
+        x, w1, b1, dev = _autocast_operands(x, fc1.weight, fc1.bias)
+        _, w2, b2, _ = _autocast_operands(x, fc2.weight, fc2.bias)
+        approx = ACTIVATIONS[fc1.activation]
+        with torch.autocast(dev, enabled=False):  # the kernels see the cast dtypes
+            needs_grad = torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (x, w1, b1, w2, b2))
+            name = resolve_backend(fc1.backend, x.reshape(-1, x.shape[-1]), w1, b1, approx,
+                                   needs_grad)
+            fc1.plan.stats.kernel = describe_kernel(name)
+            fc2.plan.stats.kernel = (
+                "reference: unfused (GEMM, then the GeLU derivative)" if name == "reference"
+                else f"{name}: GeLU derivative and fc1's bias gradient fused into the "
+                "input-gradient GEMM")
+            if fc1.plan.tp == 1 and needs_grad:
+                fc1.plan.ran("backward", "none")
+            return parallel_mlp(x, w1, b1, w2, b2, fc1.plan, fc2.plan, fc1.sequence_parallel,
+                                approx, name)

@@ -18,6 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distllm.parallel.tensor.fused_mlp import (
+    BACKENDS,
+    column_parallel_linear_gelu,
+    describe_kernel,
+    resolve_backend,
+)
 from distllm.parallel.tensor.layers import (
     OverlapPlan,
     OverlapStats,
@@ -59,10 +65,14 @@ class ColumnParallelLinear(nn.Module):
     backward all-reduce of dX overlapped with the dW GEMM (``sequence_parallel``:
     reduce-scatter of dX along the sequence, likewise overlapped).
 
-    ``activation`` "gelu" / "gelu_tanh": without overlap (``overlap="none"`` and no sequence
-    parallelism, or tp=1) the layer is ``distllm.ops.linear_gelu`` on the local shard; with an
-    overlapped schedule the GEMM is chunked by the engine and the epilogue is the fused
-    ``distllm.ops.bias_gelu``.
+    ``activation`` "gelu" / "gelu_tanh": the GEMM is fused with the bias and the GeLU in every
+    mode (:mod:`distllm.parallel.tensor.fused_mlp`): the fused op on the local input, or, under
+    sequence parallelism, on each all-gathered chunk as it arrives, the pre-activation kept
+    for the backward; the backward's input-gradient collective still overlaps the
+    weight-gradient GEMM. ``backend`` ("auto", "cuda", "triton", "cpu", "reference") pins
+    what computes it, as :func:`distllm.ops.linear_gelu`'s does; "auto" times the candidates
+    (the unfused "reference" among them) once per shape, and ``overlap_stats.kernel`` says
+    which ran.
 
     Under ``sequence_parallel`` the gathered full-sequence input is kept for the weight
     gradient (no second all-gather in backward, at the cost of ``tp`` times the shard's
@@ -74,10 +84,13 @@ class ColumnParallelLinear(nn.Module):
                  gather_output: bool = False, activation: str | None = None,
                  sequence_parallel: bool = False, dtype=None, device=None,
                  init_method: Callable[[torch.Tensor], None] | None = None,
-                 overlap: str = "auto", chunks: int = 4):
+                 overlap: str = "auto", chunks: int = 4, backend: str = "auto"):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r}: use None, 'gelu' or 'gelu_tanh'")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: use one of {', '.join(BACKENDS)}")
+        self.backend = backend
         check_divisible(out_features, dims.tp, "out_features", "out_features")
         self.in_features, self.out_features, self.dims = in_features, out_features, dims
         self.gather_output, self.activation = gather_output, activation
@@ -111,36 +124,46 @@ class ColumnParallelLinear(nn.Module):
         tp, group = self.dims.tp, self.dims.tp_group
         _check_sp_input(x, tp, self.sequence_parallel, "ColumnParallelLinear")
         approx = ACTIVATIONS[self.activation]
-        engine = tp > 1 and (self.sequence_parallel or self.plan.overlap != "none")
-        if not engine:
+        if approx is not None:
+            y = self._fused(x, approx)
+        elif tp > 1 and (self.sequence_parallel or self.plan.overlap != "none"):
+            x, w, b, dev = _autocast_operands(x, self.weight, self.bias)
+            with torch.autocast(dev, enabled=False):  # the engines see the cast dtypes
+                y = column_parallel_matmul(x, w, b, self.plan, self.sequence_parallel)
+        else:
             self.plan.ran("forward", "none")
             if torch.is_grad_enabled():
                 self.plan.ran("backward", "all_reduce" if tp > 1 and x.requires_grad else "none")
             x = copy_to_tp_region(x, group)  # f: backward all-reduce of dX
-            if approx is not None:
-                from distllm.ops import linear_gelu
-
-                y = linear_gelu(x, self.weight, self.bias, approximate=approx)
-            else:
-                y = F.linear(x, self.weight, self.bias)
-        else:
-            x, w, b, dev = _autocast_operands(x, self.weight, self.bias)
-            with torch.autocast(dev, enabled=False):  # the engines see the cast dtypes
-                if approx is None:
-                    y = column_parallel_matmul(x, w, b, self.plan, self.sequence_parallel)
-                else:
-                    from distllm.ops import bias_gelu
-
-                    pre = column_parallel_matmul(x, w, None, self.plan, self.sequence_parallel)
-                    y = bias_gelu(pre, b, approx)
+            y = F.linear(x, self.weight, self.bias)
         if self.gather_output:
             y = gather_from_tp_region(y, group)
         return y
 
+    def _fused(self, x: torch.Tensor, approx: str) -> torch.Tensor:
+        """The GEMM + bias + GeLU through the fused path of this layer's mode."""
+        x, w, b, dev = _autocast_operands(x, self.weight, self.bias)
+        with torch.autocast(dev, enabled=False):  # the kernels see the cast dtypes
+            needs_grad = torch.is_grad_enabled() and (
+                x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
+            name = resolve_backend(self.backend, x.reshape(-1, x.shape[-1]), w, b, approx,
+                                   needs_grad)
+            self.plan.stats.kernel = describe_kernel(name)
+            if self.dims.tp == 1:
+                from distllm.ops import linear_gelu
+
+                self.plan.ran("forward", "none")
+                if needs_grad:
+                    self.plan.ran("backward", "none")
+                return linear_gelu(x, w, b, approximate=approx, backend=name)
+            return column_parallel_linear_gelu(x, w, b, self.plan, self.sequence_parallel,
+                                               approx, name)
+
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}/tp={self.dims.tp}, "
                 f"activation={self.activation}, sp={self.sequence_parallel}, "
-                f"overlap={self.plan.overlap}, chunks={self.plan.chunks}")
+                f"overlap={self.plan.overlap}, chunks={self.plan.chunks}, "
+                f"backend={self.backend}")
 
 
 class RowParallelLinear(nn.Module):
@@ -212,6 +235,11 @@ class RowParallelLinear(nn.Module):
         with torch.autocast(dev, enabled=False):  # the engines see the cast dtypes
             return row_parallel_matmul(x, w, b, self.plan, self.sequence_parallel)
 
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}/tp={self.dims.tp}, out={self.out_features}, "
+                f"sp={self.sequence_parallel}, overlap={self.plan.overlap}, "
+                f"chunks={self.plan.chunks}")
+
 
 def _autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """``(x, weight, bias, device_type)`` as ``F.linear`` would see them under autocast: on
@@ -228,11 +256,6 @@ def _autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         return t.to(dtype) if ok and t.device.type == dev else t
 
     return cast(x), cast(weight), cast(bias), dev
-
-    def extra_repr(self) -> str:
-        return (f"in={self.in_features}/tp={self.dims.tp}, out={self.out_features}, "
-                f"sp={self.sequence_parallel}, overlap={self.plan.overlap}, "
-                f"chunks={self.plan.chunks}")
 
 
 def gather_sequence(x: torch.Tensor, dims) -> torch.Tensor:

@@ -17,6 +17,7 @@ a one-line warning and the next backend.
 from __future__ import annotations
 
 from distllm.ops.bias_gelu import bias_gelu, bias_gelu_reference
-from distllm.ops.linear_gelu import backends, linear_gelu, linear_gelu_reference
+from distllm.ops.linear_gelu import backends, gemm_dgelu, linear_gelu, linear_gelu_reference
 
-__all__ = ["bias_gelu", "bias_gelu_reference", "linear_gelu", "linear_gelu_reference", "backends"]
+__all__ = ["bias_gelu", "bias_gelu_reference", "linear_gelu", "linear_gelu_reference", "gemm_dgelu",
+           "backends"]

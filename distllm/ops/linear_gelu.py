@@ -9,6 +9,11 @@ Registered with ``torch.library`` here, in the order every op of this package fo
    tensor when ``save_pre`` is false (no gradient is needed); and
    ``distllm::linear_gelu_bwd(grad, x, weight, pre, bias?, approximate, backend, need_dx,
    need_dw) -> (dx, dweight, dbias)``;
+   ``distllm::gemm_dgelu(dy, weight, pre, has_bias, approximate, backend) -> (gu, dbias)``,
+   the GeLU derivative fused into the data-gradient GEMM of the layer that consumed
+   ``y = gelu(pre)`` (the MLP's second GEMM): ``gu = (dy @ weight) * gelu'(pre)``, the
+   operand of both of the first GEMM's backward GEMMs (cuBLASLt DGELU_BGRAD, a Triton GEMM
+   with that epilogue, or the GEMM and one pass on CPU), with ``dbias = gu.sum(0)``;
 2. their fake implementations;
 3. the second as the autograd formula of the first;
 4. :func:`linear_gelu`, which checks the inputs, applies autocast and reshapes (..., K) to
@@ -34,7 +39,7 @@ import torch.nn.functional as F
 from distllm.ops import backend_choice
 from distllm.ops import linear_gelu_backends as impl
 
-__all__ = ["linear_gelu", "linear_gelu_reference", "backends"]
+__all__ = ["linear_gelu", "linear_gelu_reference", "gemm_dgelu", "backends"]
 
 _APPROX = ("none", "tanh")
 _CHOICES = ("auto", *impl.BACKENDS)
@@ -73,6 +78,19 @@ def _bwd_op(
     return impl.bwd(name, grad, x, weight, pre, has_bias, approximate, need_dx, need_dw)
 
 
+@torch.library.custom_op("distllm::gemm_dgelu", mutates_args=())
+def _dgelu_op(
+    dy: torch.Tensor,
+    weight: torch.Tensor,
+    pre: torch.Tensor,
+    has_bias: bool,
+    approximate: str,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gu, db = impl.gemm_dgelu(backend, dy, weight, pre, has_bias, approximate)
+    return gu, (db.to(pre.dtype) if db is not None else pre.new_empty(0))
+
+
 # ----------------------------------------------------------------------------- 2. fakes
 @_fwd_op.register_fake
 def _(x, weight, bias, approximate, backend, save_pre):
@@ -86,6 +104,11 @@ def _(grad, x, weight, pre, bias, approximate, backend, need_dx, need_dw):
     dw = weight.new_empty(weight.shape) if need_dw else x.new_empty(0)
     db = x.new_empty((weight.shape[0],)) if bias is not None else x.new_empty(0)
     return dx, dw, db
+
+
+@_dgelu_op.register_fake
+def _(dy, weight, pre, has_bias, approximate, backend):
+    return pre.new_empty(pre.shape), pre.new_empty((pre.shape[1],) if has_bias else (0,))
 
 
 # ----------------------------------------------------------------------------- 3. autograd
@@ -169,6 +192,37 @@ def linear_gelu(
     x2 = x.reshape(math.prod(lead), x.shape[-1])  # (..., K) -> (M, K); a view if layout allows
     y, _ = torch.ops.distllm.linear_gelu_fwd(x2, weight, bias, approximate, backend, needs_grad)
     return y.reshape(*lead, weight.shape[0])
+
+
+def gemm_dgelu(
+    dy: torch.Tensor,
+    weight: torch.Tensor,
+    pre: torch.Tensor,
+    *,
+    bias_grad: bool = True,
+    approximate: str = "none",
+    backend: str = "reference",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The backward of ``z = linear(gelu(pre), weight)`` into ``pre``, as one GEMM with the
+    GeLU derivative in its epilogue: ``gu = (dy @ weight) * gelu'(pre)`` for ``dy``
+    (M, out), ``weight`` (out, in) as in ``nn.Linear``, ``pre`` (M, in); also
+    ``gu.sum(0)`` (the bias gradient of the layer that produced ``pre``) when
+    ``bias_grad``, else None. ``backend`` as :func:`linear_gelu`'s, without "auto" (the
+    fused MLP passes the backend its forward resolved). Not differentiable: it is a backward.
+    """
+    if approximate not in _APPROX:
+        raise ValueError(f"approximate={approximate!r}: use 'none' (erf) or 'tanh'")
+    if backend not in impl.BACKENDS:
+        raise ValueError(f"backend={backend!r}: use one of {', '.join(impl.BACKENDS)}")
+    if dy.dim() != 2 or weight.dim() != 2 or pre.dim() != 2:
+        raise ValueError("gemm_dgelu takes 2-D dy (M, out), weight (out, in), pre (M, in); got "
+                         f"{tuple(dy.shape)}, {tuple(weight.shape)}, {tuple(pre.shape)}")
+    if dy.shape[1] != weight.shape[0] or pre.shape != (dy.shape[0], weight.shape[1]):
+        raise ValueError(f"gemm_dgelu: dy {tuple(dy.shape)} @ weight {tuple(weight.shape)} "
+                         f"must match pre {tuple(pre.shape)}")
+    _require(backend, pre, weight.t(), approximate)
+    gu, db = torch.ops.distllm.gemm_dgelu(dy, weight, pre, bias_grad, approximate, backend)
+    return gu, (db if bias_grad else None)
 
 
 def _autocast_device(x) -> str | None:

@@ -87,16 +87,20 @@ class OverlapCounter:
 
 @dataclass
 class OverlapStats:
-    """Per-layer record of overlap: ``forward`` and ``backward`` :class:`OverlapCounter`."""
+    """Per-layer record of overlap: ``forward`` and ``backward`` :class:`OverlapCounter`,
+    and ``kernel``: what computes a layer with a fused epilogue (the backend, fused or not,
+    as ``backend="auto"`` resolved it; empty for a plain GEMM)."""
 
     forward: OverlapCounter = field(default_factory=OverlapCounter)
     backward: OverlapCounter = field(default_factory=OverlapCounter)
+    kernel: str = ""
 
     def reset(self) -> None:
+        """Clear the counters (``kernel`` describes the layer and stays)."""
         self.forward, self.backward = OverlapCounter(), OverlapCounter()
 
     def as_dict(self) -> dict:
-        out = {}
+        out = {"kernel": self.kernel}
         for name in ("forward", "backward"):
             c = getattr(self, name)
             out[name] = {**asdict(c), "hidden_ms": c.hidden_ms, "hidden_frac": c.hidden_frac}

@@ -32,6 +32,14 @@ recorded after the collective (the host never blocks).
 
 The GEMM is a callback ``mm(a_rows, out_rows)`` writing ``a_rows @ B`` into a row slice of
 the output (a contiguous ``(m, n)`` view), so the same engine serves forward and backward.
+A callback with an epilogue that reads or writes per-row tensors of its own (the fused
+GEMM + bias + GeLU keeps its pre-activation; the fused MLP backward reads it) may also have
+``at(q, s, e)``, which :func:`allgather_matmul` calls before each GEMM with the rows it is
+about to compute (the rows ``[s, e)`` of rank ``q``'s sequence shard), and ``produce(a_rows)``,
+which returns the product in a tensor of its own instead of writing into ``out_rows`` (the
+engine places it, as it places its own chunk results, without another copy), and
+``begin()``, called once at the start of each run (the overlap tuner runs a schedule several
+times: per-run state, such as partial bias gradients, starts again there).
 """
 
 from __future__ import annotations
@@ -213,6 +221,20 @@ def matmul_all_reduce(a: torch.Tensor, mm: MatMul, n_out: int, comm: CommContext
     return out, extra
 
 
+def _product(mm: MatMul, rows: torch.Tensor, n_out: int, where: tuple[int, int, int]
+             ) -> torch.Tensor:
+    """``rows @ B`` as a fresh ``(m, n_out)`` tensor, telling ``mm`` where the rows sit."""
+    at = getattr(mm, "at", None)
+    if at is not None:
+        at(*where)
+    produce = getattr(mm, "produce", None)
+    if produce is not None:
+        return produce(rows)
+    res = rows.new_empty(rows.shape[0], n_out)
+    mm(rows, res)
+    return res
+
+
 def _gather_chunk(comm: CommContext, a_local: torch.Tensor, s: int, e: int):
     b, _, k = a_local.shape
     piece = a_local[:, s:e].reshape(b * (e - s), k)  # (b*c, k), contiguous copy
@@ -227,20 +249,28 @@ def allgather_matmul(a_local: torch.Tensor, mm: MatMul, n_out: int, comm: CommCo
     ``[r*s/tp, (r+1)*s/tp)``."""
     b, sl, k = a_local.shape
     tp, r = comm.world, comm.rank
+    begin = getattr(mm, "begin", None)
+    if begin is not None:
+        begin()
     if chunks <= 0:  # sequential: all-gather, then one GEMM
         buf = a_local.new_empty(tp * b * sl, k)
         comm.run("all_gather", buf, a_local.reshape(b * sl, k))
         a_full = buf.view(tp, b, sl, k).transpose(0, 1).reshape(b, tp * sl, k)
-        out = a_local.new_empty(b * tp * sl, n_out)
-        mm(a_full.view(-1, k), out)
+        if getattr(mm, "at", None) is None and getattr(mm, "produce", None) is None:
+            out = a_local.new_empty(b * tp * sl, n_out)
+            mm(a_full.view(-1, k), out)
+            return a_full, out.view(b, tp * sl, n_out)
+        out = a_local.new_empty(b, tp, sl, n_out)
+        for q in range(tp):  # an epilogue with per-row state: one GEMM per source rank
+            rows = a_full.view(b, tp, sl, k)[:, q].reshape(b * sl, k)
+            out[:, q] = _product(mm, rows, n_out, (q, 0, sl)).view(b, sl, n_out)
         return a_full, out.view(b, tp * sl, n_out)
     a_full = a_local.new_empty(b, tp, sl, k)
     out = a_local.new_empty(b, tp, sl, n_out)
     bounds = pipeline_bounds(sl, chunks)
     pending = _gather_chunk(comm, a_local, *bounds[0])
     a_full[:, r] = a_local
-    local = a_local.new_empty(b * sl, n_out)
-    mm(a_local.reshape(b * sl, k), local)  # own rows while chunk 0 travels
+    local = _product(mm, a_local.reshape(b * sl, k), n_out, (r, 0, sl))  # while chunk 0 travels
     out[:, r] = local.view(b, sl, n_out)
     for j, (s, e) in enumerate(bounds):
         buf, h = pending
@@ -253,8 +283,7 @@ def allgather_matmul(a_local: torch.Tensor, mm: MatMul, n_out: int, comm: CommCo
             if q == r:
                 continue
             a_full[:, q, s:e] = bufv[q]
-            res = a_local.new_empty(b * c, n_out)
-            mm(bufv[q].view(b * c, k), res)  # (b*c, K) @ (K, N)
+            res = _product(mm, bufv[q].view(b * c, k), n_out, (q, s, e))  # (b*c, K) @ (K, N)
             out[:, q, s:e] = res.view(b, c, n_out)
     return a_full.view(b, tp * sl, k), out.view(b, tp * sl, n_out)
 
