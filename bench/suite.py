@@ -47,6 +47,8 @@ class Suite:
 
 SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("linear_gelu", "distllm.bench.linear_gelu", "Fused GEMM + bias + GeLU"),
+    Suite("parallel_mlp", "distllm.bench.parallel_mlp",
+          "Tensor-parallel MLP: fused against unfused against DTensor"),
     Suite("row_overlap", "distllm.bench.row_parallel_overlap",
           "Row-parallel GEMM overlapped with its all-reduce", overlap=True),
     Suite("sp_overlap", "distllm.bench.sp_overlap",

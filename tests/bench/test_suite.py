@@ -208,8 +208,8 @@ def test_registry_names_every_suite_and_its_module_imports():
 
     from distllm.bench import harness
 
-    assert list(suite.SUITES) == ["linear_gelu", "row_overlap", "sp_overlap", "ddp", "zero",
-                                  "pipeline", "train_e2e", "plan_validation"]
+    assert list(suite.SUITES) == ["linear_gelu", "parallel_mlp", "row_overlap", "sp_overlap",
+                                  "ddp", "zero", "pipeline", "train_e2e", "plan_validation"]
     avail = {n: (ok, why) for n, ok, why in suite.availability()}
     here = Path(harness.__file__).parent
     for name, s in suite.SUITES.items():  # every registered suite ships and runs

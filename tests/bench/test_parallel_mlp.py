@@ -1,0 +1,33 @@
+"""The parallel-MLP benchmark runs end to end at a tiny shape (tp2 on 2 gloo ranks and tp1),
+with a timed row per variant, the kernel each distllm variant ran, and speed-ups against the
+unfused variant computed from the medians."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distllm.bench import parallel_mlp
+from distllm.bench.harness import BenchConfig, run
+
+
+def test_parallel_mlp_bench_rows():
+    rows = run(parallel_mlp, BenchConfig(quick=True, shapes="32,16,64", reps=1))
+    by = {(r["case"], r["variant"]): r for r in rows}
+    cases = {r["case"] for r in rows}
+    assert cases == {f"tp{tp} {ph} 32x16x64 float32" for tp in (1, 2) for ph in ("fwd", "fwd+bwd")}
+    for case in cases:
+        got = {v for c, v in by if c == case}
+        assert got == {"fused", "unfused", "auto", "peer"}, (case, got)
+        for v in got:
+            assert by[case, v]["status"] == "ok" and by[case, v]["ms"] > 0, by[case, v]
+        assert by[case, "fused"]["extra"]["kernel"].startswith("cpu: fused"), by[case, "fused"]
+        assert by[case, "unfused"]["extra"]["kernel"].startswith("reference: unfused")
+        un, fu = by[case, "unfused"]["ms"], by[case, "fused"]["ms"]
+        assert by[case, "fused"]["speedup_vs_unfused"] == pytest.approx(un / fu, rel=1e-6)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_parallel_mlp_bench_says_why_without_cuda():
+    [r] = run(parallel_mlp, BenchConfig(device="cuda"))
+    assert (r["suite"], r["status"]) == ("parallel_mlp", "unavailable")
+    assert "no CUDA device" in r["reason"], r
