@@ -7,9 +7,14 @@ timed with CUDA events over interleaved repetitions (median, p10..p90), in one p
    (``torch._addmm_activation(b, x, W^T, use_gelu=True)``, PyTorch's own fused epilogue) and
    ``gemm-nobias`` (F.linear without bias: the bare cuBLAS GEMM, the floor). TFLOP/s count
    2*M*K*N per call; ``speedup_vs_unfused`` is the ratio of medians in this run.
-2. ``chunk_penalty``: one (8192, 8192) @ (8192, 8192) GEMM against the same product as 4
+2. ``parallel_mlp``: ``ParallelMLP`` at tp1 in bfloat16, (tokens, hidden, ffn) =
+   (8192, 4096, 16384), forward + backward: ``fused-cuda`` (cuBLASLt GELU_AUX_BIAS forward,
+   DGELU_BGRAD backward across the two GEMMs), ``fused-triton``, and ``unfused``
+   (``backend="reference"``: the GEMMs, then GeLU and its derivative as separate passes).
+   TFLOP/s count the six GEMMs, 12*M*H*F per call.
+3. ``chunk_penalty``: one (8192, 8192) @ (8192, 8192) GEMM against the same product as 4
    row-chunk GEMMs (what an overlap engine with 4 chunks runs instead of one GEMM).
-3. ``two_streams``: a GEMM on one stream beside an elementwise kernel (a stand-in for a
+4. ``two_streams``: a GEMM on one stream beside an elementwise kernel (a stand-in for a
    communication kernel) on a second stream, issued in either order: the fraction of the
    shorter one hidden (1 = fully concurrent, 0 = serialised). Measured in two child
    processes, with and without ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (which must be set before
@@ -38,6 +43,7 @@ from distllm.diagnostics.timing import Timer, cuda_event_timer, interleaved
 
 SUITE = "gpu"
 LINEAR_SHAPES = [(8192, 4096, 16384), (4096, 4096, 4096)]
+MLP_SHAPE = (8192, 4096, 16384)
 CHUNK_N, CHUNKS = 8192, 4
 
 def _timed_rows(
@@ -99,6 +105,51 @@ def bench_linear_gelu(
                 device=device,
             )
         del x, w, b
+    return rows
+
+
+def bench_parallel_mlp(
+    shape, dtype: torch.dtype, device: str, timer: Timer, reps: int, warmup: int = 3
+) -> list[dict]:
+    """ParallelMLP at tp1, forward + backward, per backend (see the module docstring)."""
+    from distllm import ParallelDims
+    from distllm.nn import ParallelMLP
+
+    m, h, f = shape
+    dims = ParallelDims(tp=1, backend="gloo")  # one rank: nothing communicates
+    torch.manual_seed(0)
+    x = torch.randn(1, m, h, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(1, m, h, device=device, dtype=dtype)
+    mlps = {
+        name: ParallelMLP(h, f, dims, activation="gelu_tanh", dtype=dtype, device=device,
+                          backend=be)
+        for name, be in (("unfused", "reference"), ("fused-cuda", "cuda"),
+                         ("fused-triton", "triton"))
+    }
+
+    def step(mod):
+        params = list(mod.parameters())
+
+        def call():
+            for p in params:
+                p.grad = None
+            x.grad = None
+            mod(x).backward(g)
+
+        return call
+
+    rows = _timed_rows(
+        f"parallel_mlp tp1 fwd+bwd {m}x{h}x{f} {str(dtype).removeprefix('torch.')}",
+        {n: step(mod) for n, mod in mlps.items()},
+        timer,
+        reps,
+        warmup,
+        12.0 * m * h * f,
+        "unfused",
+        shape=f"{m}x{h}x{f}",
+        dtype=str(dtype).removeprefix("torch."),
+        device=device,
+    )
     return rows
 
 
@@ -236,11 +287,13 @@ def run_all(
     timer: Timer = cuda_event_timer,
     device: str = "cuda",
     linear_shapes=None,
+    mlp_shape=None,
     chunk_n: int = CHUNK_N,
     streams: bool = True,
 ) -> list[dict]:
     reps = 10 if quick else 30
     rows = bench_linear_gelu(linear_shapes or LINEAR_SHAPES, torch.bfloat16, device, timer, reps)
+    rows += bench_parallel_mlp(mlp_shape or MLP_SHAPE, torch.bfloat16, device, timer, reps)
     rows += bench_chunk_penalty(chunk_n, CHUNKS, torch.bfloat16, device, timer, reps)
     if streams:
         rows += two_streams_rows(reps)

@@ -91,3 +91,20 @@ def test_main_refuses_without_cuda(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu_bench.main([]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_parallel_mlp_rows_on_cpu_tensors():
+    """The MLP measurement's rows on CPU tensors (the real timer of the wall clock): the
+    unfused variant runs, the CUDA backend is an error row naming why, the ratios and
+    TFLOP/s follow from the medians."""
+    from distllm.diagnostics.timing import wall_timer
+
+    m, h, f = 8, 16, 32
+    rows = gpu_bench.bench_parallel_mlp((m, h, f), torch.float32, "cpu", wall_timer(), reps=2,
+                                        warmup=1)
+    by = {r["variant"]: r for r in rows}
+    assert by["fused-cuda"]["status"] == "error", by["fused-cuda"]
+    assert "backend='cuda'" in by["fused-cuda"]["reason"]
+    un = by["unfused"]
+    assert un["status"] == "ok" and un["speedup_vs_unfused"] == pytest.approx(1.0)
+    assert un["tflops"] == pytest.approx(12 * m * h * f / (un["ms"] * 1e-3) / 1e12)
