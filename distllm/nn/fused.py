@@ -1,6 +1,12 @@
 """Drop-in fused layers: :class:`FusedLinearGeLU` (``nn.Linear`` then GeLU as one op) and
-:func:`fuse`, which reads Linear -> GeLU pairs from each block's ``torch.fx`` graph and swaps
-them in place.
+:func:`fuse`, which reads Linear -> GeLU pairs (and Linear -> GeLU -> Linear MLPs) from each
+block's ``torch.fx`` graph and swaps them in place.
+
+A :class:`FusedLinearGeLU` alone has the fused op's backward (one pass for the GeLU
+derivative, with the bias gradient where the backend fuses it, then the two GEMMs). An MLP
+that :func:`fuse` finds whole is computed by one function whose backward also fuses the GeLU
+derivative into the second Linear's input-gradient GEMM
+(:func:`distllm.parallel.tensor.fused_mlp.dense_mlp`, as ``ParallelMLP`` at tp=1).
 
 No collective runs in forward or backward (single-device layers).
 """
@@ -175,6 +181,54 @@ def _fusable_linear(m) -> str | None:
     return None
 
 
+class _FusedMLPHead(FusedLinearGeLU):
+    """The first Linear of a Linear -> GeLU -> Linear chain swapped by :func:`fuse`: it
+    computes the whole chain (the GeLU's slot becomes an identity, the second Linear's a
+    :class:`_FusedAway` that keeps its parameters under their names), so that the backward
+    is fused across the two GEMMs. Its own parameters are the first Linear's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from distllm.nn.parallel_linear import _autocast_operands
+        from distllm.parallel.tensor.fused_mlp import dense_mlp, resolve_backend
+
+        tail = self._tail
+        x, w1, b1, dev = _autocast_operands(x, self.weight, self.bias)
+        _, w2, b2, _ = _autocast_operands(x, tail.weight, tail.bias)
+        with torch.autocast(dev, enabled=False):
+            needs_grad = torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (x, w1, b1, w2, b2))
+            name = resolve_backend(self.backend, x.reshape(-1, x.shape[-1]), w1, b1,
+                                   self.approximate, needs_grad)
+            return dense_mlp(x, w1, b1, w2, b2, self.approximate, name)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", then the next Linear (fused MLP)"
+
+
+class _FusedAway(nn.Module):
+    """Holds the second Linear's parameters (same objects, same names) after :func:`fuse`
+    folded its GEMM into the :class:`_FusedMLPHead` before it; passes its input through."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}: computed "
+                "by the fused MLP before it")
+
+
+def _fused_mlp(fc1: nn.Linear, fc2: nn.Linear, approximate: str) -> tuple[nn.Module, nn.Module]:
+    head = _FusedMLPHead.from_linear(fc1, approximate)
+    tail = _FusedAway(fc2)
+    object.__setattr__(head, "_tail", tail)  # a reference, not a submodule (no double names)
+    return head, tail
+
+
 def _fused(fc, approximate: str) -> nn.Module:
     if _fusable_linear(fc) == "linear":
         return FusedLinearGeLU.from_linear(fc, approximate)
@@ -236,9 +290,11 @@ def _is_gelu_attr(name: str, value) -> bool:
     )
 
 
-def _pairs(block: nn.Module, graph: torch.fx.Graph) -> list[tuple[str, str, str]]:
-    """(fc, act, approximate) for each child Linear (or HF Conv1D) whose output has one
-    consumer, a child GeLU called on it alone; each called once in the graph."""
+def _pairs(block: nn.Module, graph: torch.fx.Graph) -> list[tuple[str, str, str, str | None]]:
+    """(fc, act, approximate, fc2) for each child Linear (or HF Conv1D) whose output has one
+    consumer, a child GeLU called on it alone; each called once in the graph. ``fc2`` names
+    the child ``nn.Linear`` that alone consumes the GeLU's output, once, when ``fc`` is an
+    ``nn.Linear`` too (a whole MLP), else None."""
     calls = [n for n in graph.nodes if n.op == "call_module" and "." not in n.target]
     times = {}
     for n in calls:
@@ -255,8 +311,21 @@ def _pairs(block: nn.Module, graph: torch.fx.Graph) -> list[tuple[str, str, str]
             continue
         ap = gelu_approximate(getattr(block, user.target))
         if ap is not None:
-            out.append((node.target, user.target, ap))
+            out.append((node.target, user.target, ap, _consumer_linear(block, user, times)
+                        if _fusable_linear(fc) == "linear" else None))
     return out
+
+
+def _consumer_linear(block: nn.Module, act_node, times: dict) -> str | None:
+    """The child ``nn.Linear`` that alone consumes ``act_node``'s output, called once on it."""
+    if len(act_node.users) != 1:
+        return None
+    (user,) = act_node.users
+    if user.op != "call_module" or "." in user.target or times.get(user.target) != 1:
+        return None
+    if user.args != (act_node,) or user.kwargs:
+        return None
+    return user.target if type(getattr(block, user.target)) is nn.Linear else None
 
 
 def _fuse_block(block: nn.Module) -> int:
@@ -271,8 +340,13 @@ def _fuse_block(block: nn.Module) -> int:
     if graph is None:
         return 0
     pairs = _pairs(block, graph)
-    for fc_name, act_name, ap in pairs:
-        setattr(block, fc_name, _fused(getattr(block, fc_name), ap))
+    for fc_name, act_name, ap, fc2_name in pairs:
+        if fc2_name is not None:
+            head, tail = _fused_mlp(getattr(block, fc_name), getattr(block, fc2_name), ap)
+            setattr(block, fc_name, head)
+            setattr(block, fc2_name, tail)
+        else:
+            setattr(block, fc_name, _fused(getattr(block, fc_name), ap))
         if isinstance(getattr(block, act_name), nn.Module):
             setattr(block, act_name, nn.Identity())
         else:  # a function attribute (e.g. F.gelu): replaced by the identity function
@@ -294,7 +368,10 @@ def fuse(model: nn.Module) -> int:
     output feeds only a GeLU, each called once, is a pair. This covers ``nn.Sequential`` and
     Hugging Face MLP blocks (GPT-2's ``Conv1D``, BERT). The Linear becomes a
     :class:`FusedLinearGeLU` sharing its parameters (a ``Conv1D`` keeps its (in, out)
-    layout), the GeLU an identity. Everything else (other activations, Linear subclasses,
+    layout), the GeLU an identity. When the GeLU's output in turn feeds only a child
+    ``nn.Linear`` (a whole MLP), the first Linear's replacement computes the MLP, with the
+    backward fused across the two GEMMs, and the second Linear's slot keeps its parameters
+    under their names and passes its input through. Everything else (other activations, Linear subclasses,
     outputs used twice, blocks that cannot be traced) is left alone; outputs change only by
     the dtype's rounding.
     """
@@ -302,7 +379,7 @@ def fuse(model: nn.Module) -> int:
         raise ValueError(f"fuse needs an nn.Module, got {type(model).__name__}")
     count = 0
     for m in list(model.modules()):
-        if isinstance(m, (FusedLinearGeLU, _FusedConv1DGeLU)):
+        if isinstance(m, (FusedLinearGeLU, _FusedConv1DGeLU, _FusedAway)):
             continue
         if type(m).forward is not nn.Module.forward:
             count += _fuse_block(m)

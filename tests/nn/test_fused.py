@@ -41,14 +41,15 @@ def ran(monkeypatch) -> dict[str, set[str]]:
     from distllm.ops import linear_gelu_backends as impl
 
     seen: dict[str, set[str]] = {"fwd": set(), "bwd": set()}
-    for phase in seen:
-        real = getattr(impl, phase)
+    # a whole MLP's backward is gemm_dgelu (the GeLU derivative in the second GEMM)
+    for fn, phase in (("fwd", "fwd"), ("bwd", "bwd"), ("gemm_dgelu", "bwd")):
+        real = getattr(impl, fn)
 
         def record(backend, *args, _real=real, _phase=phase):
             seen[_phase].add(backend)
             return _real(backend, *args)
 
-        monkeypatch.setattr(impl, phase, record)
+        monkeypatch.setattr(impl, fn, record)
     return seen
 
 
@@ -147,6 +148,29 @@ def test_fuse_sequential_counts_and_keeps_outputs(backend, ran):
     assert set(model.state_dict()) == keys  # checkpoints still load
     _same_outputs_and_grads(ref, model, torch.randn(5, 8, dtype=torch.float64))
     assert ran == {"fwd": {backend}, "bwd": {backend}}, f"the fused op ran {ran}"
+    assert fuse(model) == 0  # idempotent
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_fuse_whole_mlp_fuses_its_backward_across_the_two_gemms(backend, approximate, monkeypatch):
+    """Linear -> GeLU -> Linear becomes one function: the GeLU derivative goes into the second
+    Linear's input-gradient GEMM (gemm_dgelu), the parameters keep their names."""
+    from distllm.ops import linear_gelu_backends as impl
+
+    ref = nn.Sequential(nn.Linear(8, 24), nn.GELU(approximate=approximate),
+                        nn.Linear(24, 8)).double()
+    keys = set(ref.state_dict())
+    calls = []
+    real = impl.gemm_dgelu
+    monkeypatch.setattr(impl, "gemm_dgelu", lambda *a: calls.append(a[0]) or real(*a))
+    model = _fused_copy(ref, backend, 1)
+    assert isinstance(model[0], FusedLinearGeLU) and isinstance(model[1], nn.Identity)
+    assert type(model[2]).__name__ == "_FusedAway" and model[2].weight is model[2].weight
+    assert set(model.state_dict()) == keys  # checkpoints still load
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ref.parameters())
+    _same_outputs_and_grads(ref, model, torch.randn(2, 5, 8, dtype=torch.float64))
+    assert calls == [backend], f"the fused MLP backward ran {calls}"
     assert fuse(model) == 0  # idempotent
 
 

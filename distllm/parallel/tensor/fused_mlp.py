@@ -43,7 +43,7 @@ from distllm.ops import linear_gelu_backends as impl
 from distllm.parallel.tensor.layers import OverlapPlan, _mm, _mm_t
 
 __all__ = ["BACKENDS", "resolve_backend", "column_parallel_linear_gelu", "parallel_mlp",
-           "describe_kernel"]
+           "dense_mlp", "single_device_plans", "describe_kernel"]
 
 BACKENDS = ("auto", *impl.BACKENDS)
 
@@ -305,3 +305,26 @@ def parallel_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2:
     keep = _needs_grad(x, w1, b1, w2, b2)
     return _ParallelMLP.apply(x, w1, b1, w2, b2, plan1, plan2, sequence_parallel, approximate,
                               backend, keep)
+
+
+class _SingleDevice:
+    """The mesh of a layer on one device (tp=1: nothing communicates)."""
+
+    tp, tp_rank, tp_group = 1, 0, None
+
+
+def dense_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
+              b2: torch.Tensor | None, approximate: str, backend: str,
+              plans: tuple[OverlapPlan, OverlapPlan] | None = None) -> torch.Tensor:
+    """``linear(gelu(linear(x, w1, b1)), w2, b2)`` on one device with the fused forward and
+    the backward fused across the two GEMMs (:func:`parallel_mlp` at tp=1); ``backend``
+    already resolved. ``plans``: where to record what ran (fresh ones if None)."""
+    if plans is None:
+        plans = single_device_plans("MLP")
+    return parallel_mlp(x, w1, b1, w2, b2, plans[0], plans[1], False, approximate, backend)
+
+
+def single_device_plans(name: str) -> tuple[OverlapPlan, OverlapPlan]:
+    """The (fc1, fc2) overlap plans of an MLP on one device: records, no communication."""
+    return (OverlapPlan(_SingleDevice(), "none", 1, f"{name}.fc1"),
+            OverlapPlan(_SingleDevice(), "none", 1, f"{name}.fc2"))
