@@ -193,12 +193,17 @@ class Engine:
         last stage's TP-rank-0 values of ``local`` (this rank's loss) averaged over DP.
         Collective: one all-reduce over the world group (world size > 1)."""
         d = self.dims
-        mine = torch.as_tensor(local, dtype=torch.float64, device=self.device).reshape(1).clone()
-        if not (d.is_last_stage and d.tp_rank == 0):
-            mine = torch.zeros_like(mine)
+        mine = self._loss_share(local)
         if d.world_size > 1:
             dist.all_reduce(mine, group=d.world_group)
         return mine[0] / d.dp
+
+    def _loss_share(self, local: torch.Tensor | float) -> torch.Tensor:
+        """This rank's term of the world sum behind :meth:`global_loss`: its loss on the last
+        stage's TP rank 0, else 0 (a float64 1-element tensor on the device)."""
+        d = self.dims
+        mine = torch.as_tensor(local, dtype=torch.float64, device=self.device).reshape(1).clone()
+        return mine if d.is_last_stage and d.tp_rank == 0 else torch.zeros_like(mine)
 
     def step(self, max_norm: float) -> float:
         """:meth:`update` without a loss; returns the gradient norm before clipping."""
@@ -210,15 +215,21 @@ class Engine:
 
         ``loss``: this rank's :meth:`forward_backward` loss, reduced by :meth:`global_loss`.
         The norm, the loss and the inf/NaN flag are read back together: the step's one host
-        sync. Collectives: the norm's all-reduce, ZeRO's inf/NaN all-reduce, the loss's.
+        sync. Collectives: with ZeRO one all-reduce over the world group carries the norm's
+        squares, the inf/NaN flags and the loss; with DDP the norm's all-reduce (over TP x
+        PP) and the loss's.
         """
         max_norm = max_norm if max_norm > 0 else float("inf")
-        norm = (self.zero if self.zero is not None else self.ddp).clip_grad_norm_(max_norm)
-        vals = {"grad_norm": norm.to(torch.float64)}
-        if loss is not None:
-            vals["loss"] = self.global_loss(loss)
         if self.zero is not None:
-            vals["found_inf"] = self.zero.found_inf().to(torch.float64)
+            share = self._loss_share(loss) if loss is not None else None
+            norm, flag, total = self.zero.clip_and_check(max_norm, share)
+            vals = {"grad_norm": norm.to(torch.float64), "found_inf": flag.to(torch.float64)}
+            if total is not None:
+                vals["loss"] = total[0] / self.dims.dp
+        else:
+            vals = {"grad_norm": self.ddp.clip_grad_norm_(max_norm).to(torch.float64)}
+            if loss is not None:
+                vals["loss"] = self.global_loss(loss)
         read = dict(zip(vals, torch.stack(list(vals.values())).tolist(), strict=True))
         skipped = bool(read.get("found_inf", 0.0))
         if self.zero is not None:

@@ -1,7 +1,8 @@
 """The engine's data-parallel side: at ZeRO stages 1 and 2 the parameter all-gathers that
 end a step are launched, not waited for, first layers first, and each is waited for by the
-next forward of the layers that use it; the losses still equal the single-process run's
-(float64, weight decay, clipping and warm-up on)."""
+next forward of the layers that use it; ``update`` reduces the norm, the inf/NaN flag and the
+loss in one all-reduce; the losses still equal the single-process run's (float64, weight
+decay, clipping and warm-up on), on 2 ranks and on 4 with TP and PP beside ZeRO."""
 
 from __future__ import annotations
 
@@ -31,18 +32,29 @@ def _gathers_rank(data: str, out: str, zero: int) -> dict:
         return launch(self, i, flat, shard)
 
     zero_gather.ParamGathers.launch = spy
+    reduces: list[int] = []
+    all_reduce = torch.distributed.all_reduce
+
+    def counted(t, *a, **kw):
+        reduces.append(t.numel())
+        return all_reduce(t, *a, **kw)
+
     try:
         x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(dims.rank))
-        eng.update(1.0, eng.forward_backward(x, x))
+        loss = eng.forward_backward(x, x)
+        torch.distributed.all_reduce = counted
+        eng.update(1.0, loss)
+        torch.distributed.all_reduce = all_reduce
         pending_after_step = sorted(eng.zero._gathers.pending)
         loss = eng.forward_backward(x, x)  # the forward's pre-hooks wait for the gathers
         pending_after_forward = sorted(eng.zero._gathers.pending)
         eng.update(1.0, loss)
     finally:
         zero_gather.ParamGathers.launch = launch
+        torch.distributed.all_reduce = all_reduce
     return {"overlapped": eng.zero._gathers.overlapped, "order": order,
             "buckets": len(eng.zero.reducer.buckets), "after_step": pending_after_step,
-            "after_forward": pending_after_forward}
+            "after_forward": pending_after_forward, "update_reduces": reduces}
 
 
 @pytest.mark.parametrize("zero", [1, 2])
@@ -54,15 +66,19 @@ def test_param_gathers_overlap_the_next_forward(corpus, tmp_path, zero):
     assert got["order"] == list(reversed(range(n))) * 2  # first layers (last bucket) first
     assert got["after_step"] == list(range(n))  # launched by the step, none waited for
     assert got["after_forward"] == []
+    # the norm's squares, the inf/NaN flag and the loss: one all-reduce of 3 values
+    assert got["update_reduces"] == [3]
 
 
-LAYOUTS = [dict(dp=2, zero=1), dict(dp=2, zero=2)]
+LAYOUTS = {2: [dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=3)],
+           4: [dict(pp=2, dp=2, schedule="zb-h1", m=2, zero=1), dict(tp=2, dp=2, zero=2)]}
 
 
-def test_zero_1_2_parity(corpus, reference, tmp_path):
-    runs = [dict(steps=60, stop_after=3, **kw) for kw in LAYOUTS]
-    res = run_distributed(train_many, 2, runs, corpus, str(tmp_path), timeout=600)[0]
-    for kw, losses in zip(LAYOUTS, res, strict=True):
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero_parity(corpus, reference, tmp_path, world):
+    runs = [dict(steps=60, stop_after=3, **kw) for kw in LAYOUTS[world]]
+    res = run_distributed(train_many, world, runs, corpus, str(tmp_path), timeout=900)[0]
+    for kw, losses in zip(LAYOUTS[world], res, strict=True):
         assert len(losses) == 3
         for step, (a, b) in enumerate(zip(losses, reference[:3], strict=True)):
             assert abs(a - b) <= TOL * max(1.0, abs(b)), f"{kw} step {step + 1}: {a} vs {b}"

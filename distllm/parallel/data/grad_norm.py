@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["clip_grad_norm_", "global_norm", "is_tp_sharded", "all_finite"]
+__all__ = ["clip_grad_norm_", "global_norm", "local_norm", "is_tp_sharded", "all_finite"]
 
 
 def is_tp_sharded(p: Tensor) -> bool:
@@ -35,14 +35,12 @@ def _check_norm_type(norm_type: float) -> float:
     return norm_type
 
 
-def global_norm(pieces: Iterable[tuple[Tensor, bool]], *, dims, norm_type: float = 2.0,
-                dp_sharded: bool = False) -> Tensor:
-    """Global norm of gradient ``pieces`` = ``(tensor, tp_sharded)`` held by this rank.
-
-    Collective: one all-reduce over ``dims.model_parallel_group`` (or the world group
-    when ``dp_sharded``); returns a float64 scalar tensor on the gradients' device (the
-    mesh's device when this rank holds none), the same on every rank. No host sync.
-    """
+def local_norm(pieces: Iterable[tuple[Tensor, bool]], *, dims,
+               norm_type: float = 2.0) -> Tensor:
+    """This rank's share of the global norm of gradient ``pieces`` = ``(tensor,
+    tp_sharded)``: the sum of their squares (``norm_type=2``) or their largest magnitude
+    (``inf``), a float64 scalar on their device (the mesh's device when this rank holds
+    none). A replicated piece counts on TP rank 0 only. Nothing is communicated."""
     norm_type = _check_norm_type(norm_type)
     count_replicated = dims is None or dims.tp_rank == 0
     acc: Tensor | None = None
@@ -59,6 +57,19 @@ def global_norm(pieces: Iterable[tuple[Tensor, bool]], *, dims, norm_type: float
     if acc is None:  # nothing here; the collective still needs this rank's zero
         acc = torch.zeros((), dtype=torch.float64,
                           device=dims.device if dims is not None else None)
+    return acc
+
+
+def global_norm(pieces: Iterable[tuple[Tensor, bool]], *, dims, norm_type: float = 2.0,
+                dp_sharded: bool = False) -> Tensor:
+    """Global norm of gradient ``pieces`` = ``(tensor, tp_sharded)`` held by this rank.
+
+    Collective: one all-reduce over ``dims.model_parallel_group`` (or the world group
+    when ``dp_sharded``); returns a float64 scalar tensor on the gradients' device (the
+    mesh's device when this rank holds none), the same on every rank. No host sync.
+    """
+    norm_type = _check_norm_type(norm_type)
+    acc = local_norm(pieces, dims=dims, norm_type=norm_type)
     if dims is not None:
         group = dims.world_group if dp_sharded else dims.model_parallel_group
         if dist.get_world_size(group) > 1:

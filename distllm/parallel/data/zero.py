@@ -57,7 +57,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from distllm.parallel.data.buckets import FIRST_BUCKET_BYTES, GradBuckets, assign_buckets
-from distllm.parallel.data.grad_norm import all_finite, clip_by, global_norm, is_tp_sharded
+from distllm.parallel.data.grad_norm import (
+    all_finite,
+    clip_by,
+    global_norm,
+    is_tp_sharded,
+    local_norm,
+)
 from distllm.parallel.data.loss_scale import LossScaler
 from distllm.parallel.data.memory import MemoryReport, memory_report
 from distllm.parallel.data.replicas import broadcast_from_dp0, dp_group_of
@@ -266,6 +272,34 @@ class ZeroOptimizer:
         clip_by(norm, max_norm, (m.grad for m in self.masters))
         return norm
 
+    @torch.no_grad()
+    def clip_and_check(self, max_norm: float, extra: Tensor | None = None
+                       ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """:meth:`clip_grad_norm_` (2-norm) and :meth:`found_inf` with one all-reduce over the
+        world group instead of two, also summing ``extra`` (float64, this rank's values, e.g.
+        its share of the loss) over the world in it. Returns ``(norm, found_inf, extra
+        summed)`` (float64, float32, float64; on the device, no host sync). At stage 0 or
+        with one DP rank (whose norm is reduced over another group) it makes the calls
+        separately."""
+        world = self.dims.world_group
+        if not (self.stage >= 1 and self.nranks > 1):
+            norm = self.clip_grad_norm_(max_norm)
+            flag = self.found_inf()
+            if extra is not None and dist.get_world_size(world) > 1:
+                extra = extra.clone()
+                dist.all_reduce(extra, group=world)
+            return norm, flag, extra
+        self._prepare_grads()
+        parts = [local_norm(self._tp_pieces(), dims=self.dims).reshape(1),
+                 self._local_inf().to(torch.float64).reshape(1)]
+        if extra is not None:
+            parts.append(extra.to(torch.float64).reshape(-1))
+        vec = torch.cat(parts)  # (2 + extra,): squares, inf/NaN flags (summed: any), extra
+        dist.all_reduce(vec, group=world)
+        norm = vec[0].sqrt()
+        clip_by(norm, max_norm, (m.grad for m in self.masters))
+        return norm, (vec[1] > 0).to(torch.float32), vec[2:] if extra is not None else None
+
     @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 without loss scaling)."""
@@ -285,16 +319,18 @@ class ZeroOptimizer:
         parameters' device, the same on every rank (the gradient sync is finished first).
         Collective: one all-reduce (MAX) over the world group; no host sync."""
         self._prepare_grads()
-        grads = [m.grad for m in self.masters if m.grad is not None and m.grad.numel()]
-        if grads:
-            finite = torch.stack([all_finite(g) for g in grads]).all()
-            flag = (~finite).to(torch.float32)
-        else:
-            dev = self.masters[0].device if self.masters else self.dims.device
-            flag = torch.zeros((), dtype=torch.float32, device=dev)
+        flag = self._local_inf()
         if dist.get_world_size(self.dims.world_group) > 1:  # every rank skips together
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dims.world_group)
         return flag
+
+    def _local_inf(self) -> Tensor:
+        """1.0 if a gradient shard of this rank holds inf/NaN, else 0.0 (float32 scalar)."""
+        grads = [m.grad for m in self.masters if m.grad is not None and m.grad.numel()]
+        if grads:
+            return (~torch.stack([all_finite(g) for g in grads]).all()).to(torch.float32)
+        dev = self.masters[0].device if self.masters else self.dims.device
+        return torch.zeros((), dtype=torch.float32, device=dev)
 
     @torch.no_grad()
     def step(self, closure=None, *, found_inf: bool | None = None) -> bool:
