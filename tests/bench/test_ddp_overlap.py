@@ -27,3 +27,24 @@ def test_ddp_hidden_is_a_share_of_the_backward_it_can_hide_under():
     assert (e["bwd_ms"], e["comm_ms"], e["hideable_ms"], e["hidden_ceiling"]) == (
         20.0, 15.0, 15.0, 1.0)
     assert rows["no_overlap"]["hidden_frac"] is None
+
+
+def test_targets_ddp_not_slower_than_torch_over_a_link_and_zero_within_its_bars():
+    parts = {"fwd_alone": 10.0, "fwd_bwd_alone": 33.0, "comm_alone": 15.0, "opt_alone": 7.0}
+
+    def ddp(ours: float, net: str) -> dict:
+        st = {n: _st(ms) for n, ms in {"distllm_ddp": ours, "torch_ddp": 40.0,
+                                       "no_overlap": 55.0, **parts}.items()}
+        rows = ddp_overlap._ddp_rows({"stats": st, "mem": {}, "timelines": {}}, "c", net, "")
+        return {r["variant"]: r for r in rows}["distllm_ddp"]["extra"]
+
+    assert ddp(40.0, "10gbit")["meets_target"] and not ddp(40.4, "10gbit")["meets_target"]
+    assert ddp(41.0, "loopback")["meets_target"]  # loopback keeps its 3% band
+    mem = {"grads": 1.0, "optimizer": 2.0}
+    st = {n: _st(ms) for n, ms in {"distllm_ddp": 100.0, "zero2": 105.0, "zero3": 125.5}.items()}
+    res = {"stats": st, "missing": {}, "timelines": {},
+           "mem": {"distllm_ddp": mem, "zero2": {"grads": 0.5, "optimizer": 1.0},
+                   "zero3": {"grads": 0.5, "optimizer": 1.0}}}
+    rows = {r["variant"]: r["extra"] for r in ddp_overlap._zero_rows(res, "c", "10gbit", "")}
+    assert rows["zero2"]["meets_target"] and rows["zero2"]["target"].startswith("<= 1.05x")
+    assert not rows["zero3"]["meets_target"] and rows["zero3"]["target"].startswith("<= 1.25x")
