@@ -40,11 +40,11 @@ def test_targets_ddp_not_slower_than_torch_over_a_link_and_zero_within_its_bars(
 
     assert ddp(40.0, "10gbit")["meets_target"] and not ddp(40.4, "10gbit")["meets_target"]
     assert ddp(41.0, "loopback")["meets_target"]  # loopback keeps its 3% band
-    mem = {"grads": 1.0, "optimizer": 2.0}
+    mem = {"grads": 1.0, "optimizer": 2.0, "total": 4.0}
     st = {n: _st(ms) for n, ms in {"distllm_ddp": 100.0, "zero2": 105.0, "zero3": 125.5}.items()}
     res = {"stats": st, "missing": {}, "timelines": {},
-           "mem": {"distllm_ddp": mem, "zero2": {"grads": 0.5, "optimizer": 1.0},
-                   "zero3": {"grads": 0.5, "optimizer": 1.0}}}
+           "mem": {"distllm_ddp": mem, "zero2": {"grads": 0.5, "optimizer": 1.0, "total": 2.5},
+                   "zero3": {"grads": 0.5, "optimizer": 1.0, "total": 2.0}}}
     rows = {r["variant"]: r["extra"] for r in ddp_overlap._zero_rows(res, "c", "10gbit", "")}
     assert rows["zero2"]["meets_target"] and rows["zero2"]["target"].startswith("<= 1.05x")
     assert not rows["zero3"]["meets_target"] and rows["zero3"]["target"].startswith("<= 1.25x")
