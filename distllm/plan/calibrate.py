@@ -6,6 +6,9 @@ Measured, one thread per rank (as ``distllm train`` runs its ranks):
     width) over that peak is ``matmul_efficiency``;
   * memory bandwidth: a large out-of-place add (3 streams);
   * per-operator overhead: a tiny forward + backward divided by its operator count;
+  * the attention core: causal SDPA forward + backward as a fraction of the GEMM peak;
+  * GeLU per element, forward and backward, on a fresh GEMM output (as the eager step runs it);
+  * core sharing: CPU time of fixed work in ``ranks`` processes at once over alone;
   * gloo links: all-reduce time over a range of sizes on 2 ranks, fitted to the ring model
     ``2(n-1)*alpha + 2(n-1)/n * bytes * beta`` (4 ranks, as the ``tiny`` validation runs),
     on loopback (``intra``) and on the emulated
@@ -84,6 +87,84 @@ def measure_memory_and_ops() -> tuple[float, float]:
     return 3 * 4 * n / t, t_op
 
 
+# The attention core of a CPU rank is torch's fused scaled_dot_product_attention (causal);
+# its FLOP rate at the validation's shape (b, a, s, d) = (4, 4, 128, 32) is far below the
+# GEMMs', so the profile carries it as ``flash_efficiency`` (forward + backward, the causal
+# half of the FLOPs, over the float32 peak).
+ATTENTION_SHAPE = (4, 4, 128, 32)
+
+
+def measure_attention(peak: float, shape: tuple[int, int, int, int] = ATTENTION_SHAPE) -> dict:
+    """Fraction of ``peak`` that causal SDPA forward + backward reaches at ``shape``."""
+    import torch
+    import torch.nn.functional as F
+
+    b, a, s, d = shape
+    q, k, v = (torch.randn(b, a, s, d, requires_grad=True) for _ in range(3))
+    grad = torch.randn(b, a, s, d)
+
+    def fwd_bwd():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    t = _median_time(fwd_bwd, reps=9)
+    flops = 3.5 * 4.0 * b * a * s * s * d * 0.5  # forward + 2.5x backward, causal half
+    return {"efficiency": min(1.0, flops / t / peak), "ms": t * 1e3}
+
+
+# GeLU (the tanh form, the model's default) is not memory-bound on a CPU core: tanh costs
+# more than the bytes, and in the eager step its input is a GEMM's fresh output and its
+# output a fresh allocation (first touch of new pages). So it is timed in that pattern:
+# y = gelu(addmm(bias, x, w)) and its backward, per element of the MLP's inner activation.
+GELU_SHAPE = (512, 128, 512)  # (tokens, hidden, ffn) of one validation rank's MLP
+
+
+def measure_gelu(shape: tuple[int, int, int] = GELU_SHAPE) -> tuple[float, float]:
+    """(forward, backward) seconds per element of GeLU (tanh) on a fresh GEMM output."""
+    import torch
+    import torch.nn.functional as F
+
+    m, h, f = shape
+    x, w, bias = torch.randn(m, h), torch.randn(h, f), torch.randn(f)
+    grad = torch.randn(m, f)
+    fwd, bwd = [], []
+    for _ in range(25):
+        pre = torch.addmm(bias, x, w)  # (m, h) @ (h, f): the pattern of the MLP's input GEMM
+        t0 = time.perf_counter()
+        F.gelu(pre, approximate="tanh")
+        t1 = time.perf_counter()
+        torch.ops.aten.gelu_backward(grad, pre, approximate="tanh")
+        t2 = time.perf_counter()
+        fwd.append(t1 - t0)
+        bwd.append(t2 - t1)
+    n = m * f
+    return statistics.median(fwd[3:]) / n, statistics.median(bwd[3:]) / n
+
+
+def _sharing_work(reps: int) -> float:
+    """CPU seconds of a fixed GEMM + GeLU loop in this rank (one thread)."""
+    import torch
+    import torch.nn.functional as F
+
+    x, w = torch.randn(512, 512), torch.randn(512, 512)
+    F.gelu(x @ w, approximate="tanh")
+    t0 = time.process_time()
+    for _ in range(reps):
+        F.gelu(x @ w, approximate="tanh")
+    return time.process_time() - t0
+
+
+def measure_core_sharing(ranks: int, reps: int = 150) -> float:
+    """CPU time of the same work when ``ranks`` processes share this machine's cores, over
+    its CPU time alone (cache and context-switch losses of oversubscription; CPU time, so
+    other users' load does not count, as long as it leaves the caches alone)."""
+    from distllm.testing import run_distributed
+
+    alone = min(run_distributed(_sharing_work, 1, reps)[0] for _ in range(2))
+    shared = statistics.median(run_distributed(_sharing_work, ranks, reps))
+    return max(1.0, shared / alone)
+
+
 def _ar_rank(sizes: tuple[int, ...], reps: int) -> dict:
     """Median seconds of a float32 all-reduce of each size (each repetition the slowest
     rank's)."""
@@ -144,8 +225,12 @@ def calibrate(net_rate: str | None = "1gbit", ranks: int = 4) -> Profile:
     g32, g64 = measure_gemm("float32"), measure_gemm("float64")
     g16 = measure_gemm("bfloat16")
     bw, t_op = measure_memory_and_ops()
+    att = measure_attention(g32["peak"])
+    gelu = measure_gelu()
+    sharing = measure_core_sharing(ranks)
     intra, _ = measure_link(None)
-    intra = dataclasses.replace(intra, uses_cpu=True)  # loopback TCP: the cores move the bytes
+    # loopback TCP: the cores move the bytes; gloo runs its ring (the fit's model) at any size
+    intra = dataclasses.replace(intra, uses_cpu=True, tree=False)
     inter, why = measure_link(net_rate) if net_rate else (None, "no --net given")
     if inter is None:
         inter = dataclasses.replace(intra, source=f"copy of loopback: {why}")
@@ -156,6 +241,7 @@ def calibrate(net_rate: str | None = "1gbit", ranks: int = 4) -> Profile:
             1.0,
             0.5,
             inter.source + "; overlap 0.5 assumed (chunked GEMM + all-reduce)",
+            tree=False,
         )
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cores = os.cpu_count() or 1
@@ -171,6 +257,9 @@ def calibrate(net_rate: str | None = "1gbit", ranks: int = 4) -> Profile:
         gpus_per_node=ranks,
         op_overhead_s=t_op,
         cores=cores,
+        flash_efficiency=att["efficiency"],
+        gelu_s_per_element=gelu,
+        core_sharing=sharing,
         links={"intra": intra, "inter": inter},
         source={
             "calibrated": when,
@@ -179,6 +268,15 @@ def calibrate(net_rate: str | None = "1gbit", ranks: int = 4) -> Profile:
             f"{ {k: round(v / 1e9, 2) for k, v in g32['rates'].items()} } GFLOP/s",
             "memory_bandwidth": "measured out-of-place add of 64 MiB tensors",
             "op_overhead_s": OP_PROBE,
+            "flash_efficiency": f"measured: causal scaled_dot_product_attention forward + "
+            f"backward at (b, a, s, d) = {ATTENTION_SHAPE}, 1 thread ({att['ms']:.2f} ms), "
+            "3.5 x the causal half of 4*b*a*s*s*d FLOPs over the float32 peak",
+            "gelu_s_per_element": "measured: gelu(approximate='tanh') and its backward on a "
+            f"fresh addmm output of (tokens, hidden, ffn) = {GELU_SHAPE}, 1 thread, median "
+            "per element",
+            "core_sharing": f"measured: CPU time of a fixed 512^3 GEMM + GeLU loop in {ranks} "
+            f"processes at once on {cores} cores over its CPU time alone",
+            "links": "gloo all-reduce is a ring at every size (no tree): tree=false",
             "memory_bytes": f"host RAM / {ranks} ranks",
             "note": "taken on a shared machine; re-run on an idle one for stable numbers",
         },

@@ -25,6 +25,8 @@ def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     if kind in ("reduce_scatter", "all_gather"):
         return ring_half
     if kind == "all_reduce":
+        if not link.tree:
+            return 2 * ring_half
         tree = 2 * math.ceil(math.log2(n)) * a + 2 * nbytes * b
         return min(2 * ring_half, tree)
     raise ValueError(f"unknown collective {kind!r}")

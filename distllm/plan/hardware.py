@@ -52,6 +52,9 @@ class Link:
     uses_cpu: bool = False
     """Moving the bytes takes the ranks' CPU cores (loopback TCP), so on a CPU profile it
     counts as work competing for the cores; False for a wire the ranks just wait on."""
+    tree: bool = True
+    """The collective library may run a tree all-reduce where it is cheaper (NCCL); False:
+    ring only, the algorithm the link's latency was fitted with (gloo, calibrated)."""
 
     @property
     def beta(self) -> float:
@@ -109,6 +112,13 @@ class Profile:
     """Achievable fraction of ``memory_bandwidth`` for elementwise kernels (1.0 if measured)."""
     flash_efficiency: float | None = None
     """Fraction of peak a fused (flash) attention kernel reaches; None: the GEMM efficiency."""
+    gelu_s_per_element: tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) seconds per element of the MLP's GeLU where it is not bound by its
+    bytes (a CPU core: the tanh, and the first touch of its fresh output); (0, 0): its bytes
+    alone, with the other elementwise work."""
+    core_sharing: float = 1.0
+    """CPU profiles: factor on the ranks' CPU time when more ranks than ``cores`` share the
+    cores (cache and context-switch losses of oversubscription)."""
     description: str = ""
     source: dict[str, Any] = field(default_factory=dict)
 
@@ -145,8 +155,10 @@ class Profile:
                 "step_overhead_s",
                 "memory_efficiency",
                 "flash_efficiency",
+                "core_sharing",
             )
         }
+        d["gelu_s_per_element"] = list(self.gelu_s_per_element)
         if self.gemm is not None:
             d["gemm"] = dict(vars(self.gemm))
         d["links"] = {
@@ -156,6 +168,7 @@ class Profile:
                 "efficiency": v.efficiency,
                 "overlap": v.overlap,
                 "uses_cpu": v.uses_cpu,
+                "tree": v.tree,
                 "source": v.source,
             }
             for k, v in self.links.items()
@@ -181,11 +194,15 @@ class Profile:
                     "step_overhead_s",
                     "memory_efficiency",
                     "flash_efficiency",
+                    "core_sharing",
                     "description",
                     "source",
                 )
                 if k in d
             }
+            if "gelu_s_per_element" in d:
+                fwd, bwd = d["gelu_s_per_element"]
+                kw["gelu_s_per_element"] = (float(fwd), float(bwd))
             if d.get("gemm"):
                 kw["gemm"] = Gemm(**d["gemm"])
             peak = {_peak_key(k): float(v) for k, v in d["peak_flops"].items()}

@@ -124,7 +124,7 @@ def attention_times(prof: Profile, peak: float, shape: ModelShape, b: int, tp: i
 
 
 def block_elementwise_bytes(shape: ModelShape, tokens: int, tp: int, sp: bool,
-                            elem: int) -> float:
+                            elem: int, gelu: bool = True) -> float:
     """Bytes the memory-bound kernels of one block's forward move, per TP rank.
 
     Two layer norms (read and write the ``(T, h)`` stream, 4 passes), two bias + dropout +
@@ -132,6 +132,7 @@ def block_elementwise_bytes(shape: ModelShape, tokens: int, tp: int, sp: bool,
     element), the context transpose ``(b, a/t, s, d) -> (T, h/t)`` (2 passes of ``h/t``),
     bias + GeLU over the MLP's inner activation (read, write; a gated MLP reads two).
     With sequence parallelism the norms and residual adds work on ``T/t`` rows.
+    ``gelu=False``: without the GeLU's bytes (a profile that times it per element).
     """
     n = tokens * shape.hidden  # elements of the residual stream
     repl = n / tp if sp else n
@@ -139,5 +140,5 @@ def block_elementwise_bytes(shape: ModelShape, tokens: int, tp: int, sp: bool,
     inner = tokens * shape.ffn / tp
     stream = repl * (10 * elem + 2 * drop)
     context = 2 * elem * n / tp
-    act = (3 if shape.gated_mlp else 2) * elem * inner
+    act = (3 if shape.gated_mlp else 2) * elem * inner if gelu else 0.0
     return stream + context + act

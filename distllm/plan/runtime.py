@@ -50,6 +50,9 @@ class Runtime:
     """ZeRO-2/3 with several micro-batches: ``full`` (gradients accumulate in full-size
     buffers, reduce-scattered in the last micro-batch) or ``shard`` (reduce-scattered every
     micro-batch into the shard)."""
+    step_syncs: bool = False
+    """Each optimizer step all-reduces scalars on the host's path (the loss, the gradient
+    norm, the inf/NaN flag), one small collective each (:meth:`TimeModel.sync_time`)."""
     source: dict[str, str] = field(default_factory=dict)
 
 
@@ -67,8 +70,11 @@ RUNTIMES: dict[str, Runtime] = {
         keeps_stage_output=True,
         causal_skip=True,
         zero_grad_accumulation="full",
+        step_syncs=True,
         source={
             "stage_split": "distllm.train.engine: _all_chunk_ids over mcfg.n_pipeline_layers",
+            "step_syncs": "distllm.train.engine.Engine.update: global_loss (world), "
+            "clip_grad_norm_ (world under ZeRO, else TP x PP), ZeroOptimizer.found_inf (world)",
             "tp_overlap": "distllm.nn row-parallel layers: chunked GEMM + all-reduce (--overlap)",
             "dp_overlap": "distllm.parallel.data: buckets reduced as backward fills them",
             "grad_bytes_mixed": "ZeroOptimizer: fp32 gradient buckets under bf16 "

@@ -89,10 +89,13 @@ class TimeModel:
         att_f, att_b = attention_times(
             p, self.peak, s, b, t, self.e, self.flash, rt.causal_skip
         )
-        elem = mem_time(p, block_elementwise_bytes(s, tokens, t, lay.sequence_parallel, self.e))
+        gelu_f, gelu_b = (tokens * s.ffn / t * x for x in p.gelu_s_per_element)
+        timed = gelu_f + gelu_b > 0  # the GeLU timed per element, not by its bytes
+        elem = mem_time(p, block_elementwise_bytes(s, tokens, t, lay.sequence_parallel, self.e,
+                                                   gelu=not timed))
         ops = OPS_PER_LAYER_FWD * p.op_overhead_s
-        fwd = lin_f + att_f + elem + ops
-        bwd = lin_dg + lin_wg + att_b + 2 * (elem + ops)
+        fwd = lin_f + att_f + elem + gelu_f + ops
+        bwd = lin_dg + lin_wg + att_b + 2 * (elem + ops) + gelu_b
         recompute = {"full": fwd, "selective": att_f}.get(lay.checkpointing, 0.0)
         tp_f, tp_b = self._tp_times(tokens, lay)
         z3_f = z3_b = z3_rs = 0.0
@@ -113,7 +116,7 @@ class TimeModel:
             recompute=recompute,
             gemm=lin_f + lin_dg + lin_wg,
             attention=att_f + att_b,
-            elementwise=3 * elem,
+            elementwise=3 * elem + gelu_f + gelu_b,
             w=lin_wg,
             tp_f=tp_f,
             tp_b=tp_b,
@@ -218,6 +221,23 @@ class TimeModel:
                 best = (red + ag + opt, red, ag, opt)
         return best
 
+    def sync_time(self, lay: Layout) -> float:
+        """The optimizer step's scalar all-reduces (runtime ``step_syncs``), each as long as
+        its group's link makes an 8-byte all-reduce: the loss over the world group, the
+        gradient norm over the world (ZeRO) or the model-parallel group (TP x PP), and ZeRO's
+        inf/NaN flag over the world."""
+        if not self.runtime.step_syncs:
+            return 0.0
+        world = lay.tp * lay.pp * lay.dp
+        model = lay.tp * lay.pp
+        # the model-parallel group's ranks are tp*dp apart across stages
+        model_span = lay.tp * lay.dp * lay.pp if lay.pp > 1 else lay.tp
+        groups = [(world, world), (world, world) if lay.zero else (model, model_span)]
+        if lay.zero:
+            groups.append((world, world))
+        return sum(collective_time("all_reduce", 8, n, self.profile.link(span > self.gpn))
+                   for n, span in groups)
+
     def step_time(self, lay: Layout) -> tuple[float, dict[str, float]]:
         s, p = self.shape, self.profile
         b = s.global_batch // (lay.dp * lay.micro_batches)
@@ -229,16 +249,22 @@ class TimeModel:
             lay.schedule, lay.pp, m, lay.virtual_stages, tf, tb, tw, t_comm, self.simulator
         )
         tail, dp_exp, zero_ag, t_opt = self._tail(lay, tb)
-        step = pipe + tail + p.step_overhead_s
+        sync = self.sync_time(lay)
+        step = pipe + tail + sync + p.step_overhead_s
         if p.cores:  # ranks share the cores: the busy time of all of them must fit too
             per_stage = self.ranks_per_host / lay.pp
             # waiting on a rate-limited wire leaves the cores to the other ranks
             cpu_comm = 1.0 if self._link("tp", lay).uses_cpu else 0.0
             busy = [f + b_ - (1.0 - cpu_comm) * c for f, b_, c in zip(tf, tb, tc, strict=True)]
-            work = per_stage * m * sum(busy)
+            # more ranks than cores: each rank's CPU time grows (caches, context switches)
+            sharing = p.core_sharing if self.ranks_per_host > p.cores else 1.0
+            work = per_stage * m * sum(busy) * sharing
             # TP/ZeRO-3 ranks wait on the wire in lockstep: that wait adds to the shared work
             wire = (1.0 - cpu_comm) * m * max(tc)
-            step = max(step, work / p.cores + wire + tail + p.step_overhead_s)
+            # every rank of the host runs its optimizer step at the same time, on the cores
+            crowd = max(1.0, per_stage * lay.pp * sharing / p.cores)
+            tail_cpu = tail + (crowd - 1.0) * t_opt
+            step = max(step, work / p.cores + wire + tail_cpu + sync + p.step_overhead_s)
         blocks = max(r[0] for r in self.ranks(lay.pp, lay.virtual_stages))
         chunks = m * (lay.virtual_stages if lay.pp > 1 else 1)
         parts = dict(
@@ -256,5 +282,6 @@ class TimeModel:
             dp_comm=dp_exp,
             zero_comm=zero_ag + m * blocks * (lt["z3_f"] + lt["z3_b"]),
             optimizer=t_opt,
+            sync=sync,
         )
         return step, parts
