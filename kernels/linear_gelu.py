@@ -21,6 +21,13 @@ dx = gu @ W and dW = gu^T @ x then run on the vendor BLAS: fusing the GeLU deriv
 into their operand loads instead would recompute it (erf, exp) once per output tile column
 of each GEMM, i.e. K / BLOCK_K times per element, and read two operands instead of one.
 
+The MLP's backward (``_dgelu_kernel``, :func:`gemm_dgelu`) does fuse the GeLU derivative into
+a GEMM: the one that *produces* the incoming gradient, the second Linear's input-gradient
+GEMM ``dy @ W2`` (M, N), whose epilogue reads u once per output element, writes
+gu = (dy @ W2) * gelu'(u) and the per-row-block partial column sums of gu (the first
+Linear's bias gradient): the (M, N) gradient never makes a round trip through memory before
+the GeLU derivative is applied (cuBLASLt's DGELU_BGRAD does the same on the CUDA backend).
+
 Under ``TRITON_INTERPRET=1`` the kernels run on CPU (slowly) with one small fixed
 configuration; on a GPU they are autotuned over configurations for Ampere and Hopper.
 """
