@@ -4,7 +4,7 @@ busiest pipeline rank, what is exposed of each collective, and how MFU follows.
 The per-micro-batch terms are those of the rank with the most blocks, times the micro-batches
 of a step; the pipeline adds its bubble and transfers; the tail (after the last backward)
 adds the exposed data-parallel reduction, the ZeRO-1/2 all-gather of the updated shards and
-the optimizer step.
+the optimizer step, and the step's scalar all-reduces.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ _TERMS = (
     ("dp_comm", "data-parallel gradient reduction, exposed part"),
     ("zero_allgather", "ZeRO-1/2 all-gather of the updated parameters"),
     ("optimizer", "optimizer step (memory-bound)"),
+    ("sync", "the step's scalar all-reduces (loss, gradient norm, inf/NaN flag)"),
 )
 
 
