@@ -126,6 +126,7 @@ class OverlapPlan:
         self.overlap, self.chunks, self.name = overlap, chunks, name
         self.stats = OverlapStats()
         self._comm: CommContext | None = None
+        self._memo: dict[tuple, tuple[int, tuple]] = {}  # per exact call: (generation, plan)
 
     @property
     def comm(self) -> CommContext:
@@ -139,29 +140,38 @@ class OverlapPlan:
         getattr(self.stats, direction).collective = collective
 
     def _schedule(self, direction: str, kind: str, a: torch.Tensor, mm, n_out: int, then
-                  ) -> tuple[int, float, str]:
-        """``(chunks, measured comm ms, reason)`` of this call (chunks 0: sequential)."""
+                  ) -> tuple[int, float, str, float | None]:
+        """``(chunks, measured comm ms, reason, growth)`` of this call (chunks 0: sequential;
+        growth: the geometric schedule's ratio, None for first/last halved)."""
         if self.overlap == "none":
-            return 0, 0.0, "overlap='none'"
+            return 0, 0.0, "overlap='none'", None
         if self.overlap == "chunked":
-            return self.chunks, 0.0, ""
+            return self.chunks, 0.0, "", None
+        memo_key = (direction, kind, a.shape, a.dtype, a.device, n_out)
+        gen = overlap_tuner.generation()
+        hit = self._memo.get(memo_key)
+        if hit is not None and hit[0] == gen:  # this exact call's choice: no key to rebuild
+            return hit[1]
         rows = a.shape[0] if kind == "all_reduce" else a.shape[1] // (
             self.tp if kind == "reduce_scatter" else 1)
         m = a.numel() // max(a.shape[-1], 1)  # rows: a new measurement per power of two
         key = (self.name, direction, kind, 1 << max(m - 1, 0).bit_length(), a.shape[-1], n_out,
                str(a.dtype), a.device.type)
         choice = overlap_tuner.choose(
-            key, lambda c, ch: run_engine(kind, a, mm, n_out, c, ch, then), self.comm, rows,
-            a.device, f"{self.name} {direction}", chunks_hint=self.chunks)
-        return choice.chunks, choice.comm_ms, choice.reason
+            key, lambda c, ch, g=None: run_engine(kind, a, mm, n_out, c, ch, then, g),
+            self.comm, rows, a.device, f"{self.name} {direction}", chunks_hint=self.chunks,
+            comm_first=kind == "all_gather")
+        out = (choice.chunks, choice.comm_ms, choice.reason, choice.growth)
+        self._memo[memo_key] = (gen, out)
+        return out
 
     def run(self, direction: str, kind: str, a: torch.Tensor, mm, n_out: int, then=None):
         """Run the engine of collective ``kind`` on ``a`` with this plan's schedule; count it
         in ``stats.<direction>``."""
-        chunks, est, reason = self._schedule(direction, kind, a, mm, n_out, then)
+        chunks, est, reason, growth = self._schedule(direction, kind, a, mm, n_out, then)
         comm = self.comm
         comm.wait_ms = 0.0
-        out = run_engine(kind, a, mm, n_out, comm, chunks, then)
+        out = run_engine(kind, a, mm, n_out, comm, chunks, then, growth)
         counter = getattr(self.stats, direction)
         counter.record("chunked" if chunks else "none", chunks, kind,
                        comm.wait_ms if not a.is_cuda else 0.0, est)

@@ -63,16 +63,27 @@ MatMul = Callable[[torch.Tensor, torch.Tensor], None]
 ENGINES = ("all_reduce", "all_gather", "reduce_scatter")  # each engine's collective
 
 
-def pipeline_bounds(n: int, chunks: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of the engines' ``min(chunks, n)`` pieces of ``n`` rows: with 3 or more
-    pieces the first and the last are half the size of the others (weights ``1/2, 1, ..., 1,
-    1/2``). A pipeline exposes the first piece's compute (nothing to send yet) and the last
-    piece's collective (nothing left to compute); halving both shrinks what stays exposed
-    in either regime, comm-bound or compute-bound."""
+def pipeline_bounds(n: int, chunks: int, growth: float | None = None) -> list[tuple[int, int]]:
+    """``[start, end)`` of the engines' ``min(chunks, n)`` pieces of ``n`` rows.
+
+    ``growth`` None: with 3 or more pieces the first and the last are half the size of the
+    others (weights ``1/2, 1, ..., 1, 1/2``). A pipeline exposes the first piece's compute
+    (nothing to send yet) and the last piece's collective (nothing left to compute); halving
+    both shrinks what stays exposed in either regime, comm-bound or compute-bound.
+
+    ``growth`` g: piece ``i`` weighs ``g**i`` (a geometric schedule). With g = comm/compute
+    per row (GEMM then collective) each piece's GEMM takes as long as the previous piece's
+    collective: comm-bound (g > 1), the pieces grow from a small first one, so the
+    collective starts early and then never waits; compute-bound (g < 1), they shrink to a
+    small last one, whose collective is all that stays exposed. ``overlap="auto"`` derives
+    g from its measurement of the two (:mod:`distllm.parallel.tensor.overlap_tuner`)."""
     c = max(1, min(chunks, n))
-    if c < 3:
+    if growth is not None and c >= 2:
+        weights = [growth**i for i in range(c)]
+    elif c < 3:
         return chunk_bounds(n, c)
-    weights = [0.5] + [1.0] * (c - 2) + [0.5]
+    else:
+        weights = [0.5] + [1.0] * (c - 2) + [0.5]
     total = sum(weights)
     cuts, acc = [0], 0.0
     for wgt in weights[:-1]:
@@ -202,7 +213,8 @@ class NullComm(CommContext):
 
 
 def matmul_all_reduce(a: torch.Tensor, mm: MatMul, n_out: int, comm: CommContext, chunks: int,
-                      then: Callable[[], object] | None = None) -> tuple[torch.Tensor, object]:
+                      then: Callable[[], object] | None = None, growth: float | None = None
+                      ) -> tuple[torch.Tensor, object]:
     """``all_reduce(a @ B)`` for ``a`` of shape ``(M, K)``, chunked along ``M``; ``then()``
     runs after the last launch (or, with ``chunks=0``, after the blocking all-reduce).
     Returns ``(out (M, n_out), then's result)``."""
@@ -212,7 +224,7 @@ def matmul_all_reduce(a: torch.Tensor, mm: MatMul, n_out: int, comm: CommContext
         comm.run("all_reduce", out)
         return out, then() if then else None
     handles = []
-    for s, e in pipeline_bounds(a.shape[0], chunks):
+    for s, e in pipeline_bounds(a.shape[0], chunks, growth):
         mm(a[s:e], out[s:e])  # (m, K) @ (K, N) -> (m, N)
         handles.append(comm.launch("all_reduce", out[s:e]))
     extra = then() if then else None
@@ -243,7 +255,8 @@ def _gather_chunk(comm: CommContext, a_local: torch.Tensor, s: int, e: int):
 
 
 def allgather_matmul(a_local: torch.Tensor, mm: MatMul, n_out: int, comm: CommContext,
-                     chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     chunks: int, growth: float | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``a = all_gather(a_local, dim=1)`` and ``a @ B`` for ``a_local`` of shape
     ``(b, s/tp, K)``; returns ``(a (b, s, K), out (b, s, n_out))``, rank ``r``'s rows at
     ``[r*s/tp, (r+1)*s/tp)``."""
@@ -267,7 +280,7 @@ def allgather_matmul(a_local: torch.Tensor, mm: MatMul, n_out: int, comm: CommCo
         return a_full, out.view(b, tp * sl, n_out)
     a_full = a_local.new_empty(b, tp, sl, k)
     out = a_local.new_empty(b, tp, sl, n_out)
-    bounds = pipeline_bounds(sl, chunks)
+    bounds = pipeline_bounds(sl, chunks, growth)
     pending = _gather_chunk(comm, a_local, *bounds[0])
     a_full[:, r] = a_local
     local = _product(mm, a_local.reshape(b * sl, k), n_out, (r, 0, sl))  # while chunk 0 travels
@@ -289,8 +302,8 @@ def allgather_matmul(a_local: torch.Tensor, mm: MatMul, n_out: int, comm: CommCo
 
 
 def matmul_reduce_scatter(a: torch.Tensor, mm: MatMul, n_out: int, comm: CommContext,
-                          chunks: int, then: Callable[[], object] | None = None
-                          ) -> tuple[torch.Tensor, object]:
+                          chunks: int, then: Callable[[], object] | None = None,
+                          growth: float | None = None) -> tuple[torch.Tensor, object]:
     """``reduce_scatter(a @ B, dim=1)`` for ``a`` of shape ``(b, s, K)``: this rank keeps rows
     ``[r*s/tp, (r+1)*s/tp)`` of the sum over ranks, ``(b, s/tp, n_out)``; ``then()`` runs
     after the last launch. Returns ``(out, then's result)``."""
@@ -305,7 +318,7 @@ def matmul_reduce_scatter(a: torch.Tensor, mm: MatMul, n_out: int, comm: CommCon
         comm.run("reduce_scatter", out.view(b * sl, n_out), res)
         return out, then() if then else None
     pending = []
-    for s, e in pipeline_bounds(sl, chunks):
+    for s, e in pipeline_bounds(sl, chunks, growth):
         c = e - s
         piece = av[:, :, s:e].transpose(0, 1).reshape(tp * b * c, k)  # (tp, b, c, K) rows
         res = a.new_empty(tp * b * c, n_out)
@@ -320,15 +333,16 @@ def matmul_reduce_scatter(a: torch.Tensor, mm: MatMul, n_out: int, comm: CommCon
 
 
 def run_engine(kind: str, a: torch.Tensor, mm: MatMul, n_out: int, comm: CommContext,
-               chunks: int, then: Callable[[], object] | None = None):
+               chunks: int, then: Callable[[], object] | None = None,
+               growth: float | None = None):
     """Run the engine of collective ``kind`` (one of :data:`ENGINES`) with ``chunks`` pieces
-    (0: the sequential schedule). Returns ``(out, then's result)``; for ``all_gather`` ``out``
-    is ``(gathered input, product)``."""
+    (0: the sequential schedule) sized by :func:`pipeline_bounds` (``growth``). Returns
+    ``(out, then's result)``; for ``all_gather`` ``out`` is ``(gathered input, product)``."""
     if kind == "all_reduce":
-        return matmul_all_reduce(a, mm, n_out, comm, chunks, then)
+        return matmul_all_reduce(a, mm, n_out, comm, chunks, then, growth)
     if kind == "all_gather":
-        full, out = allgather_matmul(a, mm, n_out, comm, chunks)
+        full, out = allgather_matmul(a, mm, n_out, comm, chunks, growth)
         return (full, out), then() if then else None
     if kind == "reduce_scatter":
-        return matmul_reduce_scatter(a, mm, n_out, comm, chunks, then)
+        return matmul_reduce_scatter(a, mm, n_out, comm, chunks, then, growth)
     raise ValueError(f"unknown overlap engine {kind!r}: use one of {ENGINES}")

@@ -1,14 +1,22 @@
 """``overlap="auto"``: choose the chunk count of an overlap engine (or no overlap) from a
 measurement on the real tensors, cached per (collective, shape, dtype, device, group).
 
-The candidates (compute alone, the sequential schedule, then each chunk count) are timed
-through :mod:`distllm.diagnostics.timing`: interleaved repetitions after a warm-up round, a
-barrier over the group before each, each candidate keeping its fastest repetition
-(interference from other work only ever adds time, so the minimum is the steadier estimate
-of what a schedule costs), and the MAX of every rank's timings, so that all ranks choose the
-same schedule (a mismatch would pair different collectives). A chunked schedule is chosen
-only when it beats the sequential one by more than ``margin`` (3%); otherwise the layer
-falls back to no overlap and says so once through ``logging.getLogger("distllm")``.
+Two rounds. The first times the compute alone, the sequential schedule and each chunk count
+(pieces of :func:`distllm.parallel.tensor.overlap.pipeline_bounds`, first and last halved);
+from it, the GEMM time G and the collective's C = sequential - compute give the geometric
+schedules of the second round: pieces growing by C/G (G/C for the all-gather, whose
+collective comes before its GEMM), so that each piece's GEMM lasts as long as the previous
+piece's collective (bounded so that no piece is more than :data:`MAX_PIECE_RATIO` times
+another: a tiny GEMM loses efficiency). The second round times those against the sequential
+schedule and the first round's best, interleaved, and the fastest is kept.
+
+Every round goes through :mod:`distllm.diagnostics.timing`: interleaved repetitions after a
+warm-up round, a barrier over the group before each, each candidate keeping its fastest
+repetition (interference from other work only ever adds time, so the minimum is the steadier
+estimate of what a schedule costs), and the MAX of every rank's timings, so that all ranks
+choose the same schedule (a mismatch would pair different collectives). A chunked schedule
+is chosen only when it beats the sequential one by more than ``margin`` (3%); otherwise the
+layer falls back to no overlap and says so once through ``logging.getLogger("distllm")``.
 
 The cache is a measurement record (not configuration): :func:`clear_cache` empties it.
 """
@@ -25,7 +33,8 @@ import torch.distributed as dist
 from distllm.diagnostics.timing import interleaved_samples, max_over_ranks, wall_timer
 from distllm.parallel.tensor.overlap import CommContext, NullComm
 
-__all__ = ["Choice", "choose", "clear_cache", "CANDIDATES"]
+__all__ = ["Choice", "choose", "clear_cache", "generation", "geometric_growth", "CANDIDATES",
+           "MAX_PIECE_RATIO"]
 
 log = logging.getLogger("distllm")
 
@@ -44,6 +53,7 @@ class Choice:
     sequential_ms: float
     chosen_ms: float
     reason: str
+    growth: float | None = None  # the geometric schedule's ratio (None: first/last halved)
 
     @property
     def comm_ms(self) -> float:
@@ -51,39 +61,61 @@ class Choice:
         return max(0.0, self.sequential_ms - self.compute_ms)
 
 
+_generation = 0  # bumped by clear_cache: a layer's memo of its choices is valid within one
+
+
+def generation() -> int:
+    """The cache's generation: it changes whenever :func:`clear_cache` forgets the choices."""
+    return _generation
+
+
 def clear_cache() -> None:
     """Forget every measured choice (the next call of each shape measures again)."""
+    global _generation
     _CACHE.clear()
+    _generation += 1
 
 
-def _measure(run: Callable[[CommContext, int], object], comm: CommContext, rows: int,
-             device: torch.device, reps: int, extra: int) -> tuple[list[str], list[float]]:
-    """``(candidate names, best ms of each, MAX over the group)``; collective."""
-    null = NullComm(comm)
-    cands = sorted({c for c in (*CANDIDATES, extra) if 2 <= c <= rows})
-    variants: dict[str, Callable[[], object]] = {
-        "compute": lambda: run(null, 1),
-        "sequential": lambda: run(comm, 0),
-    }
-    for c in cands:
-        variants[str(c)] = lambda c=c: run(comm, c)
+MAX_PIECE_RATIO = 16.0  # largest over smallest piece of a geometric schedule
+
+
+def _timed(variants: dict[str, Callable[[], object]], comm: CommContext, device: torch.device,
+           reps: int) -> dict[str, float]:
+    """Each variant's best ms, MAX over the group (collective: every rank, same order)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     samples = interleaved_samples(variants, warmup=1, reps=reps, timer=wall_timer(sync),
                                   before_each=lambda: dist.barrier(group=comm.group))
     names = list(samples)
-    # on the group's device (NCCL takes CUDA tensors only); read back once per measurement
-    return names, max_over_ranks([min(samples[n]) for n in names], comm.group, device)
+    # on the group's device (NCCL takes CUDA tensors only); read back once per round
+    best = max_over_ranks([min(samples[n]) for n in names], comm.group, device)
+    return dict(zip(names, best, strict=True))
 
 
-def choose(key: tuple, run: Callable[[CommContext, int], object], comm: CommContext, rows: int,
+def geometric_growth(compute_ms: float, comm_ms: float, chunks: int, comm_first: bool
+                     ) -> float | None:
+    """The ratio of consecutive pieces that balances each piece's GEMM against the previous
+    piece's collective (``comm_first``: the all-gather, whose collective precedes its GEMM),
+    bounded by :data:`MAX_PIECE_RATIO`; None when either time is unknown, or the schedule
+    would be within 5% of equal pieces."""
+    if compute_ms <= 0 or comm_ms <= 0 or chunks < 2:
+        return None
+    g = compute_ms / comm_ms if comm_first else comm_ms / compute_ms
+    bound = MAX_PIECE_RATIO ** (1.0 / (chunks - 1))
+    g = min(max(g, 1.0 / bound), bound)
+    return None if abs(g - 1.0) < 0.05 else g
+
+
+def choose(key: tuple, run: Callable[..., object], comm: CommContext, rows: int,
            device: torch.device, what: str, chunks_hint: int = 4, reps: int = 5,
-           margin: float = 0.03) -> Choice:
+           margin: float = 0.03, comm_first: bool = False) -> Choice:
     """The cached :class:`Choice` for ``key``; measured on first use.
 
-    ``run(comm, chunks)`` runs the schedule once (``chunks=0``: sequential); ``rows`` bounds
-    the chunk counts tried; ``device`` is where the layer's tensors live (the timings are
-    reduced over the group there; CUDA is synchronised inside each timed run); ``what``
-    names the layer in the log line.
+    ``run(comm, chunks, growth=None)`` runs the schedule once (``chunks=0``: sequential;
+    ``growth``: a geometric schedule, see :func:`distllm.parallel.tensor.overlap.
+    pipeline_bounds`); ``rows`` bounds the chunk counts tried; ``device`` is where the
+    layer's tensors live (the timings are reduced over the group there; CUDA is synchronised
+    inside each timed run); ``what`` names the layer in the log line; ``comm_first``: the
+    collective precedes the GEMM (all-gather).
     """
     full_key = (comm.backend, comm.ranks, *key)
     if full_key in _CACHE:
@@ -91,18 +123,50 @@ def choose(key: tuple, run: Callable[[CommContext, int], object], comm: CommCont
     if comm.world == 1:
         ch = Choice(0, 0.0, 0.0, 0.0, "tp=1: nothing to communicate")
     else:
-        names, best_ms = _measure(run, comm, rows, device, reps, chunks_hint)
-        t = dict(zip(names, best_ms, strict=True))
-        chunked = {n: v for n, v in t.items() if n not in ("compute", "sequential")}
-        best = min(chunked, key=chunked.get) if chunked else None
-        if best is not None and t[best] < t["sequential"] * (1 - margin):
-            ch = Choice(int(best), t["compute"], t["sequential"], t[best],
-                        f"{best} chunks: {t[best]:.2f} ms vs sequential {t['sequential']:.2f} ms")
-        else:
-            why = (f"best chunked {t[best]:.2f} ms" if best else "too few rows to chunk")
-            ch = Choice(0, t["compute"], t["sequential"], t["sequential"],
-                        f"no overlap: {why} vs sequential {t['sequential']:.2f} ms")
-            log.warning("%s %s on %s x%d: overlap falls back to none (%s)", what, key,
-                        comm.backend, comm.world, ch.reason)
+        ch = _measure_and_choose(key, run, comm, rows, device, what, chunks_hint, reps, margin,
+                                 comm_first)
     _CACHE[full_key] = ch
+    return ch
+
+
+def _measure_and_choose(key, run, comm, rows, device, what, chunks_hint, reps, margin,
+                        comm_first) -> Choice:
+    null = NullComm(comm)
+    cands = sorted({c for c in (*CANDIDATES, chunks_hint) if 2 <= c <= rows})
+    first: dict[str, Callable[[], object]] = {
+        "compute": lambda: run(null, 1),
+        "sequential": lambda: run(comm, 0),
+    }
+    for c in cands:
+        first[str(c)] = lambda c=c: run(comm, c)
+    t = _timed(first, comm, device, reps)
+    plans: dict[str, tuple[int, float | None]] = {str(c): (c, None) for c in cands}
+    chunked = {n: t[n] for n in plans}
+    best = min(chunked, key=chunked.get) if chunked else None
+    comm_ms = max(0.0, t["sequential"] - t["compute"])
+    second: dict[str, Callable[[], object]] = {}
+    for c in sorted({c for c in (4, 8, chunks_hint) if 2 <= c <= rows}):
+        g = geometric_growth(t["compute"], comm_ms, c, comm_first)
+        if g is not None:
+            name = f"{c}x{g:.2f}"
+            plans[name] = (c, g)
+            second[name] = lambda c=c, g=g: run(comm, c, g)
+    if second:  # the geometric schedules against the sequential one and the best so far
+        second["sequential"] = first["sequential"]
+        if best is not None:
+            second[best] = first[best]
+        t2 = _timed(second, comm, device, reps)
+        chunked = {n: v for n, v in t2.items() if n != "sequential"}
+        best = min(chunked, key=chunked.get)
+        t = {**t, **t2}
+    if best is not None and t[best] < t["sequential"] * (1 - margin):
+        c, g = plans[best]
+        shape = f"{c} chunks" + (f" growing by {g:.2f}" if g is not None else "")
+        return Choice(c, t["compute"], t["sequential"], t[best],
+                      f"{shape}: {t[best]:.2f} ms vs sequential {t['sequential']:.2f} ms", g)
+    why = f"best chunked {t[best]:.2f} ms" if best else "too few rows to chunk"
+    ch = Choice(0, t["compute"], t["sequential"], t["sequential"],
+                f"no overlap: {why} vs sequential {t['sequential']:.2f} ms")
+    log.warning("%s %s on %s x%d: overlap falls back to none (%s)", what, key,
+                comm.backend, comm.world, ch.reason)
     return ch

@@ -51,6 +51,9 @@ def _engine_case(comm: CommContext, mm, kind: str, shape: tuple) -> dict[str, fl
         out, extra = run_engine(kind, a, mm, 6, comm, chunks, then=lambda: 42)
         out = out[1] if kind == "all_gather" else out
         errs[f"c={chunks}"] = _err(out, ref) if extra == 42 else float("inf")
+    for chunks, growth in ((3, 1.5), (4, 0.5)):  # geometric schedules (overlap="auto")
+        out, _ = run_engine(kind, a, mm, 6, comm, chunks, then=lambda: 42, growth=growth)
+        errs[f"c={chunks} g={growth}"] = _err(out[1] if kind == "all_gather" else out, ref)
     return errs
 
 

@@ -1,6 +1,7 @@
 """``overlap="auto"`` on 2 gloo ranks: one measurement per shape, the same choice on every
-rank, and, with the measurement's outcome forced each way, the fastest chunk count or the
-fallback to no overlap said once in the log. One spawn, each scenario its own test."""
+rank, and, with the measurement's outcome forced each way, the fastest chunk count, a
+geometric schedule, or the fallback to no overlap said once in the log. One spawn, each
+scenario its own test. The geometric schedule's ratio, without ranks."""
 
 from __future__ import annotations
 
@@ -17,8 +18,13 @@ DT = torch.float64
 
 
 def _forced(times: dict[str, float]):
-    """A stand-in for the tuner's measurement returning fixed best-of times (ms)."""
-    return lambda run, comm, rows, device, reps, extra: (list(times), list(times.values()))
+    """A stand-in for one round of the tuner's measurement returning fixed best-of times (ms);
+    a geometric schedule (named ``<chunks>x<growth>``) takes ``times["geo"]`` (default: never
+    the fastest)."""
+    def timed(variants, comm, device, reps):
+        return {n: times[n] if n in times else times.get("geo", 1e9) for n in variants}
+
+    return timed
 
 
 class _Log(logging.Handler):
@@ -35,19 +41,19 @@ def _real(dims, x) -> dict:
     from distllm.nn import RowParallelLinear
 
     overlap_tuner.clear_cache()
-    real, measured = overlap_tuner._measure, []
+    real, measured = overlap_tuner._measure_and_choose, []
 
     def counting(*args):
-        measured.append(args[2])
+        measured.append(args[0])
         return real(*args)
 
-    overlap_tuner._measure = counting
+    overlap_tuner._measure_and_choose = counting
     try:
         rw = RowParallelLinear(8, 4, dims, overlap="auto", dtype=DT)
         for _ in range(3):
             rw(x)
     finally:
-        overlap_tuner._measure = real
+        overlap_tuner._measure_and_choose = real
     st = rw.overlap_stats.forward
     choice = torch.tensor([float(st.chunks)])  # MAX over ranks: equal to ours if all agree
     torch.distributed.all_reduce(choice, op=torch.distributed.ReduceOp.MAX)
@@ -62,17 +68,17 @@ def _forced_outcome(dims, x, times: dict[str, float]) -> tuple[str, int, int]:
     overlap_tuner.clear_cache()
     log = _Log()
     logging.getLogger("distllm").addHandler(log)
-    real = overlap_tuner._measure
-    overlap_tuner._measure = _forced(times)
+    real = overlap_tuner._timed
+    overlap_tuner._timed = _forced(times)
     try:
         layer = RowParallelLinear(8, 4, dims, overlap="auto", dtype=DT)
         for _ in range(3):
             layer(x)
     finally:
-        overlap_tuner._measure = real
+        overlap_tuner._timed = real
         logging.getLogger("distllm").removeHandler(log)
     f = layer.overlap_stats.forward
-    return f.mode, f.chunks, len([m for m in log.lines if "falls back" in m])
+    return f.mode, f.chunks, len([m for m in log.lines if "falls back" in m]), f.reason
 
 
 def tuner_main() -> dict:
@@ -89,6 +95,8 @@ def tuner_main() -> dict:
             dims, x, {"compute": 1.0, "sequential": 10.0, "2": 6.0, "4": 8.0}),
         "marginal": lambda: _forced_outcome(  # 2% faster: within the 3% margin
             dims, x, {"compute": 1.0, "sequential": 10.0, "2": 9.8, "4": 9.9}),
+        "geometric": lambda: _forced_outcome(  # C = 6 ms, G = 4 ms: pieces growing by 1.5
+            dims, x, {"compute": 4.0, "sequential": 10.0, "2": 9.0, "4": 8.5, "geo": 7.0}),
     })
 
 
@@ -108,15 +116,40 @@ def test_one_measurement_per_shape_and_the_same_choice_everywhere(spawned):
     ("slower", ("none", 0, 1)),  # chunked slower than sequential: no overlap, said once
     ("faster", ("chunked", 2, 0)),  # the fastest chunk count, nothing logged
     ("marginal", ("none", 0, 1)),
+    ("geometric", ("chunked", 4, 0)),  # C/G = 1.5; 4 and 8 pieces tie: the first kept
 ])
 def test_forced_outcomes(spawned, case, want):
     for got in case_of(spawned(tuner_main, 2), case):
-        assert tuple(got) == want
+        assert tuple(got[:3]) == want, got
+        if case == "geometric":
+            assert "4 chunks growing by 1.50" in got[3], got[3]
+
+
+def test_geometric_growth_balances_and_is_bounded():
+    g = overlap_tuner.geometric_growth
+    assert g(4.0, 6.0, 4, comm_first=False) == pytest.approx(1.5)  # comm-bound: pieces grow
+    assert g(6.0, 4.0, 4, comm_first=False) == pytest.approx(4 / 6)  # compute-bound: shrink
+    assert g(4.0, 6.0, 4, comm_first=True) == pytest.approx(4 / 6)  # all-gather: reversed
+    bound = overlap_tuner.MAX_PIECE_RATIO ** (1 / 7)
+    assert g(1.0, 100.0, 8, comm_first=False) == pytest.approx(bound)  # largest/smallest <= 16
+    assert g(5.0, 5.1, 4, comm_first=False) is None  # within 5% of equal pieces
+    assert g(0.0, 5.0, 4, comm_first=False) is None
+
+
+def test_geometric_pieces():
+    from distllm.parallel.tensor.overlap import pipeline_bounds
+
+    sizes = [e - s for s, e in pipeline_bounds(2048, 4, 1.5)]
+    assert sizes == [252, 378, 567, 851] and sum(sizes) == 2048
+    sizes = [e - s for s, e in pipeline_bounds(2048, 4, 0.5)]
+    assert sizes[0] > sizes[1] > sizes[2] > sizes[3] and sum(sizes) == 2048
+    assert pipeline_bounds(3, 8, 2.0) == [(0, 1), (1, 2), (2, 3)]  # never an empty piece
 
 
 def test_one_rank_never_measures(monkeypatch):
     overlap_tuner.clear_cache()
-    monkeypatch.setattr(overlap_tuner, "_measure", lambda *a: pytest.fail("measured"))
+    monkeypatch.setattr(overlap_tuner, "_measure_and_choose",
+                        lambda *a: pytest.fail("measured"))
     comm = types.SimpleNamespace(backend="gloo", ranks=(0,), world=1)
     ch = overlap_tuner.choose(("k",), lambda c, n: None, comm, 8, torch.device("cpu"), "x")
     assert (ch.chunks, ch.comm_ms) == (0, 0.0) and "tp=1" in ch.reason
