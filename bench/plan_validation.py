@@ -6,7 +6,8 @@ Each layout runs ``distllm.train``'s trainer (the code behind ``distllm train``)
 and its step times are read back from the run's ``metrics.jsonl`` (median after warm-up).
 The same ranks then build the training engine again and measure memory: model states from
 the tensors held (``distllm.parallel.data.memory.memory_report``), plus the peak of
-allocations during one step (``torch.profiler`` memory events). Layouts run in rounds
+allocations during one step (the allocator's bytes in use after each operator; see
+:func:`_peak_during`). Each row keeps the machine's load as its runs started. Layouts run in rounds
 (A B C, C B A, ...) so that drift of the shared machine hits them alike.
 
 One case per network (loopback, and ``--net``). The predictions use ``cfg.extra["profile"]``
@@ -25,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -79,9 +81,64 @@ def _train_cfg(lay, steps: int, out: str, data: str):
     )
 
 
-def _peak_during(fn) -> int:
-    """Peak bytes allocated above the starting point while ``fn`` runs (CPU allocations
-    recorded by the profiler, accumulated in time order)."""
+def _heap_bytes():
+    """Bytes the C allocator holds for this process now (glibc ``mallinfo2``: the main
+    arena's allocated chunks plus mmapped ones), or None where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    class _Mallinfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost")]
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        fn = libc.mallinfo2
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.restype = _Mallinfo2
+
+    def now() -> int:
+        m = fn()
+        return m.uordblks + m.hblkhd
+
+    return now
+
+
+def _peak_during(fn) -> tuple[int, str]:
+    """Peak bytes in use above the starting point while ``fn`` runs, and how it was taken.
+
+    Where glibc is there: the allocator's bytes in use, read after every operator (a
+    dispatch mode sees forward, backward and the hooks' operators), so every free counts,
+    wherever it happens (storage resizes of ZeRO-3, tensors dropped outside an operator).
+    Elsewhere: the profiler's CPU memory events accumulated in time order, which miss such
+    frees and so overstate the peak."""
+    heap = _heap_bytes()
+    if heap is not None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _Sample(TorchDispatchMode):
+            peak = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                self.peak = max(self.peak, heap())
+                return out
+
+        import gc
+
+        import torch
+
+        with _Sample():  # the mode's first use allocates for itself: not the step's
+            torch.ones(2).add_(1)
+        gc.collect()
+        start = heap()
+        mode = _Sample()
+        mode.peak = start
+        with mode:
+            fn()
+        return mode.peak - start, "allocator bytes in use after each operator (glibc mallinfo2)"
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -90,7 +147,7 @@ def _peak_during(fn) -> int:
     for ev in sorted(prof.events(), key=lambda e: e.time_range.start):
         cur += ev.self_cpu_memory_usage
         peak = max(peak, cur)
-    return peak
+    return peak, "profiler memory events in time order (frees outside operators missed)"
 
 
 def _rank_main(t: tuple, steps: int, out: str, data: str, probe: bool) -> dict | None:
@@ -132,8 +189,9 @@ def _rank_main(t: tuple, steps: int, out: str, data: str, probe: bool) -> dict |
         if engine.zero is not None
         else memory_report(engine.ddp, engine.optimizer)
     )
-    peak = _peak_during(one_step)
+    peak, how = _peak_during(one_step)
     return {
+        "how": how,
         "params": rep.params,
         "grads": rep.grads,
         "optimizer": rep.optimizer,
@@ -250,8 +308,10 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
     steps = int(cfg.extra.get("steps", 5 if cfg.quick else 8))
     samples: dict[tuple, list[float]] = {t: [] for t in layouts}
     mem: dict[tuple, dict] = {}
+    load: dict[tuple, list[float]] = {t: [] for t in layouts}
 
     def measure(t: tuple) -> None:
+        load[t].append(os.getloadavg()[0])  # the shared machine's load as this run starts
         got = _measure(t, steps, net, data, probe=t not in mem)
         samples[t] += got["times"]
         mem.setdefault(t, got["mem"])
@@ -260,7 +320,7 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
 
     def finish(stats) -> dict:
         return {"layouts": layouts, "samples": samples, "mem": mem, "profile": profile,
-                "gpn": gpn, "pick": pick}
+                "gpn": gpn, "pick": pick, "load": load}
 
     return Setup({_layout(t).name(): (lambda t=t: measure(t)) for t in layouts}, warmup=0,
                  reps=int(cfg.extra.get("rounds", 1 if cfg.quick else 2)), finish=finish,
@@ -274,10 +334,10 @@ def rows(cfg: BenchConfig, case: Case, result: Result) -> list[dict]:
                     reason=result.unavailable[case.net])]
     i = result.info[0]
     return _rows(net_name, i["layouts"], i["samples"], i["mem"], i["profile"], i["gpn"],
-                 i["pick"])
+                 i["pick"], i.get("load"))
 
 
-def _rows(net_name, layouts, samples, mem, profile, gpn, pick) -> list[dict]:
+def _rows(net_name, layouts, samples, mem, profile, gpn, pick, load=None) -> list[dict]:
     GB = 1e9
     out, pred = [], {t: _predict(t, profile, gpn) for t in layouts}
     meas = {t: statistics.median(samples[t]) for t in layouts}
@@ -299,8 +359,10 @@ def _rows(net_name, layouts, samples, mem, profile, gpn, pick) -> list[dict]:
                 measured_states_mb=m["states"] / 1e6,
                 predicted_act_mb=p.memory["activations"] / 1e6,
                 measured_step_peak_mb=m["step_peak"] / 1e6,
+                mem_method=m.get("how"),
                 planner_pick=t == pick,
                 mem_total_gb=m["total"] / GB,
+                load_1min=statistics.median(load[t]) if load and load.get(t) else None,
             )
         )
     ranked = sorted(layouts, key=lambda t: pred[t].step_time_s)

@@ -44,3 +44,26 @@ def test_an_emulated_network_that_cannot_be_built_is_a_row(monkeypatch):
     [r] = run(pv, BenchConfig(quick=True, net="1gbit", extra={"layouts": []}))
     assert (r["case"], r["variant"], r["status"], r["reason"]) == (
         "tiny/4 ranks", "1gbit", "unavailable", "no namespaces")
+
+
+def test_step_peak_counts_frees_outside_operators():
+    """ZeRO-3 frees gathered parameters by resizing their storage, which the profiler's
+    memory events do not see; the allocator's bytes in use do."""
+    import torch
+
+    def gather_twice():
+        for _ in range(2):
+            full = torch.ones(2_000_000)  # 8 MB gathered
+            full.untyped_storage().resize_(0)  # freed as ZeRO-3 frees it
+
+    peak, how = pv._peak_during(gather_twice)
+    assert "mallinfo2" in how
+    assert 7.9e6 < peak < 9e6, peak
+
+    def hold():
+        a = torch.ones(5_000_000)  # 20 MB, alive while the next 20 MB are made
+        b = torch.ones(5_000_000)
+        return a, b
+
+    peak, _ = pv._peak_during(hold)
+    assert 39.9e6 < peak < 41e6, peak
