@@ -30,6 +30,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from distllm.bench.harness import BenchConfig, Case, Result, Setup
@@ -38,6 +39,7 @@ from distllm.bench.rows import row
 from distllm.diagnostics.timing import stats_of
 
 SUITE = "plan_validation"
+CPU_STEPS = 3  # steps whose CPU time each rank measures after the memory probe
 BATCH, SEQ, RANKS = 16, 128, 4
 # (tp, pp, dp, zero, schedule, micro_batches, checkpointing)
 LAYOUTS = [
@@ -190,7 +192,13 @@ def _rank_main(t: tuple, steps: int, out: str, data: str, probe: bool) -> dict |
         else memory_report(engine.ddp, engine.optimizer)
     )
     peak, how = _peak_during(one_step)
+    # CPU seconds of this rank's step (its threads, gloo's included): other users' load
+    # stretches the wall time of a step, not this
+    cpu0 = time.process_time()
+    for _ in range(CPU_STEPS):
+        one_step()
     return {
+        "cpu_s": (time.process_time() - cpu0) / CPU_STEPS,
         "how": how,
         "params": rep.params,
         "grads": rep.grads,
@@ -226,6 +234,8 @@ def _measure(t: tuple, steps: int, net, data: str, probe: bool) -> dict:
         lines = Path(out, "metrics.jsonl").read_text().splitlines()
     times = [json.loads(x)["step_time_s"] for x in lines][2:]  # two warm-up steps
     worst = max(per_rank, key=lambda r: r["total"]) if probe else None
+    if worst is not None:
+        worst = dict(worst, ranks_cpu_s=sum(r["cpu_s"] for r in per_rank))
     return {"times": times, "mem": worst, "per_rank": per_rank}
 
 
@@ -360,6 +370,7 @@ def _rows(net_name, layouts, samples, mem, profile, gpn, pick, load=None) -> lis
                 predicted_act_mb=p.memory["activations"] / 1e6,
                 measured_step_peak_mb=m["step_peak"] / 1e6,
                 mem_method=m.get("how"),
+                ranks_cpu_ms=m["ranks_cpu_s"] * 1e3 if "ranks_cpu_s" in m else None,
                 planner_pick=t == pick,
                 mem_total_gb=m["total"] / GB,
                 load_1min=statistics.median(load[t]) if load and load.get(t) else None,
