@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from distllm.diagnostics.probe import Probe, full_numel, snapshot, trace
+from distllm.diagnostics.probe import Probe, full_numel, fused_parents, snapshot, trace
 from distllm.diagnostics.timing import COLLECTIVES, time_collective
 
 __all__ = ["diagnose", "DoctorReport", "LayerDirection", "OverlapNotHappening"]
@@ -344,7 +344,7 @@ def diagnose(model: torch.nn.Module, step_fn: Callable[[], object], steps: int =
     for _ in range(warmup):  # overlap="auto" measures and caches its choice here
         step_fn()
     sync()
-    probe, before = Probe(layers, cuda), snapshot(layers)
+    probe, before = Probe(layers, cuda, fused_parents(model)), snapshot(layers)
     prof, step_ms = _profile(step_fn, steps, probe, sync, cuda)
     if trace_path:
         prof.export_chrome_trace(str(trace_path))

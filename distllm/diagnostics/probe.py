@@ -13,18 +13,32 @@ import torch
 
 from distllm.diagnostics import timeline
 
-__all__ = ["Probe", "snapshot", "trace", "full_numel"]
+__all__ = ["Probe", "fused_parents", "snapshot", "trace", "full_numel"]
 
 _COLL_NAMES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
                "reducescatter", "gloo:", "nccl:")
+
+
+def fused_parents(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """``id(layer) -> module`` for the layers a module computes inside its own function
+    instead of calling them (it names them in ``FUSED_CHILDREN``, as ``ParallelMLP`` does)."""
+    out = {}
+    for m in model.modules():
+        for child in getattr(type(m), "FUSED_CHILDREN", ()):
+            sub = getattr(m, child, None)
+            if isinstance(sub, torch.nn.Module):
+                out[id(sub)] = m
+    return out
 
 
 class Probe:
     """Forward/backward hooks on each layer: a profiler range and a timer per call, and
     the shapes of the last forward (for timing the collective alone)."""
 
-    def __init__(self, layers: list[tuple[str, torch.nn.Module]], cuda: bool):
+    def __init__(self, layers: list[tuple[str, torch.nn.Module]], cuda: bool,
+                 fused_into: dict[int, torch.nn.Module] | None = None):
         self.layers, self.cuda = layers, cuda
+        self.fused_into = fused_into or {}  # id(layer) -> the module whose function runs it
         self.marks: dict[tuple[str, str], list[list]] = {}
         self.shapes: dict[str, tuple] = {}
         self.handles: list = []
@@ -57,19 +71,48 @@ class Probe:
             self.shapes[name] = (x.numel(), y.numel(), y.dtype, y.device, x.requires_grad)
         self._end(name, "forward")
 
-    def attach(self) -> None:
+    def _hooked(self) -> list[tuple[torch.nn.Module, list[str]]]:
+        """The modules to hook and the layer names each one times: a layer computed inside
+        another module's function (``ParallelMLP``'s fc1 and fc2, run as one fused MLP,
+        see :func:`fused_parents`) is timed by that module, together with its siblings."""
+        out: list[tuple[torch.nn.Module, list[str]]] = []
+        by_parent: dict[int, int] = {}
         for name, m in self.layers:
+            parent = self.fused_into.get(id(m))
+            if parent is None:
+                out.append((m, [name]))
+            elif id(parent) in by_parent:
+                out[by_parent[id(parent)]][1].append(name)
+            else:
+                by_parent[id(parent)] = len(out)
+                out.append((parent, [name]))
+        return out
+
+    @staticmethod
+    def _each(names: list[str], fn, *args) -> None:
+        for n in names:
+            fn(n, *args)
+
+    def attach(self) -> None:
+        for m, names in self._hooked():
+            rev = names[::-1]
+            # hooks return None: a value would replace the module's input / output
             self.handles += [
-                m.register_forward_pre_hook(lambda m, a, n=name: self._begin(n, "forward")),
-                m.register_forward_hook(lambda m, a, o, n=name: self._fwd_post(n, m, a, o))]
+                m.register_forward_pre_hook(
+                    lambda m, a, ns=names: self._each(ns, self._begin, "forward")),
+                m.register_forward_hook(
+                    lambda m, a, o, ns=rev: self._each(ns, self._fwd_post, m, a, o))]
+            if len(names) > 1:
+                self.notes.append(f"{', '.join(names)}: run as one fused function, timed "
+                                  "together (each row shows the whole function's time)")
             try:
                 self.handles += [
                     m.register_full_backward_pre_hook(
-                        lambda m, g, n=name: self._begin(n, "backward")),
+                        lambda m, g, ns=names: self._each(ns, self._begin, "backward")),
                     m.register_full_backward_hook(
-                        lambda m, gi, go, n=name: self._end(n, "backward"))]
+                        lambda m, gi, go, ns=rev: self._each(ns, self._end, "backward"))]
             except RuntimeError as exc:  # e.g. a module already using the old-style hooks
-                self.notes.append(f"{name}: backward not timed ({exc})")
+                self.notes.append(f"{', '.join(names)}: backward not timed ({exc})")
 
     def detach(self) -> None:
         for h in self.handles:

@@ -371,9 +371,9 @@ def fuse(model: nn.Module) -> int:
     layout), the GeLU an identity. When the GeLU's output in turn feeds only a child
     ``nn.Linear`` (a whole MLP), the first Linear's replacement computes the MLP, with the
     backward fused across the two GEMMs, and the second Linear's slot keeps its parameters
-    under their names and passes its input through. Everything else (other activations, Linear subclasses,
-    outputs used twice, blocks that cannot be traced) is left alone; outputs change only by
-    the dtype's rounding.
+    under their names and passes its input through. Everything else (other activations,
+    Linear subclasses, outputs used twice, blocks that cannot be traced) is left alone;
+    outputs change only by the dtype's rounding.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"fuse needs an nn.Module, got {type(model).__name__}")

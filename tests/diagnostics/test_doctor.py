@@ -66,6 +66,12 @@ def _doctor_checks() -> dict:
     bare = diagnose(plain, lambda: plain(torch.ones(2, 8)).sum().backward(), steps=1,
                     require_overlap=True, raise_on_failure=False)
     out["bare"] = (bare.ok, bare.failures, bare.notes)
+    from distllm.nn import ParallelMLP
+
+    fused = ParallelMLP(64, 128, dims, overlap="chunked")  # fc1 and fc2 run in one function
+    rep = diagnose(fused, _stepper(fused), steps=2, require_overlap=True,
+                   raise_on_failure=False)
+    out["fused_rows"], out["fused_notes"], out["fused_ok"] = _rows(rep), rep.notes, rep.ok
     try:
         diagnose(on, _stepper(on), steps=0)
         out["bad_steps"] = None
@@ -156,3 +162,17 @@ def test_doctor_reads_the_collective_that_ran(ran, shown):
     assert (row.direction, row.collective, row.calls, row.overlapped) == (
         "forward", shown, 2, 2), row
     assert f"| forward | {shown} | chunked | chunked x2 | 2/2 |" in rep.to_markdown()
+
+
+def test_doctor_times_the_layers_of_a_fused_mlp(doctor_results):
+    """ParallelMLP computes fc1 and fc2 in one function (their forwards are never called):
+    the doctor times them through the MLP and says so."""
+    for res in doctor_results:
+        rows = {(r["layer"], r["direction"]): r for r in res["fused_rows"]}
+        assert set(rows) == {("fc1", "backward"), ("fc2", "forward")}, rows.keys()
+        for r in rows.values():
+            assert r["calls"] == 2 and r["overlapped"] == 2, r
+            assert r["layer_ms"] is not None and r["layer_ms"] > 0, r
+        assert rows["fc1", "backward"]["collective"] == "all_reduce"
+        assert any("fc1, fc2: run as one fused function" in n for n in res["fused_notes"])
+        assert res["fused_ok"], res["fused_rows"]
