@@ -152,6 +152,7 @@ def _engine_step(eng, x):
     def step():
         eng.update(1.0, eng.forward_backward(x, x))
 
+    step.engine = eng  # finish() waits for what a step leaves in flight (ZeRO's gathers)
     return step
 
 
@@ -308,6 +309,10 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
 
     def finish(stats: dict[str, Stats]) -> dict:
         prof = {n: breakdown(f, before=dist.barrier) for n, f in variants.items()}
+        eng = getattr(variants.get("distllm"), "engine", None)
+        if eng is not None and eng.zero is not None:
+            eng.zero.wait_params()  # no collective left in flight when the ranks end
+        dist.barrier()
         return {"tokens": shape[2] * shape[3], "model": name, "breakdown": prof}
 
     return Setup(variants, missing, warmup=2, reps=reps, finish=finish)
