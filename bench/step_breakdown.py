@@ -92,10 +92,13 @@ def _transfers(transfers: list) -> dict[str, float]:
     return {k: round(v, 3) for k, v in sorted(by.items())}
 
 
-def breakdown(step: Callable[[], object], *, before: Callable[[], object] | None = None
-              ) -> dict:
+def breakdown(step: Callable[[], object], *, before: Callable[[], object] | None = None,
+              drain: Callable[[], object] | None = None) -> dict:
     """Profile one call of ``step`` (``before`` runs first, outside the timing: a barrier on
-    several ranks) and count what it dispatched (see the module docstring)."""
+    several ranks) and count what it dispatched (see the module docstring). ``drain`` runs
+    after the step, still under the profiler but outside ``wall_ms``: it waits for what
+    the step left in flight (ZeRO's parameter gathers, which the next forward would wait
+    for), so that no backend thread records an event while the profiler stops."""
     from torch.profiler import ProfilerActivity, profile
 
     if before is not None:
@@ -105,6 +108,8 @@ def breakdown(step: Callable[[], object], *, before: Callable[[], object] | None
         t0 = time.perf_counter()
         step()
         wall_ms = (time.perf_counter() - t0) * 1e3
+        if drain is not None:
+            drain()
     events = list(prof.events())
     # the step's own thread: the one that ran the most aten operators (gloo's transport
     # threads record their transfers as events of their own)

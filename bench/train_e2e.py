@@ -308,14 +308,18 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
             missing[vname] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
     def finish(stats: dict[str, Stats]) -> dict:
-        prof = {n: breakdown(f, before=dist.barrier) for n, f in variants.items()}
-        eng = getattr(variants.get("distllm"), "engine", None)
-        if eng is not None and eng.zero is not None:
-            eng.zero.wait_params()  # no collective left in flight when the ranks end
+        prof = {n: breakdown(f, before=dist.barrier, drain=_drain(f))
+                for n, f in variants.items()}
         dist.barrier()
         return {"tokens": shape[2] * shape[3], "model": name, "breakdown": prof}
 
     return Setup(variants, missing, warmup=2, reps=reps, finish=finish)
+
+
+def _drain(step):
+    """What waits for the work a variant's step leaves in flight (ZeRO's gathers), or None."""
+    eng = getattr(step, "engine", None)
+    return eng.zero.wait_params if eng is not None and eng.zero is not None else None
 
 
 def _layout_rows(layout: str, res: dict, label: str, reason: str) -> list[dict]:

@@ -38,3 +38,13 @@ def test_compare():
     b = {"ops": 12, "syncs": 5, "wall_ms": 1.5}
     assert compare_breakdowns(a, b) == {"ops": [10, 12, -2], "syncs": [1, 5, -4],
                                         "wall_ms": [2.0, 1.5, 0.5]}
+
+
+def test_drain_runs_after_the_step_outside_its_wall_time():
+    import time
+
+    calls = []
+    bd = breakdown(lambda: calls.append("step"),
+                   drain=lambda: (time.sleep(0.05), calls.append("drain")))
+    assert calls == ["step", "drain"]
+    assert bd["wall_ms"] < 50.0
