@@ -362,6 +362,7 @@ def _rows(net_name, layouts, samples, mem, profile, gpn, pick, load=None) -> lis
                 st,
                 predicted_ms=p.step_time_s * 1e3,
                 time_error=p.step_time_s / meas[t] - 1,
+                predicted_cpu_ms=p.time.get("cpu_busy", 0.0) * 1e3,
                 predicted_mem_mb=p.memory["total"] / 1e6,
                 measured_mem_mb=m["total"] / 1e6,
                 mem_error=p.memory["total"] / m["total"] - 1,
@@ -424,6 +425,7 @@ def repredict(results: Path, profile) -> list[dict]:
                 time_error=p.step_time_s * 1e3 / r["ms"] - 1,
                 predicted_mem_mb=p.memory["total"] / 1e6,
                 mem_error=p.memory["total"] / 1e6 / r["measured_mem_mb"] - 1,
+                predicted_cpu_ms=p.time.get("cpu_busy", 0.0) * 1e3,
             )
         )
     return out

@@ -251,6 +251,7 @@ class TimeModel:
         tail, dp_exp, zero_ag, t_opt = self._tail(lay, tb)
         sync = self.sync_time(lay)
         step = pipe + tail + sync + p.step_overhead_s
+        cpu_busy = 0.0
         if p.cores:  # ranks share the cores: the busy time of all of them must fit too
             per_stage = self.ranks_per_host / lay.pp
             # waiting on a rate-limited wire leaves the cores to the other ranks
@@ -265,6 +266,9 @@ class TimeModel:
             crowd = max(1.0, per_stage * lay.pp * sharing / p.cores)
             tail_cpu = tail + (crowd - 1.0) * t_opt
             step = max(step, work / p.cores + wire + tail_cpu + sync + p.step_overhead_s)
+            # CPU seconds of all the host's ranks per step (the reductions after backward
+            # aside): what a loaded machine cannot stretch
+            cpu_busy = work + per_stage * lay.pp * sharing * t_opt
         blocks = max(r[0] for r in self.ranks(lay.pp, lay.virtual_stages))
         chunks = m * (lay.virtual_stages if lay.pp > 1 else 1)
         parts = dict(
@@ -283,5 +287,6 @@ class TimeModel:
             zero_comm=zero_ag + m * blocks * (lt["z3_f"] + lt["z3_b"]),
             optimizer=t_opt,
             sync=sync,
+            cpu_busy=cpu_busy,
         )
         return step, parts
