@@ -24,9 +24,7 @@ TOL = 1e-10  # float64
 TOL_F32 = 2e-5  # Triton (interpreter) in float32 against the float64 reference
 MODES = (("none", 4), ("chunked", 3), ("auto", 4))
 MLP_CASES = {f"mlp-{be}-{'sp' if sp else 'nosp'}-{m}{c}": (be, sp, m, c)
-             for be in ("cpu", "reference") for sp in (False, True) for m, c in MODES}
-MLP_CASES.update({f"mlp-triton-{'sp' if sp else 'nosp'}-chunked3": ("triton", sp, "chunked", 3)
-                  for sp in (False, True)})
+             for be in ("cpu", "reference", "triton") for sp in (False, True) for m, c in MODES}
 COL_CASES = {f"col-{be}-{'sp' if sp else 'nosp'}-{m}{c}": (be, sp, m, c)
              for be in ("cpu", "reference") for sp in (False, True)
              for m, c in (("none", 4), ("chunked", 3))}
