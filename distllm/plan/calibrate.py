@@ -1,6 +1,7 @@
 """``distllm plan --calibrate``: measure this machine and write a hardware profile.
 
-Measured, one thread per rank (as ``distllm train`` runs its ranks):
+Measured, one thread per rank (as ``distllm train`` runs its ranks), compute in CPU time
+(what a core does; other users' load stretches wall time, not this):
   * GEMM FLOP/s per dtype: the best of a few square shapes is the ``peak``; the median over
     transformer-like shapes (tokens x h x 3h, tokens x h x 4h, tokens x 4h x h for the ``tiny``
     width) over that peak is ``matmul_efficiency``;
@@ -33,10 +34,19 @@ AR_SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
 
 
 def _median_time(fn, reps: int = 7, warmup: int = 2) -> float:
-    """Median seconds of ``fn`` over ``reps`` calls after ``warmup`` more."""
-    from distllm.diagnostics.timing import interleaved
+    """Median CPU seconds of this thread over ``reps`` calls of ``fn`` after ``warmup`` more.
 
-    return interleaved({"fn": fn}, warmup=warmup, reps=reps)["fn"].median_ms * 1e-3
+    CPU time, not wall time: the compute terms are work a rank's core does, and on a shared
+    machine other users' processes stretch the wall time of a call, not the CPU time it
+    takes (``time.thread_time``; the kernels run on this one thread)."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.thread_time()
+        fn()
+        ts.append(time.thread_time() - t0)
+    return statistics.median(ts)
 
 
 def measure_gemm(dtype: str = "float32", hidden: int = 128, tokens: int = 4096) -> dict:
@@ -130,11 +140,11 @@ def measure_gelu(shape: tuple[int, int, int] = GELU_SHAPE) -> tuple[float, float
     fwd, bwd = [], []
     for _ in range(25):
         pre = torch.addmm(bias, x, w)  # (m, h) @ (h, f): the pattern of the MLP's input GEMM
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         F.gelu(pre, approximate="tanh")
-        t1 = time.perf_counter()
+        t1 = time.thread_time()
         torch.ops.aten.gelu_backward(grad, pre, approximate="tanh")
-        t2 = time.perf_counter()
+        t2 = time.thread_time()
         fwd.append(t1 - t0)
         bwd.append(t2 - t1)
     n = m * f
@@ -161,7 +171,9 @@ def measure_core_sharing(ranks: int, reps: int = 150) -> float:
     from distllm.testing import run_distributed
 
     alone = min(run_distributed(_sharing_work, 1, reps)[0] for _ in range(2))
-    shared = statistics.median(run_distributed(_sharing_work, ranks, reps))
+    # the least disturbed of two tries: other users' processes thrash the caches too
+    shared = min(statistics.median(run_distributed(_sharing_work, ranks, reps))
+                 for _ in range(2))
     return max(1.0, shared / alone)
 
 

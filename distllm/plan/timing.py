@@ -127,8 +127,11 @@ class TimeModel:
         self._cache[key] = out
         return out
 
-    def _ends(self, b: int, lay: Layout) -> tuple[float, float, float, float]:
-        """(embedding forward, head forward, head backward, head weight-gradient) seconds."""
+    def _ends(self, b: int, lay: Layout) -> tuple[float, ...]:
+        """(embedding forward, head forward, head backward, head weight-gradient) seconds,
+        and the TP collectives inside them: (embedding's, head's). The vocab-parallel
+        cross-entropy all-reduces the per-token max and then the stacked per-token sum and
+        target logit (fp32) in forward (``distllm.nn.cross_entropy``)."""
         s, p, t = self.shape, self.profile, lay.tp
         tokens, v_pad = b * s.seq_len, s.padded_vocab(t)
         n = tokens * s.hidden
@@ -139,10 +142,15 @@ class TimeModel:
         ce = mem_time(p, CE_BYTES_PER_LOGIT * tokens * vn)
         norm = mem_time(p, 4 * self.e * n) + 3 * p.op_overhead_s
         msg = self.e * n
-        emb = mem_time(p, 4 * self.e * n) + 2 * p.op_overhead_s + self._tp_collective(msg, lay)
-        head_fwd = head_f + ce / 2 + norm
-        head_bwd = head_dg + head_w + ce / 2 + 2 * norm + self._tp_collective(msg, lay)
-        return emb, head_fwd, head_bwd, head_w
+        emb_c = self._tp_collective(msg, lay)
+        ce_c = 0.0
+        if t > 1:
+            link = self._link("tp", lay)
+            ce_c = sum(collective_time("all_reduce", k * 4 * tokens, t, link) for k in (1, 2))
+        emb = mem_time(p, 4 * self.e * n) + 2 * p.op_overhead_s + emb_c
+        head_fwd = head_f + ce / 2 + norm + ce_c
+        head_bwd = head_dg + head_w + ce / 2 + 2 * norm + emb_c
+        return emb, head_fwd, head_bwd, head_w, emb_c, ce_c + emb_c
 
     def rank_times(self, lay: Layout) -> tuple[list[float], ...]:
         """Forward, backward, weight-gradient and (inside those) TP/ZeRO-3 communication
@@ -154,7 +162,7 @@ class TimeModel:
         if key in self._cache:
             return self._cache[key]
         lt = self.layer_times(b, lay)
-        emb, head_f, head_b, head_w = self._ends(b, lay)
+        emb, head_f, head_b, head_w, emb_c, head_c = self._ends(b, lay)
         tf, tb, tw, tc = [], [], [], []
         for blocks, has_e, has_h in self.ranks(lay.pp, lay.virtual_stages):
             tf.append(blocks * (lt["fwd"] + lt["tp_f"] + lt["z3_f"])
@@ -162,7 +170,8 @@ class TimeModel:
             tb.append(blocks * (lt["bwd"] + lt["tp_b"] + lt["z3_b"])
                       + (emb if has_e else 0.0) + (head_b if has_h else 0.0))
             tw.append(blocks * lt["w"] + (head_w if has_h else 0.0))
-            tc.append(blocks * (lt["tp_f"] + lt["tp_b"] + lt["z3_f"] + lt["z3_b"]))
+            tc.append(blocks * (lt["tp_f"] + lt["tp_b"] + lt["z3_f"] + lt["z3_b"])
+                      + (2 * emb_c if has_e else 0.0) + (head_c if has_h else 0.0))
         self._cache[key] = (tf, tb, tw, tc)
         return tf, tb, tw, tc
 
@@ -254,21 +263,24 @@ class TimeModel:
         cpu_busy = 0.0
         if p.cores:  # ranks share the cores: the busy time of all of them must fit too
             per_stage = self.ranks_per_host / lay.pp
-            # waiting on a rate-limited wire leaves the cores to the other ranks
-            cpu_comm = 1.0 if self._link("tp", lay).uses_cpu else 0.0
-            busy = [f + b_ - (1.0 - cpu_comm) * c for f, b_, c in zip(tf, tb, tc, strict=True)]
+            # a link's collective times are measured with every rank of the host in the
+            # collective at once (calibrate: all ranks on the cores): a lockstep TP/ZeRO-3
+            # collective adds its time once, whether the wire or the cores (loopback) move
+            # the bytes; the compute of all ranks shares the cores
+            busy = [f + b_ - c for f, b_, c in zip(tf, tb, tc, strict=True)]
             # more ranks than cores: each rank's CPU time grows (caches, context switches)
             sharing = p.core_sharing if self.ranks_per_host > p.cores else 1.0
             work = per_stage * m * sum(busy) * sharing
-            # TP/ZeRO-3 ranks wait on the wire in lockstep: that wait adds to the shared work
-            wire = (1.0 - cpu_comm) * m * max(tc)
+            wire = m * max(tc)
             # every rank of the host runs its optimizer step at the same time, on the cores
             crowd = max(1.0, per_stage * lay.pp * sharing / p.cores)
             tail_cpu = tail + (crowd - 1.0) * t_opt
             step = max(step, work / p.cores + wire + tail_cpu + sync + p.step_overhead_s)
             # CPU seconds of all the host's ranks per step (the reductions after backward
-            # aside): what a loaded machine cannot stretch
-            cpu_busy = work + per_stage * lay.pp * sharing * t_opt
+            # aside): what a loaded machine cannot stretch; loopback collectives keep the
+            # cores busy while they run
+            cpu_wire = p.cores * wire if self._link("tp", lay).uses_cpu else 0.0
+            cpu_busy = work + cpu_wire + per_stage * lay.pp * sharing * t_opt
         blocks = max(r[0] for r in self.ranks(lay.pp, lay.virtual_stages))
         chunks = m * (lay.virtual_stages if lay.pp > 1 else 1)
         parts = dict(

@@ -90,3 +90,30 @@ def test_calibration_measures_attention_and_gelu():
     assert 0 < att["efficiency"] <= 1 and att["ms"] > 0
     fwd, bwd = measure_gelu((64, 16, 64))
     assert 0 < fwd < 1e-6 and 0 < bwd < 1e-6
+
+
+def test_cross_entropy_all_reduces_under_tp():
+    """The vocab-parallel loss all-reduces the per-token max, then the per-token sum and
+    target logit (fp32), once per micro-batch forward."""
+    tp2 = Layout(2, 1, 2, 0, "none", 1, "none", False, 1)
+    cm = _cm()
+    tokens = 8 * 128
+    link = CPU.link(False)
+    ce = collective_time("all_reduce", 4 * tokens, 2, link) + collective_time(
+        "all_reduce", 8 * tokens, 2, link)
+    *_, emb_c, head_c = cm._ends(8, tp2)
+    assert head_c - emb_c == pytest.approx(ce, rel=1e-9)
+    assert cm._ends(4, DP4)[-2:] == (0.0, 0.0)
+
+
+def test_a_lockstep_collective_counts_once_on_shared_cores():
+    """Link times are measured with every rank in the collective at once, so on shared
+    cores a TP collective adds its time to the step once, not once per rank."""
+    quiet = dataclasses.replace(CPU, core_sharing=1.0, step_overhead_s=0.0)
+    tp4 = Layout(4, 1, 1, 0, "none", 1, "none", False, 1)
+    cm = _cm(quiet)
+    tf, tb, _, tc = cm.rank_times(tp4)
+    step, parts = cm.step_time(tp4)
+    tail = parts["optimizer"] * 2 + parts["dp_comm"] + parts["zero_comm"]
+    assert step == pytest.approx(4 * (tf[0] + tb[0] - tc[0]) / 2 + tc[0] + tail + parts["sync"],
+                                 rel=1e-9)
