@@ -109,14 +109,16 @@ def bench_linear_gelu(
 
 
 def bench_parallel_mlp(
-    shape, dtype: torch.dtype, device: str, timer: Timer, reps: int, warmup: int = 3
+    shape, dtype: torch.dtype, device: str, timer: Timer, reps: int, warmup: int = 3, dims=None
 ) -> list[dict]:
-    """ParallelMLP at tp1, forward + backward, per backend (see the module docstring)."""
+    """ParallelMLP at tp1, forward + backward, per backend (see the module docstring);
+    ``dims``: the tp=1 mesh (default: a 1-rank gloo world, started here if none runs)."""
     from distllm import ParallelDims
     from distllm.nn import ParallelMLP
 
     m, h, f = shape
-    dims = ParallelDims(tp=1, backend="gloo")  # one rank: nothing communicates
+    if dims is None:
+        dims = ParallelDims(tp=1, backend="gloo")  # one rank: nothing communicates
     torch.manual_seed(0)
     x = torch.randn(1, m, h, device=device, dtype=dtype, requires_grad=True)
     g = torch.randn(1, m, h, device=device, dtype=dtype)

@@ -5,6 +5,7 @@ variant, and the refusal without CUDA."""
 from __future__ import annotations
 
 import itertools
+import types
 
 import pytest
 import torch
@@ -100,8 +101,10 @@ def test_parallel_mlp_rows_on_cpu_tensors():
     from distllm.diagnostics.timing import wall_timer
 
     m, h, f = 8, 16, 32
+    one_device = types.SimpleNamespace(tp=1, tp_rank=0, tp_group=None)  # no process group here
     rows = gpu_bench.bench_parallel_mlp((m, h, f), torch.float32, "cpu", wall_timer(), reps=2,
-                                        warmup=1)
+                                        warmup=1, dims=one_device)
+    assert not torch.distributed.is_initialized()  # the test process stays free of a world
     by = {r["variant"]: r for r in rows}
     assert by["fused-cuda"]["status"] == "error", by["fused-cuda"]
     assert "backend='cuda'" in by["fused-cuda"]["reason"]
