@@ -119,10 +119,10 @@ class Engine:
         # stages 1-3 take the module, with the same decay / no-decay groups (decided above,
         # before anything is sharded): stage 3 gathers layers by its module hooks, stages
         # 1-2 wait for each bucket's parameter all-gather (launched at the end of the step)
-        # in a forward pre-hook of the layers that use it, so the gathers overlap the next
-        # forward instead of ending the step
-        z3, by_module = p.zero == 3, p.zero >= 1
-        units = [layer for c in self.chunks for layer in c.layer_list()] if z3 else None
+        # in a forward pre-hook of the layers (units) that use it, so the gathers overlap
+        # the next forward instead of ending the step
+        by_module = p.zero >= 1
+        units = [layer for c in self.chunks for layer in c.layer_list()] if by_module else None
         self.zero = ZeroOptimizer(self.module if by_module else groups, torch.optim.AdamW,
                                   stage=p.zero, dims=self.dims,
                                   param_groups=groups if by_module else None,

@@ -96,8 +96,10 @@ class ZeroOptimizer:
             mixed precision, else the parameter dtype.
         bucket_cap_mb: bucket size (stages 0-2); stage 3 uses one bucket per layer.
         prefetch: stage 3: all-gather the next layer while the current one computes.
-        units: stage 3: the submodules gathered as one (default: the children of every
-            outermost ``ModuleList``/``Sequential``; leftover parameters form the root unit).
+        units: stage 3: the submodules gathered as one; stages 1-2: the layers whose
+            forward waits for the parameter gathers of their whole subtree (default: the
+            children of every outermost ``ModuleList``/``Sequential``; at stage 3 leftover
+            parameters form the root unit).
         loss_scale: ``None``, a constant, or ``"dynamic"`` (fp16): multiply the loss with
             :meth:`scale_loss`; gradients are unscaled before clipping and stepping.
         param_groups: with a module: optimizer param groups (dicts with ``params`` and
@@ -143,7 +145,7 @@ class ZeroOptimizer:
         self._rs_impl = reduce_scatter_impl
         self._build(groups, units, bucket_cap_mb, prefetch, finish_on_backward_end)
         self._gathers = ParamGathers(
-            module, self.reducer.buckets, self.group,
+            module, self.reducer.buckets, self.group, units=units,
             overlap=overlap_param_gather and stage in (1, 2) and self.nranks > 1)
         self._state_hooks = ModuleStateHooks(self) if module is not None else None
         self.optimizer = optimizer_cls(

@@ -1,10 +1,14 @@
 """ZeRO-1/2: the all-gather of the updated parameter shards after ``step``, overlapped with
 the next forward.
 
-Each bucket's all-gather is launched at the end of ``step`` and waited for by a forward
-pre-hook of every module that owns a parameter of that bucket, so the gathers overlap the
-optimizer step's tail and the next forward. Code reading a parameter outside its module's
-forward waits for all of them first (:meth:`ParamGathers.wait_all`).
+Each bucket's all-gather is launched at the end of ``step`` and waited for by forward
+pre-hooks, so the gathers overlap the optimizer step's tail and the next forward: a *unit*
+(a layer; by default the children of the outermost ``ModuleList``/``Sequential``
+containers) waits for every bucket holding a parameter of its whole subtree, since a layer
+may use its submodules' weights without calling them (a fused MLP reads both of its
+linears' weights); a parameter outside every unit is waited for by the module that holds
+it. Code reading a parameter outside these forwards waits for all of them first
+(:meth:`ParamGathers.wait_all`).
 """
 
 from __future__ import annotations
@@ -26,23 +30,33 @@ class ParamGathers:
     Args:
         module: the model whose modules get forward pre-hooks, or ``None`` (no hooks).
         buckets: the gradient buckets (their parameters are views of the flat buffers).
+        units: the layers that wait for their whole subtree's buckets (default:
+            :func:`distllm.parallel.data.zero3.default_units` of ``module``).
         group: the DP process group the shards are gathered over.
         overlap: install the forward pre-hooks; without them :attr:`overlapped` is False and
             the caller waits at once.
     """
 
     def __init__(self, module: nn.Module | None, buckets: list[Bucket], group,
-                 overlap: bool) -> None:
+                 overlap: bool, units: list[nn.Module] | None = None) -> None:
         self.group = group
         self.pending: dict[int, tuple[Work, Tensor]] = {}  # index -> (work, source kept alive)
         self.hooks = []
         if not overlap or module is None:
             return
+        from distllm.parallel.data.zero3 import default_units
+
         where = {p: b.index for b in buckets for p in b.params}
+        units = [u for u in (units if units is not None else default_units(module))
+                 if u is not module]
+        covered: set[nn.Parameter] = set()
+        for u in units:
+            mine = [p for p in u.parameters() if p in where]
+            covered.update(mine)
+            self._hook(u, mine, where)
         for mod in module.modules():
-            idx = sorted({where[p] for p in mod.parameters(recurse=False) if p in where})
-            if idx:
-                self.hooks.append(mod.register_forward_pre_hook(self._waiter(idx)))
+            self._hook(mod, [p for p in mod.parameters(recurse=False) if p not in covered],
+                       where)
 
     @property
     def overlapped(self) -> bool:
@@ -63,6 +77,11 @@ class ParamGathers:
         """Wait for every gather in flight."""
         for i in list(self.pending):
             self.wait(i)
+
+    def _hook(self, mod: nn.Module, params: list, where: dict) -> None:
+        idx = sorted({where[p] for p in params if p in where})
+        if idx:
+            self.hooks.append(mod.register_forward_pre_hook(self._waiter(idx)))
 
     def _waiter(self, idx: list[int]) -> Callable[[nn.Module, object], None]:
         def hook(_mod: nn.Module, _args: object) -> None:

@@ -346,3 +346,83 @@ def test_all_finite_reads_inf_and_nan_and_never_overflows():
     assert bool(all_finite(torch.full((3,), 1e300, dtype=torch.float64)))  # exact at fp64
     pair = torch.tensor([float("inf"), float("-inf")])  # sums to nan: still flagged
     assert not bool(all_finite(pair))
+
+
+class _FusedPair(nn.Module):
+    """A layer that uses its two linears' weights without calling them (as a fused MLP)."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(h, h), nn.Linear(h, h)
+
+    def forward(self, x):
+        y = torch.tanh(nn.functional.linear(x, self.a.weight, self.a.bias))
+        return nn.functional.linear(y, self.b.weight, self.b.bias)
+
+
+class _FusedStack(nn.Module):
+    def __init__(self, h: int = 9, n: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_FusedPair(h) for _ in range(n))
+        self.head = nn.Linear(h, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def gather_waits() -> dict:
+    """Stages 1-2: after a step every bucket's parameter gather is in flight; when a layer's
+    forward starts, none holding a parameter of its subtree still is (its children are
+    never called), and the losses follow a plain single-process AdamW."""
+    from distllm import ParallelDims
+    from distllm.parallel import ZeroOptimizer
+
+    dims = ParallelDims()
+    out = {}
+    for stage in (1, 2):
+        torch.manual_seed(0)
+        model = _FusedStack().double()
+        ref = copy.deepcopy(model)
+        z = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, dims=dims, lr=0.1,
+                          bucket_cap_mb=1e-4)  # about one parameter per bucket
+        ropt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+        where = {p: b.index for b in z.reducer.buckets for p in b.params}
+        seen: dict[int, list[int]] = {}
+
+        def record(mod, _args, i, where=where, seen=seen, z=z) -> None:
+            mine = {where[p] for p in mod.parameters()}
+            seen.setdefault(i, []).append(len(mine & set(z._gathers.pending)))
+
+        for i, blk in enumerate(model.blocks):
+            blk.register_forward_pre_hook(lambda m, a, i=i: record(m, a, i))
+        g = torch.Generator().manual_seed(1)
+        xs = torch.randn(3, 2 * dims.dp, 9, generator=g, dtype=torch.float64)
+        err, pending_after_step = 0.0, []
+        for x in xs:
+            mine = x[2 * dims.dp_rank: 2 * dims.dp_rank + 2]
+            loss = model(mine).square().mean()
+            loss.backward()
+            z.step()
+            pending_after_step.append(len(z._gathers.pending))
+            z.zero_grad()
+            ropt.zero_grad()
+            ref(x).square().mean().backward()
+            ropt.step()
+        z.wait_params()
+        err = max((p - q).abs().max().item() for p, q in zip(model.parameters(),
+                                                               ref.parameters(), strict=True))
+        out[stage] = {"pending_after_step": pending_after_step, "seen": seen, "err": err,
+                      "buckets": len(z.reducer.buckets)}
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_layer_waits_for_its_whole_subtree_gathers(spawned, stage):
+    for r in spawned(gather_waits, 2):
+        res = r[stage]
+        assert res["buckets"] >= 7, res
+        assert res["pending_after_step"] == [res["buckets"]] * 3, res  # all launched, in flight
+        assert all(v == [0, 0, 0] for v in res["seen"].values()), res
+        assert res["err"] < TOL, res
