@@ -234,6 +234,7 @@ def calibrate(net_rate: str | None = "1gbit", ranks: int = 4) -> Profile:
     import torch
 
     torch.set_num_threads(1)
+    load = os.getloadavg()[0]
     g32, g64 = measure_gemm("float32"), measure_gemm("float64")
     g16 = measure_gemm("bfloat16")
     bw, t_op = measure_memory_and_ops()
@@ -290,6 +291,8 @@ def calibrate(net_rate: str | None = "1gbit", ranks: int = 4) -> Profile:
             f"processes at once on {cores} cores over its CPU time alone",
             "links": "gloo all-reduce is a ring at every size (no tree): tree=false",
             "memory_bytes": f"host RAM / {ranks} ranks",
+            "load": "1-minute load average as calibration began: "
+            f"{load:.1f} on {cores} cores (uptime)",
             "note": "taken on a shared machine; re-run on an idle one for stable numbers",
         },
     )
