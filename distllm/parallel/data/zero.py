@@ -42,7 +42,8 @@ into the shards and master weights, as FSDP's ``get_model_state_dict(model,
 options=StateDictOptions(full_state_dict=True))`` / ``set_model_state_dict`` do.
 
 Parts, in this package: ``buckets`` (gradients), ``zero3`` (stage-3 parameter shards),
-``zero_gather`` (stage-1/2 parameter all-gathers), ``loss_scale``, ``zero_state``
+``zero_gather`` (stage-1/2 parameter all-gathers), ``zero_checks`` (norm, clipping and
+inf/NaN checks), ``loss_scale``, ``zero_state``
 (checkpoints, module state-dict hooks), ``zero_setup`` (arguments, flat buffers).
 """
 
@@ -53,21 +54,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from distllm.parallel.data.buckets import FIRST_BUCKET_BYTES, GradBuckets, assign_buckets
-from distllm.parallel.data.grad_norm import (
-    all_finite,
-    clip_by,
-    global_norm,
-    is_tp_sharded,
-    local_norm,
-)
 from distllm.parallel.data.loss_scale import LossScaler
 from distllm.parallel.data.memory import MemoryReport, memory_report
 from distllm.parallel.data.replicas import broadcast_from_dp0, dp_group_of
 from distllm.parallel.data.zero3 import ShardedParams
+from distllm.parallel.data.zero_checks import ZeroGradChecks
 from distllm.parallel.data.zero_gather import ParamGathers
 from distllm.parallel.data.zero_setup import HALF, check_args, pack_bucket, param_groups_of
 from distllm.parallel.data.zero_state import ModuleStateHooks, gather_state, load_state
@@ -76,7 +70,7 @@ from distllm.parallel.mesh import ParallelDims
 __all__ = ["ZeroOptimizer"]
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(ZeroGradChecks):
     """ZeRO-0/1/2/3 data parallelism wrapped around a ``torch.optim`` optimizer.
 
     Args:
@@ -253,55 +247,7 @@ class ZeroOptimizer:
                 m.grad = m.grad / self.loss_scale
         self._prepared = True
 
-    # --- clipping, loss scaling, stepping ------------------------------------------------
-    def _tp_pieces(self) -> Iterator[tuple[Tensor, bool]]:
-        """``(grad slice, tp_sharded)`` for every run of this rank's shards."""
-        for i, m in enumerate(self.masters):
-            b = self.reducer.buckets[i]
-            lo, hi = self.shard_range(b.numel)
-            for p, off, shape in zip(b.params, b.offsets, b.shapes, strict=True):
-                a, e = max(off, lo), min(off + shape.numel(), hi)
-                if a < e:
-                    yield m.grad[a - lo: e - lo], is_tp_sharded(p)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
-        """Clip the global gradient norm (over DP shards, TP and PP) to ``max_norm`` and
-        return the norm before clipping. Collective: one all-reduce over the world group
-        (stages 1-3) or the model-parallel group (stage 0)."""
-        self._prepare_grads()
-        norm = global_norm(self._tp_pieces(), dims=self.dims, norm_type=norm_type,
-                           dp_sharded=self.stage >= 1 and self.nranks > 1)
-        clip_by(norm, max_norm, (m.grad for m in self.masters))
-        return norm
-
-    @torch.no_grad()
-    def clip_and_check(self, max_norm: float, extra: Tensor | None = None
-                       ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """:meth:`clip_grad_norm_` (2-norm) and :meth:`found_inf` with one all-reduce over the
-        world group instead of two, also summing ``extra`` (float64, this rank's values, e.g.
-        its share of the loss) over the world in it. Returns ``(norm, found_inf, extra
-        summed)`` (float64, float32, float64; on the device, no host sync). At stage 0 or
-        with one DP rank (whose norm is reduced over another group) it makes the calls
-        separately."""
-        world = self.dims.world_group
-        if not (self.stage >= 1 and self.nranks > 1):
-            norm = self.clip_grad_norm_(max_norm)
-            flag = self.found_inf()
-            if extra is not None and dist.get_world_size(world) > 1:
-                extra = extra.clone()
-                dist.all_reduce(extra, group=world)
-            return norm, flag, extra
-        self._prepare_grads()
-        parts = [local_norm(self._tp_pieces(), dims=self.dims).reshape(1),
-                 self._local_inf().to(torch.float64).reshape(1)]
-        if extra is not None:
-            parts.append(extra.to(torch.float64).reshape(-1))
-        vec = torch.cat(parts)  # (2 + extra,): squares, inf/NaN flags (summed: any), extra
-        dist.all_reduce(vec, group=world)
-        norm = vec[0].sqrt()
-        clip_by(norm, max_norm, (m.grad for m in self.masters))
-        return norm, (vec[1] > 0).to(torch.float32), vec[2:] if extra is not None else None
-
+    # --- loss scaling, stepping (clipping and inf/NaN checks: ZeroGradChecks) -------------
     @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 without loss scaling)."""
@@ -314,25 +260,6 @@ class ZeroOptimizer:
     def scale_loss(self, loss: Tensor) -> Tensor:
         """``loss * loss_scale`` (call ``.backward()`` on it)."""
         return self.scaler.scale_loss(loss)
-
-    @torch.no_grad()
-    def found_inf(self) -> Tensor:
-        """1.0 if a gradient of any rank holds inf/NaN, else 0.0: a float32 scalar on the
-        parameters' device, the same on every rank (the gradient sync is finished first).
-        Collective: one all-reduce (MAX) over the world group; no host sync."""
-        self._prepare_grads()
-        flag = self._local_inf()
-        if dist.get_world_size(self.dims.world_group) > 1:  # every rank skips together
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dims.world_group)
-        return flag
-
-    def _local_inf(self) -> Tensor:
-        """1.0 if a gradient shard of this rank holds inf/NaN, else 0.0 (float32 scalar)."""
-        grads = [m.grad for m in self.masters if m.grad is not None and m.grad.numel()]
-        if grads:
-            return (~torch.stack([all_finite(g) for g in grads]).all()).to(torch.float32)
-        dev = self.masters[0].device if self.masters else self.dims.device
-        return torch.zeros((), dtype=torch.float32, device=dev)
 
     @torch.no_grad()
     def step(self, closure=None, *, found_inf: bool | None = None) -> bool:
