@@ -8,7 +8,9 @@ schedules of the second round: pieces growing by C/G (G/C for the all-gather, wh
 collective comes before its GEMM), so that each piece's GEMM lasts as long as the previous
 piece's collective (bounded so that no piece is more than :data:`MAX_PIECE_RATIO` times
 another: a tiny GEMM loses efficiency). The second round times those against the sequential
-schedule and the first round's best, interleaved, and the fastest is kept.
+schedule and the first round's best, interleaved, and the fastest is kept. The winner of
+that selection must then beat the sequential schedule again in a confirmation round of its
+own (the fastest of several noisy candidates is biased toward a lucky draw).
 
 Every round goes through :mod:`distllm.diagnostics.timing`: interleaved repetitions after a
 warm-up round, a barrier over the group before each, each candidate keeping its fastest
@@ -160,11 +162,24 @@ def _measure_and_choose(key, run, comm, rows, device, what, chunks_hint, reps, m
         best = min(chunked, key=chunked.get)
         t = {**t, **t2}
     if best is not None and t[best] < t["sequential"] * (1 - margin):
+        # the winner of a selection among noisy candidates is biased toward a lucky draw:
+        # confirm it against the sequential schedule in a round of its own
+        runs = {**first, **second}
+        t3 = _timed({"sequential": runs["sequential"], best: runs[best]}, comm, device, reps)
+        if not t3[best] < t3["sequential"] * (1 - margin):
+            best_ms, t = t3[best], {**t, **t3}
+            why = f"{best} won the selection but not its confirmation ({best_ms:.2f} ms)"
+            return _fallback(key, comm, what, t, why)
+        t = {**t, **t3}
         c, g = plans[best]
         shape = f"{c} chunks" + (f" growing by {g:.2f}" if g is not None else "")
         return Choice(c, t["compute"], t["sequential"], t[best],
                       f"{shape}: {t[best]:.2f} ms vs sequential {t['sequential']:.2f} ms", g)
     why = f"best chunked {t[best]:.2f} ms" if best else "too few rows to chunk"
+    return _fallback(key, comm, what, t, why)
+
+
+def _fallback(key, comm, what: str, t: dict[str, float], why: str) -> Choice:
     ch = Choice(0, t["compute"], t["sequential"], t["sequential"],
                 f"no overlap: {why} vs sequential {t['sequential']:.2f} ms")
     log.warning("%s %s on %s x%d: overlap falls back to none (%s)", what, key,

@@ -61,7 +61,19 @@ def _real(dims, x) -> dict:
             "reason": st.reason, "chunks": st.chunks, "max_chunks": choice.item()}
 
 
-def _forced_outcome(dims, x, times: dict[str, float]) -> tuple[str, int, int]:
+def _forced_rounds(*rounds: dict[str, float]):
+    """Like :func:`_forced`, with round ``i`` of the measurement reading ``rounds[i]``."""
+    calls = []
+
+    def timed(variants, comm, device, reps):
+        times = rounds[min(len(calls), len(rounds) - 1)]
+        calls.append(1)
+        return {n: times[n] if n in times else times.get("geo", 1e9) for n in variants}
+
+    return timed
+
+
+def _forced_outcome(dims, x, times) -> tuple[str, int, int]:
     """``(mode, chunks, fallback log lines)`` of three calls with the outcome ``times``."""
     from distllm.nn import RowParallelLinear
 
@@ -69,7 +81,7 @@ def _forced_outcome(dims, x, times: dict[str, float]) -> tuple[str, int, int]:
     log = _Log()
     logging.getLogger("distllm").addHandler(log)
     real = overlap_tuner._timed
-    overlap_tuner._timed = _forced(times)
+    overlap_tuner._timed = times if callable(times) else _forced(times)
     try:
         layer = RowParallelLinear(8, 4, dims, overlap="auto", dtype=DT)
         for _ in range(3):
@@ -97,6 +109,10 @@ def tuner_main() -> dict:
             dims, x, {"compute": 1.0, "sequential": 10.0, "2": 9.8, "4": 9.9}),
         "geometric": lambda: _forced_outcome(  # C = 6 ms, G = 4 ms: pieces growing by 1.5
             dims, x, {"compute": 4.0, "sequential": 10.0, "2": 9.0, "4": 8.5, "geo": 7.0}),
+        "unconfirmed": lambda: _forced_outcome(  # 2 chunks win the selection, then lose
+            dims, x, _forced_rounds({"compute": 1.0, "sequential": 10.0, "2": 6.0, "4": 8.0},
+                                    {"compute": 1.0, "sequential": 10.0, "2": 6.0, "4": 8.0},
+                                    {"sequential": 10.0, "2": 9.9})),
     })
 
 
@@ -117,6 +133,7 @@ def test_one_measurement_per_shape_and_the_same_choice_everywhere(spawned):
     ("faster", ("chunked", 2, 0)),  # the fastest chunk count, nothing logged
     ("marginal", ("none", 0, 1)),
     ("geometric", ("chunked", 4, 0)),  # C/G = 1.5; 4 and 8 pieces tie: the first kept
+    ("unconfirmed", ("none", 0, 1)),  # the selection's winner must win its confirmation too
 ])
 def test_forced_outcomes(spawned, case, want):
     for got in case_of(spawned(tuner_main, 2), case):
