@@ -96,6 +96,25 @@ def _gelu_grad(u, APPROX_TANH: tl.constexpr):
 
 
 @triton.jit
+def _tile_rows_cols(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """``(rows, cols, row-tile index)`` of this program's output tile, rows and columns in
+    int64 (M*N and N*K may pass 2^31), tiles visited in grouped order: GROUP_M row-tiles
+    share each column-tile of the second operand while it sits in L2."""
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    return rm, rn, pid_m
+
+
+@triton.jit
 def _tile_matmul(
     a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
     ALLOW_TF32: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -148,19 +167,7 @@ def _fwd_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped ordering: GROUP_M row-tiles share each W column-tile while it sits in L2.
-    width = GROUP_M * grid_n
-    group = pid // width
-    first_m = group * GROUP_M
-    size_m = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-
-    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: M*N may pass 2^31
-    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # int64: N*K may pass 2^31
+    rm, rn, _ = _tile_rows_cols(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = _tile_matmul(x_ptr, w_ptr, rm, rn, M, N, K, stride_xm, stride_xk, stride_wn,
                        stride_wk, ALLOW_TF32, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
 
@@ -199,18 +206,7 @@ def _dgelu_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * grid_n  # grouped ordering, as the forward's
-    group = pid // width
-    first_m = group * GROUP_M
-    size_m = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-
-    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: M*N may pass 2^31
-    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rm, rn, pid_m = _tile_rows_cols(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = _tile_matmul(dy_ptr, w_ptr, rm, rn, M, N, K, stride_dm, stride_dk, stride_wn,
                        stride_wk, ALLOW_TF32, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -309,6 +305,17 @@ def interpreting() -> bool:
     return _INTERPRET
 
 
+def _dot_flags(dtype: torch.dtype) -> dict[str, bool]:
+    """The GEMM kernels' dot flags: TF32 for float32 where torch's matmul switch allows it
+    (compiled only), and bf16 dots in fp32 under the interpreter (its bf16 dot is wrong)."""
+    return {
+        "ALLOW_TF32": dtype == torch.float32
+        and bool(torch.backends.cuda.matmul.allow_tf32)
+        and not _INTERPRET,
+        "DOT_FP32": _INTERPRET and dtype == torch.bfloat16,
+    }
+
+
 def linear_gelu_fwd(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -357,10 +364,7 @@ def linear_gelu_fwd(
         HAS_BIAS=bias is not None,
         SAVE_PRE=save_pre,
         APPROX_TANH=approximate == "tanh",
-        ALLOW_TF32=x.dtype == torch.float32
-        and bool(torch.backends.cuda.matmul.allow_tf32)
-        and not _INTERPRET,
-        DOT_FP32=_INTERPRET and x.dtype == torch.bfloat16,
+        **_dot_flags(x.dtype),
         **_FWD_META,
     )
     return y, u
@@ -438,10 +442,7 @@ def gemm_dgelu(
         triton.next_power_of_2(M),
         HAS_BIAS=has_bias,
         APPROX_TANH=approximate == "tanh",
-        ALLOW_TF32=dy.dtype == torch.float32
-        and bool(torch.backends.cuda.matmul.allow_tf32)
-        and not _INTERPRET,
-        DOT_FP32=_INTERPRET and dy.dtype == torch.bfloat16,
+        **_dot_flags(dy.dtype),
         **_FWD_META,
     )
     db = parts.sum(0).to(dy.dtype) if has_bias else None

@@ -199,7 +199,7 @@ class _FusedMLPHead(FusedLinearGeLU):
                 t is not None and t.requires_grad for t in (x, w1, b1, w2, b2))
             name = resolve_backend(self.backend, x.reshape(-1, x.shape[-1]), w1, b1,
                                    self.approximate, needs_grad)
-            return dense_mlp(x, w1, b1, w2, b2, self.approximate, name)
+            return dense_mlp(x, w1, b1, w2, b2, self.approximate, name, self._plans)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", then the next Linear (fused MLP)"
@@ -223,9 +223,12 @@ class _FusedAway(nn.Module):
 
 
 def _fused_mlp(fc1: nn.Linear, fc2: nn.Linear, approximate: str) -> tuple[nn.Module, nn.Module]:
+    from distllm.parallel.tensor.fused_mlp import single_device_plans
+
     head = _FusedMLPHead.from_linear(fc1, approximate)
     tail = _FusedAway(fc2)
     object.__setattr__(head, "_tail", tail)  # a reference, not a submodule (no double names)
+    head._plans = single_device_plans("fused MLP")  # made once, not per forward
     return head, tail
 
 

@@ -116,7 +116,5 @@ class ParallelMLP(nn.Module):
                 "reference: unfused (GEMM, then the GeLU derivative)" if name == "reference"
                 else f"{name}: GeLU derivative and fc1's bias gradient fused into the "
                 "input-gradient GEMM")
-            if fc1.plan.tp == 1 and needs_grad:
-                fc1.plan.ran("backward", "none")
             return parallel_mlp(x, w1, b1, w2, b2, fc1.plan, fc2.plan, fc1.sequence_parallel,
                                 approx, name)

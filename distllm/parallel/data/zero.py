@@ -161,7 +161,7 @@ class ZeroOptimizer(ZeroGradChecks):
             plists = self.sharded.bucket_params()
         else:
             self.sharded = None
-            esize = torch.empty((), dtype=self.reduce_dtype).element_size()
+            esize = self.reduce_dtype.itemsize
             plists = assign_buckets(allp, int(cap_mb * 2**20), FIRST_BUCKET_BYTES,
                                     key=lambda p: (gid[p], p.dtype), elem_size=esize)
         self.reducer = GradBuckets(

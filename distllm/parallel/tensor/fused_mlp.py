@@ -98,9 +98,6 @@ class _FusedChunks:
             self.pre[:, q, s:e] = pre.view(self.pre.shape[0], e - s, -1)
         return y
 
-    def __call__(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(self.produce(rows))
-
 
 class _DgeluChunks:
     """All-gather engine callback of the sequence-parallel MLP backward: each arriving chunk
@@ -128,9 +125,6 @@ class _DgeluChunks:
         if self.has_bias:
             self.parts[self.where] = db
         return gu
-
-    def __call__(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(self.produce(rows))
 
     def bias_grad(self) -> torch.Tensor | None:
         if not self.has_bias:

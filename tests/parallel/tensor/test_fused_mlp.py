@@ -137,30 +137,28 @@ def spawned():
     return SpawnCache(timeout=300)
 
 
-def _check(results: list[dict], backend: str) -> None:
+def _check_fused(results: list[dict], backend: str, mlp: bool) -> dict:
+    """Every rank within tolerance of the float64 reference, through the fused ops (never the
+    unfused epilogue), its stats naming ``backend``; returns rank 0's result."""
     tol = TOL_F32 if backend == "triton" else TOL
     for rank, res in enumerate(results):
         bad = {k: v for k, v in res["errs"].items() if not v < tol}
         assert not bad, f"rank {rank}: {bad} (tolerance {tol})"
-
-
-def _fused_ops_ran(ops: list[str], backend: str, mlp: bool) -> None:
-    assert "distllm::linear_gelu_fwd" in ops, ops  # the forward went through the fused op
-    assert "distllm::bias_gelu" not in ops and "distllm::bias_gelu_backward" not in ops, ops
-    if mlp:  # the GeLU derivative went into fc2's input-gradient GEMM
-        assert "distllm::gemm_dgelu" in ops, ops
+        ops = res["ops"]
+        assert "distllm::linear_gelu_fwd" in ops, ops  # the forward went through the fused op
+        assert "distllm::bias_gelu" not in ops and "distllm::bias_gelu_backward" not in ops, ops
+        if mlp:  # the GeLU derivative went into fc2's input-gradient GEMM
+            assert "distllm::gemm_dgelu" in ops, ops
+        assert res["kernel"].startswith(f"{backend}:"), res["kernel"]
+        assert ("unfused" in res["kernel"]) == (backend == "reference"), res["kernel"]
+    return results[0]
 
 
 @pytest.mark.parametrize("case", list(MLP_CASES))
 @pytest.mark.parametrize("tp", [2, 4])
 def test_parallel_mlp_parity(spawned, tp, case):
-    backend, sp, mode, _ = MLP_CASES[case]
-    results = case_of(spawned(fused_main, tp), case)
-    _check(results, backend)
-    res = results[0]
-    _fused_ops_ran(res["ops"], backend, mlp=True)
-    assert res["kernel"].startswith(f"{backend}:"), res["kernel"]
-    assert ("unfused" in res["kernel"]) == (backend == "reference"), res["kernel"]
+    backend, sp, _, _ = MLP_CASES[case]
+    res = _check_fused(case_of(spawned(fused_main, tp), case), backend, mlp=True)
     want = (("all_gather", "reduce_scatter", "reduce_scatter", "all_gather") if sp
             else ("none", "all_reduce", "all_reduce", "none"))
     assert res["ran"] == want, res["ran"]
@@ -170,11 +168,7 @@ def test_parallel_mlp_parity(spawned, tp, case):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_column_linear_gelu_parity(spawned, tp, case):
     backend, sp, _, _ = COL_CASES[case]
-    results = case_of(spawned(fused_main, tp), case)
-    _check(results, backend)
-    res = results[0]
-    _fused_ops_ran(res["ops"], backend, mlp=False)
-    assert res["kernel"].startswith(f"{backend}:"), res["kernel"]
+    res = _check_fused(case_of(spawned(fused_main, tp), case), backend, mlp=False)
     assert res["ran"] == (("all_gather", "reduce_scatter") if sp else ("none", "all_reduce"))
 
 
@@ -190,9 +184,8 @@ def single_main() -> dict:
 @pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh"])
 def test_parallel_mlp_tp1(spawned, backend, act):
-    (res,) = case_of(spawned(single_main, 1), f"tp1-{backend}-{act}")
-    _check([res], backend)
-    _fused_ops_ran(res["ops"], backend, mlp=True)
+    res = _check_fused(case_of(spawned(single_main, 1), f"tp1-{backend}-{act}"), backend,
+                       mlp=True)
     assert res["ran"] == ("none", "none", "none", "none"), res["ran"]
 
 
