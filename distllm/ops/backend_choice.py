@@ -152,11 +152,20 @@ def cached() -> dict[str, str]:
         return dict(_memory)
 
 
+_generation = 0  # bumped by clear(): memos of the choices are valid within one
+
+
+def generation() -> int:
+    """Changes whenever :func:`clear` forgets the choices (callers memoizing them check it)."""
+    return _generation
+
+
 def clear(memory_only: bool = True) -> None:
     """Forget the choices (in memory; also on disk unless ``memory_only``)."""
-    global _disk_loaded
+    global _disk_loaded, _generation
     with _lock:
         _memory.clear()
+        _generation += 1
         _disk_loaded = memory_only  # do not reload the file we are forgetting
         if not memory_only and cache_path() is not None:
             try:

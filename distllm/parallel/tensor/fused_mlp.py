@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 
+from distllm.ops import backend_choice
 from distllm.ops import linear_gelu_backends as impl
 from distllm.parallel.tensor.layers import OverlapPlan, _mm, _mm_t
 
@@ -46,6 +47,7 @@ __all__ = ["BACKENDS", "resolve_backend", "column_parallel_linear_gelu", "parall
            "dense_mlp", "single_device_plans", "describe_kernel"]
 
 BACKENDS = ("auto", *impl.BACKENDS)
+_RESOLVED: dict[tuple, tuple[int, str]] = {}  # "auto"'s choice per exact local problem
 
 
 def resolve_backend(backend: str, x2: torch.Tensor, weight: torch.Tensor,
@@ -62,7 +64,16 @@ def resolve_backend(backend: str, x2: torch.Tensor, weight: torch.Tensor,
             return "reference"
         if is_fake(x2):  # a dry run on fake tensors: nothing to time; the first candidate
             return op._auto_candidates(x2, weight, approximate)[0]
-        return op._choose_end_to_end(x2, weight, bias, approximate, needs_grad)
+        # every forward asks: a memo per exact problem spares the choice's string key
+        key = (x2.shape, weight.shape, x2.dtype, x2.device, bias is not None, approximate,
+               needs_grad, torch.get_num_threads())
+        gen = backend_choice.generation()
+        hit = _RESOLVED.get(key)
+        if hit is not None and hit[0] == gen:
+            return hit[1]
+        name = op._choose_end_to_end(x2, weight, bias, approximate, needs_grad)
+        _RESOLVED[key] = (gen, name)
+        return name
     op._require(backend, x2, weight, approximate)
     return backend
 
