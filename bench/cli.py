@@ -39,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--shapes", default=None,
                    help="explicit shapes 'M,K,N;M,K,N' (default: each suite's presets)")
+    p.add_argument("--model", default=None, metavar="NAMES",
+                   help="train_e2e only, instead of --shapes: comma-separated GPT presets "
+                        "(e.g. tiny,gpt2-small), each one size: the preset's blocks and hidden "
+                        "size at the suite's batch and sequence for that size")
     p.add_argument("--net", default=None, metavar="RATE",
                    help="emulated link for multi-rank suites, e.g. 2gbit (root + iproute2)")
     p.add_argument("--reps", type=int, default=None, help="override each suite's repetitions")
@@ -72,6 +76,27 @@ def _check_rate(rate: str) -> None:
         raise ValueError(f"--net {rate!r}: {exc}") from None
 
 
+_MODEL_SUITES = ("train_e2e",)  # the suites whose model sizes --model sets
+
+
+def _check_model(args: argparse.Namespace) -> None:
+    """``--model``: known GPT presets (kept as a list of names), for a suite that takes it,
+    not with ``--shapes``."""
+    from distllm.bench.suite import parse_suites
+    from distllm.bench.train_e2e import model_names
+
+    args.model = model_names(args.model)
+    if args.shapes:
+        raise ValueError("--model and --shapes both set train_e2e's model sizes: give one")
+    if args.doctor:
+        raise ValueError("--model sets train_e2e's model sizes; --doctor does not take it")
+    others = [n for n in parse_suites(args.suite) if n not in _MODEL_SUITES]
+    if others:
+        raise ValueError(f"--model sets the model sizes of {', '.join(_MODEL_SUITES)} only, "
+                         f"and --suite {args.suite} also runs {', '.join(others)}: use "
+                         "--suite train_e2e")
+
+
 def _check(args: argparse.Namespace) -> None:
     """Validate the knobs; each error names the option and what works."""
     try:
@@ -84,6 +109,8 @@ def _check(args: argparse.Namespace) -> None:
         if bad:
             raise ValueError(f"--shapes: {bad[0]!r} is not a list of integers; write "
                              "'M,K,N;M,K,N' (e.g. '128,256,512;7,769,1000')")
+    if args.model is not None:
+        _check_model(args)
     if args.net:
         _check_rate(args.net)
     if args.reps is not None and args.reps < 1:
@@ -240,7 +267,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/bench-{stamp}")
     out.mkdir(parents=True, exist_ok=True)
     cfg = BenchConfig(quick=args.quick, device=args.device, dtype=args.dtype,
-                      shapes=args.shapes, net=args.net, out=out, reps=args.reps)
+                      shapes=args.shapes, net=args.net, out=out, reps=args.reps,
+                      extra={"model": args.model} if args.model else {})
     load0 = report.loadavg()
     res = run_suites(names, cfg, progress=not args.no_progress)
     rows = report.annotate(res.rows)

@@ -13,7 +13,10 @@ global-norm clipping, AdamW) of the same GPT on 2 gloo ranks, at three layouts:
 Model sizes: ``--shapes "L,H,B,S[,M];..."`` (blocks, hidden size, global batch, sequence
 length, micro-batches; heads of 64 channels, or the ``tiny`` preset's 4 at hidden 128; MLP
 4H; vocabulary 256). Presets: the ``tiny`` preset and 6 blocks at GPT-2 small's width with a
-short sequence (a step of about a second on 2 CPU ranks); ``--quick``: tiny alone.
+short sequence (a step of about a second on 2 CPU ranks); ``--quick``: tiny alone. Or
+``--model NAME[,NAME...]`` (``cfg.extra["model"]``): GPT presets, each one size with the
+preset's blocks and hidden size at its size class's batch, sequence and micro-batches
+(:func:`model_shapes`).
 
 distllm's step is ``Engine.forward_backward`` then ``Engine.update`` (one host read per
 step: loss, norm and inf/NaN flag together). Each layout's variants are interleaved in one
@@ -37,19 +40,20 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from distllm.bench.harness import BenchConfig, Case, Result, Setup, shapes
 from distllm.bench.rows import row
 from distllm.bench.step_breakdown import breakdown, compare_breakdowns
-from torch import nn
+from distllm.bench.train_e2e_variants import builders, distllm_single, drain
 
 from distllm.diagnostics.timing import Stats
 
-__all__ = ["SUITE", "cases", "setup", "rows", "model_of", "BREAKDOWN_FILE"]
+__all__ = ["SUITE", "cases", "setup", "rows", "model_of", "model_names", "model_shapes",
+           "BREAKDOWN_FILE"]
 
 SUITE, SUITE_OVH = "train_e2e", "train_overhead"
 LAYOUTS = ("tp2", "dp2.zero2", "pp2.1f1b")
@@ -71,7 +75,41 @@ def model_of(shape: tuple[int, ...]):
                      ffn_hidden_size=4 * hidden, max_seq_len=max(seq, 128), name=name), name
 
 
+def model_names(spec: str | Sequence[str]) -> list[str]:
+    """The GPT preset names of ``--model`` (``"tiny,gpt2-small"`` or a list), checked."""
+    from distllm.models.gpt import GPTConfig
+
+    names = spec.split(",") if isinstance(spec, str) else list(spec)
+    names = list(dict.fromkeys(n.strip() for n in names if n.strip()))
+    valid = GPTConfig.presets()
+    bad = [n for n in names if n not in valid]
+    if bad or not names:
+        what = f"unknown GPT preset(s) {', '.join(bad)}" if bad else "no GPT preset named"
+        raise ValueError(f"--model {spec if isinstance(spec, str) else ','.join(spec)!r}: "
+                         f"{what}; choose from {', '.join(valid)} (comma-separated)")
+    return names
+
+
+def model_shapes(spec: str | Sequence[str], quick: bool = False) -> list[tuple[int, ...]]:
+    """One size per GPT preset of ``--model``: the preset's blocks and hidden size at the
+    default batch, sequence and micro-batches of its size class (the ``tiny`` row up to
+    hidden 128, else the 6x768 row)."""
+    from distllm.models.gpt import GPTConfig
+
+    small, wide = _PRESETS[quick][0], _PRESETS[False][-1]
+    out = []
+    for name in model_names(spec):
+        g = GPTConfig.preset(name)
+        rest = (small if g.hidden_size <= small[1] else wide)[2:]  # batch, seq, micro-batches
+        out.append((g.n_layers, g.hidden_size, *rest))
+    return out
+
+
 def _shapes(cfg: BenchConfig) -> list[tuple[int, ...]]:
+    if cfg.extra.get("model"):
+        if cfg.shapes:
+            raise ValueError("--model and --shapes both set train_e2e's model sizes: give one")
+        return model_shapes(cfg.extra["model"], cfg.quick)
     out = []
     for s in shapes(cfg, _PRESETS[cfg.quick]):
         if len(s) not in (4, 5):
@@ -79,184 +117,6 @@ def _shapes(cfg: BenchConfig) -> list[tuple[int, ...]]:
                              "global batch, sequence length, micro-batches), e.g. '6,768,8,64'")
         out.append(tuple(s) if len(s) == 5 else (*s, 4))
     return out
-
-
-# --- a dense GPT of the same shape from torch blocks -------------------------------------
-class _Block(nn.Module):
-    def __init__(self, h: int, heads: int, ffn: int):
-        super().__init__()
-        self.heads, self.d = heads, h // heads
-        self.ln_1, self.ln_2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.qkv, self.o = nn.Linear(h, 3 * h), nn.Linear(h, h)
-        self.fc1, self.fc2 = nn.Linear(h, ffn), nn.Linear(ffn, h)
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        q, k, v = self.qkv(self.ln_1(x)).chunk(3, dim=-1)  # local heads under TP
-        q, k, v = (t.reshape(b, s, -1, self.d).transpose(1, 2) for t in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads, s, d)
-        x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
-        return x + self.fc2(F.gelu(self.fc1(self.ln_2(x)), approximate="tanh"))
-
-
-class _Embed(nn.Module):
-    def __init__(self, vocab: int, h: int, seq: int):
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, h), nn.Parameter(torch.zeros(seq, h))
-
-    def forward(self, t):
-        return self.wte(t) + self.wpe[: t.shape[1]]
-
-
-class _Head(nn.Module):
-    def __init__(self, vocab: int, h: int):
-        super().__init__()
-        self.ln_f, self.lm_head = nn.LayerNorm(h), nn.Linear(h, vocab, bias=False)
-
-    def forward(self, x):
-        return self.lm_head(self.ln_f(x))
-
-
-def _dense_layers(cfg) -> list[nn.Module]:
-    torch.manual_seed(0)
-    return ([_Embed(cfg.vocab_size, cfg.hidden_size, cfg.max_seq_len)]
-            + [_Block(cfg.hidden_size, cfg.n_heads, cfg.ffn_hidden_size)
-               for _ in range(cfg.n_layers)] + [_Head(cfg.vocab_size, cfg.hidden_size)])
-
-
-def _ce(logits, y):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-4, foreach=False)
-
-
-# --- variants: each returns a step function ----------------------------------------------
-def _distllm(layout: str, cfg, batch, seq, m, dims):
-    from distllm.train.config import ParallelConfig, TrainConfig
-    from distllm.train.engine import Engine
-
-    kw = {"tp2": dict(tp=2), "dp2.zero2": dict(dp=2, zero=2),
-          "pp2.1f1b": dict(pp=2, schedule="1f1b", micro_batches=m)}[layout]
-    tc = TrainConfig(model="tiny", parallel=ParallelConfig(**kw), global_batch=batch,
-                     seq_len=seq, steps=10, progress=False)
-    eng = Engine(tc, cfg, dims)
-    x = torch.randint(0, cfg.vocab_size, (batch // dims.dp, seq),
-                      generator=torch.Generator().manual_seed(1 + dims.dp_rank))
-    return _engine_step(eng, x)
-
-
-def _engine_step(eng, x):
-    """A training loop's step: forward + backward, then clip + AdamW, one host read."""
-    def step():
-        eng.update(1.0, eng.forward_backward(x, x))
-
-    step.engine = eng  # finish() waits for what a step leaves in flight (ZeRO's gathers)
-    return step
-
-
-def _torch_tp(cfg, batch, seq, dims):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = nn.Sequential(*_dense_layers(cfg))
-    for blk in list(model)[1:-1]:
-        parallelize_module(blk, mesh, {"qkv": ColwiseParallel(), "o": RowwiseParallel(),
-                                       "fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    opt = _adamw(model.parameters())
-    x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
-
-    def step():
-        opt.zero_grad()
-        _ce(model(x), x).backward()
-        _clip_tp(list(model.parameters()), 1.0)
-        opt.step()
-
-    return step
-
-
-@torch.no_grad()
-def _clip_tp(params, max_norm: float) -> None:
-    """Global-norm clipping over DTensor (sharded) and plain (replicated) gradients: one
-    all-reduce of the sharded squares (``clip_grad_norm_`` refuses the mix)."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    sharded = torch.zeros((), dtype=torch.float64)
-    rep = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        if isinstance(g, DTensor):
-            local = g.to_local().double().square().sum()
-            if any(isinstance(pl, Shard) for pl in g.placements):
-                sharded += local
-            else:
-                rep += local
-        else:
-            rep += g.double().square().sum()
-    dist.all_reduce(sharded)
-    coef = max_norm / (float(sharded + rep) ** 0.5 + 1e-6)
-    if coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
-
-
-def _torch_dp(kind: str, cfg, batch, seq, dims):
-    model = nn.Sequential(*_dense_layers(cfg))
-    if kind == "ddp":
-        wrapped = nn.parallel.DistributedDataParallel(model)
-    else:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for layer in model:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
-        wrapped = fully_shard(model, mesh=mesh, reshard_after_forward=False)
-    opt = _adamw(model.parameters())
-    x = torch.randint(0, cfg.vocab_size, (batch // 2, seq),
-                      generator=torch.Generator().manual_seed(1 + dims.rank))
-
-    def step():
-        opt.zero_grad()
-        _ce(wrapped(x), x).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-
-    return step
-
-
-def _torch_pp(cfg, batch, seq, m, dims):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    layers = _dense_layers(cfg)
-    half = (len(layers) + 1) // 2
-    mine = nn.Sequential(*(layers[:half] if dims.pp_rank == 0 else layers[half:]))
-    stage = PipelineStage(mine, dims.pp_rank, 2, torch.device("cpu"), group=dims.pp_group)
-    sched = Schedule1F1B(stage, n_microbatches=m, loss_fn=_ce)
-    opt = _adamw(mine.parameters())
-    x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
-
-    def step():
-        opt.zero_grad()
-        if dims.pp_rank == 0:
-            sched.step(x)
-        else:
-            sched.step(target=x, losses=[])
-        torch.nn.utils.clip_grad_norm_(mine.parameters(), 1.0)
-        opt.step()
-
-    return step
-
-
 
 
 def cases(cfg: BenchConfig) -> list[Case]:
@@ -271,19 +131,6 @@ def cases(cfg: BenchConfig) -> list[Case]:
                      networks=True) for layout in LAYOUTS]
     return out + [Case("tiny tp1.pp1.dp1", {"overhead": True}, ranks=1, suite=SUITE_OVH,
                        timeout=600)]
-
-
-def _builders(layout: str, gcfg, shape, dims) -> dict:
-    _, _, batch, seq, m = shape
-    builders = {"distllm": lambda: _distllm(layout, gcfg, batch, seq, m, dims)}
-    if layout == "tp2":
-        builders["torch_dtensor_tp"] = lambda: _torch_tp(gcfg, batch, seq, dims)
-    elif layout == "dp2.zero2":
-        builders["torch_ddp"] = lambda: _torch_dp("ddp", gcfg, batch, seq, dims)
-        builders["torch_fsdp2_zero2"] = lambda: _torch_dp("fsdp2", gcfg, batch, seq, dims)
-    else:
-        builders["torch_pipelining_1f1b"] = lambda: _torch_pp(gcfg, batch, seq, m, dims)
-    return builders
 
 
 def setup(cfg: BenchConfig, case: Case) -> Setup:
@@ -301,25 +148,19 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
     kw = {"tp2": dict(tp=2), "dp2.zero2": dict(dp=2), "pp2.1f1b": dict(pp=2)}[layout]
     dims = ParallelDims(**kw)
     variants, missing = {}, {}
-    for vname, build in _builders(layout, gcfg, shape, dims).items():
+    for vname, build in builders(layout, gcfg, shape, dims).items():
         try:
             variants[vname] = build()
         except Exception as e:  # noqa: BLE001 - a variant that cannot run here is a row
             missing[vname] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
     def finish(stats: dict[str, Stats]) -> dict:
-        prof = {n: breakdown(f, before=dist.barrier, drain=_drain(f))
+        prof = {n: breakdown(f, before=dist.barrier, drain=drain(f))
                 for n, f in variants.items()}
         dist.barrier()
         return {"tokens": shape[2] * shape[3], "model": name, "breakdown": prof}
 
     return Setup(variants, missing, warmup=2, reps=reps, finish=finish)
-
-
-def _drain(step):
-    """What waits for the work a variant's step leaves in flight (ZeRO's gathers), or None."""
-    eng = getattr(step, "engine", None)
-    return eng.zero.wait_params if eng is not None and eng.zero is not None else None
 
 
 def _layout_rows(layout: str, res: dict, label: str, reason: str) -> list[dict]:
@@ -368,7 +209,7 @@ def _overhead_setup(cfg: BenchConfig, reps: int) -> Setup:
     from distllm.models.gpt import GPTConfig
 
     _, _, batch, seq, _ = _PRESETS[cfg.quick][0]
-    step = _distllm_single(GPTConfig.preset("tiny"), batch, seq, ParallelDims())
+    step = distllm_single(GPTConfig.preset("tiny"), batch, seq, ParallelDims())
     ops: list[float] = []
 
     def profiled() -> None:
@@ -381,15 +222,6 @@ def _overhead_setup(cfg: BenchConfig, reps: int) -> Setup:
 
     return Setup({"wall": step, "profiled": profiled}, warmup=3, reps=max(reps, 5),
                  finish=finish)
-
-
-def _distllm_single(cfg, batch, seq, dims):
-    from distllm.train.config import TrainConfig
-    from distllm.train.engine import Engine
-
-    tc = TrainConfig(model="tiny", global_batch=batch, seq_len=seq, steps=10, progress=False)
-    x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
-    return _engine_step(Engine(tc, cfg, dims), x)
 
 
 def _op_ms(prof) -> float:

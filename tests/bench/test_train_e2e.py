@@ -40,6 +40,21 @@ def test_shapes_choose_the_model():
         train_e2e.cases(BenchConfig(shapes="1,2,3"))
 
 
+def test_model_presets_choose_the_sizes():
+    cases = train_e2e.cases(BenchConfig(extra={"model": ["tiny", "gpt2-small"]}))
+    assert [c.label for c in cases[:6:3]] == ["tp2 tiny", "tp2 12x768"]
+    # blocks and hidden from the preset; batch, sequence, micro-batches from its size class
+    assert [c.params["shape"] for c in cases[:6:3]] == [(4, 128, 16, 128, 4), (12, 768, 8, 64, 4)]
+    assert train_e2e.model_shapes("gpt2-medium, tiny", quick=True) == [
+        (24, 1024, 8, 64, 4), (4, 128, 8, 64, 2)]
+    assert train_e2e.model_of(cases[3].params["shape"])[0].n_heads == 12
+    with pytest.raises(ValueError, match=r"--model 'gpt2-small-6': unknown GPT preset.*"
+                                         r"choose from tiny, gpt2-small"):
+        train_e2e.cases(BenchConfig(extra={"model": "gpt2-small-6"}))
+    with pytest.raises(ValueError, match="--model and --shapes"):
+        train_e2e.cases(BenchConfig(shapes="6,768,8,64", extra={"model": ["tiny"]}))
+
+
 def _bd(ops: int, syncs: int) -> dict:
     return {"wall_ms": 10.0, "ops": ops, "op_ms": 9.0, "outside_ms": 1.0, "collectives": 2,
             "collective_mb": 1.0, "copies": 3, "allocs": 4, "alloc_mb": 0.5, "syncs": syncs,
