@@ -13,7 +13,9 @@ Measured, one thread per rank (as ``distllm train`` runs its ranks), compute in 
   * gloo links: all-reduce time over a range of sizes on 2 ranks, fitted to the ring model
     ``2(n-1)*alpha + 2(n-1)/n * bytes * beta`` (4 ranks, as the ``tiny`` validation runs),
     on loopback (``intra``) and on the emulated
-    network (``inter``, when it can be built; else a copy of loopback, said in ``source``).
+    network (``inter``, when it can be built; else a copy of loopback, said in ``source``);
+    and the same fit of each rank's CPU seconds per all-reduce (gloo's threads copying and
+    summing: ``cpu_latency`` per ring step, ``cpu_per_byte``).
 """
 
 from __future__ import annotations
@@ -178,12 +180,24 @@ def measure_core_sharing(ranks: int, reps: int = 150) -> float:
 
 
 def _ar_rank(sizes: tuple[int, ...], reps: int) -> dict:
-    """Median seconds of a float32 all-reduce of each size (each repetition the slowest
-    rank's)."""
+    """Per size: median seconds of a float32 all-reduce (each repetition the slowest rank's),
+    and this rank's CPU seconds per all-reduce over ``reps`` back to back (its threads,
+    gloo's included: the cores the collective takes from compute)."""
+    import torch
+    import torch.distributed as dist
+
     from distllm.diagnostics.timing import time_collective
 
-    return {nbytes: statistics.median(time_collective("all_reduce", nbytes // 4, reps=reps))
-            * 1e-3 for nbytes in sizes}
+    out = {}
+    for nbytes in sizes:
+        wall = statistics.median(time_collective("all_reduce", nbytes // 4, reps=reps)) * 1e-3
+        x = torch.zeros(nbytes // 4)
+        dist.barrier()
+        t0 = time.process_time()
+        for _ in range(reps):
+            dist.all_reduce(x)
+        out[nbytes] = (wall, (time.process_time() - t0) / reps)
+    return out
 
 
 def fit_alpha_beta(times: dict[int, float], n: int) -> tuple[float, float]:
@@ -205,11 +219,12 @@ def fit_alpha_beta(times: dict[int, float], n: int) -> tuple[float, float]:
     return alpha, beta
 
 
-def measure_link(net_rate: str | None, nranks: int = 4, reps: int = 15) -> tuple[Link, str]:
+def measure_link(net_rate: str | None, nranks: int = 4, reps: int = 15,
+                 sizes: tuple[int, ...] = AR_SIZES) -> tuple[Link, str]:
     from distllm.testing import run_distributed
 
     if net_rate is None:
-        res = run_distributed(_ar_rank, nranks, AR_SIZES, reps, timeout=300)
+        res = run_distributed(_ar_rank, nranks, sizes, reps, timeout=300)
         where = f"gloo all-reduce on loopback, {nranks} ranks, 1 thread each"
     else:
         from distllm.testing.netem import EmulatedNetwork
@@ -218,14 +233,20 @@ def measure_link(net_rate: str | None, nranks: int = 4, reps: int = 15) -> tuple
             if not net.available:
                 return None, f"emulated network unavailable ({net.reason})"
             res = run_distributed(
-                _ar_rank, nranks, AR_SIZES, reps, timeout=300, setup=net.setup, env=net.env
+                _ar_rank, nranks, sizes, reps, timeout=300, setup=net.setup, env=net.env
             )
         where = f"gloo all-reduce on the emulated {net_rate} network, {nranks} ranks"
-    times = {s: max(r[s] for r in res) for s in AR_SIZES}
+    times = {s: max(r[s][0] for r in res) for s in sizes}
+    cpu = {s: statistics.median(r[s][1] for r in res) for s in sizes}
     alpha, beta = fit_alpha_beta(times, nranks)
+    c_alpha, c_beta = fit_alpha_beta(cpu, nranks)
     pts = ", ".join(f"{s >> 10} KiB: {t * 1e3:.2f} ms" for s, t in times.items())
+    cpts = ", ".join(f"{s >> 10} KiB: {t * 1e3:.2f} ms" for s, t in cpu.items())
     return Link(
-        1.0 / beta, alpha, 1.0, 0.0, f"measured: {where} ({pts}); ring fit on relative error"
+        1.0 / beta, alpha, 1.0, 0.0,
+        f"measured: {where} ({pts}); ring fit on relative error; CPU seconds per rank "
+        f"(its threads, median over ranks: {cpts}) fitted the same way",
+        cpu_latency=c_alpha, cpu_per_byte=c_beta,
     ), ""
 
 
@@ -248,14 +269,9 @@ def calibrate(net_rate: str | None = "1gbit", ranks: int = 4) -> Profile:
     if inter is None:
         inter = dataclasses.replace(intra, source=f"copy of loopback: {why}")
     else:  # a rate-limited link leaves the CPU free: chunked overlap can hide part of it
-        inter = Link(
-            inter.bandwidth,
-            inter.latency,
-            1.0,
-            0.5,
-            inter.source + "; overlap 0.5 assumed (chunked GEMM + all-reduce)",
-            tree=False,
-        )
+        inter = dataclasses.replace(
+            inter, overlap=0.5, tree=False,
+            source=inter.source + "; overlap 0.5 assumed (chunked GEMM + all-reduce)")
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cores = os.cpu_count() or 1
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

@@ -55,6 +55,11 @@ class Link:
     tree: bool = True
     """The collective library may run a tree all-reduce where it is cheaper (NCCL); False:
     ring only, the algorithm the link's latency was fitted with (gloo, calibrated)."""
+    cpu_latency: float = 0.0
+    """CPU seconds per ring step of a collective on each rank (gloo's threads; 0: none)."""
+    cpu_per_byte: float = 0.0
+    """CPU seconds per byte a rank moves in a collective (gloo's copies and sums; 0: none).
+    See :mod:`distllm.plan.comm_cpu`."""
 
     @property
     def beta(self) -> float:
@@ -169,6 +174,8 @@ class Profile:
                 "overlap": v.overlap,
                 "uses_cpu": v.uses_cpu,
                 "tree": v.tree,
+                "cpu_latency": v.cpu_latency,
+                "cpu_per_byte": v.cpu_per_byte,
                 "source": v.source,
             }
             for k, v in self.links.items()

@@ -15,6 +15,10 @@ Per block and micro-batch, on one TP rank:
     forward ones overlapped with the row-parallel GEMM when the runtime does so;
   * ZeRO-3: the block's all-gather before its forward and its backward, prefetched behind
     the previous block's compute.
+
+On CPU profiles (``cores``), the step is also bounded by the cores: the compute of every
+rank on the host, plus the CPU that gloo's threads spend on the collectives that overlap it
+(:mod:`distllm.plan.comm_cpu`), over the cores, plus what waits on a link.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import math
 
 from .bubble import pipeline_time
 from .collectives import collective_time
+from .comm_cpu import rank_collective_cpu
 from .kernels import (
     CE_BYTES_PER_LOGIT,
     attention_times,
@@ -275,12 +280,21 @@ class TimeModel:
             # every rank of the host runs its optimizer step at the same time, on the cores
             crowd = max(1.0, per_stage * lay.pp * sharing / p.cores)
             tail_cpu = tail + (crowd - 1.0) * t_opt
-            step = max(step, work / p.cores + wire + tail_cpu + sync + p.step_overhead_s)
-            # CPU seconds of all the host's ranks per step (the reductions after backward
-            # aside): what a loaded machine cannot stretch; loopback collectives keep the
-            # cores busy while they run
-            cpu_wire = p.cores * wire if self._link("tp", lay).uses_cpu else 0.0
-            cpu_busy = work + cpu_wire + per_stage * lay.pp * sharing * t_opt
+            opt_cpu = per_stage * lay.pp * sharing * t_opt
+            coll = rank_collective_cpu(self, lay)
+            lock = per_stage * sum(c[0] for c in coll)
+            bg = per_stage * sum(c[1] for c in coll)
+            # the lockstep (TP) collectives' link times were measured with every rank in
+            # them at once, their CPU included; the background ones (DP reduction, ZeRO
+            # gathers, pipeline messages) take their CPU from the compute they overlap
+            cpu_link = bg
+            on_cores = self._link("tp", lay).uses_cpu and lay.tp > 1
+            cpu_wire = (p.cores * wire if on_cores else 0.0) if lock + bg == 0.0 else lock + bg
+            step = max(step, (work + cpu_link) / p.cores + wire + tail_cpu + sync
+                       + p.step_overhead_s)
+            # CPU seconds of all the host's ranks per step: what a loaded machine cannot
+            # stretch
+            cpu_busy = work + cpu_wire + opt_cpu
         blocks = max(r[0] for r in self.ranks(lay.pp, lay.virtual_stages))
         chunks = m * (lay.virtual_stages if lay.pp > 1 else 1)
         parts = dict(

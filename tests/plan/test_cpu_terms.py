@@ -78,7 +78,8 @@ def test_oversubscribed_ranks_share_the_cores_at_the_measured_cost():
 
 def test_profile_json_keeps_the_new_fields():
     prof = dataclasses.replace(CPU, gelu_s_per_element=(1e-9, 2e-9), core_sharing=1.2,
-                               links={k: dataclasses.replace(v, tree=False)
+                               links={k: dataclasses.replace(v, tree=False, cpu_latency=1e-4,
+                                                             cpu_per_byte=2e-10)
                                       for k, v in CPU.links.items()})
     back = Profile.from_json(prof.to_json())
     assert back == prof
@@ -118,3 +119,100 @@ def test_a_lockstep_collective_counts_once_on_shared_cores():
     tail = parts["optimizer"] * 2 + parts["dp_comm"] + parts["zero_comm"]
     assert step == pytest.approx(4 * (tf[0] + tb[0] - tc[0]) / 2 + tc[0] + tail + parts["sync"],
                                  rel=1e-9)
+
+
+# ---------------------------------------------------------------- gloo's CPU ------------
+GLOO = dataclasses.replace(CPU, core_sharing=1.0, step_overhead_s=0.0, links={
+    k: dataclasses.replace(v, cpu_latency=2e-4, cpu_per_byte=4e-10)
+    for k, v in CPU.links.items()})
+
+
+def test_collective_cpu_is_a_ring_in_cpu_seconds():
+    from distllm.plan.comm_cpu import collective_cpu
+
+    link = GLOO.link(False)
+    s = 8 << 20
+    assert collective_cpu("all_reduce", s, 4, link) == pytest.approx(
+        6 * 2e-4 + 6 / 4 * s * 4e-10, rel=1e-12)
+    assert collective_cpu("all_gather", s, 4, link) == pytest.approx(
+        3 * 2e-4 + 3 / 4 * s * 4e-10, rel=1e-12)
+    assert collective_cpu("p2p", s, 2, link) == pytest.approx(2e-4 + s * 4e-10, rel=1e-12)
+    # the same bytes in 3 buckets: 2 more rings' worth of steps
+    assert collective_cpu("all_reduce", s, 4, link, calls=3) == pytest.approx(
+        collective_cpu("all_reduce", s, 4, link) + 2 * 6 * 2e-4, rel=1e-12)
+    assert collective_cpu("all_reduce", s, 1, link) == 0.0
+    assert collective_cpu("all_reduce", s, 4, CPU.link(False)) == 0.0  # not measured
+
+
+def test_background_collectives_take_cpu_from_the_compute():
+    """dp4 on shared cores: the gradient all-reduce's CPU (all 4 ranks) over the cores is
+    added to the CPU-bound step; the ranks' CPU seconds count it too."""
+    from distllm.plan.comm_cpu import collective_cpu, rank_collective_cpu
+
+    quiet = dataclasses.replace(GLOO, links=CPU.links)
+    a, b = _cm(dataclasses.replace(quiet, core_sharing=1.0, step_overhead_s=0.0)), _cm(GLOO)
+    coll = rank_collective_cpu(b, DP4)
+    n = b.rank_params(DP4)[0][0]
+    ar = collective_cpu("all_reduce", 4 * n, 4, GLOO.link(False))
+    assert coll == [(0.0, pytest.approx(ar, rel=1e-12))]
+    (sa, pa), (sb, pb) = a.step_time(DP4), b.step_time(DP4)
+    assert sb - sa == pytest.approx(4 * ar / 2, rel=1e-9)
+    assert pb["cpu_busy"] - pa["cpu_busy"] == pytest.approx(4 * ar, rel=1e-9)
+
+
+def test_zero3_and_pipeline_collectives_are_counted_per_unit_and_message():
+    from distllm.plan.comm_cpu import collective_cpu, rank_collective_cpu
+
+    cm, link = _cm(GLOO), GLOO.link(False)
+    z3 = Layout(1, 1, 4, 3, "none", 1, "none", False, 1)
+    blocks_n = cm.rank_params(z3)
+    unit, rest = blocks_n[1], blocks_n[0][0] - 4 * blocks_n[1]
+    want = sum(k * (2 * collective_cpu("all_gather", 4 * n, 4, link)
+                    + collective_cpu("reduce_scatter", 4 * n, 4, link))
+               for k, n in ((4, unit), (1, rest)))
+    assert rank_collective_cpu(cm, z3)[0][1] == pytest.approx(want, rel=1e-12)
+    # pp2 x dp2, 4 micro-batches of 2 sequences: each stage receives or sends a (2, 128, 128)
+    # fp32 activation and its gradient per micro-batch (2 messages each), plus its DP
+    # all-reduce
+    pp2 = Layout(1, 2, 2, 0, "1f1b", 4, "none", False, 1)
+    msg = collective_cpu("p2p", 4 * 2 * 128 * 128, 2, link)
+    for r, (lock, bg) in enumerate(rank_collective_cpu(cm, pp2)):
+        n = cm.rank_params(pp2)[0][r]
+        assert lock == 0.0
+        assert bg == pytest.approx(4 * 2 * msg + collective_cpu("all_reduce", 4 * n, 2, link),
+                                   rel=1e-12)
+
+
+def test_tp_collectives_cpu_is_lockstep_and_not_added_to_the_step():
+    """A TP all-reduce's link time was measured with its CPU in it: its CPU counts in the
+    ranks' CPU seconds, not again in the step."""
+    from distllm.plan.comm_cpu import collective_cpu, rank_collective_cpu
+
+    tp4 = Layout(4, 1, 1, 0, "none", 1, "none", False, 1)
+    quiet = dataclasses.replace(GLOO, links=CPU.links)
+    a, b = _cm(quiet), _cm(GLOO)
+    link, tokens = GLOO.link(False), 16 * 128
+    one = collective_cpu("all_reduce", 4 * tokens * 128, 4, link)
+    ce = sum(collective_cpu("all_reduce", k * 4 * tokens, 4, link) for k in (1, 2))
+    # 4 blocks x 4, the embedding's forward and backward, the head's input gradient + loss
+    assert rank_collective_cpu(b, tp4) == [(pytest.approx(19 * one + ce, rel=1e-12), 0.0)]
+    assert b.step_time(tp4)[0] == pytest.approx(a.step_time(tp4)[0], rel=1e-12)
+    # the ranks' CPU seconds: gloo's CPU of the 4 ranks instead of the cores held for the
+    # link time
+    wire = a.rank_times(tp4)[3][0]
+    assert b.step_time(tp4)[1]["cpu_busy"] - a.step_time(tp4)[1]["cpu_busy"] == pytest.approx(
+        4 * (19 * one + ce) - 2 * wire, rel=1e-9)
+
+
+def test_calibration_measures_the_links_cpu():
+    """The loopback link's fit carries gloo's CPU seconds per ring step and per byte, from
+    the ranks' own CPU time."""
+    from distllm.plan.calibrate import measure_link
+
+    link, why = measure_link(None, nranks=2, reps=3, sizes=(4 << 10, 256 << 10, 2 << 20))
+    assert why == ""
+    assert link.cpu_latency > 0 and link.cpu_per_byte > 0
+    assert "CPU seconds per rank" in link.source
+    # a 2 MiB all-reduce takes gloo's threads at least a copy of its bytes: more than
+    # 0.05 ns per byte, and less than its wall time
+    assert 0.05e-9 < link.cpu_per_byte < link.beta * 4
