@@ -122,9 +122,13 @@ def test_a_lockstep_collective_counts_once_on_shared_cores():
 
 
 # ---------------------------------------------------------------- gloo's CPU ------------
-GLOO = dataclasses.replace(CPU, core_sharing=1.0, step_overhead_s=0.0, links={
-    k: dataclasses.replace(v, cpu_latency=2e-4, cpu_per_byte=4e-10)
-    for k, v in CPU.links.items()})
+def _with_gloo_cpu(latency: float, per_byte: float) -> Profile:
+    return dataclasses.replace(CPU, core_sharing=1.0, step_overhead_s=0.0, links={
+        k: dataclasses.replace(v, cpu_latency=latency, cpu_per_byte=per_byte)
+        for k, v in CPU.links.items()})
+
+
+GLOO, NO_GLOO_CPU = _with_gloo_cpu(2e-4, 4e-10), _with_gloo_cpu(0.0, 0.0)
 
 
 def test_collective_cpu_is_a_ring_in_cpu_seconds():
@@ -141,7 +145,7 @@ def test_collective_cpu_is_a_ring_in_cpu_seconds():
     assert collective_cpu("all_reduce", s, 4, link, calls=3) == pytest.approx(
         collective_cpu("all_reduce", s, 4, link) + 2 * 6 * 2e-4, rel=1e-12)
     assert collective_cpu("all_reduce", s, 1, link) == 0.0
-    assert collective_cpu("all_reduce", s, 4, CPU.link(False)) == 0.0  # not measured
+    assert collective_cpu("all_reduce", s, 4, NO_GLOO_CPU.link(False)) == 0.0  # not measured
 
 
 def test_background_collectives_take_cpu_from_the_compute():
@@ -149,8 +153,7 @@ def test_background_collectives_take_cpu_from_the_compute():
     added to the CPU-bound step; the ranks' CPU seconds count it too."""
     from distllm.plan.comm_cpu import collective_cpu, rank_collective_cpu
 
-    quiet = dataclasses.replace(GLOO, links=CPU.links)
-    a, b = _cm(dataclasses.replace(quiet, core_sharing=1.0, step_overhead_s=0.0)), _cm(GLOO)
+    a, b = _cm(NO_GLOO_CPU), _cm(GLOO)
     coll = rank_collective_cpu(b, DP4)
     n = b.rank_params(DP4)[0][0]
     ar = collective_cpu("all_reduce", 4 * n, 4, GLOO.link(False))
@@ -189,8 +192,7 @@ def test_tp_collectives_cpu_is_lockstep_and_not_added_to_the_step():
     from distllm.plan.comm_cpu import collective_cpu, rank_collective_cpu
 
     tp4 = Layout(4, 1, 1, 0, "none", 1, "none", False, 1)
-    quiet = dataclasses.replace(GLOO, links=CPU.links)
-    a, b = _cm(quiet), _cm(GLOO)
+    a, b = _cm(NO_GLOO_CPU), _cm(GLOO)
     link, tokens = GLOO.link(False), 16 * 128
     one = collective_cpu("all_reduce", 4 * tokens * 128, 4, link)
     ce = sum(collective_cpu("all_reduce", k * 4 * tokens, 4, link) for k in (1, 2))
