@@ -11,7 +11,11 @@ Case ``fwd M,K,N``: per rank ``Y_partial = X (M, K) @ W^T (K, N)`` then all-redu
 - ``chunked<c>``: the overlap engine with ``c`` chunks;
 - ``auto``: ``RowParallelLinear(overlap="auto")``'s forward (its first call measures and
   picks chunks or none; that call is warm-up), with the choice in ``extra``;
-- ``ideal``: ``max(gemm, allreduce)`` from the medians (a bound, not timed).
+- ``ideal``: ``max(gemm, allreduce)`` from the medians (a bound, not timed);
+- ``gemm_beside_allreduce`` (all-reduce cases): the whole all-reduce started asynchronously,
+  then the whole GEMM beside it, then the wait (no dependency between them, so no schedule
+  can overlap more): what this machine's cores allow, since the collective's own CPU (gloo's
+  copies and sums, the kernel's TCP) comes from the cores that run the GEMM.
 
 - ``compute_alone_c<c>`` / ``comm_alone_c<c>``: each schedule's compute and its
   collectives, each alone and run the way that schedule runs them (``c0``: sequential): the
@@ -22,7 +26,9 @@ Case ``fwd M,K,N``: per rank ``Y_partial = X (M, K) @ W^T (K, N)`` then all-redu
 parts: the share of what could hide that the variant hid, from medians; its ceiling is 1
 (``extra.hidden_ceiling``), and a row above it is a measurement error that the report flags
 (``extra.hidden_frac_min``: the same from the fastest repetition of each, a view less
-sensitive to a loaded machine). Case ``bwd M,K,N``:
+sensitive to a loaded machine). ``extra.machine_ceiling`` is the share that
+``gemm_beside_allreduce`` hides (of ``min(gemm, allreduce)``, the parts alone), and
+``extra.of_machine_ceiling`` the variant's hidden share over it. Case ``bwd M,K,N``:
 ``dX = dY (M, N) @ W (N, K)`` all-reduced while ``dW = dY^T @ X`` computes
 (``chunked<c>`` chunks the dX GEMM too).
 
@@ -135,6 +141,13 @@ def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
             then()
 
     v["gemm"] = lambda: gemm(1)
+    if ekind == "all_reduce":
+        def beside() -> None:
+            h = dist.all_reduce(comm_in, group=comm.group, async_op=True)
+            gemm(1)
+            h.wait()
+
+        v["gemm_beside_allreduce"] = beside
     for c in CHUNKS:
         v[f"gemm_chunked{c}"] = lambda c=c: gemm(c)
     v["sequential"] = lambda: run_engine(ekind, a, mm, n_out, comm, 0, then)
@@ -238,10 +251,14 @@ def case_rows(suite: str, kind: str, shape, res: dict[str, Stats], info: dict, n
     t_comm, t_gemm = res[comm_name].median_ms, res["gemm"].median_ms
     t_seq = res["sequential"].median_ms
     common = dict(dtype=dtype, shape=f"{m}x{k}x{n}", device="cpu", net=net)
+    beside = res.get("gemm_beside_allreduce")
+    machine = hidden_share(beside.median_ms, t_gemm, t_comm) if beside is not None else None
     rows = []
     for name, st in res.items():
         extra: dict = {}
-        if name == comm_name or name == "gemm" or name.endswith("_alone") or "_alone_c" in name:
+        if name == "gemm_beside_allreduce":
+            extra.update(role="part", machine_ceiling=machine)
+        elif name == comm_name or name == "gemm" or name.endswith("_alone") or "_alone_c" in name:
             extra["role"] = "part"
         elif name.startswith("gemm_chunked"):
             extra.update(role="part", chunking_penalty=st.median_ms / t_gemm - 1)
@@ -263,6 +280,9 @@ def case_rows(suite: str, kind: str, shape, res: dict[str, Stats], info: dict, n
             extra.update(hidden_frac_min=hidden_share(st.min_ms, comp.min_ms, com.min_ms),
                          compute_ms=comp.median_ms, comm_ms=com.median_ms,
                          hideable_ms=min(comp.median_ms, com.median_ms), hidden_ceiling=1.0)
+            if machine is not None and hid is not None:
+                extra.update(machine_ceiling=machine,
+                             of_machine_ceiling=hid / machine if machine > 0 else None)
         extra["ms_min"] = st.min_ms
         rows.append(row(suite, case, name, st, flops=2.0 * m * k * n, hidden_frac=hid,
                         speedup_vs_unfused=t_seq / st.median_ms, **common, **extra))

@@ -29,6 +29,9 @@ def check_rows(rows, kinds):
         assert got["auto"]["extra"]["auto_chunks"] in (0, 2, 4, 8)
         lanes = {e["lane"] for e in got["sequential"]["extra"]["timeline"]}
         assert lanes == {"compute", "comm"}
+        if kind in ("fwd", "bwd"):  # all-reduce cases: the machine's own bound, timed
+            assert got["gemm_beside_allreduce"]["ms"] > 0
+            assert "machine_ceiling" in got["gemm_beside_allreduce"]["extra"]
 
 
 def test_row_parallel_bench_rows():
@@ -78,3 +81,22 @@ def test_row_overlap_hidden_share_bounds():
     assert row_parallel_overlap.hidden_share(20.0, 10.0, 20.0) == 1.0  # all of the GEMM
     assert row_parallel_overlap.hidden_share(19.0, 10.0, 20.0) > 1.0  # impossible: flagged
     assert row_parallel_overlap.hidden_share(5.0, 0.0, 5.0) is None  # nothing could hide
+
+
+def test_row_overlap_machine_ceiling_from_the_gemm_beside_its_all_reduce():
+    """The GEMM beside an independent all-reduce hides what the cores allow; each fused
+    variant's hidden share is also given over that."""
+    res = {name: _st(ms) for name, ms in {
+        "allreduce": 20.0, "gemm": 10.0, "sequential": 30.0, "chunked4": 25.0,
+        "gemm_beside_allreduce": 22.0,  # the collective's CPU slows the GEMM beside it
+        "compute_alone_c4": 12.0, "comm_alone_c4": 24.0,
+    }.items()}
+    rows = {r["variant"]: r for r in row_parallel_overlap.case_rows(
+        "row_overlap", "fwd", (8, 8, 8), res, {}, "2gbit", "float32")}
+    # (10 + 20 - 22) / min(10, 20)
+    beside = rows["gemm_beside_allreduce"]["extra"]
+    assert beside["role"] == "part" and beside["machine_ceiling"] == pytest.approx(0.8)
+    assert rows["gemm_beside_allreduce"]["hidden_frac"] is None
+    e = rows["chunked4"]["extra"]
+    assert e["machine_ceiling"] == pytest.approx(0.8)
+    assert e["of_machine_ceiling"] == pytest.approx((11 / 12) / 0.8)
