@@ -122,30 +122,37 @@ def _torch_tp(cfg, batch, seq, dims):
 
 @torch.no_grad()
 def _clip_tp(params, max_norm: float) -> None:
-    """Global-norm clipping over DTensor (sharded) and plain (replicated) gradients: one
-    all-reduce of the sharded squares (``clip_grad_norm_`` refuses the mix)."""
+    """Global-norm clipping over DTensor (sharded) and plain (replicated) gradients, as a
+    torch user writes it (``clip_grad_norm_`` refuses the mix): torch's own norm of each set
+    in the gradients' dtype, one all-reduce of the sharded squares, one host read."""
     from torch.distributed.tensor import DTensor, Shard
 
-    sharded = torch.zeros((), dtype=torch.float64)
-    rep = torch.zeros((), dtype=torch.float64)
+    sharded, rep = [], []
     for p in params:
         g = p.grad
         if g is None:
             continue
         if isinstance(g, DTensor):
-            local = g.to_local().double().square().sum()
-            if any(isinstance(pl, Shard) for pl in g.placements):
-                sharded += local
-            else:
-                rep += local
+            is_shard = any(isinstance(pl, Shard) for pl in g.placements)
+            (sharded if is_shard else rep).append(g.to_local())
         else:
-            rep += g.double().square().sum()
-    dist.all_reduce(sharded)
-    coef = max_norm / (float(sharded + rep) ** 0.5 + 1e-6)
+            rep.append(g)
+    sq = torch.nn.utils.get_total_norm(sharded) ** 2
+    dist.all_reduce(sq)
+    total = float(sq + torch.nn.utils.get_total_norm(rep) ** 2) ** 0.5
+    coef = max_norm / (total + 1e-6)
     if coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+        torch._foreach_mul_(sharded + rep, coef)
+
+
+@torch.no_grad()
+def _clip_pp(params, max_norm: float, group) -> None:
+    """Global-norm clipping across pipeline stages, as torchtitan does it: each stage's norm,
+    its square all-reduced over the pipeline group, then torch's clip with that norm."""
+    params = [p for p in params if p.grad is not None]
+    sq = torch.nn.utils.get_total_norm([p.grad for p in params]) ** 2
+    dist.all_reduce(sq, group=group)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, sq.sqrt())
 
 
 def _torch_dp(kind: str, cfg, batch, seq, dims):
@@ -190,7 +197,7 @@ def _torch_pp(cfg, batch, seq, m, dims):
             sched.step(x)
         else:
             sched.step(target=x, losses=[])
-        torch.nn.utils.clip_grad_norm_(mine.parameters(), 1.0)
+        _clip_pp(mine.parameters(), 1.0, dims.pp_group)
         opt.step()
 
     return step

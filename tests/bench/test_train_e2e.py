@@ -87,3 +87,52 @@ def test_overhead_row():
     [r] = train_e2e.rows(BenchConfig(), case, res)
     assert (r["suite"], r["case"], r["ms"]) == ("train_overhead", "tiny tp1.pp1.dp1", 100.0)
     assert r["extra"]["overhead_frac"] == pytest.approx(0.04) and r["extra"]["met"] is True
+
+
+def _peer_clips(kind: str):
+    """Gradients of 2 ranks clipped by the peer's rule, and the reference: every rank's
+    gradients scaled by max_norm / global norm (the norm over both ranks' shards)."""
+    import torch
+    import torch.distributed as dist
+    from distllm.bench import train_e2e_variants as tv
+    from torch import nn
+
+    r = dist.get_rank()
+    g = torch.Generator().manual_seed(7 + r)
+    params = [nn.Parameter(torch.zeros(5, 3)), nn.Parameter(torch.zeros(4))]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    shards = [p.grad.clone() for p in params]
+    if kind == "pp":  # each stage holds its own parameters
+        tv._clip_pp(params, 0.5, None)
+        local = sum(float(s.double().square().sum()) for s in shards)
+        sq = torch.tensor(local, dtype=torch.float64)
+        dist.all_reduce(sq)
+    else:  # tp: the first is sharded (a DTensor), the second replicated (plain, the same)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = init_device_mesh("cpu", (2,))
+        shards[1] = torch.arange(4.0)
+        params[1].grad = shards[1].clone()
+        params[0] = nn.Parameter(DTensor.from_local(torch.zeros(5, 3), mesh, [Shard(0)]))
+        params[0].grad = DTensor.from_local(shards[0].clone(), mesh, [Shard(0)])
+        tv._clip_tp(params, 0.5)
+        sq = torch.tensor(float(shards[0].double().square().sum()), dtype=torch.float64)
+        dist.all_reduce(sq)
+        sq += float(shards[1].double().square().sum())
+    coef = min(1.0, 0.5 / (float(sq) ** 0.5 + 1e-6))
+    got = [(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad) for p in params]
+    return [(a.flatten().tolist(), (s * coef).flatten().tolist())
+            for a, s in zip(got, shards, strict=True)]
+
+
+@pytest.mark.parametrize("kind", ["pp", "tp"])
+def test_torch_peers_clip_by_the_global_norm(kind):
+    """The peers do the work distllm's step does: clipping by the norm over all ranks'
+    gradients (pipeline stages; TP shards plus the replicated parameters once)."""
+    from distllm.testing import run_distributed
+
+    for per_rank in run_distributed(_peer_clips, 2, kind, timeout=120):
+        for got, want in per_rank:
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
