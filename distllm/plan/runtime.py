@@ -73,8 +73,10 @@ RUNTIMES: dict[str, Runtime] = {
         step_syncs=True,
         source={
             "stage_split": "distllm.train.engine: _all_chunk_ids over mcfg.n_pipeline_layers",
-            "step_syncs": "distllm.train.engine.Engine.update: global_loss (world), "
-            "clip_grad_norm_ (world under ZeRO, else TP x PP), ZeroOptimizer.found_inf (world)",
+            "step_syncs": "distllm.train.engine.Engine.update: one world all-reduce of the "
+            "norm's squares and the loss (DDP: clip_grad_norm_and_sum_; ZeRO over dp > 1: "
+            "ZeroOptimizer.clip_and_check, with the inf/NaN flag); three where ZeRO checks "
+            "one by one",
             "tp_overlap": "distllm.nn row-parallel layers: chunked GEMM + all-reduce (--overlap)",
             "dp_overlap": "distllm.parallel.data: buckets reduced as backward fills them",
             "grad_bytes_mixed": "ZeroOptimizer: fp32 gradient buckets under bf16 "

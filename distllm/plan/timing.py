@@ -237,20 +237,22 @@ class TimeModel:
 
     def sync_time(self, lay: Layout) -> float:
         """The optimizer step's scalar all-reduces (runtime ``step_syncs``), each as long as
-        its group's link makes an 8-byte all-reduce: the loss over the world group, the
-        gradient norm over the world (ZeRO) or the model-parallel group (TP x PP), and ZeRO's
-        inf/NaN flag over the world."""
+        its group's link makes an 8-byte all-reduce. One over the world group carries the
+        gradient norm's squares and the loss (DDP), and ZeRO's inf/NaN flag with them (ZeRO
+        over more than one DP rank); where ZeRO runs its checks one by one (a single DP rank,
+        or stage 0 under bf16) the norm is reduced over the model-parallel group (TP x PP)
+        and the flag and the loss each over the world."""
         if not self.runtime.step_syncs:
             return 0.0
         world = lay.tp * lay.pp * lay.dp
-        model = lay.tp * lay.pp
-        # the model-parallel group's ranks are tp*dp apart across stages
-        model_span = lay.tp * lay.dp * lay.pp if lay.pp > 1 else lay.tp
-        groups = [(world, world), (world, world) if lay.zero else (model, model_span)]
-        if lay.zero:
-            groups.append((world, world))
-        return sum(collective_time("all_reduce", 8, n, self.profile.link(span > self.gpn))
-                   for n, span in groups)
+        ddp = lay.zero == 0 and self.dtype != "bfloat16"  # the engine's DDP path
+        groups = [(world, world)]
+        if not ddp and not (lay.zero >= 1 and lay.dp > 1):
+            # the model-parallel group's ranks are tp*dp apart across stages
+            span = lay.tp * lay.dp * lay.pp if lay.pp > 1 else lay.tp
+            groups += [(lay.tp * lay.pp, span), (world, world)]
+        return sum(collective_time("all_reduce", 8, n, self.profile.link(sp > self.gpn))
+                   for n, sp in groups)
 
     def step_time(self, lay: Layout) -> tuple[float, dict[str, float]]:
         s, p = self.shape, self.profile

@@ -167,8 +167,10 @@ class Engine:
         """:meth:`train_step` with the loss left on the device: a float64 scalar (no host
         sync; pass it to :meth:`update`)."""
         tokens, targets = tokens.to(self.device), targets.to(self.device)
-        if self.pipeline is not None:
-            return self.pipeline.train_step_tensor(tokens, targets, self._loss)
+        if self.pipeline is not None:  # the last stage's loss, 0 elsewhere: update()
+            # reduces it over the world with the step's other metrics (no broadcast first)
+            return self.pipeline.train_step_tensor(tokens, targets, self._loss,
+                                                   broadcast=False)
         m = self.cfg.parallel.micro_batches
         model = self.chunks[0]
         total: torch.Tensor | None = None
@@ -215,9 +217,9 @@ class Engine:
 
         ``loss``: this rank's :meth:`forward_backward` loss, reduced by :meth:`global_loss`.
         The norm, the loss and the inf/NaN flag are read back together: the step's one host
-        sync. Collectives: with ZeRO one all-reduce over the world group carries the norm's
-        squares, the inf/NaN flags and the loss; with DDP the norm's all-reduce (over TP x
-        PP) and the loss's.
+        sync. Collectives: one all-reduce over the world group carries the norm's squares
+        and the loss (with ZeRO the inf/NaN flags too); without a loss, DDP's norm is reduced
+        over TP x PP.
         """
         max_norm = max_norm if max_norm > 0 else float("inf")
         if self.zero is not None:
@@ -226,10 +228,11 @@ class Engine:
             vals = {"grad_norm": norm.to(torch.float64), "found_inf": flag.to(torch.float64)}
             if total is not None:
                 vals["loss"] = total[0] / self.dims.dp
+        elif loss is not None:  # the norm's squares and the loss in one all-reduce
+            norm, summed = self.ddp.clip_grad_norm_and_sum_(max_norm, self._loss_share(loss))
+            vals = {"grad_norm": norm, "loss": summed[0] / self.dims.dp}
         else:
             vals = {"grad_norm": self.ddp.clip_grad_norm_(max_norm).to(torch.float64)}
-            if loss is not None:
-                vals["loss"] = self.global_loss(loss)
         read = dict(zip(vals, torch.stack(list(vals.values())).tolist(), strict=True))
         skipped = bool(read.get("found_inf", 0.0))
         if self.zero is not None:

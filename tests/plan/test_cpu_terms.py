@@ -47,15 +47,23 @@ def test_gloo_links_run_the_ring_at_every_size():
     assert collective_time("all_reduce", 8, 4, nccl) == pytest.approx(4e-3, rel=1e-3)
 
 
-@pytest.mark.parametrize("zero,count", [(0, 1), (2, 3), (3, 3)])
-def test_the_steps_scalar_all_reduces(zero, count):
-    lay = Layout(1, 1, 4, zero, "none", 1, "none", False, 1)
+@pytest.mark.parametrize("zero,dp,count", [(0, 4, 1), (2, 4, 1), (3, 4, 1), (1, 1, 3)])
+def test_the_steps_scalar_all_reduces(zero, dp, count):
+    """One world all-reduce carries the norm's squares and the loss (and ZeRO's inf/NaN flag
+    over more than one DP rank); a lone ZeRO rank reduces the norm over TP x PP, the flag
+    and the loss over the world."""
+    lay = Layout(4 // dp, 1, dp, zero, "none", 1, "none", False, 1)
     one = collective_time("all_reduce", 8, 4, CPU.link(False))
-    assert _cm().sync_time(lay) == pytest.approx(count * one, rel=1e-9)
-    # tp2 x dp2 without ZeRO: the norm over the TP pair, the loss over all four
+    want = one if count == 1 else 3 * one  # the model group is the world here (tp4)
+    assert _cm().sync_time(lay) == pytest.approx(want, rel=1e-9)
+    # tp2 x dp2 with DDP: the one all-reduce is the world's
     tp2 = Layout(2, 1, 2, 0, "none", 1, "none", False, 1)
+    assert _cm().sync_time(tp2) == pytest.approx(one, rel=1e-9)
+    # bf16 at ZeRO-0 runs ZeroOptimizer's checks one by one: the norm over the TP pair
+    bf16 = CostModel(preset("tiny").with_(global_batch=16, seq_len=128), CPU, 4, 4,
+                     dtype="bfloat16", ranks_per_host=4)
     two = collective_time("all_reduce", 8, 2, CPU.link(False))
-    assert _cm().sync_time(tp2) == pytest.approx(one + two, rel=1e-9)
+    assert bf16.sync_time(tp2) == pytest.approx(2 * one + two, rel=1e-9)
     meg = _cm(runtime_name=dataclasses.replace(runtime("distllm"), step_syncs=False))
     assert meg.sync_time(lay) == 0.0
     assert _cm().evaluate(lay).time["sync"] == _cm().sync_time(lay)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from distllm.parallel.data.buckets import FIRST_BUCKET_BYTES, GradBuckets, assign_buckets
-from distllm.parallel.data.grad_norm import clip_grad_norm_
+from distllm.parallel.data.grad_norm import clip_grad_norm_, clip_grad_norm_and_sum_
 from distllm.parallel.data.replicas import broadcast_from_dp0, dp_group_of
 from distllm.parallel.mesh import ParallelDims
 
@@ -134,6 +134,14 @@ class DistributedDataParallel(nn.Module):
         self.finish_grad_sync()
         return clip_grad_norm_(self.module.parameters(), max_norm, dims=self.dims,
                                norm_type=norm_type)
+
+    def clip_grad_norm_and_sum_(self, max_norm: float,
+                                extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`clip_grad_norm_` (2-norm) with ``extra`` summed over the world in the same
+        all-reduce (see :func:`distllm.parallel.data.grad_norm.clip_grad_norm_and_sum_`)."""
+        self.finish_grad_sync()
+        return clip_grad_norm_and_sum_(self.module.parameters(), max_norm, dims=self.dims,
+                                       extra=extra)
 
     @property
     def bucket_sizes(self) -> list[int]:

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["clip_grad_norm_", "global_norm", "local_norm", "is_tp_sharded", "all_finite"]
+__all__ = ["clip_grad_norm_", "clip_grad_norm_and_sum_", "global_norm", "local_norm",
+           "is_tp_sharded", "all_finite"]
 
 
 def is_tp_sharded(p: Tensor) -> bool:
@@ -97,6 +98,25 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, *, dims,
                        norm_type=norm_type)
     clip_by(norm, max_norm, [p.grad for p in params])
     return norm
+
+
+def clip_grad_norm_and_sum_(parameters: Iterable[Tensor], max_norm: float, *, dims,
+                            extra: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`clip_grad_norm_` (2-norm) whose one all-reduce, over the world group, also sums
+    ``extra`` (a float64 vector on the mesh's device, e.g. a loss share) over every rank:
+    the step's metrics and the norm in one collective. The gradients must be the same on
+    every DP replica (after DDP's all-reduce), so only DP rank 0's squares count. Returns
+    (the norm before clipping, the summed ``extra``); no host sync."""
+    params = [p for p in parameters if p.grad is not None]
+    sq = local_norm(((p.grad, is_tp_sharded(p)) for p in params), dims=dims)
+    if dims.dp_rank != 0:
+        sq = torch.zeros_like(sq)
+    buf = torch.cat([sq.reshape(1).to(extra.device), extra.reshape(-1)])
+    if dims.world_size > 1:
+        dist.all_reduce(buf, group=dims.world_group)
+    norm = buf[0].sqrt()
+    clip_by(norm, max_norm, [p.grad for p in params])
+    return norm, buf[1:]
 
 
 def clip_by(norm: Tensor, max_norm: float, grads: Iterable[Tensor]) -> None:

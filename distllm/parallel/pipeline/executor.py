@@ -167,11 +167,14 @@ class PipelineParallel(nn.Module):
         return float(self.train_step_tensor(batch, targets, loss_fn))
 
     def train_step_tensor(self, batch: torch.Tensor | None, targets: torch.Tensor | None,
-                          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-                          ) -> torch.Tensor:
+                          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                          broadcast: bool = True) -> torch.Tensor:
         """:meth:`train_step` with the loss left on the device (a float64 scalar on
-        ``dims.device``): no host sync, so a training loop reads it with its other metrics."""
-        return self._step(self.schedule, batch, targets, loss_fn, train=True)
+        ``dims.device``): no host sync, so a training loop reads it with its other metrics.
+        ``broadcast=False``: no broadcast of the loss; it is the last stage's, 0 elsewhere
+        (for a caller that reduces it with its other step metrics anyway, as ``Engine``)."""
+        return self._step(self.schedule, batch, targets, loss_fn, train=True,
+                          broadcast=broadcast)
 
     @torch.no_grad()
     def eval_step(self, batch: torch.Tensor | None, targets: torch.Tensor | None,
@@ -183,7 +186,8 @@ class PipelineParallel(nn.Module):
         sched = forward_only_schedule(self.pp, m, self.v)
         return float(self._step(sched, batch, targets, loss_fn, train=False))
 
-    def _step(self, sched: Schedule, batch, targets, loss_fn, train: bool) -> torch.Tensor:
+    def _step(self, sched: Schedule, batch, targets, loss_fn, train: bool,
+              broadcast: bool = True) -> torch.Tensor:
         m = sched.micro_batches
         if self.is_first and batch is None or self.is_last and targets is None:
             raise ValueError("the first stage needs the batch and the last stage the targets")
@@ -193,7 +197,7 @@ class PipelineParallel(nn.Module):
         loss = run.execute()  # (1,) float64 on the device; 0 off the last stage
         if train and self.grad_sync is not None:
             self.grad_sync.finish_grad_sync()
-        if self.pp > 1:
+        if self.pp > 1 and broadcast:
             dist.broadcast(loss, src=self.pp_ranks[-1], group=self.dims.pp_group)
         return loss[0]
 
