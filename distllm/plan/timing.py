@@ -284,19 +284,22 @@ class TimeModel:
             tail_cpu = tail + (crowd - 1.0) * t_opt
             opt_cpu = per_stage * lay.pp * sharing * t_opt
             coll = rank_collective_cpu(self, lay)
-            lock = per_stage * sum(c[0] for c in coll)
-            bg = per_stage * sum(c[1] for c in coll)
+            lock, bg = (per_stage * sum(c[i] for c in coll) for i in (0, 1))
             # the lockstep (TP) collectives' link times were measured with every rank in
             # them at once, their CPU included; the background ones (DP reduction, ZeRO
             # gathers, pipeline messages) take their CPU from the compute they overlap
-            cpu_link = bg
-            on_cores = self._link("tp", lay).uses_cpu and lay.tp > 1
-            cpu_wire = (p.cores * wire if on_cores else 0.0) if lock + bg == 0.0 else lock + bg
-            step = max(step, (work + cpu_link) / p.cores + wire + tail_cpu + sync
+            step = max(step, (work + bg) / p.cores + wire + tail_cpu + sync
                        + p.step_overhead_s)
-            # CPU seconds of all the host's ranks per step: what a loaded machine cannot
-            # stretch
-            cpu_busy = work + cpu_wire + opt_cpu
+            # CPU seconds of all the host's ranks per step (what a loaded machine cannot
+            # stretch): gloo's measured CPU, or for a profile without it the cores that a
+            # lockstep TP collective on loopback holds for its time
+            if lock + bg:
+                link_cpu = lock + bg
+            elif self._link("tp", lay).uses_cpu and lay.tp > 1:
+                link_cpu = p.cores * wire
+            else:
+                link_cpu = 0.0
+            cpu_busy = work + link_cpu + opt_cpu
         blocks = max(r[0] for r in self.ranks(lay.pp, lay.virtual_stages))
         chunks = m * (lay.virtual_stages if lay.pp > 1 else 1)
         parts = dict(

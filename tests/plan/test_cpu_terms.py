@@ -223,3 +223,21 @@ def test_calibration_measures_the_links_cpu():
     assert why == ""
     assert link.cpu_latency > 0 and link.cpu_per_byte > 0
     assert "CPU seconds per rank" in link.source  # the measured points, for the record
+
+
+def test_calibration_fits_the_ranks_cpu_not_the_wall_time(monkeypatch):
+    """The CPU terms are the ring fit of the ranks' CPU seconds (median over ranks), the
+    wall terms that of the slowest rank's time: fed known points, each fit comes out."""
+    from distllm.plan import calibrate as cal
+
+    sizes = (4 << 10, 1 << 20, 8 << 20)
+    wall = {s: 1e-3 + s * 2e-9 for s in sizes}
+    cpu = {s: 3e-4 + s * 5e-10 for s in sizes}
+    per_rank = [{s: (wall[s] * f, cpu[s] * g) for s in sizes}
+                for f, g in ((1.0, 0.5), (0.9, 1.0), (0.8, 2.0), (0.7, 1.0))]
+    monkeypatch.setattr("distllm.testing.run_distributed", lambda *a, **k: per_rank)
+    link, _ = cal.measure_link(None, nranks=4, sizes=sizes)
+    a, b = cal.fit_alpha_beta(wall, 4)
+    ca, cb = cal.fit_alpha_beta(cpu, 4)
+    assert (link.latency, 1 / link.bandwidth) == pytest.approx((a, b), rel=1e-9)
+    assert (link.cpu_latency, link.cpu_per_byte) == pytest.approx((ca, cb), rel=1e-9)

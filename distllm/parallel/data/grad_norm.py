@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["clip_grad_norm_", "clip_grad_norm_and_sum_", "global_norm", "local_norm",
-           "is_tp_sharded", "all_finite"]
+__all__ = ["clip_grad_norm_", "clip_grad_norm_and_sum_", "norm_and_sums", "global_norm",
+           "local_norm", "is_tp_sharded", "all_finite"]
 
 
 def is_tp_sharded(p: Tensor) -> bool:
@@ -100,6 +100,17 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, *, dims,
     return norm
 
 
+def norm_and_sums(sq: Tensor, extras: Iterable[Tensor], group) -> tuple[Tensor, Tensor]:
+    """One all-reduce (sum) over ``group`` of this rank's share of the squared 2-norm ``sq``
+    and of ``extras`` (this rank's values, as float64): the global norm and the summed
+    extras as one float64 vector, on ``sq``'s device (no host sync)."""
+    vec = torch.cat([sq.reshape(1).to(torch.float64),
+                     *(e.to(device=sq.device, dtype=torch.float64).reshape(-1) for e in extras)])
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(vec, group=group)
+    return vec[0].sqrt(), vec[1:]
+
+
 def clip_grad_norm_and_sum_(parameters: Iterable[Tensor], max_norm: float, *, dims,
                             extra: Tensor) -> tuple[Tensor, Tensor]:
     """:func:`clip_grad_norm_` (2-norm) whose one all-reduce, over the world group, also sums
@@ -111,12 +122,9 @@ def clip_grad_norm_and_sum_(parameters: Iterable[Tensor], max_norm: float, *, di
     sq = local_norm(((p.grad, is_tp_sharded(p)) for p in params), dims=dims)
     if dims.dp_rank != 0:
         sq = torch.zeros_like(sq)
-    buf = torch.cat([sq.reshape(1).to(extra.device), extra.reshape(-1)])
-    if dims.world_size > 1:
-        dist.all_reduce(buf, group=dims.world_group)
-    norm = buf[0].sqrt()
+    norm, summed = norm_and_sums(sq, [extra], dims.world_group)
     clip_by(norm, max_norm, [p.grad for p in params])
-    return norm, buf[1:]
+    return norm, summed
 
 
 def clip_by(norm: Tensor, max_norm: float, grads: Iterable[Tensor]) -> None:

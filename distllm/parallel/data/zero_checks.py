@@ -21,6 +21,7 @@ from distllm.parallel.data.grad_norm import (
     global_norm,
     is_tp_sharded,
     local_norm,
+    norm_and_sums,
 )
 
 __all__ = ["ZeroGradChecks"]
@@ -68,15 +69,12 @@ class ZeroGradChecks:
                 dist.all_reduce(extra, group=world)
             return norm, flag, extra
         self._prepare_grads()
-        parts = [local_norm(self._tp_pieces(), dims=self.dims).reshape(1),
-                 self._local_inf().to(torch.float64).reshape(1)]
-        if extra is not None:
-            parts.append(extra.to(torch.float64).reshape(-1))
-        vec = torch.cat(parts)  # (2 + extra,): squares, inf/NaN flags (summed: any), extra
-        dist.all_reduce(vec, group=world)
-        norm = vec[0].sqrt()
+        # the squares, the inf/NaN flags (summed: any rank's) and extra, in one all-reduce
+        norm, sums = norm_and_sums(local_norm(self._tp_pieces(), dims=self.dims),
+                                   [self._local_inf()] + ([extra] if extra is not None else []),
+                                   world)
         clip_by(norm, max_norm, (m.grad for m in self.masters))
-        return norm, (vec[1] > 0).to(torch.float32), vec[2:] if extra is not None else None
+        return norm, (sums[0] > 0).to(torch.float32), sums[1:] if extra is not None else None
 
     @torch.no_grad()
     def found_inf(self) -> Tensor:

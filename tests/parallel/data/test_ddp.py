@@ -142,6 +142,24 @@ def _tp_clip() -> dict:
             norm = z.clip_grad_norm_(0.5)
             clipped = z.clip_grad_norm_(1e9).item()
         out[kind] = (norm.item(), want, clipped)
+    # the step's one all-reduce: the norm's squares with other values summed over the world
+    # (DDP replicas hold the same gradients; ZeRO adds its inf/NaN flags)
+    extra = torch.tensor([dist.get_rank() + 1.0, 0.5], dtype=torch.float64)
+    for kind in ("ddp_sum", "zero2_check"):
+        m = TPToy()
+        if kind == "ddp_sum":
+            d = DistributedDataParallel(m, dims=dims)
+            m(rows, gb).backward()
+            norm, summed = d.clip_grad_norm_and_sum_(0.5, extra)
+            clipped = clip_grad_norm_(m.parameters(), 1e9, dims=dims).item()
+        else:
+            z = ZeroOptimizer(m, torch.optim.SGD, stage=2, dims=dims, lr=0.1)
+            m(rows, gb).backward()
+            norm, flag, summed = z.clip_and_check(0.5, extra)
+            clipped = z.clip_grad_norm_(1e9).item()
+            summed = torch.cat([summed, flag.reshape(1).to(summed.dtype)])
+        out[kind] = (norm.item(), want, clipped)
+        out[kind + "_summed"] = summed.tolist()
     return out
 
 
@@ -215,12 +233,21 @@ def test_reduction_overlaps_backward(spawned, world):
         assert u["before_end"] >= 1 and u["in_backward"] >= 2, u
 
 
-@pytest.mark.parametrize("kind", ["ddp", "zero0", "zero2", "zero3"])
+@pytest.mark.parametrize("kind", ["ddp", "zero0", "zero2", "zero3", "ddp_sum", "zero2_check"])
 def test_clip_across_tp(spawned, kind):
     for r in spawned(ddp_scenarios, 4):
         norm, want, clipped = r["tp_clip"][kind]
         assert abs(norm - want) < TOL, f"{kind}: global norm {norm} != {want}"
         assert abs(clipped - 0.5) < 1e-6, f"{kind}: clipped norm {clipped}"
+
+
+def test_norm_and_step_values_in_one_all_reduce(spawned):
+    """The values reduced with the norm are summed over all 4 ranks (1+2+3+4, 4 x 0.5), and
+    ZeRO's inf/NaN flag is clear."""
+    for r in spawned(ddp_scenarios, 4):
+        c = r["tp_clip"]
+        assert c["ddp_sum_summed"] == [10.0, 2.0], c["ddp_sum_summed"]
+        assert c["zero2_check_summed"] == [10.0, 2.0, 0.0], c["zero2_check_summed"]
 
 
 def test_dp1_ddp_leaves_gradients_alone(spawned):
