@@ -4,8 +4,9 @@ distllm's step (``Engine.forward_backward`` then ``Engine.update``: one host rea
 and its torch peers on a dense GPT of the same shape built from torch blocks: DTensor
 ``parallelize_module`` for ``tp2``, ``DistributedDataParallel`` and FSDP2 ``fully_shard``
 for ``dp2.zero2``, ``torch.distributed.pipelining`` 1F1B for ``pp2.1f1b``; each with
-global-norm clipping and AdamW. :func:`builders` gives one layout's variants, unbuilt;
-:mod:`distllm.bench.train_e2e` times and reports them.
+global-norm clipping and torch's fused AdamW (``fused=True``, as distllm's engine runs it),
+so that the optimizer costs the same on both sides. :func:`builders` gives one layout's
+variants, unbuilt; :mod:`distllm.bench.train_e2e` times and reports them.
 """
 
 from __future__ import annotations
@@ -68,7 +69,14 @@ def _ce(logits, y):
 
 
 def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-4, foreach=False)
+    """torch's fused AdamW; DTensor and plain parameters in separate groups (one fused call
+    takes one kind)."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(params)
+    kinds = [[p for p in params if isinstance(p, DTensor)],
+             [p for p in params if not isinstance(p, DTensor)]]
+    return torch.optim.AdamW([{"params": ps} for ps in kinds if ps], lr=1e-4, fused=True)
 
 
 # --- variants: each returns a step function ----------------------------------------------

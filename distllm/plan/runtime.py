@@ -63,8 +63,8 @@ RUNTIMES: dict[str, Runtime] = {
         tp_overlap=True,
         dp_overlap=True,
         grad_bytes_mixed=4,
-        optimizer_bytes=100.0,
-        optimizer_temp_bytes=4.0,
+        optimizer_bytes=50.0,
+        optimizer_temp_bytes=0.0,
         p2p_scatter_gather=False,
         p2p_async=True,
         keeps_stage_output=True,
@@ -81,11 +81,10 @@ RUNTIMES: dict[str, Runtime] = {
             "dp_overlap": "distllm.parallel.data: buckets reduced as backward fills them",
             "grad_bytes_mixed": "ZeroOptimizer: fp32 gradient buckets under bf16 "
             "(reduce_dtype = master dtype)",
-            "optimizer_bytes": "torch.optim.AdamW(foreach=True) on fp32 masters: lerp (12), "
-            "mul (8), addcmul (12), decay mul (8), sqrt (8), div (8), add (8), addcdiv (16); "
-            "clipping norm and scale (12); bf16 copy of the masters (6); zeroing (4)",
-            "optimizer_temp_bytes": "AdamW(foreach=True): _foreach_sqrt of the second moments "
-            "makes one fp32 temporary per parameter",
+            "optimizer_bytes": "torch.optim.AdamW(fused=True) on fp32 masters, one pass: "
+            "reads master, gradient and both moments (16), writes master and both moments "
+            "(12); clipping norm and scale (12); bf16 copy of the masters (6); zeroing (4)",
+            "optimizer_temp_bytes": "AdamW(fused=True) updates in place: no temporary",
             "p2p_async": "distllm.parallel.pipeline.pp_comm: batched isend/irecv, waited "
             "for only by the compute that consumes them",
             "keeps_stage_output": "distllm.parallel.pipeline.executor holds each micro-batch's "
