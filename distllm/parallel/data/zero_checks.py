@@ -32,7 +32,13 @@ class ZeroGradChecks:
 
     # --- clipping -------------------------------------------------------------------------
     def _tp_pieces(self) -> Iterator[tuple[Tensor, bool]]:
-        """``(grad slice, tp_sharded)`` for every run of this rank's shards."""
+        """``(grad slice, tp_sharded)`` for every run of this rank's shards; without TP every
+        element counts, so each shard is one piece (its padding holds zeros)."""
+        if getattr(self.dims, "tp", 1) == 1:
+            for m in self.masters:
+                if m.grad is not None:
+                    yield m.grad, True
+            return
         for i, m in enumerate(self.masters):
             b = self.reducer.buckets[i]
             lo, hi = self.shard_range(b.numel)
