@@ -43,10 +43,10 @@ def local_norm(pieces: Iterable[tuple[Tensor, bool]], *, dims,
     (``inf``), a float64 scalar on their device (the mesh's device when this rank holds
     none). A replicated piece counts on TP rank 0 only. Nothing is communicated.
 
-    2-norm: one ``torch._foreach_norm`` per dtype and device (each piece's norm in the
-    gradient's precision, float32 for half types: a float64 reduction of float32 input runs
-    30-60x slower on CPU), then the squares summed in float64; a handful of operators
-    whatever the number of pieces (it was four per piece)."""
+    One ``torch._foreach_norm`` per dtype and device, whatever the number of pieces: each
+    piece's norm in the gradient's precision (float32 for half types: a float64 reduction
+    of float32 input runs 30-60x slower on CPU), squared and summed in float64. NaN and inf
+    propagate into the result."""
     norm_type = _check_norm_type(norm_type)
     count_replicated = dims is None or dims.tp_rank == 0
     groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
@@ -54,21 +54,17 @@ def local_norm(pieces: Iterable[tuple[Tensor, bool]], *, dims,
         if g.numel() == 0 or not (tp_sharded or count_replicated):
             continue
         groups.setdefault((g.dtype, g.device), []).append(g.detach())
-    parts: list[Tensor] = []
-    for (dtype, _), gs in groups.items():
-        if norm_type == 2.0:
-            red = torch.float64 if dtype == torch.float64 else torch.float32
-            norms = torch.stack(torch._foreach_norm(gs, 2.0, dtype=red))
-            parts.append(norms.to(torch.float64).square().sum())
-        else:
-            parts += [g.abs().max().to(torch.float64) for g in gs]
-    if not parts:  # nothing here; the collective still needs this rank's zero
+    if not groups:  # nothing here; the collective still needs this rank's zero, on the
+        # mesh's device (without a mesh nothing is reduced: one process, on the CPU)
         return torch.zeros((), dtype=torch.float64,
-                           device=dims.device if dims is not None else None)
-    if len(parts) == 1:
-        return parts[0]
-    stacked = torch.stack([t.to(parts[0].device) for t in parts])
-    return stacked.sum() if norm_type == 2.0 else stacked.max()
+                           device=dims.device if dims is not None else "cpu")
+    parts, dev = [], next(iter(groups))[1]
+    for (dtype, _), gs in groups.items():
+        red = torch.float64 if dtype == torch.float64 else torch.float32
+        norms = torch.stack(torch._foreach_norm(gs, norm_type, dtype=red)).to(torch.float64)
+        parts.append((norms.square().sum() if norm_type == 2.0 else norms.max()).to(dev))
+    total = torch.stack(parts)
+    return total.sum() if norm_type == 2.0 else total.max()
 
 
 def global_norm(pieces: Iterable[tuple[Tensor, bool]], *, dims, norm_type: float = 2.0,

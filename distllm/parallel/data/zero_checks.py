@@ -34,7 +34,7 @@ class ZeroGradChecks:
     def _tp_pieces(self) -> Iterator[tuple[Tensor, bool]]:
         """``(grad slice, tp_sharded)`` for every run of this rank's shards; without TP every
         element counts, so each shard is one piece (its padding holds zeros)."""
-        if getattr(self.dims, "tp", 1) == 1:
+        if self.dims.tp == 1:
             for m in self.masters:
                 if m.grad is not None:
                     yield m.grad, True

@@ -1,0 +1,50 @@
+"""``local_norm``: this rank's share of the global gradient norm, against the norm of the
+pieces it must count, for both norm types and mixed dtypes; replicated pieces count on TP
+rank 0 only; inf/NaN reach the result."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from distllm.parallel.data.grad_norm import local_norm
+
+
+def _pieces():
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(7, 5, generator=g, dtype=torch.float64), True),
+            (torch.randn(3, generator=g, dtype=torch.float64), False),
+            (torch.randn(4, 2, generator=g).to(torch.bfloat16), True),
+            (torch.randn(6, generator=g), False),
+            (torch.zeros(0), True)]
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_local_norm_counts_what_this_tp_rank_owns(tp_rank, norm_type):
+    dims = types.SimpleNamespace(tp_rank=tp_rank, device=torch.device("cpu"))
+    pieces = _pieces()
+    mine = torch.cat([t.double().reshape(-1) for t, sharded in pieces
+                      if sharded or tp_rank == 0])
+    want = mine.square().sum() if norm_type == 2.0 else mine.abs().max()
+    got = local_norm(pieces, dims=dims, norm_type=norm_type)
+    assert got.dtype == torch.float64 and got.dim() == 0
+    # the float32 pieces are reduced in float32: within its rounding of the total
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_local_norm_propagates_non_finite(norm_type, bad):
+    pieces = _pieces()
+    pieces[3][0][2] = bad
+    got = local_norm(pieces, dims=None, norm_type=norm_type)
+    assert not torch.isfinite(got)
+
+
+def test_local_norm_of_nothing_is_a_zero_on_the_mesh_device():
+    dims = types.SimpleNamespace(tp_rank=1, device=torch.device("cpu"))
+    got = local_norm([(torch.ones(3), False)], dims=dims)  # replicated: not counted here
+    assert got.item() == 0.0 and got.dtype == torch.float64
