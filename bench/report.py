@@ -11,8 +11,10 @@ sets it, else guessed from its name (:func:`role_of`):
 - ``part``: a component timed alone (``*_only``, ``*_alone``, ``gemm``, ``allreduce``);
 - ``fused``: everything else (the distllm paths: ``fused``, ``overlap``, ``chunked``, ``auto``).
 
-Speed-ups are ratios of medians measured in the same run (``unfused.ms / variant.ms``).
-A win counts only when the p10..p90 bands do not overlap.
+Speed-ups are ratios of medians measured in the same run (``unfused.ms / variant.ms``),
+with a band (:func:`speedup_band`): the 10th-90th percentiles of the ratios of the
+repetitions that ran in the same round (the runner interleaves the variants). A win counts
+only when the whole band is above 1: faster in at least nine rounds of ten.
 
 A ``hidden_frac`` above its ceiling (``extra.hidden_ceiling``, else 1: nothing hides more
 than all of what could hide) is impossible, so the measurement is wrong: :func:`annotate`
@@ -32,9 +34,12 @@ from typing import Any
 
 from distllm.bench.rows import fmt
 
+from distllm.diagnostics.timing import quantile
+
 __all__ = ["role_of", "annotate", "verdict", "suite_table", "write_report", "by_case",
            "speedup_band", "not_measured", "summary_table", "above_ceiling"]
 
+PAIRED_MIN = 5  # repetitions of each variant for a paired band (else the two p10..p90 bands)
 CEILING_MARK = "⚠"
 CEILING_NOTE = (f"{CEILING_MARK}: hidden above its ceiling (100% of what could hide), which "
                 "no overlap can do: the measurement of that row is wrong, not the overlap.")
@@ -88,10 +93,30 @@ def _band(r: dict) -> tuple[float, float]:
     return (r.get("ms_p10") or r["ms"], r.get("ms_p90") or r["ms"])
 
 
+def _samples(r: dict) -> list[float] | None:
+    extra = r.get("extra") if isinstance(r.get("extra"), dict) else {}
+    s = extra.get("samples_ms")
+    if isinstance(s, list) and s and all(isinstance(x, int | float) and x > 0 for x in s):
+        return s
+    return None
+
+
 def speedup_band(base: dict, r: dict) -> tuple[float, float, float]:
-    """(low, median, high) of ``base.ms / r.ms`` from the two p10..p90 bands."""
+    """``(low, mid, high)`` of ``base`` over ``r``: ``mid`` is the ratio of the medians.
+
+    Paired (both rows carry ``extra.samples_ms`` of the same run length, at least
+    :data:`PAIRED_MIN`): the 10th and 90th percentiles of the per-repetition ratios
+    ``base_i / r_i``. The runner interleaves the variants, so repetition ``i`` of each ran
+    in the same round and a drift of the machine moves both; ``low > 1`` says ``r`` was
+    faster in nine rounds of ten. Otherwise the widest ratio of the two p10..p90 bands,
+    ``base.p10 / r.p90 .. base.p90 / r.p10`` (rows of different runs)."""
+    mid = base["ms"] / r["ms"]
+    a, b = _samples(base), _samples(r)
+    if a is not None and b is not None and len(a) == len(b) >= PAIRED_MIN:
+        ratios = [x / y for x, y in zip(a, b, strict=True)]
+        return min(quantile(ratios, 0.1), mid), mid, max(quantile(ratios, 0.9), mid)
     (b10, b90), (r10, r90) = _band(base), _band(r)
-    return b10 / r90, base["ms"] / r["ms"], b90 / r10
+    return b10 / r90, mid, b90 / r10
 
 
 def above_ceiling(r: dict) -> bool | None:
@@ -283,8 +308,9 @@ def _header(machine: dict[str, Any], meta: dict[str, Any]) -> list[str]:
     if meta.get("loadavg") is not None:
         out.append(f"- load average at start / end: {meta['loadavg']} (other processes on "
                    "the machine disturb absolute times; ratios within a run stay comparable)")
-    out += ["- speed-ups are ratios of medians from the same run; 'wins' means the p10..p90 "
-            "bands do not overlap", ""]
+    out += ["- speed-ups are ratios of medians from the same run; their band is the 10th-90th "
+            "percentile of the ratios of repetitions run in the same round (variants "
+            "interleaved); 'wins' means the whole band is above 1", ""]
     return out
 
 

@@ -1,10 +1,11 @@
 """Result rows of ``distllm bench``: one dict per (suite, case, variant), written as JSON and
 CSV with the machine they were measured on, and shown as markdown tables.
 
-A row's fixed fields are :data:`ROW_FIELDS`; anything else a suite records goes to
-``row["extra"]`` (a dict), e.g. a ``timeline`` of one step (lanes ``compute`` / ``comm``,
-drawn by :mod:`distllm.bench.plots`) or the variant's ``role`` in the report (see
-:mod:`distllm.bench.report`). A variant that cannot run here is a row with
+A row's fixed fields are :data:`ROW_FIELDS`; anything else goes to ``row["extra"]`` (a
+dict): ``samples_ms``, every repetition in the order it ran (the paired speed-up bands of
+:mod:`distllm.bench.report`), and what a suite records, e.g. a ``timeline`` of one step
+(lanes ``compute`` / ``comm``, drawn by :mod:`distllm.bench.plots`) or the variant's
+``role`` in the report. A variant that cannot run here is a row with
 ``status="unavailable"`` and its ``reason``: reported, never dropped.
 """
 
@@ -64,6 +65,9 @@ def row(
     r.update(suite=suite, case=case, variant=variant, status=status, reason=reason)
     if st is not None:
         r.update(ms=st.median_ms, ms_p10=st.p10_ms, ms_p90=st.p90_ms, reps=st.n)
+        # every repetition in the order it ran: the report pairs repetition i of two
+        # variants (interleaved, so they ran in the same round) for the band of their ratio
+        kw.setdefault("samples_ms", [round(x, 4) for x in st.samples_ms])
         if flops:
             r["tflops"] = flops / (st.median_ms * 1e-3) / 1e12
         if nbytes:

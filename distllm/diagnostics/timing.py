@@ -40,6 +40,7 @@ __all__ = [
     "Timer",
     "Stats",
     "stats_of",
+    "quantile",
     "wall_timer",
     "cuda_event_timer",
     "process_time_timer",
@@ -71,7 +72,8 @@ class Stats:
         return (self.p90_ms - self.p10_ms) / (2 * self.median_ms) if self.median_ms else 0.0
 
 
-def _quantile(xs: Sequence[float], q: float) -> float:
+def quantile(xs: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (linear interpolation between order statistics)."""
     s = sorted(xs)
     if len(s) == 1:
         return s[0]
@@ -85,8 +87,8 @@ def stats_of(samples_ms: Sequence[float]) -> Stats:
     """The summary of one variant's samples (at least one)."""
     if not samples_ms:
         raise ValueError("stats_of: no samples (reps must be >= 1)")
-    return Stats(statistics.median(samples_ms), _quantile(samples_ms, 0.1),
-                 _quantile(samples_ms, 0.9), min(samples_ms), len(samples_ms), list(samples_ms))
+    return Stats(statistics.median(samples_ms), quantile(samples_ms, 0.1),
+                 quantile(samples_ms, 0.9), min(samples_ms), len(samples_ms), list(samples_ms))
 
 
 def wall_timer(sync: Callable[[], None] | None = None) -> Timer:

@@ -162,6 +162,33 @@ def test_roles_and_verdicts():
     assert report.verdict(gone) == "not measured here: needs CUDA"
 
 
+def _drifting(variant, scale, drift, role=None):
+    """A row whose repetition i took ``scale * drift[i]`` ms (the machine's drift)."""
+    st = stats_of([scale * d for d in drift])
+    return row("s", "c", variant, st, **({"role": role} if role else {}))
+
+
+def test_speedup_band_pairs_the_repetitions_of_one_round():
+    """Interleaved variants share each round's drift: the band of the per-round ratios sees
+    a steady 10% gain that the two p10..p90 bands (each as wide as the drift) hide; rows of
+    unequal length (a dropped variant, two runs) fall back to the unpaired band."""
+    drift = [1.0, 1.3, 0.9, 1.2, 0.8, 1.1, 1.25, 0.95]
+    base, fused = _drifting("unfused", 11.0, drift), _drifting("fused", 10.0, drift)
+    assert base["extra"]["samples_ms"] == pytest.approx([11.0 * d for d in drift])  # as run
+    lo, mid, hi = report.speedup_band(base, fused)
+    assert (lo, mid, hi) == pytest.approx((1.1, 1.1, 1.1))
+    assert report.verdict(report.annotate([base, fused])).startswith("fused wins by 1.10x")
+    # the same medians with the drift reversed in one of them: rounds disagree, no win
+    anti = _drifting("fused", 10.0, drift[::-1])
+    lo, mid, hi = report.speedup_band(base, anti)
+    assert mid == pytest.approx(1.1) and lo < 0.9 and hi > 1.3, (lo, hi)
+    assert "within the spread" in report.verdict(report.annotate([base, anti]))
+    short = _drifting("fused", 10.0, drift[:-1])  # unpaired: p10/p90 of each
+    b, f = base, short
+    assert report.speedup_band(b, f) == pytest.approx(
+        (b["ms_p10"] / f["ms_p90"], b["ms"] / f["ms"], b["ms_p90"] / f["ms_p10"]))
+
+
 def test_hidden_above_its_ceiling_is_flagged(tmp_path):
     """Synthetic rows: a hidden share above its ceiling (1 unless the row says otherwise) is
     flagged in the rows (results.json) and marked in both REPORT.md tables."""
