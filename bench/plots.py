@@ -2,7 +2,8 @@
 
 - ``<suite>_speedup.png``: per suite, bars of the speed-up of each fused and peer variant
   over the unfused one, grouped by case (cases are unrelated shapes or layouts: no line
-  joins them), with the p10..p90 band as error bars; a suite with no unfused variant but
+  joins them), with the band of :func:`~distllm.bench.report.speedup_band` (paired
+  repetitions) as error bars; a suite with no unfused variant but
   peers (``train_e2e``: distllm against torch's own building blocks) shows the fused
   variants' speed-up over each case's fastest peer; one with neither, time (ms) per case.
 - ``<suite>_timeline.png``: for the overlap suites, one step drawn as bars on lanes, so that a
