@@ -17,7 +17,9 @@ suite ``ddp``:
 
 suite ``zero``: ``zero1``, ``zero2``, ``zero3`` (prefetch on), ``zero3_noprefetch``,
 ``fsdp2`` (``torch.distributed.fsdp.fully_shard`` per block, where it runs on CPU), each
-against ``distllm_ddp`` in the same interleaved run.
+against ``distllm_ddp`` in the same interleaved run. ``zero1`` and ``zero2`` leave the
+all-gather of the updated parameters to the next forward, so each of their timed calls is
+the middle step of three (:class:`distllm.bench.harness.LoopStep`), as in a training loop.
 
 ``hidden_frac = (fwd + bwd + comm + opt - variant) / min(bwd, comm)`` from the parts alone:
 the share of what could hide (the reduction under backward) that the variant hid; its
@@ -39,9 +41,11 @@ Run: ``distllm bench --suite ddp,zero --net 10gbit``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
-from distllm.bench.harness import BenchConfig, Case, Result, Setup
+from distllm.bench.harness import BenchConfig, Case, LoopStep, Result, Setup
 from distllm.bench.rows import row
 from torch import nn
 
@@ -168,7 +172,8 @@ def _zero(stage, prefetch=True):
             m(x).pow(2).mean().backward()
             z.step()
 
-        return step, z.memory_report
+        # stages 1-2 leave the parameter all-gathers to the next forward: timed in a loop
+        return (LoopStep(step, z.wait_params) if stage in (1, 2) else step), z.memory_report
 
     return build
 
@@ -261,6 +266,14 @@ def cases(cfg: BenchConfig) -> list[Case]:
                  suite=SUITE_ZERO if p == "zero" else SUITE_DDP) for p in phases]
 
 
+def _one_step(v: Callable[[], object]) -> Callable[[], object]:
+    """One step of a variant (a :class:`LoopStep` runs three), for its profiled timeline;
+    what it leaves in flight is waited for with it."""
+    if isinstance(v, LoopStep):
+        return lambda: (v.step(), v.drain())
+    return v
+
+
 def setup(cfg: BenchConfig, case: Case) -> Setup:
     """Every variant of the phase on this rank (one that cannot be built here is listed
     with its error); afterwards each one's memory and one profiled step."""
@@ -284,7 +297,7 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
 
     def finish(stats: dict[str, Stats]) -> dict:
         mem = {n: f().as_dict() for n, f in mems.items()}
-        timelines = {n: profile_timeline(variants[n], warmup=0, before=dist.barrier)
+        timelines = {n: profile_timeline(_one_step(variants[n]), warmup=0, before=dist.barrier)
                      for n in TIMELINES if n in variants}
         return {"mem": mem, "timelines": timelines,
                 "psi": sum(p.numel() for p in _model(shape).parameters())}

@@ -21,7 +21,11 @@ preset's blocks and hidden size at its size class's batch, sequence and micro-ba
 distllm's step is ``Engine.forward_backward`` then ``Engine.update`` (one host read per
 step: loss, norm and inf/NaN flag together). Each layout's variants are interleaved in one
 run (timer: the slowest rank's step), on loopback and, with ``cfg.net``, on the emulated
-network (:mod:`distllm.testing.netem`). ``vs_torch`` is the torch variant's best median over
+network (:mod:`distllm.testing.netem`). A step that leaves work in flight for the next one
+(ZeRO-2's parameter all-gathers, which the next forward waits for layer by layer) is timed as
+the middle of three (:class:`distllm.bench.harness.LoopStep`): as in a training loop, it
+waits for the previous step's gathers and its own overlap the step after, instead of a
+barrier absorbing them untimed. ``vs_torch`` is the torch variant's best median over
 distllm's (>= 1.0: distllm is faster).
 
 After the timing, one step of each variant is profiled on every rank
@@ -45,7 +49,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from distllm.bench.harness import BenchConfig, Case, Result, Setup, shapes
+from distllm.bench.harness import BenchConfig, Case, LoopStep, Result, Setup, shapes
 from distllm.bench.rows import row
 from distllm.bench.step_breakdown import breakdown, compare_breakdowns
 from distllm.bench.train_e2e_variants import builders, distllm_single, drain
@@ -154,9 +158,12 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
         except Exception as e:  # noqa: BLE001 - a variant that cannot run here is a row
             missing[vname] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
+    steps = dict(variants)  # a step that leaves work in flight is timed within a loop
+    variants = {n: LoopStep(f, drain(f)) if drain(f) is not None else f
+                for n, f in steps.items()}
+
     def finish(stats: dict[str, Stats]) -> dict:
-        prof = {n: breakdown(f, before=dist.barrier, drain=drain(f))
-                for n, f in variants.items()}
+        prof = {n: breakdown(f, before=dist.barrier, drain=drain(f)) for n, f in steps.items()}
         dist.barrier()
         return {"tokens": shape[2] * shape[3], "model": name, "breakdown": prof}
 

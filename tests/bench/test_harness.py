@@ -66,3 +66,36 @@ def test_close_runs_when_a_variant_raises():
     with pytest.raises(RuntimeError, match="variant failed"):
         harness.measure(s, distributed=False)
     assert closed == [True]
+
+
+class _Pipelined:
+    """A step that leaves 5 ms of work in flight, which the next step waits for first (as a
+    ZeRO-2 forward waits for the previous step's parameter all-gathers)."""
+
+    def __init__(self):
+        self.pending, self.calls, self.drains = 0.0, 0, 0
+
+    def step(self):
+        import time
+
+        time.sleep(self.pending + 0.002)  # the previous step's work, then this step's own
+        self.pending, self.calls = 0.005, self.calls + 1
+
+    def drain(self):
+        import time
+
+        time.sleep(self.pending)
+        self.pending, self.drains = 0.0, self.drains + 1
+
+
+def test_loop_step_times_the_middle_step_of_three():
+    """A LoopStep call runs three steps and drains; the timer reads the middle step, which
+    starts with the first step's work in flight (7 ms here): neither the 2 ms of a step
+    alone nor the 21 ms of the whole call; the next call starts with nothing in flight."""
+    p = _Pipelined()
+    loop = harness.LoopStep(p.step, p.drain)
+    stats, _ = harness.measure(Setup({"zero": loop}, warmup=1, reps=3), distributed=False)
+    assert (p.calls, p.drains, p.pending) == (12, 4, 0.0)
+    assert 7.0 <= stats["zero"].median_ms < 16.0, stats["zero"]
+    plain = harness.loop_aware(lambda fn: 99.0)
+    assert plain(lambda: None) == 99.0 and plain(loop) == pytest.approx(loop.ms)
