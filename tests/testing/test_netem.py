@@ -144,8 +144,11 @@ def test_removed_after_exception_and_stale_cleanup():
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
 
 
+# the child handles SIGINT as an interactive Python does, even when the test run itself
+# was started in the background (a background job inherits SIGINT ignored)
 _CHILD = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from distllm.testing.netem import EmulatedNetwork
 with EmulatedNetwork(nranks=2, rate="1gbit") as net:
     assert net.available, net.reason
