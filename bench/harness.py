@@ -129,17 +129,24 @@ class LoopStep:
     in full, as if no forward ran beside them. So a call runs three steps and times the
     middle one, which starts with the first step's work in flight and leaves its own to the
     third, as a step of a loop does; then ``drain`` waits for what is left, so the next call
-    starts clean. The harness's timer reads :attr:`ms` (:func:`loop_aware`).
+    starts clean. The harness's timer reads :attr:`ms` (:func:`loop_aware`). The middle step
+    is timed on the host clock; ``sync`` (e.g. ``torch.cuda.synchronize`` for a step that
+    queues device work) runs at both ends of it, inside the timed region at the end.
     """
 
-    def __init__(self, step: Callable[[], object], drain: Callable[[], object]) -> None:
-        self.step, self.drain = step, drain
+    def __init__(self, step: Callable[[], object], drain: Callable[[], object],
+                 sync: Callable[[], object] | None = None) -> None:
+        self.step, self.drain, self.sync = step, drain, sync
         self.ms: float | None = None
 
     def __call__(self) -> None:
         self.step()
+        if self.sync is not None:
+            self.sync()
         t0 = time.perf_counter()
         self.step()
+        if self.sync is not None:
+            self.sync()
         self.ms = (time.perf_counter() - t0) * 1e3
         self.step()
         self.drain()

@@ -99,3 +99,9 @@ def test_loop_step_times_the_middle_step_of_three():
     assert 7.0 <= stats["zero"].median_ms < 16.0, stats["zero"]
     plain = harness.loop_aware(lambda fn: 99.0)
     assert plain(lambda: None) == 99.0 and plain(loop) == pytest.approx(loop.ms)
+    # a step that queues device work: the sync closes the timed region (here 3 ms late)
+    import time
+
+    synced = harness.LoopStep(p.step, p.drain, sync=lambda: time.sleep(0.003))
+    synced()
+    assert 10.0 <= synced.ms < 19.0, synced.ms
