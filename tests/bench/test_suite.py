@@ -162,10 +162,9 @@ def test_roles_and_verdicts():
     assert report.verdict(gone) == "not measured here: needs CUDA"
 
 
-def _drifting(variant, scale, drift, role=None):
+def _drifting(variant, scale, drift):
     """A row whose repetition i took ``scale * drift[i]`` ms (the machine's drift)."""
-    st = stats_of([scale * d for d in drift])
-    return row("s", "c", variant, st, **({"role": role} if role else {}))
+    return row("s", "c", variant, stats_of([scale * d for d in drift]))
 
 
 def test_speedup_band_pairs_the_repetitions_of_one_round():
@@ -184,9 +183,9 @@ def test_speedup_band_pairs_the_repetitions_of_one_round():
     assert mid == pytest.approx(1.1) and lo < 0.9 and hi > 1.3, (lo, hi)
     assert "within the spread" in report.verdict(report.annotate([base, anti]))
     short = _drifting("fused", 10.0, drift[:-1])  # unpaired: p10/p90 of each
-    b, f = base, short
-    assert report.speedup_band(b, f) == pytest.approx(
-        (b["ms_p10"] / f["ms_p90"], b["ms"] / f["ms"], b["ms_p90"] / f["ms_p10"]))
+    assert report.speedup_band(base, short) == pytest.approx(
+        (base["ms_p10"] / short["ms_p90"], base["ms"] / short["ms"],
+         base["ms_p90"] / short["ms_p10"]))
 
 
 def test_hidden_above_its_ceiling_is_flagged(tmp_path):
