@@ -159,8 +159,7 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
             missing[vname] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
     steps = dict(variants)  # a step that leaves work in flight is timed within a loop
-    variants = {n: LoopStep(f, drain(f)) if drain(f) is not None else f
-                for n, f in steps.items()}
+    variants = {n: f if (d := drain(f)) is None else LoopStep(f, d) for n, f in steps.items()}
 
     def finish(stats: dict[str, Stats]) -> dict:
         prof = {n: breakdown(f, before=dist.barrier, drain=drain(f)) for n, f in steps.items()}

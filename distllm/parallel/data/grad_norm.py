@@ -56,8 +56,8 @@ def local_norm(pieces: Iterable[tuple[Tensor, bool]], *, dims,
         groups.setdefault((g.dtype, g.device), []).append(g.detach())
     if not groups:  # nothing here; the collective still needs this rank's zero, on the
         # mesh's device (without a mesh nothing is reduced: one process, on the CPU)
-        return torch.zeros((), dtype=torch.float64,
-                           device=dims.device if dims is not None else "cpu")
+        device = dims.device if dims is not None else torch.device("cpu")
+        return torch.zeros((), dtype=torch.float64, device=device)
     parts, dev = [], next(iter(groups))[1]
     for (dtype, _), gs in groups.items():
         red = torch.float64 if dtype == torch.float64 else torch.float32
