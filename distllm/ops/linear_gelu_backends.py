@@ -13,9 +13,16 @@
   so it has no GEMM to fuse it into.)
 - ``triton``: ``distllm.kernels.linear_gelu`` (GPU; on CPU only through TRITON_INTERPRET=1,
   explicitly, never picked by ``auto``).
-- ``cpu``: oneDNN through torch (``mkldnn._linear_pointwise``): with the GeLU post-op when the
-  pre-activation is not needed (inference), else the GEMM with the bias fused, then the GeLU;
-  backward: one ``gelu_backward`` pass, the bias gradient, two GEMMs.
+- ``cpu``: each GEMM through oneDNN (``mkldnn._linear_pointwise``: with the GeLU post-op when
+  the pre-activation is not needed, inference; else with the bias fused, then the GeLU) or
+  through torch's own GEMM (``addmm`` with the bias, the GeLU in place when no pre-activation
+  is kept; ``mm``), whichever measured faster for that GEMM's shape, dtype and thread count
+  (once per process, :mod:`distllm.ops.backend_choice`): neither wins everywhere. On one AMD
+  EPYC core (float32, torch 2.14) torch's GEMM won the input-gradient GEMM at
+  (256, 3072) @ (3072, 768) by 1.8x and oneDNN's GeLU post-op lost by 1.1-1.4x at
+  (256..2048, 768..1024) x (2048..4096), while on the machine of the suite's first
+  ``linear_gelu`` run the post-op was the faster forward. Backward: one ``gelu_backward``
+  pass, the bias gradient, two GEMMs.
 - ``reference``: ``F.gelu(F.linear(...))`` and its plain derivative; runs everywhere.
 """
 
@@ -30,7 +37,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _disable_current_modes
 
 import distllm.ops.bias_gelu  # noqa: F401 - defines torch.ops.distllm.bias_gelu_backward
-from distllm.ops import extensions
+from distllm.ops import backend_choice, extensions
 
 log = logging.getLogger("distllm")
 
@@ -108,7 +115,8 @@ def availability() -> dict[str, str]:
     else:
         out["triton"] = "unavailable: no CUDA device (set TRITON_INTERPRET=1 to run on CPU)"
     out["cpu"] = (
-        "ok: oneDNN linear with GeLU post-op (inference) / fused bias (training)"
+        "ok: per GEMM shape, oneDNN linear (GeLU post-op in inference, fused bias) or torch "
+        "addmm/mm, whichever measured faster here"
         if onednn_linear_ok()
         else "ok: torch addmm + GeLU (oneDNN linear missing)"
     )
@@ -201,18 +209,32 @@ def _after_cuda(x, w, approximate: str, phase: str, exc: Exception) -> str:
     return nxt
 
 
+def _onednn_or_torch(kind: str, a, w, onednn, plain):
+    """The result of ``onednn()`` or of ``plain()`` (torch's GEMM), whichever measured faster
+    for this ``kind`` of GEMM at these shapes on this machine (measured on first use, then
+    cached by :func:`distllm.ops.backend_choice.choose`). oneDNN only where it takes the dtype
+    and the operands are not empty; under fake tensors, torch's (nothing to measure)."""
+    if is_fake(a) or not (_onednn_dtype_ok(a.dtype) and a.numel() > 0 and w.numel() > 0):
+        return plain()
+    key = f"cpu_gemm|{kind}|{a.dtype}|{tuple(a.shape)}x{tuple(w.shape)}"
+    name = backend_choice.lookup(key, a.device) or backend_choice.choose(
+        key, a.device, {"onednn": onednn, "torch": plain})
+    return onednn() if name == "onednn" else plain()
+
+
 def _cpu_fwd(x, w, b, approximate, save_pre):
-    if _onednn_dtype_ok(x.dtype) and x.numel() > 0 and w.numel() > 0:  # oneDNN rejects empties
-        lp = torch.ops.mkldnn._linear_pointwise
-        x, w = x.contiguous(), w.contiguous()
-        b = None if b is None else b.contiguous()
-        if not save_pre:  # GeLU as a oneDNN post-op: applied while the output tile is in cache
-            return lp(x, w, b, "gelu", [], approximate), x.new_empty(0)
-        pre = lp(x, w, b, "none", [], "")  # bias fused into the GEMM
-    else:
-        pre = F.linear(x, w, b)
-    y = F.gelu(pre, approximate=approximate)
-    return y, (pre if save_pre else pre.new_empty(0))
+    lp = torch.ops.mkldnn._linear_pointwise
+    x, w = x.contiguous(), w.contiguous()
+    b = None if b is None else b.contiguous()
+    if not save_pre:  # inference: GeLU as oneDNN's post-op, or in place after torch's GEMM
+        y = _onednn_or_torch(
+            f"linear_gelu_{approximate}", x, w,
+            lambda: lp(x, w, b, "gelu", [], approximate),
+            lambda: torch.ops.aten.gelu_(F.linear(x, w, b), approximate=approximate))
+        return y, x.new_empty(0)
+    pre = _onednn_or_torch("linear", x, w, lambda: lp(x, w, b, "none", [], ""),
+                           lambda: F.linear(x, w, b))  # the bias fused into either GEMM
+    return F.gelu(pre, approximate=approximate), pre
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -251,17 +273,12 @@ def wgrad(backend: str, gu, x, has_bias: bool):
 
 def dgrad(backend: str, gu, w):
     """``dx = gu @ w``: (M, N) @ (N, K)."""
-    if (
-        backend == "cpu"
-        and gu.dtype == torch.float32
-        and not is_fake(gu)
-        and _onednn_dtype_ok(gu.dtype)
-        and gu.numel() > 0
-        and w.numel() > 0
-    ):
-        # through oneDNN's linear, w.t() being the (out=K, in=N) weight (torch.mm goes to
-        # oneDNN by itself for bfloat16 only)
-        return torch.ops.mkldnn._linear_pointwise(gu, w.t(), None, "none", [], "")
+    if backend == "cpu" and gu.dtype == torch.float32:  # (torch's bfloat16 mm is oneDNN's)
+        # oneDNN's linear, w.t() being the (out=K, in=N) weight, or torch's GEMM
+        return _onednn_or_torch(
+            "dgrad", gu, w,
+            lambda: torch.ops.mkldnn._linear_pointwise(gu, w.t(), None, "none", [], ""),
+            lambda: gu @ w)
     return gu @ w
 
 

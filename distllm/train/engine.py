@@ -242,7 +242,7 @@ class Engine:
             self.zero.zero_grad()
         else:
             self.optimizer.step()
-            self.ddp.zero_grad(set_to_none=False)
+            self.ddp.zero_grad()  # bucket views kept with DP, else set to None
         return StepMetrics(loss=read.get("loss", float("nan")), grad_norm=read["grad_norm"],
                            skipped=skipped)
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from distllm.ops import backend_choice, backends, extensions, linear_gelu, linear_gelu_reference
+from distllm.ops import linear_gelu_backends as impl
 
 # Relative tolerance per dtype, as a fraction of the reference's largest magnitude:
 TOL = {
@@ -224,8 +225,11 @@ def test_auto_measures_once_and_never_picks_the_interpreter(monkeypatch):
     x, w, b = _data(17, 48, 40, torch.float32)
     y1 = linear_gelu(x, w, b)
     y2 = linear_gelu(x, w, b)
-    assert calls == [["cpu", "reference"]]  # measured once; triton (interpreter) not a candidate
-    chosen = [v for k, v in backend_choice.cached().items() if "(17, 48)x(40, 48)" in k]
+    # the backend measured once, triton (interpreter) not a candidate; inside the cpu
+    # backend, its GEMM (oneDNN or torch's) measured once too
+    assert calls[0] == ["cpu", "reference"]
+    assert calls[1:] == [["onednn", "torch"]] * len(calls[1:]) and len(calls) <= 2
+    chosen = [v for k, v in backend_choice.cached().items() if "|linear_gelu|" in k]
     assert len(chosen) == 1 and chosen[0] in ("cpu", "reference")
     torch.testing.assert_close(y1, y2, rtol=0, atol=0)
     _close(y1, _oracle(x, w, b, "none")[0], x.dtype, "y")
@@ -333,3 +337,43 @@ def test_auto_first_call_inside_activation_checkpointing():
     F.gelu(F.linear(xr, wr, br)).sum().backward()
     torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=1e-12)  # float64: same math
     torch.testing.assert_close(w.grad, wr.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("faster", ["onednn", "torch"])
+def test_cpu_backend_runs_the_gemm_measured_faster(monkeypatch, faster):
+    """The cpu backend times oneDNN against torch's own GEMM once per GEMM shape and runs the
+    faster from then on (neither wins on every CPU and shape)."""
+    if not impl.onednn_linear_ok():
+        pytest.skip("this torch has no oneDNN linear (mkldnn._linear_pointwise)")
+    backend_choice.clear()
+    measured = []
+
+    def fake_measure(cands, sync, reps=5):
+        measured.append(sorted(cands))
+        return {n: (1.0 if n == faster else 2.0) for n in cands}
+
+    monkeypatch.setattr(backend_choice, "measure", fake_measure)
+    ran = []
+    onednn = lambda: ran.append("onednn") or "o"  # noqa: E731
+    plain = lambda: ran.append("torch") or "t"  # noqa: E731
+    a, w = torch.randn(6, 8), torch.randn(4, 8)
+    first = impl._onednn_or_torch("probe", a, w, onednn, plain)
+    ran.clear()
+    again = impl._onednn_or_torch("probe", a, w, onednn, plain)
+    assert measured == [["onednn", "torch"]], "not measured exactly once for one shape"
+    assert (first, again) == (faster[0],) * 2 and ran == [faster]
+    impl._onednn_or_torch("probe", torch.randn(7, 8), w, onednn, plain)
+    assert len(measured) == 2, "a new shape reused another shape's measurement"
+
+
+def test_cpu_backend_measures_nothing_for_fake_or_float64(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    backend_choice.clear()
+    monkeypatch.setattr(backend_choice, "measure", lambda *a, **k: pytest.fail("measured"))
+    plain = lambda: "t"  # noqa: E731
+    with FakeTensorMode():
+        a, w = torch.randn(6, 8), torch.randn(4, 8)
+        assert impl._onednn_or_torch("probe", a, w, lambda: "o", plain) == "t"
+    a64 = torch.randn(6, 8, dtype=torch.float64)
+    assert impl._onednn_or_torch("probe", a64, a64[:4], lambda: "o", plain) == "t"

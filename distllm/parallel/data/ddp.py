@@ -121,8 +121,14 @@ class DistributedDataParallel(nn.Module):
         if self.reducer is not None:
             self.reducer.finish()
 
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero the gradient buckets (``set_to_none=False`` keeps ``.grad`` as bucket views)."""
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Forget the gradients. ``set_to_none=False`` zeroes them in place (with buckets, the
+        ``.grad`` stay bucket views, so the next backward accumulates into them with no
+        copy); True sets them to None. The default: in place with buckets; None without
+        (``dp == 1``), where zeroing would only add a fill and an add per parameter to the
+        next step (autograd then hands its gradient over instead of adding it)."""
+        if set_to_none is None:
+            set_to_none = self.reducer is None
         if self.reducer is None or set_to_none:
             self.module.zero_grad(set_to_none=set_to_none)
         else:

@@ -45,6 +45,11 @@ def _parity(dims) -> dict:
         xl, yl = local(x, dims), local(y, dims)
         if s % 2 == 0:
             d.zero_grad()  # zero-copy: .grad stays a view of the bucket
+            if s:
+                errs["views_kept"] = errs.get("views_kept", True) and all(
+                    p.grad is not None and not p.grad.any()
+                    and d.reducer.view(p).data_ptr() == p.grad.data_ptr()
+                    for p in mine.parameters())
         else:
             opts[0].zero_grad()  # set_to_none: the hook re-installs the views
         for o in opts[1:]:
@@ -205,6 +210,8 @@ def ddp_scenarios() -> dict:
         loss_fn(ref, x, y).backward()
         d.finish_grad_sync()
         out["dp1"] = (d.reducer is None, _max_diff(m, ref, grads=True))
+        d.zero_grad()  # no buckets: the next backward hands its gradients over
+        out["dp1_zeroed_to_none"] = all(p.grad is None for p in m.parameters())
         out["dp1_zero"] = _zero_dp1(dims1)
     return out
 
@@ -254,6 +261,14 @@ def test_dp1_ddp_leaves_gradients_alone(spawned):
     for r in spawned(ddp_scenarios, 2):
         no_reducer, err = r["dp1"]
         assert no_reducer and err < TOL, r["dp1"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero_grad_keeps_bucket_views_with_dp_and_drops_grads_without(spawned, world):
+    for r in spawned(ddp_scenarios, world):
+        assert r["parity"]["views_kept"] is True, "zero_grad() broke the bucket views"
+        if world == 2:
+            assert r["dp1_zeroed_to_none"], "dp=1 zero_grad() kept gradients to fill and add"
 
 
 def test_dp1_zero_equals_plain_adamw(spawned):
