@@ -19,8 +19,10 @@ its GEMM while it is in cache), which lost to oneDNN and is kept for the record.
 
 The CPU backend was chosen with this module at (M, K, N) = (2048, 1024, 4096) float32: the
 row-blocked GEMM + epilogue gained nothing over unfused while oneDNN's GeLU post-op did, so
-``cpu`` is oneDNN and there is no C++ GEMM kernel in ``csrc/`` (figures in
-``bench/results/cpu-linear-gelu-2048x1024x4096-20261129/``). Run with
+there is no C++ GEMM kernel in ``csrc/`` (figures in
+``bench/results/cpu-linear-gelu-2048x1024x4096-20261129/``). On another CPU oneDNN lost to
+torch's own GEMM by up to 1.8x, so ``cpu`` runs each GEMM through whichever of the two
+measured faster for its shape on the machine at hand. Run with
 ``cfg.extra["linear_gelu_timer"] = "cpu"`` to time CPU time of one thread on a busy machine.
 
 One case per (phase, shape, dtype); ``cfg.extra`` may set ``approximate`` and
