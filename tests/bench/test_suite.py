@@ -280,10 +280,12 @@ def step():  # a step's 64 MiB of activations, allocated, written and freed
     t = torch.empty(64 << 20, dtype=torch.uint8)
     t.fill_(1)
     del t
-for _ in range(3):  # glibc settles on reusing the freed chunk within two steps
+# glibc settles within four steps: the heap may need two 64 MiB regions before a freed one
+# stays free for the next step (faults seen at steps 1-4 of 20 runs, never after)
+for _ in range(6):
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(3):
+for _ in range(4):
     step()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
@@ -301,5 +303,5 @@ def test_kept_freed_memory_is_not_faulted_in_again():
         return int(out.stdout.split()[-1])
 
     kept, default = faults("keep"), faults("default")
-    assert kept < 500, f"{kept} page faults in 3 steps with freed memory kept"
-    assert default > 3 * 10_000, f"only {default} faults by default: the test cannot tell"
+    assert kept < 500, f"{kept} page faults in 4 steps with freed memory kept"
+    assert default > 4 * 10_000, f"only {default} faults by default: the test cannot tell"
