@@ -22,15 +22,26 @@ count by count, and a regression shows where it came from.
 - ``top``: the ten operators with the largest total time, ``[name, calls, ms]``.
 
 The counts are per call of the step function, on the calling rank.
+
+:func:`cpu_split` runs a step without the profiler and says where this process's CPU time
+went (Linux, from ``/proc/self/task/*/schedstat``): ``main_cpu_ms`` on the calling thread
+(which also runs a CPU backward), ``main_wait_ms`` the time it was runnable but waiting for
+a core (what other threads and processes took from it), and ``threads_cpu_ms``, the other
+threads by name (gloo's transport and work threads: the CPU a step's communication costs
+on a machine whose cores also compute). Medians over a few calls.
 """
 
 from __future__ import annotations
 
+import os
+import statistics
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 
-__all__ = ["breakdown", "OP_PREFIXES", "COPY_OPS", "SYNC_OPS", "compare_breakdowns"]
+__all__ = ["breakdown", "cpu_split", "thread_times", "OP_PREFIXES", "COPY_OPS", "SYNC_OPS",
+           "compare_breakdowns"]
 
 OP_PREFIXES = ("aten::", "c10d::", "distllm::")
 # every copy ends in one of these (clone, _to_copy and contiguous call copy_)
@@ -142,11 +153,74 @@ def breakdown(step: Callable[[], object], *, before: Callable[[], object] | None
     }
 
 
+def thread_times() -> dict[int, tuple[str, float, float]]:
+    """``{thread id: (name, on-CPU ms, runnable-but-waiting ms)}`` of this process's threads
+    (Linux; empty where ``/proc/self/task`` is missing). A thread that ended is absent."""
+    out: dict[int, tuple[str, float, float]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                run_ns, wait_ns = f.read().split()[:2]
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        out[int(tid)] = (name, int(run_ns) / 1e6, int(wait_ns) / 1e6)
+    return out
+
+
+def cpu_split(step: Callable[[], object], *, before: Callable[[], object] | None = None,
+              drain: Callable[[], object] | None = None, reps: int = 3) -> dict:
+    """Where this process's CPU went during ``step`` (see the module docstring): medians over
+    ``reps`` calls, each after ``before`` and followed by ``drain``, both outside the window.
+    Empty where the per-thread times cannot be read."""
+    me = threading.get_native_id()
+    rows: list[dict] = []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        t_before = thread_times()
+        if me not in t_before:
+            return {}
+        t0 = time.perf_counter()
+        step()
+        wall = (time.perf_counter() - t0) * 1e3
+        t_after = thread_times()
+        if drain is not None:
+            drain()
+        row = {"wall_ms": wall, "threads": Counter()}
+        for tid, (name, run, wait) in t_after.items():
+            _, run0, wait0 = t_before.get(tid, (name, 0.0, 0.0))
+            if tid == me:
+                row["main_cpu_ms"], row["main_wait_ms"] = run - run0, wait - wait0
+            else:
+                row["threads"][name] += run - run0
+        rows.append(row)
+    names = sorted({n for r in rows for n in r["threads"]})
+    med = lambda vals: round(statistics.median(vals), 3)  # noqa: E731
+    threads = {n: med([r["threads"][n] for r in rows]) for n in names}
+    return {"wall_ms": med([r["wall_ms"] for r in rows]),
+            "main_cpu_ms": med([r["main_cpu_ms"] for r in rows]),
+            "main_wait_ms": med([r["main_wait_ms"] for r in rows]),
+            "threads_cpu_ms": {n: v for n, v in threads.items() if v > 0.0},
+            "other_threads_cpu_ms": round(sum(threads.values()), 3)}
+
+
 _COUNTS = ("ops", "collectives", "collective_mb", "copies", "allocs", "alloc_mb", "syncs",
-           "outside_ms", "op_ms", "wall_ms")
+           "outside_ms", "op_ms", "wall_ms", "main_cpu_ms", "main_wait_ms",
+           "other_threads_cpu_ms")
 
 
 def compare_breakdowns(ours: dict, peer: dict) -> dict[str, list[float]]:
-    """``{count: [ours, peer, ours - peer]}`` for the scalar counts of two breakdowns."""
-    return {k: [ours[k], peer[k], round(ours[k] - peer[k], 3)] for k in _COUNTS
-            if k in ours and k in peer}
+    """``{count: [ours, peer, ours - peer]}`` for the scalar counts of two breakdowns (and
+    of their :func:`cpu_split`, under ``"cpu"``, when both have one)."""
+    out = {k: [ours[k], peer[k], round(ours[k] - peer[k], 3)] for k in _COUNTS
+           if k in ours and k in peer}
+    a, b = ours.get("cpu") or {}, peer.get("cpu") or {}
+    out.update({f"cpu.{k}": [a[k], b[k], round(a[k] - b[k], 3)] for k in _COUNTS
+                if k in a and k in b})
+    return out

@@ -30,8 +30,10 @@ distllm's (>= 1.0: distllm is faster).
 
 After the timing, one step of each variant is profiled on every rank
 (:func:`distllm.bench.step_breakdown.breakdown`: operators, collectives and their bytes,
-copies, allocations, host syncs, time outside operators); rank 0's goes into each row's
-``extra.breakdown`` and, with ``--out``, into ``train_e2e_breakdown.json`` next to the
+copies, allocations, host syncs, time outside operators), then run three times unprofiled
+to split its CPU between the step's own thread and the others, gloo's communication threads
+(:func:`distllm.bench.step_breakdown.cpu_split`, under ``cpu``); rank 0's goes into each
+row's ``extra.breakdown`` and, with ``--out``, into ``train_e2e_breakdown.json`` next to the
 results, with distllm's counts against its best peer's (``extra.vs_peer``).
 
 Suite ``train_overhead``: the fixed per-step overhead of the ``tiny`` model at tp1.pp1.dp1,
@@ -51,7 +53,7 @@ import torch
 import torch.distributed as dist
 from distllm.bench.harness import BenchConfig, Case, LoopStep, Result, Setup, shapes
 from distllm.bench.rows import row
-from distllm.bench.step_breakdown import breakdown, compare_breakdowns
+from distllm.bench.step_breakdown import breakdown, compare_breakdowns, cpu_split
 from distllm.bench.train_e2e_variants import builders, distllm_single, drain
 
 from distllm.diagnostics.timing import Stats
@@ -163,6 +165,8 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
 
     def finish(stats: dict[str, Stats]) -> dict:
         prof = {n: breakdown(f, before=dist.barrier, drain=drain(f)) for n, f in steps.items()}
+        for n, f in steps.items():  # the same step unprofiled: the CPU of each thread
+            prof[n]["cpu"] = cpu_split(f, before=dist.barrier, drain=drain(f))
         dist.barrier()
         return {"tokens": shape[2] * shape[3], "model": name, "breakdown": prof}
 

@@ -48,3 +48,64 @@ def test_drain_runs_after_the_step_outside_its_wall_time():
                    drain=lambda: (time.sleep(0.05), calls.append("drain")))
     assert calls == ["step", "drain"]
     assert bd["wall_ms"] < 50.0
+
+
+def _burn(ms: float) -> None:
+    """Spend ``ms`` of this thread's own CPU time."""
+    import time
+
+    end = time.thread_time() + ms / 1e3
+    while time.thread_time() < end:
+        pass
+
+
+def test_cpu_split_counts_the_step_thread_and_the_others_apart():
+    """A step whose helper thread (alive before and after, as gloo's are) burns 30 ms of CPU
+    while the step's own thread burns 15 ms: each is counted on its side."""
+    import os
+    import threading
+
+    import pytest
+    from distllm.bench.step_breakdown import cpu_split
+
+    if not os.path.isdir("/proc/self/task"):  # no per-thread times here: nothing is made up
+        assert cpu_split(lambda: None) == {}
+        return
+    go, done, stop = threading.Event(), threading.Event(), threading.Event()
+
+    def helper():
+        while not stop.is_set():
+            if go.wait(0.01):
+                go.clear()
+                _burn(30.0)
+                done.set()
+
+    t = threading.Thread(target=helper, daemon=True)
+    t.start()
+    drained = []
+
+    def step():
+        done.clear()
+        go.set()
+        _burn(15.0)
+        done.wait(10)
+
+    try:
+        split = cpu_split(step, drain=lambda: drained.append(1), reps=3)
+    finally:
+        stop.set()
+        t.join(5)
+    assert drained == [1, 1, 1]
+    assert 14.0 <= split["main_cpu_ms"] <= split["wall_ms"] + 1.0, split
+    assert split["other_threads_cpu_ms"] >= 29.0, split
+    assert sum(split["threads_cpu_ms"].values()) == pytest.approx(
+        split["other_threads_cpu_ms"], abs=1e-2)
+    assert split["main_wait_ms"] >= 0.0
+
+
+def test_compare_includes_the_cpu_split():
+    a = {"ops": 1, "cpu": {"main_cpu_ms": 10.0, "other_threads_cpu_ms": 5.0}}
+    b = {"ops": 2, "cpu": {"main_cpu_ms": 12.0, "other_threads_cpu_ms": 2.0}}
+    assert compare_breakdowns(a, b) == {"ops": [1, 2, -1],
+                                        "cpu.main_cpu_ms": [10.0, 12.0, -2.0],
+                                        "cpu.other_threads_cpu_ms": [5.0, 2.0, 3.0]}
