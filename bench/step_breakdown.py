@@ -28,7 +28,8 @@ went (Linux, from ``/proc/self/task/*/schedstat``): ``main_cpu_ms`` on the calli
 (which also runs a CPU backward), ``main_wait_ms`` the time it was runnable but waiting for
 a core (what other threads and processes took from it), and ``threads_cpu_ms``, the other
 threads by name (gloo's transport and work threads: the CPU a step's communication costs
-on a machine whose cores also compute). Medians over a few calls.
+on a machine whose cores also compute). Medians over a few calls; a step that leaves work
+in flight is measured as a step of a loop.
 """
 
 from __future__ import annotations
@@ -176,13 +177,18 @@ def thread_times() -> dict[int, tuple[str, float, float]]:
 def cpu_split(step: Callable[[], object], *, before: Callable[[], object] | None = None,
               drain: Callable[[], object] | None = None, reps: int = 3) -> dict:
     """Where this process's CPU went during ``step`` (see the module docstring): medians over
-    ``reps`` calls, each after ``before`` and followed by ``drain``, both outside the window.
-    Empty where the per-thread times cannot be read."""
+    ``reps`` windows, each after ``before``. A step that leaves work in flight (``drain``
+    waits for it: ZeRO's parameter gathers) is measured as a step of a loop, as
+    :class:`~distllm.bench.harness.LoopStep` times it: one step runs before the window, so
+    the window holds the previous step's gathers finishing beside this step, and ``drain``
+    runs after it. Empty where the per-thread times cannot be read."""
     me = threading.get_native_id()
     rows: list[dict] = []
     for _ in range(reps):
         if before is not None:
             before()
+        if drain is not None:
+            step()  # leaves its gathers in flight for the measured step to wait for
         t_before = thread_times()
         if me not in t_before:
             return {}
