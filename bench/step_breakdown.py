@@ -6,8 +6,9 @@ count by count, and a regression shows where it came from.
 
 - ``wall_ms``: the profiled step's wall time (the profiler slows the host: compare counts,
   and times only within one profile);
-- ``ops``: top-level operators (``aten::``, ``c10d::``, ``distllm::``, ...: an operator
-  called by another one is not counted again), and ``op_ms`` their total time;
+- ``ops``: top-level operators (``aten::``, ``mkldnn::``, ``c10d::``, ``distllm::``, ...:
+  :data:`OP_PREFIXES`; an operator called by another one is not counted again), and
+  ``op_ms`` their total time;
 - ``outside_ms``: ``wall_ms - op_ms``, the time spent outside any operator (Python,
   autograd bookkeeping, hooks, the optimizer's loop);
 - ``collectives`` / ``collective_mb``: collective and point-to-point calls (``c10d::``)
@@ -44,7 +45,11 @@ from collections.abc import Callable
 __all__ = ["breakdown", "cpu_split", "thread_times", "OP_PREFIXES", "COPY_OPS", "SYNC_OPS",
            "compare_breakdowns"]
 
-OP_PREFIXES = ("aten::", "c10d::", "distllm::")
+# the namespaces of the operators a step dispatches: torch's (aten, the oneDNN kernels that
+# torch's CPU linear and distllm's cpu backend call as ``mkldnn::``, the functional
+# collectives), c10d's collectives and distllm's own
+OP_PREFIXES = ("aten::", "mkldnn::", "c10d::", "_c10d_functional::", "c10d_functional::",
+               "prims::", "distllm::")
 # every copy ends in one of these (clone, _to_copy and contiguous call copy_)
 COPY_OPS = frozenset({"aten::copy_", "aten::cat", "aten::_foreach_copy_"})
 SYNC_OPS = frozenset({"aten::_local_scalar_dense"})

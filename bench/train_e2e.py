@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from distllm.bench.harness import BenchConfig, Case, LoopStep, Result, Setup, shapes
 from distllm.bench.rows import row
-from distllm.bench.step_breakdown import breakdown, compare_breakdowns, cpu_split
+from distllm.bench.step_breakdown import OP_PREFIXES, breakdown, compare_breakdowns, cpu_split
 from distllm.bench.train_e2e_variants import builders, distllm_single, drain
 
 from distllm.diagnostics.timing import Stats
@@ -235,8 +235,9 @@ def _overhead_setup(cfg: BenchConfig, reps: int) -> Setup:
 
 
 def _op_ms(prof) -> float:
-    """Self time (ms) of operator events: aten, c10d/gloo collectives, custom ops."""
-    prefixes = ("aten::", "c10d::", "gloo:", "distllm::", "record_param_comms")
+    """Self time (ms) of operator events (:data:`~distllm.bench.step_breakdown.OP_PREFIXES`:
+    aten, the oneDNN kernels, collectives, distllm's custom ops) and of gloo's transfers."""
+    prefixes = (*OP_PREFIXES, "gloo:", "record_param_comms")
     total_us = sum(e.self_cpu_time_total for e in prof.key_averages()
                    if e.key.startswith(prefixes))
     return total_us / 1e3

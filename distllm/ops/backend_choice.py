@@ -40,10 +40,13 @@ def cache_path() -> Path | None:
     return Path(path) if path else None
 
 
+_CORES = os.cpu_count()  # read once: it reads a file, and lookup() runs on every CPU GEMM
+
+
 def device_tag(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
-    return f"{device.type}:{os.cpu_count()}cores:{torch.get_num_threads()}threads"
+    return f"{device.type}:{_CORES}cores:{torch.get_num_threads()}threads"
 
 
 def _load_disk() -> None:

@@ -112,3 +112,14 @@ def test_compare_includes_the_cpu_split():
     assert compare_breakdowns(a, b) == {"ops": [1, 2, -1],
                                         "cpu.main_cpu_ms": [10.0, 12.0, -2.0],
                                         "cpu.other_threads_cpu_ms": [5.0, 2.0, 3.0]}
+
+
+def test_a_onednn_kernel_is_an_operator():
+    """torch's CPU linear and distllm's cpu backend run oneDNN kernels as ``mkldnn::`` ops:
+    counted as operators (their time is not "outside"); autograd's nodes are not."""
+    from distllm.bench.step_breakdown import _is_op
+
+    assert _is_op("mkldnn::_linear_pointwise") and _is_op("aten::addmm")
+    assert _is_op("distllm::linear_gelu_fwd") and _is_op("c10d::allreduce_")
+    assert not _is_op("autograd::engine::evaluate_function: AddmmBackward0")
+    assert not _is_op("_ParallelMLPBackward") and not _is_op("Optimizer.step#AdamW.step")

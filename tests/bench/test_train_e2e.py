@@ -89,6 +89,25 @@ def test_overhead_row():
     assert r["extra"]["overhead_frac"] == pytest.approx(0.04) and r["extra"]["met"] is True
 
 
+def test_overhead_counts_every_operator_namespace():
+    """The oneDNN kernels that the cpu backend and torch's CPU linear call run as ``mkldnn::``
+    operators: their time is inside operators, not overhead (nor are gloo's transfers);
+    autograd's nodes and the Functions' Python bodies are not operators."""
+    from types import SimpleNamespace as E
+
+    class Prof:
+        def key_averages(self):
+            return [E(key="aten::mm", self_cpu_time_total=4000),
+                    E(key="mkldnn::_linear_pointwise", self_cpu_time_total=3000),
+                    E(key="distllm::gemm_dgelu", self_cpu_time_total=2000),
+                    E(key="gloo:all_reduce", self_cpu_time_total=500),
+                    E(key="autograd::engine::evaluate_function: MmBackward0",
+                      self_cpu_time_total=700),
+                    E(key="_ParallelMLPBackward", self_cpu_time_total=900)]
+
+    assert train_e2e._op_ms(Prof()) == pytest.approx(9.5)
+
+
 def _peer_clips(kind: str):
     """Gradients of 2 ranks clipped by the peer's rule, and the reference: every rank's
     gradients scaled by max_norm / global norm (the norm over both ranks' shards)."""
