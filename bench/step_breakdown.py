@@ -188,6 +188,8 @@ def cpu_split(step: Callable[[], object], *, before: Callable[[], object] | None
     the window holds the previous step's gathers finishing beside this step, and ``drain``
     runs after it. Empty where the per-thread times cannot be read."""
     me = threading.get_native_id()
+    if me not in thread_times():
+        return {}
     rows: list[dict] = []
     for _ in range(reps):
         if before is not None:
@@ -195,8 +197,6 @@ def cpu_split(step: Callable[[], object], *, before: Callable[[], object] | None
         if drain is not None:
             step()  # leaves its gathers in flight for the measured step to wait for
         t_before = thread_times()
-        if me not in t_before:
-            return {}
         t0 = time.perf_counter()
         step()
         wall = (time.perf_counter() - t0) * 1e3
@@ -222,8 +222,8 @@ def cpu_split(step: Callable[[], object], *, before: Callable[[], object] | None
 
 
 _COUNTS = ("ops", "collectives", "collective_mb", "copies", "allocs", "alloc_mb", "syncs",
-           "outside_ms", "op_ms", "wall_ms", "main_cpu_ms", "main_wait_ms",
-           "other_threads_cpu_ms")
+           "outside_ms", "op_ms", "wall_ms")
+_CPU_COUNTS = ("wall_ms", "main_cpu_ms", "main_wait_ms", "other_threads_cpu_ms")
 
 
 def compare_breakdowns(ours: dict, peer: dict) -> dict[str, list[float]]:
@@ -232,6 +232,6 @@ def compare_breakdowns(ours: dict, peer: dict) -> dict[str, list[float]]:
     out = {k: [ours[k], peer[k], round(ours[k] - peer[k], 3)] for k in _COUNTS
            if k in ours and k in peer}
     a, b = ours.get("cpu") or {}, peer.get("cpu") or {}
-    out.update({f"cpu.{k}": [a[k], b[k], round(a[k] - b[k], 3)] for k in _COUNTS
+    out.update({f"cpu.{k}": [a[k], b[k], round(a[k] - b[k], 3)] for k in _CPU_COUNTS
                 if k in a and k in b})
     return out
