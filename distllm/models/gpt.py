@@ -6,6 +6,12 @@ fused column-parallel GEMM + GeLU), layer ``L+1`` is the head (final LayerNorm, 
 output projection). The loss is :func:`distllm.nn.vocab_parallel_cross_entropy`, which never
 gathers the full logits.
 
+A small vocabulary is not split (``vocab_parallel="auto"``, see :func:`splits_vocab`): the
+embedding and the head are then held whole by every TP rank, as the layer norms are, and
+cost no collective at all (a split one costs an all-reduce of the embedding's output in
+forward, three small ones in the cross-entropy and one of the head's input gradient in
+backward).
+
 Every layer has *canonical* weights: full (unsharded) tensors with global names such as
 ``layers.3.attn.qkv.weight``, laid out like ``nn.Linear`` (``(out, in)``), the vocabulary cut
 to its real size. Initialisation, checkpoints (:mod:`distllm.train.checkpoint`) and Hugging
@@ -25,11 +31,16 @@ from torch import nn
 
 from distllm.parallel.mesh import ParallelDims
 
-__all__ = ["GPTConfig", "GPT", "Embedding", "Block", "Head", "PRESETS", "CHECKPOINTING"]
+__all__ = ["GPTConfig", "GPT", "Embedding", "Block", "Head", "PRESETS", "CHECKPOINTING",
+           "VOCAB_PARALLEL", "splits_vocab"]
 
 CHECKPOINTING = ("none", "selective", "full")
 """Activation checkpointing of a :class:`Block`: none, selective (recompute the attention
 half) or full (recompute the whole block)."""
+
+VOCAB_PARALLEL = ("auto", "on", "off")
+"""Whether the embedding and the head split the vocabulary over TP: auto (split unless the
+vocabulary is small, see :func:`splits_vocab`), on, or off (held whole by every TP rank)."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +144,32 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
+def splits_vocab(vocab: int, hidden: int, tp: int, sequence_parallel: bool = False,
+                 choice: str = "auto") -> bool:
+    """Whether the embedding and the head split a vocabulary of ``vocab`` tokens over ``tp``
+    ranks (``vocab_parallel=choice``). One rank: True (the split modules, whole).
+
+    ``"auto"`` holds them whole when ``vocab * (tp - 1) <= 2 * hidden``. Per rank, a block
+    costs ``24Th^2/tp`` FLOPs for ``T`` tokens and holds ``12h^2/tp`` weights; computing the
+    head whole instead of its ``1/tp`` share costs ``6TVh(1 - 1/tp)`` FLOPs forward and
+    backward, at most half a block's, and holding the table whole at most ``2h^2/tp`` more
+    weights (and their optimizer state), a sixth of a block's. The split costs an activation
+    all-reduce in the embedding's forward and in the head's backward, plus three
+    latency-bound ones in the cross-entropy. Sequence parallelism keeps the split (its
+    activations are sharded along the sequence there)."""
+    if choice not in VOCAB_PARALLEL:
+        raise ValueError(f"vocab_parallel={choice!r}: choose one of {', '.join(VOCAB_PARALLEL)}")
+    if tp == 1 or choice == "on":
+        return True
+    if sequence_parallel:
+        if choice == "off":
+            raise ValueError("vocab_parallel='off' holds the embedding and the head whole, "
+                             "which sequence parallelism does not support: use "
+                             "--vocab-parallel auto (or on), or drop --sequence-parallel")
+        return True
+    return choice == "auto" and vocab * (tp - 1) > 2 * hidden
+
+
 def _layer_norm(cfg: GPTConfig, dims: ParallelDims, sp: bool, dtype) -> nn.Module:
     """LayerNorm; under sequence parallelism, the one that all-reduces its grads over TP."""
     if sp and dims.tp > 1:
@@ -149,17 +186,25 @@ class Embedding(nn.Module):
     Collectives: forward all-reduce of the vocab-parallel lookup over TP (sequence
     parallelism: reduce-scatter along the sequence, so the output is this rank's ``(b, s/tp,
     h)`` slice); backward none (sequence parallelism: all-gather of the gradient along the
-    sequence, and an all-reduce of the position embedding's gradient over TP).
+    sequence, and an all-reduce of the position embedding's gradient over TP). With
+    ``vocab_parallel=False`` the table is whole (``nn.Embedding``) on every TP rank: no
+    collective (the gradient flowing into it is the same on every TP rank).
     """
 
     def __init__(self, cfg: GPTConfig, dims: ParallelDims, *, sequence_parallel: bool = False,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, vocab_parallel: bool = True):
         super().__init__()
         from distllm.nn import VocabParallelEmbedding
 
         self.cfg, self.dims, self.sp = cfg, dims, sequence_parallel and dims.tp > 1
-        self.wte = VocabParallelEmbedding(cfg.padded_vocab(dims.tp), cfg.hidden_size, dims,
-                                          sequence_parallel=self.sp, dtype=dtype)
+        if vocab_parallel:
+            self.wte = VocabParallelEmbedding(cfg.padded_vocab(dims.tp), cfg.hidden_size, dims,
+                                              sequence_parallel=self.sp, dtype=dtype)
+        elif self.sp:
+            raise ValueError("Embedding(vocab_parallel=False) does not support sequence "
+                             "parallelism")
+        else:
+            self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.wpe = nn.Parameter(torch.zeros(cfg.max_seq_len, cfg.hidden_size, dtype=dtype))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -224,16 +269,25 @@ class Head(nn.Module):
     """Final LayerNorm and the vocab-parallel output projection; returns this rank's logits
     ``(b, s, V_pad/tp)`` (padded vocabulary entries masked to -inf). With sequence parallelism
     the column-parallel projection all-gathers the sequence in forward (reduce-scatters its
-    gradient in backward); without it, it all-reduces the input gradient in backward."""
+    gradient in backward); without it, it all-reduces the input gradient in backward. With
+    ``vocab_parallel=False`` the projection is whole (``nn.Linear``) on every TP rank and
+    returns the full logits ``(b, s, V)``: no collective."""
 
     def __init__(self, cfg: GPTConfig, dims: ParallelDims, *, sequence_parallel: bool = False,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, vocab_parallel: bool = True):
         super().__init__()
         from distllm.nn import ColumnParallelLinear
 
         sp = sequence_parallel and dims.tp > 1
         self.cfg, self.dims = cfg, dims
         self.ln_f = _layer_norm(cfg, dims, sp, dtype)
+        if not vocab_parallel:
+            if sp:
+                raise ValueError("Head(vocab_parallel=False) does not support sequence "
+                                 "parallelism")
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+            self.has_pad = False
+            return
         vp = cfg.padded_vocab(dims.tp)
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, vp, dims, bias=False,
                                             gather_output=False, sequence_parallel=sp,
@@ -251,13 +305,15 @@ class Head(nn.Module):
         return logits
 
 
-def gpt_loss(logits: torch.Tensor, targets: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor, dims: ParallelDims,
+             vocab_parallel: bool = True) -> torch.Tensor:
     """Mean token cross-entropy of vocab-parallel logits (all-reduces of max, sum-exp and the
-    target logit over TP in forward; none in backward). With tp=1 it is the plain
+    target logit over TP in forward; none in backward). With tp=1, or the full logits of a
+    head that does not split the vocabulary (``vocab_parallel=False``), it is the plain
     ``F.cross_entropy`` (no collective)."""
     if logits.dtype == torch.bfloat16:
         logits = logits.float()  # the softmax in fp32
-    if dims.tp == 1:
+    if dims.tp == 1 or not vocab_parallel:
         import torch.nn.functional as F
 
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
@@ -272,29 +328,33 @@ class GPT(nn.Module):
     ``layer_ids`` selects them (``None``: all, for pp=1). ``forward(tokens)`` runs the held
     layers in order; :meth:`loss` applies the vocab-parallel cross-entropy. Weights are
     initialised from ``seed`` layer by layer on the canonical (unsharded) shapes, so every
-    layout holds the same model.
+    layout holds the same model. ``vocab_parallel`` (:data:`VOCAB_PARALLEL`): whether the
+    embedding and the head split the vocabulary over TP; the resolved choice is
+    :attr:`vocab_parallel` (a bool, see :func:`splits_vocab`).
     """
 
     def __init__(self, cfg: GPTConfig, dims: ParallelDims, *,
                  layer_ids: Iterable[int] | None = None,
                  sequence_parallel: bool = False, overlap: str = "auto",
                  activation_checkpointing: str = "none", dtype: torch.dtype = torch.float32,
-                 seed: int | None = 0):
+                 seed: int | None = 0, vocab_parallel: str = "auto"):
         super().__init__()
         if cfg.tie_embeddings and dims.pp > 1:
             raise ValueError("tie_embeddings=True needs pp=1 (the embedding and the head live "
                              "on different stages): untie them or use --pp 1")
         self.cfg, self.dims, self.dtype = cfg, dims, dtype
         self.sequence_parallel = sequence_parallel and dims.tp > 1
+        self.vocab_parallel = splits_vocab(cfg.vocab_size, cfg.hidden_size, dims.tp,
+                                           self.sequence_parallel, vocab_parallel)
         ids = list(range(cfg.n_pipeline_layers)) if layer_ids is None else list(layer_ids)
         self.layer_ids = ids
         kw = dict(sequence_parallel=sequence_parallel, dtype=dtype)
         layers = {}
         for i in ids:
             if i == 0:
-                layers[str(i)] = Embedding(cfg, dims, **kw)
+                layers[str(i)] = Embedding(cfg, dims, vocab_parallel=self.vocab_parallel, **kw)
             elif i == cfg.n_layers + 1:
-                layers[str(i)] = Head(cfg, dims, **kw)
+                layers[str(i)] = Head(cfg, dims, vocab_parallel=self.vocab_parallel, **kw)
             else:
                 layers[str(i)] = Block(cfg, dims, overlap=overlap,
                                        checkpointing=activation_checkpointing, **kw)
@@ -321,7 +381,7 @@ class GPT(nn.Module):
         return x
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return gpt_loss(logits, targets, self.dims)
+        return gpt_loss(logits, targets, self.dims, self.vocab_parallel)
 
 
 def residual_std(cfg: GPTConfig) -> float:

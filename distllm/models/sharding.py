@@ -38,16 +38,18 @@ def layer_kind(cfg, i: int) -> str:
     return "embed" if i == 0 else "head" if i == cfg.n_layers + 1 else "block"
 
 
-def param_table(cfg, i: int) -> dict[str, tuple[str, str]]:
+def param_table(cfg, i: int, vocab_parallel: bool = True) -> dict[str, tuple[str, str]]:
     """Layer ``i``'s parameters: canonical name -> (path in the layer module, how it is
-    split over TP: "col", "row", "vocab" or "rep")."""
+    split over TP: "col", "row", "vocab" or "rep"). ``vocab_parallel=False``: the embedding
+    and the head hold the whole vocabulary ("rep"; :attr:`distllm.models.GPT.vocab_parallel`)."""
     kind = layer_kind(cfg, i)
-    if kind == "embed":
-        return _EMBED
-    if kind == "head":
-        return {k: v for k, v in _HEAD.items()
-                if not (cfg.tie_embeddings and k == "lm_head.weight")}
-    return _BLOCK
+    if kind == "block":
+        return _BLOCK
+    table = _EMBED if kind == "embed" else {
+        k: v for k, v in _HEAD.items() if not (cfg.tie_embeddings and k == "lm_head.weight")}
+    if vocab_parallel:
+        return table
+    return {k: (path, "rep" if how == "vocab" else how) for k, (path, how) in table.items()}
 
 
 def canonical_shapes(cfg, i: int) -> dict[str, tuple[int, ...]]:
@@ -124,7 +126,7 @@ def load_layer(model, i: int, full: dict[str, torch.Tensor]) -> None:
     """Copy canonical tensors ``full`` into layer ``i`` of ``model`` (this rank's TP shard)."""
     layer = model.layers[str(i)]
     cfg, dims = model.cfg, model.dims
-    for name, (path, kind) in param_table(cfg, i).items():
+    for name, (path, kind) in param_table(cfg, i, model.vocab_parallel).items():
         if name not in full:
             raise KeyError(f"layer {i}: canonical tensor {name!r} is missing")
         dst = _get(layer, path)
@@ -170,7 +172,7 @@ def gather_layer(model, i: int, tensors: dict[str, torch.Tensor] | None = None
     path to a local tensor of the same shape to gather instead (e.g. an optimizer state)."""
     layer = model.layers[str(i)]
     out = {}
-    for name, (path, kind) in param_table(model.cfg, i).items():
+    for name, (path, kind) in param_table(model.cfg, i, model.vocab_parallel).items():
         local = _get(layer, path) if tensors is None else tensors[path]
         out[name] = unshard(model.cfg, model.dims, kind, local)
     return out

@@ -62,6 +62,8 @@ def _lockstep(tm, lay: Layout, b: int, blocks: int, has_e: bool, has_h: bool) ->
     tokens = b * s.seq_len
     one = _tp_cpu(tm, tm.e * tokens * s.hidden, lay)
     per_block = (6 if lay.checkpointing == "full" else 4) * one
+    if not s.splits_vocab(lay.tp, lay.sequence_parallel):  # held whole: no collective
+        return blocks * per_block
     out = blocks * per_block + (2 * one if has_e else 0.0)
     if has_h:
         link = tm._link("tp", lay)
@@ -108,7 +110,7 @@ def _background(tm, lay: Layout, r: int, b: int, blocks: int, has_e: bool,
         messages = m * (4 * chunks - 2 * ends)
         out += messages * collective_cpu("p2p", msg, 2, link)
         if tm.shape.tied_embeddings and (has_e or has_h):
-            words = s.padded_vocab(lay.tp) * s.hidden / lay.tp
+            words = s.vocab_rows(lay.tp, lay.sequence_parallel) * s.hidden
             link = tm.profile.link(lay.tp * lay.dp * lay.pp > tm.gpn)
             out += collective_cpu("all_reduce", tm.grad_bytes * words, 2, link)
     return out

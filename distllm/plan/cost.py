@@ -148,13 +148,13 @@ class CostModel(TimeModel):
 
     def rank_params(self, lay: Layout) -> tuple[list[float], float]:
         """Parameters held per device on each pipeline rank, and those of one block."""
-        key = ("params", lay.tp, lay.pp, lay.virtual_stages)
+        key = ("params", lay.tp, lay.pp, lay.virtual_stages, lay.sequence_parallel)
         if key not in self._cache:
             s, t = self.shape, lay.tp
             h = s.hidden
             repl = (2 * h if s.biases else 0) + (4 * h if s.biases else 2 * h)  # row biases, norms
             per_layer = (s.layer_params() - repl) / t + repl
-            vocab = s.padded_vocab(t) * h / t
+            vocab = s.vocab_rows(t, lay.sequence_parallel) * h
             emb = vocab + (s.seq_len * h if s.learned_positions else 0)
             head = (2 * h if s.biases else h) + (0 if s.tied_embeddings and lay.pp == 1 else vocab)
             out = [
@@ -233,7 +233,7 @@ class CostModel(TimeModel):
         """Parameters of the largest layer on a rank (a block, the embedding or the head):
         the unit ZeRO-3 gathers whole, and the largest single gradient."""
         s, t = self.shape, lay.tp
-        vocab = s.padded_vocab(t) * s.hidden / t
+        vocab = s.vocab_rows(t, lay.sequence_parallel) * s.hidden
         emb = vocab + (s.seq_len * s.hidden if s.learned_positions else 0)
         head = 0 if s.tied_embeddings and lay.pp == 1 else vocab
         return max(per_layer, emb if has_e else 0, head if has_h else 0)
@@ -264,7 +264,8 @@ class CostModel(TimeModel):
         s = self.shape
         per = self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, lay.checkpointing)
         bs = b * s.seq_len
-        logits = (self.e + 4) * bs * s.padded_vocab(lay.tp) / lay.tp  # logits + fp32 softmax
+        rows = s.vocab_rows(lay.tp, lay.sequence_parallel)
+        logits = (self.e + 4) * bs * rows  # logits + fp32 softmax
         sp = lay.tp if lay.sequence_parallel else 1
         # the embedding's output is the first block's input (counted there); its dropout
         # keeps a byte mask per element
@@ -282,7 +283,7 @@ class CostModel(TimeModel):
         # the residual stream (the saved tensors of that block are freed as it goes)
         work = self.e * (bs * s.ffn / lay.tp + 2 * bs * s.hidden)
         # the head's backward starts with the fp32 gradient of the logits and its cast
-        head = (4 + self.e) * bs * s.padded_vocab(lay.tp) / lay.tp if has_h else 0.0
+        head = (4 + self.e) * bs * rows if has_h else 0.0
         # one of these transients at a time: a block's backward, the head's, or a layer's
         # gradients landing (the saved tensors of the layer before are freed by then)
         act += max(work if blocks else 0.0, head, landing)

@@ -26,6 +26,15 @@ def _model_padded_vocab(vocab: int, tp: int) -> int:
     return GPTConfig(vocab_size=vocab).padded_vocab(tp)
 
 
+@functools.cache
+def _model_splits_vocab(vocab: int, hidden: int, tp: int, sequence_parallel: bool) -> bool:
+    """Whether distllm's embedding and head split the vocabulary over ``tp``
+    (``vocab_parallel="auto"``): the model's own rule, as for the padding."""
+    from distllm.models.gpt import splits_vocab  # lazy: pulls in torch
+
+    return splits_vocab(vocab, hidden, tp, sequence_parallel)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """A transformer's sizes, as the cost model sees them."""
@@ -101,6 +110,22 @@ class ModelShape:
             return _model_padded_vocab(self.vocab, tp)
         m = self.vocab_multiple * tp
         return math.ceil(self.vocab / m) * m
+
+    def splits_vocab(self, tp: int, sequence_parallel: bool = False) -> bool:
+        """Whether the embedding and the head split the vocabulary over ``tp`` ranks:
+        distllm's rule (``vocab_parallel="auto"``: held whole when ``vocab * (tp - 1) <= 2 *
+        hidden``, see :func:`distllm.models.gpt.splits_vocab`) for its own shapes, always for
+        a runtime's own padding (``vocab_multiple`` set)."""
+        if tp == 1 or self.vocab_multiple is not None:
+            return True
+        return _model_splits_vocab(self.vocab, self.hidden, tp, sequence_parallel)
+
+    def vocab_rows(self, tp: int = 1, sequence_parallel: bool = False) -> int:
+        """Rows of the embedding (and of the head) one TP rank holds: its share of the padded
+        vocabulary, or the whole real one when it is not split."""
+        if self.splits_vocab(tp, sequence_parallel):
+            return self.padded_vocab(tp) // tp
+        return self.vocab
 
     # ---- parameter counts -------------------------------------------------------------
     def layer_params(self) -> int:

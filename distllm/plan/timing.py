@@ -136,20 +136,22 @@ class TimeModel:
         """(embedding forward, head forward, head backward, head weight-gradient) seconds,
         and the TP collectives inside them: (embedding's, head's). The vocab-parallel
         cross-entropy all-reduces the per-token max and then the stacked per-token sum and
-        target logit (fp32) in forward (``distllm.nn.cross_entropy``)."""
+        target logit (fp32) in forward (``distllm.nn.cross_entropy``). A vocabulary held whole
+        (:meth:`ModelShape.splits_vocab`) has none, and every TP rank computes the whole head."""
         s, p, t = self.shape, self.profile, lay.tp
-        tokens, v_pad = b * s.seq_len, s.padded_vocab(t)
+        tokens = b * s.seq_len
         n = tokens * s.hidden
-        m, vn = tokens, v_pad // t
+        split = s.splits_vocab(t, lay.sequence_parallel)  # whole: no collective at all
+        m, vn = tokens, s.vocab_rows(t, lay.sequence_parallel)
         head_f = gemm_time(p, self.peak, m, vn, s.hidden, elem=self.e)  # (T, h) @ (h, V/t)
         head_dg = gemm_time(p, self.peak, m, s.hidden, vn, elem=self.e)
         head_w = gemm_time(p, self.peak, s.hidden, vn, m, elem=self.e)
         ce = mem_time(p, CE_BYTES_PER_LOGIT * tokens * vn)
         norm = mem_time(p, 4 * self.e * n) + 3 * p.op_overhead_s
         msg = self.e * n
-        emb_c = self._tp_collective(msg, lay)
+        emb_c = self._tp_collective(msg, lay) if split else 0.0
         ce_c = 0.0
-        if t > 1:
+        if t > 1 and split:
             link = self._link("tp", lay)
             ce_c = sum(collective_time("all_reduce", k * 4 * tokens, t, link) for k in (1, 2))
         emb = mem_time(p, 4 * self.e * n) + 2 * p.op_overhead_s + emb_c
@@ -226,7 +228,7 @@ class TimeModel:
             if self.shape.tied_embeddings and lay.pp > 1 and (ranks[r][1] or ranks[r][2]):
                 # the first and last stages each hold the word embedding: its gradients
                 # are summed between them once per step
-                words = self.shape.padded_vocab(lay.tp) * self.shape.hidden / lay.tp
+                words = self.shape.vocab_rows(lay.tp, lay.sequence_parallel) * self.shape.hidden
                 link = self.profile.link(lay.tp * lay.dp * lay.pp > self.gpn)
                 red += collective_time("all_reduce", self.grad_bytes * words, 2, link)
             local = n_params / (lay.dp if lay.zero >= 1 else 1)

@@ -170,7 +170,7 @@ def load_latest(out: str | os.PathLike, engine, loader) -> int:
     dcp.load(state, checkpoint_id=str(path))
     local = {}
     for chunk, i, name, _, param in _entries(engine):
-        kind = param_table(chunk.cfg, i)[name][1]
+        kind = param_table(chunk.cfg, i, chunk.vocab_parallel)[name][1]
         keys = ("weight", *MOMENTS) if with_optim else ("weight",)
         local[param] = {
             k: shard_full(chunk.cfg, engine.dims, kind,

@@ -8,7 +8,8 @@ give its ``choices`` and, where the flag is not ``--<field-name>``, its ``flag``
 
 The lists of choices live with what implements them: schedules in
 :mod:`distllm.parallel.pipeline.schedules`, overlap modes in the tensor-parallel layers,
-activation checkpointing in :mod:`distllm.models.gpt`; dtype names in :mod:`distllm.dtypes`.
+activation checkpointing and the vocabulary split in :mod:`distllm.models.gpt`; dtype names
+in :mod:`distllm.dtypes`.
 The planner's :class:`~distllm.plan.layout.Layout` converts to a :class:`ParallelConfig`
 with :meth:`ParallelConfig.from_layout`.
 """
@@ -19,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from distllm.models.gpt import CHECKPOINTING, GPTConfig
+from distllm.models.gpt import CHECKPOINTING, VOCAB_PARALLEL, GPTConfig
 from distllm.parallel.pipeline.schedules import SCHEDULES
 from distllm.parallel.tensor.layers import OVERLAP_MODES
 
@@ -80,6 +81,10 @@ class ParallelConfig:
     """Keep LayerNorm/dropout activations sharded along the sequence inside a TP group."""
     overlap: str = _choice("auto", OVERLAP_MODES)
     """Row-parallel GEMM + all-reduce overlap: auto (measured), chunked, or none."""
+    vocab_parallel: str = _choice("auto", VOCAB_PARALLEL)
+    """Split the embedding and the head over TP along the vocabulary: auto (unless
+    vocabulary * (tp - 1) <= 2 * hidden: then every TP rank holds them whole, with no
+    collective), on, or off."""
     bucket_cap_mb: float = 25.0
     """Data-parallel gradient bucket size in MiB."""
     timeout_s: float = field(default=300.0, metadata={"flag": "--timeout"})
@@ -103,6 +108,12 @@ class ParallelConfig:
                     f">= {self.pp} or use --schedule gpipe"
                 )
         _positive("virtual_stages", self.virtual_stages)
+        if self.sequence_parallel and self.tp > 1 and self.vocab_parallel == "off":
+            raise ValueError(
+                "vocab_parallel='off' holds the embedding and the head whole, which sequence "
+                "parallelism does not support: use --vocab-parallel auto (or on), or drop "
+                "--sequence-parallel"
+            )
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s={self.timeout_s}: it must be positive seconds")
 

@@ -18,8 +18,8 @@ CPU = load_profile("cpu")
 DP4 = Layout(1, 1, 4, 0, "none", 1, "none", False, 1)
 
 
-def _cm(prof: Profile = CPU, ranks_per_host: int = 4, **kw) -> CostModel:
-    shape = preset("tiny").with_(global_batch=16, seq_len=128)
+def _cm(prof: Profile = CPU, ranks_per_host: int = 4, vocab: int = 256, **kw) -> CostModel:
+    shape = preset("tiny").with_(global_batch=16, seq_len=128, vocab=vocab)
     return CostModel(shape, prof, 4, 4, dtype="float32", ranks_per_host=ranks_per_host, **kw)
 
 
@@ -106,7 +106,7 @@ def test_cross_entropy_all_reduces_under_tp():
     """The vocab-parallel loss all-reduces the per-token max, then the per-token sum and
     target logit (fp32), once per micro-batch forward."""
     tp2 = Layout(2, 1, 2, 0, "none", 1, "none", False, 1)
-    cm = _cm()
+    cm = _cm(vocab=8192)  # split: more than twice the hidden size (128)
     tokens = 8 * 128
     link = CPU.link(False)
     ce = collective_time("all_reduce", 4 * tokens, 2, link) + collective_time(
@@ -114,6 +114,21 @@ def test_cross_entropy_all_reduces_under_tp():
     *_, emb_c, head_c = cm._ends(8, tp2)
     assert head_c - emb_c == pytest.approx(ce, rel=1e-9)
     assert cm._ends(4, DP4)[-2:] == (0.0, 0.0)
+
+
+def test_a_small_vocabulary_held_whole_costs_no_collective():
+    """distllm holds a small vocabulary whole under TP (the model's own rule, here at tp=2
+    a vocabulary of at most twice the hidden size): no embedding, cross-entropy or head
+    collective, and every TP rank holds and computes the whole head."""
+    tp2 = Layout(2, 1, 2, 0, "none", 1, "none", False, 1)
+    big, small = _cm(vocab=8192), _cm(vocab=256)  # hidden 128: 256 is held whole
+    assert small.shape.splits_vocab(2) is False and big.shape.splits_vocab(2) is True
+    emb, head_f, _, head_w, emb_c, head_c = small._ends(8, tp2)
+    assert (emb_c, head_c) == (0.0, 0.0)
+    assert small._ends(8, Layout(1, 1, 4, 0, "none", 1, "none", False, 1))[3] == head_w
+    assert small.shape.vocab_rows(2) == 256 and big.shape.vocab_rows(2) == 8192 // 2
+    # sequence parallelism keeps the split
+    assert small.shape.splits_vocab(2, sequence_parallel=True) is True
 
 
 def test_a_lockstep_collective_counts_once_on_shared_cores():

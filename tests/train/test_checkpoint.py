@@ -24,7 +24,8 @@ def _close(a: list[float], b: list[float]) -> None:
 
 
 def test_cross_layout_resume(corpus, reference, tmp_path):
-    """tp2.pp2 (DDP) -> tp1.pp1.dp4 (ZeRO-2) -> tp4: the losses go on matching."""
+    """tp2.pp2 (DDP, the tiny vocabulary held whole) -> tp1.pp1.dp4 (ZeRO-2) -> tp4 (the
+    vocabulary split): the losses go on matching."""
     out = tmp_path / "ckpt"
     # an incomplete save (no meta.json) and a crashed one (temp dir) must be ignored
     (out / "checkpoints" / "step_00000009").mkdir(parents=True)
@@ -33,7 +34,7 @@ def test_cross_layout_resume(corpus, reference, tmp_path):
     runs = [
         dict(tp=2, pp=2, m=2, stop_after=2, **common),
         dict(dp=4, zero=2, stop_after=4, resume=True, **common),
-        dict(tp=4, stop_after=6, resume=True, **common),
+        dict(tp=4, vp="on", stop_after=6, resume=True, **common),
     ]
     res = run_distributed(train_many, 4, runs, corpus, str(tmp_path), timeout=600)[0]
     assert [len(r) for r in res] == [2, 2, 2]

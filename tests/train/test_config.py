@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from distllm.dtypes import DTYPES
-from distllm.models.gpt import CHECKPOINTING
+from distllm.models.gpt import CHECKPOINTING, VOCAB_PARALLEL
 from distllm.parallel.mesh import ParallelDims
 from distllm.parallel.pipeline.schedules import SCHEDULES
 from distllm.parallel.tensor.layers import OVERLAP_MODES
@@ -21,6 +21,9 @@ from distllm.train.config import TRAIN_DTYPES, ParallelConfig, TrainConfig, chec
     (dict(tp=0), "tp=0"),
     (dict(pp=4, micro_batches=2), "micro_batches=2 < pp=4"),
     (dict(overlap="y"), "overlap='y': choose one of auto, chunked, none"),
+    (dict(vocab_parallel="n"), "vocab_parallel='n': choose one of auto, on, off"),
+    (dict(tp=2, sequence_parallel=True, vocab_parallel="off"),
+     "vocab_parallel='off' .* use --vocab-parallel auto .*--sequence-parallel"),
 ])
 def test_parallel_config_names_the_knob(kw, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace("[", r"\[")):
@@ -39,7 +42,8 @@ def test_train_config_names_the_knob(kw, words):
 
 def test_choices_come_from_the_implementing_modules():
     assert set(TRAIN_DTYPES) <= set(DTYPES)
-    for f, want in (("schedule", SCHEDULES), ("overlap", OVERLAP_MODES)):
+    for f, want in (("schedule", SCHEDULES), ("overlap", OVERLAP_MODES),
+                    ("vocab_parallel", VOCAB_PARALLEL)):
         assert ParallelConfig.__dataclass_fields__[f].metadata["choices"] is want
     fields = TrainConfig.__dataclass_fields__
     assert fields["activation_checkpointing"].metadata["choices"] is CHECKPOINTING

@@ -1,15 +1,18 @@
 """Hugging Face GPT-2 conversion: ``from_hf`` at tp2.pp2 gives HF's logits and loss
-(float64), and ``to_hf`` gives back HF's weights. The vocabulary (123) is odd so that its
-padding to a multiple of 64*tp and the masking of the padded logits are exercised."""
+(float64), and ``to_hf`` gives back HF's weights, with the vocabulary split over TP and held
+whole. The vocabulary (123) is odd so that its padding to a multiple of 64*tp and the
+masking of the padded logits are exercised."""
 
 from __future__ import annotations
+
+import pytest
 
 from distllm.testing import run_distributed
 
 TOL = 1e-10  # float64; only the summation order of the TP all-reduces differs
 
 
-def _hf_rank(vocab: int, seq: int) -> dict[str, float]:
+def _hf_rank(vocab: int, seq: int, vocab_parallel: str) -> dict[str, float]:
     import torch
     import torch.distributed as dist
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -36,7 +39,8 @@ def _hf_rank(vocab: int, seq: int) -> dict[str, float]:
                                                      x[:, 1:].reshape(-1))
     dims = ParallelDims(tp=2, pp=2)
     ids = stage_layer_ids(cfg.n_layer + 2, 2, 1, dims.pp_rank)[0]
-    model = from_hf(hf, dims, layer_ids=ids).eval()
+    model = from_hf(hf, dims, layer_ids=ids, vocab_parallel=vocab_parallel).eval()
+    assert model.vocab_parallel == (vocab_parallel == "on")
     out: dict[str, float] = {}
     with torch.no_grad():
         if dims.is_first_stage:
@@ -44,8 +48,9 @@ def _hf_rank(vocab: int, seq: int) -> dict[str, float]:
         else:
             h = torch.empty(3, seq, 64, dtype=torch.float64)
             dist.recv(h, dims.prev_pp_rank)
-            local = model(h)  # (b, s, V_pad/tp)
-            full = all_gather_dim(local, -1, dims.tp_group)[..., :vocab]
+            local = model(h)  # (b, s, V_pad/tp); whole: (b, s, V)
+            full = (all_gather_dim(local, -1, dims.tp_group)[..., :vocab]
+                    if model.vocab_parallel else local)
             out["logits"] = float((full - ref.logits).abs().max())
             loss = model.loss(local[:, :-1], x[:, 1:])
             out["loss"] = abs(float(loss) - float(ref_loss))
@@ -57,8 +62,9 @@ def _hf_rank(vocab: int, seq: int) -> dict[str, float]:
     return out
 
 
-def test_from_hf_tp2_pp2():
-    res = run_distributed(_hf_rank, 4, 123, 7, timeout=300)
+@pytest.mark.parametrize("vocab_parallel", ["on", "off"])
+def test_from_hf_tp2_pp2(vocab_parallel):
+    res = run_distributed(_hf_rank, 4, 123, 7, vocab_parallel, timeout=300)
     last = [r for r in res if "logits" in r]
     assert len(last) == 2  # the two TP ranks of the last stage
     for r in last:

@@ -68,8 +68,11 @@ def test_reference_learns(reference):
     assert reference[STEPS - 1] < reference[0] - 0.1
 
 
+# the tiny vocabulary (256 = 2 x hidden) is held whole under TP by default (vp="auto"); the
+# layouts with vp="on" split it as a large vocabulary is (sequence parallelism always does)
 DEFAULT_2 = [
     dict(tp=2, overlap="chunked"),
+    dict(tp=2, vp="on"),
     dict(pp=2, schedule="1f1b", m=2),
     dict(dp=2, zero=2),
     dict(dp=2, zero=3),
@@ -82,6 +85,7 @@ DEFAULT_2 = [
 DEFAULT_4 = [
     dict(tp=2, pp=2, schedule="1f1b", m=2, sp=True, overlap="chunked"),
     dict(tp=2, dp=2, zero=3),
+    dict(tp=2, dp=2, zero=2, vp="on"),
     dict(pp=2, dp=2, schedule="zb-h1", m=2, zero=1),
     dict(tp=4, overlap="auto"),
 ]
@@ -100,6 +104,7 @@ def test_parity_four_ranks(matrix, reference, kw):
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 FULL_2 = (
     [dict(tp=2, sp=sp, overlap=ov) for sp in (False, True) for ov in ("none", "chunked")]
+    + [dict(tp=2, vp="on", overlap=ov) for ov in ("none", "chunked")]
     + [dict(pp=2, schedule=s, m=4 if s == "interleaved-1f1b" else 2) for s in SCHEDULES]
     + [dict(pp=2, schedule="gpipe", m=1)]
     + [dict(dp=2, zero=z) for z in (0, 1, 2, 3)]
@@ -112,7 +117,7 @@ FULL_4 = (
     + [dict(tp=2, pp=2, schedule=s, m=4, sp=True) for s in SCHEDULES]
     + [dict(pp=2, dp=2, schedule="zb-h1", m=2, zero=z) for z in (0, 1, 2)]
     + [dict(pp=2, dp=2, m=2, zero=3)]
-    + [dict(tp=2, dp=2, zero=z) for z in (0, 1, 2, 3)]
+    + [dict(tp=2, dp=2, zero=z, vp=vp) for z in (0, 1, 2, 3) for vp in ("auto", "on")]
 )
 
 
