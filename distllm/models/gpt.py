@@ -9,7 +9,7 @@ gathers the full logits.
 A small vocabulary is not split (``vocab_parallel="auto"``, see :func:`splits_vocab`): the
 embedding and the head are then held whole by every TP rank, as the layer norms are, and
 cost no collective at all (a split one costs an all-reduce of the embedding's output in
-forward, three small ones in the cross-entropy and one of the head's input gradient in
+forward, two small ones in the cross-entropy and one of the head's input gradient in
 backward).
 
 Every layer has *canonical* weights: full (unsharded) tensors with global names such as
@@ -154,7 +154,7 @@ def splits_vocab(vocab: int, hidden: int, tp: int, sequence_parallel: bool = Fal
     head whole instead of its ``1/tp`` share costs ``6TVh(1 - 1/tp)`` FLOPs forward and
     backward, at most half a block's, and holding the table whole at most ``2h^2/tp`` more
     weights (and their optimizer state), a sixth of a block's. The split costs an activation
-    all-reduce in the embedding's forward and in the head's backward, plus three
+    all-reduce in the embedding's forward and in the head's backward, plus two
     latency-bound ones in the cross-entropy. Sequence parallelism keeps the split (its
     activations are sharded along the sequence there)."""
     if choice not in VOCAB_PARALLEL:
