@@ -32,7 +32,7 @@ from torch import nn
 from distllm.parallel.mesh import ParallelDims
 
 __all__ = ["GPTConfig", "GPT", "Embedding", "Block", "Head", "PRESETS", "CHECKPOINTING",
-           "VOCAB_PARALLEL", "splits_vocab"]
+           "VOCAB_PARALLEL", "splits_vocab", "check_vocab_parallel"]
 
 CHECKPOINTING = ("none", "selective", "full")
 """Activation checkpointing of a :class:`Block`: none, selective (recompute the attention
@@ -157,17 +157,21 @@ def splits_vocab(vocab: int, hidden: int, tp: int, sequence_parallel: bool = Fal
     all-reduce in the embedding's forward and in the head's backward, plus two
     latency-bound ones in the cross-entropy. Sequence parallelism keeps the split (its
     activations are sharded along the sequence there)."""
-    if choice not in VOCAB_PARALLEL:
-        raise ValueError(f"vocab_parallel={choice!r}: choose one of {', '.join(VOCAB_PARALLEL)}")
-    if tp == 1 or choice == "on":
-        return True
-    if sequence_parallel:
-        if choice == "off":
-            raise ValueError("vocab_parallel='off' holds the embedding and the head whole, "
-                             "which sequence parallelism does not support: use "
-                             "--vocab-parallel auto (or on), or drop --sequence-parallel")
+    check_vocab_parallel(choice, tp, sequence_parallel)
+    if tp == 1 or choice == "on" or sequence_parallel:
         return True
     return choice == "auto" and vocab * (tp - 1) > 2 * hidden
+
+
+def check_vocab_parallel(choice: str, tp: int, sequence_parallel: bool) -> None:
+    """A ValueError naming the knob when ``vocab_parallel=choice`` is not one of
+    :data:`VOCAB_PARALLEL`, or asks for the whole vocabulary under sequence parallelism."""
+    if choice not in VOCAB_PARALLEL:
+        raise ValueError(f"vocab_parallel={choice!r}: choose one of {', '.join(VOCAB_PARALLEL)}")
+    if choice == "off" and sequence_parallel and tp > 1:
+        raise ValueError("vocab_parallel='off' holds the embedding and the head whole, which "
+                         "sequence parallelism does not support: use --vocab-parallel auto "
+                         "(or on), or drop --sequence-parallel")
 
 
 def _layer_norm(cfg: GPTConfig, dims: ParallelDims, sp: bool, dtype) -> nn.Module:

@@ -20,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from distllm.models.gpt import CHECKPOINTING, VOCAB_PARALLEL, GPTConfig
+from distllm.models.gpt import CHECKPOINTING, VOCAB_PARALLEL, GPTConfig, check_vocab_parallel
 from distllm.parallel.pipeline.schedules import SCHEDULES
 from distllm.parallel.tensor.layers import OVERLAP_MODES
 
@@ -108,12 +108,7 @@ class ParallelConfig:
                     f">= {self.pp} or use --schedule gpipe"
                 )
         _positive("virtual_stages", self.virtual_stages)
-        if self.sequence_parallel and self.tp > 1 and self.vocab_parallel == "off":
-            raise ValueError(
-                "vocab_parallel='off' holds the embedding and the head whole, which sequence "
-                "parallelism does not support: use --vocab-parallel auto (or on), or drop "
-                "--sequence-parallel"
-            )
+        check_vocab_parallel(self.vocab_parallel, self.tp, self.sequence_parallel)
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s={self.timeout_s}: it must be positive seconds")
 

@@ -123,7 +123,7 @@ def test_a_small_vocabulary_held_whole_costs_no_collective():
     tp2 = Layout(2, 1, 2, 0, "none", 1, "none", False, 1)
     big, small = _cm(vocab=8192), _cm(vocab=256)  # hidden 128: 256 is held whole
     assert small.shape.splits_vocab(2) is False and big.shape.splits_vocab(2) is True
-    emb, head_f, _, head_w, emb_c, head_c = small._ends(8, tp2)
+    *_, head_w, emb_c, head_c = small._ends(8, tp2)
     assert (emb_c, head_c) == (0.0, 0.0)
     assert small._ends(8, Layout(1, 1, 4, 0, "none", 1, "none", False, 1))[3] == head_w
     assert small.shape.vocab_rows(2) == 256 and big.shape.vocab_rows(2) == 8192 // 2

@@ -97,3 +97,25 @@ def test_from_config_resolves_dp_and_names_a_bad_world():
     assert Layout.from_config(cfg, 6) == Layout(2, 1, 3, 0, "none", 1)
     with pytest.raises(ValueError, match="world size 5 is not divisible by tp\\*pp=2"):
         Layout.from_config(cfg, 5)
+
+
+def test_engine_builds_the_model_with_the_configured_vocabulary_split(monkeypatch):
+    """The engine hands ``vocab_parallel`` to every GPT chunk it builds (a parity run with
+    ``vp="on"`` would otherwise test the default split without saying so)."""
+    import distllm.train.engine as engine_mod
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_gpt(cfg, dims, **kw):
+        seen.append(kw.get("vocab_parallel"))
+        raise Stop
+
+    monkeypatch.setattr(engine_mod, "GPT", fake_gpt)
+    for choice in ("on", "off"):
+        cfg = TrainConfig(model="tiny", parallel=ParallelConfig(vocab_parallel=choice))
+        with pytest.raises(Stop):
+            engine_mod.Engine(cfg, cfg.model_config(), ParallelDims())
+    assert seen == ["on", "off"]
