@@ -243,7 +243,7 @@ class Engine:
             self.zero.zero_grad()
         else:
             self.optimizer.step()
-            self.ddp.zero_grad()  # bucket views kept with DP, else set to None
+            self.ddp.zero_grad()
         return StepMetrics(loss=read.get("loss", float("nan")), grad_norm=read["grad_norm"],
                            skipped=skipped)
 

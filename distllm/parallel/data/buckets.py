@@ -15,13 +15,18 @@ Buckets are launched strictly in index order (bucket ``i`` waits for ``0..i-1``)
 collectives of every rank are issued in the same order even when gradients arrive in a
 different order on different ranks.
 
-Two ways a gradient reaches its bucket:
-
-* ``as_view=True`` (same dtype, persistent buffers): each ``param.grad`` *is* a view of
-  its bucket, so autograd accumulates straight into the buffer and nothing is copied.
-  A ``param.grad`` reset to ``None`` (``zero_grad``) is re-installed as the view by the hook.
-* ``as_view=False`` (mixed precision, or transient buffers): the hook adds ``param.grad``
-  (e.g. bf16) into the bucket (e.g. fp32) and sets ``param.grad = None``.
+A gradient reaches its bucket from the hook: its first contribution of the cycle is
+divided by the group size straight into the bucket (``torch.div(grad, n, out=slice)``: one
+pass that is both the copy and the averaging, bit for bit the same as a copy then a
+division), later ones are added, and ``param.grad`` is set to ``None`` so that autograd's
+own tensor is freed. A slice that was not divided that way (accumulated under ``no_sync``,
+or cast from another dtype: the division then runs in the bucket's dtype) is divided at
+launch. With ``as_view=True`` (same dtype, persistent buffers; DDP) every ``param.grad``
+is made a view of its bucket when the cycle finishes, so after ``backward`` the gradients
+read like torch DDP's; a ``.grad`` that is still that view when the next backward runs
+(``zero_grad(set_to_none=False)``, or no ``zero_grad``) is accumulated into by autograd in
+place. Compared with zeroing the bucket and letting autograd add into it, this saves a
+fill, a read of the bucket and the separate division pass per step.
 
 A step is a *cycle*: hooks fire (under ``no_sync`` they only accumulate), buckets launch,
 then :meth:`GradBuckets.finish` launches whatever did not launch (parameters that got no
@@ -108,7 +113,8 @@ class Bucket:
     work: object = None
     out: Tensor | None = None  # reduce_scatter output, added into ``shard`` on completion
     fresh: bool = True  # the buffer holds nothing of this cycle yet
-    written: set[int] = field(default_factory=set)  # as_view=False: slices holding this cycle
+    written: set[int] = field(default_factory=set)  # slices holding this cycle's gradient
+    scaled: set[int] = field(default_factory=set)  # written slices already divided by nranks
     shard_fresh: bool = True
     nranks: int = 1  # size of the group the bucket is reduced over
 
@@ -181,6 +187,7 @@ class GradBuckets:
         self._hooks_fired = 0
         self.launch_log: list[tuple[int, float, int]] = []
         self.launches_in_backward = 0  # launches from a hook, i.e. while backward ran
+        self._views: dict[torch.nn.Parameter, Tensor] = {}  # as_view: each param's slice
         for p in self.where:
             p.register_post_accumulate_grad_hook(self._hook)
 
@@ -211,42 +218,60 @@ class GradBuckets:
 
     def _ensure_buffer(self, b: Bucket) -> Tensor:
         """The bucket's buffer. A new one is not zeroed (its first gradient per parameter is
-        copied in, and what none wrote is zeroed at launch: one pass less over the bucket),
+        written in, and what none wrote is zeroed at launch: one pass less over the bucket),
         except for the padding after the last parameter."""
         if b.buffer is None:
             b.buffer = torch.empty(b.numel, dtype=self.dtype, device=b.params[0].device)
             end = b.offsets[-1] + b.shapes[-1].numel()
             b.buffer[end:].zero_()
             b.written.clear()
-        elif b.fresh and not self.as_view:
+            b.scaled.clear()
+        elif b.fresh:
             b.written.clear()
+            b.scaled.clear()
         b.fresh = False
         return b.buffer
 
     # --- the hook ------------------------------------------------------------------------
-    def _accumulate(self, p: torch.nn.Parameter) -> None:
+    def _accumulate(self, p: torch.nn.Parameter, divide: bool) -> None:
+        """Bring ``p``'s gradient of this cycle into its slice (zeros when it has none);
+        ``divide``: a first contribution is divided by the group size on the way in."""
         b, j = self.where[p]
         self._ensure_buffer(b)
         v = self.view(p)
-        if self.as_view:
-            if p.grad is not None and p.grad.data_ptr() != v.data_ptr():
-                v.copy_(p.grad)  # grad was reset to None then re-created by autograd
-                p.grad = v
-            elif p.grad is None:
+        g = p.grad
+        if g is not None and g.data_ptr() == v.data_ptr():
+            b.written.add(j)  # autograd accumulated into the slice itself
+            return
+        if j not in b.written:
+            if g is None:
                 v.zero_()
-                p.grad = v
-        elif p.grad is not None:
-            if j in b.written:
-                v.add_(p.grad)  # casts, e.g. bf16 -> fp32
+                b.scaled.add(j)  # zeros need no division
+            elif divide and g.dtype == v.dtype:
+                torch.div(g, self.nranks, out=v)
+                b.scaled.add(j)
             else:
-                v.copy_(p.grad)
-                b.written.add(j)
-            p.grad = None
+                v.copy_(g)  # casts, e.g. bf16 -> fp32
+            b.written.add(j)
+        elif g is not None:
+            if j in b.scaled:
+                v.add_(g, alpha=1.0 / self.nranks)
+            else:
+                v.add_(g)
+        p.grad = None
+
+    def _install_views(self) -> None:
+        """``as_view``: every ``param.grad`` becomes its slice of the bucket."""
+        for p in self.where:
+            v = self._views.get(p)
+            if v is None:
+                v = self._views[p] = self.view(p)
+            p.grad = v
 
     @torch.no_grad()
     def _hook(self, p: torch.nn.Parameter) -> None:
         self._synced = False
-        self._accumulate(p)
+        self._accumulate(p, divide=self.sync_enabled and self.nranks > 1)
         if not self.sync_enabled:
             return
         b, j = self.where[p]
@@ -276,9 +301,7 @@ class GradBuckets:
             if b.launched or j in b.ready:
                 continue
             self._synced = False
-            self._ensure_buffer(b)
-            if self.as_view and (p.grad is None or p.grad.data_ptr() != self.view(p).data_ptr()):
-                self._accumulate(p)
+            self._accumulate(p, divide=self.nranks > 1)
             b.ready.add(j)
         self._launch_in_order(in_backward=False)
 
@@ -294,20 +317,19 @@ class GradBuckets:
 
     def _launch(self, b: Bucket, in_backward: bool) -> None:
         buf = self._ensure_buffer(b)
-        if self.as_view:  # unused params: their grad may be None or not our view
-            for p in b.params:
-                if p.grad is None or p.grad.data_ptr() != self.view(p).data_ptr():
-                    self._accumulate(p)
-        else:  # a parameter without a gradient this cycle contributes zeros
-            for j, p in enumerate(b.params):
-                if j not in b.written:
-                    self.view(p).zero_()
-                    b.written.add(j)
+        for j, p in enumerate(b.params):  # a parameter without a gradient contributes zeros
+            if j not in b.written:
+                self._accumulate(p, divide=self.nranks > 1)
         b.launched = True
         self.launch_log.append((b.index, time.perf_counter(), self._hooks_fired))
         self.launches_in_backward += int(in_backward)
-        if self.nranks > 1:
-            buf.div_(self.nranks)  # average (gloo has no AVG)
+        if self.nranks > 1 and len(b.scaled) < len(b.params):  # average (gloo has no AVG)
+            if not b.scaled:
+                buf.div_(self.nranks)
+            else:
+                for j, p in enumerate(b.params):
+                    if j not in b.scaled:
+                        self.view(p).div_(self.nranks)
         if self.mode == "all_reduce":
             if self.nranks > 1:
                 b.work = dist.all_reduce(buf, group=self.group, async_op=True)
@@ -356,6 +378,11 @@ class GradBuckets:
             self._complete(b)
             b.ready.clear()
             b.launched = False
+            b.scaled.clear()  # what the buffer holds now is a whole average
+            if self.as_view:  # the .grad views hold it: a new .grad overwrites its slice
+                b.fresh = True
+        if self.as_view:
+            self._install_views()
         self._next = 0
         self._hooks_fired = 0
         self._synced = True
@@ -377,13 +404,24 @@ class GradBuckets:
         finally:
             self.sync_enabled = prev
 
-    def zero_grad(self) -> None:
-        """Forget this cycle's gradients: buffers and shards are zeroed on next use."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget this cycle's gradients: buffers and shards are rewritten on next use.
+        ``as_view``: ``param.grad`` becomes ``None`` (the next gradient is divided into its
+        slice), or with ``set_to_none=False`` stays the bucket's view, zeroed in place."""
         for b in self.buckets:
             b.fresh = True
             b.shard_fresh = True
-            if self.as_view and b.buffer is not None:
-                b.buffer.zero_()
+        if self.as_view:
+            if set_to_none:
+                for p in self.where:
+                    p.grad = None
+            else:
+                for b in self.buckets:
+                    b.buffer.zero_()
+                    b.fresh = False
+                    b.written = set(range(len(b.params)))
+                    b.scaled.clear()
+                self._install_views()
         self._synced = False
 
     def params(self) -> Iterable[torch.nn.Parameter]:

@@ -59,9 +59,10 @@ class DistributedDataParallel(nn.Module):
             are still handled (at the end of backward), just without overlap for their bucket.
 
     Collectives: forward none; backward one all-reduce per bucket (sum, pre-divided by dp).
-    Gradients are views of the buckets (``param.grad`` aliases the flat buffer), so
-    ``zero_grad(set_to_none=False)`` keeps them zero-copy; with ``set_to_none=True`` the hook
-    copies the new gradient into its bucket once.
+    After backward the gradients are views of the buckets (``param.grad`` aliases the flat
+    buffer). After ``zero_grad()`` (``set_to_none=True``) the hook writes each new gradient
+    into its bucket divided by ``dp`` in one pass and frees autograd's tensor;
+    ``zero_grad(set_to_none=False)`` keeps the views, zeroed, for autograd to add into.
 
     Unused parameters: a parameter that gets no gradient contributes zeros when its bucket
     is launched at the end of backward (or by :meth:`finish_grad_sync`), so no step hangs;
@@ -121,18 +122,15 @@ class DistributedDataParallel(nn.Module):
         if self.reducer is not None:
             self.reducer.finish()
 
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        """Forget the gradients. ``set_to_none=False`` zeroes them in place (with buckets, the
-        ``.grad`` stay bucket views, so the next backward accumulates into them with no
-        copy); True sets them to None. The default: in place with buckets; None without
-        (``dp == 1``), where zeroing would only add a fill and an add per parameter to the
-        next step (autograd then hands its gradient over instead of adding it)."""
-        if set_to_none is None:
-            set_to_none = self.reducer is None
-        if self.reducer is None or set_to_none:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradients, as ``nn.Module.zero_grad``. ``True`` (the default, torch's
+        too) sets each ``.grad`` to ``None``: the next backward hands its gradient over and
+        the hook divides it into its bucket slice in one pass. ``False`` zeroes them in place
+        (with buckets they stay bucket views that the next backward accumulates into)."""
+        if self.reducer is None:
             self.module.zero_grad(set_to_none=set_to_none)
         else:
-            self.reducer.zero_grad()
+            self.reducer.zero_grad(set_to_none=set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm over this replica's TP/PP shards (see

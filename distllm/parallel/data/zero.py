@@ -216,8 +216,9 @@ class ZeroOptimizer(ZeroGradChecks):
         self.reducer.finish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget the accumulated gradients (buckets and shards restart from zero)."""
-        self.reducer.zero_grad()
+        """Forget the accumulated gradients (buckets and shards restart from zero;
+        ``set_to_none=False`` keeps stage 0-1's ``.grad`` bucket views, zeroed)."""
+        self.reducer.zero_grad(set_to_none=set_to_none)
         for m in self.masters:
             m.grad = None
         for p in self.reducer.params():

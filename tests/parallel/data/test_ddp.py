@@ -29,8 +29,11 @@ def _max_diff(a: nn.Module, b: nn.Module, grads: bool = False) -> float:
 
 
 def _parity(dims) -> dict:
-    """AdamW steps: distllm DDP vs torch DDP vs one process; the second step accumulates two
-    micro-batches (the first under no_sync); clipping at every step."""
+    """AdamW steps: distllm DDP vs torch DDP vs one process, with each way of zeroing: DDP's
+    ``zero_grad()`` (to None), the optimizer's, DDP's ``zero_grad(set_to_none=False)`` (views
+    kept, zeroed), and none (the last step adds to the clipped gradients of the one before).
+    Steps 1 and 2 accumulate two micro-batches (the first under no_sync); clipping at every
+    step."""
     from distllm.parallel import DistributedDataParallel
 
     mine, theirs, ref = make(), make(), make()
@@ -39,22 +42,29 @@ def _parity(dims) -> dict:
                                             bucket_cap_mb=0.002)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
             for m in (mine, theirs, ref)]
-    errs = {"grad_vs_torch": 0.0, "norm": 0.0}
-    for s in range(4):
+    errs = {"grad_vs_torch": 0.0, "norm": 0.0, "views": True, "zeroed_to_none": True,
+            "zeroed_in_place": True}
+
+    def views() -> bool:
+        return all(p.grad is not None and d.reducer.view(p).data_ptr() == p.grad.data_ptr()
+                   for p in mine.parameters())
+
+    for s in range(7):
         x, y = batch(s)
         xl, yl = local(x, dims), local(y, dims)
-        if s % 2 == 0:
-            d.zero_grad()  # zero-copy: .grad stays a view of the bucket
-            if s:
-                errs["views_kept"] = errs.get("views_kept", True) and all(
-                    p.grad is not None and not p.grad.any()
-                    and d.reducer.view(p).data_ptr() == p.grad.data_ptr()
-                    for p in mine.parameters())
-        else:
-            opts[0].zero_grad()  # set_to_none: the hook re-installs the views
-        for o in opts[1:]:
-            o.zero_grad()
-        if s == 1:  # gradient accumulation: 2 micro-batches
+        if s % 3 == 0 and s < 6:
+            d.zero_grad()
+            errs["zeroed_to_none"] &= all(p.grad is None for p in mine.parameters())
+        elif s % 3 == 1:
+            opts[0].zero_grad()  # torch's set_to_none, behind DDP's back
+        elif s % 3 == 2:
+            d.zero_grad(set_to_none=False)
+            errs["zeroed_in_place"] &= views() and not any(p.grad.any()
+                                                           for p in mine.parameters())
+        if s < 6:
+            for o in opts[1:]:
+                o.zero_grad()
+        if s in (1, 2):  # gradient accumulation: 2 micro-batches
             h = xl.shape[0] // 2
             for model in (d, t):
                 with model.no_sync():
@@ -65,6 +75,7 @@ def _parity(dims) -> dict:
             loss_fn(t, xl, yl).backward()
         loss_fn(ref, x, y).backward()
         errs["grad_vs_torch"] = max(errs["grad_vs_torch"], _max_diff(mine, theirs, grads=True))
+        errs["views"] &= views()
         n1 = d.clip_grad_norm_(0.05)
         n2 = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.05)
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
@@ -264,9 +275,12 @@ def test_dp1_ddp_leaves_gradients_alone(spawned):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_zero_grad_keeps_bucket_views_with_dp_and_drops_grads_without(spawned, world):
+def test_zero_grad_modes_and_bucket_views(spawned, world):
     for r in spawned(ddp_scenarios, world):
-        assert r["parity"]["views_kept"] is True, "zero_grad() broke the bucket views"
+        e = r["parity"]
+        assert e["views"], "after backward a .grad is not its bucket's view"
+        assert e["zeroed_to_none"], "zero_grad() left gradients"
+        assert e["zeroed_in_place"], "zero_grad(set_to_none=False) broke or did not zero the views"
         if world == 2:
             assert r["dp1_zeroed_to_none"], "dp=1 zero_grad() kept gradients to fill and add"
 
