@@ -187,7 +187,7 @@ class GradBuckets:
         self._hooks_fired = 0
         self.launch_log: list[tuple[int, float, int]] = []
         self.launches_in_backward = 0  # launches from a hook, i.e. while backward ran
-        self._views: dict[torch.nn.Parameter, Tensor] = {}  # as_view: each param's slice
+        self._views: dict[torch.nn.Parameter, Tensor] = {}  # persistent: each param's slice
         for p in self.where:
             p.register_post_accumulate_grad_hook(self._hook)
 
@@ -211,10 +211,17 @@ class GradBuckets:
             self.where[p] = (b, j)
 
     def view(self, p: torch.nn.Parameter) -> Tensor:
-        """``p``'s slice of its bucket buffer, shaped like ``p`` (the buffer must exist)."""
+        """``p``'s slice of its bucket buffer, shaped like ``p`` (the buffer must exist);
+        made once per parameter when the buffers are persistent."""
+        v = self._views.get(p)
+        if v is not None:
+            return v
         b, j = self.where[p]
         assert b.buffer is not None
-        return b.buffer[b.offsets[j]: b.offsets[j] + b.shapes[j].numel()].view(b.shapes[j])
+        v = b.buffer[b.offsets[j]: b.offsets[j] + b.shapes[j].numel()].view(b.shapes[j])
+        if self.persistent:
+            self._views[p] = v
+        return v
 
     def _ensure_buffer(self, b: Bucket) -> Tensor:
         """The bucket's buffer. A new one is not zeroed (its first gradient per parameter is
@@ -263,10 +270,7 @@ class GradBuckets:
     def _install_views(self) -> None:
         """``as_view``: every ``param.grad`` becomes its slice of the bucket."""
         for p in self.where:
-            v = self._views.get(p)
-            if v is None:
-                v = self._views[p] = self.view(p)
-            p.grad = v
+            p.grad = self.view(p)
 
     @torch.no_grad()
     def _hook(self, p: torch.nn.Parameter) -> None:
