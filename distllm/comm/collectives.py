@@ -13,11 +13,23 @@
   transport threads progress); ``inp`` is only read.
 - :func:`reduce_scatter_by_all_reduce`: the all-reduce of the whole input, of which each
   rank keeps its slice, on any backend (``inp`` is overwritten with the full sum).
+- :func:`all_gather`: the all-gather of one flat tensor into ``world`` slices, the one the
+  ZeRO parameter gathers call. On gloo with CPU tensors of at least
+  :data:`PAIRWISE_MIN_BYTES` per rank it is :func:`all_gather_pairwise`; below that, and on
+  other backends, the backend's collective (:func:`distllm.comm.compat.all_gather_into`).
+  Gloo's all-gather is a ring: ``world - 1`` rounds, each a send and a receive through the
+  transport thread; the pairwise exchange posts every message at once. On 2 CPU ranks over
+  loopback (interleaved medians, one process's CPU per call) it took 2.6 ms of CPU against
+  3.3 ms for the gathers of three buckets of 1.2, 0.1 and 2.2 MB, and 10.0 against 12.5 ms
+  for one of 26 MB; at 40 KB per rank gloo's was faster.
+- :func:`all_gather_pairwise`: rank ``r`` sends its input to every peer and receives each
+  peer's into its slice of ``out`` (``isend`` / ``irecv``); its own slice is copied (or
+  already in place when ``inp`` is that slice of ``out``).
 - :func:`broadcast_from`: a broadcast whose source is named by its rank *within* the group
   (torch's ``src`` is a global rank).
 
 Each returns, with ``async_op=True``, a handle with ``wait()`` and ``is_completed()``; the
-reduce-scatters write ``out`` by the time ``wait()`` returns.
+reduce-scatters and all-gathers write ``out`` by the time ``wait()`` returns.
 """
 
 from __future__ import annotations
@@ -26,10 +38,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
-from distllm.comm.compat import reduce_scatter_into
+from distllm.comm.compat import all_gather_into, reduce_scatter_into
 
 __all__ = ["reduce_scatter", "reduce_scatter_pairwise", "reduce_scatter_by_all_reduce",
-           "broadcast_from"]
+           "all_gather", "all_gather_pairwise", "broadcast_from", "PAIRWISE_MIN_BYTES"]
+
+# gloo, CPU tensors: the all-gather is pairwise from this many bytes per rank (see above)
+PAIRWISE_MIN_BYTES = 64 * 1024
 
 
 class _SliceOnWait:
@@ -91,13 +106,45 @@ class _PairwiseOnWait:
         return True
 
 
+class _GatherPairwise:
+    """The pairwise all-gather in flight: every message is posted; :meth:`wait` waits."""
+
+    def __init__(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None):
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        slots = out.view(world, -1)  # slot q receives rank q's input
+        self.works: list[Work] = []
+        for q in range(world):
+            if q != rank:
+                self.works.append(dist.irecv(slots[q], group=group, group_src=q))
+        for q in range(world):
+            if q != rank:
+                self.works.append(dist.isend(inp.view(-1), group=group, group_dst=q))
+        if slots[rank].data_ptr() != inp.data_ptr():  # (in place: already there)
+            slots[rank].copy_(inp.view(-1))
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        self.works = []
+        return True
+
+
 def _check_sizes(out: torch.Tensor, inp: torch.Tensor, world: int) -> None:
     if inp.numel() != world * out.numel():
         raise ValueError(f"reduce-scatter over {world} ranks: inp has {inp.numel()} elements, "
                          f"out {out.numel()}; inp must hold {world} * out.numel() (pad it)")
 
 
-def _finish(handle: _SliceOnWait | _PairwiseOnWait, async_op: bool):
+def _check_gather_sizes(out: torch.Tensor, inp: torch.Tensor, world: int) -> None:
+    if out.numel() != world * inp.numel():
+        raise ValueError(f"all-gather over {world} ranks: out has {out.numel()} elements, inp "
+                         f"{inp.numel()}; out must hold {world} * inp.numel()")
+
+
+def _finish(handle: _SliceOnWait | _PairwiseOnWait | _GatherPairwise, async_op: bool):
     if async_op:
         return handle
     handle.wait()
@@ -143,6 +190,31 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | N
         return reduce_scatter_pairwise(out, inp, group, async_op)
     _check_sizes(out, inp, dist.get_world_size(group))
     return reduce_scatter_into(out, inp, group=group, async_op=async_op)
+
+
+def all_gather_pairwise(out: torch.Tensor, inp: torch.Tensor,
+                        group: ProcessGroup | None = None,
+                        async_op: bool = False) -> _GatherPairwise | None:
+    """All-gather by point-to-point messages: ``out`` (contiguous, ``world * inp.numel()``
+    elements) receives every rank's ``inp`` in rank order. ``inp`` may be this rank's slice
+    of ``out`` itself; it must stay unchanged until the handle is waited on. Returns the
+    handle when ``async_op``, else ``None``."""
+    _check_gather_sizes(out, inp, dist.get_world_size(group))
+    return _finish(_GatherPairwise(out, inp, group), async_op)
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None = None,
+               async_op: bool = False) -> Work | _GatherPairwise | None:
+    """All-gather ``inp`` from every rank of ``group`` into ``out`` (``world * inp.numel()``
+    elements, contiguous), in rank order: :func:`all_gather_pairwise` on gloo for CPU
+    tensors of at least :data:`PAIRWISE_MIN_BYTES`, else the backend's collective. Returns
+    the handle when ``async_op``, else ``None``."""
+    _check_gather_sizes(out, inp, dist.get_world_size(group))
+    if (dist.get_backend(group) == "gloo" and not inp.is_cuda
+            and inp.numel() * inp.element_size() >= PAIRWISE_MIN_BYTES
+            and dist.get_world_size(group) > 1):
+        return all_gather_pairwise(out, inp, group, async_op)
+    return all_gather_into(out, inp, group=group, async_op=async_op)
 
 
 def broadcast_from(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup | None = None,

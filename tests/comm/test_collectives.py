@@ -1,6 +1,7 @@
 """The shared collectives on 2 and 4 gloo ranks: each reduce-scatter path against the sum
 computed here (integer-valued float64, so exact), sync and async, what each leaves in its
-input, and the broadcast from a rank named within a subgroup."""
+input; each all-gather path against the inputs concatenated here, in place or not, on the
+world and on subgroups; and the broadcast from a rank named within a subgroup."""
 
 from __future__ import annotations
 
@@ -71,3 +72,56 @@ def test_reduce_scatter_and_broadcast(world):
         assert "(pad it)" in r["size_error"], r["size_error"]
         src = rank // 2 * 2 + 1
         assert r["broadcast"] == [float(src)] * 3, f"rank {rank}: {r['broadcast']}"
+
+
+def gathers_main() -> dict:
+    from distllm.comm.collectives import PAIRWISE_MIN_BYTES, all_gather, all_gather_pairwise
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    big = PAIRWISE_MIN_BYTES // 8 + 3  # float64 elements per rank: the pairwise path's size
+    groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    for gname, group, ranks in (("world", dist.group.WORLD, list(range(world))),
+                                ("pair", groups[rank // 2], [rank // 2 * 2, rank // 2 * 2 + 1])):
+        me = ranks.index(rank)
+        for n in (N, big):
+            want = torch.cat([_inp(r, 1)[:1].repeat(n) + torch.arange(n) for r in ranks])
+            for name, fn in (("auto", all_gather), ("pairwise", all_gather_pairwise)):
+                for async_op in (False, True):
+                    for in_place in (False, True):
+                        res = torch.full((len(ranks) * n,), float("nan"), dtype=torch.float64)
+                        mine = _inp(rank, 1)[:1].repeat(n) + torch.arange(n)
+                        inp = res[me * n: (me + 1) * n] if in_place else mine.clone()
+                        if in_place:
+                            inp.copy_(mine)
+                        h = fn(res, inp, group, async_op=async_op)
+                        if async_op:
+                            h.wait()
+                            assert h.is_completed()
+                        else:
+                            assert h is None
+                        if name == "auto" and async_op:  # gloo, CPU: pairwise from big
+                            out[(gname, n == big, "handle")] = type(h).__name__
+                        key = (gname, n == big, name, async_op, in_place)
+                        out[key] = (res - want).abs().max().item()
+                        out[key + ("inp",)] = (inp - mine).abs().max().item()
+    try:
+        all_gather(torch.empty(world * big + 1, dtype=torch.float64),
+                   torch.zeros(big, dtype=torch.float64), dist.group.WORLD)
+        out["size_error"] = "no error"
+    except ValueError as e:
+        out["size_error"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_gather_paths(world):
+    for rank, r in enumerate(run_distributed(gathers_main, world, timeout=120)):
+        for g in ("world", "pair"):
+            assert r.pop((g, True, "handle")) == "_GatherPairwise", (rank, g)
+            assert r.pop((g, False, "handle")) != "_GatherPairwise", (rank, g)
+        keys = [k for k in r if isinstance(k, tuple)]
+        assert len(keys) == 2 * 2 * 2 * 2 * 2 * 2, sorted(keys)
+        for key in keys:
+            assert r[key] == 0.0, f"rank {rank}, all_gather {key}: off by {r[key]}"
+        assert f"out must hold {world} * inp.numel()" in r["size_error"], r["size_error"]

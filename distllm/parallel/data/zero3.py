@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from distllm.comm.compat import all_gather_into
+from distllm.comm.collectives import all_gather
 from distllm.parallel.data.buckets import GradBuckets
 
 __all__ = ["ShardedParams", "default_units"]
@@ -159,7 +159,7 @@ class ShardedParams:
                 if self.group is None:
                     f.full.copy_(f.shard)
                 else:
-                    f.work = all_gather_into(f.full, f.shard, group=self.group, async_op=True)
+                    f.work = all_gather(f.full, f.shard, group=self.group, async_op=True)
                 f.state = "gathering"
         if wait:
             for f in self.flats[u]:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from torch import Tensor, nn
 from torch.distributed import Work
 
-from distllm.comm.compat import all_gather_into
+from distllm.comm.collectives import all_gather
 from distllm.parallel.data.buckets import Bucket
 
 __all__ = ["ParamGathers"]
@@ -65,7 +65,7 @@ class ParamGathers:
 
     def launch(self, i: int, flat: Tensor, shard: Tensor) -> None:
         """Start gathering every rank's ``shard`` of bucket ``i`` into ``flat``."""
-        self.pending[i] = (all_gather_into(flat, shard, group=self.group, async_op=True), shard)
+        self.pending[i] = (all_gather(flat, shard, group=self.group, async_op=True), shard)
 
     def wait(self, i: int) -> None:
         """Wait for bucket ``i``'s gather, if one is in flight."""

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from distllm.comm.compat import all_gather_into
+from distllm.comm.collectives import all_gather
 
 __all__ = ["gather_state", "load_state", "ModuleStateHooks"]
 
@@ -36,7 +36,7 @@ def _full(z, shard: Tensor) -> Tensor:
     if z.stage == 0 or z.nranks == 1:
         return shard.detach().clone()
     out = torch.empty(shard.numel() * z.nranks, dtype=shard.dtype, device=shard.device)
-    all_gather_into(out, shard.detach().contiguous(), group=z.group)
+    all_gather(out, shard.detach().contiguous(), group=z.group)
     return out
 
 
