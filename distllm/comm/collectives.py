@@ -25,6 +25,14 @@
 - :func:`all_gather_pairwise`: rank ``r`` sends its input to every peer and receives each
   peer's into its slice of ``out`` (``isend`` / ``irecv``); its own slice is copied (or
   already in place when ``inp`` is that slice of ``out``).
+- :func:`all_reduce`: the sum all-reduce in place of one contiguous tensor, the one DDP's
+  buckets call. On gloo with CPU tensors of at least :data:`PAIRWISE_MIN_BYTES` over
+  exactly 2 ranks it is :func:`all_reduce_exchange`; otherwise the backend's collective.
+  Between 2 ranks gloo's ring sends half the tensor, then the other half, one round after
+  the other; the exchange sends the whole tensor at once (the same bytes) and each rank
+  adds what it received.
+- :func:`all_reduce_exchange`: the 2-rank all-reduce as one exchange: each rank sends its
+  tensor and adds the peer's into it (``rank 0's + rank 1's``: the same bits on both).
 - :func:`broadcast_from`: a broadcast whose source is named by its rank *within* the group
   (torch's ``src`` is a global rank).
 
@@ -41,7 +49,8 @@ from torch.distributed import ProcessGroup, Work
 from distllm.comm.compat import all_gather_into, reduce_scatter_into
 
 __all__ = ["reduce_scatter", "reduce_scatter_pairwise", "reduce_scatter_by_all_reduce",
-           "all_gather", "all_gather_pairwise", "broadcast_from", "PAIRWISE_MIN_BYTES"]
+           "all_gather", "all_gather_pairwise", "all_reduce", "all_reduce_exchange",
+           "broadcast_from", "PAIRWISE_MIN_BYTES"]
 
 # gloo, CPU tensors: the all-gather is pairwise from this many bytes per rank (see above)
 PAIRWISE_MIN_BYTES = 64 * 1024
@@ -138,13 +147,38 @@ def _check_sizes(out: torch.Tensor, inp: torch.Tensor, world: int) -> None:
                          f"out {out.numel()}; inp must hold {world} * out.numel() (pad it)")
 
 
+class _ExchangeAdd:
+    """The 2-rank exchange in flight; :meth:`wait` adds the peer's tensor into ``t``."""
+
+    def __init__(self, t: torch.Tensor, group: ProcessGroup | None) -> None:
+        self.t, self.rank = t, dist.get_rank(group)
+        self.peer_t = torch.empty_like(t)
+        peer = 1 - self.rank
+        self.works = [dist.irecv(self.peer_t, group=group, group_src=peer),
+                      dist.isend(t, group=group, group_dst=peer)]
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done or all(w.is_completed() for w in self.works)
+
+    def wait(self) -> bool:
+        if not self.done:
+            for w in self.works:
+                w.wait()
+            # x + y is y + x in IEEE arithmetic: both ranks hold the same bits
+            self.t.add_(self.peer_t)
+            self.works, self.peer_t, self.done = [], None, True
+        return True
+
+
 def _check_gather_sizes(out: torch.Tensor, inp: torch.Tensor, world: int) -> None:
     if out.numel() != world * inp.numel():
         raise ValueError(f"all-gather over {world} ranks: out has {out.numel()} elements, inp "
                          f"{inp.numel()}; out must hold {world} * inp.numel()")
 
 
-def _finish(handle: _SliceOnWait | _PairwiseOnWait | _GatherPairwise, async_op: bool):
+def _finish(handle: _SliceOnWait | _PairwiseOnWait | _GatherPairwise | _ExchangeAdd,
+            async_op: bool):
     if async_op:
         return handle
     handle.wait()
@@ -215,6 +249,31 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None 
             and dist.get_world_size(group) > 1):
         return all_gather_pairwise(out, inp, group, async_op)
     return all_gather_into(out, inp, group=group, async_op=async_op)
+
+
+def all_reduce_exchange(t: torch.Tensor, group: ProcessGroup | None = None,
+                        async_op: bool = False) -> _ExchangeAdd | None:
+    """Sum-all-reduce ``t`` (contiguous) in place over a group of exactly 2 ranks by one
+    exchange: each sends ``t`` and adds what it receives. ``t`` must stay unchanged until
+    the handle is waited on. Returns the handle when ``async_op``, else ``None``."""
+    world = dist.get_world_size(group)
+    if world != 2:
+        raise ValueError(f"all_reduce_exchange runs over 2 ranks, this group has {world}")
+    if not t.is_contiguous():
+        raise ValueError("all_reduce_exchange needs a contiguous tensor")
+    return _finish(_ExchangeAdd(t, group), async_op)
+
+
+def all_reduce(t: torch.Tensor, group: ProcessGroup | None = None,
+               async_op: bool = False) -> Work | _ExchangeAdd | None:
+    """Sum-all-reduce ``t`` in place over ``group``: :func:`all_reduce_exchange` on gloo
+    for contiguous CPU tensors of at least :data:`PAIRWISE_MIN_BYTES` over 2 ranks, else the
+    backend's collective. Returns the handle when ``async_op``, else ``None``."""
+    if (dist.get_backend(group) == "gloo" and not t.is_cuda and t.is_contiguous()
+            and t.numel() * t.element_size() >= PAIRWISE_MIN_BYTES
+            and dist.get_world_size(group) == 2):
+        return all_reduce_exchange(t, group, async_op)
+    return dist.all_reduce(t, group=group, async_op=async_op)
 
 
 def broadcast_from(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup | None = None,

@@ -1,6 +1,7 @@
 """The shared collectives on 2 and 4 gloo ranks: each reduce-scatter path against the sum
 computed here (integer-valued float64, so exact), sync and async, what each leaves in its
-input; each all-gather path against the inputs concatenated here, in place or not, on the
+input; each all-reduce path (the 2-rank exchange, on the world and on subgroups of 2);
+each all-gather path against the inputs concatenated here, in place or not, on the
 world and on subgroups; and the broadcast from a rank named within a subgroup."""
 
 from __future__ import annotations
@@ -125,3 +126,54 @@ def test_all_gather_paths(world):
         for key in keys:
             assert r[key] == 0.0, f"rank {rank}, all_gather {key}: off by {r[key]}"
         assert f"out must hold {world} * inp.numel()" in r["size_error"], r["size_error"]
+
+
+def all_reduces_main() -> dict:
+    from distllm.comm.collectives import PAIRWISE_MIN_BYTES, all_reduce, all_reduce_exchange
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    big = PAIRWISE_MIN_BYTES // 8 + 5
+    groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    cases = [("world", dist.group.WORLD, list(range(world))),
+             ("pair", groups[rank // 2], [rank // 2 * 2, rank // 2 * 2 + 1])]
+    for gname, group, ranks in cases:
+        for n in (N, big):
+            want = sum(_inp(r, 1).repeat(n)[:n] * (r + 1) for r in ranks)
+            paths = [("auto", all_reduce)] + (
+                [("exchange", all_reduce_exchange)] if len(ranks) == 2 else [])
+            for name, fn in paths:
+                for async_op in (False, True):
+                    t = _inp(rank, 1).repeat(n)[:n] * (rank + 1)
+                    h = fn(t, group, async_op=async_op)
+                    if async_op:
+                        h.wait()
+                        assert h.is_completed()
+                    else:
+                        assert h is None
+                    out[(gname, n == big, name, async_op)] = (t - want).abs().max().item()
+                    if name == "auto" and async_op:
+                        out[(gname, n == big, "handle")] = type(h).__name__
+    if world != 2:
+        try:
+            all_reduce_exchange(torch.zeros(big, dtype=torch.float64), dist.group.WORLD)
+            out["world_error"] = "no error"
+        except ValueError as e:
+            out["world_error"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_reduce_paths(world):
+    for rank, r in enumerate(run_distributed(all_reduces_main, world, timeout=120)):
+        # the exchange where the group has 2 ranks and the tensor is big enough
+        assert r.pop(("pair", True, "handle")) == "_ExchangeAdd", rank
+        assert r.pop(("pair", False, "handle")) != "_ExchangeAdd", rank
+        assert (r.pop(("world", True, "handle")) == "_ExchangeAdd") == (world == 2), rank
+        assert r.pop(("world", False, "handle")) != "_ExchangeAdd", rank
+        if world != 2:
+            assert "runs over 2 ranks" in r.pop("world_error"), rank
+        n_paths = {2: 2, 4: 1}[world] + 2  # world (exchange only at 2) + pair (both)
+        assert len(r) == n_paths * 2 * 2, sorted(r)
+        for key, err in r.items():
+            assert err == 0.0, f"rank {rank}, all_reduce {key}: off by {err}"

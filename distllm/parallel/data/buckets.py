@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from distllm.comm.collectives import reduce_scatter, reduce_scatter_by_all_reduce
+from distllm.comm.collectives import all_reduce, reduce_scatter, reduce_scatter_by_all_reduce
 from distllm.comm.compat import reduce_scatter_into
 
 __all__ = ["Bucket", "GradBuckets", "assign_buckets", "FIRST_BUCKET_BYTES",
@@ -175,6 +175,7 @@ class GradBuckets:
             raise ValueError(f"reduce_scatter_impl={reduce_scatter_impl!r}: use one of "
                              f"{sorted(REDUCE_SCATTER_IMPLS)}")
         self._reduce_scatter = REDUCE_SCATTER_IMPLS[reduce_scatter_impl]
+        self._all_reduce = all_reduce  # distllm.comm.collectives': gloo's substitute at 2 ranks
         self.finish_on_backward_end = finish_on_backward_end
         self.buckets: list[Bucket] = []
         self.where: dict[torch.nn.Parameter, tuple[Bucket, int]] = {}
@@ -336,7 +337,7 @@ class GradBuckets:
                         self.view(p).div_(self.nranks)
         if self.mode == "all_reduce":
             if self.nranks > 1:
-                b.work = dist.all_reduce(buf, group=self.group, async_op=True)
+                b.work = self._all_reduce(buf, group=self.group, async_op=True)
             return
         # a shard holding nothing of this cycle yet receives the reduction itself
         b.out = b.shard if b.shard is not None and b.shard_fresh else torch.empty(
