@@ -30,7 +30,9 @@
   exactly 2 ranks it is :func:`all_reduce_exchange`; otherwise the backend's collective.
   Between 2 ranks gloo's ring sends half the tensor, then the other half, one round after
   the other; the exchange sends the whole tensor at once (the same bytes) and each rank
-  adds what it received.
+  adds what it received. Its cost is memory: each exchange in flight holds a receive
+  buffer the size of its tensor, so DDP's buckets, in flight together at the end of
+  backward, hold up to one more copy of the gradients until they are waited on.
 - :func:`all_reduce_exchange`: the 2-rank all-reduce as one exchange: each rank sends its
   tensor and adds the peer's into it (``rank 0's + rank 1's``: the same bits on both).
 - :func:`broadcast_from`: a broadcast whose source is named by its rank *within* the group
@@ -234,6 +236,8 @@ def all_gather_pairwise(out: torch.Tensor, inp: torch.Tensor,
     of ``out`` itself; it must stay unchanged until the handle is waited on. Returns the
     handle when ``async_op``, else ``None``."""
     _check_gather_sizes(out, inp, dist.get_world_size(group))
+    if not (out.is_contiguous() and inp.is_contiguous()):
+        raise ValueError("all_gather_pairwise needs contiguous tensors")
     return _finish(_GatherPairwise(out, inp, group), async_op)
 
 
@@ -245,6 +249,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None 
     the handle when ``async_op``, else ``None``."""
     _check_gather_sizes(out, inp, dist.get_world_size(group))
     if (dist.get_backend(group) == "gloo" and not inp.is_cuda
+            and out.is_contiguous() and inp.is_contiguous()
             and inp.numel() * inp.element_size() >= PAIRWISE_MIN_BYTES
             and dist.get_world_size(group) > 1):
         return all_gather_pairwise(out, inp, group, async_op)
