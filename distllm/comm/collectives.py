@@ -80,21 +80,12 @@ class _SliceOnWait:
         return True
 
 
-class _PairwiseOnWait:
-    """The pairwise exchange in flight; :meth:`wait` sums this rank's slices into ``out``."""
+class _InFlight:
+    """Point-to-point messages in flight: :meth:`wait` waits for ``works``, then runs the
+    subclass's :meth:`_finish_local` (what this rank computes from what it received) once."""
 
-    def __init__(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None):
-        world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.out, self.parts = out, inp.view(world, -1)  # (world, n): slice q goes to rank q
-        self.bufs: list[torch.Tensor] = []
+    def __init__(self) -> None:
         self.works: list[Work] = []
-        for q in range(world):
-            if q == self.rank:
-                continue
-            buf = torch.empty_like(self.parts[q])
-            self.bufs.append(buf)
-            self.works.append(dist.irecv(buf, group=group, group_src=q))
-            self.works.append(dist.isend(self.parts[q], group=group, group_dst=q))
         self.done = False
 
     def is_completed(self) -> bool:
@@ -104,43 +95,55 @@ class _PairwiseOnWait:
         if not self.done:
             for w in self.works:
                 w.wait()
-            acc = self.out.view(-1)
-            # own slice + peers in rank order: the same summation order every run; the
-            # first sum written straight into ``out`` (no copy of the own slice first)
-            if self.bufs:
-                torch.add(self.parts[self.rank], self.bufs[0], out=acc)
-            else:
-                acc.copy_(self.parts[self.rank])
-            for buf in self.bufs[1:]:
-                acc.add_(buf)
-            self.works, self.bufs, self.done = [], [], True
+            self._finish_local()
+            self.works, self.done = [], True
         return True
 
+    def _finish_local(self) -> None:
+        pass
 
-class _GatherPairwise:
+
+class _PairwiseOnWait(_InFlight):
+    """The pairwise exchange in flight; :meth:`wait` sums this rank's slices into ``out``."""
+
+    def __init__(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None):
+        super().__init__()
+        world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.out, self.parts = out, inp.view(world, -1)  # (world, n): slice q goes to rank q
+        self.bufs: list[torch.Tensor] = []
+        for q in range(world):
+            if q == self.rank:
+                continue
+            buf = torch.empty_like(self.parts[q])
+            self.bufs.append(buf)
+            self.works.append(dist.irecv(buf, group=group, group_src=q))
+            self.works.append(dist.isend(self.parts[q], group=group, group_dst=q))
+
+    def _finish_local(self) -> None:
+        acc = self.out.view(-1)
+        # own slice + peers in rank order: the same summation order every run; the first
+        # sum written straight into ``out`` (no copy of the own slice first)
+        if self.bufs:
+            torch.add(self.parts[self.rank], self.bufs[0], out=acc)
+        else:
+            acc.copy_(self.parts[self.rank])
+        for buf in self.bufs[1:]:
+            acc.add_(buf)
+        self.bufs = []
+
+
+class _GatherPairwise(_InFlight):
     """The pairwise all-gather in flight: every message is posted; :meth:`wait` waits."""
 
     def __init__(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None):
+        super().__init__()
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         slots = out.view(world, -1)  # slot q receives rank q's input
-        self.works: list[Work] = []
-        for q in range(world):
-            if q != rank:
-                self.works.append(dist.irecv(slots[q], group=group, group_src=q))
-        for q in range(world):
-            if q != rank:
-                self.works.append(dist.isend(inp.view(-1), group=group, group_dst=q))
+        peers = [q for q in range(world) if q != rank]
+        self.works += [dist.irecv(slots[q], group=group, group_src=q) for q in peers]
+        self.works += [dist.isend(inp.view(-1), group=group, group_dst=q) for q in peers]
         if slots[rank].data_ptr() != inp.data_ptr():  # (in place: already there)
             slots[rank].copy_(inp.view(-1))
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
-    def wait(self) -> bool:
-        for w in self.works:
-            w.wait()
-        self.works = []
-        return True
 
 
 def _check_sizes(out: torch.Tensor, inp: torch.Tensor, world: int) -> None:
@@ -149,28 +152,28 @@ def _check_sizes(out: torch.Tensor, inp: torch.Tensor, world: int) -> None:
                          f"out {out.numel()}; inp must hold {world} * out.numel() (pad it)")
 
 
-class _ExchangeAdd:
+class _ExchangeAdd(_InFlight):
     """The 2-rank exchange in flight; :meth:`wait` adds the peer's tensor into ``t``."""
 
     def __init__(self, t: torch.Tensor, group: ProcessGroup | None) -> None:
-        self.t, self.rank = t, dist.get_rank(group)
-        self.peer_t = torch.empty_like(t)
-        peer = 1 - self.rank
+        super().__init__()
+        self.t, self.peer_t = t, torch.empty_like(t)
+        peer = 1 - dist.get_rank(group)
         self.works = [dist.irecv(self.peer_t, group=group, group_src=peer),
                       dist.isend(t, group=group, group_dst=peer)]
-        self.done = False
 
-    def is_completed(self) -> bool:
-        return self.done or all(w.is_completed() for w in self.works)
+    def _finish_local(self) -> None:
+        self.t.add_(self.peer_t)  # x + y is y + x in IEEE arithmetic: the same bits on both
+        self.peer_t = None
 
-    def wait(self) -> bool:
-        if not self.done:
-            for w in self.works:
-                w.wait()
-            # x + y is y + x in IEEE arithmetic: both ranks hold the same bits
-            self.t.add_(self.peer_t)
-            self.works, self.peer_t, self.done = [], None, True
-        return True
+
+def _p2p_pays(group: ProcessGroup | None, *tensors: torch.Tensor) -> bool:
+    """Whether the point-to-point substitutes run: gloo, contiguous CPU tensors, the first
+    (what each rank sends) of at least :data:`PAIRWISE_MIN_BYTES`."""
+    t = tensors[0]
+    return (dist.get_backend(group) == "gloo" and not t.is_cuda
+            and all(x.is_contiguous() for x in tensors)
+            and t.numel() * t.element_size() >= PAIRWISE_MIN_BYTES)
 
 
 def _check_gather_sizes(out: torch.Tensor, inp: torch.Tensor, world: int) -> None:
@@ -179,8 +182,7 @@ def _check_gather_sizes(out: torch.Tensor, inp: torch.Tensor, world: int) -> Non
                          f"{inp.numel()}; out must hold {world} * inp.numel()")
 
 
-def _finish(handle: _SliceOnWait | _PairwiseOnWait | _GatherPairwise | _ExchangeAdd,
-            async_op: bool):
+def _finish(handle: _SliceOnWait | _InFlight, async_op: bool):
     if async_op:
         return handle
     handle.wait()
@@ -247,12 +249,10 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None 
     elements, contiguous), in rank order: :func:`all_gather_pairwise` on gloo for CPU
     tensors of at least :data:`PAIRWISE_MIN_BYTES`, else the backend's collective. Returns
     the handle when ``async_op``, else ``None``."""
-    _check_gather_sizes(out, inp, dist.get_world_size(group))
-    if (dist.get_backend(group) == "gloo" and not inp.is_cuda
-            and out.is_contiguous() and inp.is_contiguous()
-            and inp.numel() * inp.element_size() >= PAIRWISE_MIN_BYTES
-            and dist.get_world_size(group) > 1):
-        return all_gather_pairwise(out, inp, group, async_op)
+    world = dist.get_world_size(group)
+    _check_gather_sizes(out, inp, world)
+    if world > 1 and _p2p_pays(group, inp, out):
+        return _finish(_GatherPairwise(out, inp, group), async_op)
     return all_gather_into(out, inp, group=group, async_op=async_op)
 
 
@@ -274,10 +274,8 @@ def all_reduce(t: torch.Tensor, group: ProcessGroup | None = None,
     """Sum-all-reduce ``t`` in place over ``group``: :func:`all_reduce_exchange` on gloo
     for contiguous CPU tensors of at least :data:`PAIRWISE_MIN_BYTES` over 2 ranks, else the
     backend's collective. Returns the handle when ``async_op``, else ``None``."""
-    if (dist.get_backend(group) == "gloo" and not t.is_cuda and t.is_contiguous()
-            and t.numel() * t.element_size() >= PAIRWISE_MIN_BYTES
-            and dist.get_world_size(group) == 2):
-        return all_reduce_exchange(t, group, async_op)
+    if dist.get_world_size(group) == 2 and _p2p_pays(group, t):
+        return _finish(_ExchangeAdd(t, group), async_op)
     return dist.all_reduce(t, group=group, async_op=async_op)
 
 

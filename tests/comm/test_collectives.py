@@ -21,6 +21,18 @@ def _inp(rank: int, world: int) -> torch.Tensor:
     return torch.randint(-50, 50, (world * N,), generator=g).to(torch.float64)
 
 
+def _call(fn, *args, async_op: bool) -> str | None:
+    """``fn(*args, async_op=async_op)``, waited for when async; the handle's type name (None
+    when sync, which must return no handle)."""
+    h = fn(*args, async_op=async_op)
+    if not async_op:
+        assert h is None
+        return None
+    h.wait()
+    assert h.is_completed()
+    return type(h).__name__
+
+
 def collectives_main() -> dict:
     from distllm.comm.collectives import (
         broadcast_from,
@@ -39,12 +51,7 @@ def collectives_main() -> dict:
         for async_op in (False, True):
             res = torch.full((N,), float("nan"), dtype=torch.float64)
             inp = _inp(rank, world)
-            h = fn(res, inp, dist.group.WORLD, async_op=async_op)
-            if async_op:
-                h.wait()
-                assert h.is_completed()
-            else:
-                assert h is None
+            _call(fn, res, inp, dist.group.WORLD, async_op=async_op)
             out[(name, async_op)] = (res - want).abs().max().item()
             # the pairwise exchange (gloo's path, CPU) only reads its input; the all-reduce
             # leaves the full sum there
@@ -95,14 +102,9 @@ def gathers_main() -> dict:
                         inp = res[me * n: (me + 1) * n] if in_place else mine.clone()
                         if in_place:
                             inp.copy_(mine)
-                        h = fn(res, inp, group, async_op=async_op)
-                        if async_op:
-                            h.wait()
-                            assert h.is_completed()
-                        else:
-                            assert h is None
+                        kind = _call(fn, res, inp, group, async_op=async_op)
                         if name == "auto" and async_op:  # gloo, CPU: pairwise from big
-                            out[(gname, n == big, "handle")] = type(h).__name__
+                            out[(gname, n == big, "handle")] = kind
                         key = (gname, n == big, name, async_op, in_place)
                         out[key] = (res - want).abs().max().item()
                         out[key + ("inp",)] = (inp - mine).abs().max().item()
@@ -145,15 +147,10 @@ def all_reduces_main() -> dict:
             for name, fn in paths:
                 for async_op in (False, True):
                     t = _inp(rank, 1).repeat(n)[:n] * (rank + 1)
-                    h = fn(t, group, async_op=async_op)
-                    if async_op:
-                        h.wait()
-                        assert h.is_completed()
-                    else:
-                        assert h is None
+                    kind = _call(fn, t, group, async_op=async_op)
                     out[(gname, n == big, name, async_op)] = (t - want).abs().max().item()
                     if name == "auto" and async_op:
-                        out[(gname, n == big, "handle")] = type(h).__name__
+                        out[(gname, n == big, "handle")] = kind
     if world != 2:
         try:
             all_reduce_exchange(torch.zeros(big, dtype=torch.float64), dist.group.WORLD)
