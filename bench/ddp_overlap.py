@@ -12,6 +12,9 @@ suite ``ddp``:
 - ``no_overlap``: backward, then one all-reduce of all gradients (flattened), then step;
 - parts, timed alone: ``fwd_alone``, ``fwd_bwd_alone`` (no communication), ``comm_alone``
   (the bucketed all-reduce of the gradients), ``opt_alone`` (the AdamW step);
+- ``no_overlap`` and ``comm_alone`` run distllm's all-reduce
+  (:func:`distllm.comm.collectives.all_reduce`, on 2 gloo ranks the exchange), as
+  ``distllm_ddp`` does, so that they differ from it only in the overlap;
 - ``ideal``: ``fwd + max(bwd, comm) + opt`` from the parts' medians (a bound, not timed);
 - ``ddp_cap<MB>``: distllm DDP at other bucket sizes (the sweep), with ``torch_ddp`` again.
 
@@ -49,6 +52,7 @@ from distllm.bench.harness import BenchConfig, Case, LoopStep, Result, Setup
 from distllm.bench.rows import row
 from torch import nn
 
+from distllm.comm.collectives import all_reduce
 from distllm.diagnostics.timeline import hidden, profile_timeline
 from distllm.diagnostics.timing import Stats
 
@@ -149,7 +153,7 @@ def _no_overlap(shape, x, dims, cap):
         opt.zero_grad()
         m(x).pow(2).mean().backward()
         flat = torch.cat([p.grad.reshape(-1) for p in ps])  # one all-reduce of everything
-        dist.all_reduce(flat.div_(dist.get_world_size()))
+        all_reduce(flat.div_(dist.get_world_size()))  # distllm's collective, not overlapped
         off = 0
         for p in ps:
             p.grad.copy_(flat[off: off + p.numel()].view_as(p))
@@ -231,7 +235,7 @@ def _parts(shape, x, dims, cap) -> dict:
         works = []
         for b in bufs:
             b.div_(dist.get_world_size())  # zeros stay zeros: no denormals to slow the sum
-            works.append(dist.all_reduce(b, async_op=True))
+            works.append(all_reduce(b, async_op=True))
         for w in works:
             w.wait()
 

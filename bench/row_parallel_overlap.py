@@ -5,8 +5,10 @@ overlapped with the weight-gradient GEMM); 2 gloo ranks, optionally over an emul
 Case ``fwd M,K,N``: per rank ``Y_partial = X (M, K) @ W^T (K, N)`` then all-reduce of the
 ``(M, N)`` result. Variants, interleaved in one run, each time the max over ranks:
 
-- ``gemm`` / ``allreduce``: the parts alone; ``gemm_chunked<c>``: the GEMM in ``c`` row
-  chunks with no communication (its ratio to ``gemm`` is the *chunking penalty*);
+- ``gemm`` / ``allreduce``: the parts alone (the all-reduce the engine runs,
+  :func:`distllm.comm.collectives.all_reduce`: on 2 gloo ranks the exchange);
+  ``gemm_chunked<c>``: the GEMM in ``c`` row chunks with no communication (its ratio to
+  ``gemm`` is the *chunking penalty*);
 - ``sequential``: GEMM then all-reduce (the baseline);
 - ``chunked<c>``: the overlap engine with ``c`` chunks;
 - ``auto``: ``RowParallelLinear(overlap="auto")``'s forward (its first call measures and
@@ -48,6 +50,7 @@ import torch.distributed as dist
 from distllm.bench.harness import BenchConfig, Case, Result, Setup, shapes
 from distllm.bench.rows import row
 
+from distllm.comm.collectives import all_reduce
 from distllm.comm.compat import all_gather_into, reduce_scatter_into
 from distllm.diagnostics.timing import Stats, cuda_event_timer
 
@@ -99,7 +102,7 @@ def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
         comm_in = torch.empty(m * n, dtype=dtype)
         comm_out = torch.empty(m * n // tp, dtype=dtype)
         if kind == "fwd":
-            v["allreduce"] = lambda: dist.all_reduce(comm_in, group=comm.group)
+            v["allreduce"] = lambda: all_reduce(comm_in, group=comm.group)
         else:  # the engine's reduce-scatter (gloo: pairwise exchange), and torch's for scale
             v["reducescatter_alone"] = lambda: comm.run("reduce_scatter", comm_out, comm_in)
             v["torch_reducescatter_alone"] = lambda: reduce_scatter_into(
@@ -127,7 +130,7 @@ def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
         mm = lambda a, o: torch.mm(a, w, out=o)  # noqa: E731
         ekind, a, n_out, then = "all_reduce", gy, k, (lambda: gy.t() @ x)
         comm_in = torch.empty(m * k, dtype=dtype)
-        v["allreduce"] = lambda: dist.all_reduce(comm_in, group=comm.group)
+        v["allreduce"] = lambda: all_reduce(comm_in, group=comm.group)
         plan = OverlapPlan(dims, "auto", 4, "bench-column-backward")
         v["auto"] = lambda: plan.run("backward", ekind, a, mm, n_out, then)
         stats_of = plan.stats
@@ -143,7 +146,7 @@ def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
     v["gemm"] = lambda: gemm(1)
     if ekind == "all_reduce":
         def beside() -> None:
-            h = dist.all_reduce(comm_in, group=comm.group, async_op=True)
+            h = all_reduce(comm_in, group=comm.group, async_op=True)
             gemm(1)
             h.wait()
 
@@ -182,7 +185,8 @@ def hidden_share(variant_ms: float, compute_ms: float, comm_ms: float) -> float 
 
 def _timeline(comm, engine_args, chunks: int) -> list[dict]:
     """One traced run of the engine: GEMM pieces on lane ``compute``, collectives (launch to
-    completion, as gloo reports it) on lane ``comm``; ms from the start."""
+    completion, as gloo reports it; for the 2-rank exchange, to the return of its wait) on
+    lane ``comm``; ms from the start."""
     from distllm.parallel.tensor.overlap import run_engine
 
     ekind, a, mm, n_out, then = engine_args

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from distllm.comm.collectives import all_reduce
+
 __all__ = ["vocab_parallel_cross_entropy"]
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -25,14 +27,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = dist.get_rank(group) * vl
         z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
         m = z.max(dim=-1).values  # (...,)
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        all_reduce(m, group=group, op=dist.ReduceOp.MAX)
         e = (z - m.unsqueeze(-1)).exp_()  # (..., V/tp), <= 1
         local_t = targets - start
         inside = (local_t >= 0) & (local_t < vl)
         idx = local_t.clamp(0, vl - 1).unsqueeze(-1)
         picked = (z.gather(-1, idx).squeeze(-1) - m) * inside  # target logit - m, or 0
         sums = torch.stack([e.sum(-1), picked])  # (2, ...)
-        dist.all_reduce(sums, group=group)
+        all_reduce(sums, group=group)
         valid = targets != ignore_index
         loss = (sums[0].log() - sums[1]) * valid
         e.div_(sums[0].unsqueeze(-1))  # softmax of this shard

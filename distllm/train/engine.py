@@ -15,9 +15,9 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from distllm.comm.collectives import all_reduce
 from distllm.dtypes import DTYPES as DTYPE
 from distllm.models.gpt import GPT, GPTConfig
 from distllm.parallel.mesh import ParallelDims
@@ -200,7 +200,7 @@ class Engine:
         d = self.dims
         mine = self._loss_share(local)
         if d.world_size > 1:
-            dist.all_reduce(mine, group=d.world_group)
+            all_reduce(mine, group=d.world_group)
         return mine[0] / d.dp
 
     def _loss_share(self, local: torch.Tensor | float) -> torch.Tensor:

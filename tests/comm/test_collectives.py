@@ -21,10 +21,10 @@ def _inp(rank: int, world: int) -> torch.Tensor:
     return torch.randint(-50, 50, (world * N,), generator=g).to(torch.float64)
 
 
-def _call(fn, *args, async_op: bool) -> str | None:
-    """``fn(*args, async_op=async_op)``, waited for when async; the handle's type name (None
-    when sync, which must return no handle)."""
-    h = fn(*args, async_op=async_op)
+def _call(fn, *args, async_op: bool, **kw) -> str | None:
+    """``fn(*args, async_op=async_op, **kw)``, waited for when async; the handle's type name
+    (None when sync, which must return no handle)."""
+    h = fn(*args, async_op=async_op, **kw)
     if not async_op:
         assert h is None
         return None
@@ -131,26 +131,51 @@ def test_all_gather_paths(world):
 
 
 def all_reduces_main() -> dict:
-    from distllm.comm.collectives import PAIRWISE_MIN_BYTES, all_reduce, all_reduce_exchange
+    import distllm.comm.collectives as coll
+    from distllm.comm.collectives import all_reduce, all_reduce_exchange
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
-    big = PAIRWISE_MIN_BYTES // 8 + 5
+    big = coll.PAIRWISE_MIN_BYTES // 8 + 5
     groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
     cases = [("world", dist.group.WORLD, list(range(world))),
              ("pair", groups[rank // 2], [rank // 2 * 2, rank // 2 * 2 + 1])]
+    sum_, max_ = dist.ReduceOp.SUM, dist.ReduceOp.MAX
     for gname, group, ranks in cases:
         for n in (N, big):
-            want = sum(_inp(r, 1).repeat(n)[:n] * (r + 1) for r in ranks)
+            vals = {r: _inp(r, 1).repeat(n)[:n] * (r + 1) for r in ranks}
+            want = {sum_: sum(vals.values()),
+                    max_: torch.stack(list(vals.values())).max(0).values}
             paths = [("auto", all_reduce)] + (
                 [("exchange", all_reduce_exchange)] if len(ranks) == 2 else [])
             for name, fn in paths:
-                for async_op in (False, True):
-                    t = _inp(rank, 1).repeat(n)[:n] * (rank + 1)
-                    kind = _call(fn, t, group, async_op=async_op)
-                    out[(gname, n == big, name, async_op)] = (t - want).abs().max().item()
-                    if name == "auto" and async_op:
-                        out[(gname, n == big, "handle")] = kind
+                for op in (sum_, max_):
+                    for async_op in (False, True):
+                        t = vals[rank].clone()
+                        kind = _call(fn, t, group, async_op=async_op, op=op)
+                        out[(gname, n == big, name, op == max_, async_op)] = (
+                            (t - want[op]).abs().max().item())
+                        if name == "auto" and async_op:
+                            out[(gname, n == big, "handle", op == max_)] = kind
+    # MAX propagates a NaN from either side, to the same bits on both ranks
+    pair = cases[1][1]
+    t = torch.tensor([float("nan") if rank % 2 else 1.0, 2.0 + rank], dtype=torch.float64)
+    all_reduce(t, pair, op=max_)
+    out["nan_max"] = (t[0].isnan().item(), t[1].item() - (2.0 + rank // 2 * 2 + 1))
+    # the floor: below EXCHANGE_MIN_BYTES gloo's own all-reduce runs
+    coll.EXCHANGE_MIN_BYTES = 1 << 40
+    try:
+        pair_vals = {r: _inp(r, 1).repeat(big)[:big] * (r + 1) for r in cases[1][2]}
+        t = pair_vals[rank].clone()
+        out["floor_handle"] = _call(all_reduce, t, pair, async_op=True)
+        out["floor_err"] = (t - sum(pair_vals.values())).abs().max().item()
+    finally:
+        coll.EXCHANGE_MIN_BYTES = 0
+    try:
+        all_reduce_exchange(torch.zeros(3, dtype=torch.float64), pair, op=dist.ReduceOp.PRODUCT)
+        out["op_error"] = "no error"
+    except ValueError as e:
+        out["op_error"] = str(e)
     if world != 2:
         try:
             all_reduce_exchange(torch.zeros(big, dtype=torch.float64), dist.group.WORLD)
@@ -163,14 +188,19 @@ def all_reduces_main() -> dict:
 @pytest.mark.parametrize("world", [2, 4])
 def test_all_reduce_paths(world):
     for rank, r in enumerate(run_distributed(all_reduces_main, world, timeout=120)):
-        # the exchange where the group has 2 ranks and the tensor is big enough
-        assert r.pop(("pair", True, "handle")) == "_ExchangeAdd", rank
-        assert r.pop(("pair", False, "handle")) != "_ExchangeAdd", rank
-        assert (r.pop(("world", True, "handle")) == "_ExchangeAdd") == (world == 2), rank
-        assert r.pop(("world", False, "handle")) != "_ExchangeAdd", rank
+        # the exchange wherever the group has 2 ranks (SUM and MAX, any size)
+        for big in (False, True):
+            for is_max in (False, True):
+                assert r.pop(("pair", big, "handle", is_max)) == "_ExchangeAdd", rank
+                world_kind = r.pop(("world", big, "handle", is_max))
+                assert (world_kind == "_ExchangeAdd") == (world == 2), (rank, world_kind)
+        assert r.pop("nan_max") == (True, 0.0), rank
+        assert r.pop("floor_handle") != "_ExchangeAdd", rank
+        assert r.pop("floor_err") == 0.0, rank
+        assert "SUM or MAX" in r.pop("op_error"), rank
         if world != 2:
             assert "runs over 2 ranks" in r.pop("world_error"), rank
         n_paths = {2: 2, 4: 1}[world] + 2  # world (exchange only at 2) + pair (both)
-        assert len(r) == n_paths * 2 * 2, sorted(r)
+        assert len(r) == n_paths * 2 * 2 * 2, sorted(r)
         for key, err in r.items():
             assert err == 0.0, f"rank {rank}, all_reduce {key}: off by {err}"

@@ -18,6 +18,7 @@ def _gathers_rank(data: str, out: str, zero: int) -> dict:
     import torch
 
     from distllm import ParallelDims
+    from distllm.comm import collectives
     from distllm.parallel.data import zero_gather
     from distllm.train.engine import Engine
 
@@ -32,19 +33,26 @@ def _gathers_rank(data: str, out: str, zero: int) -> dict:
         return launch(self, i, flat, shard)
 
     zero_gather.ParamGathers.launch = spy
-    reduces: list[int] = []
-    all_reduce = torch.distributed.all_reduce
+    # every all-reduce: gloo's, or (2 ranks, gloo, CPU) the exchange that replaces it
+    reduces: list[tuple[str, int]] = []
+    all_reduce, exchange_init = torch.distributed.all_reduce, collectives._ExchangeAdd.__init__
 
     def counted(t, *a, **kw):
-        reduces.append(t.numel())
+        reduces.append(("gloo", t.numel()))
         return all_reduce(t, *a, **kw)
+
+    def counted_exchange(self, t, *a, **kw):
+        reduces.append(("exchange", t.numel()))
+        exchange_init(self, t, *a, **kw)
 
     try:
         x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(dims.rank))
         loss = eng.forward_backward(x, x)
         torch.distributed.all_reduce = counted
+        collectives._ExchangeAdd.__init__ = counted_exchange
         eng.update(1.0, loss)
         torch.distributed.all_reduce = all_reduce
+        collectives._ExchangeAdd.__init__ = exchange_init
         pending_after_step = sorted(eng.zero._gathers.pending)
         loss = eng.forward_backward(x, x)  # the forward's pre-hooks wait for the gathers
         pending_after_forward = sorted(eng.zero._gathers.pending)
@@ -52,6 +60,7 @@ def _gathers_rank(data: str, out: str, zero: int) -> dict:
     finally:
         zero_gather.ParamGathers.launch = launch
         torch.distributed.all_reduce = all_reduce
+        collectives._ExchangeAdd.__init__ = exchange_init
     return {"overlapped": eng.zero._gathers.overlapped, "order": order,
             "buckets": len(eng.zero.reducer.buckets), "after_step": pending_after_step,
             "after_forward": pending_after_forward, "update_reduces": reduces}
@@ -66,8 +75,9 @@ def test_param_gathers_overlap_the_next_forward(corpus, tmp_path, zero):
     assert got["order"] == list(reversed(range(n))) * 2  # first layers (last bucket) first
     assert got["after_step"] == list(range(n))  # launched by the step, none waited for
     assert got["after_forward"] == []
-    # the norm's squares, the inf/NaN flag and the loss: one all-reduce of 3 values
-    assert got["update_reduces"] == [3]
+    # the norm's squares, the inf/NaN flag and the loss: one all-reduce of 3 values (on 2
+    # gloo ranks, the exchange)
+    assert got["update_reduces"] == [("exchange", 3)]
 
 
 LAYOUTS = {2: [dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=3)],
@@ -82,3 +92,53 @@ def test_zero_parity(corpus, reference, tmp_path, world):
         assert len(losses) == 3
         for step, (a, b) in enumerate(zip(losses, reference[:3], strict=True)):
             assert abs(a - b) <= TOL * max(1.0, abs(b)), f"{kw} step {step + 1}: {a} vs {b}"
+
+
+def _step_reduces_rank(data: str, out: str, layout: dict) -> list[tuple[str, int]]:
+    import torch
+
+    from distllm import ParallelDims
+    from distllm.comm import collectives
+    from distllm.train.engine import Engine
+
+    cfg = make_cfg(data, out, **layout)
+    p = cfg.parallel
+    dims = ParallelDims(tp=p.tp, pp=p.pp, dp=p.dp)
+    eng = Engine(cfg, cfg.model_config(), dims)
+    x = torch.randint(0, 256, (8 // dims.dp, 32), generator=torch.Generator().manual_seed(1))
+    eng.update(1.0, eng.forward_backward(x, x))  # warm: the overlap choices are made here
+    reduces: list[tuple[str, int]] = []
+    all_reduce, exchange_init = torch.distributed.all_reduce, collectives._ExchangeAdd.__init__
+
+    def counted(t, *a, **kw):
+        reduces.append(("gloo", t.numel()))
+        return all_reduce(t, *a, **kw)
+
+    def counted_exchange(self, t, *a, **kw):
+        reduces.append(("exchange", t.numel()))
+        exchange_init(self, t, *a, **kw)
+
+    torch.distributed.all_reduce = counted
+    collectives._ExchangeAdd.__init__ = counted_exchange
+    try:
+        eng.update(1.0, eng.forward_backward(x, x))
+    finally:
+        torch.distributed.all_reduce = all_reduce
+        collectives._ExchangeAdd.__init__ = exchange_init
+    return reduces
+
+
+# TP with the vocabulary-parallel cross-entropy and the chunked row-parallel overlap; DDP
+# (ZeRO-0); the pipeline's loss and norm
+STEP_LAYOUTS = [dict(tp=2, vp="on", overlap="chunked"), dict(dp=2), dict(pp=2, m=2)]
+
+
+@pytest.mark.parametrize("layout", STEP_LAYOUTS, ids=["tp2", "dp2", "pp2"])
+def test_two_rank_step_all_reduces_by_exchange(corpus, tmp_path, layout):
+    """On 2 gloo ranks every all-reduce of a training step (TP's row-parallel outputs, bias
+    gradients and cross-entropy; DDP's buckets; the norm, flag and loss) is the exchange."""
+    for rank, got in enumerate(run_distributed(_step_reduces_rank, 2, corpus, str(tmp_path),
+                                               layout, timeout=300)):
+        kinds = {k for k, _ in got}
+        assert kinds == {"exchange"}, (rank, got)
+        assert got[-1] == ("exchange", 2), (rank, got)  # the step's norm squares and loss

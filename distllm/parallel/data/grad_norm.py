@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from distllm.comm.collectives import all_reduce
+
 __all__ = ["clip_grad_norm_", "clip_grad_norm_and_sum_", "norm_and_sums", "global_norm",
            "local_norm", "is_tp_sharded", "all_finite"]
 
@@ -81,7 +83,7 @@ def global_norm(pieces: Iterable[tuple[Tensor, bool]], *, dims, norm_type: float
         group = dims.world_group if dp_sharded else dims.model_parallel_group
         if dist.get_world_size(group) > 1:
             op = dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX
-            dist.all_reduce(acc, op=op, group=group)
+            all_reduce(acc, group=group, op=op)
     return acc.sqrt() if norm_type == 2.0 else acc
 
 
@@ -109,7 +111,7 @@ def norm_and_sums(sq: Tensor, extras: Iterable[Tensor], group) -> tuple[Tensor, 
     vec = torch.cat([sq.reshape(1).to(torch.float64),
                      *(e.to(device=sq.device, dtype=torch.float64).reshape(-1) for e in extras)])
     if dist.get_world_size(group) > 1:
-        dist.all_reduce(vec, group=group)
+        all_reduce(vec, group=group)
     return vec[0].sqrt(), vec[1:]
 
 

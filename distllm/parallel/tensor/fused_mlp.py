@@ -36,9 +36,9 @@ from __future__ import annotations
 import importlib
 
 import torch
-import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 
+from distllm.comm.collectives import all_reduce
 from distllm.ops import backend_choice
 from distllm.ops import linear_gelu_backends as impl
 from distllm.parallel.tensor.layers import OverlapPlan, _mm, _mm_t
@@ -262,7 +262,7 @@ class _ParallelMLP(torch.autograd.Function):
         if need_b2:  # replicated bias: under sp each rank holds a partial sum
             gb2 = gz.reshape(-1, h).sum(0)
             if ctx.sp:
-                bias_work = dist.all_reduce(gb2, group=plan2.group, async_op=True)
+                bias_work = all_reduce(gb2, group=plan2.group, async_op=True)
         grads_into_fc1 = need_x or need_w1 or need_b1
         gu = db1 = None
         if ctx.sp:  # dZ (b, s/tp, H) -> all-gather, each chunk through the fused GEMM

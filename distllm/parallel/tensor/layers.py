@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.distributed as dist
 
+from distllm.comm.collectives import all_reduce
 from distllm.parallel.tensor import overlap_tuner
 from distllm.parallel.tensor.overlap import CommContext, run_engine
 
@@ -263,7 +263,7 @@ class _RowParallelMatmul(torch.autograd.Function):
         if need_b:  # replicated bias: under sp each rank holds a partial sum
             gb = gy.reshape(-1, n).sum(0)
             if ctx.sp:
-                bias_work = dist.all_reduce(gb, group=ctx.plan.group, async_op=True)
+                bias_work = all_reduce(gb, group=ctx.plan.group, async_op=True)
         if ctx.sp and (need_x or need_w):  # dY (b, s/tp, N) -> all-gather, overlapped with dX
             (gy_full, gx), _ = ctx.plan.run("backward", "all_gather", gy, _mm(w), k)
             gy2 = gy_full.reshape(-1, n)

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from distllm.comm.collectives import reduce_scatter
+from distllm.comm.collectives import all_reduce, reduce_scatter
 from distllm.comm.compat import all_gather_into
 
 __all__ = [
@@ -51,7 +51,7 @@ __all__ = [
 def all_reduce_copy(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Sum of ``x`` over ``group`` into a new tensor (``x`` is left untouched)."""
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=group)
+    all_reduce(out, group=group)
     return out
 
 

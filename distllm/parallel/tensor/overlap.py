@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from distllm.comm.collectives import reduce_scatter
+from distllm.comm.collectives import all_reduce, reduce_scatter
 from distllm.comm.compat import all_gather_into
 from distllm.comm.connections import warn_max_connections
 
@@ -107,14 +107,17 @@ def chunk_bounds(n: int, chunks: int) -> list[tuple[int, int]]:
 
 
 class _Handle:
-    def __init__(self, work=None, event=None, device=None):
-        self.work, self.event, self.device = work, event, device
+    def __init__(self, work=None, event=None, device=None, on_wait=None):
+        self.work, self.event, self.device, self.on_wait = work, event, device, on_wait
 
     def wait(self) -> None:
         if self.event is not None:  # the compute stream waits; the host does not
             torch.cuda.current_stream(self.device).wait_event(self.event)
         elif self.work is not None:
             self.work.wait()
+            if self.on_wait is not None:
+                self.on_wait()
+                self.on_wait = None
 
 
 class CommContext:
@@ -138,7 +141,7 @@ class CommContext:
 
     def _issue(self, op: str, out: torch.Tensor, inp: torch.Tensor | None, async_op: bool):
         if op == "all_reduce":
-            return dist.all_reduce(out, group=self.group, async_op=async_op)
+            return all_reduce(out, group=self.group, async_op=async_op)
         if op == "all_gather":
             return all_gather_into(out, inp, group=self.group, async_op=async_op)
         if op == "reduce_scatter":
@@ -151,9 +154,10 @@ class CommContext:
         if not out.is_cuda:
             t0 = time.perf_counter()
             work = self._issue(op, out, inp, async_op=True)
+            on_wait = None
             if self.trace is not None and work is not None:
-                self._trace_done(work, op, t0)
-            return _Handle(work=work)
+                on_wait = self._trace_done(work, op, t0)
+            return _Handle(work=work, on_wait=on_wait)
         warn_max_connections(out.device)  # once per process: Hopper wants it set to 1
         comm = self._stream(out.device)
         ready = torch.cuda.Event()
@@ -168,8 +172,11 @@ class CommContext:
                 t.record_stream(comm)
         return _Handle(event=done, device=out.device)
 
-    def _trace_done(self, work, op: str, t0: float) -> None:
-        """Append ``(op, start_s, end_s)`` to ``trace`` when gloo completes ``work``."""
+    def _trace_done(self, work, op: str, t0: float) -> Callable[[], None] | None:
+        """Append ``(op, start_s, end_s)`` to ``trace`` when gloo completes ``work``. Gloo's
+        point-to-point messages (the 2-rank exchange all-reduce) have no completion callback:
+        for them the returned function, run when the handle's wait returns, appends the span
+        with that time as its end (the latest the messages can have completed)."""
         trace = self.trace
 
         def done(_fut) -> None:
@@ -177,8 +184,11 @@ class CommContext:
 
         try:
             work.get_future().add_done_callback(done)
-        except (RuntimeError, AttributeError):  # a backend without futures: end unknown
+        except (RuntimeError, AttributeError):  # no future: the end is the wait's return
+            if hasattr(work, "works"):  # distllm.comm.collectives' point-to-point handles
+                return lambda: trace.append((op, t0, time.perf_counter()))
             trace.append((op, t0, None))
+        return None
 
     def wait(self, h: _Handle) -> None:
         t0 = time.perf_counter()
