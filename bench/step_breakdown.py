@@ -13,7 +13,9 @@ count by count, and a regression shows where it came from.
   autograd bookkeeping, hooks, the optimizer's loop);
 - ``collectives`` / ``collective_mb``: collective and point-to-point calls (``c10d::``)
   and the bytes of their tensors, with ``by_collective`` (name -> calls) and
-  ``by_transfer_mb`` (the backend's transfer -> MB);
+  ``by_transfer_mb`` (the backend's transfer -> MB); a send and its receive count each, so
+  the 2-rank exchange all-reduce counts twice its tensor where gloo's all-reduce counts it
+  once (the bytes each rank sends are the same);
 - ``copies``: tensor copies at any depth (``copy_``, which ``clone``, ``_to_copy`` and
   ``contiguous`` end in, ``cat``, ``_foreach_copy_``);
 - ``allocs`` / ``alloc_mb``: operators that allocated memory for themselves (the

@@ -25,7 +25,8 @@ Three engines, one per collective (:data:`ENGINES`), each with a sequential twin
 Asynchrony: on CPU (gloo) every collective is an ``async_op=True`` work handle that gloo
 progresses on its own threads while this thread runs the next GEMM (the reduce-scatter is
 :func:`distllm.comm.collectives.reduce_scatter`, on gloo a pairwise exchange of
-``isend``/``irecv``). On CUDA each
+``isend``/``irecv``; the all-reduce :func:`distllm.comm.collectives.all_reduce`, on 2 gloo
+ranks one exchange whose sum is taken when the chunk is waited for). On CUDA each
 collective is issued on a communication stream that first waits on an event recorded after
 the chunk's GEMM on the compute stream; ``wait`` makes the compute stream wait on an event
 recorded after the collective (the host never blocks).
