@@ -40,8 +40,8 @@
   flight together at the end of backward, hold up to one more copy of the gradients until
   they are waited on, and so do the TP overlap engine's chunks.
 - :func:`all_reduce_exchange`: the 2-rank all-reduce as one exchange: each rank sends its
-  tensor and adds the peer's into it (``x + y`` is ``y + x`` in IEEE arithmetic, and
-  ``max`` is symmetric, NaN included: the same bits on both ranks).
+  tensor and adds the peer's into it, or keeps the larger (``x + y`` is ``y + x`` in IEEE
+  arithmetic, and the maximum is taken in rank order: the same bits on both ranks).
 - :func:`broadcast_from`: a broadcast whose source is named by its rank *within* the group
   (torch's ``src`` is a global rank).
 
@@ -173,15 +173,18 @@ class _ExchangeAdd(_InFlight):
                  op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         super().__init__()
         self.t, self.peer_t, self.is_max = t, torch.empty_like(t), op == dist.ReduceOp.MAX
-        peer = 1 - dist.get_rank(group)
+        self.rank = dist.get_rank(group)
+        peer = 1 - self.rank
         self.works = [dist.irecv(self.peer_t, group=group, group_src=peer),
                       dist.isend(t, group=group, group_dst=peer)]
 
     def _finish_local(self) -> None:
-        # x + y is y + x in IEEE arithmetic, and maximum is symmetric (a NaN on either side
-        # gives NaN): the same bits on both ranks
+        # the same bits on both ranks: x + y is y + x in IEEE arithmetic (signed zeros
+        # included); maximum is not (max(-0, +0) is its first argument), so both ranks take
+        # it as max(rank 0's, rank 1's); a NaN on either side gives NaN
         if self.is_max:
-            torch.maximum(self.t, self.peer_t, out=self.t)
+            first, second = (self.t, self.peer_t) if self.rank == 0 else (self.peer_t, self.t)
+            torch.maximum(first, second, out=self.t)
         else:
             self.t.add_(self.peer_t)
         self.peer_t = None

@@ -157,11 +157,15 @@ def all_reduces_main() -> dict:
                             (t - want[op]).abs().max().item())
                         if name == "auto" and async_op:
                             out[(gname, n == big, "handle", op == max_)] = kind
-    # MAX propagates a NaN from either side, to the same bits on both ranks
+    # MAX propagates a NaN from either side, and gives both ranks the same bits (signed
+    # zeros too: torch.maximum(-0., 0.) is -0., torch.maximum(0., -0.) is 0.)
     pair = cases[1][1]
-    t = torch.tensor([float("nan") if rank % 2 else 1.0, 2.0 + rank], dtype=torch.float64)
+    t = torch.tensor([float("nan") if rank % 2 else 1.0, 2.0 + rank,
+                      -0.0 if rank % 2 else 0.0, 0.0 if rank % 2 else -0.0],
+                     dtype=torch.float64)
     all_reduce(t, pair, op=max_)
     out["nan_max"] = (t[0].isnan().item(), t[1].item() - (2.0 + rank // 2 * 2 + 1))
+    out["max_bits"] = t[1:].view(torch.int64).tolist()
     # the floor: below EXCHANGE_MIN_BYTES gloo's own all-reduce runs
     coll.EXCHANGE_MIN_BYTES = 1 << 40
     try:
@@ -187,7 +191,11 @@ def all_reduces_main() -> dict:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_all_reduce_paths(world):
-    for rank, r in enumerate(run_distributed(all_reduces_main, world, timeout=120)):
+    results = run_distributed(all_reduces_main, world, timeout=120)
+    bits = [r.pop("max_bits") for r in results]
+    for lo in range(0, world, 2):  # each pair of ranks reduced to the same bits
+        assert bits[lo] == bits[lo + 1], bits
+    for rank, r in enumerate(results):
         # the exchange wherever the group has 2 ranks (SUM and MAX, any size)
         for big in (False, True):
             for is_max in (False, True):
