@@ -1,10 +1,13 @@
 """The engine's data-parallel side: at ZeRO stages 1 and 2 the parameter all-gathers that
 end a step are launched, not waited for, first layers first, and each is waited for by the
 next forward of the layers that use it; ``update`` reduces the norm, the inf/NaN flag and the
-loss in one all-reduce; the losses still equal the single-process run's (float64, weight
-decay, clipping and warm-up on), on 2 ranks and on 4 with TP and PP beside ZeRO."""
+loss in one all-reduce; on 2 gloo ranks every all-reduce of a step (TP, DDP, PP) is the
+exchange; the losses still equal the single-process run's (float64, weight decay, clipping
+and warm-up on), on 2 ranks and on 4 with TP and PP beside ZeRO."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 
@@ -14,11 +17,38 @@ from tests.train._util import make_cfg, train_many
 TOL = 1e-12  # float64: layouts differ only in summation order
 
 
+@contextlib.contextmanager
+def _counted_all_reduces():
+    """Count every all-reduce while open: gloo's (``dist.all_reduce``), or (2 ranks, gloo,
+    CPU) the exchange that replaces it, as ``(kind, numel)`` in the yielded list."""
+    import torch
+
+    from distllm.comm import collectives
+
+    reduces: list[tuple[str, int]] = []
+    all_reduce, exchange_init = torch.distributed.all_reduce, collectives._ExchangeAdd.__init__
+
+    def counted(t, *a, **kw):
+        reduces.append(("gloo", t.numel()))
+        return all_reduce(t, *a, **kw)
+
+    def counted_exchange(self, t, *a, **kw):
+        reduces.append(("exchange", t.numel()))
+        exchange_init(self, t, *a, **kw)
+
+    torch.distributed.all_reduce = counted
+    collectives._ExchangeAdd.__init__ = counted_exchange
+    try:
+        yield reduces
+    finally:
+        torch.distributed.all_reduce = all_reduce
+        collectives._ExchangeAdd.__init__ = exchange_init
+
+
 def _gathers_rank(data: str, out: str, zero: int) -> dict:
     import torch
 
     from distllm import ParallelDims
-    from distllm.comm import collectives
     from distllm.parallel.data import zero_gather
     from distllm.train.engine import Engine
 
@@ -33,34 +63,17 @@ def _gathers_rank(data: str, out: str, zero: int) -> dict:
         return launch(self, i, flat, shard)
 
     zero_gather.ParamGathers.launch = spy
-    # every all-reduce: gloo's, or (2 ranks, gloo, CPU) the exchange that replaces it
-    reduces: list[tuple[str, int]] = []
-    all_reduce, exchange_init = torch.distributed.all_reduce, collectives._ExchangeAdd.__init__
-
-    def counted(t, *a, **kw):
-        reduces.append(("gloo", t.numel()))
-        return all_reduce(t, *a, **kw)
-
-    def counted_exchange(self, t, *a, **kw):
-        reduces.append(("exchange", t.numel()))
-        exchange_init(self, t, *a, **kw)
-
     try:
         x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(dims.rank))
         loss = eng.forward_backward(x, x)
-        torch.distributed.all_reduce = counted
-        collectives._ExchangeAdd.__init__ = counted_exchange
-        eng.update(1.0, loss)
-        torch.distributed.all_reduce = all_reduce
-        collectives._ExchangeAdd.__init__ = exchange_init
+        with _counted_all_reduces() as reduces:
+            eng.update(1.0, loss)
         pending_after_step = sorted(eng.zero._gathers.pending)
         loss = eng.forward_backward(x, x)  # the forward's pre-hooks wait for the gathers
         pending_after_forward = sorted(eng.zero._gathers.pending)
         eng.update(1.0, loss)
     finally:
         zero_gather.ParamGathers.launch = launch
-        torch.distributed.all_reduce = all_reduce
-        collectives._ExchangeAdd.__init__ = exchange_init
     return {"overlapped": eng.zero._gathers.overlapped, "order": order,
             "buckets": len(eng.zero.reducer.buckets), "after_step": pending_after_step,
             "after_forward": pending_after_forward, "update_reduces": reduces}
@@ -98,7 +111,6 @@ def _step_reduces_rank(data: str, out: str, layout: dict) -> list[tuple[str, int
     import torch
 
     from distllm import ParallelDims
-    from distllm.comm import collectives
     from distllm.train.engine import Engine
 
     cfg = make_cfg(data, out, **layout)
@@ -107,24 +119,8 @@ def _step_reduces_rank(data: str, out: str, layout: dict) -> list[tuple[str, int
     eng = Engine(cfg, cfg.model_config(), dims)
     x = torch.randint(0, 256, (8 // dims.dp, 32), generator=torch.Generator().manual_seed(1))
     eng.update(1.0, eng.forward_backward(x, x))  # warm: the overlap choices are made here
-    reduces: list[tuple[str, int]] = []
-    all_reduce, exchange_init = torch.distributed.all_reduce, collectives._ExchangeAdd.__init__
-
-    def counted(t, *a, **kw):
-        reduces.append(("gloo", t.numel()))
-        return all_reduce(t, *a, **kw)
-
-    def counted_exchange(self, t, *a, **kw):
-        reduces.append(("exchange", t.numel()))
-        exchange_init(self, t, *a, **kw)
-
-    torch.distributed.all_reduce = counted
-    collectives._ExchangeAdd.__init__ = counted_exchange
-    try:
+    with _counted_all_reduces() as reduces:
         eng.update(1.0, eng.forward_backward(x, x))
-    finally:
-        torch.distributed.all_reduce = all_reduce
-        collectives._ExchangeAdd.__init__ = exchange_init
     return reduces
 
 
