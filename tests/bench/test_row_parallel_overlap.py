@@ -29,6 +29,14 @@ def check_rows(rows, kinds):
         assert got["auto"]["extra"]["auto_chunks"] in (0, 2, 4, 8)
         lanes = {e["lane"] for e in got["sequential"]["extra"]["timeline"]}
         assert lanes == {"compute", "comm"}
+        # the best chunked schedule's timeline too: its collectives are asynchronous (on 2
+        # gloo ranks the all-reduce's exchange, whose span ends when its wait returns)
+        chunked = [r for n, r in got.items()
+                   if n.startswith("chunked") and "timeline" in r["extra"]]
+        assert len(chunked) == 1, sorted(got)
+        spans = chunked[0]["extra"]["timeline"]
+        assert {e["lane"] for e in spans} == {"compute", "comm"}, spans
+        assert all(e["end_ms"] >= e["start_ms"] for e in spans), spans
         if kind in ("fwd", "bwd"):  # all-reduce cases: the machine's own bound, timed
             assert got["gemm_beside_allreduce"]["ms"] > 0
             assert "machine_ceiling" in got["gemm_beside_allreduce"]["extra"]
