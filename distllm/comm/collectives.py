@@ -23,7 +23,7 @@
   3.3 ms for the gathers of three buckets of 1.2, 0.1 and 2.2 MB, and 10.0 against 12.5 ms
   for one of 26 MB; at 40 KB per rank gloo's was faster. Between 2 ranks gloo's ring is one
   round too: one blocking gather of 256 B to 256 KB a rank was no faster pairwise (1.1-1.6
-  ms either way); the gains above are for gathers posted together.
+  ms of wall time either way, on a slower machine than the figures above).
 - :func:`all_gather_pairwise`: rank ``r`` sends its input to every peer and receives each
   peer's into its slice of ``out`` (``isend`` / ``irecv``); its own slice is copied (or
   already in place when ``inp`` is that slice of ``out``).
