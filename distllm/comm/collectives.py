@@ -50,9 +50,9 @@
   (torch's ``src`` is a global rank).
 
 Each returns, with ``async_op=True``, a handle with ``wait()`` and ``is_completed()``; the
-reduce-scatters and all-gathers write ``out`` by the time ``wait()`` returns. Gloo reports
-its point-to-point messages completed only once they are waited on, so the point-to-point
-handles' ``is_completed()`` stays False until their ``wait()``.
+reduce-scatters and all-gathers write ``out`` by the time ``wait()`` returns. Gloo (seen on
+torch 2.14.1) reports its point-to-point messages completed only once they are waited on,
+so the point-to-point handles' ``is_completed()`` stays False until their ``wait()``.
 """
 
 from __future__ import annotations
