@@ -33,6 +33,15 @@ def _call(fn, *args, async_op: bool, **kw) -> str | None:
     return type(h).__name__
 
 
+def _error_of(fn, *args, **kw) -> str:
+    """The message of the ValueError ``fn(*args, **kw)`` raises, or "no error"."""
+    try:
+        fn(*args, **kw)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def collectives_main() -> dict:
     from distllm.comm.collectives import (
         broadcast_from,
@@ -57,11 +66,8 @@ def collectives_main() -> dict:
             # leaves the full sum there
             kept = total if name == "by_all_reduce" else _inp(rank, world)
             out[(name, async_op, "inp")] = (inp - kept).abs().max().item()
-    try:
-        reduce_scatter(torch.empty(N + 1), _inp(rank, world), dist.group.WORLD)
-        out["size_error"] = "no error"
-    except ValueError as e:
-        out["size_error"] = str(e)
+    out["size_error"] = _error_of(reduce_scatter, torch.empty(N + 1), _inp(rank, world),
+                                  dist.group.WORLD)
     # subgroups of 2 consecutive ranks; the source is group rank 1 (global 1, 3, ...)
     groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
     t = torch.full((3,), float(rank), dtype=torch.float64)
@@ -108,12 +114,8 @@ def gathers_main() -> dict:
                         key = (gname, n == big, name, async_op, in_place)
                         out[key] = (res - want).abs().max().item()
                         out[key + ("inp",)] = (inp - mine).abs().max().item()
-    try:
-        all_gather(torch.empty(world * big + 1, dtype=torch.float64),
-                   torch.zeros(big, dtype=torch.float64), dist.group.WORLD)
-        out["size_error"] = "no error"
-    except ValueError as e:
-        out["size_error"] = str(e)
+    out["size_error"] = _error_of(all_gather, torch.empty(world * big + 1, dtype=torch.float64),
+                                  torch.zeros(big, dtype=torch.float64), dist.group.WORLD)
     return out
 
 
@@ -175,17 +177,11 @@ def all_reduces_main() -> dict:
         out["floor_err"] = (t - sum(pair_vals.values())).abs().max().item()
     finally:
         coll.EXCHANGE_MIN_BYTES = 0
-    try:
-        all_reduce_exchange(torch.zeros(3, dtype=torch.float64), pair, op=dist.ReduceOp.PRODUCT)
-        out["op_error"] = "no error"
-    except ValueError as e:
-        out["op_error"] = str(e)
+    out["op_error"] = _error_of(all_reduce_exchange, torch.zeros(3, dtype=torch.float64), pair,
+                                op=dist.ReduceOp.PRODUCT)
     if world != 2:
-        try:
-            all_reduce_exchange(torch.zeros(big, dtype=torch.float64), dist.group.WORLD)
-            out["world_error"] = "no error"
-        except ValueError as e:
-            out["world_error"] = str(e)
+        out["world_error"] = _error_of(all_reduce_exchange,
+                                       torch.zeros(big, dtype=torch.float64), dist.group.WORLD)
     return out
 
 

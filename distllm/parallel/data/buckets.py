@@ -175,7 +175,6 @@ class GradBuckets:
             raise ValueError(f"reduce_scatter_impl={reduce_scatter_impl!r}: use one of "
                              f"{sorted(REDUCE_SCATTER_IMPLS)}")
         self._reduce_scatter = REDUCE_SCATTER_IMPLS[reduce_scatter_impl]
-        self._all_reduce = all_reduce  # distllm.comm.collectives': gloo's substitute at 2 ranks
         self.finish_on_backward_end = finish_on_backward_end
         self.buckets: list[Bucket] = []
         self.where: dict[torch.nn.Parameter, tuple[Bucket, int]] = {}
@@ -337,7 +336,7 @@ class GradBuckets:
                         self.view(p).div_(self.nranks)
         if self.mode == "all_reduce":
             if self.nranks > 1:
-                b.work = self._all_reduce(buf, group=self.group, async_op=True)
+                b.work = all_reduce(buf, group=self.group, async_op=True)
             return
         # a shard holding nothing of this cycle yet receives the reduction itself
         b.out = b.shard if b.shard is not None and b.shard_fresh else torch.empty(
