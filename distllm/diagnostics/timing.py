@@ -36,6 +36,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distllm.comm.collectives import all_reduce, reduce_scatter
+from distllm.comm.compat import all_gather_into
+
 __all__ = [
     "Timer",
     "Stats",
@@ -193,7 +196,7 @@ def max_over_ranks(values: Sequence[float], group=None, device=None) -> list[flo
         return [float(v) for v in values]
     t = torch.tensor([float(v) for v in values], dtype=torch.float64,
                      device=_timing_device(group, device))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    all_reduce(t, group=group, op=dist.ReduceOp.MAX)
     return t.tolist()  # the one host read of this measurement
 
 
@@ -217,17 +220,17 @@ def time_collective(op: str, numel: int, *, dtype: torch.dtype = torch.float32,
     """ms of each of ``reps`` blocking collectives ``op`` (one of :data:`COLLECTIVES`) over
     ``numel`` elements (the full, unsharded tensor; rounded up to a multiple of the group
     size) on ``group``, after ``warmup`` more; a barrier before each, and each repetition's
-    time the MAX over ranks. Collective: call it on every rank of ``group``."""
-    from distllm.comm.collectives import reduce_scatter
-    from distllm.comm.compat import all_gather_into
-
+    time the MAX over ranks. Collective: call it on every rank of ``group``. Each is the
+    collective the layers run: :func:`distllm.comm.collectives.all_reduce` (on 2 gloo ranks
+    one exchange) and :func:`~distllm.comm.collectives.reduce_scatter`, and the all-gather of
+    :func:`distllm.comm.compat.all_gather_into`."""
     if op not in COLLECTIVES:
         raise ValueError(f"time_collective: op={op!r}; choose one of {', '.join(COLLECTIVES)}")
     world = dist.get_world_size(group)
     n = -(-numel // world) * world
     full = torch.zeros(n, dtype=dtype, device=device)  # zeros: sums stay finite and exact
     part = full[: n // world].clone()
-    fn = {"all_reduce": lambda: dist.all_reduce(full, group=group),
+    fn = {"all_reduce": lambda: all_reduce(full, group=group),
           "all_gather": lambda: all_gather_into(full, part, group=group),
           "reduce_scatter": lambda: reduce_scatter(part, full, group=group)}[op]
     sync = torch.cuda.synchronize if full.is_cuda else None

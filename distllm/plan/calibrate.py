@@ -180,12 +180,15 @@ def measure_core_sharing(ranks: int, reps: int = 150) -> float:
 
 
 def _ar_rank(sizes: tuple[int, ...], reps: int) -> dict:
-    """Per size: median seconds of a float32 all-reduce (each repetition the slowest rank's),
+    """Per size: median seconds of a float32 all-reduce, the one the layers run
+    (:func:`distllm.comm.collectives.all_reduce`: gloo's ring, or one exchange on 2 ranks;
+    each repetition the slowest rank's),
     and this rank's CPU seconds per all-reduce over ``reps`` back to back (its threads,
     gloo's included: the cores the collective takes from compute)."""
     import torch
     import torch.distributed as dist
 
+    from distllm.comm.collectives import all_reduce
     from distllm.diagnostics.timing import time_collective
 
     out = {}
@@ -195,7 +198,7 @@ def _ar_rank(sizes: tuple[int, ...], reps: int) -> dict:
         dist.barrier()
         t0 = time.process_time()
         for _ in range(reps):
-            dist.all_reduce(x)
+            all_reduce(x)
         out[nbytes] = (wall, (time.process_time() - t0) / reps)
     return out
 

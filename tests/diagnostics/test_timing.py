@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from distllm.diagnostics import timing
 from distllm.testing import run_distributed
+from tests._collectives import counted_all_reduces
 
 
 def test_interleaved_order_and_samples():
@@ -74,7 +75,9 @@ def _ranks() -> dict:
     out = {"max": timing.max_over_ranks([float(rank), 10.0 - rank])}
     slow = timing.max_over_ranks_timer(lambda fn: 3.0 if rank == 1 else 1.0)
     out["timer"] = slow(lambda: None)
-    out["ar"] = timing.time_collective("all_reduce", 1 << 16, reps=3)
+    with counted_all_reduces() as ran:
+        out["ar"] = timing.time_collective("all_reduce", 1 << 16, reps=3)
+    out["ar_ran"] = ran
     out["ag"] = timing.time_collective("all_gather", 1001, reps=2, warmup=0)
     out["rs"] = timing.time_collective("reduce_scatter", 1001, reps=2)  # gloo: all-reduce
     try:
@@ -91,6 +94,9 @@ def test_across_ranks_the_slowest_rank_counts():
         assert len(r["ar"]) == 3 and all(t > 0 for t in r["ar"])
         assert len(r["ag"]) == len(r["rs"]) == 2 and "op='broadcast'" in r["bad"]
     assert res[0]["ar"] == res[1]["ar"]  # each repetition is the max over the two ranks
+    # what is timed is the all-reduce the layers run (on 2 gloo ranks, one exchange): the
+    # warm-up and 3 repetitions, then the MAX of the 3 timings over the ranks
+    assert res[0]["ar_ran"] == [("exchange", 1 << 16)] * 4 + [("exchange", 3)]
 
 
 def test_collective_timings_sit_on_the_groups_device(monkeypatch):
@@ -102,7 +108,8 @@ def test_collective_timings_sit_on_the_groups_device(monkeypatch):
     monkeypatch.setattr(timing.torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(timing.torch, "tensor", lambda v, dtype, device: seen.append(device)
                         or real_tensor(v, dtype=dtype))
-    monkeypatch.setattr(timing.dist, "all_reduce", lambda t, op, group: None)
+    # NCCL: distllm's all-reduce hands the tensor to the backend's own
+    monkeypatch.setattr(timing.dist, "all_reduce", lambda t, op, group, async_op: None)
     assert timing.max_over_ranks([1.0]) == [1.0]
     assert seen == [torch.device("cuda", 3)]
     timing.max_over_ranks([1.0], device="cpu")

@@ -7,42 +7,13 @@ and warm-up on), on 2 ranks and on 4 with TP and PP beside ZeRO."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
 from distllm.testing import run_distributed
+from tests._collectives import counted_all_reduces
 from tests.train._util import make_cfg, train_many
 
 TOL = 1e-12  # float64: layouts differ only in summation order
-
-
-@contextlib.contextmanager
-def _counted_all_reduces():
-    """Count every all-reduce while open: gloo's (``dist.all_reduce``), or (2 ranks, gloo,
-    CPU) the exchange that replaces it, as ``(kind, numel)`` in the yielded list."""
-    import torch
-
-    from distllm.comm import collectives
-
-    reduces: list[tuple[str, int]] = []
-    all_reduce, exchange_init = torch.distributed.all_reduce, collectives._ExchangeAdd.__init__
-
-    def counted(t, *a, **kw):
-        reduces.append(("gloo", t.numel()))
-        return all_reduce(t, *a, **kw)
-
-    def counted_exchange(self, t, *a, **kw):
-        reduces.append(("exchange", t.numel()))
-        exchange_init(self, t, *a, **kw)
-
-    torch.distributed.all_reduce = counted
-    collectives._ExchangeAdd.__init__ = counted_exchange
-    try:
-        yield reduces
-    finally:
-        torch.distributed.all_reduce = all_reduce
-        collectives._ExchangeAdd.__init__ = exchange_init
 
 
 def _gathers_rank(data: str, out: str, zero: int) -> dict:
@@ -66,7 +37,7 @@ def _gathers_rank(data: str, out: str, zero: int) -> dict:
     try:
         x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(dims.rank))
         loss = eng.forward_backward(x, x)
-        with _counted_all_reduces() as reduces:
+        with counted_all_reduces() as reduces:
             eng.update(1.0, loss)
         pending_after_step = sorted(eng.zero._gathers.pending)
         loss = eng.forward_backward(x, x)  # the forward's pre-hooks wait for the gathers
@@ -119,7 +90,7 @@ def _step_reduces_rank(data: str, out: str, layout: dict) -> list[tuple[str, int
     eng = Engine(cfg, cfg.model_config(), dims)
     x = torch.randint(0, 256, (8 // dims.dp, 32), generator=torch.Generator().manual_seed(1))
     eng.update(1.0, eng.forward_backward(x, x))  # warm: the overlap choices are made here
-    with _counted_all_reduces() as reduces:
+    with counted_all_reduces() as reduces:
         eng.update(1.0, eng.forward_backward(x, x))
     return reduces
 
