@@ -66,12 +66,16 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
 
 
 PKG = os.path.dirname(os.path.abspath(sys.modules["distllm"].__file__)) + os.sep
+WRAPPERS = os.path.join(PKG, "comm") + os.sep  # the collectives every caller goes through
 
 
-def _caller() -> str:
-    """``path:line (function)`` of the innermost frame in the distllm package."""
+def _caller(past_wrappers: bool = False) -> str:
+    """``path:line (function)`` of the innermost frame in the distllm package (with
+    ``past_wrappers``, outside its collective wrappers, :mod:`distllm.comm`: the code that
+    asked for the collective)."""
     for fr in reversed(traceback.extract_stack()[:-2]):
-        if fr.filename.startswith(PKG):
+        if fr.filename.startswith(PKG) and not (past_wrappers and
+                                                fr.filename.startswith(WRAPPERS)):
             return f"{fr.filename[len(PKG):]}:{fr.lineno} ({fr.name})"
     return "?"
 
@@ -90,7 +94,7 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 class Call:
     name: str
     devices: tuple[torch.device, ...]
-    where: str
+    where: str  # the distllm code that asked for it (past the wrappers in distllm.comm)
 
 
 @dataclass
@@ -102,7 +106,7 @@ class Recorder:
     def _wrap(self, name: str, fn: Callable) -> Callable:
         def recorded(*args, **kwargs):
             ts = _tensors(args, kwargs)
-            call = Call(name, tuple(t.device for t in ts), _caller())
+            call = Call(name, tuple(t.device for t in ts), _caller(past_wrappers=True))
             self.calls.append(call)
             if any(d.type != "cuda" for d in call.devices):  # fail here, with the traceback
                 raise AssertionError(f"{name} at {call.where} was given tensors on "
