@@ -136,7 +136,9 @@ class DoctorReport:
                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in self.rows:
             ops = {k: v for k, v in r.profiled_collectives.items() if k.startswith("c10d::")}
-            prof = ", ".join(f"{v}x {k[6:]}" for k, v in (ops or r.profiled_collectives).items())
+            # the op without its namespace: c10d::allreduce_, gloo:send (the 2-rank exchange)
+            prof = ", ".join(f"{v}x {k.rsplit(':', 1)[-1]}"
+                             for k, v in (ops or r.profiled_collectives).items())
             lines.append(
                 f"| {r.layer} ({r.kind}) | {r.direction} | {r.collective} | {r.requested} | "
                 f"{r.mode}{f' x{r.chunks}' if r.chunks else ''} | {r.overlapped}/{r.calls} | "

@@ -116,6 +116,8 @@ def test_doctor_reports_overlapped_layers(doctor_results):
         assert r["profiled_collectives"] == {"gloo:send": 8, "gloo:recv": 8}, r
     assert "| 1 (RowParallelLinear) | forward | all_reduce | chunked | chunked x4 | 2/2 |" \
         in res["md"]
+    row = next(line for line in res["md"].splitlines() if line.startswith("| 1 (RowParallel"))
+    assert set(row.split(" | ")[6].split(", ")) == {"8x send", "8x recv"}, row
     assert res["lanes"] == ["comm", "compute"]
     assert all("hidden (asked for at least 101%)" in f for f in res["strict_failures"])
     assert len(res["strict_failures"]) == 2
