@@ -41,6 +41,10 @@ __all__ = ["role_of", "annotate", "verdict", "suite_table", "write_report", "by_
 
 PAIRED_MIN = 5  # repetitions of each variant for a paired band (else the two p10..p90 bands)
 CEILING_MARK = "⚠"
+UNRESOLVED_MARK = "n/r"
+UNRESOLVED_NOTE = (f"{UNRESOLVED_MARK}: hidden share not resolved: what could hide is within the "
+                   "spread of its parts timed alone (extra.hidden_unresolved), so the share would "
+                   "be noise.")
 CEILING_NOTE = (f"{CEILING_MARK}: hidden above its ceiling (100% of what could hide), which "
                 "no overlap can do: the measurement of that row is wrong, not the overlap.")
 
@@ -232,15 +236,23 @@ def _cells(r: dict) -> list[str]:
             f"{spp:.2f}x" if spp else "", status.replace("|", "/").replace("\n", " ")]
 
 
+def _unresolved(r: dict) -> bool:
+    extra = r.get("extra") if isinstance(r.get("extra"), dict) else {}
+    return bool(extra.get("hidden_unresolved"))
+
+
 def _hidden_cell(r: dict) -> str:
     hid = r.get("hidden_frac")
     if not isinstance(hid, int | float):
-        return ""
+        return UNRESOLVED_MARK if _unresolved(r) else ""
     return f"{100 * hid:.0f}%" + (f" {CEILING_MARK}" if above_ceiling(r) else "")
 
 
 def _ceiling_note(rows: Iterable[dict]) -> list[str]:
-    return ["", CEILING_NOTE] if any(above_ceiling(r) for r in rows) else []
+    rows = list(rows)
+    notes = [CEILING_NOTE] if any(above_ceiling(r) for r in rows) else []
+    notes += [UNRESOLVED_NOTE] if any(_unresolved(r) for r in rows) else []
+    return [""] + notes if notes else []
 
 
 def _why(r: dict) -> str:

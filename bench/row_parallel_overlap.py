@@ -28,7 +28,10 @@ Case ``fwd M,K,N``: per rank ``Y_partial = X (M, K) @ W^T (K, N)`` then all-redu
 parts: the share of what could hide that the variant hid, from medians; its ceiling is 1
 (``extra.hidden_ceiling``), and a row above it is a measurement error that the report flags
 (``extra.hidden_frac_min``: the same from the fastest repetition of each, a view less
-sensitive to a loaded machine). ``extra.machine_ceiling`` is the share that
+sensitive to a loaded machine). Where what can hide is no larger than the p10..p90 width
+of either part, the share is noise and is not reported: ``hidden_frac`` is None,
+``extra.hidden_unresolved`` says why and ``extra.hidden_frac_unresolved`` keeps the
+number (:func:`unresolved`). ``extra.machine_ceiling`` is the share that
 ``gemm_beside_allreduce`` hides (of ``min(gemm, allreduce)``, the parts alone), and
 ``extra.of_machine_ceiling`` the variant's hidden share over it. Case ``bwd M,K,N``:
 ``dX = dY (M, N) @ W (N, K)`` all-reduced while ``dW = dY^T @ X`` computes
@@ -183,6 +186,19 @@ def hidden_share(variant_ms: float, compute_ms: float, comm_ms: float) -> float 
     return (compute_ms + comm_ms - variant_ms) / can_hide if can_hide > 0 else None
 
 
+def unresolved(compute: Stats, comm: Stats) -> str:
+    """Why the hidden share of a variant with these parts cannot be told from noise, or "":
+    what can hide, ``min(compute, comm)``, is no larger than the p10..p90 width of either
+    part timed alone (then a share above 100% or far below 0 is the spread of the parts, as
+    with the 3-6 ms collectives of a loopback case beside a GEMM that spreads by 8 ms)."""
+    can_hide = min(compute.median_ms, comm.median_ms)
+    width = max(compute.p90_ms - compute.p10_ms, comm.p90_ms - comm.p10_ms)
+    if can_hide > width:
+        return ""
+    return (f"what can hide ({can_hide:.3g} ms) is within the spread of its parts timed alone "
+            f"(p10..p90 {width:.3g} ms wide)")
+
+
 def _timeline(comm, engine_args, chunks: int) -> list[dict]:
     """One traced run of the engine: GEMM pieces on lane ``compute``, collectives (launch to
     completion, as gloo reports it; for the 2-rank exchange, to the return of its wait) on
@@ -284,6 +300,10 @@ def case_rows(suite: str, kind: str, shape, res: dict[str, Stats], info: dict, n
             extra.update(hidden_frac_min=hidden_share(st.min_ms, comp.min_ms, com.min_ms),
                          compute_ms=comp.median_ms, comm_ms=com.median_ms,
                          hideable_ms=min(comp.median_ms, com.median_ms), hidden_ceiling=1.0)
+            why = unresolved(comp, com)
+            if why:  # a share this run cannot tell apart from noise: kept, not reported
+                extra.update(hidden_unresolved=why, hidden_frac_unresolved=hid)
+                hid = None
             if machine is not None and hid is not None:
                 extra.update(machine_ceiling=machine,
                              of_machine_ceiling=hid / machine if machine > 0 else None)

@@ -84,6 +84,41 @@ def test_row_overlap_hidden_uses_each_variants_own_parts():
     assert rows["ideal"]["hidden_frac"] == pytest.approx(1.0)
 
 
+def test_a_hidden_share_within_the_noise_of_its_parts_is_not_reported():
+    """At 3 ms of communication beside a GEMM that spreads by 8 ms a share of 116% is the
+    spread, not an overlap: the row says so instead of printing it."""
+    from distllm.bench.report import annotate, suite_table, summary_table
+
+    res = {name: _st(ms) for name, ms in {
+        "allreduce": 3.0, "gemm": 50.0, "sequential": 54.0, "chunked2": 50.5,
+        "compute_alone_c0": 50.0, "comm_alone_c0": 3.0, "comm_alone_c2": 3.0,
+    }.items()}
+    res["compute_alone_c2"] = stats_of([46.0, 48.0, 51.0, 54.0, 56.0])  # p10..p90 ~8.8 ms wide
+    rows = row_parallel_overlap.case_rows("sp_overlap", "ag", (8, 8, 8), res, {}, "loopback",
+                                          "float32")
+    got = {r["variant"]: r for r in rows}
+    e = got["chunked2"]["extra"]
+    assert got["chunked2"]["hidden_frac"] is None
+    assert e["hidden_frac_unresolved"] == pytest.approx((51.0 + 3.0 - 50.5) / 3.0)
+    assert "within the spread" in e["hidden_unresolved"] and "3 ms" in e["hidden_unresolved"]
+    for r in rows:
+        r["status"] = "ok"
+    annotate(rows)
+    table = suite_table(rows)
+    assert "| ag 8,8,8 loopback | chunked2 | fused |" in table
+    line = next(x for x in table.splitlines() if "| chunked2 |" in x)
+    assert "| n/r |" in line and "n/r: hidden share not resolved" in table
+    assert "⚠" not in table  # nothing shown above the ceiling
+    assert "| n/r |" in summary_table(rows)
+    # a collective longer than the spread of both parts keeps its share
+    res["comm_alone_c2"] = _st(20.0)
+    rows = row_parallel_overlap.case_rows("sp_overlap", "ag", (8, 8, 8), res, {}, "loopback",
+                                          "float32")
+    ok = next(r for r in rows if r["variant"] == "chunked2")
+    assert ok["hidden_frac"] == pytest.approx((51.0 + 20.0 - 50.5) / 20.0)
+    assert "hidden_unresolved" not in ok["extra"]
+
+
 def test_row_overlap_hidden_share_bounds():
     assert row_parallel_overlap.hidden_share(30.0, 10.0, 20.0) == 0.0  # nothing hidden
     assert row_parallel_overlap.hidden_share(20.0, 10.0, 20.0) == 1.0  # all of the GEMM
