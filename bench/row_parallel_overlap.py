@@ -22,7 +22,9 @@ Case ``fwd M,K,N``: per rank ``Y_partial = X (M, K) @ W^T (K, N)`` then all-redu
 - ``compute_alone_c<c>`` / ``comm_alone_c<c>``: each schedule's compute and its
   collectives, each alone and run the way that schedule runs them (``c0``: sequential): the
   engine with a communicator that moves nothing, and the engine with the GEMMs removed (same
-  chunks, same asynchronous handles).
+  chunks, same asynchronous handles). ``compute_alone_auto`` / ``comm_alone_auto``: the same
+  for the schedule ``auto`` chose on its first call (made while the case is set up), its
+  chunk count and its piece sizes (``auto``'s geometric schedules are not ``chunked<c>``'s).
 
 ``hidden_frac`` = ``(compute + comm - variant) / min(compute, comm)`` with the variant's own
 parts: the share of what could hide that the variant hid, from medians; its ceiling is 1
@@ -159,15 +161,23 @@ def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
     v["sequential"] = lambda: run_engine(ekind, a, mm, n_out, comm, 0, then)
     for c in ((1,) if kind == "bwd" else ()) + CHUNKS:
         v[f"chunked{c}"] = lambda c=c: run_engine(ekind, a, mm, n_out, comm, c, then)
-    _schedule_parts(v, (ekind, a, mm, n_out, then), comm, (0, 1) if kind == "bwd" else (0,))
+    # auto decides on its first call (on every rank): its parts run the schedule it chose,
+    # the chunk count and the piece sizes (a geometric schedule is not chunked<c>'s)
+    v["auto"]()
+    counter = stats_of.backward if kind == "bwd" else stats_of.forward
+    _schedule_parts(v, (ekind, a, mm, n_out, then), comm, (0, 1) if kind == "bwd" else (0,),
+                    auto=(counter.chunks, counter.growth))
     return v, stats_of, (ekind, a, mm, n_out, then)
 
 
-def _schedule_parts(v: dict, engine_args, comm, extra_chunks: tuple[int, ...]) -> None:
+def _schedule_parts(v: dict, engine_args, comm, extra_chunks: tuple[int, ...],
+                    auto: tuple[int, float | None] | None = None) -> None:
     """Each schedule's two parts, run the way the schedule runs them: ``compute_alone_c<c>``
     (the engine with chunks ``c`` and a communicator that moves nothing) and
     ``comm_alone_c<c>`` (the same engine, the same chunks and asynchronous handles, with the
-    GEMMs and ``then`` removed); ``c0`` is the sequential schedule."""
+    GEMMs and ``then`` removed); ``c0`` is the sequential schedule. ``auto``: the ``(chunks,
+    growth)`` that ``overlap="auto"`` chose, whose parts are ``compute_alone_auto`` and
+    ``comm_alone_auto``."""
     from distllm.parallel.tensor.overlap import NullComm, run_engine
 
     ekind, a, mm, n_out, then = engine_args
@@ -176,6 +186,10 @@ def _schedule_parts(v: dict, engine_args, comm, extra_chunks: tuple[int, ...]) -
     for c in extra_chunks + CHUNKS:
         v[f"compute_alone_c{c}"] = lambda c=c: run_engine(ekind, a, mm, n_out, null, c, then)
         v[f"comm_alone_c{c}"] = lambda c=c: run_engine(ekind, a, no_mm, n_out, comm, c, None)
+    if auto is not None:
+        c, g = auto
+        v["compute_alone_auto"] = lambda: run_engine(ekind, a, mm, n_out, null, c, then, g)
+        v["comm_alone_auto"] = lambda: run_engine(ekind, a, no_mm, n_out, comm, c, None, g)
 
 
 def hidden_share(variant_ms: float, compute_ms: float, comm_ms: float) -> float | None:
@@ -278,7 +292,7 @@ def case_rows(suite: str, kind: str, shape, res: dict[str, Stats], info: dict, n
         extra: dict = {}
         if name == "gemm_beside_allreduce":
             extra.update(role="part", machine_ceiling=machine)
-        elif name == comm_name or name == "gemm" or name.endswith("_alone") or "_alone_c" in name:
+        elif name == comm_name or name == "gemm" or name.endswith("_alone") or "_alone_" in name:
             extra["role"] = "part"
         elif name.startswith("gemm_chunked"):
             extra.update(role="part", chunking_penalty=st.median_ms / t_gemm - 1)
@@ -293,8 +307,9 @@ def case_rows(suite: str, kind: str, shape, res: dict[str, Stats], info: dict, n
             extra["timeline"] = info["timelines"][name]
         hid = None
         c = _chunks_of(name, extra)
-        if extra["role"] == "fused" and f"comm_alone_c{c}" in res:
-            comp, com = res[f"compute_alone_c{c}"], res[f"comm_alone_c{c}"]
+        tag = "auto" if name == "auto" and "comm_alone_auto" in res else f"c{c}"
+        if extra["role"] == "fused" and f"comm_alone_{tag}" in res:
+            comp, com = res[f"compute_alone_{tag}"], res[f"comm_alone_{tag}"]
             hid = hidden_share(st.median_ms, comp.median_ms, com.median_ms)
             # best-of-reps view, less sensitive to a loaded machine
             extra.update(hidden_frac_min=hidden_share(st.min_ms, comp.min_ms, com.min_ms),

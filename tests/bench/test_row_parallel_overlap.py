@@ -44,7 +44,12 @@ def check_rows(rows, kinds):
 
 def test_row_parallel_bench_rows():
     cfg = BenchConfig(quick=True, shapes="64,32,64", reps=1)
-    check_rows(run(row_parallel_overlap, cfg), ("fwd", "bwd"))
+    rows = run(row_parallel_overlap, cfg)
+    check_rows(rows, ("fwd", "bwd"))
+    for r in rows:  # auto's own parts, timed with the schedule it chose
+        if r["variant"] == "auto" and r.get("status") == "ok":
+            names = {x["variant"] for x in rows if x["case"] == r["case"]}
+            assert {"compute_alone_auto", "comm_alone_auto"} <= names, r["case"]
 
 
 def test_cuda_rows_say_why_when_unavailable():
@@ -82,6 +87,25 @@ def test_row_overlap_hidden_uses_each_variants_own_parts():
         assert rows[part]["extra"]["role"] == "part" and rows[part]["hidden_frac"] is None
     assert rows["sequential"]["hidden_frac"] is None  # the baseline
     assert rows["ideal"]["hidden_frac"] == pytest.approx(1.0)
+
+
+def test_auto_is_measured_against_the_parts_of_the_schedule_it_chose():
+    """auto's geometric schedule is not chunked<c>'s: its hidden share takes the parts timed
+    with its own chunk count and piece sizes when the case has them."""
+    res = {name: _st(ms) for name, ms in {
+        "allreduce": 20.0, "gemm": 10.0, "sequential": 30.0, "chunked4": 25.0, "auto": 26.0,
+        "compute_alone_c0": 10.0, "comm_alone_c0": 20.0,
+        "compute_alone_c4": 12.0, "comm_alone_c4": 24.0,
+        "compute_alone_auto": 13.0, "comm_alone_auto": 24.0,  # 4 pieces growing geometrically
+    }.items()}
+    info = {"forward": {"chunks": 4, "reason": "4 chunks growing by 0.8", "growth": 0.8}}
+    rows = {r["variant"]: r for r in row_parallel_overlap.case_rows(
+        "row_overlap", "fwd", (8, 8, 8), res, info, "loopback", "float32")}
+    assert rows["auto"]["hidden_frac"] == pytest.approx((13 + 24 - 26) / 13)
+    assert rows["auto"]["extra"]["compute_ms"] == 13.0
+    assert rows["chunked4"]["hidden_frac"] == pytest.approx(11 / 12)  # its own parts still
+    for part in ("compute_alone_auto", "comm_alone_auto"):
+        assert rows[part]["extra"]["role"] == "part" and rows[part]["hidden_frac"] is None
 
 
 def test_a_hidden_share_within_the_noise_of_its_parts_is_not_reported():

@@ -51,7 +51,10 @@ class OverlapCounter:
     direction, engine or not (one of :data:`COLLECTIVES`; ``none`` until one ran);
     ``wait_ms`` the host time blocked waiting on collectives (CPU only: on CUDA the host does
     not block); ``comm_ms_est`` the standalone communication time of these calls as measured
-    by ``overlap="auto"`` (0 when not measured); ``reason`` why overlap is off, if it is.
+    by ``overlap="auto"`` (0 when not measured); ``reason`` why overlap is off, if it is;
+    ``growth`` the piece sizes of the last call's chunked schedule (the ratio of the
+    geometric schedule ``overlap="auto"`` chose, or None: equal pieces, the first and last
+    halved).
     """
 
     calls: int = 0
@@ -62,6 +65,7 @@ class OverlapCounter:
     wait_ms: float = 0.0
     comm_ms_est: float = 0.0
     reason: str = ""
+    growth: float | None = None
 
     @property
     def hidden_ms(self) -> float | None:
@@ -175,7 +179,7 @@ class OverlapPlan:
         counter = getattr(self.stats, direction)
         counter.record("chunked" if chunks else "none", chunks, kind,
                        comm.wait_ms if not a.is_cuda else 0.0, est)
-        counter.reason = reason
+        counter.reason, counter.growth = reason, growth
         return out
 
 

@@ -74,7 +74,8 @@ def _forced_rounds(*rounds: dict[str, float]):
 
 
 def _forced_outcome(dims, x, times) -> tuple[str, int, int]:
-    """``(mode, chunks, fallback log lines)`` of three calls with the outcome ``times``."""
+    """``(mode, chunks, fallback log lines, reason, growth)`` of three calls with the outcome
+    ``times``."""
     from distllm.nn import RowParallelLinear
 
     overlap_tuner.clear_cache()
@@ -90,7 +91,7 @@ def _forced_outcome(dims, x, times) -> tuple[str, int, int]:
         overlap_tuner._timed = real
         logging.getLogger("distllm").removeHandler(log)
     f = layer.overlap_stats.forward
-    return f.mode, f.chunks, len([m for m in log.lines if "falls back" in m]), f.reason
+    return f.mode, f.chunks, len([m for m in log.lines if "falls back" in m]), f.reason, f.growth
 
 
 def tuner_main() -> dict:
@@ -140,6 +141,9 @@ def test_forced_outcomes(spawned, case, want):
         assert tuple(got[:3]) == want, got
         if case == "geometric":
             assert "4 chunks growing by 1.50" in got[3], got[3]
+            assert got[4] == pytest.approx(1.5)  # the counter keeps the piece sizes it ran
+        else:
+            assert got[4] is None, got  # equal pieces (or none)
 
 
 def test_geometric_growth_balances_and_is_bounded():
