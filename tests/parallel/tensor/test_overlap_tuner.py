@@ -20,11 +20,19 @@ DT = torch.float64
 def _forced(times: dict[str, float]):
     """A stand-in for one round of the tuner's measurement returning fixed best-of times (ms);
     a geometric schedule (named ``<chunks>x<growth>``) takes ``times["geo"]`` (default: never
-    the fastest)."""
-    def timed(variants, comm, device, reps):
-        return {n: times[n] if n in times else times.get("geo", 1e9) for n in variants}
+    the fastest); with ``medians``, ``"<name>@median"`` reads ``times`` there too (default:
+    the same as its fastest)."""
+    def timed(variants, comm, device, reps, medians=False):
+        return _read(times, variants, medians)
 
     return timed
+
+
+def _read(times: dict[str, float], variants, medians: bool) -> dict[str, float]:
+    out = {n: times[n] if n in times else times.get("geo", 1e9) for n in variants}
+    if medians:
+        out.update({f"{n}@median": times.get(f"{n}@median", out[n]) for n in variants})
+    return out
 
 
 class _Log(logging.Handler):
@@ -65,10 +73,10 @@ def _forced_rounds(*rounds: dict[str, float]):
     """Like :func:`_forced`, with round ``i`` of the measurement reading ``rounds[i]``."""
     calls = []
 
-    def timed(variants, comm, device, reps):
+    def timed(variants, comm, device, reps, medians=False):
         times = rounds[min(len(calls), len(rounds) - 1)]
         calls.append(1)
-        return {n: times[n] if n in times else times.get("geo", 1e9) for n in variants}
+        return _read(times, variants, medians)
 
     return timed
 
@@ -114,6 +122,11 @@ def tuner_main() -> dict:
             dims, x, _forced_rounds({"compute": 1.0, "sequential": 10.0, "2": 6.0, "4": 8.0},
                                     {"compute": 1.0, "sequential": 10.0, "2": 6.0, "4": 8.0},
                                     {"sequential": 10.0, "2": 9.9})),
+        "lucky": lambda: _forced_outcome(  # confirmed by its fastest repetition, not its median
+            dims, x, _forced_rounds({"compute": 1.0, "sequential": 10.0, "2": 6.0, "4": 8.0},
+                                    {"compute": 1.0, "sequential": 10.0, "2": 6.0, "4": 8.0},
+                                    {"sequential": 10.0, "2": 6.0, "sequential@median": 10.0,
+                                     "2@median": 10.5})),
     })
 
 
@@ -135,10 +148,13 @@ def test_one_measurement_per_shape_and_the_same_choice_everywhere(spawned):
     ("marginal", ("none", 0, 1)),
     ("geometric", ("chunked", 4, 0)),  # C/G = 1.5; 4 and 8 pieces tie: the first kept
     ("unconfirmed", ("none", 0, 1)),  # the selection's winner must win its confirmation too
+    ("lucky", ("none", 0, 1)),  # ... by its median as well as by its fastest repetition
 ])
 def test_forced_outcomes(spawned, case, want):
     for got in case_of(spawned(tuner_main, 2), case):
         assert tuple(got[:3]) == want, got
+        if case == "lucky":
+            assert "not its confirmation in its median (10.50 against 10.00 ms)" in got[3], got
         if case == "geometric":
             assert "4 chunks growing by 1.50" in got[3], got[3]
             assert got[4] == pytest.approx(1.5)  # the counter keeps the piece sizes it ran
