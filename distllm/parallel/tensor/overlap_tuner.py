@@ -89,19 +89,18 @@ MAX_PIECE_RATIO = 16.0  # largest over smallest piece of a geometric schedule
 
 
 def _timed(variants: dict[str, Callable[[], object]], comm: CommContext, device: torch.device,
-           reps: int, medians: bool = False) -> dict[str, float]:
-    """Each variant's best ms, MAX over the group (collective: every rank, same order); with
-    ``medians``, also each variant's median ms under ``"<name>@median"``."""
+           reps: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Each variant's best and median ms, each MAX over the group (collective: every rank,
+    same order)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     samples = interleaved_samples(variants, warmup=1, reps=reps, timer=wall_timer(sync),
                                   before_each=lambda: dist.barrier(group=comm.group))
     names = list(samples)
-    vals = [min(samples[n]) for n in names]
-    if medians:
-        vals += [statistics.median(samples[n]) for n in names]
-        names = names + [f"{n}@median" for n in names]
+    vals = [min(samples[n]) for n in names] + [statistics.median(samples[n]) for n in names]
     # on the group's device (NCCL takes CUDA tensors only); read back once per round
-    return dict(zip(names, max_over_ranks(vals, comm.group, device), strict=True))
+    vals = max_over_ranks(vals, comm.group, device)
+    n = len(names)
+    return dict(zip(names, vals[:n], strict=True)), dict(zip(names, vals[n:], strict=True))
 
 
 def geometric_growth(compute_ms: float, comm_ms: float, chunks: int, comm_first: bool
@@ -152,7 +151,7 @@ def _measure_and_choose(key, run, comm, rows, device, what, chunks_hint, reps, m
     }
     for c in cands:
         first[str(c)] = lambda c=c: run(comm, c)
-    t = _timed(first, comm, device, reps)
+    t, _ = _timed(first, comm, device, reps)
     plans: dict[str, tuple[int, float | None]] = {str(c): (c, None) for c in cands}
     chunked = {n: t[n] for n in plans}
     best = min(chunked, key=chunked.get) if chunked else None
@@ -168,7 +167,7 @@ def _measure_and_choose(key, run, comm, rows, device, what, chunks_hint, reps, m
         second["sequential"] = first["sequential"]
         if best is not None:
             second[best] = first[best]
-        t2 = _timed(second, comm, device, reps)
+        t2, _ = _timed(second, comm, device, reps)
         chunked = {n: v for n, v in t2.items() if n != "sequential"}
         best = min(chunked, key=chunked.get)
         t = {**t, **t2}
@@ -176,18 +175,18 @@ def _measure_and_choose(key, run, comm, rows, device, what, chunks_hint, reps, m
         # the winner of a selection among noisy candidates is biased toward a lucky draw:
         # confirm it against the sequential schedule in a round of its own
         runs = {**first, **second}
-        t3 = _timed({"sequential": runs["sequential"], best: runs[best]}, comm, device,
-                    CONFIRM_REPS, medians=True)
-        won = [t3[f"{best}{s}"] < t3[f"sequential{s}"] * (1 - margin) for s in ("", "@median")]
-        if not all(won):
-            best_ms, t = t3[best], {**t, **t3}
-            how = "in its fastest repetition" if not won[0] else (
-                f"in its median ({t3[f'{best}@median']:.2f} against "
-                f"{t3['sequential@median']:.2f} ms)")
-            why = (f"{best} won the selection but not its confirmation {how} "
-                   f"({best_ms:.2f} ms)")
-            return _fallback(key, comm, what, t, why)
+        t3, mid = _timed({"sequential": runs["sequential"], best: runs[best]}, comm, device,
+                         CONFIRM_REPS)
         t = {**t, **t3}
+        if not t3[best] < t3["sequential"] * (1 - margin):
+            how = "in its fastest repetition"
+        elif not mid[best] < mid["sequential"] * (1 - margin):
+            how = f"in its median ({mid[best]:.2f} against {mid['sequential']:.2f} ms)"
+        else:
+            how = ""
+        if how:
+            why = f"{best} won the selection but not its confirmation {how} ({t3[best]:.2f} ms)"
+            return _fallback(key, comm, what, t, why)
         c, g = plans[best]
         shape = f"{c} chunks" + (f" growing by {g:.2f}" if g is not None else "")
         return Choice(c, t["compute"], t["sequential"], t[best],

@@ -20,19 +20,16 @@ DT = torch.float64
 def _forced(times: dict[str, float]):
     """A stand-in for one round of the tuner's measurement returning fixed best-of times (ms);
     a geometric schedule (named ``<chunks>x<growth>``) takes ``times["geo"]`` (default: never
-    the fastest); with ``medians``, ``"<name>@median"`` reads ``times`` there too (default:
-    the same as its fastest)."""
-    def timed(variants, comm, device, reps, medians=False):
-        return _read(times, variants, medians)
+    the fastest); the medians are ``times["<name>@median"]`` (default: the fastest)."""
+    def timed(variants, comm, device, reps):
+        return _read(times, variants)
 
     return timed
 
 
-def _read(times: dict[str, float], variants, medians: bool) -> dict[str, float]:
-    out = {n: times[n] if n in times else times.get("geo", 1e9) for n in variants}
-    if medians:
-        out.update({f"{n}@median": times.get(f"{n}@median", out[n]) for n in variants})
-    return out
+def _read(times: dict[str, float], variants) -> tuple[dict[str, float], dict[str, float]]:
+    best = {n: times[n] if n in times else times.get("geo", 1e9) for n in variants}
+    return best, {n: times.get(f"{n}@median", best[n]) for n in variants}
 
 
 class _Log(logging.Handler):
@@ -73,10 +70,10 @@ def _forced_rounds(*rounds: dict[str, float]):
     """Like :func:`_forced`, with round ``i`` of the measurement reading ``rounds[i]``."""
     calls = []
 
-    def timed(variants, comm, device, reps, medians=False):
+    def timed(variants, comm, device, reps):
         times = rounds[min(len(calls), len(rounds) - 1)]
         calls.append(1)
-        return _read(times, variants, medians)
+        return _read(times, variants)
 
     return timed
 
