@@ -5,6 +5,10 @@ runs the compiler itself (``python -m distllm.kernels.aot``) in a subprocess wit
 ``TRITON_INTERPRET`` and with a fresh ``TRITON_CACHE_DIR``: a cached result from an earlier
 compile must not hide a failure. One run serves the tests below (the variants are listed by
 each kernel module's ``aot_variants``).
+
+``DISTLLM_AOT_ARCH`` (default ``80,90``) names the targets: CI's torch 2.11 pass, whose Triton
+is the one the Hopper GPU machines carry, compiles for ``90`` only; its 2.14.1 pass compiles
+for both.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import pytest
 # the module fixture's compile runs inside whichever test asks for it first
 pytestmark = pytest.mark.timeout(2400)
 
+ARCHS = sorted({int(a) for a in os.environ.get("DISTLLM_AOT_ARCH", "80,90").split(",") if a})
+
 
 @pytest.fixture(scope="module")
 def aot(tmp_path_factory) -> dict:
@@ -31,7 +37,8 @@ def aot(tmp_path_factory) -> dict:
     # its own session, so that a timeout ends the compile workers too (orphans would keep
     # the output pipes open)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "distllm.kernels.aot", "--arch", "80,90", "--json", str(out)],
+        [sys.executable, "-m", "distllm.kernels.aot", "--arch", ",".join(map(str, ARCHS)),
+         "--json", str(out)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -57,9 +64,9 @@ def _errors(res: dict, n: int = 3) -> str:
     return "\n\n".join(f"{r['label']} @ sm_{r['arch']}:\n{r['error']}" for r in bad)
 
 
-def test_every_variant_compiles_for_sm80_and_sm90(aot):
+def test_every_variant_compiles_for_every_target(aot):
     assert aot["rows"], "no variant was compiled: the kernel modules list none"
-    assert {r["arch"] for r in aot["rows"]} == {80, 90}
+    assert {r["arch"] for r in aot["rows"]} == set(ARCHS)
     assert not aot["failed"], (
         f"{len(aot['failed'])} of {len(aot['rows'])} Triton variants do not compile "
         f"(triton {aot['triton']}); first errors:\n{_errors(aot)}"
@@ -84,7 +91,7 @@ def test_kept_configs_fit_the_targets_shared_memory(aot):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_each_dtype_has_forward_tuning_configs(aot, dtype, arch):
     fwd = {
         (r["num_warps"], r["num_stages"], tuple(sorted(r["constexprs"].items())))
