@@ -24,7 +24,14 @@ import pytest
 # the module fixture's compile runs inside whichever test asks for it first
 pytestmark = pytest.mark.timeout(2400)
 
-ARCHS = sorted({int(a) for a in os.environ.get("DISTLLM_AOT_ARCH", "80,90").split(",") if a})
+_ARCH_ENV = os.environ.get("DISTLLM_AOT_ARCH", "80,90")
+try:
+    ARCHS = sorted({int(a) for a in _ARCH_ENV.split(",") if a.strip()})
+except ValueError:
+    raise pytest.UsageError(f"DISTLLM_AOT_ARCH={_ARCH_ENV!r}: use compute capabilities such as "
+                            "80,90") from None
+if not ARCHS:
+    raise pytest.UsageError("DISTLLM_AOT_ARCH is empty: unset it (80,90) or name the targets")
 
 
 @pytest.fixture(scope="module")
