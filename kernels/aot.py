@@ -143,6 +143,21 @@ def uncovered_kernels() -> list[str]:
     return missing
 
 
+def parse_archs(text: str) -> list[int]:
+    """The compute capabilities of ``text`` (``"80,90"``), sorted; a ValueError that says
+    which are known unless each is one of :data:`SMEM_LIMIT`'s and at least one is given."""
+    try:
+        archs = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"{text!r}: give compute capabilities such as 80,90 (known are "
+                         f"{sorted(SMEM_LIMIT)})") from None
+    unknown = [x for x in archs if x not in SMEM_LIMIT]
+    if unknown or not archs:
+        raise ValueError(f"{text!r}: {f'unknown {unknown}' if unknown else 'no target'}; known "
+                         f"are {sorted(SMEM_LIMIT)}")
+    return archs
+
+
 def run(archs: list[int], jobs: int) -> dict:
     """Compile every variant for every arch in ``jobs`` processes; the rows and a summary."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
@@ -198,10 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write every row and the summary here")
     ap.add_argument("--table", action="store_true", help="print a markdown table of all rows")
     a = ap.parse_args(argv)
-    archs = [int(x) for x in a.arch.split(",") if x]
-    unknown = [x for x in archs if x not in SMEM_LIMIT]
-    if unknown:
-        ap.error(f"--arch {unknown}: known are {sorted(SMEM_LIMIT)}")
+    try:
+        archs = parse_archs(a.arch)
+    except ValueError as e:
+        ap.error(f"--arch {e}")
     res = run(archs, a.jobs)
     if a.json:
         tmp = a.json + ".tmp"

@@ -20,18 +20,15 @@ import subprocess
 import sys
 
 import pytest
+from distllm.kernels.aot import parse_archs
 
 # the module fixture's compile runs inside whichever test asks for it first
 pytestmark = pytest.mark.timeout(2400)
 
-_ARCH_ENV = os.environ.get("DISTLLM_AOT_ARCH", "80,90")
 try:
-    ARCHS = sorted({int(a) for a in _ARCH_ENV.split(",") if a.strip()})
-except ValueError:
-    raise pytest.UsageError(f"DISTLLM_AOT_ARCH={_ARCH_ENV!r}: use compute capabilities such as "
-                            "80,90") from None
-if not ARCHS:
-    raise pytest.UsageError("DISTLLM_AOT_ARCH is empty: unset it (80,90) or name the targets")
+    ARCHS = parse_archs(os.environ.get("DISTLLM_AOT_ARCH", "80,90"))
+except ValueError as e:
+    raise pytest.UsageError(f"DISTLLM_AOT_ARCH={e}") from None
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +115,11 @@ def test_the_prune_keeps_what_the_measured_sizes_allow():
         for arch, limit in SMEM_LIMIT.items():
             kept = k.prune(k.fwd_configs(), nbytes, limit)
             assert kept, f"no forward config left for {dt} on sm_{arch}"
+
+
+def test_arch_lists_are_parsed_and_checked():
+    assert parse_archs("90, 80,90") == [80, 90]
+    for bad, why in (("75", r"unknown \[75\]"), ("sm90", "compute capabilities"),
+                     ("", "no target")):
+        with pytest.raises(ValueError, match=why):
+            parse_archs(bad)
