@@ -31,6 +31,15 @@ COL_CASES = {f"col-{be}-{'sp' if sp else 'nosp'}-{m}{c}": (be, sp, m, c)
 COL_CASES["col-triton-sp-chunked3"] = ("triton", True, "chunked", 3)
 
 
+def _mlp_cases_at(tp: int) -> list[str]:
+    """The MLP cases run on ``tp`` ranks. At 4 ranks Triton's ``auto`` cases are left to the
+    2-rank run: each rank's shard (and so the kernel's shape) is the same at 2 and 4 ranks, the
+    4-rank collectives are covered by the other backends' ``auto`` cases, and under the
+    interpreter the tuner's timed repetitions of those two cases took 42 of that run's 72 s."""
+    return [n for n, (be, _, m, _) in MLP_CASES.items()
+            if not (tp == 4 and be == "triton" and m == "auto")]
+
+
 def _ops_run(fn) -> set[str]:
     """The ``distllm::`` ops that ran inside ``fn()`` (from the profiler)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -124,7 +133,10 @@ def fused_main() -> dict:
 
     dims = ParallelDims(tp=dist.get_world_size())
     cases = {}
+    run = set(_mlp_cases_at(dims.tp))
     for i, (name, (be, sp, m, c)) in enumerate(MLP_CASES.items()):
+        if name not in run:
+            continue
         act = ("gelu", "gelu_tanh")[i % 2]
         cases[name] = lambda be=be, sp=sp, m=m, c=c, a=act: _mlp_case(dims, be, sp, m, c, a)
     for name, (be, sp, m, c) in COL_CASES.items():
@@ -154,8 +166,7 @@ def _check_fused(results: list[dict], backend: str, mlp: bool) -> dict:
     return results[0]
 
 
-@pytest.mark.parametrize("case", list(MLP_CASES))
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize(("tp", "case"), [(tp, c) for tp in (2, 4) for c in _mlp_cases_at(tp)])
 def test_parallel_mlp_parity(spawned, tp, case):
     backend, sp, _, _ = MLP_CASES[case]
     res = _check_fused(case_of(spawned(fused_main, tp), case), backend, mlp=True)
