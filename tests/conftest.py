@@ -4,6 +4,17 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+
+# The source tree's top-level ``kernels/`` (installed as ``distllm.kernels``) is importable as
+# ``kernels`` while the tree's root is on ``sys.path`` ahead of site-packages (``python -m
+# pytest`` and pytest's rootdir insertion put it first), and then it shadows the ``kernels``
+# distribution that transformers >= 5 imports. The root goes last: ``tests`` (found only here)
+# still imports from it, and a top-level ``kernels`` is the installed one where there is one.
+_ROOT = Path(__file__).resolve().parent.parent
+_here = [p for p in sys.path if p in ("", ".") or Path(p).resolve() == _ROOT]
+sys.path[:] = [p for p in sys.path if p not in _here] + _here
 
 # Must be set before triton is first imported (anywhere) in this process.
 if "TRITON_INTERPRET" not in os.environ:
