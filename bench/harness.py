@@ -33,10 +33,7 @@ another's frees, and neither pays for its own.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
-import functools
 import importlib
 import time
 from collections.abc import Callable
@@ -54,6 +51,7 @@ from distllm.diagnostics.timing import (
     max_over_ranks_timer,
     wall_timer,
 )
+from distllm.train.host_memory import keep_freed_memory
 
 __all__ = ["BenchConfig", "Case", "Setup", "Result", "LoopStep", "loop_aware", "shapes",
            "networks", "run_case", "run", "keep_freed_memory"]
@@ -173,27 +171,6 @@ def loop_aware(timer: Timer) -> Timer:
         return fn.ms if isinstance(fn, LoopStep) and fn.ms is not None else ms
 
     return timed
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (glibc's malloc.h)
-_KEEP_BYTES = 1 << 30
-
-
-@functools.cache
-def keep_freed_memory() -> bool:
-    """Have glibc's malloc keep freed memory in this process (trim and mmap thresholds of
-    1 GiB) instead of returning it to the kernel, so that allocations in a timed step do not
-    page-fault on memory another variant freed (see the module docstring). Once per process;
-    True if set, False where the C library is not glibc (nothing changes there)."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
-    if mallopt is None:
-        return False
-    return bool(mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES)) and bool(
-        mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES))
 
 
 def measure(s: Setup, distributed: bool) -> tuple[dict[str, Stats], Any]:

@@ -220,6 +220,10 @@ class TrainConfig:
     """Show a progress bar on rank 0."""
     deterministic: bool = False
     """Ask torch for deterministic kernels (exact resume in float32)."""
+    keep_freed_memory: bool = True
+    """On CPU, have glibc keep freed memory instead of returning it to the kernel, so that a
+    step does not page-fault in what the last one freed (ZeRO-2's gradient buckets, the
+    activations); see :mod:`distllm.train.host_memory`."""
 
     def __post_init__(self) -> None:
         _positive("global_batch", self.global_batch)

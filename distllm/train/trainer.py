@@ -21,6 +21,7 @@ from distllm.dtypes import dtype_name
 from distllm.parallel.mesh import ParallelDims
 from distllm.train.config import TrainConfig, check_layout
 from distllm.train.data import BatchLoader, load_corpus
+from distllm.train.host_memory import keep_freed_memory
 
 __all__ = ["train", "lr_at", "TrainResult", "peak_flops"]
 
@@ -207,6 +208,8 @@ def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> TrainResult:
         dims = ParallelDims.from_layout(p, timeout_s=p.timeout_s)
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
+    if cfg.keep_freed_memory and dims.device.type == "cpu":
+        keep_freed_memory()
     mcfg = cfg.model_config()
     seq = cfg.seq_len or mcfg.max_seq_len
     check_layout(cfg, dims.world_size, n_layers=mcfg.n_layers, n_heads=mcfg.n_heads,

@@ -269,39 +269,3 @@ def test_rows_keep_sub_suites_and_registered_names_are_reassigned(monkeypatch):
     assert got == [("main", "unfused", "ok"), ("main", "y", "ok"), ("main", "fused", "ok"),
                    ("sub", "x", "ok"), ("other", "-", "unavailable")]
     assert set(res.elapsed_s) == {"main"}
-
-
-_REFAULT = """
-import resource, sys, torch
-from distllm.bench.harness import keep_freed_memory
-if sys.argv[1] == "keep":
-    assert keep_freed_memory()
-def step():  # a step's 64 MiB of activations, allocated, written and freed
-    t = torch.empty(64 << 20, dtype=torch.uint8)
-    t.fill_(1)
-    del t
-# glibc settles within four steps: the heap may need two 64 MiB regions before a freed one
-# stays free for the next step (faults seen at steps 1-4 of 20 runs, never after)
-for _ in range(6):
-    step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(4):
-    step()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux")
-def test_kept_freed_memory_is_not_faulted_in_again():
-    """With glibc keeping freed memory, a step that reallocates what the last one freed
-    takes no page faults; by default each 64 MiB allocation faults in all its pages."""
-    import subprocess
-
-    def faults(mode: str) -> int:
-        out = subprocess.run([sys.executable, "-c", _REFAULT, mode], capture_output=True,
-                             text=True, check=True)
-        return int(out.stdout.split()[-1])
-
-    kept, default = faults("keep"), faults("default")
-    assert kept < 500, f"{kept} page faults in 4 steps with freed memory kept"
-    assert default > 4 * 10_000, f"only {default} faults by default: the test cannot tell"
