@@ -6,10 +6,9 @@ next allocation of that size then page-faults every page in again. A training st
 and frees the same large blocks every time (activations, gradient buckets), so on CPU it can
 pay those faults each step. ZeRO-2 is hit hardest: its gradient buckets are allocated when
 backward starts filling them and freed once reduced (stage 2 keeps only the shard), so every
-step faults in a whole gradient's worth of pages. Measured on 2 gloo ranks of one thread,
-6 blocks at hidden 768, batch 8 x 64 tokens, steps interleaved with torch DDP's: without it
-the ZeRO-2 step spent 79 ms a step in the division that first writes the new buckets, 15 ms
-with it (the README's data-parallel section has the step times).
+step faults in a whole gradient's worth of pages, and it is not alone: distllm's step at
+stage 0 pays too. The figures (``distllm train`` at dp2 with and without it, and where the
+time went) are in ``bench/results/cpu-zen4-20261203/keep-freed-memory/``.
 
 :func:`keep_freed_memory` raises both thresholds, as jemalloc or tcmalloc keep freed memory
 by default; ``distllm train`` calls it on CPU (``--no-keep-freed-memory`` to leave glibc's
