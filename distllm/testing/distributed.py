@@ -29,6 +29,15 @@ class DistributedFailure(AssertionError):
     """A rank failed, died or timed out; the message carries its traceback."""
 
 
+class _RendezvousFailure(DistributedFailure):
+    """Gloo's TCP full mesh did not form when the ranks started (a peer's connection closed
+    while the ranks connected, seen on 2 loaded cores); nothing of ``fn`` ran yet."""
+
+
+_RENDEZVOUS_RACE = "Gloo connectFullMesh failed"
+_STARTS = 2  # a run whose ranks could not connect starts again once, from a fresh rendezvous
+
+
 _CTX = None
 
 
@@ -46,21 +55,27 @@ def _rank_main(
     try:
         os.environ.update(env)
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
-        if setup is not None:
-            setup(rank, world)
         import datetime
 
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
+        try:
+            if setup is not None:
+                setup(rank, world)
+            dist.init_process_group(
+                "gloo",
+                init_method=f"file://{init_file}",
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+        except RuntimeError as e:
+            if _RENDEZVOUS_RACE in str(e):  # before fn ran: the run may start again
+                results.put((rank, "rendezvous", traceback.format_exc()))
+                return
+            raise
         try:
             out = fn(rank, *args, **kwargs) if pass_rank else fn(*args, **kwargs)
         except BaseException:  # noqa: BLE001 - report before peers see the group close
@@ -129,9 +144,23 @@ def run_distributed(
         setup: ``setup(rank, world)`` runs in the rank before the process group starts
             (e.g. to enter a network namespace).
         env: extra environment variables for the ranks.
+
+    A run whose ranks cannot form gloo's connections (``connectFullMesh`` failed, before
+    ``fn`` ran) starts again once from a fresh rendezvous; a second such failure is raised.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: it must be at least 1")
+    for start in range(_STARTS):
+        try:
+            return _run_once(fn, world_size, args, kwargs, timeout, threads, setup, pass_rank,
+                             env)
+        except _RendezvousFailure:
+            if start == _STARTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn, world_size, args, kwargs, timeout, threads, setup, pass_rank, env):
     ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="distllm-rdzv-") as tmp:
@@ -196,6 +225,8 @@ def _collect(procs, results, world_size, timeout, name) -> list[Any]:
                     ) from None
             else:
                 continue
+        if kind == "rendezvous":
+            raise _RendezvousFailure(f"{name}: rank {rank} could not connect:\n{payload}")
         if kind == "error":
             errors = {rank: payload}
             _drain_errors(results, errors, grace=1.0)

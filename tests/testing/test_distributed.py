@@ -3,6 +3,7 @@ a hang turned into a timeout, and no process left behind."""
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -53,3 +54,29 @@ def test_hang_times_out_and_leaves_no_process(tmp_path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+
+def _mesh_fails(marker_dir: str, rank: int, world: int) -> None:
+    """``setup``: rank 1 fails the way gloo's full-mesh connect does, on the first start only
+    (a marker file remembers it) or, with ``marker_dir`` empty, on every start."""
+    if rank != 1:
+        return
+    marker = os.path.join(marker_dir, "started") if marker_dir else ""
+    if marker and os.path.exists(marker):
+        return
+    if marker:
+        open(marker, "w").close()
+    raise RuntimeError("Gloo connectFullMesh failed with [pair.cc] Connection closed by peer")
+
+
+def _rank_of() -> int:
+    return dist.get_rank()
+
+
+def test_a_failed_connection_mesh_starts_the_run_again_once(tmp_path):
+    once = functools.partial(_mesh_fails, str(tmp_path))
+    assert run_distributed(_rank_of, 2, setup=once, timeout=60) == [0, 1]
+    assert (tmp_path / "started").exists()
+    with pytest.raises(DistributedFailure, match="could not connect"):
+        run_distributed(_rank_of, 2, setup=functools.partial(_mesh_fails, ""), timeout=60)
