@@ -150,14 +150,13 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: it must be at least 1")
-    for start in range(_STARTS):
+    run = (fn, world_size, args, kwargs, timeout, threads, setup, pass_rank, env)
+    for _ in range(_STARTS - 1):
         try:
-            return _run_once(fn, world_size, args, kwargs, timeout, threads, setup, pass_rank,
-                             env)
+            return _run_once(*run)
         except _RendezvousFailure:
-            if start == _STARTS - 1:
-                raise
-    raise AssertionError("unreachable")
+            pass
+    return _run_once(*run)
 
 
 def _run_once(fn, world_size, args, kwargs, timeout, threads, setup, pass_rank, env):

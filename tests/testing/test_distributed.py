@@ -70,13 +70,10 @@ def _mesh_fails(marker_dir: str, rank: int, world: int) -> None:
     raise RuntimeError("Gloo connectFullMesh failed with [pair.cc] Connection closed by peer")
 
 
-def _rank_of() -> int:
-    return dist.get_rank()
-
-
 def test_a_failed_connection_mesh_starts_the_run_again_once(tmp_path):
     once = functools.partial(_mesh_fails, str(tmp_path))
-    assert run_distributed(_rank_of, 2, setup=once, timeout=60) == [0, 1]
+    out = run_distributed(_sum_ranks, 2, setup=once, timeout=60)
+    assert [r[:2] for r in out] == [(0, 3.0), (1, 3.0)]
     assert (tmp_path / "started").exists()
     with pytest.raises(DistributedFailure, match="could not connect"):
-        run_distributed(_rank_of, 2, setup=functools.partial(_mesh_fails, ""), timeout=60)
+        run_distributed(_sum_ranks, 2, setup=functools.partial(_mesh_fails, ""), timeout=60)
