@@ -11,14 +11,18 @@ another: a tiny GEMM loses efficiency). The second round times those against the
 schedule and the first round's best, interleaved, and the fastest is kept. The winner of
 that selection must then beat the sequential schedule again in a confirmation round of its
 own (the fastest of several noisy candidates is biased toward a lucky draw), by the margin
-both in its fastest repetition and in its median: on 2 loopback ranks a chunked schedule
-whose fastest repetition won by 5% ran 8% slower by median in the same layer's benchmark.
+both in its fastest repetition and in the median of its paired ratios: each round of the
+confirmation runs both schedules back to back, and the round's ratio (chosen over
+sequential) is taken there, so that a drift of the machine between rounds moves both sides
+of it, as in the benchmarks' verdicts. On 2 loopback ranks a chunked schedule whose fastest
+repetition won by 5% ran 8% slower by median in the same layer's benchmark.
 
 Every round goes through :mod:`distllm.diagnostics.timing`: interleaved repetitions after a
 warm-up round, a barrier over the group before each, each candidate keeping its fastest
 repetition (interference from other work only ever adds time, so the minimum is the steadier
-estimate of what a schedule costs), and the MAX of every rank's timings, so that all ranks
-choose the same schedule (a mismatch would pair different collectives). A chunked schedule
+estimate of what a schedule costs), each repetition's time the MAX over the ranks (a schedule
+ends with its slowest rank), so that all ranks see the same numbers and choose the same
+schedule (a mismatch would pair different collectives). A chunked schedule
 is chosen only when it beats the sequential one by more than ``margin`` (3%); otherwise the
 layer falls back to no overlap and says so once through ``logging.getLogger("distllm")``.
 
@@ -38,15 +42,16 @@ import torch.distributed as dist
 from distllm.diagnostics.timing import interleaved_samples, max_over_ranks, wall_timer
 from distllm.parallel.tensor.overlap import CommContext, NullComm
 
-__all__ = ["Choice", "choose", "clear_cache", "generation", "geometric_growth", "CANDIDATES",
-           "MAX_PIECE_RATIO"]
+__all__ = ["Choice", "choose", "clear_cache", "generation", "geometric_growth", "paired_ratio",
+           "CANDIDATES", "MAX_PIECE_RATIO"]
 
 log = logging.getLogger("distllm")
 
 CANDIDATES = (2, 4, 8)
 # repetitions of the confirmation round: its winner must beat the sequential schedule both in
-# its fastest repetition and in its median (a schedule that is fast only on a lucky draw, as
-# a chunked one on loopback, where gloo's copies take the GEMM's core, is not kept)
+# its fastest repetition and in the median of its rounds' ratios (a schedule that is fast only
+# on a lucky draw, as a chunked one on loopback, where gloo's copies take the GEMM's core, is
+# not kept)
 CONFIRM_REPS = 7
 _CACHE: dict[tuple, Choice] = {}
 
@@ -89,18 +94,27 @@ MAX_PIECE_RATIO = 16.0  # largest over smallest piece of a geometric schedule
 
 
 def _timed(variants: dict[str, Callable[[], object]], comm: CommContext, device: torch.device,
-           reps: int) -> tuple[dict[str, float], dict[str, float]]:
-    """Each variant's best and median ms, each MAX over the group (collective: every rank,
-    same order)."""
+           reps: int) -> dict[str, list[float]]:
+    """Each variant's ms in each of ``reps`` interleaved rounds, each repetition the MAX over
+    the group (collective: every rank, same order)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     samples = interleaved_samples(variants, warmup=1, reps=reps, timer=wall_timer(sync),
                                   before_each=lambda: dist.barrier(group=comm.group))
     names = list(samples)
-    vals = [min(samples[n]) for n in names] + [statistics.median(samples[n]) for n in names]
     # on the group's device (NCCL takes CUDA tensors only); read back once per round
-    vals = max_over_ranks(vals, comm.group, device)
-    n = len(names)
-    return dict(zip(names, vals[:n], strict=True)), dict(zip(names, vals[n:], strict=True))
+    vals = max_over_ranks([x for n in names for x in samples[n]], comm.group, device)
+    return {n: vals[i * reps:(i + 1) * reps] for i, n in enumerate(names)}
+
+
+def _fastest(samples: dict[str, list[float]]) -> dict[str, float]:
+    return {n: min(xs) for n, xs in samples.items()}
+
+
+def paired_ratio(samples: dict[str, list[float]], a: str, b: str) -> float:
+    """The median over rounds of ``a``'s time over ``b``'s in the same round (below 1: ``a``
+    faster). Rounds are paired by position: :func:`_timed` runs every variant once per
+    round."""
+    return statistics.median(x / y for x, y in zip(samples[a], samples[b], strict=True))
 
 
 def geometric_growth(compute_ms: float, comm_ms: float, chunks: int, comm_first: bool
@@ -151,7 +165,7 @@ def _measure_and_choose(key, run, comm, rows, device, what, chunks_hint, reps, m
     }
     for c in cands:
         first[str(c)] = lambda c=c: run(comm, c)
-    t, _ = _timed(first, comm, device, reps)
+    t = _fastest(_timed(first, comm, device, reps))
     plans: dict[str, tuple[int, float | None]] = {str(c): (c, None) for c in cands}
     chunked = {n: t[n] for n in plans}
     best = min(chunked, key=chunked.get) if chunked else None
@@ -167,7 +181,7 @@ def _measure_and_choose(key, run, comm, rows, device, what, chunks_hint, reps, m
         second["sequential"] = first["sequential"]
         if best is not None:
             second[best] = first[best]
-        t2, _ = _timed(second, comm, device, reps)
+        t2 = _fastest(_timed(second, comm, device, reps))
         chunked = {n: v for n, v in t2.items() if n != "sequential"}
         best = min(chunked, key=chunked.get)
         t = {**t, **t2}
@@ -175,13 +189,15 @@ def _measure_and_choose(key, run, comm, rows, device, what, chunks_hint, reps, m
         # the winner of a selection among noisy candidates is biased toward a lucky draw:
         # confirm it against the sequential schedule in a round of its own
         runs = {**first, **second}
-        t3, mid = _timed({"sequential": runs["sequential"], best: runs[best]}, comm, device,
-                         CONFIRM_REPS)
+        s3 = _timed({"sequential": runs["sequential"], best: runs[best]}, comm, device,
+                    CONFIRM_REPS)
+        t3 = _fastest(s3)
         t = {**t, **t3}
+        paired = paired_ratio(s3, best, "sequential")
         if not t3[best] < t3["sequential"] * (1 - margin):
             how = "in its fastest repetition"
-        elif not mid[best] < mid["sequential"] * (1 - margin):
-            how = f"in its median ({mid[best]:.2f} against {mid['sequential']:.2f} ms)"
+        elif not paired < 1 - margin:
+            how = f"in its rounds (median ratio to sequential {paired:.3f})"
         else:
             how = ""
         if how:
@@ -190,7 +206,8 @@ def _measure_and_choose(key, run, comm, rows, device, what, chunks_hint, reps, m
         c, g = plans[best]
         shape = f"{c} chunks" + (f" growing by {g:.2f}" if g is not None else "")
         return Choice(c, t["compute"], t["sequential"], t[best],
-                      f"{shape}: {t[best]:.2f} ms vs sequential {t['sequential']:.2f} ms", g)
+                      f"{shape}: {t[best]:.2f} ms vs sequential {t['sequential']:.2f} ms "
+                      f"(median ratio of its rounds {paired:.3f})", g)
     why = f"best chunked {t[best]:.2f} ms" if best else "too few rows to chunk"
     return _fallback(key, comm, what, t, why)
 

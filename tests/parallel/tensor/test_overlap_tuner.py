@@ -17,19 +17,20 @@ from tests._spawn import SpawnCache, case_of, run_cases
 DT = torch.float64
 
 
-def _forced(times: dict[str, float]):
-    """A stand-in for one round of the tuner's measurement returning fixed best-of times (ms);
-    a geometric schedule (named ``<chunks>x<growth>``) takes ``times["geo"]`` (default: never
-    the fastest); the medians are ``times["<name>@median"]`` (default: the fastest)."""
+def _forced(times: dict[str, float | list[float]]):
+    """A stand-in for one round of the tuner's measurement returning fixed times (ms): a
+    number is every repetition's, a list each repetition's in turn; a geometric schedule
+    (named ``<chunks>x<growth>``) takes ``times["geo"]`` (default: never the fastest)."""
     def timed(variants, comm, device, reps):
         return _read(times, variants)
 
     return timed
 
 
-def _read(times: dict[str, float], variants) -> tuple[dict[str, float], dict[str, float]]:
-    best = {n: times[n] if n in times else times.get("geo", 1e9) for n in variants}
-    return best, {n: times.get(f"{n}@median", best[n]) for n in variants}
+def _read(times: dict[str, float | list[float]], variants) -> dict[str, list[float]]:
+    rounds = max((len(v) for v in times.values() if isinstance(v, list)), default=1)
+    got = {n: times[n] if n in times else times.get("geo", 1e9) for n in variants}
+    return {n: v if isinstance(v, list) else [v] * rounds for n, v in got.items()}
 
 
 class _Log(logging.Handler):
@@ -119,11 +120,17 @@ def tuner_main() -> dict:
             dims, x, _forced_rounds({"compute": 1.0, "sequential": 10.0, "2": 6.0, "4": 8.0},
                                     {"compute": 1.0, "sequential": 10.0, "2": 6.0, "4": 8.0},
                                     {"sequential": 10.0, "2": 9.9})),
-        "lucky": lambda: _forced_outcome(  # confirmed by its fastest repetition, not its median
+        "lucky": lambda: _forced_outcome(  # confirmed by its fastest repetition, not its rounds
             dims, x, _forced_rounds({"compute": 1.0, "sequential": 10.0, "2": 6.0, "4": 8.0},
                                     {"compute": 1.0, "sequential": 10.0, "2": 6.0, "4": 8.0},
-                                    {"sequential": 10.0, "2": 6.0, "sequential@median": 10.0,
-                                     "2@median": 10.5})),
+                                    {"sequential": [10.0, 10.0, 10.0], "2": [6.0, 10.5, 10.5]})),
+        # the machine slows down between rounds and one round of the chunked schedule is
+        # disturbed: it wins 2 rounds of 3 by a third, so it is kept (its median, 19.8 ms, is
+        # within 1% of sequential's 20 ms: a comparison of unpaired medians would drop it)
+        "disturbed": lambda: _forced_outcome(
+            dims, x, _forced_rounds({"compute": 1.0, "sequential": 10.0, "2": 6.0, "4": 8.0},
+                                    {"compute": 1.0, "sequential": 10.0, "2": 6.0, "4": 8.0},
+                                    {"sequential": [10.0, 20.0, 30.0], "2": [29.0, 9.5, 19.8]})),
     })
 
 
@@ -145,18 +152,30 @@ def test_one_measurement_per_shape_and_the_same_choice_everywhere(spawned):
     ("marginal", ("none", 0, 1)),
     ("geometric", ("chunked", 4, 0)),  # C/G = 1.5; 4 and 8 pieces tie: the first kept
     ("unconfirmed", ("none", 0, 1)),  # the selection's winner must win its confirmation too
-    ("lucky", ("none", 0, 1)),  # ... by its median as well as by its fastest repetition
+    ("lucky", ("none", 0, 1)),  # ... in its rounds as well as by its fastest repetition
+    ("disturbed", ("chunked", 2, 0)),  # ... the rounds compared pairwise
 ])
 def test_forced_outcomes(spawned, case, want):
     for got in case_of(spawned(tuner_main, 2), case):
         assert tuple(got[:3]) == want, got
         if case == "lucky":
-            assert "not its confirmation in its median (10.50 against 10.00 ms)" in got[3], got
+            assert ("not its confirmation in its rounds (median ratio to sequential 1.050)"
+                    in got[3]), got
+        if case == "disturbed":
+            assert "(median ratio of its rounds 0.660)" in got[3], got
         if case == "geometric":
             assert "4 chunks growing by 1.50" in got[3], got[3]
             assert got[4] == pytest.approx(1.5)  # the counter keeps the piece sizes it ran
         else:
             assert got[4] is None, got  # equal pieces (or none)
+
+
+def test_paired_ratio_takes_each_round_apart():
+    s = {"a": [9.0, 30.0, 18.0], "b": [10.0, 20.0, 20.0]}
+    assert overlap_tuner.paired_ratio(s, "a", "b") == pytest.approx(0.9)  # 0.9, 1.5, 0.9
+    assert overlap_tuner.paired_ratio(s, "b", "a") == pytest.approx(10 / 9)
+    with pytest.raises(ValueError):  # rounds pair by position: counts must agree
+        overlap_tuner.paired_ratio({"a": [1.0], "b": [1.0, 2.0]}, "a", "b")
 
 
 def test_geometric_growth_balances_and_is_bounded():
