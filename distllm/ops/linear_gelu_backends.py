@@ -17,7 +17,7 @@
   the pre-activation is not needed, inference; else with the bias fused, then the GeLU) or
   through torch's own GEMM (``addmm`` with the bias, the GeLU in place when no pre-activation
   is kept; ``mm``), whichever measured faster for that GEMM's shape, dtype and thread count
-  (once per process, :mod:`distllm.ops.backend_choice`): neither wins everywhere. On one AMD
+  (once per process, :mod:`distllm.ops.cpu_gemm`): neither wins everywhere. On one AMD
   EPYC core (float32, torch 2.14) torch's GEMM won the input-gradient GEMM at
   (256, 3072) @ (3072, 768) by 1.8x and oneDNN's GeLU post-op lost by 1.1-1.4x at
   (256..2048, 768..1024) x (2048..4096), while on the machine of the suite's first
@@ -33,11 +33,11 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import is_fake
-from torch.utils._python_dispatch import _disable_current_modes
 
 import distllm.ops.bias_gelu  # noqa: F401 - defines torch.ops.distllm.bias_gelu_backward
-from distllm.ops import backend_choice, extensions
+from distllm.ops import extensions
+from distllm.ops.cpu_gemm import mm as cpu_mm
+from distllm.ops.cpu_gemm import onednn_linear_ok, onednn_or_torch
 
 log = logging.getLogger("distllm")
 
@@ -63,33 +63,6 @@ def _cuda_ext_status() -> tuple[bool, str]:
     if ok and not hasattr(extensions.load("_cuda"), "cublaslt_linear_gelu"):
         return False, "distllm._cuda was built without csrc/cuda/linear_gelu.cu"
     return ok, why
-
-
-@functools.cache
-def onednn_linear_ok() -> bool:
-    """Whether torch exposes oneDNN's fused linear (``mkldnn._linear_pointwise``)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        torch.ops.mkldnn._linear_pointwise.default  # noqa: B018
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
-@functools.cache
-def _onednn_dtype_ok(dtype: torch.dtype) -> bool:
-    if not onednn_linear_ok() or dtype not in (torch.float32, torch.bfloat16):
-        return False
-    with _disable_current_modes():  # a real probe, also when first asked under fake tensors
-        x = torch.randn(3, 8, dtype=dtype)
-        w = torch.randn(5, 8, dtype=dtype)
-        try:
-            got = torch.ops.mkldnn._linear_pointwise(x, w, None, "gelu", [], "none")
-        except RuntimeError:
-            return False
-        ref = F.gelu(F.linear(x.float(), w.float()))
-        return bool(torch.allclose(got.float(), ref, atol=5e-2, rtol=5e-2))
 
 
 def availability() -> dict[str, str]:
@@ -209,19 +182,6 @@ def _after_cuda(x, w, approximate: str, phase: str, exc: Exception) -> str:
     return nxt
 
 
-def _onednn_or_torch(kind: str, a, w, onednn, plain):
-    """The result of ``onednn()`` or of ``plain()`` (torch's GEMM), whichever measured faster
-    for this ``kind`` of GEMM at these shapes on this machine (measured on first use, then
-    cached by :func:`distllm.ops.backend_choice.choose`). oneDNN only where it takes the dtype
-    and the operands are not empty; under fake tensors, torch's (nothing to measure)."""
-    if is_fake(a) or not (_onednn_dtype_ok(a.dtype) and a.numel() > 0 and w.numel() > 0):
-        return plain()
-    key = f"cpu_gemm|{kind}|{a.dtype}|{tuple(a.shape)}x{tuple(w.shape)}"
-    name = backend_choice.lookup(key, a.device) or backend_choice.choose(
-        key, a.device, {"onednn": onednn, "torch": plain})
-    return onednn() if name == "onednn" else plain()
-
-
 def _cpu_fwd(x, w, b, approximate, save_pre):
     def lp(*args):  # looked up only when called: a torch without it never gets here
         return torch.ops.mkldnn._linear_pointwise(*args)
@@ -229,12 +189,12 @@ def _cpu_fwd(x, w, b, approximate, save_pre):
     x, w = x.contiguous(), w.contiguous()
     b = None if b is None else b.contiguous()
     if not save_pre:  # inference: GeLU as oneDNN's post-op, or in place after torch's GEMM
-        y = _onednn_or_torch(
+        y = onednn_or_torch(
             f"linear_gelu_{approximate}", x, w,
             lambda: lp(x, w, b, "gelu", [], approximate),
             lambda: torch.ops.aten.gelu_(F.linear(x, w, b), approximate=approximate))
         return y, x.new_empty(0)
-    pre = _onednn_or_torch("linear", x, w, lambda: lp(x, w, b, "none", [], ""),
+    pre = onednn_or_torch("linear", x, w, lambda: lp(x, w, b, "none", [], ""),
                            lambda: F.linear(x, w, b))  # the bias fused into either GEMM
     return F.gelu(pre, approximate=approximate), pre
 
@@ -274,14 +234,9 @@ def wgrad(backend: str, gu, x, has_bias: bool):
 
 
 def dgrad(backend: str, gu, w):
-    """``dx = gu @ w``: (M, N) @ (N, K)."""
-    if backend == "cpu" and gu.dtype == torch.float32:  # (torch's bfloat16 mm is oneDNN's)
-        # oneDNN's linear, w.t() being the (out=K, in=N) weight, or torch's GEMM
-        return _onednn_or_torch(
-            "dgrad", gu, w,
-            lambda: torch.ops.mkldnn._linear_pointwise(gu, w.t(), None, "none", [], ""),
-            lambda: gu @ w)
-    return gu @ w
+    """``dx = gu @ w``: (M, N) @ (N, K); on the cpu backend through oneDNN or torch's GEMM,
+    whichever measured faster (:func:`distllm.ops.cpu_gemm.mm`)."""
+    return cpu_mm(gu, w) if backend == "cpu" else gu @ w
 
 
 def gemm_dgelu(backend: str, dy, w2, pre, has_bias: bool, approximate: str):

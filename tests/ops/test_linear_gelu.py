@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from distllm.ops import backend_choice, backends, extensions, linear_gelu, linear_gelu_reference
-from distllm.ops import linear_gelu_backends as impl
 
 # Relative tolerance per dtype, as a fraction of the reference's largest magnitude:
 TOL = {
@@ -339,40 +338,3 @@ def test_auto_first_call_inside_activation_checkpointing():
     torch.testing.assert_close(w.grad, wr.grad, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("faster", ["onednn", "torch"])
-def test_cpu_backend_runs_the_gemm_measured_faster(monkeypatch, faster):
-    """The cpu backend times oneDNN against torch's own GEMM once per GEMM shape and runs the
-    faster from then on (neither wins on every CPU and shape)."""
-    monkeypatch.setattr(impl, "_onednn_dtype_ok", lambda dtype: True)  # any torch build
-    backend_choice.clear()
-    measured = []
-
-    def fake_measure(cands, sync, reps=5):
-        measured.append(sorted(cands))
-        return {n: (1.0 if n == faster else 2.0) for n in cands}
-
-    monkeypatch.setattr(backend_choice, "measure", fake_measure)
-    ran = []
-    onednn = lambda: ran.append("onednn") or "o"  # noqa: E731
-    plain = lambda: ran.append("torch") or "t"  # noqa: E731
-    a, w = torch.randn(6, 8), torch.randn(4, 8)
-    first = impl._onednn_or_torch("probe", a, w, onednn, plain)
-    ran.clear()
-    again = impl._onednn_or_torch("probe", a, w, onednn, plain)
-    assert measured == [["onednn", "torch"]], "not measured exactly once for one shape"
-    assert (first, again) == (faster[0],) * 2 and ran == [faster]
-    impl._onednn_or_torch("probe", torch.randn(7, 8), w, onednn, plain)
-    assert len(measured) == 2, "a new shape reused another shape's measurement"
-
-
-def test_cpu_backend_measures_nothing_for_fake_or_float64(monkeypatch):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    backend_choice.clear()
-    monkeypatch.setattr(backend_choice, "measure", lambda *a, **k: pytest.fail("measured"))
-    plain = lambda: "t"  # noqa: E731
-    with FakeTensorMode():
-        a, w = torch.randn(6, 8), torch.randn(4, 8)
-        assert impl._onednn_or_torch("probe", a, w, lambda: "o", plain) == "t"
-    a64 = torch.randn(6, 8, dtype=torch.float64)
-    assert impl._onednn_or_torch("probe", a64, a64[:4], lambda: "o", plain) == "t"

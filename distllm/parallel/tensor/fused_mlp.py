@@ -39,7 +39,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from distllm.comm.collectives import all_reduce
-from distllm.ops import backend_choice
+from distllm.ops import backend_choice, cpu_gemm
 from distllm.ops import linear_gelu_backends as impl
 from distllm.parallel.tensor.layers import OverlapPlan, _mm, _mm_t
 
@@ -235,7 +235,7 @@ class _ParallelMLP(torch.autograd.Function):
         x_full, y, pre = _fc1_forward(plan1, x, w1, b1, sp, approximate, backend, keep)
         h, n = w2.shape  # (hidden, ffn/tp)
         if plan2.tp == 1:
-            z = torch.mm(y.reshape(-1, n), w2.t()).view(*y.shape[:-1], h)
+            z = cpu_gemm.mm_t(y.reshape(-1, n), w2).view(*y.shape[:-1], h)
             plan2.ran("forward", "none")
         elif sp:  # (b, s, N/tp) -> GEMM + reduce-scatter -> (b, s/tp, H)
             z, _ = plan2.run("forward", "reduce_scatter", y, _mm_t(w2), h)

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from distllm.comm.collectives import all_reduce
+from distllm.ops import cpu_gemm
 from distllm.parallel.tensor import overlap_tuner
 from distllm.parallel.tensor.overlap import CommContext, run_engine
 
@@ -184,13 +185,15 @@ class OverlapPlan:
 
 
 def _mm_t(w: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """``out = a @ w.T`` into a preallocated row slice: ``(m, in) @ (in, out)``."""
-    return lambda a, o: torch.mm(a, w.t(), out=o)
+    """``out = a @ w.T`` into a preallocated row slice: ``(m, in) @ (in, out)`` (on CPU
+    through oneDNN or torch's GEMM, whichever measured faster: :mod:`distllm.ops.cpu_gemm`)."""
+    return lambda a, o: cpu_gemm.mm_t(a, w, out=o)
 
 
 def _mm(w: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """``out = a @ w``: ``(m, out) @ (out, in)``, the input-gradient GEMM."""
-    return lambda a, o: torch.mm(a, w, out=o)
+    """``out = a @ w``: ``(m, out) @ (out, in)``, the input-gradient GEMM (on CPU as
+    :func:`_mm_t`)."""
+    return lambda a, o: cpu_gemm.mm(a, w, out=o)
 
 
 class _ColumnParallelMatmul(torch.autograd.Function):
@@ -204,7 +207,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         if sp:  # (b, s/tp, K) -> all-gather + GEMM -> (b, s, N/tp)
             (x_full, out), _ = plan.run("forward", "all_gather", x, _mm_t(weight), n)
         else:  # (..., K) @ (K, N/tp)
-            x_full, out = x, torch.mm(x.reshape(-1, k), weight.t()).view(*x.shape[:-1], n)
+            x_full, out = x, cpu_gemm.mm_t(x.reshape(-1, k), weight).view(*x.shape[:-1], n)
             plan.ran("forward", "none")
         if bias is not None:
             out = out.add_(bias)
@@ -274,7 +277,7 @@ class _RowParallelMatmul(torch.autograd.Function):
         else:
             ctx.plan.ran("backward", "none")
             gy2 = gy.reshape(-1, n)
-            gx = (gy2 @ w).view(x.shape) if need_x else None  # (M, N) @ (N, K/tp)
+            gx = cpu_gemm.mm(gy2, w).view(x.shape) if need_x else None  # (M, N) @ (N, K/tp)
         gw = gy2.t() @ x.reshape(-1, k) if need_w else None  # (N, M) @ (M, K/tp)
         if bias_work is not None:
             bias_work.wait()

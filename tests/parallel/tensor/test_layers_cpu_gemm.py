@@ -1,0 +1,87 @@
+"""The tensor-parallel GEMMs that distllm runs itself (the overlap engines' chunks, the
+column-parallel forward, the row-parallel input gradient) go through the measured CPU GEMM
+(distllm.ops.cpu_gemm) in float32: with oneDNN's linear pinned, and with torch's, the
+column- and row-parallel pair at tp=2 matches the float64 dense pair (output, input
+gradient, every weight and bias gradient) to float32 rounding, through the plain and the
+sequence-parallel engines, with and without the fused GeLU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distllm import ParallelDims
+from distllm.nn.parallel_linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    gather_sequence,
+    scatter_sequence,
+)
+from distllm.ops import backend_choice, cpu_gemm
+from distllm.testing import run_distributed
+
+# float32 GEMMs over K <= 96 (~sqrt(K) * 6e-8 relative) and one fp32 all-reduce: a few 1e-6
+# of the largest magnitude; a wrong or missing product is O(1) off
+RTOL = 2e-5
+CASES = [(None, False), ("gelu", False), (None, True), ("gelu", True)]
+
+
+def _rank(pinned: str, act: str | None, sp: bool) -> dict:
+    asked: list[str] = []
+    real = backend_choice.lookup
+
+    def lookup(key, device):  # every measured CPU GEMM runs the pinned library
+        if not key.startswith("cpu_gemm|"):
+            return real(key, device)  # e.g. the fused GEMM + GeLU's backend choice
+        asked.append(key.split("|")[1])  # cpu_gemm|<kind>|dtype|shapes
+        return pinned
+
+    backend_choice.lookup = lookup  # this rank's process only
+    dims = ParallelDims(tp=2)
+    torch.manual_seed(0)
+    d1, d2 = nn.Linear(64, 96), nn.Linear(96, 64)  # float32
+    x = torch.randn(3, 8, 64)
+    c = ColumnParallelLinear.from_dense(d1, dims, activation=act, overlap="chunked", chunks=3,
+                                        sequence_parallel=sp)
+    r = RowParallelLinear.from_dense(d2, dims, overlap="chunked", chunks=3, sequence_parallel=sp)
+    xp = x.clone().requires_grad_()
+    y = r(c(scatter_sequence(xp, dims) if sp else xp))
+    y = gather_sequence(y, dims) if sp else y
+    wgt = torch.linspace(-1, 1, 64)
+    (y * wgt).sum().backward()
+    e1, e2 = (nn.Linear(m.in_features, m.out_features, dtype=torch.float64) for m in (d1, d2))
+    with torch.no_grad():
+        for e, d in ((e1, d1), (e2, d2)):
+            e.weight.copy_(d.weight)
+            e.bias.copy_(d.bias)
+    xd = x.double().requires_grad_()
+    h = e1(xd)
+    ref = e2(h if act is None else F.gelu(h))
+    (ref * wgt.double()).sum().backward()
+    rk = dims.tp_rank
+
+    def rel(got, want):
+        return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+    return {"asked": sorted(set(asked)), "errs": {
+        "out": rel(y, ref), "dx": rel(xp.grad, xd.grad),
+        "col.w": rel(c.weight.grad, e1.weight.grad.chunk(2, 0)[rk]),
+        "col.b": rel(c.bias.grad, e1.bias.grad.chunk(2, 0)[rk]),
+        "row.w": rel(r.weight.grad, e2.weight.grad.chunk(2, 1)[rk]),
+        "row.b": rel(r.bias.grad, e2.bias.grad)}}
+
+
+@pytest.mark.skipif(not cpu_gemm.onednn_dtype_ok(torch.float32),
+                    reason="this torch has no oneDNN linear for float32: torch's GEMM is the "
+                    "only candidate (the float64 parity tests cover it)")
+@pytest.mark.parametrize("pinned", ["onednn", "torch"])
+@pytest.mark.parametrize(("act", "sp"), CASES, ids=[f"{a or 'linear'}{'-sp' if s else ''}"
+                                                    for a, s in CASES])
+def test_parallel_pair_through_the_measured_gemm(pinned, act, sp):
+    for rank, res in enumerate(run_distributed(_rank, 2, pinned, act, sp, timeout=120)):
+        bad = {k: v for k, v in res["errs"].items() if not v < RTOL}
+        assert not bad, f"rank {rank}, {pinned}: {bad}"
+        # the forward GEMMs (a @ w.T) and the input-gradient GEMMs (a @ w) both asked
+        assert {"mm", "mm_t"} <= set(res["asked"]), res["asked"]
