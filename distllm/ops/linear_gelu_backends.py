@@ -247,7 +247,9 @@ def gemm_dgelu(backend: str, dy, w2, pre, has_bias: bool, approximate: str):
     - ``cuda``: one cuBLASLt GEMM with the DGELU_BGRAD epilogue (gu and db in the epilogue);
     - ``triton``: one Triton GEMM whose epilogue applies gelu'(pre) and writes db's partial
       column sums (``distllm.kernels.linear_gelu.gemm_dgelu``);
-    - ``cpu`` / ``reference``: the GEMM, then one pass applying gelu' in place. On CPU the
+    - ``cpu`` / ``reference``: the GEMM (``cpu``: through oneDNN or torch's, whichever
+      measured faster, :func:`distllm.ops.cpu_gemm.mm`), then one pass applying gelu' in
+      place. On CPU the
       GEMM dominates (measured at (2048, 1024) @ (1024, 2048), fp32, one thread: GEMM 95 ms,
       the gelu' pass 4 ms, the column sum 2 ms); computing the GEMM in row blocks small
       enough for the pass to find them in L2 cost more in GEMM efficiency (104-132 ms for
@@ -265,7 +267,7 @@ def gemm_dgelu(backend: str, dy, w2, pre, has_bias: bool, approximate: str):
     if backend == "triton":
         k, _ = _triton_module()
         return k.gemm_dgelu(dy, w2, pre, has_bias, approximate)
-    g = dy @ w2  # (M, P) @ (P, N)
+    g = cpu_mm(dy, w2) if backend == "cpu" else dy @ w2  # (M, P) @ (P, N)
     gu = torch.ops.aten.gelu_backward.grad_input(g, pre, approximate=approximate, grad_input=g)
     return gu, (gu.sum(0) if has_bias else None)
 

@@ -3,7 +3,8 @@ column-parallel forward, the row-parallel input gradient) go through the measure
 (distllm.ops.cpu_gemm) in float32: with oneDNN's linear pinned, and with torch's, the
 column- and row-parallel pair at tp=2 matches the float64 dense pair (output, input
 gradient, every weight and bias gradient) to float32 rounding, through the plain and the
-sequence-parallel engines, with and without the fused GeLU."""
+sequence-parallel engines, with and without the fused GeLU, and through the fused MLP (whose
+backward GEMM carries the GeLU derivative)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from distllm import ParallelDims
+from distllm.nn import ParallelMLP
+from distllm.nn.mlp import DenseMLP
 from distllm.nn.parallel_linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -25,7 +28,8 @@ from distllm.testing import run_distributed
 # float32 GEMMs over K <= 96 (~sqrt(K) * 6e-8 relative) and one fp32 all-reduce: a few 1e-6
 # of the largest magnitude; a wrong or missing product is O(1) off
 RTOL = 2e-5
-CASES = [(None, False), ("gelu", False), (None, True), ("gelu", True)]
+CASES = [(None, False), ("gelu", False), (None, True), ("gelu", True), ("mlp", False),
+         ("mlp", True)]
 
 
 def _rank(pinned: str, act: str | None, sp: bool) -> dict:
@@ -35,7 +39,7 @@ def _rank(pinned: str, act: str | None, sp: bool) -> dict:
     def lookup(key, device):  # every measured CPU GEMM runs the pinned library
         if not key.startswith("cpu_gemm|"):
             return real(key, device)  # e.g. the fused GEMM + GeLU's backend choice
-        asked.append(key.split("|")[1])  # cpu_gemm|<kind>|dtype|shapes
+        asked.append("|".join(key.split("|")[i] for i in (1, 3)))  # cpu_gemm|kind|dtype|shapes
         return pinned
 
     backend_choice.lookup = lookup  # this rank's process only
@@ -43,11 +47,22 @@ def _rank(pinned: str, act: str | None, sp: bool) -> dict:
     torch.manual_seed(0)
     d1, d2 = nn.Linear(64, 96), nn.Linear(96, 64)  # float32
     x = torch.randn(3, 8, 64)
-    c = ColumnParallelLinear.from_dense(d1, dims, activation=act, overlap="chunked", chunks=3,
-                                        sequence_parallel=sp)
-    r = RowParallelLinear.from_dense(d2, dims, overlap="chunked", chunks=3, sequence_parallel=sp)
+    if act == "mlp":  # ParallelMLP's fused path, its cpu backend pinned
+        dense = DenseMLP(64, 96)
+        dense.fc1, dense.fc2 = d1, d2
+        mlp = ParallelMLP.from_dense(dense, dims, sequence_parallel=sp, overlap="chunked",
+                                     chunks=3, backend="cpu")
+        c, r, f = mlp.fc1, mlp.fc2, mlp
+    else:
+        c = ColumnParallelLinear.from_dense(d1, dims, activation=act, overlap="chunked",
+                                            chunks=3, sequence_parallel=sp)
+        r = RowParallelLinear.from_dense(d2, dims, overlap="chunked", chunks=3,
+                                         sequence_parallel=sp)
+
+        def f(t):
+            return r(c(t))
     xp = x.clone().requires_grad_()
-    y = r(c(scatter_sequence(xp, dims) if sp else xp))
+    y = f(scatter_sequence(xp, dims) if sp else xp)
     y = gather_sequence(y, dims) if sp else y
     wgt = torch.linspace(-1, 1, 64)
     (y * wgt).sum().backward()
@@ -58,14 +73,15 @@ def _rank(pinned: str, act: str | None, sp: bool) -> dict:
             e.bias.copy_(d.bias)
     xd = x.double().requires_grad_()
     h = e1(xd)
-    ref = e2(h if act is None else F.gelu(h))
+    ref = e2(h if act is None else F.gelu(h))  # exact GeLU: DenseMLP's default too
     (ref * wgt.double()).sum().backward()
     rk = dims.tp_rank
 
     def rel(got, want):
         return ((got.double() - want).abs().max() / want.abs().max()).item()
 
-    return {"asked": sorted(set(asked)), "errs": {
+    return {"asked": sorted({a.split("|")[0] for a in asked}), "asked_shapes": sorted(set(asked)),
+            "errs": {
         "out": rel(y, ref), "dx": rel(xp.grad, xd.grad),
         "col.w": rel(c.weight.grad, e1.weight.grad.chunk(2, 0)[rk]),
         "col.b": rel(c.bias.grad, e1.bias.grad.chunk(2, 0)[rk]),
@@ -85,3 +101,6 @@ def test_parallel_pair_through_the_measured_gemm(pinned, act, sp):
         assert not bad, f"rank {rank}, {pinned}: {bad}"
         # the forward GEMMs (a @ w.T) and the input-gradient GEMMs (a @ w) both asked
         assert {"mm", "mm_t"} <= set(res["asked"]), res["asked"]
+        if act == "mlp":  # the fused backward's GEMM dZ @ W2 (64, 48), in chunks under sp
+            assert any(a.startswith("mm|") and a.endswith("x(64, 48)")
+                       for a in res["asked_shapes"]), res["asked_shapes"]
