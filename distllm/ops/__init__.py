@@ -8,7 +8,9 @@ one order: custom op, fake (for ``torch.compile``), autograd, public function.
 - :mod:`distllm.ops.linear_gelu`: :func:`linear_gelu`, gelu(x @ weight.T + bias) as one op,
   with its backends (cuBLASLt, Triton, oneDNN, reference) in
   :mod:`distllm.ops.linear_gelu_backends` and :func:`backends` saying which run here;
-- :mod:`distllm.ops.backend_choice`: how ``backend="auto"`` measures and caches its choice.
+- :mod:`distllm.ops.backend_choice`: how ``backend="auto"`` measures and caches its choice;
+- :mod:`distllm.ops.cpu_gemm`: the CPU GEMMs of distllm's own autograd functions (the cpu
+  backend above, the tensor-parallel layers), oneDNN's or torch's, measured per shape.
 
 The compiled extensions load on first use (:mod:`distllm.ops.extensions`); a missing one is
 a one-line warning and the next backend.
