@@ -84,34 +84,31 @@ def _measured(a: torch.Tensor, w: torch.Tensor) -> bool:
             and w.is_contiguous())
 
 
+def _product(kind: str, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
+             out: torch.Tensor | None) -> torch.Tensor:
+    """``a @ b`` (into ``out`` when given), ``b`` being the linear weight ``w`` or ``w.T``;
+    oneDNN's linear takes ``b.T`` as its (out, in) weight."""
+    def plain():
+        return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
+
+    if not _measured(a, w):
+        return plain()
+
+    def onednn():
+        y = torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [], "")
+        return y if out is None else out.copy_(y)
+
+    return onednn_or_torch(kind, a, w, onednn, plain)
+
+
 def mm_t(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ w.T`` for ``a`` (M, K) and ``w`` (N, K), a linear layer's weight; into ``out``
     (M, N) when given. Not differentiable: for the forward and backward of autograd
     functions."""
-    if not _measured(a, w):
-        return torch.mm(a, w.t()) if out is None else torch.mm(a, w.t(), out=out)
-
-    def onednn():
-        y = torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
-        return y if out is None else out.copy_(y)
-
-    def plain():
-        return torch.mm(a, w.t()) if out is None else torch.mm(a, w.t(), out=out)
-
-    return onednn_or_torch("mm_t", a, w, onednn, plain)
+    return _product("mm_t", a, w, w.t(), out)
 
 
 def mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ w`` for ``a`` (M, N) and ``w`` (N, K), a linear layer's weight (the input-gradient
     GEMM); into ``out`` (M, K) when given. Not differentiable."""
-    if not _measured(a, w):
-        return torch.mm(a, w) if out is None else torch.mm(a, w, out=out)
-
-    def onednn():  # w.t() is the (out=K, in=N) weight of oneDNN's linear
-        y = torch.ops.mkldnn._linear_pointwise(a, w.t(), None, "none", [], "")
-        return y if out is None else out.copy_(y)
-
-    def plain():
-        return torch.mm(a, w) if out is None else torch.mm(a, w, out=out)
-
-    return onednn_or_torch("mm", a, w, onednn, plain)
+    return _product("mm", a, w, w, out)
