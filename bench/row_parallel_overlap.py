@@ -90,7 +90,7 @@ def cases(cfg: BenchConfig) -> list[Case]:
 def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
     """name -> callable for one case; and the auto module/plan whose stats to report."""
     from distllm.nn.parallel_linear import ColumnParallelLinear, RowParallelLinear
-    from distllm.parallel.tensor.layers import OverlapPlan
+    from distllm.parallel.tensor.layers import OverlapPlan, settle_overlap
     from distllm.parallel.tensor.overlap import chunk_bounds, run_engine
 
     m, k, n = shape
@@ -117,7 +117,7 @@ def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
         with torch.no_grad():
             auto.weight.copy_(w)
         v["auto"] = lambda: auto(x if kind == "rs" else x[0])
-        stats_of = auto.overlap_stats
+        stats_of, tuned = auto.overlap_stats, auto
     elif kind == "ag":  # all-gather (M/tp, K) -> (M, K), then (M, K) @ (K, N)
         x = rnd(1, m // tp, k)
         mm = lambda a, o: torch.mm(a, w.t(), out=o)  # noqa: E731
@@ -129,7 +129,7 @@ def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
         with torch.no_grad():
             auto.weight.copy_(w)
         v["auto"] = lambda: auto(x)
-        stats_of = auto.overlap_stats
+        stats_of, tuned = auto.overlap_stats, auto
     else:  # "bwd": dX = dY (M, N) @ W (N, K), all-reduced while dW = dY^T X computes
         gy, x = rnd(m, n), rnd(m, k)
         mm = lambda a, o: torch.mm(a, w, out=o)  # noqa: E731
@@ -138,7 +138,7 @@ def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
         v["allreduce"] = lambda: all_reduce(comm_in, group=comm.group)
         plan = OverlapPlan(dims, "auto", 4, "bench-column-backward")
         v["auto"] = lambda: plan.run("backward", ekind, a, mm, n_out, then)
-        stats_of = plan.stats
+        stats_of, tuned = plan.stats, plan
     full_rows = a.reshape(-1, a.shape[-1]) if ekind != "all_gather" else rnd(m, k)
     buf = torch.empty(full_rows.shape[0], n_out, dtype=dtype)
 
@@ -161,9 +161,10 @@ def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
     v["sequential"] = lambda: run_engine(ekind, a, mm, n_out, comm, 0, then)
     for c in ((1,) if kind == "bwd" else ()) + CHUNKS:
         v[f"chunked{c}"] = lambda c=c: run_engine(ekind, a, mm, n_out, comm, c, then)
-    # auto decides on its first call (on every rank): its parts run the schedule it chose,
-    # the chunk count and the piece sizes (a geometric schedule is not chunked<c>'s)
-    v["auto"]()
+    # auto measures on its first call and, on CPU, tries its candidates in the next ones (on
+    # every rank): its parts run the schedule it chose, the chunk count and the piece sizes
+    # (a geometric schedule is not chunked<c>'s)
+    settle_overlap(v["auto"], tuned, group=comm.group)
     counter = stats_of.backward if kind == "bwd" else stats_of.forward
     _schedule_parts(v, (ekind, a, mm, n_out, then), comm, (0, 1) if kind == "bwd" else (0,),
                     auto=(counter.chunks, counter.growth))

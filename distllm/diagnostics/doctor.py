@@ -3,7 +3,9 @@
 ``diagnose(model, step_fn, steps=3)`` runs inside a user's own training (on every rank, as
 the steps are collective). It finds the layers that overlap communication with compute
 (modules with an ``overlap_stats`` attribute: ``RowParallelLinear``, ``ColumnParallelLinear``
-and the blocks built from them), runs ``warmup`` steps, then profiles ``steps`` steps with
+and the blocks built from them), runs ``warmup`` steps (and, on CPU, as many more as
+``overlap="auto"``'s trial in the step takes: :func:`~distllm.parallel.tensor.settle_overlap`),
+then profiles ``steps`` steps with
 ``torch.profiler`` while timing each such layer's forward and backward, and reports per layer
 and direction:
 
@@ -47,6 +49,7 @@ import torch.distributed as dist
 
 from distllm.diagnostics.probe import Probe, full_numel, fused_parents, snapshot, trace
 from distllm.diagnostics.timing import COLLECTIVES, time_collective
+from distllm.parallel.tensor.layers import settle_overlap
 
 __all__ = ["diagnose", "DoctorReport", "LayerDirection", "OverlapNotHappening"]
 
@@ -345,6 +348,8 @@ def diagnose(model: torch.nn.Module, step_fn: Callable[[], object], steps: int =
     cuda = sync is torch.cuda.synchronize
     for _ in range(warmup):  # overlap="auto" measures and caches its choice here
         step_fn()
+    if warmup:  # on CPU, its trial in the step: until every rank's layers have decided
+        settle_overlap(step_fn, model)
     sync()
     probe, before = Probe(layers, cuda, fused_parents(model)), snapshot(layers)
     prof, step_ms = _profile(step_fn, steps, probe, sync, cuda)

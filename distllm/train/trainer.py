@@ -3,7 +3,9 @@ progress, checkpoints and the validation loss.
 
 Every rank runs :func:`train`; rank 0 shows the progress bar and writes
 ``out/metrics.jsonl`` (one JSON object per step: ``step``, ``loss``, ``tokens_per_s``, ``lr``,
-``grad_norm``, ``step_time_s``, ``mfu``, ``tokens``).
+``grad_norm``, ``step_time_s``, ``mfu``, ``tokens``, and ``overlap_tuning``: whether a
+tensor-parallel layer of rank 0 was in ``overlap="auto"``'s trial in the step, whose calls
+alternate between schedules, before or after this step).
 """
 
 from __future__ import annotations
@@ -160,6 +162,7 @@ def _banner(cfg: TrainConfig, mcfg, dims: ParallelDims, corpus) -> None:
 
 def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int, end: int,
                seq: int, result: TrainResult) -> None:
+    from distllm.parallel.tensor import overlap_tuning
     from distllm.train import checkpoint
 
     metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a") if dims.rank == 0 else None
@@ -172,6 +175,7 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
             lr = lr_at(step, cfg)
             engine.set_lr(lr)
             tok, tgt = loader.next()
+            tuning = overlap_tuning(engine.chunks)
             t0 = time.perf_counter()
             # the step's one host sync reads the loss, the norm and the inf/NaN flag together
             out = engine.update(cfg.optim.grad_clip, loss=engine.forward_backward(tok, tgt))
@@ -184,7 +188,8 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
                 metrics.write(json.dumps({
                     "step": step + 1, "loss": loss, "tokens_per_s": tps, "lr": lr,
                     "grad_norm": norm, "step_time_s": dt, "mfu": mfu,
-                    "tokens": (step + 1) * tokens_per_step}) + "\n")
+                    "tokens": (step + 1) * tokens_per_step,
+                    "overlap_tuning": tuning or overlap_tuning(engine.chunks)}) + "\n")
                 metrics.flush()
             bar.update(f"loss {loss:.4f} | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}%")
             done = step + 1

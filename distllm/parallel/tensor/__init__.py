@@ -9,7 +9,8 @@
 - :mod:`~distllm.parallel.tensor.overlap`: the overlap engines (chunked GEMM + all-reduce,
   all-gather + GEMM, GEMM + reduce-scatter) and the :class:`CommContext` that runs their
   collectives asynchronously;
-- :mod:`~distllm.parallel.tensor.overlap_tuner`: ``overlap="auto"``'s cached measurement;
+- :mod:`~distllm.parallel.tensor.overlap_tuner`: ``overlap="auto"``'s cached measurement
+  and, on CPU, its trial in the step (:func:`settle_overlap` runs a step until it is over);
 - :mod:`~distllm.parallel.tensor.sharding`: initialising, sharding and marking parameters.
 
 The modules users build models from (``ColumnParallelLinear``, ``RowParallelLinear``,
@@ -23,7 +24,9 @@ from distllm.parallel.tensor.layers import (
     OverlapPlan,
     OverlapStats,
     column_parallel_matmul,
+    overlap_tuning,
     row_parallel_matmul,
+    settle_overlap,
 )
 from distllm.parallel.tensor.mappings import (
     copy_to_tp_region,
@@ -44,7 +47,7 @@ from distllm.parallel.tensor.sharding import (
 
 __all__ = [
     "OVERLAP_MODES", "OverlapCounter", "OverlapPlan", "OverlapStats", "CommContext",
-    "column_parallel_matmul", "row_parallel_matmul",
+    "column_parallel_matmul", "row_parallel_matmul", "overlap_tuning", "settle_overlap",
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region",
     "gather_from_tp_region", "scatter_to_sequence_parallel_region",
     "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel",

@@ -31,12 +31,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from distllm.comm.collectives import all_reduce
+from distllm.diagnostics.timing import max_over_ranks
 from distllm.ops import cpu_gemm
 from distllm.parallel.tensor import overlap_tuner
 from distllm.parallel.tensor.overlap import CommContext, run_engine
 
 __all__ = ["OVERLAP_MODES", "COLLECTIVES", "OverlapCounter", "OverlapStats", "OverlapPlan",
-           "column_parallel_matmul", "row_parallel_matmul"]
+           "column_parallel_matmul", "row_parallel_matmul", "overlap_tuning", "settle_overlap"]
 
 OVERLAP_MODES = ("auto", "chunked", "none")
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "none")  # what a direction ran
@@ -132,6 +133,7 @@ class OverlapPlan:
         self.stats = OverlapStats()
         self._comm: CommContext | None = None
         self._memo: dict[tuple, tuple[int, tuple]] = {}  # per exact call: (generation, plan)
+        self._trials: dict[str, overlap_tuner.Trial] = {}  # per direction, its last call's
 
     @property
     def comm(self) -> CommContext:
@@ -145,13 +147,14 @@ class OverlapPlan:
         getattr(self.stats, direction).collective = collective
 
     def _schedule(self, direction: str, kind: str, a: torch.Tensor, mm, n_out: int, then
-                  ) -> tuple[int, float, str, float | None]:
-        """``(chunks, measured comm ms, reason, growth)`` of this call (chunks 0: sequential;
-        growth: the geometric schedule's ratio, None for first/last halved)."""
+                  ) -> tuple[int, float, str, float | None, overlap_tuner.Trial | None]:
+        """``(chunks, measured comm ms, reason, growth, trial)`` of this call (chunks 0:
+        sequential; growth: the geometric schedule's ratio, None for first/last halved;
+        trial: the running trial this call is part of, or None)."""
         if self.overlap == "none":
-            return 0, 0.0, "overlap='none'", None
+            return 0, 0.0, "overlap='none'", None, None
         if self.overlap == "chunked":
-            return self.chunks, 0.0, "", None
+            return self.chunks, 0.0, "", None, None
         memo_key = (direction, kind, a.shape, a.dtype, a.device, n_out)
         gen = overlap_tuner.generation()
         hit = self._memo.get(memo_key)
@@ -166,22 +169,69 @@ class OverlapPlan:
             key, lambda c, ch, g=None: run_engine(kind, a, mm, n_out, c, ch, then, g),
             self.comm, rows, a.device, f"{self.name} {direction}", chunks_hint=self.chunks,
             comm_first=kind == "all_gather")
-        out = (choice.chunks, choice.comm_ms, choice.reason, choice.growth)
+        trial = choice.trial
+        if trial is not None:  # not memoised: each call of the trial asks the cache again
+            name, chunks, growth = trial.schedule()
+            return (chunks, choice.comm_ms, f"trial in the step: {name}, call "
+                    f"{trial.calls + 1} of {trial.total_calls}", growth, trial)
+        out = (choice.chunks, choice.comm_ms, choice.reason, choice.growth, None)
         self._memo[memo_key] = (gen, out)
         return out
 
     def run(self, direction: str, kind: str, a: torch.Tensor, mm, n_out: int, then=None):
         """Run the engine of collective ``kind`` on ``a`` with this plan's schedule; count it
         in ``stats.<direction>``."""
-        chunks, est, reason, growth = self._schedule(direction, kind, a, mm, n_out, then)
+        chunks, est, reason, growth, trial = self._schedule(direction, kind, a, mm, n_out,
+                                                            then)
         comm = self.comm
         comm.wait_ms = 0.0
-        out = run_engine(kind, a, mm, n_out, comm, chunks, then, growth)
+        call = lambda: run_engine(kind, a, mm, n_out, comm, chunks, then, growth)  # noqa: E731
+        # a call of a trial is timed, and the trial's last call decides (collective)
+        out = call() if trial is None else trial.run(call)
         counter = getattr(self.stats, direction)
         counter.record("chunked" if chunks else "none", chunks, kind,
                        comm.wait_ms if not a.is_cuda else 0.0, est)
         counter.reason, counter.growth = reason, growth
+        if trial is not None:
+            self._trials[direction] = trial
+        else:
+            self._trials.pop(direction, None)
         return out
+
+    @property
+    def tuning(self) -> bool:
+        """Whether ``overlap="auto"``'s trial in the step that this layer's last calls took
+        part in is still running (its next calls still alternate between schedules; see
+        :mod:`distllm.parallel.tensor.overlap_tuner`)."""
+        return any(not t.done for t in self._trials.values())
+
+
+def _plans(of) -> list[OverlapPlan]:
+    if isinstance(of, OverlapPlan):
+        return [of]
+    if isinstance(of, (list, tuple)):
+        return [p for o in of for p in _plans(o)]
+    return [p for m in of.modules() if isinstance(p := getattr(m, "plan", None), OverlapPlan)]
+
+
+def overlap_tuning(of) -> bool:
+    """Whether a tensor-parallel layer of ``of`` (a module, an :class:`OverlapPlan`, or a list
+    of them) is in the middle of ``overlap="auto"``'s trial in the step, on this rank."""
+    return any(p.tuning for p in _plans(of))
+
+
+def settle_overlap(step_fn: Callable[[], object], of, group=None, max_calls: int = 64) -> int:
+    """Call ``step_fn`` once, then again while a layer of ``of`` (as in
+    :func:`overlap_tuning`) is in ``overlap="auto"``'s trial on some rank of ``group`` (default:
+    the world), at most ``max_calls`` times in all; the number of calls. For benchmarks and
+    diagnostics, whose timed steps should run the schedules ``auto`` settled on. Collective
+    over ``group``: one all-reduce of a flag after each call."""
+    calls = 0
+    while True:
+        step_fn()
+        calls += 1
+        if calls >= max_calls or not max_over_ranks([float(overlap_tuning(of))], group)[0]:
+            return calls
 
 
 def _mm_t(w: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:

@@ -1,7 +1,9 @@
 """``overlap="auto"`` on 2 gloo ranks: one measurement per shape, the same choice on every
 rank, and, with the measurement's outcome forced each way, the fastest chunk count, a
-geometric schedule, or the fallback to no overlap said once in the log. One spawn, each
-scenario its own test. The geometric schedule's ratio, without ranks."""
+geometric schedule, or the fallback to no overlap said once in the log; on CPU, the trial in
+the step that decides between them (its rotation of schedules, its paired verdict, the MAX
+over ranks, correct outputs from every schedule it runs). One spawn, each scenario its own
+test. The geometric schedule's ratio, without ranks."""
 
 from __future__ import annotations
 
@@ -42,8 +44,23 @@ class _Log(logging.Handler):
         self.lines.append(rec.getMessage())
 
 
+class _TrialRounds:
+    """``with _TrialRounds(n):`` the trial in the step runs ``n`` rounds (0: no trial, the
+    isolated confirmation decides, as on CUDA)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __enter__(self) -> None:
+        self.old, overlap_tuner.TRIAL_ROUNDS = overlap_tuner.TRIAL_ROUNDS, self.n
+
+    def __exit__(self, *exc) -> None:
+        overlap_tuner.TRIAL_ROUNDS = self.old
+
+
 def _real(dims, x) -> dict:
-    """Three calls of one shape with the real measurement."""
+    """Calls of one shape with the real measurement and the real trial (2 rounds), each
+    call's output against the float64 product of the full weight, summed over the ranks."""
     from distllm.nn import RowParallelLinear
 
     overlap_tuner.clear_cache()
@@ -54,17 +71,27 @@ def _real(dims, x) -> dict:
         return real(*args)
 
     overlap_tuner._measure_and_choose = counting
+    rw = RowParallelLinear(8, 4, dims, overlap="auto", dtype=DT)
+    full = torch.empty(4, 8, dtype=DT)  # every rank's weight slice, gathered
+    torch.distributed.all_gather(list(full.chunk(2, dim=1)), rw.weight.detach().contiguous())
+    x_full = torch.empty(*x.shape[:-1], 8, dtype=DT)
+    torch.distributed.all_gather(list(x_full.chunk(2, dim=-1)), x.contiguous())
+    want = x_full @ full.T + rw.bias.detach()
+    errs, runs, tuning = [], [], []
     try:
-        rw = RowParallelLinear(8, 4, dims, overlap="auto", dtype=DT)
-        for _ in range(3):
-            rw(x)
+        with _TrialRounds(2), torch.no_grad():
+            for _ in range(9):
+                errs.append((rw(x) - want).abs().max().item())
+                st = rw.overlap_stats.forward
+                runs.append(st.chunks)
+                tuning.append(rw.plan.tuning)
     finally:
         overlap_tuner._measure_and_choose = real
-    st = rw.overlap_stats.forward
     choice = torch.tensor([float(st.chunks)])  # MAX over ranks: equal to ours if all agree
     torch.distributed.all_reduce(choice, op=torch.distributed.ReduceOp.MAX)
     return {"measured": len(measured), "calls": st.calls, "comm_ms_est": st.comm_ms_est,
-            "reason": st.reason, "chunks": st.chunks, "max_chunks": choice.item()}
+            "reason": st.reason, "chunks": st.chunks, "max_chunks": choice.item(),
+            "max_err": max(errs), "runs": runs, "tuning": tuning}
 
 
 def _forced_rounds(*rounds: dict[str, float]):
@@ -81,7 +108,8 @@ def _forced_rounds(*rounds: dict[str, float]):
 
 def _forced_outcome(dims, x, times) -> tuple[str, int, int]:
     """``(mode, chunks, fallback log lines, reason, growth)`` of three calls with the outcome
-    ``times``."""
+    of the isolated rounds forced to ``times`` (no trial in the step: the confirmation round
+    decides, as on CUDA)."""
     from distllm.nn import RowParallelLinear
 
     overlap_tuner.clear_cache()
@@ -90,14 +118,94 @@ def _forced_outcome(dims, x, times) -> tuple[str, int, int]:
     real = overlap_tuner._timed
     overlap_tuner._timed = times if callable(times) else _forced(times)
     try:
-        layer = RowParallelLinear(8, 4, dims, overlap="auto", dtype=DT)
-        for _ in range(3):
-            layer(x)
+        with _TrialRounds(0):
+            layer = RowParallelLinear(8, 4, dims, overlap="auto", dtype=DT)
+            for _ in range(3):
+                layer(x)
     finally:
         overlap_tuner._timed = real
         logging.getLogger("distllm").removeHandler(log)
     f = layer.overlap_stats.forward
     return f.mode, f.chunks, len([m for m in log.lines if "falls back" in m]), f.reason, f.growth
+
+
+# the isolated rounds of every trial scenario: 2 chunks win the selection (the layer's own
+# count, 4, is second; the geometric schedules never win)
+_SELECTION = {"compute": 1.0, "sequential": 10.0, "2": 6.0, "4": 8.0}
+
+
+def _trial(dims, x, call_ms, rounds: int = 3, calls: int = 11, clear_at: int | None = None
+           ) -> dict:
+    """``calls`` calls of one shape, the isolated rounds forced to :data:`_SELECTION` and each
+    call of the trial (``rounds`` rounds) taking ``call_ms(name, rank, round)`` ms (``name``:
+    the schedule it ran); ``clear_at``: call :func:`overlap_tuner.clear_cache` after that
+    many calls. What each call ran (chunks) and whether the layer was still tuning after it,
+    the last reason, fallback log lines, and how many times the isolated rounds ran."""
+    from distllm.nn import RowParallelLinear
+
+    overlap_tuner.clear_cache()
+    rank = torch.distributed.get_rank()
+    counts: dict[str, int] = {}
+
+    def fake_time(fn, name):
+        r = counts.get(name, 0)
+        counts[name] = r + 1
+        return fn(), call_ms(name, rank, r)
+
+    log, measured = _Log(), []
+    real_timed, real_time, real_measure = (overlap_tuner._timed, overlap_tuner._time_call,
+                                           overlap_tuner._measure_and_choose)
+
+    def counting(*args):
+        measured.append(args[0])
+        return real_measure(*args)
+
+    logging.getLogger("distllm").addHandler(log)
+    overlap_tuner._timed, overlap_tuner._time_call = _forced(_SELECTION), fake_time
+    overlap_tuner._measure_and_choose = counting
+    runs, tuning = [], []
+    try:
+        with _TrialRounds(rounds):
+            layer = RowParallelLinear(8, 4, dims, overlap="auto", dtype=DT)
+            for i in range(calls):
+                if i == clear_at:
+                    overlap_tuner.clear_cache()
+                    counts.clear()
+                layer(x)
+                f = layer.overlap_stats.forward
+                runs.append(f.chunks)
+                tuning.append(layer.plan.tuning)
+    finally:
+        overlap_tuner._timed, overlap_tuner._time_call = real_timed, real_time
+        overlap_tuner._measure_and_choose = real_measure
+        logging.getLogger("distllm").removeHandler(log)
+    return {"runs": runs, "tuning": tuning, "reason": f.reason, "mode": f.mode,
+            "fallbacks": len([m for m in log.lines if "falls back" in m]),
+            "measured": len(measured)}
+
+
+def _settle(dims, x) -> tuple[int, bool, int, int]:
+    """settle_overlap on a layer whose trial (3 rounds, isolated rounds forced, 4 chunks
+    fastest) starts at its first call: (calls, tuning after, chunks the next call runs, a
+    second settle's calls)."""
+    from distllm.nn import RowParallelLinear
+    from distllm.parallel.tensor import settle_overlap
+
+    overlap_tuner.clear_cache()
+    real_timed, real_time = overlap_tuner._timed, overlap_tuner._time_call
+    overlap_tuner._timed = _forced(_SELECTION)
+    overlap_tuner._time_call = lambda fn, name: (fn(), {"sequential": 10.0, "2": 9.5,
+                                                        "4": 7.0}[name])
+    try:
+        with _TrialRounds(3):
+            layer = RowParallelLinear(8, 4, dims, overlap="auto", dtype=DT)
+            n = settle_overlap(lambda: layer(x), layer)
+            tuning = layer.plan.tuning
+            layer(x)
+            again = settle_overlap(lambda: layer(x), layer.plan)
+    finally:
+        overlap_tuner._timed, overlap_tuner._time_call = real_timed, real_time
+    return n, tuning, layer.overlap_stats.forward.chunks, again
 
 
 def tuner_main() -> dict:
@@ -131,6 +239,28 @@ def tuner_main() -> dict:
             dims, x, _forced_rounds({"compute": 1.0, "sequential": 10.0, "2": 6.0, "4": 8.0},
                                     {"compute": 1.0, "sequential": 10.0, "2": 6.0, "4": 8.0},
                                     {"sequential": [10.0, 20.0, 30.0], "2": [29.0, 9.5, 19.8]})),
+        # the trial in the step: the layer's own 4 chunks beat sequential by 30% in each
+        # round; the selection's winner (2) by 5% only
+        "trial_kept": lambda: _trial(dims, x, lambda n, rank, r: {
+            "sequential": 10.0, "2": 9.5, "4": 7.0}[n]),
+        # neither beats sequential by the margin: 2 chunks at 0.98, 4 slower
+        "trial_dropped": lambda: _trial(dims, x, lambda n, rank, r: {
+            "sequential": 10.0, "2": 9.8, "4": 10.5}[n]),
+        # the machine slows down from round to round (sequential 10, 20, 30 ms) and the first
+        # call of 4 chunks is disturbed: they run at 0.9 of sequential in 2 rounds of 3, so
+        # they are kept (their unpaired median, 27 ms, is 1.35x sequential's 20 ms)
+        "trial_paired": lambda: _trial(dims, x, lambda n, rank, r: {
+            "sequential": 10.0 * (r + 1), "2": 30.0 * (r + 1), "4": (29.0, 18.0, 27.0)[r]}[n]),
+        # rank 0 sees 4 chunks at half of sequential, rank 1 at 1.2x: the MAX over ranks
+        # decides, the same on both (no overlap)
+        "trial_max_over_ranks": lambda: _trial(dims, x, lambda n, rank, r: {
+            "sequential": 10.0, "2": 12.0, "4": 5.0 if rank == 0 else 12.0}[n]),
+        # settle_overlap calls until the trial is over on both ranks: its 9 calls
+        "settle": lambda: _settle(dims, x),
+        # the cache is cleared in the middle of the trial: its decision is not kept, the
+        # shape is measured again and a new trial starts
+        "trial_cleared": lambda: _trial(dims, x, lambda n, rank, r: {
+            "sequential": 10.0, "2": 9.5, "4": 7.0}[n], calls=6, clear_at=4),
     })
 
 
@@ -141,9 +271,57 @@ def spawned():
 
 def test_one_measurement_per_shape_and_the_same_choice_everywhere(spawned):
     for got in case_of(spawned(tuner_main, 2), "real"):
-        assert got["measured"] == 1, f"three calls of one shape measured {got['measured']} times"
-        assert got["calls"] == 3 and got["comm_ms_est"] >= 0.0 and got["reason"]
+        assert got["measured"] == 1, f"nine calls of one shape measured {got['measured']} times"
+        assert got["calls"] == 9 and got["comm_ms_est"] >= 0.0 and got["reason"]
         assert got["max_chunks"] == got["chunks"]  # timings are reduced with MAX
+        # every schedule the trial ran gave the product (a chunked one reorders no sums:
+        # each row is one GEMM row plus the peer's)
+        assert got["max_err"] < 1e-12, got
+        n = got["tuning"].index(False) + 1  # the trial's calls: 2 rounds of 2 or 3
+        assert n in (4, 6) and not any(got["tuning"][n - 1:]), got
+        assert 0 in got["runs"][:n] and any(c > 0 for c in got["runs"][:n]), got
+        assert len(set(got["runs"][n:])) == 1, got  # decided: one schedule from then on
+
+
+def test_trial_rotates_and_keeps_the_faster_of_its_two(spawned):
+    for got in case_of(spawned(tuner_main, 2), "trial_kept"):
+        # round r runs (sequential, 2, 4) rotated by r; then the kept schedule, every call
+        assert got["runs"] == [0, 2, 4, 2, 4, 0, 4, 0, 2, 4, 4], got
+        assert got["tuning"] == [True] * 8 + [False] * 3, got
+        assert (got["mode"], got["fallbacks"], got["measured"]) == ("chunked", 0, 1), got
+        assert got["reason"] == ("4 chunks: median ratio to sequential over 3 rounds of calls "
+                                 "in the step: 2 0.950, 4 0.700"), got
+
+
+def test_trial_without_a_winner_falls_back_once(spawned):
+    for got in case_of(spawned(tuner_main, 2), "trial_dropped"):
+        assert got["runs"][9:] == [0, 0] and got["mode"] == "none", got
+        assert got["fallbacks"] == 1, got
+        assert "no chunked schedule won its trial" in got["reason"], got
+        assert "2 0.980, 4 1.050" in got["reason"], got
+
+
+def test_trial_compares_each_round_apart(spawned):
+    for got in case_of(spawned(tuner_main, 2), "trial_paired"):
+        assert got["runs"][9:] == [4, 4] and "4 0.900" in got["reason"], got
+
+
+def test_trial_decides_on_the_slowest_rank_the_same_everywhere(spawned):
+    got = case_of(spawned(tuner_main, 2), "trial_max_over_ranks")
+    assert [g["runs"][9:] for g in got] == [[0, 0], [0, 0]], got
+    assert all("4 1.200" in g["reason"] for g in got), got
+
+
+def test_settle_overlap_runs_the_trial_to_its_end(spawned):
+    for got in case_of(spawned(tuner_main, 2), "settle"):
+        assert got == (9, False, 4, 1), got
+
+
+def test_a_cleared_cache_forgets_a_running_trial(spawned):
+    for got in case_of(spawned(tuner_main, 2), "trial_cleared"):
+        # 4 calls of the first trial; the fifth measures again and starts a new one
+        assert got["measured"] == 2 and got["runs"] == [0, 2, 4, 2, 0, 2], got
+        assert all(got["tuning"]), got
 
 
 @pytest.mark.parametrize("case, want", [
