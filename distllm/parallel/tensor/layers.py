@@ -133,7 +133,7 @@ class OverlapPlan:
         self.stats = OverlapStats()
         self._comm: CommContext | None = None
         self._memo: dict[tuple, tuple[int, tuple]] = {}  # per exact call: (generation, plan)
-        self._trials: dict[str, overlap_tuner.Trial] = {}  # per direction, its last call's
+        self._trials: dict[str, overlap_tuner.Trial] = {}  # direction: its last call's trial
 
     @property
     def comm(self) -> CommContext:

@@ -34,15 +34,16 @@ round, each call timed as it runs there; then one all-reduce over the group of t
 (MAX over the ranks) decides: of the two chunked schedules, the one with the lower median
 ratio to sequential in the same round is kept if that ratio beats sequential by the margin,
 else the layer runs sequential. On CPU the GEMM and gloo's copies and TCP share the rank's
-cores, so what a schedule costs depends on what runs beside it: isolated rounds with a
-barrier before each repetition measured one chunked schedule anywhere from 0.75x to 1.45x of
-sequential at one shape over an emulated 2 Gbit/s link, while in the tensor-parallel step
-the chunked backward GEMMs ran 20-25% faster than sequential in every layer. Every rank of
-the group makes the same calls in the same order, so the trial runs the same schedule at
-the same call everywhere and decides at the same call. ``TRIAL_ROUNDS = 0`` turns the trial
-off (the isolated confirmation round decides, as on CUDA, where the GEMM does not share a
-core with the collective). While a trial runs, the layer's counter says so
-(``OverlapCounter.tuning``).
+cores, so what a schedule costs depends on what runs beside it: at tp2 over an emulated
+2 Gbit/s link (2 cores), isolated rounds with a barrier before each repetition measured one
+chunked schedule anywhere from 0.75x to 1.45x of sequential at the same shape from one
+measurement to the next, while in the training step the overlap doctor profiled the column-
+parallel backward of every layer 10-25% faster chunked than sequential. Every rank of the
+group makes the same calls in the same order, so the trial runs the same schedule at the
+same call everywhere and decides at the same call. ``TRIAL_ROUNDS = 0`` turns the trial off
+(the isolated confirmation round decides, as on CUDA, where the GEMM does not share a core
+with the collective). While a trial runs, the layer's plan says so (``OverlapPlan.tuning``;
+:func:`distllm.parallel.tensor.settle_overlap` runs a step until every trial is over).
 
 The cache is a measurement record (not configuration): :func:`clear_cache` empties it.
 """
