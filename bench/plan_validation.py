@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import statistics
 import sys
@@ -61,6 +62,21 @@ def _layout(t: tuple):
 
     tp, pp, dp, zero, sch, m, ck = t
     return Layout(tp, pp, dp, zero, sch, m, ck, False, 1)
+
+
+def _trial_steps(t: tuple) -> int:
+    """Steps that ``overlap="auto"``'s trial in the step takes at layout ``t`` on CPU (0
+    without tensor parallelism), run on top of the measured ones: the first step measures,
+    then the trial's calls of a shape (``TRIAL_ROUNDS`` rounds of at most 3 schedules), one
+    call a step per block of a stage and micro-batch."""
+    from distllm.models import GPTConfig
+    from distllm.parallel.tensor import overlap_tuner
+
+    tp, pp, _, _, _, m, _ = t
+    if tp == 1:
+        return 0
+    per_step = max(1, GPTConfig.preset("tiny").n_layers // pp) * m
+    return 1 + math.ceil(3 * overlap_tuner.TRIAL_ROUNDS / per_step)
 
 
 def _train_cfg(lay, steps: int, out: str, data: str):
@@ -323,18 +339,20 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
     samples: dict[tuple, list[float]] = {t: [] for t in layouts}
     mem: dict[tuple, dict] = {}
     load: dict[tuple, list[float]] = {t: [] for t in layouts}
+    tuning: dict[tuple, int] = {t: 0 for t in layouts}
 
     def measure(t: tuple) -> None:
         load[t].append(os.getloadavg()[0])  # the shared machine's load as this run starts
-        got = _measure(t, steps, net, data, probe=t not in mem)
+        got = _measure(t, steps + _trial_steps(t), net, data, probe=t not in mem)
         samples[t] += got["times"]
+        tuning[t] += got["tuning_steps"]
         mem.setdefault(t, got["mem"])
         print(f"{case.net or 'loopback'} {_layout(t).name()}: steps {got['times']}",
               file=sys.stderr, flush=True)
 
     def finish(stats) -> dict:
         return {"layouts": layouts, "samples": samples, "mem": mem, "profile": profile,
-                "gpn": gpn, "pick": pick, "load": load}
+                "gpn": gpn, "pick": pick, "load": load, "tuning": tuning}
 
     return Setup({_layout(t).name(): (lambda t=t: measure(t)) for t in layouts}, warmup=0,
                  reps=int(cfg.extra.get("rounds", 1 if cfg.quick else 2)), finish=finish,
@@ -348,10 +366,11 @@ def rows(cfg: BenchConfig, case: Case, result: Result) -> list[dict]:
                     reason=result.unavailable[case.net])]
     i = result.info[0]
     return _rows(net_name, i["layouts"], i["samples"], i["mem"], i["profile"], i["gpn"],
-                 i["pick"], i.get("load"))
+                 i["pick"], i.get("load"), i.get("tuning"))
 
 
-def _rows(net_name, layouts, samples, mem, profile, gpn, pick, load=None) -> list[dict]:
+def _rows(net_name, layouts, samples, mem, profile, gpn, pick, load=None, tuning=None
+          ) -> list[dict]:
     GB = 1e9
     out, pred = [], {t: _predict(t, profile, gpn) for t in layouts}
     meas = {t: statistics.median(samples[t]) for t in layouts}
@@ -379,6 +398,9 @@ def _rows(net_name, layouts, samples, mem, profile, gpn, pick, load=None) -> lis
                 planner_pick=t == pick,
                 mem_total_gb=m["total"] / GB,
                 load_1min=statistics.median(load[t]) if load and load.get(t) else None,
+                # steps after the warm-up that overlap="auto"'s trial took part in: not
+                # among the samples unless fewer than 3 steps were left without it
+                overlap_tuning_steps=tuning.get(t) if tuning else None,
             )
         )
     ranked = sorted(layouts, key=lambda t: pred[t].step_time_s)
