@@ -162,10 +162,12 @@ def _banner(cfg: TrainConfig, mcfg, dims: ParallelDims, corpus) -> None:
 
 def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int, end: int,
                seq: int, result: TrainResult) -> None:
-    from distllm.parallel.tensor import overlap_tuning
+    from distllm.parallel.tensor import overlap_plans, overlap_tuning
     from distllm.train import checkpoint
 
     metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a") if dims.rank == 0 else None
+    # the tensor-parallel layers' plans, found once (whether a trial runs is asked each step)
+    plans = overlap_plans(engine.chunks)
     peak, _ = peak_flops(engine.dtype, dims.device)
     fpt = engine.mcfg.flops_per_token(seq)
     tokens_per_step = cfg.global_batch * seq
@@ -175,7 +177,7 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
             lr = lr_at(step, cfg)
             engine.set_lr(lr)
             tok, tgt = loader.next()
-            tuning = overlap_tuning(engine.chunks)
+            tuning = overlap_tuning(plans)
             t0 = time.perf_counter()
             # the step's one host sync reads the loss, the norm and the inf/NaN flag together
             out = engine.update(cfg.optim.grad_clip, loss=engine.forward_backward(tok, tgt))
@@ -189,7 +191,7 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
                     "step": step + 1, "loss": loss, "tokens_per_s": tps, "lr": lr,
                     "grad_norm": norm, "step_time_s": dt, "mfu": mfu,
                     "tokens": (step + 1) * tokens_per_step,
-                    "overlap_tuning": tuning or overlap_tuning(engine.chunks)}) + "\n")
+                    "overlap_tuning": tuning or overlap_tuning(plans)}) + "\n")
                 metrics.flush()
             bar.update(f"loss {loss:.4f} | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}%")
             done = step + 1

@@ -24,6 +24,7 @@ from distllm.parallel.tensor.layers import (
     OverlapPlan,
     OverlapStats,
     column_parallel_matmul,
+    overlap_plans,
     overlap_tuning,
     row_parallel_matmul,
     settle_overlap,
@@ -47,7 +48,8 @@ from distllm.parallel.tensor.sharding import (
 
 __all__ = [
     "OVERLAP_MODES", "OverlapCounter", "OverlapPlan", "OverlapStats", "CommContext",
-    "column_parallel_matmul", "row_parallel_matmul", "overlap_tuning", "settle_overlap",
+    "column_parallel_matmul", "row_parallel_matmul", "overlap_plans", "overlap_tuning",
+    "settle_overlap",
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region",
     "gather_from_tp_region", "scatter_to_sequence_parallel_region",
     "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel",

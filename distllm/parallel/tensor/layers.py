@@ -37,7 +37,8 @@ from distllm.parallel.tensor import overlap_tuner
 from distllm.parallel.tensor.overlap import CommContext, run_engine
 
 __all__ = ["OVERLAP_MODES", "COLLECTIVES", "OverlapCounter", "OverlapStats", "OverlapPlan",
-           "column_parallel_matmul", "row_parallel_matmul", "overlap_tuning", "settle_overlap"]
+           "column_parallel_matmul", "row_parallel_matmul", "overlap_plans", "overlap_tuning",
+           "settle_overlap"]
 
 OVERLAP_MODES = ("auto", "chunked", "none")
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "none")  # what a direction ran
@@ -206,18 +207,20 @@ class OverlapPlan:
         return any(not t.done for t in self._trials.values())
 
 
-def _plans(of) -> list[OverlapPlan]:
+def overlap_plans(of) -> list[OverlapPlan]:
+    """The :class:`OverlapPlan` of every tensor-parallel layer of ``of``: a module, a plan, or
+    a list of them."""
     if isinstance(of, OverlapPlan):
         return [of]
     if isinstance(of, (list, tuple)):
-        return [p for o in of for p in _plans(o)]
+        return [p for o in of for p in overlap_plans(o)]
     return [p for m in of.modules() if isinstance(p := getattr(m, "plan", None), OverlapPlan)]
 
 
 def overlap_tuning(of) -> bool:
     """Whether a tensor-parallel layer of ``of`` (a module, an :class:`OverlapPlan`, or a list
     of them) is in the middle of ``overlap="auto"``'s trial in the step, on this rank."""
-    return any(p.tuning for p in _plans(of))
+    return any(p.tuning for p in overlap_plans(of))
 
 
 def settle_overlap(step_fn: Callable[[], object], of, group=None, max_calls: int = 64) -> int:
