@@ -35,9 +35,9 @@ round, each call timed as it runs there; then one all-reduce over the group of t
 ratio to sequential in the same round is kept if that ratio beats sequential by the margin,
 else the layer runs sequential. On CPU the GEMM and gloo's copies and TCP share the rank's
 cores, so what a schedule costs depends on what runs beside it: at tp2 over an emulated
-2 Gbit/s link (2 cores), isolated rounds with a barrier before each repetition measured one
-chunked schedule anywhere from 0.75x to 1.45x of sequential at the same shape from one
-measurement to the next, while in the training step the overlap doctor profiled the column-
+2 Gbit/s link (2 cores), isolated rounds with a barrier before each repetition measured the
+chunked schedules of one shape anywhere from 0.75x to 1.46x of sequential from one round to
+the next, while in the training step the overlap doctor profiled the column-
 parallel backward of every layer 10-25% faster chunked than sequential. Every rank of the
 group makes the same calls in the same order, so the trial runs the same schedule at the
 same call everywhere and decides at the same call. ``TRIAL_ROUNDS = 0`` turns the trial off
