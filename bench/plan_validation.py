@@ -67,8 +67,8 @@ def _layout(t: tuple):
 def _trial_steps(t: tuple) -> int:
     """Steps that ``overlap="auto"``'s trial in the step takes at layout ``t`` on CPU (0
     without tensor parallelism), run on top of the measured ones: the first step measures,
-    then the trial's calls of a shape (``TRIAL_ROUNDS`` rounds of at most 3 schedules), one
-    call a step per block of a stage and micro-batch."""
+    then the trial's calls of a shape (:func:`overlap_tuner.trial_calls`), one call a step
+    per block of a stage and micro-batch."""
     from distllm.models import GPTConfig
     from distllm.parallel.tensor import overlap_tuner
 
@@ -76,7 +76,7 @@ def _trial_steps(t: tuple) -> int:
     if tp == 1:
         return 0
     per_step = max(1, GPTConfig.preset("tiny").n_layers // pp) * m
-    return 1 + math.ceil(3 * overlap_tuner.TRIAL_ROUNDS / per_step)
+    return 1 + math.ceil(overlap_tuner.trial_calls() / per_step)
 
 
 def _train_cfg(lay, steps: int, out: str, data: str):

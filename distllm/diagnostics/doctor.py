@@ -346,10 +346,10 @@ def diagnose(model: torch.nn.Module, step_fn: Callable[[], object], steps: int =
     layers = _layers(model)
     sync = _device_sync(model)
     cuda = sync is torch.cuda.synchronize
-    for _ in range(warmup):  # overlap="auto" measures and caches its choice here
+    for _ in range(warmup - 1):  # overlap="auto" measures and caches its choice here
         step_fn()
-    if warmup:  # on CPU, its trial in the step: until every rank's layers have decided
-        settle_overlap(step_fn, model)
+    if warmup:  # the last warm-up step, and on CPU as many more as auto's trial in the step
+        settle_overlap(step_fn, model)  # takes (until every rank's layers have decided)
     sync()
     probe, before = Probe(layers, cuda, fused_parents(model)), snapshot(layers)
     prof, step_ms = _profile(step_fn, steps, probe, sync, cuda)

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from distllm.ops import backend_choice, cpu_gemm
-
-ONEDNN = cpu_gemm.onednn_dtype_ok(torch.float32)
+from tests._onednn import PINNED
 
 
 @pytest.mark.parametrize("faster", ["onednn", "torch"])
@@ -57,11 +56,6 @@ def test_measures_nothing_for_fake_or_float64(monkeypatch):
     a32, w32 = torch.randn(8, 6).t(), torch.randn(5, 8)  # a (6, 8), strided
     assert torch.equal(cpu_gemm.mm_t(a32, w32), a32 @ w32.t())
     assert not backend_choice.cached(), "a GEMM that is torch's alone was measured"
-
-
-NO_ONEDNN = pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN linear for float32: "
-                               "torch's GEMM is the only library there is to run")
-PINNED = [pytest.param("onednn", marks=NO_ONEDNN), "torch"]
 
 
 @pytest.mark.parametrize("pinned", PINNED)

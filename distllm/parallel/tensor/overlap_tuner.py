@@ -63,7 +63,8 @@ from distllm.diagnostics.timing import interleaved_samples, max_over_ranks, wall
 from distllm.parallel.tensor.overlap import CommContext, NullComm
 
 __all__ = ["Choice", "Trial", "choose", "clear_cache", "generation", "geometric_growth",
-           "paired_ratio", "CANDIDATES", "MAX_PIECE_RATIO", "TRIAL_ROUNDS"]
+           "paired_ratio", "trial_calls", "CANDIDATES", "MAX_PIECE_RATIO", "TRIAL_ROUNDS",
+           "TRIAL_SCHEDULES"]
 
 log = logging.getLogger("distllm")
 
@@ -73,8 +74,10 @@ CANDIDATES = (2, 4, 8)
 # on a lucky draw, as a chunked one on loopback, where gloo's copies take the GEMM's core, is
 # not kept)
 CONFIRM_REPS = 7
-# rounds of the trial in the step (CPU; 0: the isolated confirmation round instead)
+# rounds of the trial in the step (CPU; 0: the isolated confirmation round instead), each
+# running at most TRIAL_SCHEDULES schedules once
 TRIAL_ROUNDS = 8
+TRIAL_SCHEDULES = 3
 _CACHE: dict[tuple, Choice] = {}
 
 
@@ -154,6 +157,22 @@ def geometric_growth(compute_ms: float, comm_ms: float, chunks: int, comm_first:
     return None if abs(g - 1.0) < 0.05 else g
 
 
+def _full_key(comm: CommContext, key: tuple) -> tuple:
+    """The cache's key: a layer's ``key`` on the group of ``comm``."""
+    return (comm.backend, comm.ranks, *key)
+
+
+def _describe(chunks: int, growth: float | None) -> str:
+    return f"{chunks} chunks" + (f" growing by {growth:.2f}" if growth is not None else "")
+
+
+def trial_calls() -> int:
+    """The most calls of one shape a trial in the step takes: :data:`TRIAL_ROUNDS` rounds of
+    at most :data:`TRIAL_SCHEDULES` schedules (sequential, the selection's winner and the
+    layer's own chunk count)."""
+    return TRIAL_ROUNDS * TRIAL_SCHEDULES
+
+
 def choose(key: tuple, run: Callable[..., object], comm: CommContext, rows: int,
            device: torch.device, what: str, chunks_hint: int = 4, reps: int = 5,
            margin: float = 0.03, comm_first: bool = False) -> Choice:
@@ -166,7 +185,7 @@ def choose(key: tuple, run: Callable[..., object], comm: CommContext, rows: int,
     inside each timed run); ``what`` names the layer in the log line; ``comm_first``: the
     collective precedes the GEMM (all-gather).
     """
-    full_key = (comm.backend, comm.ranks, *key)
+    full_key = _full_key(comm, key)
     if full_key in _CACHE:
         return _CACHE[full_key]
     if comm.world == 1:
@@ -237,7 +256,7 @@ def _measure_and_choose(key, run, comm, rows, device, what, chunks_hint, reps, m
             why = f"{best} won the selection but not its confirmation {how} ({t3[best]:.2f} ms)"
             return _fallback(key, comm, what, t, why)
         c, g = plans[best]
-        shape = f"{c} chunks" + (f" growing by {g:.2f}" if g is not None else "")
+        shape = _describe(c, g)
         return Choice(c, t["compute"], t["sequential"], t[best],
                       f"{shape}: {t[best]:.2f} ms vs sequential {t['sequential']:.2f} ms "
                       f"(median ratio of its rounds {paired:.3f})", g)
@@ -322,10 +341,10 @@ class Trial:
         t = self.isolated
         if ratios[best] < 1 - self.margin:
             c, g = self.plans[best]
-            shape = f"{c} chunks" + (f" growing by {g:.2f}" if g is not None else "")
+            shape = _describe(c, g)
             choice = Choice(c, t["compute"], t["sequential"], statistics.median(per[best]),
                             f"{shape}: {how}", g)
         else:
             choice = _fallback(self.key, self.comm, self.what, t,
                                f"no chunked schedule won its trial ({how})")
-        _CACHE[(self.comm.backend, self.comm.ranks, *self.key)] = choice
+        _CACHE[_full_key(self.comm, self.key)] = choice

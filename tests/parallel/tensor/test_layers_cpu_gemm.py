@@ -22,8 +22,9 @@ from distllm.nn.parallel_linear import (
     gather_sequence,
     scatter_sequence,
 )
-from distllm.ops import backend_choice, cpu_gemm
+from distllm.ops import backend_choice
 from distllm.testing import run_distributed
+from tests._onednn import ONEDNN, PINNED
 
 # float32 GEMMs over K <= 96 (~sqrt(K) * 6e-8 relative) and one fp32 all-reduce: a few 1e-6
 # of the largest magnitude; a wrong or missing product is O(1) off
@@ -89,12 +90,7 @@ def _rank(pinned: str, act: str | None, sp: bool) -> dict:
             "asked_shapes": sorted(set(asked))}
 
 
-ONEDNN = cpu_gemm.onednn_dtype_ok(torch.float32)
-NO_ONEDNN = pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN linear for float32: "
-                               "torch's GEMM is the only library there is to run")
-
-
-@pytest.mark.parametrize("pinned", [pytest.param("onednn", marks=NO_ONEDNN), "torch"])
+@pytest.mark.parametrize("pinned", PINNED)
 @pytest.mark.parametrize(("act", "sp"), CASES, ids=[f"{a or 'linear'}{'-sp' if s else ''}"
                                                     for a, s in CASES])
 def test_parallel_pair_through_the_measured_gemm(pinned, act, sp):
