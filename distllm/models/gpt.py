@@ -30,9 +30,10 @@ import torch
 from torch import nn
 
 from distllm.parallel.mesh import ParallelDims
+from distllm.parallel.tensor.batch_split import split_parts, split_residual
 
 __all__ = ["GPTConfig", "GPT", "Embedding", "Block", "Head", "PRESETS", "CHECKPOINTING",
-           "VOCAB_PARALLEL", "splits_vocab", "check_vocab_parallel"]
+           "VOCAB_PARALLEL", "splits_vocab", "check_vocab_parallel", "check_batch_split"]
 
 CHECKPOINTING = ("none", "selective", "full")
 """Activation checkpointing of a :class:`Block`: none, selective (recompute the attention
@@ -251,11 +252,28 @@ class Block(nn.Module):
                                activation=cfg.activation, bias=True, sequence_parallel=sp,
                                overlap=overlap, dtype=dtype)
 
+    def attn_branch(self, x: torch.Tensor) -> torch.Tensor:
+        """``attn(ln_1(x))``: what the block adds to the residual stream first."""
+        return self.attn(self.ln_1(x))
+
+    def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        """``mlp(ln_2(x))``: what the block adds to the residual stream second."""
+        return self.mlp(self.ln_2(x))
+
     def _attn(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.attn(self.ln_1(x))
+        return x + self.attn_branch(x)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(self.ln_2(x))
+        return x + self.mlp_branch(x)
+
+    def splittable(self) -> bool:
+        """Whether batch-split overlap may run this block branch by branch: no activation
+        checkpointing while grad is on, and no module hooks (ZeRO's parameter gathers wait
+        in a block's forward pre-hook: calling its branches would skip them)."""
+        if self.checkpointing != "none" and torch.is_grad_enabled():
+            return False
+        return not (self._forward_pre_hooks or self._forward_hooks or self._backward_hooks
+                    or self._backward_pre_hooks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.checkpointing == "none" or not torch.is_grad_enabled():
@@ -334,20 +352,31 @@ class GPT(nn.Module):
     initialised from ``seed`` layer by layer on the canonical (unsharded) shapes, so every
     layout holds the same model. ``vocab_parallel`` (:data:`VOCAB_PARALLEL`): whether the
     embedding and the head split the vocabulary over TP; the resolved choice is
-    :attr:`vocab_parallel` (a bool, see :func:`splits_vocab`).
+    :attr:`vocab_parallel` (a bool, see :func:`splits_vocab`). ``batch_split``: the parts of
+    the batch that runs of consecutive blocks process in turn under tensor parallelism, each
+    part's row-parallel all-reduces hidden behind the next part's compute
+    (:mod:`distllm.parallel.tensor.batch_split`). ``"auto"`` splits in 2 a forward that
+    no backward follows (evaluation, inference) on CPU and nothing else: in training each
+    part's backward computes its own weight gradients, which autograd then adds, and on 2 CPU
+    ranks that cost more than the forward gained (see the module); on CUDA it is not measured
+    yet. An integer forces the parts, 1 turns it off. A block with module hooks (ZeRO's
+    parameter gathers) or activation checkpointing runs whole (:meth:`Block.splittable`).
     """
 
     def __init__(self, cfg: GPTConfig, dims: ParallelDims, *,
                  layer_ids: Iterable[int] | None = None,
                  sequence_parallel: bool = False, overlap: str = "auto",
                  activation_checkpointing: str = "none", dtype: torch.dtype = torch.float32,
-                 seed: int | None = 0, vocab_parallel: str = "auto"):
+                 seed: int | None = 0, vocab_parallel: str = "auto",
+                 batch_split: int | str = "auto"):
         super().__init__()
         if cfg.tie_embeddings and dims.pp > 1:
             raise ValueError("tie_embeddings=True needs pp=1 (the embedding and the head live "
                              "on different stages): untie them or use --pp 1")
         self.cfg, self.dims, self.dtype = cfg, dims, dtype
         self.sequence_parallel = sequence_parallel and dims.tp > 1
+        self.batch_split = check_batch_split(batch_split, dims.tp, self.sequence_parallel,
+                                             overlap)
         self.vocab_parallel = splits_vocab(cfg.vocab_size, cfg.hidden_size, dims.tp,
                                            self.sequence_parallel, vocab_parallel)
         ids = list(range(cfg.n_pipeline_layers)) if layer_ids is None else list(layer_ids)
@@ -378,14 +407,51 @@ class GPT(nn.Module):
         for i in self.layer_ids:
             load_layer(self, i, init_canonical(self.cfg, i, seed, self.dtype))
 
+    def split_parts(self, x: torch.Tensor) -> int:
+        """How many parts of the batch ``x`` (its dim 0) the blocks run in: the resolved
+        :attr:`batch_split` (``"auto"``: 2 for a forward without autograd on CPU, else 1; see
+        the class docstring), 1 without TP."""
+        n = self.batch_split
+        if n == "auto":
+            n = 2 if x.device.type == "cpu" and not torch.is_grad_enabled() else 1
+        return split_parts(x.shape[0], n)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = tokens
-        for layer in self.layer_list():
-            x = layer(x)
+        x, layers, i = tokens, self.layer_list(), 0
+        while i < len(layers):
+            run = []  # consecutive blocks that batch-split overlap can run
+            while (i + len(run) < len(layers) and isinstance(layers[i + len(run)], Block)
+                   and layers[i + len(run)].splittable()):
+                run.append(layers[i + len(run)])
+            parts = self.split_parts(x) if run else 1
+            if parts > 1:
+                x = split_residual([f for b in run for f in (b.attn_branch, b.mlp_branch)],
+                                   x, parts)
+                i += len(run)
+            else:
+                x = layers[i](x)
+                i += 1
         return x
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return gpt_loss(logits, targets, self.dims, self.vocab_parallel)
+
+
+def check_batch_split(batch_split: int | str, tp: int, sequence_parallel: bool,
+                      overlap: str) -> int | str:
+    """The :class:`GPT`'s ``batch_split`` after checking it: ``"auto"`` stays ``"auto"``
+    where batch-split overlap applies (tensor parallelism without sequence parallelism, and
+    ``overlap`` not ``"none"``), else 1; an integer of at least 1 stays (1 where it cannot
+    apply). See :mod:`distllm.parallel.tensor.batch_split`."""
+    if batch_split != "auto" and (isinstance(batch_split, bool)
+                                  or not isinstance(batch_split, int) or batch_split < 1):
+        raise ValueError(f"batch_split={batch_split!r}: use 'auto' or a whole number >= 1 "
+                         "(1 turns batch-split overlap off)")
+    if tp == 1 or sequence_parallel:
+        return 1
+    if batch_split == "auto" and overlap == "none":
+        return 1
+    return batch_split
 
 
 def residual_std(cfg: GPTConfig) -> float:

@@ -85,6 +85,10 @@ class ParallelConfig:
     """Split the embedding and the head over TP along the vocabulary: auto (unless
     vocabulary * (tp - 1) <= 2 * hidden: then every TP rank holds them whole, with no
     collective), on, or off."""
+    batch_split: int = 0
+    """Batch-split overlap under TP (without sequence parallelism): the parts of each
+    micro-batch the blocks run in turn, each part's row-parallel all-reduces hidden behind
+    the next part's compute; 0 picks it (2 for evaluation on CPU, else 1), 1 turns it off."""
     bucket_cap_mb: float = 25.0
     """Data-parallel gradient bucket size in MiB."""
     timeout_s: float = field(default=300.0, metadata={"flag": "--timeout"})
@@ -108,6 +112,9 @@ class ParallelConfig:
                     f">= {self.pp} or use --schedule gpipe"
                 )
         _positive("virtual_stages", self.virtual_stages)
+        if not isinstance(self.batch_split, int) or self.batch_split < 0:
+            raise ValueError(f"batch_split={self.batch_split!r}: use 0 (auto), 1 (off) or the "
+                             "number of parts (>= 2)")
         check_vocab_parallel(self.vocab_parallel, self.tp, self.sequence_parallel)
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s={self.timeout_s}: it must be positive seconds")

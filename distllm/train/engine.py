@@ -82,7 +82,7 @@ class Engine:
         self.v = p.chunks_per_rank
         self.chunk_ids = stage_layer_ids(mcfg.n_pipeline_layers, dims.pp, self.v, dims.pp_rank)
         kw = dict(sequence_parallel=p.sequence_parallel, overlap=p.overlap,
-                  vocab_parallel=p.vocab_parallel,
+                  vocab_parallel=p.vocab_parallel, batch_split=p.batch_split or "auto",
                   activation_checkpointing=cfg.activation_checkpointing, dtype=self.dtype,
                   seed=cfg.seed)
         # one GPT per model chunk (v > 1 only for the interleaved schedule)

@@ -78,6 +78,7 @@ DEFAULT_2 = [
     dict(dp=2, zero=3),
     dict(tp=2, sp=True, overlap="none"),
     dict(tp=2, activation_checkpointing="full"),
+    dict(tp=2, bs=2, overlap="auto"),  # batch-split overlap in training (auto splits eval only)
     dict(pp=2, schedule="interleaved-1f1b", m=2, activation_checkpointing="selective"),
     dict(tp=2, dtype="bfloat16"),
     dict(dp=2, zero=1, dtype="bfloat16"),
@@ -88,6 +89,7 @@ DEFAULT_4 = [
     dict(tp=2, dp=2, zero=2, vp="on"),
     dict(pp=2, dp=2, schedule="zb-h1", m=2, zero=1),
     dict(tp=4, overlap="auto"),
+    dict(tp=2, dp=2, bs=3),  # batch split under DDP, 4 sequences a rank in 3 parts
 ]
 
 

@@ -41,6 +41,7 @@ from torch._subclasses.fake_tensor import is_fake
 from distllm.comm.collectives import all_reduce
 from distllm.ops import backend_choice, cpu_gemm
 from distllm.ops import linear_gelu_backends as impl
+from distllm.parallel.tensor.batch_split import deferring
 from distllm.parallel.tensor.layers import OverlapPlan, _mm, _mm_t
 
 __all__ = ["BACKENDS", "resolve_backend", "column_parallel_linear_gelu", "parallel_mlp",
@@ -239,6 +240,11 @@ class _ParallelMLP(torch.autograd.Function):
             plan2.ran("forward", "none")
         elif sp:  # (b, s, N/tp) -> GEMM + reduce-scatter -> (b, s/tp, H)
             z, _ = plan2.run("forward", "reduce_scatter", y, _mm_t(w2), h)
+        elif (deferred := deferring()) is not None:  # batch split: waited for later
+            if b2 is not None:  # it would land on a partial sum still being reduced
+                raise RuntimeError("a deferred all-reduce takes its bias later: pass b2=None "
+                                   "and register it with add_bias_later")
+            z = plan2.launch_deferred(y.reshape(-1, n), _mm_t(w2), y.shape[:-1], h, deferred)
         else:  # (M, N/tp) @ (N/tp, H) -> all-reduce -> (..., H)
             z, _ = plan2.run("forward", "all_reduce", y.reshape(-1, n), _mm_t(w2), h)
             z = z.view(*y.shape[:-1], h)

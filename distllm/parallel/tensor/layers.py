@@ -34,6 +34,7 @@ from distllm.comm.collectives import all_reduce
 from distllm.diagnostics.timing import max_over_ranks
 from distllm.ops import cpu_gemm
 from distllm.parallel.tensor import overlap_tuner
+from distllm.parallel.tensor.batch_split import deferring
 from distllm.parallel.tensor.overlap import CommContext, run_engine
 
 __all__ = ["OVERLAP_MODES", "COLLECTIVES", "OverlapCounter", "OverlapStats", "OverlapPlan",
@@ -48,10 +49,12 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "none")  # what a d
 class OverlapCounter:
     """What one direction (forward or backward) of a layer ran, accumulated over calls.
 
-    Fields: ``calls`` (calls through an overlap engine); ``overlapped`` (those that ran an
-    overlapped schedule); ``mode`` and ``chunks`` of the last such call (``mode`` is
-    ``chunked`` or ``none``); ``collective`` the layer's collective in the last call of this
-    direction, engine or not (one of :data:`COLLECTIVES`; ``none`` until one ran);
+    Fields: ``calls`` (calls through an overlap engine, or deferred by batch-split overlap);
+    ``overlapped`` (those that ran an overlapped schedule); ``mode`` and ``chunks`` of the
+    last such call (``mode`` is ``chunked``, ``none``, or ``deferred``: a forward all-reduce
+    left in flight while the batch's next part computes, see
+    :mod:`distllm.parallel.tensor.batch_split`); ``collective`` the layer's collective in
+    the last call of this direction, engine or not (one of :data:`COLLECTIVES`; ``none`` until one ran);
     ``wait_ms`` the host time blocked waiting on collectives (CPU only: on CUDA the host does
     not block); ``comm_ms_est`` the standalone communication time of these calls as measured
     by ``overlap="auto"`` (0 when not measured); ``reason`` why overlap is off, if it is;
@@ -86,7 +89,7 @@ class OverlapCounter:
                comm_ms_est: float = 0.0) -> None:
         """Count one call through an overlap engine."""
         self.calls += 1
-        self.overlapped += mode == "chunked"
+        self.overlapped += mode in ("chunked", "deferred")
         self.mode, self.chunks, self.collective = mode, chunks, collective
         self.wait_ms += wait_ms
         self.comm_ms_est += comm_ms_est
@@ -169,7 +172,7 @@ class OverlapPlan:
         choice = overlap_tuner.choose(
             key, lambda c, ch, g=None: run_engine(kind, a, mm, n_out, c, ch, then, g),
             self.comm, rows, a.device, f"{self.name} {direction}", chunks_hint=self.chunks,
-            comm_first=kind == "all_gather")
+            comm_first=kind == "all_gather", one_piece=then is not None and kind != "all_gather")
         trial = choice.trial
         if trial is not None:  # not memoised: each call of the trial asks the cache again
             name, chunks, growth = trial.schedule()
@@ -198,6 +201,30 @@ class OverlapPlan:
         else:
             self._trials.pop(direction, None)
         return out
+
+    def launch_deferred(self, a: torch.Tensor, mm, lead: torch.Size, n_out: int,
+                        deferred) -> torch.Tensor:
+        """The forward of batch-split overlap (:mod:`distllm.parallel.tensor.batch_split`):
+        the whole GEMM ``a @ B`` of ``a`` ``(M, K)`` (``mm`` as the engines take it) into a
+        new ``(*lead, n_out)`` tensor, then its all-reduce launched and recorded in
+        ``deferred``; returns that partial sum (not a view: it is summed in place when
+        ``deferred.finish`` waits, which autograd forbids on a custom Function's view)."""
+        out = a.new_empty(*lead, n_out)
+        mm(a, out.view(-1, n_out))
+        deferred.launched(self, self.comm.launch("all_reduce", out))
+        c = self.stats.forward
+        c.record("deferred", 0, "all_reduce", 0.0)
+        c.reason, c.growth = ("batch split: the all-reduce runs while the batch's next part "
+                              "computes", None)
+        return out
+
+    def wait_deferred(self, handle) -> None:
+        """Wait for an all-reduce of :meth:`launch_deferred` (host time in ``wait_ms``)."""
+        comm = self.comm
+        comm.wait_ms = 0.0
+        comm.wait(handle)
+        if handle.event is None:  # on CUDA the host does not block
+            self.stats.forward.wait_ms += comm.wait_ms
 
     @property
     def tuning(self) -> bool:
@@ -301,8 +328,15 @@ class _RowParallelMatmul(torch.autograd.Function):
     def forward(ctx, x, weight, bias, plan, sp):
         n, k = weight.shape  # (N, K/tp)
         x = x.contiguous()
+        deferred = None if sp else deferring()
         if sp:  # (b, s, K/tp) -> GEMM + reduce-scatter -> (b, s/tp, N)
             out, _ = plan.run("forward", "reduce_scatter", x, _mm_t(weight), n)
+        elif deferred is not None:  # batch split: the all-reduce is waited for later
+            if bias is not None:  # it would land on a partial sum still being reduced
+                raise RuntimeError("a deferred all-reduce takes its bias later: pass "
+                                   "bias=None and register it with add_bias_later")
+            out = plan.launch_deferred(x.reshape(-1, k), _mm_t(weight), x.shape[:-1], n,
+                                       deferred)
         else:  # (M, K/tp) @ (K/tp, N) -> all-reduce -> (..., N)
             out, _ = plan.run("forward", "all_reduce", x.reshape(-1, k), _mm_t(weight), n)
             out = out.view(*x.shape[:-1], n)

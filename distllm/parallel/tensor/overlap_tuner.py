@@ -2,7 +2,10 @@
 measurement on the real tensors, cached per (collective, shape, dtype, device, group).
 
 Two rounds. The first times the compute alone, the sequential schedule and each chunk count
-(pieces of :func:`distllm.parallel.tensor.overlap.pipeline_bounds`, first and last halved);
+(pieces of :func:`distllm.parallel.tensor.overlap.pipeline_bounds`, first and last halved),
+and where work follows the collective's launch (the weight-gradient GEMM of a backward) one
+piece too: the whole GEMM, its collective running behind that work, as Megatron-LM's
+asynchronous input-gradient all-reduce does;
 from it, the GEMM time G and the collective's C = sequential - compute give the geometric
 schedules of the second round: pieces growing by C/G (G/C for the all-gather, whose
 collective comes before its GEMM), so that each piece's GEMM lasts as long as the previous
@@ -163,6 +166,8 @@ def _full_key(comm: CommContext, key: tuple) -> tuple:
 
 
 def _describe(chunks: int, growth: float | None) -> str:
+    if chunks == 1:
+        return "1 piece (the collective runs behind the GEMM that follows)"
     return f"{chunks} chunks" + (f" growing by {growth:.2f}" if growth is not None else "")
 
 
@@ -175,7 +180,7 @@ def trial_calls() -> int:
 
 def choose(key: tuple, run: Callable[..., object], comm: CommContext, rows: int,
            device: torch.device, what: str, chunks_hint: int = 4, reps: int = 5,
-           margin: float = 0.03, comm_first: bool = False) -> Choice:
+           margin: float = 0.03, comm_first: bool = False, one_piece: bool = False) -> Choice:
     """The cached :class:`Choice` for ``key``; measured on first use.
 
     ``run(comm, chunks, growth=None)`` runs the schedule once (``chunks=0``: sequential;
@@ -183,7 +188,9 @@ def choose(key: tuple, run: Callable[..., object], comm: CommContext, rows: int,
     pipeline_bounds`); ``rows`` bounds the chunk counts tried; ``device`` is where the
     layer's tensors live (the timings are reduced over the group there; CUDA is synchronised
     inside each timed run); ``what`` names the layer in the log line; ``comm_first``: the
-    collective precedes the GEMM (all-gather).
+    collective precedes the GEMM (all-gather); ``one_piece``: work follows the collective's
+    launch (the weight-gradient GEMM of a backward), so one piece, the whole GEMM with its
+    collective running behind that work, is a candidate too.
     """
     full_key = _full_key(comm, key)
     if full_key in _CACHE:
@@ -192,15 +199,16 @@ def choose(key: tuple, run: Callable[..., object], comm: CommContext, rows: int,
         ch = Choice(0, 0.0, 0.0, 0.0, "tp=1: nothing to communicate")
     else:
         ch = _measure_and_choose(key, run, comm, rows, device, what, chunks_hint, reps, margin,
-                                 comm_first)
+                                 comm_first, one_piece)
     _CACHE[full_key] = ch
     return ch
 
 
 def _measure_and_choose(key, run, comm, rows, device, what, chunks_hint, reps, margin,
-                        comm_first) -> Choice:
+                        comm_first, one_piece=False) -> Choice:
     null = NullComm(comm)
-    cands = sorted({c for c in (*CANDIDATES, chunks_hint) if 2 <= c <= rows})
+    cands = sorted({c for c in (*CANDIDATES, chunks_hint) if 2 <= c <= rows}
+                   | ({1} if one_piece else set()))
     first: dict[str, Callable[[], object]] = {
         "compute": lambda: run(null, 1),
         "sequential": lambda: run(comm, 0),

@@ -129,6 +129,26 @@ def _forced_outcome(dims, x, times) -> tuple[str, int, int]:
     return f.mode, f.chunks, len([m for m in log.lines if "falls back" in m]), f.reason, f.growth
 
 
+def _forced_backward(dims, x, times) -> tuple[str, int, str]:
+    """``(mode, chunks, reason)`` of a column-parallel backward (whose weight-gradient GEMM
+    follows the all-reduce's launch) after three calls, the isolated rounds forced to
+    ``times`` (no trial in the step)."""
+    from distllm.nn import ColumnParallelLinear
+
+    overlap_tuner.clear_cache()
+    real = overlap_tuner._timed
+    overlap_tuner._timed = _forced(times)
+    try:
+        with _TrialRounds(0):
+            layer = ColumnParallelLinear(4, 8, dims, overlap="auto", dtype=DT)
+            for _ in range(3):
+                layer(x.clone().requires_grad_(True)).sum().backward()
+    finally:
+        overlap_tuner._timed = real
+    b = layer.overlap_stats.backward
+    return b.mode, b.chunks, b.reason
+
+
 # the isolated rounds of every trial scenario: 2 chunks win the selection (the layer's own
 # count, 4, is second; the geometric schedules never win)
 _SELECTION = {"compute": 1.0, "sequential": 10.0, "2": 6.0, "4": 8.0}
@@ -255,6 +275,10 @@ def tuner_main() -> dict:
         # decides, the same on both (no overlap)
         "trial_max_over_ranks": lambda: _trial(dims, x, lambda n, rank, r: {
             "sequential": 10.0, "2": 12.0, "4": 5.0 if rank == 0 else 12.0}[n]),
+        # a backward's all-reduce behind its weight-gradient GEMM in one piece (Megatron-LM's
+        # asynchronous input-gradient all-reduce) is a candidate, and here the fastest
+        "one_piece": lambda: _forced_backward(
+            dims, x, {"compute": 1.0, "sequential": 10.0, "1": 5.0, "2": 8.0, "4": 9.0}),
         # settle_overlap calls until the trial is over on both ranks: its 9 calls
         "settle": lambda: _settle(dims, x),
         # the cache is cleared in the middle of the trial: its decision is not kept, the
@@ -387,3 +411,9 @@ def test_one_rank_never_measures(monkeypatch):
     assert overlap_tuner.choose(("k",), None, comm, 8, torch.device("cpu"), "x") is ch  # cached
     overlap_tuner.clear_cache()
     assert overlap_tuner.choose(("k",), None, comm, 8, torch.device("cpu"), "x") is not ch
+
+
+def test_a_backward_may_keep_its_collective_in_one_piece(spawned):
+    for got in case_of(spawned(tuner_main, 2), "one_piece"):
+        assert got[:2] == ("chunked", 1), got
+        assert got[2].startswith("1 piece (the collective runs behind the GEMM that follows)"), got
