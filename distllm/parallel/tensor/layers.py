@@ -54,7 +54,8 @@ class OverlapCounter:
     last such call (``mode`` is ``chunked``, ``none``, or ``deferred``: a forward all-reduce
     left in flight while the batch's next part computes, see
     :mod:`distllm.parallel.tensor.batch_split`); ``collective`` the layer's collective in
-    the last call of this direction, engine or not (one of :data:`COLLECTIVES`; ``none`` until one ran);
+    the last call of this direction, engine or not (one of :data:`COLLECTIVES`; ``none``
+    until one ran);
     ``wait_ms`` the host time blocked waiting on collectives (CPU only: on CUDA the host does
     not block); ``comm_ms_est`` the standalone communication time of these calls as measured
     by ``overlap="auto"`` (0 when not measured); ``reason`` why overlap is off, if it is;
