@@ -113,8 +113,8 @@ class ParallelConfig:
                 )
         _positive("virtual_stages", self.virtual_stages)
         if not isinstance(self.batch_split, int) or self.batch_split < 0:
-            raise ValueError(f"batch_split={self.batch_split!r}: use 0 (auto), 1 (off) or the "
-                             "number of parts (>= 2)")
+            raise ValueError(f"batch_split={self.batch_split!r} (--batch-split): use 0 (auto), 1 "
+                             "(off) or the number of parts (>= 2)")
         check_vocab_parallel(self.vocab_parallel, self.tp, self.sequence_parallel)
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s={self.timeout_s}: it must be positive seconds")
