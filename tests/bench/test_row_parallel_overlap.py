@@ -26,7 +26,9 @@ def check_rows(rows, kinds):
         assert got["ideal"]["ms"] == max(got["gemm"]["ms"], comm["ms"])
         assert got["chunked4"]["hidden_frac"] is not None
         assert "chunking_penalty" in got["gemm_chunked4"]["extra"]
-        assert got["auto"]["extra"]["auto_chunks"] in (0, 2, 4, 8)
+        # a backward may keep its all-reduce in one piece behind the weight-gradient GEMM
+        assert got["auto"]["extra"]["auto_chunks"] in ((0, 1, 2, 4, 8) if kind == "bwd"
+                                                       else (0, 2, 4, 8))
         lanes = {e["lane"] for e in got["sequential"]["extra"]["timeline"]}
         assert lanes == {"compute", "comm"}
         # the best chunked schedule's timeline too: its collectives are asynchronous (on 2
