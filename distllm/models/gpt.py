@@ -22,6 +22,7 @@ weights and a checkpoint saved at one layout loads at any other.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
@@ -417,20 +418,17 @@ class GPT(nn.Module):
         return split_parts(x.shape[0], n)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x, layers, i = tokens, self.layer_list(), 0
-        while i < len(layers):
-            run = []  # consecutive blocks that batch-split overlap can run
-            while (i + len(run) < len(layers) and isinstance(layers[i + len(run)], Block)
-                   and layers[i + len(run)].splittable()):
-                run.append(layers[i + len(run)])
-            parts = self.split_parts(x) if run else 1
-            if parts > 1:
+        x = tokens
+        # runs of consecutive blocks that batch-split overlap can run, and the other layers
+        for splittable, run in itertools.groupby(
+                self.layer_list(), key=lambda m: isinstance(m, Block) and m.splittable()):
+            run = list(run)
+            if splittable and (parts := self.split_parts(x)) > 1:
                 x = split_residual([f for b in run for f in (b.attn_branch, b.mlp_branch)],
                                    x, parts)
-                i += len(run)
-            else:
-                x = layers[i](x)
-                i += 1
+                continue
+            for layer in run:
+                x = layer(x)
         return x
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from distllm.nn.parallel_linear import (
     RowParallelLinear,
     _autocast_operands,
 )
-from distllm.parallel.tensor.batch_split import deferring
+from distllm.parallel.tensor.batch_split import deferring, with_bias
 from distllm.parallel.tensor.fused_mlp import describe_kernel, parallel_mlp, resolve_backend
 from distllm.parallel.tensor.sharding import check_divisible
 
@@ -125,11 +125,8 @@ class ParallelMLP(nn.Module):
                     plan.ran("forward", "none")
                     plan.ran("backward", "none")
                 return F.linear(F.gelu(F.linear(x, w1, b1), approximate=approx), w2, b2)
+            # batch split: fc2's all-reduce may be waited for later, its bias added then
             deferred = None if fc1.sequence_parallel or fc2.plan.tp == 1 else deferring()
-            if deferred is None:
-                return parallel_mlp(x, w1, b1, w2, b2, fc1.plan, fc2.plan,
-                                    fc1.sequence_parallel, approx, name)
-            # batch split: fc2's all-reduce is waited for later, its bias goes on the sum
-            out = parallel_mlp(x, w1, b1, w2, None, fc1.plan, fc2.plan, False, approx, name)
-            deferred.add_bias_later(out, b2)
-            return out
+            return with_bias(deferred, lambda bias: parallel_mlp(
+                x, w1, b1, w2, bias, fc1.plan, fc2.plan, fc1.sequence_parallel, approx, name),
+                b2)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distllm.parallel.tensor.batch_split import deferring
+from distllm.parallel.tensor.batch_split import deferring, with_bias
 from distllm.parallel.tensor.fused_mlp import (
     BACKENDS,
     column_parallel_linear_gelu,
@@ -233,14 +233,10 @@ class RowParallelLinear(nn.Module):
                 self.plan.ran("backward", "none")
             return F.linear(x, self.weight, self.bias)
         x, w, b, dev = _autocast_operands(x, self.weight, self.bias)
-        deferred = None if self.sequence_parallel else deferring()
+        deferred = None if self.sequence_parallel else deferring()  # batch split
         with torch.autocast(dev, enabled=False):  # the engines see the cast dtypes
-            if deferred is None:
-                return row_parallel_matmul(x, w, b, self.plan, self.sequence_parallel)
-            # batch split: the bias goes on the sum, once it is waited for
-            out = row_parallel_matmul(x, w, None, self.plan, False)
-            deferred.add_bias_later(out, b)
-            return out
+            return with_bias(deferred, lambda bias: row_parallel_matmul(
+                x, w, bias, self.plan, self.sequence_parallel), b)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}/tp={self.dims.tp}, out={self.out_features}, "

@@ -44,8 +44,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["DeferredReductions", "defer_reductions", "deferring", "split_residual",
-           "split_parts"]
+__all__ = ["DeferredReductions", "defer_reductions", "deferring", "with_bias",
+           "split_residual", "split_parts"]
 
 _STATE = threading.local()
 
@@ -78,10 +78,8 @@ class DeferredReductions:
             for plan, handle in self._pending:
                 plan.wait_deferred(handle)
         self._pending = []
-        hit = self._bias.pop(id(out), None)
-        if hit is None or hit[0] is not out:
-            return out
-        return out + hit[1]
+        hit = self._bias.pop(id(out), None)  # (the dict holds ``out``: its id is its own)
+        return out if hit is None else out + hit[1]
 
 
 def deferring() -> DeferredReductions | None:
@@ -101,6 +99,18 @@ def defer_reductions() -> Iterator[DeferredReductions]:
         yield d
     finally:
         _STATE.current = prev
+
+
+def with_bias(deferred: DeferredReductions | None,
+              call: Callable[[torch.Tensor | None], torch.Tensor],
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """A row-parallel layer's forward ``call(bias)``; inside a deferral (``deferred`` not
+    None) ``call(None)``, with ``bias`` added by ``deferred.finish`` on the sum."""
+    if deferred is None:
+        return call(bias)
+    out = call(None)
+    deferred.add_bias_later(out, bias)
+    return out
 
 
 def split_parts(batch: int, parts: int) -> int:
