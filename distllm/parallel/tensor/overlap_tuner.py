@@ -31,12 +31,17 @@ layer falls back to no overlap and says so once through ``logging.getLogger("dis
 
 On CPU the confirmation is not a round of its own but a **trial in the step**: the next
 ``TRIAL_ROUNDS`` rounds of calls that share the shape's key (every layer of that shape, in
-the training step itself) each run the sequential schedule, the selection's winner and the
-layer's own ``chunks`` (equal pieces), once each, in an order that rotates from round to
-round, each call timed as it runs there; then one all-reduce over the group of those times
-(MAX over the ranks) decides: of the two chunked schedules, the one with the lower median
-ratio to sequential in the same round is kept if that ratio beats sequential by the margin,
-else the layer runs sequential. On CPU the GEMM and gloo's copies and TCP share the rank's
+the training step itself) each run the sequential schedule, the selection's winner and up to
+two more chunked schedules (:func:`_trial_plans`: a geometric winner's equal-piece twin, the
+first round's fastest equal-piece count, the layer's own ``chunks``), once each, in an order
+that rotates from round to round, each call timed as it runs there; then one all-reduce over
+the group of those times (MAX over the ranks) decides: of the chunked schedules, the one with
+the lowest median ratio to sequential in the same round is kept if that ratio beats
+sequential by the margin, else the layer runs sequential. The twin is there because the
+geometric sizing models a core that the collective leaves alone: at (2048, 512, 2048) over an
+emulated 2 Gbit/s link on 2 cores, 8 pieces growing by 1.49 won the isolated rounds, and
+then ran 1.11x the time of 8 equal pieces (median of 14 paired rounds, p10..p90 0.94..1.22,
+the same GEMM). On CPU the GEMM and gloo's copies and TCP share the rank's
 cores, so what a schedule costs depends on what runs beside it: at tp2 over an emulated
 2 Gbit/s link (2 cores), isolated rounds with a barrier before each repetition measured the
 chunked schedules of one shape anywhere from 0.75x to 1.46x of sequential from one round to
@@ -78,9 +83,9 @@ CANDIDATES = (2, 4, 8)
 # not kept)
 CONFIRM_REPS = 7
 # rounds of the trial in the step (CPU; 0: the isolated confirmation round instead), each
-# running at most TRIAL_SCHEDULES schedules once
+# running at most TRIAL_SCHEDULES schedules once (sequential and up to three chunked ones)
 TRIAL_ROUNDS = 8
-TRIAL_SCHEDULES = 3
+TRIAL_SCHEDULES = 4
 _CACHE: dict[tuple, Choice] = {}
 
 
@@ -173,9 +178,29 @@ def _describe(chunks: int, growth: float | None) -> str:
 
 def trial_calls() -> int:
     """The most calls of one shape a trial in the step takes: :data:`TRIAL_ROUNDS` rounds of
-    at most :data:`TRIAL_SCHEDULES` schedules (sequential, the selection's winner and the
-    layer's own chunk count)."""
+    at most :data:`TRIAL_SCHEDULES` schedules (sequential, the selection's winner, its
+    equal-piece twin, the first round's fastest count and the layer's own, as
+    :func:`_trial_plans` takes them)."""
     return TRIAL_ROUNDS * TRIAL_SCHEDULES
+
+
+def _trial_plans(plans: dict[str, tuple[int, float | None]], best: str,
+                 first_best: str | None, chunks_hint: int) -> dict[str, tuple[int, float | None]]:
+    """The schedules of a trial in the step, at most :data:`TRIAL_SCHEDULES`: sequential, the
+    selection's winner ``best``, then, where they differ from what is already in, the winner's
+    equal-piece twin (a geometric winner's chunk count in equal pieces: whether the sizing
+    pays in the step, where gloo's copies share the GEMM's core, is the step's to say), the
+    first round's fastest equal-piece count ``first_best`` and the layer's own
+    ``chunks_hint``."""
+    out = {"sequential": (0, None), best: plans[best]}
+    chunks, growth = plans[best]
+    twin = str(chunks) if growth is not None else None
+    for name in (twin, first_best, str(chunks_hint)):
+        if len(out) >= TRIAL_SCHEDULES:
+            break
+        if name is not None and name in plans and name not in out:
+            out[name] = plans[name]
+    return out
 
 
 def choose(key: tuple, run: Callable[..., object], comm: CommContext, rows: int,
@@ -218,7 +243,7 @@ def _measure_and_choose(key, run, comm, rows, device, what, chunks_hint, reps, m
     t = _fastest(_timed(first, comm, device, reps))
     plans: dict[str, tuple[int, float | None]] = {str(c): (c, None) for c in cands}
     chunked = {n: t[n] for n in plans}
-    best = min(chunked, key=chunked.get) if chunked else None
+    best = first_best = min(chunked, key=chunked.get) if chunked else None
     comm_ms = max(0.0, t["sequential"] - t["compute"])
     second: dict[str, Callable[[], object]] = {}
     for c in sorted({c for c in (4, 8, chunks_hint) if 2 <= c <= rows}):
@@ -236,12 +261,8 @@ def _measure_and_choose(key, run, comm, rows, device, what, chunks_hint, reps, m
         best = min(chunked, key=chunked.get)
         t = {**t, **t2}
     if best is not None and device.type == "cpu" and TRIAL_ROUNDS > 0:
-        # on CPU the step decides (Trial): the winner and the layer's own chunk count
-        # against sequential, in the next calls of this key
-        trial_plans = {"sequential": (0, None), best: plans[best]}
-        hint = str(chunks_hint)
-        if hint in plans and hint != best:
-            trial_plans[hint] = plans[hint]
+        # on CPU the step decides (Trial), in the next calls of this key
+        trial_plans = _trial_plans(plans, best, first_best, chunks_hint)
         return Choice(0, t["compute"], t["sequential"], t["sequential"],
                       f"trial in the step: {', '.join(trial_plans)}", None,
                       Trial(key, comm, device, what, margin, trial_plans, t))

@@ -154,9 +154,15 @@ def _forced_backward(dims, x, times) -> tuple[str, int, str]:
 _SELECTION = {"compute": 1.0, "sequential": 10.0, "2": 6.0, "4": 8.0}
 
 
-def _trial(dims, x, call_ms, rounds: int = 3, calls: int = 11, clear_at: int | None = None
-           ) -> dict:
-    """``calls`` calls of one shape, the isolated rounds forced to :data:`_SELECTION` and each
+# isolated rounds where 8 pieces growing by C/G = 1.5 (bounded to 1.49) win the selection
+# and 2 equal pieces are the first round's fastest
+_GEO_SELECTION = {"compute": 4.0, "sequential": 10.0, "2": 8.0, "4": 8.8, "8": 9.0,
+                  "8x1.49": 6.0}
+
+
+def _trial(dims, x, call_ms, rounds: int = 3, calls: int = 11, clear_at: int | None = None,
+           selection: dict[str, float] = _SELECTION) -> dict:
+    """``calls`` calls of one shape, the isolated rounds forced to ``selection`` and each
     call of the trial (``rounds`` rounds) taking ``call_ms(name, rank, round)`` ms (``name``:
     the schedule it ran); ``clear_at``: call :func:`overlap_tuner.clear_cache` after that
     many calls. What each call ran (chunks) and whether the layer was still tuning after it,
@@ -181,7 +187,7 @@ def _trial(dims, x, call_ms, rounds: int = 3, calls: int = 11, clear_at: int | N
         return real_measure(*args)
 
     logging.getLogger("distllm").addHandler(log)
-    overlap_tuner._timed, overlap_tuner._time_call = _forced(_SELECTION), fake_time
+    overlap_tuner._timed, overlap_tuner._time_call = _forced(selection), fake_time
     overlap_tuner._measure_and_choose = counting
     runs, tuning = [], []
     try:
@@ -200,7 +206,7 @@ def _trial(dims, x, call_ms, rounds: int = 3, calls: int = 11, clear_at: int | N
         overlap_tuner._measure_and_choose = real_measure
         logging.getLogger("distllm").removeHandler(log)
     return {"runs": runs, "tuning": tuning, "reason": f.reason, "mode": f.mode,
-            "fallbacks": len([m for m in log.lines if "falls back" in m]),
+            "growth": f.growth, "fallbacks": len([m for m in log.lines if "falls back" in m]),
             "measured": len(measured)}
 
 
@@ -263,6 +269,12 @@ def tuner_main() -> dict:
         # round; the selection's winner (2) by 5% only
         "trial_kept": lambda: _trial(dims, x, lambda n, rank, r: {
             "sequential": 10.0, "2": 9.5, "4": 7.0}[n]),
+        # a geometric winner (8 pieces growing by 1.49) meets its equal-piece twin (8) and
+        # the first round's fastest (2) in the step (the layer's own 4 would be a fifth
+        # schedule), where the twin wins
+        "trial_twin": lambda: _trial(dims, x, lambda n, rank, r: {
+            "sequential": 10.0, "8x1.49": 8.0, "8": 7.0, "2": 9.0}[n], calls=14,
+            selection=_GEO_SELECTION),
         # neither beats sequential by the margin: 2 chunks at 0.98, 4 slower
         "trial_dropped": lambda: _trial(dims, x, lambda n, rank, r: {
             "sequential": 10.0, "2": 9.8, "4": 10.5}[n]),
@@ -301,8 +313,8 @@ def test_one_measurement_per_shape_and_the_same_choice_everywhere(spawned):
         # every schedule the trial ran gave the product (a chunked one reorders no sums:
         # each row is one GEMM row plus the peer's)
         assert got["max_err"] < 1e-12, got
-        n = got["tuning"].index(False) + 1  # the trial's calls: 2 rounds of 2 or 3
-        assert n in (4, 6) and not any(got["tuning"][n - 1:]), got
+        n = got["tuning"].index(False) + 1  # the trial's calls: 2 rounds of 2 to 4
+        assert n in (4, 6, 8) and not any(got["tuning"][n - 1:]), got
         assert 0 in got["runs"][:n] and any(c > 0 for c in got["runs"][:n]), got
         assert len(set(got["runs"][n:])) == 1, got  # decided: one schedule from then on
 
@@ -315,6 +327,16 @@ def test_trial_rotates_and_keeps_the_faster_of_its_two(spawned):
         assert (got["mode"], got["fallbacks"], got["measured"]) == ("chunked", 0, 1), got
         assert got["reason"] == ("4 chunks: median ratio to sequential over 3 rounds of calls "
                                  "in the step: 2 0.950, 4 0.700"), got
+
+
+def test_trial_puts_a_geometric_winner_against_its_equal_pieces(spawned):
+    for got in case_of(spawned(tuner_main, 2), "trial_twin"):
+        # 3 rounds of (sequential, 8x1.49, 8, 2), rotated; then 8 equal pieces, every call
+        assert got["runs"] == [0, 8, 8, 2, 8, 8, 2, 0, 8, 2, 0, 8, 8, 8], got
+        assert got["tuning"] == [True] * 11 + [False] * 3, got
+        assert (got["mode"], got["growth"], got["fallbacks"]) == ("chunked", None, 0), got
+        assert got["reason"] == ("8 chunks: median ratio to sequential over 3 rounds of calls "
+                                 "in the step: 8x1.49 0.800, 8 0.700, 2 0.900"), got
 
 
 def test_trial_without_a_winner_falls_back_once(spawned):
