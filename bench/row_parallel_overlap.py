@@ -87,6 +87,20 @@ def cases(cfg: BenchConfig) -> list[Case]:
     return kind_cases(cfg, SUITE, ("fwd", "bwd"), PRESETS, skip)
 
 
+def layer_gemm(kind: str, w: torch.Tensor):
+    """``mm(a, out)`` of case ``kind`` with the GEMM the layers run (:mod:`distllm.ops.cpu_gemm`:
+    oneDNN or torch's, whichever measured faster for the shape), so that every variant and
+    part of a case times the GEMM that ``auto``'s layer runs: ``a @ W^T`` for the forwards
+    (``fwd``, ``rs``, ``ag``), the input gradient ``dY @ W`` for ``bwd``. (With torch's GEMM
+    here and oneDNN's in the layer, ``auto`` would be credited with a faster GEMM as if it
+    were overlap, and its hidden share could pass the machine's ceiling.)"""
+    from distllm.ops import cpu_gemm
+
+    if kind == "bwd":
+        return lambda a, o: cpu_gemm.mm(a, w, out=o)
+    return lambda a, o: cpu_gemm.mm_t(a, w, out=o)
+
+
 def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
     """name -> callable for one case; and the auto module/plan whose stats to report."""
     from distllm.nn.parallel_linear import ColumnParallelLinear, RowParallelLinear
@@ -101,7 +115,7 @@ def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
     v: dict = {}
     if kind in ("fwd", "rs"):  # (M, K) @ (K, N), then all-reduce / reduce-scatter of (M, N)
         x = rnd(1, m, k)
-        mm = lambda a, o: torch.mm(a, w.t(), out=o)  # noqa: E731
+        mm = layer_gemm(kind, w)
         ekind, a, n_out, then = ("all_reduce", x[0], n, None) if kind == "fwd" else (
             "reduce_scatter", x, n, None)
         comm_in = torch.empty(m * n, dtype=dtype)
@@ -120,7 +134,7 @@ def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
         stats_of, tuned = auto.overlap_stats, auto
     elif kind == "ag":  # all-gather (M/tp, K) -> (M, K), then (M, K) @ (K, N)
         x = rnd(1, m // tp, k)
-        mm = lambda a, o: torch.mm(a, w.t(), out=o)  # noqa: E731
+        mm = layer_gemm(kind, w)
         ekind, a, n_out, then = "all_gather", x, n, None
         comm_out = torch.empty(m * k, dtype=dtype)
         v["allgather_alone"] = lambda: all_gather_into(comm_out, x.view(-1), group=comm.group)
@@ -132,7 +146,7 @@ def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
         stats_of, tuned = auto.overlap_stats, auto
     else:  # "bwd": dX = dY (M, N) @ W (N, K), all-reduced while dW = dY^T X computes
         gy, x = rnd(m, n), rnd(m, k)
-        mm = lambda a, o: torch.mm(a, w, out=o)  # noqa: E731
+        mm = layer_gemm(kind, w)
         ekind, a, n_out, then = "all_reduce", gy, k, (lambda: gy.t() @ x)
         comm_in = torch.empty(m * k, dtype=dtype)
         v["allreduce"] = lambda: all_reduce(comm_in, group=comm.group)

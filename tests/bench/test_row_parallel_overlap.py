@@ -170,3 +170,25 @@ def test_row_overlap_machine_ceiling_from_the_gemm_beside_its_all_reduce():
     e = rows["chunked4"]["extra"]
     assert e["machine_ceiling"] == pytest.approx(0.8)
     assert e["of_machine_ceiling"] == pytest.approx((11 / 12) / 0.8)
+
+
+@pytest.mark.parametrize("kind, fn", [("fwd", "mm_t"), ("rs", "mm_t"), ("ag", "mm_t"),
+                                      ("bwd", "mm")])
+def test_every_variant_times_the_gemm_the_layer_runs(monkeypatch, kind, fn):
+    # the layers' GEMMs go through distllm.ops.cpu_gemm (oneDNN or torch's, measured): the
+    # bench's sequential, chunked and part variants must time that GEMM too, or auto's layer
+    # is credited with a faster GEMM as if it were overlap
+    from distllm.ops import cpu_gemm
+
+    calls = []
+    for name in ("mm", "mm_t"):
+        real = getattr(cpu_gemm, name)
+        monkeypatch.setattr(cpu_gemm, name, lambda a, w, out=None, name=name, real=real: (
+            calls.append(name), real(a, w, out=out))[1])
+    w = torch.randn(6, 5, dtype=torch.float64)
+    a = torch.randn(4, 6 if kind == "bwd" else 5, dtype=torch.float64)
+    out = torch.empty(4, 5 if kind == "bwd" else 6, dtype=torch.float64)
+    row_parallel_overlap.layer_gemm(kind, w)(a, out)
+    assert calls == [fn]
+    want = a @ w if kind == "bwd" else a @ w.T
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
