@@ -278,11 +278,17 @@ def tuner_main() -> dict:
         # neither beats sequential by the margin: 2 chunks at 0.98, 4 slower
         "trial_dropped": lambda: _trial(dims, x, lambda n, rank, r: {
             "sequential": 10.0, "2": 9.8, "4": 10.5}[n]),
-        # the machine slows down from round to round (sequential 10, 20, 30 ms) and the first
-        # call of 4 chunks is disturbed: they run at 0.9 of sequential in 2 rounds of 3, so
-        # they are kept (their unpaired median, 27 ms, is 1.35x sequential's 20 ms)
+        # the machine slows down from round to round (sequential 10, 20, 30, 40 ms) and the
+        # first call of 4 chunks is disturbed: they run at 0.9 of sequential in 3 rounds of 4,
+        # so they are kept (their unpaired median, 28 ms, is 1.12x sequential's 25 ms)
         "trial_paired": lambda: _trial(dims, x, lambda n, rank, r: {
-            "sequential": 10.0 * (r + 1), "2": 30.0 * (r + 1), "4": (29.0, 18.0, 27.0)[r]}[n]),
+            "sequential": 10.0 * (r + 1), "2": 30.0 * (r + 1),
+            "4": (29.0, 18.0, 27.0, 36.0)[r]}[n], rounds=4, calls=14),
+        # 4 chunks at half of sequential in 2 rounds of 4 and 1.1x in the other 2: a median
+        # ratio of 0.8, but faster in fewer than 3 of 4 rounds (TRIAL_WIN_SHARE): dropped
+        "trial_few_wins": lambda: _trial(dims, x, lambda n, rank, r: {
+            "sequential": 10.0, "2": 12.0, "4": (5.0, 11.0, 5.0, 11.0)[r]}[n], rounds=4,
+            calls=14),
         # rank 0 sees 4 chunks at half of sequential, rank 1 at 1.2x: the MAX over ranks
         # decides, the same on both (no overlap)
         "trial_max_over_ranks": lambda: _trial(dims, x, lambda n, rank, r: {
@@ -349,7 +355,15 @@ def test_trial_without_a_winner_falls_back_once(spawned):
 
 def test_trial_compares_each_round_apart(spawned):
     for got in case_of(spawned(tuner_main, 2), "trial_paired"):
-        assert got["runs"][9:] == [4, 4] and "4 0.900" in got["reason"], got
+        assert got["runs"][12:] == [4, 4] and "4 0.900" in got["reason"], got
+
+
+def test_trial_keeps_only_a_schedule_that_wins_most_rounds(spawned):
+    for got in case_of(spawned(tuner_main, 2), "trial_few_wins"):
+        assert got["runs"][12:] == [0, 0] and got["mode"] == "none", got
+        assert got["fallbacks"] == 1, got
+        assert "2 1.200, 4 0.800" in got["reason"], got
+        assert "4 beat sequential in 2 of 4 rounds, fewer than 3" in got["reason"], got
 
 
 def test_trial_decides_on_the_slowest_rank_the_same_everywhere(spawned):
