@@ -345,25 +345,24 @@ def test_trial_puts_a_geometric_winner_against_its_equal_pieces(spawned):
                                  "in the step: 8x1.49 0.800, 8 0.700, 2 0.900"), got
 
 
-def test_trial_without_a_winner_falls_back_once(spawned):
-    for got in case_of(spawned(tuner_main, 2), "trial_dropped"):
-        assert got["runs"][9:] == [0, 0] and got["mode"] == "none", got
+@pytest.mark.parametrize("case, calls, said", [
+    ("trial_dropped", 9, ["2 0.980, 4 1.050"]),  # neither beats sequential by the margin
+    # a median ratio of 0.8, but faster than sequential in only 2 of 4 rounds
+    ("trial_few_wins", 12, ["2 1.200, 4 0.800",
+                            "4 beat sequential in 2 of 4 rounds, fewer than 3"]),
+])
+def test_trial_without_a_winner_falls_back_once(spawned, case, calls, said):
+    for got in case_of(spawned(tuner_main, 2), case):
+        assert got["runs"][calls:] == [0, 0] and got["mode"] == "none", got
         assert got["fallbacks"] == 1, got
         assert "no chunked schedule won its trial" in got["reason"], got
-        assert "2 0.980, 4 1.050" in got["reason"], got
+        assert all(s in got["reason"] for s in said), got
 
 
 def test_trial_compares_each_round_apart(spawned):
     for got in case_of(spawned(tuner_main, 2), "trial_paired"):
         assert got["runs"][12:] == [4, 4] and "4 0.900" in got["reason"], got
 
-
-def test_trial_keeps_only_a_schedule_that_wins_most_rounds(spawned):
-    for got in case_of(spawned(tuner_main, 2), "trial_few_wins"):
-        assert got["runs"][12:] == [0, 0] and got["mode"] == "none", got
-        assert got["fallbacks"] == 1, got
-        assert "2 1.200, 4 0.800" in got["reason"], got
-        assert "4 beat sequential in 2 of 4 rounds, fewer than 3" in got["reason"], got
 
 
 def test_trial_decides_on_the_slowest_rank_the_same_everywhere(spawned):
