@@ -88,17 +88,16 @@ def cases(cfg: BenchConfig) -> list[Case]:
 
 
 def layer_gemm(kind: str, w: torch.Tensor):
-    """``mm(a, out)`` of case ``kind`` with the GEMM the layers run (:mod:`distllm.ops.cpu_gemm`:
-    oneDNN or torch's, whichever measured faster for the shape), so that every variant and
-    part of a case times the GEMM that ``auto``'s layer runs: ``a @ W^T`` for the forwards
-    (``fwd``, ``rs``, ``ag``), the input gradient ``dY @ W`` for ``bwd``. (With torch's GEMM
-    here and oneDNN's in the layer, ``auto`` would be credited with a faster GEMM as if it
-    were overlap, and its hidden share could pass the machine's ceiling.)"""
-    from distllm.ops import cpu_gemm
+    """``mm(a, out)`` of case ``kind``: the layers' own engine callback (on CPU through
+    :mod:`distllm.ops.cpu_gemm`, oneDNN or torch's, whichever measured faster for the shape),
+    so that every variant and part of a case times the GEMM that ``auto``'s layer runs:
+    ``a @ W^T`` for the forwards (``fwd``, ``rs``, ``ag``), the input gradient ``dY @ W`` for
+    ``bwd``. (With torch's GEMM here and oneDNN's in the layer, ``auto`` would be credited
+    with a faster GEMM as if it were overlap, and its hidden share could pass the machine's
+    ceiling.)"""
+    from distllm.parallel.tensor.layers import _mm, _mm_t
 
-    if kind == "bwd":
-        return lambda a, o: cpu_gemm.mm(a, w, out=o)
-    return lambda a, o: cpu_gemm.mm_t(a, w, out=o)
+    return _mm(w) if kind == "bwd" else _mm_t(w)
 
 
 def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:

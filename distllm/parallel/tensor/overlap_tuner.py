@@ -378,7 +378,8 @@ class Trial:
         said = ", ".join(f"{n} {r:.3f}" for n, r in ratios.items())
         how = (f"median ratio to sequential over {self.rounds} rounds of calls in the step: "
                f"{said}")
-        ok = [n for n in ratios if ratios[n] < 1 - self.margin and wins[n] >= need]
+        fast = [n for n in ratios if ratios[n] < 1 - self.margin]
+        ok = [n for n in fast if wins[n] >= need]
         t = self.isolated
         if ok:
             best = min(ok, key=ratios.get)
@@ -386,8 +387,7 @@ class Trial:
             shape = _describe(c, g)
             choice = Choice(c, t["compute"], t["sequential"], statistics.median(per[best]),
                             f"{shape}: {how}", g)
-        else:
-            fast = [n for n in ratios if ratios[n] < 1 - self.margin]
+        else:  # the ones fast by their median that did not win enough rounds
             few = "".join(f"; {n} beat sequential in {wins[n]} of {self.rounds} rounds, fewer "
                           f"than {need}" for n in fast)
             choice = _fallback(self.key, self.comm, self.what, t,
