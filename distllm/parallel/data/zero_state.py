@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from distllm.comm.collectives import all_gather
 
-__all__ = ["gather_state", "load_state", "ModuleStateHooks"]
+__all__ = ["gather_state", "load_state", "is_elementwise", "ModuleStateHooks"]
 
 
 def _full(z, shard: Tensor) -> Tensor:
@@ -46,7 +46,8 @@ def _split(z, i: int, full: Tensor) -> dict[str, Tensor]:
             for p, off, shape in zip(b.params, b.offsets, b.shapes, strict=True)}
 
 
-def _is_elementwise(v: Any, m: Tensor) -> bool:
+def is_elementwise(v: Any, m: Tensor) -> bool:
+    """Whether optimizer state ``v`` of tensor ``m`` holds one value per element of ``m``."""
     return isinstance(v, Tensor) and v.shape == m.shape and v.dim() > 0
 
 
@@ -56,13 +57,13 @@ def gather_state(z) -> dict[str, Any]:
     state: dict[str, dict[str, Any]] = {}
     for i, m in enumerate(z.masters):
         master.update(_split(z, i, _full(z, m)))
-        st = z.optimizer.state.get(m, {})
+        st = z.shard_state(i)
         names = [z.names[p] for p in z.reducer.buckets[i].params]
         for n in names:
             state[n] = {}
         for key in sorted(st):
             v = st[key]
-            if _is_elementwise(v, m):
+            if is_elementwise(v, m):
                 for n, t in _split(z, i, _full(z, v)).items():
                     state[n][key] = t
             else:
@@ -92,13 +93,14 @@ def load_state(z, sd: dict[str, Any]) -> None:
         m.copy_(_my_slice(z, i, sd["master"], m))
         names = [z.names[p] for p in z.reducer.buckets[i].params]
         keys = sd["state"].get(names[0], {})
-        st = z.optimizer.state[m]
+        st: dict[str, Any] = {}
         for key, v in keys.items():
             if isinstance(v, Tensor) and v.dim() > 0:
                 per = {n: sd["state"][n][key] for n in names}
-                st[key] = _my_slice(z, i, per, v).clone()
+                st[key] = _my_slice(z, i, per, v)
             else:
-                st[key] = v.clone() if isinstance(v, Tensor) else v
+                st[key] = v
+        z.load_shard_state(i, st)
     for g, saved in zip(z.optimizer.param_groups, sd["param_groups"], strict=True):
         g.update({k: v for k, v in saved.items() if k != "params"})
     z.skipped_steps = int(sd.get("skipped_steps", 0))

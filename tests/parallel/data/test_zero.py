@@ -44,23 +44,29 @@ CASES = {
     "adamw-s2-reduce-scatter": dict(stage=2, rs="reduce_scatter"),  # gloo's own collective
     "adamw-s3-no-prefetch": dict(stage=3, prefetch=False),
     "sgd-momentum-s2": dict(stage=2, sgd=True),  # any elementwise optimizer works
+    # with the module, buckets large enough to hold both param groups: a rank's shard of a
+    # bucket holds a run of each, which the inner optimizer steps as two tensors
+    # (ZeroOptimizer.segments)
+    "adamw-s1-shared-buckets": dict(stage=1, cap=1.0),
+    "adamw-s2-shared-buckets": dict(stage=2, cap=1.0, module=True),
 }
 MOMENTS = {"AdamW": ("exp_avg", "exp_avg_sq"), "SGD": ("momentum_buffer",)}
 
 
 def _run_case(dims, stage: int, sgd: bool = False, prefetch: bool = True,
-              rs: str = "auto", steps: int = 3) -> dict:
+              rs: str = "auto", steps: int = 3, cap: float = 0.002,
+              module: bool = False) -> dict:
     from distllm.parallel import ZeroOptimizer
 
     model, ref = make(), make()
     opt_cls, kw = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}) if sgd else (
         torch.optim.AdamW, adamw())
-    if stage in (1, 3):  # the module (ZeRO-1: gathers overlap forward); groups by keyword
+    if stage in (1, 3) or module:  # the module (gathers overlap forward); groups by keyword
         z = ZeroOptimizer(model, opt_cls, stage=stage, dims=dims, prefetch=prefetch,
-                          param_groups=groups_of(model), bucket_cap_mb=0.002, **kw)
+                          param_groups=groups_of(model), bucket_cap_mb=cap, **kw)
     else:  # named param groups, no module
         z = ZeroOptimizer(groups_of(model, named=True), opt_cls, stage=stage, dims=dims,
-                          bucket_cap_mb=0.002, reduce_scatter_impl=rs, **kw)
+                          bucket_cap_mb=cap, reduce_scatter_impl=rs, **kw)
     ropt = opt_cls(groups_of(ref), **kw)
     norms = [train_step(z, ropt, model, ref, dims, s, base_lr=kw["lr"]) for s in range(steps)]
     sd = z.state_dict()
@@ -71,7 +77,8 @@ def _run_case(dims, stage: int, sgd: bool = False, prefetch: bool = True,
     for key in MOMENTS[opt_cls.__name__]:
         errs[key] = max_err({n: sd["state"][n][key] for n in refp},
                             {n: ropt.state[p][key] for n, p in refp.items()})
-    return {"errs": errs, "ref_norms": [b for _, b in norms]}
+    return {"errs": errs, "ref_norms": [b for _, b in norms],
+            "split_shards": sum(len(segs) > 1 for segs in z.bucket_segments)}
 
 
 def zero_parity() -> dict:
@@ -84,12 +91,14 @@ def zero_parity() -> dict:
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("case", list(CASES))
 def test_zero_matches_single_process(spawned, case, world):
-    for rank_res in spawned(zero_parity, world):
-        res = rank_res[case]
+    results = [rank_res[case] for rank_res in spawned(zero_parity, world)]
+    for res in results:
         # clipping is really exercised (the default max norm is reached)
         assert max(res["ref_norms"]) > OPT.grad_clip, res["ref_norms"]
         for what, e in res["errs"].items():
             assert e < TOL, f"{case}: {what} differs from the single process by {e:.3g}"
+    if "shared-buckets" in case:  # the case tests what it says: some shard holds two groups
+        assert any(r["split_shards"] for r in results), [r["split_shards"] for r in results]
 
 
 # --- memory, accumulation, unused params, skipping, checkpoints, overlap -----------------------
@@ -164,23 +173,25 @@ def _skip_and_reload(dims) -> dict:
     (scale * loss_fn(model, local(x, dims), local(y, dims))).backward()
     z.clip_grad_norm_(OPT.grad_clip)
     stepped = z.step()
-    # checkpoint into a stage-1 and a stage-3 optimizer, then one more step each
+    # checkpoint into a stage-1 and a stage-3 optimizer, and a stage-2 one whose buckets hold
+    # both param groups (its shards' moments split between two tensors), then one more step
+    # each (it reads the loaded moments)
     sd = z.state_dict()
     errs = {}
     ref_state = {k: v.clone() for k, v in ref.state_dict().items()}
     ropt_state = ropt.state_dict()
-    for stage in (1, 3):
+    for key, stage, cap in ((1, 1, 0.001), (3, 3, 0.001), ("2-shared-buckets", 2, 1.0)):
         m2, r2 = make(seed=5), make()
         r2.load_state_dict(ref_state)
         ropt2 = torch.optim.AdamW(groups_of(r2), **adamw())
         ropt2.load_state_dict(copy.deepcopy(ropt_state))  # load shares the tensors
         z2 = ZeroOptimizer(m2, torch.optim.AdamW, stage=stage, dims=dims,
-                           param_groups=groups_of(m2), bucket_cap_mb=0.001, **adamw())
+                           param_groups=groups_of(m2), bucket_cap_mb=cap, **adamw())
         z2.load_state_dict(sd)
         train_step(z2, ropt2, m2, r2, dims, 1)
         sd2 = z2.state_dict()
-        errs[stage] = max((sd2["master"][k] - p).abs().max().item()
-                          for k, p in r2.named_parameters())
+        errs[key] = max((sd2["master"][k] - p).abs().max().item()
+                        for k, p in r2.named_parameters())
     return {"stepped": stepped, "skipped": z.skipped_steps, "reload": errs}
 
 
@@ -219,9 +230,12 @@ def _overlap(dims) -> dict:
     from distllm.parallel import ZeroOptimizer
 
     out = {}
-    for stage in (1, 2, 3):
+    for stage, groups in ((1, False), (2, False), (3, False), (1, True), (2, True)):
+        # groups: the trainer's (decay, no decay), which share the buckets at stages 1-2
         model = make(h=64, f=256, n=4)
-        z = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, dims=dims, bucket_cap_mb=0.05)
+        kw = dict(param_groups=groups_of(model)) if groups else {}
+        z = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, dims=dims, bucket_cap_mb=0.05,
+                          **kw)
         last = {}
         def mark_end(_p, last=last) -> None:  # inp.weight's gradient is the last to land
             last["t"] = time.perf_counter()
@@ -232,7 +246,8 @@ def _overlap(dims) -> dict:
         loss_fn(model, local(x, dims), local(y, dims)).backward()
         log = z.reducer.launch_log
         nparams = len(list(model.parameters()))
-        out[stage] = {"buckets": len(z.reducer.buckets), "first_hooks": log[0][2],
+        out[f"{stage}-groups" if groups else stage] = {
+                      "buckets": len(z.reducer.buckets), "first_hooks": log[0][2],
                       "nparams": nparams, "before_end": sum(t < last["t"] for _, t, _ in log),
                       "in_backward": z.reducer.launches_in_backward}
         z.step()
@@ -285,7 +300,7 @@ def test_nan_on_one_rank_skips_the_step_everywhere(spawned):
         assert r["skip"]["stepped"] is False and r["skip"]["skipped"] == 1, r["skip"]
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 3, "2-shared-buckets"])
 def test_checkpoint_reloads_into_another_stage(spawned, stage):
     for r in spawned(zero_extras, 2):
         e = r["skip"]["reload"][stage]
@@ -298,13 +313,17 @@ def test_dynamic_loss_scale(spawned):
         assert sc["err"] < TOL and sc["halved"] and not sc["stepped"] and sc["skipped"] == 1, sc
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3, "1-groups", "2-groups"])
 def test_reduction_overlaps_backward(spawned, stage):
     for r in spawned(zero_extras, 2):
         o = r["overlap"][stage]
         assert o["buckets"] > 2, o
-        assert o["first_hooks"] < o["nparams"], f"stage {stage}: launched after backward {o}"
-        assert o["before_end"] >= 1 and o["in_backward"] >= 2, f"stage {stage}: {o}"
+        # the first bucket holds the last layers' gradients (none of the first layers', which
+        # land at the end of backward): its reduction starts within the first half
+        assert o["first_hooks"] < o["nparams"] // 2, f"stage {stage}: launched late {o}"
+        # and most buckets start before the first layer's gradient lands
+        assert o["before_end"] >= o["buckets"] // 2 and o["in_backward"] >= 2, \
+            f"stage {stage}: {o}"
 
 
 def test_decay_groups_refuse_sharded_parameters(spawned):
