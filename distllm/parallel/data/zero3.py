@@ -86,12 +86,9 @@ class ShardedParams:
             owner.setdefault(p, module)  # leftovers: the root unit
         self.units = units + [module]  # forward order of the non-root units, then the root
         self.flats: dict[nn.Module, list[_Flat]] = {}
-        for u in self.units:
-            mine = [p for p in params if owner[p] is u]
-            by_gid: dict[int, list[nn.Parameter]] = {}
-            for p in mine:
-                by_gid.setdefault(gid[p], []).append(p)
-            self.flats[u] = [self._make_flat(ps) for ps in by_gid.values()]
+        for u in self.units:  # one flat per unit, each param group's parameters together
+            mine = sorted((p for p in params if owner[p] is u), key=gid.__getitem__)
+            self.flats[u] = [self._make_flat(mine)] if mine else []
         self.unit_of = {p: u for u in self.units for f in self.flats[u] for p in f.params}
         self._landed: dict[nn.Module, set] = {u: set() for u in self.units}
         self._order: list[nn.Module] = [u for u in self.units if u is not module]
