@@ -15,8 +15,8 @@ Adagrad, RMSprop, ...); optimizers whose update couples the elements of a parame
 On 2 gloo ranks over loopback (one interleaved run, medians) a ZeRO-2 step at 16 tokens
 (where a step is little but its fixed costs) took 20.2 ms against 21.9 with a bucket per
 group (torch DDP: 15.4 ms), and 110.7 against 114.8 ms at 2048 tokens (torch DDP: 105.8).
-At stage 3 each of its 5 units became one bucket instead of two (one parameter gather in
-forward, one in backward and one reduce-scatter fewer per unit): 30.8 against 40.2 ms at 16
+At stage 3 its 12 buckets (6 layers, 2 groups) became 6 (a parameter gather in forward,
+one in backward and a reduce-scatter fewer per layer): 30.8 against 40.2 ms at 16
 tokens, 137.0 against 148.8 ms at 2048 (two runs, torch DDP 15.4 / 14.7 and 106.5 / 113.7
 ms in them).
 
