@@ -37,6 +37,19 @@ def test_last_parameter_first_and_small_first_bucket():
     assert got == [[e], [d], [c, b], [a]]
 
 
+def test_small_parameters_join_the_large_one_after_them():
+    # registration order weight, bias, weight, bias: backward meets bias 2 first
+    w1, b1, w2, b2 = _params(300, 3, 300, 3)  # 1200, 12, 1200, 12 bytes
+    got = assign_buckets([w1, b1, w2, b2], cap_bytes=500, first_cap_bytes=500)
+    # each bias shares the bucket of the weight (past the cap) after it: no bucket of 12 bytes
+    assert got == [[b2, w2], [b1, w1]]
+    # a bucket holding half its cap or more still closes before a parameter that would
+    # pass the cap
+    a, b, c = _params(70, 300, 10)  # 280, 1200, 40 bytes
+    assert assign_buckets([b, a], cap_bytes=500, first_cap_bytes=500) == [[a], [b]]
+    assert assign_buckets([b, c], cap_bytes=500, first_cap_bytes=500) == [[c, b]]
+
+
 def test_first_bucket_closes_at_its_own_cap():
     a, b, c = _params(10, 20, 30)  # 40, 80, 120 bytes
     # c alone reaches the 100-byte first cap; b and a then share a bucket under the cap
