@@ -90,8 +90,8 @@ def assign_buckets(params: list[torch.nn.Parameter], cap_bytes: int,
         k = key(p)
         cur, nbytes = open_.get(k, ([], 0))
         size = p.numel() * (elem_size or p.element_size())
-        cap = first_cap_bytes if not buckets and not cur else cap_bytes
-        if cur and nbytes + size > cap and 2 * nbytes >= cap:
+        # an open bucket 0 has not reached its own cap, so only the general one closes early
+        if cur and nbytes + size > cap_bytes and 2 * nbytes >= cap_bytes:
             buckets.append(cur)
             cur, nbytes = [], 0
         cur.append(p)

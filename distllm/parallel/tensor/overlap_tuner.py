@@ -47,14 +47,14 @@ second-highest ratios 0.94 and 1.22, the same GEMM).
 On CPU the GEMM and gloo's copies and TCP share the rank's cores, so what a schedule costs
 depends on what runs beside it: at tp2 over an emulated 2 Gbit/s link (2 cores), isolated
 rounds with a barrier before each repetition measured the chunked schedules of one shape
-anywhere from 0.75x to 1.46x of sequential from one round to
-the next, while in the training step the overlap doctor profiled the column-
-parallel backward of every layer 10-25% faster chunked than sequential. Every rank of the
-group makes the same calls in the same order, so the trial runs the same schedule at the
-same call everywhere and decides at the same call. ``TRIAL_ROUNDS = 0`` turns the trial off
-(the isolated confirmation round decides, as on CUDA, where the GEMM does not share a core
-with the collective). While a trial runs, the layer's plan says so (``OverlapPlan.tuning``;
-:func:`distllm.parallel.tensor.settle_overlap` runs a step until every trial is over).
+anywhere from 0.75x to 1.46x of sequential from one round to the next, while in the training
+step the overlap doctor profiled the column-parallel backward of every layer 10-25% faster
+chunked than sequential. Every rank of the group makes the same calls in the same order, so
+the trial runs the same schedule at the same call everywhere and decides at the same call.
+``TRIAL_ROUNDS = 0`` turns the trial off (the isolated confirmation round decides, as on
+CUDA, where the GEMM does not share a core with the collective). While a trial runs, the
+layer's plan says so (``OverlapPlan.tuning``; :func:`distllm.parallel.tensor.settle_overlap`
+runs a step until every trial is over).
 
 The cache is a measurement record (not configuration): :func:`clear_cache` empties it.
 """

@@ -364,7 +364,6 @@ def test_trial_compares_each_round_apart(spawned):
         assert got["runs"][12:] == [4, 4] and "4 0.900" in got["reason"], got
 
 
-
 def test_trial_decides_on_the_slowest_rank_the_same_everywhere(spawned):
     got = case_of(spawned(tuner_main, 2), "trial_max_over_ranks")
     assert [g["runs"][9:] for g in got] == [[0, 0], [0, 0]], got
