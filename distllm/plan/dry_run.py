@@ -23,6 +23,7 @@ counts, masks and index arithmetic keep their values; their bytes are counted as
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 import weakref
 from collections.abc import Iterator
@@ -108,11 +109,15 @@ def _patched(header: tuple[torch.Size, torch.dtype], counter: _Counter) -> Itera
     from distllm.parallel.pipeline import pp_comm
 
     bases: WeakIdKeyDictionary = WeakIdKeyDictionary()
+    # a new base for every storage: numbering by the number of live storages would give a
+    # new one the base of a live one once any died, and the gradient buckets would take a
+    # parameter's own gradient for its bucket slice (and keep it: 246 MB at gpt2-xl dp8)
+    fresh = itertools.count(1)
 
     def data_ptr(t: torch.Tensor) -> int:
         st = t.untyped_storage()
         if st not in bases:
-            bases[st] = (len(bases) + 1) << 40
+            bases[st] = next(fresh) << 40
         return bases[st] + t.storage_offset() * t.element_size()
 
     orig_to, orig_decode = torch.nn.Module.to, pp_comm._decode

@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from distllm.cli import main
 from distllm.plan import Layout, preset
@@ -106,3 +106,25 @@ def test_cli_verify(capsys):
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert text.startswith("verify tp1.pp2.dp2.zero1.1f1b.m2 of tiny") and "error" in text
+
+
+def test_fake_data_pointers_stay_unique_after_storages_die():
+    """The gradient buckets take a gradient whose ``data_ptr`` is its bucket slice's for one
+    autograd accumulated in place, and keep it: a pointer that a new storage shares with a
+    live one kept every attention projection's gradient of gpt2-xl alive in the dry run
+    (246 MB at dp8 ZeRO-2)."""
+    import gc
+
+    from distllm.plan.dry_run import _Counter, _patched
+
+    counter = _Counter()
+    header = (torch.Size([1, 1, 1]), torch.float32)
+    with _patched(header, counter), FakeTensorMode(), counter:
+        ts = [torch.empty(8) for _ in range(3)]
+        ptrs = [t.data_ptr() for t in ts]
+        assert len(set(ptrs)) == 3
+        del ts[0]
+        gc.collect()
+        new = torch.empty(8)
+        assert new.data_ptr() not in {t.data_ptr() for t in ts}
+        assert ts[1][2:].data_ptr() == ts[1].data_ptr() + 8  # offsets still count
