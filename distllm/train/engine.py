@@ -121,9 +121,9 @@ class Engine:
         self.ddp = None
         # stages 1-3 take the module, with the same decay / no-decay groups (decided above,
         # before anything is sharded): stage 3 gathers layers by its module hooks, stages
-        # 1-2 wait for each bucket's parameter all-gather (launched at the end of the step)
-        # in a forward pre-hook of the layers (units) that use it, so the gathers overlap
-        # the next forward instead of ending the step
+        # 1-2 wait for each bucket's parameter all-gather (launched by the step) in a
+        # forward pre-hook of the layers (units) that use it, so the gathers overlap the
+        # next forward instead of ending the step
         by_module = p.zero >= 1
         units = [layer for c in self.chunks for layer in c.layer_list()] if by_module else None
         self.zero = ZeroOptimizer(self.module if by_module else groups, torch.optim.AdamW,

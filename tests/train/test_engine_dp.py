@@ -1,7 +1,8 @@
 """The engine's data-parallel side: at ZeRO stages 1 and 2 the parameter all-gathers that
-end a step are launched, not waited for, first layers first, and each is waited for by the
-next forward of the layers that use it; ``update`` reduces the norm, the inf/NaN flag and the
-loss in one all-reduce; on 2 gloo ranks every all-reduce of a step (TP, DDP, PP) is the
+end a step are launched, not waited for, first layers first (their bucket stepped and sent
+before the optimizer steps the others), and each is waited for by the next forward of the
+layers that use it; ``update`` reduces the norm, the inf/NaN flag and the loss in one
+all-reduce; on 2 gloo ranks every all-reduce of a step (TP, DDP, PP) is the
 exchange; the losses still equal the single-process run's (float64, weight decay, clipping
 and warm-up on), on 2 ranks and on 4 with TP and PP beside ZeRO."""
 
@@ -31,9 +32,21 @@ def _gathers_rank(data: str, out: str, zero: int) -> dict:
 
     def spy(self, i, flat, shard):
         order.append(i)
+        events.append(("gather", i))
         return launch(self, i, flat, shard)
 
     zero_gather.ParamGathers.launch = spy
+    # each inner optimizer step, as the buckets whose segments it stepped (had a gradient),
+    # and each gather launch, in the order they ran
+    events: list = []
+    inner = eng.zero.optimizer.step
+
+    def step_spy(*args, **kwargs):
+        events.append(("step", sorted({s.bucket for s in eng.zero.segments
+                                       if s.tensor.grad is not None})))
+        return inner(*args, **kwargs)
+
+    eng.zero.optimizer.step = step_spy
     try:
         x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(dims.rank))
         loss = eng.forward_backward(x, x)
@@ -47,7 +60,8 @@ def _gathers_rank(data: str, out: str, zero: int) -> dict:
         zero_gather.ParamGathers.launch = launch
     return {"overlapped": eng.zero._gathers.overlapped, "order": order,
             "buckets": len(eng.zero.reducer.buckets), "after_step": pending_after_step,
-            "after_forward": pending_after_forward, "update_reduces": reduces}
+            "after_forward": pending_after_forward, "update_reduces": reduces,
+            "events": events}
 
 
 @pytest.mark.parametrize("zero", [1, 2])
@@ -59,6 +73,11 @@ def test_param_gathers_overlap_the_next_forward(corpus, tmp_path, zero):
     assert got["order"] == list(reversed(range(n))) * 2  # first layers (last bucket) first
     assert got["after_step"] == list(range(n))  # launched by the step, none waited for
     assert got["after_forward"] == []
+    # the first layers' bucket is stepped alone and its gather launched before the optimizer
+    # steps the others (so it runs during the rest of the step); every bucket stepped once
+    one_step = [("step", [n - 1]), ("gather", n - 1), ("step", list(range(n - 1))),
+                *(("gather", i) for i in reversed(range(n - 1)))]
+    assert got["events"] == one_step * 2
     # the norm's squares, the inf/NaN flag and the loss: one all-reduce of 3 values (on 2
     # gloo ranks, the exchange)
     assert got["update_reduces"] == [("exchange", 3)]

@@ -144,7 +144,8 @@ class ZeroOptimizer(ZeroGradChecks):
         param_groups: with a module: optimizer param groups (dicts with ``params`` and
             options) of that module's parameters, e.g. to exempt biases from weight decay.
         overlap_param_gather: stages 1-2 with a module: launch the all-gather of the updated
-            parameters at the end of ``step`` and wait for each bucket in a forward pre-hook
+            parameters in ``step`` (the bucket of the module's first parameter as soon as it
+            is stepped, the others at the end) and wait for each bucket in a forward pre-hook
             of the modules owning its parameters, and before ``module.state_dict()``; other
             code reading a parameter outside its module's forward calls :meth:`wait_params`
             first. Without a module: waited at once.
@@ -187,6 +188,7 @@ class ZeroOptimizer(ZeroGradChecks):
             module, self.reducer.buckets, self.group, units=units,
             overlap=overlap_param_gather and stage in (1, 2) and self.nranks > 1)
         self._state_hooks = ModuleStateHooks(self) if module is not None else None
+        self._first_needed = self._first_needed_bucket()
         # a group this rank's shards hold nothing of stays, empty: the groups line up on
         # every rank (checkpoints, learning-rate schedules)
         self.optimizer = optimizer_cls(
@@ -364,10 +366,42 @@ class ZeroOptimizer(ZeroGradChecks):
             self.skipped_steps += 1
             self.zero_grad()
             return False
-        self.optimizer.step()
+        first = self._first_needed
+        if first is None:
+            self.optimizer.step()
+        else:  # the bucket the next forward needs first, stepped and sent off on its own
+            rest = [s for s in self.segments if s.bucket != first]
+            grads = [s.tensor.grad for s in rest]
+            for s in rest:
+                s.tensor.grad = None  # torch's optimizers skip a parameter without a gradient
+            self.optimizer.step()
+            self._publish([first])
+            for s, g in zip(rest, grads, strict=True):
+                s.tensor.grad = g
+            for s in self.bucket_segments[first]:
+                s.tensor.grad = None
+            self.optimizer.step()
         self._drop_grads()  # a cast copy (reduce_dtype != master dtype) is not kept
-        self.publish_params()
+        self._publish(i for i in reversed(range(len(self.masters))) if i != first)
+        if not self._gathers.overlapped:
+            self.wait_params()
         return True
+
+    def _first_needed_bucket(self) -> int | None:
+        """With overlapped parameter gathers and more than one bucket: the bucket holding the
+        module's first parameter (the first the next forward waits for; the last bucket, in
+        registration order), which :meth:`step` steps on its own and whose gather it launches
+        before stepping the others, so that the gather runs during the rest of the optimizer
+        step instead of stalling the first layer. At 6 blocks of hidden 768 on 2 gloo ranks
+        over loopback (medians of 20 steps) the first layer waited 1.5-5.5 ms for it, and
+        0.02 ms with this; the step time moved by less than its spread (paired ratio 0.985,
+        p10..p90 0.92..1.08, over 40 rounds; 1.004 over an emulated 2 Gbit/s link). The
+        inner optimizer's ``step`` then runs twice a step (its step hooks too), on disjoint
+        parameters: an elementwise optimizer's update is the same."""
+        if not self._gathers.overlapped or len(self.reducer.buckets) < 2:
+            return None
+        first = next((p for p in self.module.parameters() if p in self.reducer.where), None)
+        return None if first is None else self.reducer.where[first][0].index
 
     @torch.no_grad()
     def publish_params(self) -> None:
@@ -377,7 +411,14 @@ class ZeroOptimizer(ZeroGradChecks):
         by a forward pre-hook of the modules whose parameters are in that bucket, so they
         overlap the optimizer step's tail and the next forward (see :meth:`wait_params`)."""
         # the last bucket holds the first layers: gathered first, the forward's order
-        for i in reversed(range(len(self.masters))):
+        self._publish(reversed(range(len(self.masters))))
+        if not self._gathers.overlapped:
+            self.wait_params()
+
+    def _publish(self, indices) -> None:
+        """:meth:`publish_params` of the buckets ``indices``, in that order (gathers
+        launched, not waited for)."""
+        for i in indices:
             m = self.masters[i]
             if self.sharded is not None:
                 if self.mixed:
@@ -390,8 +431,6 @@ class ZeroOptimizer(ZeroGradChecks):
                 continue
             src = m.to(self.param_dtype) if self.mixed else m  # non-mixed: in place
             self._gathers.launch(i, flat, src)
-        if not self._gathers.overlapped:
-            self.wait_params()
 
     def wait_params(self) -> None:
         """Wait for the parameter all-gathers launched by the last ``step`` (stages 1-2).

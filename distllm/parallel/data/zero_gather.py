@@ -1,8 +1,10 @@
 """ZeRO-1/2: the all-gather of the updated parameter shards after ``step``, overlapped with
 the next forward.
 
-Each bucket's all-gather is launched at the end of ``step`` and waited for by forward
-pre-hooks, so the gathers overlap the optimizer step's tail and the next forward: a *unit*
+Each bucket's all-gather is launched by ``step`` (the first layers' bucket as soon as the
+optimizer has stepped it, before the other buckets; the others at the end) and waited for by
+forward pre-hooks, so the gathers overlap the rest of the optimizer step and the next
+forward: a *unit*
 (a layer; by default the children of the outermost ``ModuleList``/``Sequential``
 containers) waits for every bucket holding a parameter of its whole subtree, since a layer
 may use its submodules' weights without calling them (a fused MLP reads both of its

@@ -49,6 +49,9 @@ CASES = {
     # (ZeroOptimizer.segments)
     "adamw-s1-shared-buckets": dict(stage=1, cap=1.0),
     "adamw-s2-shared-buckets": dict(stage=2, cap=1.0, module=True),
+    # with the module and several buckets, step() steps the bucket of the first layer on its
+    # own and launches its gather before stepping the others (stage 1 above does too)
+    "adamw-s2-module": dict(stage=2, module=True),
 }
 # cases where a rank's shard of some bucket holds both param groups (stage 3: each layer is
 # one bucket, its weights and its biases)
@@ -81,7 +84,8 @@ def _run_case(dims, stage: int, sgd: bool = False, prefetch: bool = True,
         errs[key] = max_err({n: sd["state"][n][key] for n in refp},
                             {n: ropt.state[p][key] for n, p in refp.items()})
     return {"errs": errs, "ref_norms": [b for _, b in norms],
-            "split_shards": sum(len(segs) > 1 for segs in z.bucket_segments)}
+            "split_shards": sum(len(segs) > 1 for segs in z.bucket_segments),
+            "first_stepped_alone": z._first_needed}
 
 
 def zero_parity() -> dict:
@@ -102,6 +106,8 @@ def test_zero_matches_single_process(spawned, case, world):
             assert e < TOL, f"{case}: {what} differs from the single process by {e:.3g}"
     if case in SPLIT:  # the case tests what it says: some shard holds two groups
         assert any(r["split_shards"] for r in results), [r["split_shards"] for r in results]
+    if case in ("adamw-s1", "adamw-s2-module"):  # ... and here: the two-part step ran
+        assert all(r["first_stepped_alone"] is not None for r in results)
 
 
 # --- memory, accumulation, unused params, skipping, checkpoints, overlap -----------------------
