@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from .cost import GB, STATE_BYTES, Estimate, training_dtype
@@ -73,7 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument(
         "--explain",
         action="store_true",
-        help="the chosen layout's step term by term, and every rejected layout and why",
+        help="the chosen layout's step term by term, and the rejected layouts by reason (with "
+        "--json: every one and why)",
     )
     o.add_argument(
         "--verify",
@@ -131,6 +133,27 @@ def _row(e: Estimate) -> str:
     return f"{e.layout.name():58s} {t}  GB: {mem}" + (
         f"  REJECTED: {e.rejected_reason}" if e.rejected_reason else ""
     )
+
+
+# a number standing alone in a reason ("pp=2", "79.0 GB"), not part of a name ("1f1b", "zb-h1")
+_NUMBER = re.compile(r"(?<![\w.-])\d+(?:\.\d+)?(?!\w)")
+
+
+def _rejections(rejected: list[Estimate], examples: int = 2) -> str:
+    """The rejected layouts grouped by why, most common reason first: a search rejects tens of
+    thousands (GPT-3 175B on 1024 GPUs: 32750), one line each would bury the few that nearly
+    fit. Reasons that differ only in their numbers are one group; its examples are the
+    layouts that came closest (least memory, where the row has it). ``--json --explain``
+    lists every one."""
+    groups: dict[str, list[Estimate]] = {}
+    for e in rejected:
+        groups.setdefault(_NUMBER.sub("#", e.rejected_reason or ""), []).append(e)
+    lines = [f"\nrejected ({len(rejected)}), by reason (every one: --json --explain):"]
+    for why, es in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        lines.append(f"  {len(es):6d}  {why}")
+        closest = sorted(es, key=lambda e: e.memory.get("total", float("inf")))
+        lines += ["            " + _row(e) for e in closest[:examples]]
+    return "\n".join(lines)
 
 
 def _params_mode(a: argparse.Namespace) -> int:
@@ -255,9 +278,7 @@ def run(args: argparse.Namespace) -> int:
             for e in res.ranked[: args.top]:
                 print("  " + _row(e))
         if args.explain:
-            print(f"\nrejected ({len(res.rejected)}):")
-            for e in res.rejected:
-                print("  " + _row(e))
+            print(_rejections(res.rejected))
     if not res.ranked:
         res.best  # noqa: B018 - raises ValueError saying why nothing fits
     return 0

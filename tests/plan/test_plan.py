@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 
 import pytest
@@ -222,12 +223,35 @@ def test_explain_lists_rejections(capsys):
     )
     cap = capsys.readouterr()
     out = cap.out
-    # without pipeline parallelism or ZeRO nothing fits 175B on 80 GB devices: every layout
-    # is listed as rejected, then the error says what to change (exit code 2)
+    # without pipeline parallelism or ZeRO nothing fits 175B on 80 GB devices: the rejected
+    # layouts are listed by reason, then the error says what to change (exit code 2)
     assert rc == 2, cap.err
     assert "no layout fits" in cap.err and "--gpus" in cap.err, cap.err
     assert "tp=16 crosses the node boundary (8 GPUs per node)" in out
     assert re_search(r"needs \d+\.\d GB of the 85.9 GB", out)
+
+
+def test_explain_groups_the_rejected_layouts_by_reason(capsys):
+    """A search of GPT-3 175B on 1024 GPUs rejects tens of thousands of layouts: ``--explain``
+    prints one line per reason (numbers aside) with its count and the two layouts that came
+    closest, not one line per layout; ``--json --explain`` still lists every one."""
+    argv = ["plan", "--model", "gpt3-175b", "--gpus", "1024", "--gpu", "a100-80gb", "--top", "3",
+            "--explain"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    head, _, section = out.partition("\nrejected (")
+    total = int(section.split(")", 1)[0])
+    counts = [int(m.group(1)) for m in re.finditer(r"^ {2}\s*(\d+)  \S", section, re.M)]
+    assert total > 10000 and sum(counts) == total, (total, counts)
+    assert counts == sorted(counts, reverse=True)
+    assert len(section.splitlines()) <= 1 + 3 * len(counts)  # a reason and its examples
+    assert "  needs # GB of the # GB (# GB usable)" in section
+    assert "interleaved-1f1b needs micro_batches=# divisible by pp=#" in section  # names kept
+    # the memory group's examples are the layouts closest to fitting, the closest first
+    mem = re.findall(r"tot=\s*([\d.]+)  REJECTED: needs", section)
+    assert len(mem) == 2 and float(mem[0]) <= float(mem[1]) < 85.9
+    assert main([*argv, "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["rejected"]) == total
 
 
 def re_search(pattern: str, text: str) -> bool:
