@@ -28,6 +28,9 @@ def _gathers_rank(data: str, out: str, zero: int) -> dict:
     dims = ParallelDims(dp=2)
     eng = Engine(cfg, cfg.model_config(), dims)
     order: list[int] = []
+    # each inner optimizer step, as the buckets whose segments it stepped (had a gradient),
+    # and each gather launch, in the order they ran
+    events: list = []
     launch = zero_gather.ParamGathers.launch
 
     def spy(self, i, flat, shard):
@@ -36,9 +39,6 @@ def _gathers_rank(data: str, out: str, zero: int) -> dict:
         return launch(self, i, flat, shard)
 
     zero_gather.ParamGathers.launch = spy
-    # each inner optimizer step, as the buckets whose segments it stepped (had a gradient),
-    # and each gather launch, in the order they ran
-    events: list = []
     inner = eng.zero.optimizer.step
 
     def step_spy(*args, **kwargs):

@@ -189,6 +189,7 @@ class ZeroOptimizer(ZeroGradChecks):
             overlap=overlap_param_gather and stage in (1, 2) and self.nranks > 1)
         self._state_hooks = ModuleStateHooks(self) if module is not None else None
         self._first_needed = self._first_needed_bucket()
+        self._rest_segments = [s for s in self.segments if s.bucket != self._first_needed]
         # a group this rank's shards hold nothing of stays, empty: the groups line up on
         # every rank (checkpoints, learning-rate schedules)
         self.optimizer = optimizer_cls(
@@ -366,26 +367,31 @@ class ZeroOptimizer(ZeroGradChecks):
             self.skipped_steps += 1
             self.zero_grad()
             return False
-        first = self._first_needed
-        if first is None:
+        if self._first_needed is None:
             self.optimizer.step()
-        else:  # the bucket the next forward needs first, stepped and sent off on its own
-            rest = [s for s in self.segments if s.bucket != first]
-            grads = [s.tensor.grad for s in rest]
-            for s in rest:
-                s.tensor.grad = None  # torch's optimizers skip a parameter without a gradient
-            self.optimizer.step()
-            self._publish([first])
-            for s, g in zip(rest, grads, strict=True):
-                s.tensor.grad = g
-            for s in self.bucket_segments[first]:
-                s.tensor.grad = None
-            self.optimizer.step()
-        self._drop_grads()  # a cast copy (reduce_dtype != master dtype) is not kept
-        self._publish(i for i in reversed(range(len(self.masters))) if i != first)
-        if not self._gathers.overlapped:
-            self.wait_params()
+            self._drop_grads()  # a cast copy (reduce_dtype != master dtype) is not kept
+            self.publish_params()
+        else:
+            self._step_first_needed_ahead()
         return True
+
+    def _step_first_needed_ahead(self) -> None:
+        """:meth:`step`'s update and gathers with the bucket the next forward needs first
+        stepped and sent off on its own (see :meth:`_first_needed_bucket`); its gathers are
+        overlapped, so none is waited for here."""
+        first, rest = self._first_needed, self._rest_segments
+        grads = [s.tensor.grad for s in rest]
+        for s in rest:
+            s.tensor.grad = None  # torch's optimizers skip a parameter without a gradient
+        self.optimizer.step()
+        self._publish([first])
+        for s, g in zip(rest, grads, strict=True):
+            s.tensor.grad = g
+        for s in self.bucket_segments[first]:
+            s.tensor.grad = None
+        self.optimizer.step()
+        self._drop_grads()
+        self._publish(i for i in reversed(range(len(self.masters))) if i != first)
 
     def _first_needed_bucket(self) -> int | None:
         """With overlapped parameter gathers and more than one bucket: the bucket holding the
