@@ -206,7 +206,20 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
 
 def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> TrainResult:
     """Run ``cfg`` on the current ``torch.distributed`` world (started from torchrun's
-    environment, or a 1-rank world, when ``dims`` is not given)."""
+    environment, or a 1-rank world, when ``dims`` is not given). A world this call started
+    is destroyed when the run ends: a process that exits with gloo's process group alive can
+    abort in the interpreter's teardown ("terminate called without an active exception",
+    seen on torch 2.11 after a finished run), and the launcher then reports a failed rank."""
+    import torch.distributed as dist
+
+    started = dims is None and not dist.is_initialized()
+    result = _train(cfg, dims)
+    if started and dist.is_initialized():
+        dist.destroy_process_group()
+    return result
+
+
+def _train(cfg: TrainConfig, dims: ParallelDims | None) -> TrainResult:
     from distllm.train import checkpoint
     from distllm.train.engine import Engine
 
@@ -238,6 +251,8 @@ def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> TrainResult:
     _run_steps(cfg, engine, loader, dims, start, end, seq, result)
     if cfg.save_final and start < end:
         checkpoint.save(cfg.out, engine, loader, step=end)
+    if engine.zero is not None:  # nothing in flight when the run ends (ZeRO's gathers)
+        engine.zero.wait_params()
     if end < cfg.steps:
         _log(f"stopped after step {end} of {cfg.steps} (--stop-after); continue with --resume",
              dims)

@@ -1,0 +1,38 @@
+"""``train`` ends the ``torch.distributed`` world it started (a process that exits with
+gloo's process group alive can abort in the interpreter's teardown, and the launcher then
+reports a failed rank after a finished run), and leaves a world it was given alone. Each
+case runs in a fresh interpreter: other tests of this process may have left a world up."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+_RUN = """
+import sys
+import torch.distributed as dist
+from distllm.train.trainer import train
+from tests.train._util import make_cfg
+given = sys.argv[3] == "given"
+if given:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+res = train(make_cfg(sys.argv[1], sys.argv[2], steps=2))
+print(len(res.losses), dist.is_initialized())
+"""
+
+
+def _after_train(corpus: str, out: str, world: str) -> list[str]:
+    done = subprocess.run([sys.executable, "-c", _RUN, corpus, out, world],
+                          capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.split()
+
+
+def test_train_destroys_the_world_it_started(corpus, tmp_path):
+    assert _after_train(corpus, str(tmp_path), "started") == ["2", "False"]
+
+
+def test_train_leaves_a_world_it_was_given(corpus, tmp_path):
+    assert _after_train(corpus, str(tmp_path), "given") == ["2", "True"]
