@@ -9,12 +9,16 @@ suite ``ddp``:
 - ``distllm_ddp``: :class:`distllm.parallel.DistributedDataParallel` (buckets all-reduced
   from post-accumulate-grad hooks during backward);
 - ``torch_ddp``: ``torch.nn.parallel.DistributedDataParallel`` (default settings);
-- ``no_overlap``: backward, then one all-reduce of all gradients (flattened), then step;
-- parts, timed alone: ``fwd_alone``, ``fwd_bwd_alone`` (no communication), ``comm_alone``
-  (the bucketed all-reduce of the gradients), ``opt_alone`` (the AdamW step);
+- ``no_overlap``: ``distllm_ddp`` with ``overlap_grad_reduce=False``: the same hooks copy
+  each gradient into its bucket during backward, and every bucket is all-reduced after it;
+- parts, timed alone: ``fwd_alone``, ``fwd_bwd_alone`` (backward with the same buckets
+  filled by the same hooks, under ``no_sync``: no communication), ``comm_alone`` (the
+  bucketed all-reduce of the gradients), ``opt_alone`` (the AdamW step);
 - ``no_overlap`` and ``comm_alone`` run distllm's all-reduce
   (:func:`distllm.comm.collectives.all_reduce`, on 2 gloo ranks the exchange), as
-  ``distllm_ddp`` does, so that they differ from it only in the overlap;
+  ``distllm_ddp`` does, so that they differ from it only in the overlap, and the parts add
+  up to ``no_overlap``'s step (a backward without the bucket copies would leave them out
+  of the parts, and the share below would read low by their time over what can hide);
 - ``ideal``: ``fwd + max(bwd, comm) + opt`` from the parts' medians (a bound, not timed);
 - ``ddp_cap<MB>``: distllm DDP at other bucket sizes (the sweep), with ``torch_ddp`` again.
 
@@ -143,24 +147,18 @@ def _torch_ddp(shape, x, dims, cap):
 
 
 def _no_overlap(shape, x, dims, cap):
-    from distllm.parallel import memory_report
+    from distllm.parallel import DistributedDataParallel, memory_report
 
     m = _model(shape)
+    d = DistributedDataParallel(m, dims=dims, bucket_cap_mb=cap, overlap_grad_reduce=False)
     opt = _adamw(m.parameters())
-    ps = list(m.parameters())
 
     def step():
-        opt.zero_grad()
-        m(x).pow(2).mean().backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in ps])  # one all-reduce of everything
-        all_reduce(flat.div_(dist.get_world_size()))  # distllm's collective, not overlapped
-        off = 0
-        for p in ps:
-            p.grad.copy_(flat[off: off + p.numel()].view_as(p))
-            off += p.numel()
+        d.zero_grad()
+        d(x).pow(2).mean().backward()  # every bucket all-reduced at the end of backward
         opt.step()
 
-    return step, lambda: memory_report(m, optimizer=opt)
+    return step, lambda: memory_report(d, optimizer=opt)
 
 
 def _zero(stage, prefetch=True):
@@ -214,32 +212,34 @@ def _fsdp2(shape, x, dims, cap):
 
 
 def _parts(shape, x, dims, cap) -> dict:
-    """The parts alone: forward, forward + backward (no communication), the bucketed
-    all-reduce of gradient-sized buffers (the same buckets, launched asynchronously and
-    waited for at the end, as :class:`DistributedDataParallel` does), and the AdamW step."""
-    from distllm.parallel.data.buckets import assign_buckets
+    """The parts alone: forward; forward + backward with the gradients copied into the
+    buckets by :class:`DistributedDataParallel`'s hooks (under ``no_sync``: no
+    communication; the copy the timed variants make, there with the division by the group
+    size folded in); the bucketed all-reduce of gradient-sized buffers (the same buckets,
+    launched asynchronously and waited for at the end, as :class:`DistributedDataParallel`
+    does); and the AdamW step, on a replica of its own that keeps its gradients."""
+    from distllm.parallel import DistributedDataParallel
 
     m = _model(shape)
-    opt = _adamw(m.parameters())
-    bufs = [torch.zeros(sum(p.numel() for p in b))
-            for b in assign_buckets(list(m.parameters()), int(cap * 2**20))]
+    d = DistributedDataParallel(m, dims=dims, bucket_cap_mb=cap)
+    bufs = [torch.zeros(n) for n in d.bucket_sizes]  # zeros: no denormals to slow the sum
+    m_opt = _model(shape)
+    opt = _adamw(m_opt.parameters())
+    m_opt(x).pow(2).mean().backward()
 
     def fwd():
-        m(x).pow(2).mean()
+        d(x).pow(2).mean()
 
     def fwd_bwd():
-        opt.zero_grad()
-        m(x).pow(2).mean().backward()
+        d.zero_grad()
+        with d.no_sync():
+            d(x).pow(2).mean().backward()
 
-    def comm():  # as DistributedDataParallel runs it: average, launch each async, wait all
-        works = []
-        for b in bufs:
-            b.div_(dist.get_world_size())  # zeros stay zeros: no denormals to slow the sum
-            works.append(all_reduce(b, async_op=True))
+    def comm():  # as DistributedDataParallel runs it: launch each async, wait all
+        works = [all_reduce(b, async_op=True) for b in bufs]
         for w in works:
             w.wait()
 
-    fwd_bwd()
     return {"fwd_alone": fwd, "fwd_bwd_alone": fwd_bwd, "comm_alone": comm,
             "opt_alone": opt.step}
 
@@ -344,8 +344,8 @@ def _ddp_rows(res: dict, case: str, label: str, reason: str) -> list[dict]:
         kw = _rowkw(res, name, label, reason)
         if name.endswith("_alone"):
             kw["role"] = "part"
-        elif name == "no_overlap":
-            kw["role"] = "unfused"
+        elif name == "no_overlap":  # its parts one after the other: do they add up?
+            kw.update(role="unfused", parts_ms=parts, vs_parts=s.median_ms / parts)
         else:
             kw["role"] = "peer" if name == "torch_ddp" else "fused"
             kw["hidden_frac"] = (parts - s.median_ms) / can_hide if can_hide > 0 else None

@@ -40,3 +40,17 @@ def pytest_collection_modifyitems(config, items):
             f"{len(gpu)} tests are marked gpu but no CUDA device is visible: "
             "run with -m 'not gpu' (as `make test` does) or on a GPU (bench/gpu_check.sh)"
         )
+
+
+@pytest.fixture(autouse=True)
+def _no_world_left_behind():
+    """A test that starts a ``torch.distributed`` world in the pytest process (a
+    ``ParallelDims()`` outside a launched job starts a 1-rank one) ends it, so that what a
+    later test finds does not depend on the order the tests run in (a dry run, for one,
+    refuses to start inside a world)."""
+    import torch.distributed as dist
+
+    before = dist.is_available() and dist.is_initialized()
+    yield
+    if not before and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -91,6 +91,10 @@ class ParallelConfig:
     the next part's compute; 0 picks it (2 for evaluation on CPU, else 1), 1 turns it off."""
     bucket_cap_mb: float = 25.0
     """Data-parallel gradient bucket size in MiB."""
+    overlap_grad_reduce: bool = True
+    """Reduce each data-parallel gradient bucket as soon as it is full, during backward;
+    --no-overlap-grad-reduce launches every bucket's collective after backward instead
+    (the same buckets and collectives: to measure what the overlap gains, or rule it out)."""
     timeout_s: float = field(default=300.0, metadata={"flag": "--timeout"})
     """Collective timeout in seconds: a dead rank ends the job after at most this long."""
 

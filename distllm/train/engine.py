@@ -110,7 +110,7 @@ class Engine:
 
             self.ddp = DistributedDataParallel(
                 self.module, dims=self.dims, bucket_cap_mb=p.bucket_cap_mb,
-                finish_on_backward_end=finish_on_end)
+                finish_on_backward_end=finish_on_end, overlap_grad_reduce=p.overlap_grad_reduce)
             self.grad_sync = self.ddp
             self.optimizer = torch.optim.AdamW(groups, **adam)
             self.zero = None
@@ -130,7 +130,8 @@ class Engine:
                                   stage=p.zero, dims=self.dims,
                                   param_groups=groups if by_module else None,
                                   bucket_cap_mb=p.bucket_cap_mb, units=units,
-                                  finish_on_backward_end=finish_on_end, **adam)
+                                  finish_on_backward_end=finish_on_end,
+                                  overlap_grad_reduce=p.overlap_grad_reduce, **adam)
         self.grad_sync = self.zero
         self.optimizer = self.zero
 

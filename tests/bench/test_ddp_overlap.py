@@ -15,7 +15,7 @@ def _st(ms: float):
 
 def test_ddp_hidden_is_a_share_of_the_backward_it_can_hide_under():
     st = {name: _st(ms) for name, ms in {
-        "distllm_ddp": 40.0, "torch_ddp": 38.0, "no_overlap": 55.0,  # its one flat all-reduce
+        "distllm_ddp": 40.0, "torch_ddp": 38.0, "no_overlap": 55.0,
         "fwd_alone": 10.0, "fwd_bwd_alone": 30.0, "comm_alone": 15.0, "opt_alone": 5.0,
     }.items()}
     res = {"stats": st, "mem": {}, "timelines": {}}
@@ -27,6 +27,9 @@ def test_ddp_hidden_is_a_share_of_the_backward_it_can_hide_under():
     assert (e["bwd_ms"], e["comm_ms"], e["hideable_ms"], e["hidden_ceiling"]) == (
         20.0, 15.0, 15.0, 1.0)
     assert rows["no_overlap"]["hidden_frac"] is None
+    # the sequential step against its parts in a row: 55 / 50 (they should add up)
+    e = rows["no_overlap"]["extra"]
+    assert (e["parts_ms"], e["vs_parts"]) == (50.0, pytest.approx(1.1))
 
 
 def test_targets_ddp_not_slower_than_torch_over_a_link_and_zero_within_its_bars():

@@ -24,14 +24,15 @@ def write_corpus(path: Path, n_bytes: int = 200_000) -> str:
 
 def make_cfg(data: str, out: str, *, tp=1, pp=1, dp=-1, zero=0, schedule="1f1b", m=0, v=2,
              sp=False, overlap="none", vp="auto", bs=0, steps=3, dtype="float64",
-             **kw) -> TrainConfig:
+             ogr=True, **kw) -> TrainConfig:
     """A run of the ``tiny`` GPT with the trainer's default optimizer settings (``OptimConfig()``:
     weight decay, clipping and warm-up all on), so that parity runs exercise them. ``vp``:
     ``vocab_parallel`` (the ``tiny`` vocabulary is small: "auto" holds it whole under TP);
-    ``bs``: ``batch_split`` (0: auto)."""
+    ``bs``: ``batch_split`` (0: auto); ``ogr``: ``overlap_grad_reduce``."""
     par = ParallelConfig(tp=tp, pp=pp, dp=dp, zero=zero, schedule=schedule, micro_batches=m,
                          virtual_stages=v, sequence_parallel=sp, overlap=overlap,
-                         vocab_parallel=vp, batch_split=bs, timeout_s=120)
+                         vocab_parallel=vp, batch_split=bs, overlap_grad_reduce=ogr,
+                         timeout_s=120)
     kw.setdefault("global_batch", 8)
     kw.setdefault("seq_len", 32)
     kw.setdefault("eval_batches", 0)

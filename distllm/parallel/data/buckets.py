@@ -33,6 +33,13 @@ then :meth:`GradBuckets.finish` launches whatever did not launch (parameters tha
 gradient contribute zeros, so unused parameters never hang a step), waits for every
 collective and leaves the results in place. ``finish`` is idempotent within a cycle.
 
+``overlap=False`` keeps the hooks (each gradient is still divided into its slice as it
+lands, and autograd's tensor freed) but launches nothing from them: every bucket's
+collective starts in :meth:`GradBuckets.finish`, after backward, in bucket order. The
+same copies and the same collectives, one after the other: the reference that tells what
+the overlap itself gains (Megatron-LM's ``overlap_grad_reduce`` and DeepSpeed's
+``overlap_comm`` turned off), and a way to rule the overlap out when debugging.
+
 Used by :class:`~distllm.parallel.data.ddp.DistributedDataParallel` (all-reduce) and
 :class:`~distllm.parallel.data.zero.ZeroOptimizer` (all-reduce at stages 0-1,
 reduce-scatter at stages 2-3).
@@ -156,6 +163,8 @@ class GradBuckets:
             the first synchronised gradient landed (the drop-in DDP behaviour). Turn it off
             when one step's gradients come from several ``autograd.backward`` calls (a
             pipeline's split weight-gradient passes) and call :meth:`finish` yourself.
+        overlap: launch each bucket's collective from the hook of its last gradient, while
+            backward goes on (default); ``False``: launch them all in :meth:`finish`.
 
     Attributes:
         launch_log: ``(bucket index, perf_counter time, hooks fired so far this cycle)``
@@ -167,7 +176,7 @@ class GradBuckets:
                  on_bucket_ready: Callable[[Bucket], None] | None = None,
                  finish_on_backward_end: bool = True, pad_to: int | None = None,
                  on_finish: Callable[[], None] | None = None,
-                 reduce_scatter_impl: str = "auto") -> None:
+                 reduce_scatter_impl: str = "auto", overlap: bool = True) -> None:
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"mode={mode!r}: use 'all_reduce' or 'reduce_scatter'")
         if as_view and not persistent:
@@ -183,6 +192,7 @@ class GradBuckets:
                              f"{sorted(REDUCE_SCATTER_IMPLS)}")
         self._reduce_scatter = REDUCE_SCATTER_IMPLS[reduce_scatter_impl]
         self.finish_on_backward_end = finish_on_backward_end
+        self.overlap = overlap
         self.buckets: list[Bucket] = []
         self.where: dict[torch.nn.Parameter, tuple[Bucket, int]] = {}
         for i, ps in enumerate(buckets):
@@ -299,7 +309,8 @@ class GradBuckets:
         if len(b.ready) == len(b.params):
             if self.on_bucket_ready is not None:
                 self.on_bucket_ready(b)
-            self._launch_in_order(in_backward=True)
+            if self.overlap:
+                self._launch_in_order(in_backward=True)
 
     @torch.no_grad()
     def mark_unused(self, params: Iterable[torch.nn.Parameter]) -> None:
@@ -314,7 +325,8 @@ class GradBuckets:
             self._synced = False
             self._accumulate(p, divide=self.nranks > 1)
             b.ready.add(j)
-        self._launch_in_order(in_backward=False)
+        if self.overlap:
+            self._launch_in_order(in_backward=False)
 
     # --- launching and completing ---------------------------------------------------------
     def _launch_in_order(self, in_backward: bool, force: bool = False) -> None:

@@ -57,6 +57,10 @@ class DistributedDataParallel(nn.Module):
             and mark the parameters it does not reach as ready (zeros), so that their buckets
             are reduced during backward instead of at its end. Without it unused parameters
             are still handled (at the end of backward), just without overlap for their bucket.
+        overlap_grad_reduce: launch each bucket's all-reduce as soon as it is full, during
+            backward (default). ``False``: the same buckets, copies and all-reduces, all
+            launched at the end of backward (Megatron-LM's ``--overlap-grad-reduce`` off):
+            the reference for what the overlap gains, or to rule it out when debugging.
 
     Collectives: forward none; backward one all-reduce per bucket (sum, pre-divided by dp).
     After backward the gradients are views of the buckets (``param.grad`` aliases the flat
@@ -72,7 +76,7 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, *, dims: ParallelDims, bucket_cap_mb: float = 25.0,
                  first_bucket_mb: float = FIRST_BUCKET_BYTES / 2**20,
                  finish_on_backward_end: bool = True, broadcast_buffers: bool = True,
-                 find_unused_parameters: bool = False) -> None:
+                 find_unused_parameters: bool = False, overlap_grad_reduce: bool = True) -> None:
         super().__init__()
         params = check_module(module)
         dtypes = sorted({str(p.dtype) for p in params})
@@ -97,7 +101,7 @@ class DistributedDataParallel(nn.Module):
             self.reducer = GradBuckets(
                 buckets, group=group, mode="all_reduce", dtype=params[0].dtype,
                 as_view=True, persistent=True,
-                finish_on_backward_end=finish_on_backward_end)
+                finish_on_backward_end=finish_on_backward_end, overlap=overlap_grad_reduce)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.module(*args, **kwargs)

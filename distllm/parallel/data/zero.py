@@ -153,6 +153,10 @@ class ZeroOptimizer(ZeroGradChecks):
             :mod:`distllm.comm.collectives`: the collective on NCCL, a faster substitute on
             gloo), ``"reduce_scatter"`` (the backend's own) or ``"all_reduce"``.
         finish_on_backward_end: see the module docstring.
+        overlap_grad_reduce: launch each gradient bucket's reduction (all-reduce at stages
+            0-1, reduce-scatter at 2-3) as soon as it is full, during backward (default).
+            ``False``: all of them at the end of backward, so stages 2-3 hold every bucket
+            until then (the reference for what the overlap gains, or for debugging).
     """
 
     def __init__(self, module_or_params, optimizer_cls: type, *, stage: int, dims: ParallelDims,
@@ -161,7 +165,8 @@ class ZeroOptimizer(ZeroGradChecks):
                  units: list[nn.Module] | None = None, loss_scale: float | str | None = None,
                  param_groups: list[dict] | None = None, overlap_param_gather: bool = True,
                  reduce_scatter_impl: str = "auto",
-                 finish_on_backward_end: bool = True, **optim_kwargs: Any) -> None:
+                 finish_on_backward_end: bool = True, overlap_grad_reduce: bool = True,
+                 **optim_kwargs: Any) -> None:
         check_args(stage, optimizer_cls)
         module, groups, self.names = param_groups_of(module_or_params, param_groups)
         if stage == 3 and module is None:
@@ -183,7 +188,8 @@ class ZeroOptimizer(ZeroGradChecks):
         self.master_dtype = torch.float32 if self.mixed else self.param_dtype
         self.reduce_dtype = reduce_dtype or self.master_dtype
         self._rs_impl = reduce_scatter_impl
-        self._build(groups, units, bucket_cap_mb, prefetch, finish_on_backward_end)
+        self._build(groups, units, bucket_cap_mb, prefetch, finish_on_backward_end,
+                    overlap_grad_reduce)
         self._gathers = ParamGathers(
             module, self.reducer.buckets, self.group, units=units,
             overlap=overlap_param_gather and stage in (1, 2) and self.nranks > 1)
@@ -201,7 +207,7 @@ class ZeroOptimizer(ZeroGradChecks):
         self._prepared = False
 
     # --- construction --------------------------------------------------------------------
-    def _build(self, groups, units, cap_mb, prefetch, finish_on_end) -> None:
+    def _build(self, groups, units, cap_mb, prefetch, finish_on_end, overlap_grad) -> None:
         gid = {p: i for i, (ps, _) in enumerate(groups) for p in ps}
         allp = [p for ps, _ in groups for p in ps]
         if self.stage == 3:
@@ -221,7 +227,7 @@ class ZeroOptimizer(ZeroGradChecks):
             as_view=self.stage <= 1 and self.reduce_dtype == self.param_dtype
             and all(p.dtype == self.param_dtype for p in allp),
             finish_on_backward_end=finish_on_end, reduce_scatter_impl=self._rs_impl,
-            on_finish=self.sharded.reshard_all if self.sharded else None)
+            overlap=overlap_grad, on_finish=self.sharded.reshard_all if self.sharded else None)
         if self.sharded is not None:
             self.sharded.attach(self.reducer)
         self._build_flat_params()

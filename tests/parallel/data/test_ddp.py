@@ -28,16 +28,17 @@ def _max_diff(a: nn.Module, b: nn.Module, grads: bool = False) -> float:
     return max((p - q).abs().max().item() for p, q in pairs)
 
 
-def _parity(dims) -> dict:
+def _parity(dims, overlap: bool = True) -> dict:
     """AdamW steps: distllm DDP vs torch DDP vs one process, with each way of zeroing: DDP's
     ``zero_grad()`` (to None), the optimizer's, DDP's ``zero_grad(set_to_none=False)`` (views
     kept, zeroed), and none (the last step adds to the clipped gradients of the one before).
     Steps 1 and 2 accumulate two micro-batches (the first under no_sync); clipping at every
-    step."""
+    step. ``overlap``: ``overlap_grad_reduce`` (False: every bucket after backward)."""
     from distllm.parallel import DistributedDataParallel
 
     mine, theirs, ref = make(), make(), make()
-    d = DistributedDataParallel(mine, dims=dims, bucket_cap_mb=0.002, first_bucket_mb=0.0005)
+    d = DistributedDataParallel(mine, dims=dims, bucket_cap_mb=0.002, first_bucket_mb=0.0005,
+                                overlap_grad_reduce=overlap)
     t = nn.parallel.DistributedDataParallel(theirs, process_group=dims.dp_group,
                                             bucket_cap_mb=0.002)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
@@ -87,11 +88,12 @@ def _parity(dims) -> dict:
     return errs
 
 
-def _unused_and_overlap(dims) -> dict:
+def _unused_and_overlap(dims, overlap: bool = True) -> dict:
     from distllm.parallel import DistributedDataParallel
 
     model, ref = make(unused=True, h=64, f=256, n=4), make(unused=True, h=64, f=256, n=4)
-    d = DistributedDataParallel(model, dims=dims, bucket_cap_mb=0.05, find_unused_parameters=True)
+    d = DistributedDataParallel(model, dims=dims, bucket_cap_mb=0.05, find_unused_parameters=True,
+                                overlap_grad_reduce=overlap)
     last = {}
 
     def mark_end(_p) -> None:  # inp.weight's gradient is the last to land
@@ -209,7 +211,9 @@ def ddp_scenarios() -> dict:
     from distllm.parallel import DistributedDataParallel
 
     dims = ParallelDims()
-    out = {"parity": _parity(dims), "unused": _unused_and_overlap(dims)}
+    out = {"parity": _parity(dims), "unused": _unused_and_overlap(dims),
+           "parity_after_backward": _parity(dims, overlap=False),
+           "unused_after_backward": _unused_and_overlap(dims, overlap=False)}
     if dist.get_world_size() == 4:
         out["tp_clip"] = _tp_clip()
     else:  # dp == 1: a plain wrapper, gradients untouched
@@ -230,16 +234,18 @@ def ddp_scenarios() -> dict:
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("what", ["grad_vs_torch", "norm", "params_vs_torch",
                                   "params_vs_single"])
-def test_ddp_matches_torch_ddp_and_single_process(spawned, world, what):
+@pytest.mark.parametrize("when", ["", "_after_backward"])
+def test_ddp_matches_torch_ddp_and_single_process(spawned, world, what, when):
     for r in spawned(ddp_scenarios, world):
-        e = r["parity"][what]
+        e = r["parity" + when][what]
         assert e < TOL, f"{what}: {e:.3g}"
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_unused_parameters_get_the_average(spawned, world):
+@pytest.mark.parametrize("when", ["", "_after_backward"])
+def test_unused_parameters_get_the_average(spawned, world, when):
     for r in spawned(ddp_scenarios, world):
-        u = r["unused"]
+        u = r["unused" + when]
         assert u["unused_err"] < TOL, u
 
 
@@ -249,6 +255,13 @@ def test_reduction_overlaps_backward(spawned, world):
         u = r["unused"]
         assert u["buckets"] > 2 and u["first_hooks"] < u["nparams"], u
         assert u["before_end"] >= 1 and u["in_backward"] >= 2, u
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_no_reduction_during_backward_when_overlap_is_off(spawned, world):
+    for r in spawned(ddp_scenarios, world):
+        u = r["unused_after_backward"]  # find_unused_parameters marks some ready in forward
+        assert u["buckets"] > 2 and u["before_end"] == 0 and u["in_backward"] == 0, u
 
 
 @pytest.mark.parametrize("kind", ["ddp", "zero0", "zero2", "zero3", "ddp_sum", "zero2_check"])

@@ -52,6 +52,9 @@ CASES = {
     # with the module and several buckets, step() steps the bucket of the first layer on its
     # own and launches its gather before stepping the others (stage 1 above does too)
     "adamw-s2-module": dict(stage=2, module=True),
+    # every bucket reduced after backward (overlap_grad_reduce=False)
+    "adamw-s2-after-backward": dict(stage=2, module=True, overlap_grad=False),
+    "adamw-s3-after-backward": dict(stage=3, overlap_grad=False),
 }
 # cases where a rank's shard of some bucket holds both param groups (stage 3: each layer is
 # one bucket, its weights and its biases)
@@ -61,7 +64,7 @@ MOMENTS = {"AdamW": ("exp_avg", "exp_avg_sq"), "SGD": ("momentum_buffer",)}
 
 def _run_case(dims, stage: int, sgd: bool = False, prefetch: bool = True,
               rs: str = "auto", steps: int = 3, cap: float = 0.002,
-              module: bool = False) -> dict:
+              module: bool = False, overlap_grad: bool = True) -> dict:
     from distllm.parallel import ZeroOptimizer
 
     model, ref = make(), make()
@@ -69,7 +72,8 @@ def _run_case(dims, stage: int, sgd: bool = False, prefetch: bool = True,
         torch.optim.AdamW, adamw())
     if stage in (1, 3) or module:  # the module (gathers overlap forward); groups by keyword
         z = ZeroOptimizer(model, opt_cls, stage=stage, dims=dims, prefetch=prefetch,
-                          param_groups=groups_of(model), bucket_cap_mb=cap, **kw)
+                          param_groups=groups_of(model), bucket_cap_mb=cap,
+                          overlap_grad_reduce=overlap_grad, **kw)
     else:  # named param groups, no module
         z = ZeroOptimizer(groups_of(model, named=True), opt_cls, stage=stage, dims=dims,
                           bucket_cap_mb=cap, reduce_scatter_impl=rs, **kw)
@@ -83,7 +87,8 @@ def _run_case(dims, stage: int, sgd: bool = False, prefetch: bool = True,
     for key in MOMENTS[opt_cls.__name__]:
         errs[key] = max_err({n: sd["state"][n][key] for n in refp},
                             {n: ropt.state[p][key] for n, p in refp.items()})
-    return {"errs": errs, "ref_norms": [b for _, b in norms],
+    return {"errs": errs, "ref_norms": [b for _, b in norms], "buckets": len(z.reducer.buckets),
+            "in_backward": z.reducer.launches_in_backward,
             "split_shards": sum(len(segs) > 1 for segs in z.bucket_segments),
             "first_stepped_alone": z._first_needed}
 
@@ -108,6 +113,8 @@ def test_zero_matches_single_process(spawned, case, world):
         assert any(r["split_shards"] for r in results), [r["split_shards"] for r in results]
     if case in ("adamw-s1", "adamw-s2-module"):  # ... and here: the two-part step ran
         assert all(r["first_stepped_alone"] is not None for r in results)
+    if case.endswith("-after-backward"):  # several buckets, none launched from backward
+        assert all(r["buckets"] > 2 and r["in_backward"] == 0 for r in results), results
 
 
 # --- memory, accumulation, unused params, skipping, checkpoints, overlap -----------------------
@@ -239,12 +246,15 @@ def _overlap(dims) -> dict:
     from distllm.parallel import ZeroOptimizer
 
     out = {}
-    for stage, groups in ((1, False), (2, False), (3, False), (1, True), (2, True)):
-        # groups: the trainer's (decay, no decay), which share the buckets at stages 1-2
+    for stage, groups, ogr in ((1, False, True), (2, False, True), (3, False, True),
+                               (1, True, True), (2, True, True), (2, False, False),
+                               (3, False, False)):
+        # groups: the trainer's (decay, no decay), which share the buckets at stages 1-2;
+        # ogr: overlap_grad_reduce
         model = make(h=64, f=256, n=4)
         kw = dict(param_groups=groups_of(model)) if groups else {}
         z = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, dims=dims, bucket_cap_mb=0.05,
-                          **kw)
+                          overlap_grad_reduce=ogr, **kw)
         last = {}
         def mark_end(_p, last=last) -> None:  # inp.weight's gradient is the last to land
             last["t"] = time.perf_counter()
@@ -255,7 +265,8 @@ def _overlap(dims) -> dict:
         loss_fn(model, local(x, dims), local(y, dims)).backward()
         log = z.reducer.launch_log
         nparams = len(list(model.parameters()))
-        out[f"{stage}-groups" if groups else stage] = {
+        name = f"{stage}-groups" if groups else stage if ogr else f"{stage}-after-backward"
+        out[name] = {
                       "buckets": len(z.reducer.buckets), "first_hooks": log[0][2],
                       "nparams": nparams, "before_end": sum(t < last["t"] for _, t, _ in log),
                       "in_backward": z.reducer.launches_in_backward}
@@ -333,6 +344,14 @@ def test_reduction_overlaps_backward(spawned, stage):
         # and most buckets start before the first layer's gradient lands
         assert o["before_end"] >= o["buckets"] // 2 and o["in_backward"] >= 2, \
             f"stage {stage}: {o}"
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_reduction_after_backward_when_overlap_is_off(spawned, stage):
+    for r in spawned(zero_extras, 2):
+        o = r["overlap"][f"{stage}-after-backward"]
+        # every bucket launched once the first layer's gradient has landed, none from a hook
+        assert o["buckets"] > 2 and o["before_end"] == 0 and o["in_backward"] == 0, o
 
 
 def test_decay_groups_refuse_sharded_parameters(spawned):
