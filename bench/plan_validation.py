@@ -65,18 +65,24 @@ def _layout(t: tuple):
 
 
 def _trial_steps(t: tuple) -> int:
-    """Steps that ``overlap="auto"``'s trial in the step takes at layout ``t`` on CPU (0
-    without tensor parallelism), run on top of the measured ones: the first step measures,
-    then the trial's calls of a shape (:func:`overlap_tuner.trial_calls`), one call a step
-    per block of a stage and micro-batch."""
+    """Steps that the trials in the step take at layout ``t`` on CPU, run on top of the
+    measured ones; both start at the first step and run side by side:
+    ``overlap="auto"``'s under tensor parallelism (the first step measures, then the trial's
+    calls of a shape, :func:`overlap_tuner.trial_calls`, one call a step per block of a stage
+    and micro-batch), and ``--overlap-grad-reduce auto``'s with data parallelism at ZeRO
+    stages 0-1 (:func:`reduction_trial.trial_cycles`, one a step)."""
     from distllm.models import GPTConfig
+    from distllm.parallel.data import reduction_trial
     from distllm.parallel.tensor import overlap_tuner
 
-    tp, pp, _, _, _, m, _ = t
-    if tp == 1:
-        return 0
-    per_step = max(1, GPTConfig.preset("tiny").n_layers // pp) * m
-    return 1 + math.ceil(overlap_tuner.trial_calls() / per_step)
+    tp, pp, dp, zero, _, m, _ = t
+    steps = 0
+    if tp > 1:
+        per_step = max(1, GPTConfig.preset("tiny").n_layers // pp) * m
+        steps = 1 + math.ceil(overlap_tuner.trial_calls() / per_step)
+    if dp > 1 and zero <= 1:
+        steps = max(steps, reduction_trial.trial_cycles())
+    return steps
 
 
 def _train_cfg(lay, steps: int, out: str, data: str):

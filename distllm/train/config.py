@@ -38,6 +38,9 @@ __all__ = [
 TRAIN_DTYPES = ("float32", "bfloat16", "float64")
 """The compute dtypes training runs (names of :data:`distllm.dtypes.DTYPES`)."""
 ZERO_STAGES = (0, 1, 2, 3)
+OVERLAP_GRAD_REDUCE = ("auto", "on", "off")
+"""``--overlap-grad-reduce``: the data-parallel reduction during backward, after it, or the
+trial's pick (:mod:`distllm.parallel.data.reduction_trial`)."""
 
 
 def _choice(default: Any, choices: tuple, **meta: Any) -> Any:
@@ -91,10 +94,11 @@ class ParallelConfig:
     the next part's compute; 0 picks it (2 for evaluation on CPU, else 1), 1 turns it off."""
     bucket_cap_mb: float = 25.0
     """Data-parallel gradient bucket size in MiB."""
-    overlap_grad_reduce: bool = True
-    """Reduce each data-parallel gradient bucket as soon as it is full, during backward;
-    --no-overlap-grad-reduce launches every bucket's collective after backward instead
-    (the same buckets and collectives: to measure what the overlap gains, or rule it out)."""
+    overlap_grad_reduce: str = _choice("auto", OVERLAP_GRAD_REDUCE)
+    """Data-parallel gradient reduction: on (each bucket reduced as soon as it is full,
+    during backward), off (every bucket after backward: the same buckets and collectives),
+    or auto (on CPU at ZeRO stages 0-1 a trial in the first steps picks the faster; else
+    on)."""
     timeout_s: float = field(default=300.0, metadata={"flag": "--timeout"})
     """Collective timeout in seconds: a dead rank ends the job after at most this long."""
 
@@ -122,6 +126,11 @@ class ParallelConfig:
         check_vocab_parallel(self.vocab_parallel, self.tp, self.sequence_parallel)
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s={self.timeout_s}: it must be positive seconds")
+
+    @property
+    def grad_reduce_overlap(self) -> bool | str:
+        """:attr:`overlap_grad_reduce` as the data-parallel classes take it."""
+        return {"on": True, "off": False, "auto": "auto"}[self.overlap_grad_reduce]
 
     @property
     def chunks_per_rank(self) -> int:

@@ -110,7 +110,7 @@ class Engine:
 
             self.ddp = DistributedDataParallel(
                 self.module, dims=self.dims, bucket_cap_mb=p.bucket_cap_mb,
-                finish_on_backward_end=finish_on_end, overlap_grad_reduce=p.overlap_grad_reduce)
+                finish_on_backward_end=finish_on_end, overlap_grad_reduce=p.grad_reduce_overlap)
             self.grad_sync = self.ddp
             self.optimizer = torch.optim.AdamW(groups, **adam)
             self.zero = None
@@ -131,9 +131,15 @@ class Engine:
                                   param_groups=groups if by_module else None,
                                   bucket_cap_mb=p.bucket_cap_mb, units=units,
                                   finish_on_backward_end=finish_on_end,
-                                  overlap_grad_reduce=p.overlap_grad_reduce, **adam)
+                                  overlap_grad_reduce=p.grad_reduce_overlap, **adam)
         self.grad_sync = self.zero
         self.optimizer = self.zero
+
+    def reduction_tuning(self) -> bool:
+        """Whether the data-parallel gradient reduction is in ``--overlap-grad-reduce
+        auto``'s trial (its steps alternate between reducing during and after backward)."""
+        reducer = getattr(self.grad_sync, "reducer", None)
+        return reducer is not None and reducer.trial is not None and not reducer.trial.done
 
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups

@@ -5,7 +5,8 @@ Every rank runs :func:`train`; rank 0 shows the progress bar and writes
 ``out/metrics.jsonl`` (one JSON object per step: ``step``, ``loss``, ``tokens_per_s``, ``lr``,
 ``grad_norm``, ``step_time_s``, ``mfu``, ``tokens``, and ``overlap_tuning``: whether a
 tensor-parallel layer of rank 0 was in ``overlap="auto"``'s trial in the step, whose calls
-alternate between schedules, before or after this step).
+alternate between schedules, or its data-parallel gradient reduction in
+``--overlap-grad-reduce auto``'s, before or after this step).
 """
 
 from __future__ import annotations
@@ -110,6 +111,13 @@ class _Progress:
         if self.bar is not None:
             self.bar.update(self.task, advance=1, info=info)
 
+    def write(self, msg: str, dims: ParallelDims) -> None:
+        """A line from rank 0, above the bar while it runs."""
+        if self.bar is not None:
+            self.bar.console.print(msg, markup=False, highlight=False)
+        else:
+            _log(msg, dims)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
@@ -177,7 +185,8 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
             lr = lr_at(step, cfg)
             engine.set_lr(lr)
             tok, tgt = loader.next()
-            tuning = overlap_tuning(plans)
+            reducing_trial = engine.reduction_tuning()
+            tuning = overlap_tuning(plans) or reducing_trial
             t0 = time.perf_counter()
             # the step's one host sync reads the loss, the norm and the inf/NaN flag together
             out = engine.update(cfg.optim.grad_clip, loss=engine.forward_backward(tok, tgt))
@@ -191,8 +200,11 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
                     "step": step + 1, "loss": loss, "tokens_per_s": tps, "lr": lr,
                     "grad_norm": norm, "step_time_s": dt, "mfu": mfu,
                     "tokens": (step + 1) * tokens_per_step,
-                    "overlap_tuning": tuning or overlap_tuning(plans)}) + "\n")
+                    "overlap_tuning": tuning or overlap_tuning(plans)
+                    or engine.reduction_tuning()}) + "\n")
                 metrics.flush()
+            if reducing_trial and not engine.reduction_tuning():  # it decided in this step
+                bar.write(f"gradient reduction {engine.grad_sync.reducer.overlap_reason}", dims)
             bar.update(f"loss {loss:.4f} | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}%")
             done = step + 1
             if cfg.save_every and done % cfg.save_every == 0 and done < end:

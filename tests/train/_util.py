@@ -24,7 +24,7 @@ def write_corpus(path: Path, n_bytes: int = 200_000) -> str:
 
 def make_cfg(data: str, out: str, *, tp=1, pp=1, dp=-1, zero=0, schedule="1f1b", m=0, v=2,
              sp=False, overlap="none", vp="auto", bs=0, steps=3, dtype="float64",
-             ogr=True, **kw) -> TrainConfig:
+             ogr="auto", **kw) -> TrainConfig:
     """A run of the ``tiny`` GPT with the trainer's default optimizer settings (``OptimConfig()``:
     weight decay, clipping and warm-up all on), so that parity runs exercise them. ``vp``:
     ``vocab_parallel`` (the ``tiny`` vocabulary is small: "auto" holds it whole under TP);

@@ -83,9 +83,9 @@ def test_param_gathers_overlap_the_next_forward(corpus, tmp_path, zero):
     assert got["update_reduces"] == [("exchange", 3)]
 
 
-# ogr=False: every gradient bucket reduced after backward (--no-overlap-grad-reduce)
+# ogr: --overlap-grad-reduce ("off": every gradient bucket reduced after backward)
 LAYOUTS = {2: [dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=3),
-               dict(dp=2, ogr=False), dict(dp=2, zero=2, ogr=False)],
+               dict(dp=2, ogr="off"), dict(dp=2, zero=2, ogr="off"), dict(dp=2, ogr="on")],
            4: [dict(pp=2, dp=2, schedule="zb-h1", m=2, zero=1), dict(tp=2, dp=2, zero=2)]}
 
 

@@ -39,6 +39,8 @@ collective starts in :meth:`GradBuckets.finish`, after backward, in bucket order
 same copies and the same collectives, one after the other: the reference that tells what
 the overlap itself gains (Megatron-LM's ``overlap_grad_reduce`` and DeepSpeed's
 ``overlap_comm`` turned off), and a way to rule the overlap out when debugging.
+``overlap="auto"`` decides between the two by a trial in the step where that can pay (on
+CPU, all-reduce mode; see :mod:`distllm.parallel.data.reduction_trial`), else overlaps.
 
 Used by :class:`~distllm.parallel.data.ddp.DistributedDataParallel` (all-reduce) and
 :class:`~distllm.parallel.data.zero.ZeroOptimizer` (all-reduce at stages 0-1,
@@ -58,6 +60,8 @@ from torch import Tensor
 
 from distllm.comm.collectives import all_reduce, reduce_scatter, reduce_scatter_by_all_reduce
 from distllm.comm.compat import reduce_scatter_into
+from distllm.diagnostics.timing import max_over_ranks
+from distllm.parallel.data.reduction_trial import ReductionTrial
 
 __all__ = ["Bucket", "GradBuckets", "assign_buckets", "FIRST_BUCKET_BYTES",
            "REDUCE_SCATTER_IMPLS"]
@@ -164,9 +168,14 @@ class GradBuckets:
             when one step's gradients come from several ``autograd.backward`` calls (a
             pipeline's split weight-gradient passes) and call :meth:`finish` yourself.
         overlap: launch each bucket's collective from the hook of its last gradient, while
-            backward goes on (default); ``False``: launch them all in :meth:`finish`.
+            backward goes on (``True``, the default); ``False``: launch them all in
+            :meth:`finish`; ``"auto"``: a trial in the step decides (see above).
 
     Attributes:
+        overlap: how the current cycle reduces (``True``: during backward).
+        overlap_reason: why (the trial's decision and its figures, under ``"auto"``).
+        trial: the :class:`~distllm.parallel.data.reduction_trial.ReductionTrial` of
+            ``overlap="auto"`` where it runs, else ``None``.
         launch_log: ``(bucket index, perf_counter time, hooks fired so far this cycle)``
             for each launch of the current cycle, to check that reduction overlaps backward.
     """
@@ -176,7 +185,7 @@ class GradBuckets:
                  on_bucket_ready: Callable[[Bucket], None] | None = None,
                  finish_on_backward_end: bool = True, pad_to: int | None = None,
                  on_finish: Callable[[], None] | None = None,
-                 reduce_scatter_impl: str = "auto", overlap: bool = True) -> None:
+                 reduce_scatter_impl: str = "auto", overlap: bool | str = True) -> None:
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"mode={mode!r}: use 'all_reduce' or 'reduce_scatter'")
         if as_view and not persistent:
@@ -192,11 +201,11 @@ class GradBuckets:
                              f"{sorted(REDUCE_SCATTER_IMPLS)}")
         self._reduce_scatter = REDUCE_SCATTER_IMPLS[reduce_scatter_impl]
         self.finish_on_backward_end = finish_on_backward_end
-        self.overlap = overlap
         self.buckets: list[Bucket] = []
         self.where: dict[torch.nn.Parameter, tuple[Bucket, int]] = {}
         for i, ps in enumerate(buckets):
             self._add_bucket(i, ps)
+        self._setup_overlap(overlap)
         self.sync_enabled = True
         self._next = 0  # next bucket to launch
         self._synced = False  # finish() already ran in this cycle
@@ -207,6 +216,32 @@ class GradBuckets:
         self._views: dict[torch.nn.Parameter, Tensor] = {}  # persistent: each param's slice
         for p in self.where:
             p.register_post_accumulate_grad_hook(self._hook)
+
+    def _setup_overlap(self, overlap: bool | str) -> None:
+        if overlap not in (True, False, "auto"):
+            raise ValueError(f"overlap={overlap!r}: use True, False or 'auto'")
+        self.trial: ReductionTrial | None = None
+        self._cycle_t0: float | None = None
+        self.overlap = overlap is not False
+        self.overlap_reason = "during backward" if overlap is True else "after backward"
+        if overlap != "auto":
+            return
+        device = self.buckets[0].params[0].device if self.buckets else torch.device("cpu")
+        if self.mode != "all_reduce":
+            self.overlap_reason = ("during backward: reduce-scatter mode frees each bucket once "
+                                   "reduced (after backward the whole gradient would be held)")
+        elif self.nranks == 1:
+            self.overlap_reason = "nothing to reduce (one rank)"
+        elif device.type != "cpu":
+            self.overlap_reason = (f"during backward: on {device.type} the collective runs "
+                                   "beside the compute")
+        else:
+            group = self.group
+            self.trial = ReductionTrial(
+                f"gradient all-reduce ({len(self.buckets)} buckets, {self.nranks} ranks)",
+                lambda vals: max_over_ranks(vals, group, device))
+            self.overlap = self.trial.overlap_now()
+            self.overlap_reason = self.trial.reason
 
     # --- layout ------------------------------------------------------------------------
     def _add_bucket(self, i: int, ps: list[torch.nn.Parameter]) -> None:
@@ -301,6 +336,8 @@ class GradBuckets:
                 "a gradient arrived for a bucket whose reduction was already launched in this "
                 "step (two backward passes without no_sync?): run all but the last micro-batch "
                 "under no_sync(), or call finish_grad_sync() between backward passes")
+        if self._hooks_fired == 0 and self.trial is not None and not self.trial.done:
+            self._cycle_t0 = time.perf_counter()  # the trial times the cycle from here
         self._hooks_fired += 1
         if self.finish_on_backward_end and not self._callback_queued:
             self._callback_queued = True
@@ -396,6 +433,7 @@ class GradBuckets:
         self._callback_queued = False
         if self._synced or not self.sync_enabled:
             return
+        t_finish = time.perf_counter()
         self._launch_in_order(in_backward=False, force=True)
         for b in self.buckets:
             self._complete(b)
@@ -409,8 +447,20 @@ class GradBuckets:
         self._next = 0
         self._hooks_fired = 0
         self._synced = True
+        if self.trial is not None and not self.trial.done:
+            self._record_cycle(t_finish)
         if self.on_finish is not None:
             self.on_finish()
+
+    def _record_cycle(self, t_finish: float) -> None:
+        """Give the trial this cycle's time (from its first synchronised gradient, or from
+        ``finish`` on a rank where none landed: every rank records every cycle, so the
+        decision's collective pairs up) and set how the next cycle reduces."""
+        t0 = self._cycle_t0 if self._cycle_t0 is not None else t_finish
+        self._cycle_t0 = None
+        self.trial.record(self.overlap, (time.perf_counter() - t0) * 1e3)
+        self.overlap = self.trial.overlap_now()
+        self.overlap_reason = self.trial.reason
 
     def start_cycle_log(self) -> None:
         """Clear :attr:`launch_log` and the count of launches from backward."""

@@ -58,9 +58,11 @@ class DistributedDataParallel(nn.Module):
             are reduced during backward instead of at its end. Without it unused parameters
             are still handled (at the end of backward), just without overlap for their bucket.
         overlap_grad_reduce: launch each bucket's all-reduce as soon as it is full, during
-            backward (default). ``False``: the same buckets, copies and all-reduces, all
-            launched at the end of backward (Megatron-LM's ``--overlap-grad-reduce`` off):
-            the reference for what the overlap gains, or to rule it out when debugging.
+            backward (``True``, the default, as torch DDP). ``False``: the same buckets,
+            copies and all-reduces, all launched at the end of backward (Megatron-LM's
+            ``--overlap-grad-reduce`` off): the reference for what the overlap gains, or to
+            rule it out when debugging. ``"auto"``: on CPU a trial in the first steps
+            decides (:mod:`distllm.parallel.data.reduction_trial`); on a GPU, overlapped.
 
     Collectives: forward none; backward one all-reduce per bucket (sum, pre-divided by dp).
     After backward the gradients are views of the buckets (``param.grad`` aliases the flat
@@ -76,7 +78,8 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, *, dims: ParallelDims, bucket_cap_mb: float = 25.0,
                  first_bucket_mb: float = FIRST_BUCKET_BYTES / 2**20,
                  finish_on_backward_end: bool = True, broadcast_buffers: bool = True,
-                 find_unused_parameters: bool = False, overlap_grad_reduce: bool = True) -> None:
+                 find_unused_parameters: bool = False,
+                 overlap_grad_reduce: bool | str = True) -> None:
         super().__init__()
         params = check_module(module)
         dtypes = sorted({str(p.dtype) for p in params})

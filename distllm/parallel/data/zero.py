@@ -154,9 +154,11 @@ class ZeroOptimizer(ZeroGradChecks):
             gloo), ``"reduce_scatter"`` (the backend's own) or ``"all_reduce"``.
         finish_on_backward_end: see the module docstring.
         overlap_grad_reduce: launch each gradient bucket's reduction (all-reduce at stages
-            0-1, reduce-scatter at 2-3) as soon as it is full, during backward (default).
-            ``False``: all of them at the end of backward, so stages 2-3 hold every bucket
-            until then (the reference for what the overlap gains, or for debugging).
+            0-1, reduce-scatter at 2-3) as soon as it is full, during backward (``True``, the
+            default). ``False``: all of them at the end of backward, so stages 2-3 hold every
+            bucket until then (the reference for what the overlap gains, or for debugging).
+            ``"auto"``: at stages 0-1 on CPU a trial in the first steps decides
+            (:mod:`distllm.parallel.data.reduction_trial`); else overlapped.
     """
 
     def __init__(self, module_or_params, optimizer_cls: type, *, stage: int, dims: ParallelDims,
@@ -165,7 +167,7 @@ class ZeroOptimizer(ZeroGradChecks):
                  units: list[nn.Module] | None = None, loss_scale: float | str | None = None,
                  param_groups: list[dict] | None = None, overlap_param_gather: bool = True,
                  reduce_scatter_impl: str = "auto",
-                 finish_on_backward_end: bool = True, overlap_grad_reduce: bool = True,
+                 finish_on_backward_end: bool = True, overlap_grad_reduce: bool | str = True,
                  **optim_kwargs: Any) -> None:
         check_args(stage, optimizer_cls)
         module, groups, self.names = param_groups_of(module_or_params, param_groups)

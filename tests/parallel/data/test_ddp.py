@@ -120,6 +120,43 @@ def _unused_and_overlap(dims, overlap: bool = True) -> dict:
             "in_backward": d.reducer.launches_in_backward}
 
 
+def _auto(dims) -> dict:
+    """``overlap_grad_reduce="auto"`` through its trial and past it: AdamW steps with weight
+    decay and clipping against one process on the global batch; how each cycle was planned
+    and whether its buckets launched from backward; and, at ZeRO stages 1 and 2, whether a
+    trial runs (all-reduce mode only)."""
+    from distllm.parallel import DistributedDataParallel, ZeroOptimizer
+    from distllm.parallel.data.reduction_trial import trial_cycles
+
+    mine, ref = make(), make()
+    d = DistributedDataParallel(mine, dims=dims, bucket_cap_mb=0.002, first_bucket_mb=0.0005,
+                                overlap_grad_reduce="auto")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (mine, ref)]
+    planned, launched = [], []
+    for s in range(trial_cycles() + 2):
+        x, y = batch(s)
+        d.zero_grad()
+        opts[1].zero_grad()
+        planned.append(d.reducer.overlap)
+        d.reducer.start_cycle_log()
+        loss_fn(d, local(x, dims), local(y, dims)).backward()
+        launched.append(d.reducer.launches_in_backward > 0)
+        loss_fn(ref, x, y).backward()
+        d.clip_grad_norm_(0.05)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        for o in opts:
+            o.step()
+    t = d.reducer.trial
+    stages = {}
+    for stage in (1, 2):
+        z = ZeroOptimizer(make(), torch.optim.AdamW, stage=stage, dims=dims,
+                          overlap_grad_reduce="auto")
+        stages[stage] = (z.reducer.trial is not None, z.reducer.overlap)
+    return {"planned": planned, "launched": launched, "decision": t.decision,
+            "reason": t.reason, "err": _max_diff(mine, ref), "stages": stages,
+            "buckets": len(d.bucket_sizes)}
+
+
 class TPToy(nn.Module):
     """A row-sharded weight (tensor_model_parallel) and a replicated bias; the loss makes
     their gradients exactly ``rows`` and ``gb``."""
@@ -213,7 +250,8 @@ def ddp_scenarios() -> dict:
     dims = ParallelDims()
     out = {"parity": _parity(dims), "unused": _unused_and_overlap(dims),
            "parity_after_backward": _parity(dims, overlap=False),
-           "unused_after_backward": _unused_and_overlap(dims, overlap=False)}
+           "unused_after_backward": _unused_and_overlap(dims, overlap=False),
+           "auto": _auto(dims)}
     if dist.get_world_size() == 4:
         out["tp_clip"] = _tp_clip()
     else:  # dp == 1: a plain wrapper, gradients untouched
@@ -262,6 +300,24 @@ def test_no_reduction_during_backward_when_overlap_is_off(spawned, world):
     for r in spawned(ddp_scenarios, world):
         u = r["unused_after_backward"]  # find_unused_parameters marks some ready in forward
         assert u["buckets"] > 2 and u["before_end"] == 0 and u["in_backward"] == 0, u
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_auto_tries_both_reductions_then_keeps_one_everywhere(spawned, world):
+    from distllm.parallel.data.reduction_trial import trial_cycles
+
+    res = spawned(ddp_scenarios, world)
+    n = trial_cycles()
+    for r in res:
+        a = r["auto"]
+        assert a["err"] < TOL, a  # both schedules give the same gradients
+        # an untimed overlapped cycle, then rounds of (during, after), (after, during), ...
+        trial = [True] + [(k // 2) % 2 == k % 2 for k in range(n - 1)]
+        assert a["planned"][:n] == trial and a["planned"][n:] == [a["decision"]] * 2, a
+        assert a["launched"] == a["planned"] and a["buckets"] > 2, a  # as planned
+        # ZeRO-1 (all-reduce) runs a trial; ZeRO-2 keeps the overlap (it frees its buckets)
+        assert a["stages"] == {1: (True, True), 2: (False, True)}, a["stages"]
+    assert len({r["auto"]["reason"] for r in res}) == 1, [r["auto"]["reason"] for r in res]
 
 
 @pytest.mark.parametrize("kind", ["ddp", "zero0", "zero2", "zero3", "ddp_sum", "zero2_check"])

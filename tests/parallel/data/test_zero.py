@@ -55,6 +55,8 @@ CASES = {
     # every bucket reduced after backward (overlap_grad_reduce=False)
     "adamw-s2-after-backward": dict(stage=2, module=True, overlap_grad=False),
     "adamw-s3-after-backward": dict(stage=3, overlap_grad=False),
+    # "auto" at stage 1: a trial alternates both reductions, then keeps one (14 steps)
+    "adamw-s1-auto": dict(stage=1, overlap_grad="auto", steps=14),
 }
 # cases where a rank's shard of some bucket holds both param groups (stage 3: each layer is
 # one bucket, its weights and its biases)
@@ -64,7 +66,7 @@ MOMENTS = {"AdamW": ("exp_avg", "exp_avg_sq"), "SGD": ("momentum_buffer",)}
 
 def _run_case(dims, stage: int, sgd: bool = False, prefetch: bool = True,
               rs: str = "auto", steps: int = 3, cap: float = 0.002,
-              module: bool = False, overlap_grad: bool = True) -> dict:
+              module: bool = False, overlap_grad: bool | str = True) -> dict:
     from distllm.parallel import ZeroOptimizer
 
     model, ref = make(), make()
@@ -89,6 +91,7 @@ def _run_case(dims, stage: int, sgd: bool = False, prefetch: bool = True,
                             {n: ropt.state[p][key] for n, p in refp.items()})
     return {"errs": errs, "ref_norms": [b for _, b in norms], "buckets": len(z.reducer.buckets),
             "in_backward": z.reducer.launches_in_backward,
+            "trial_done": z.reducer.trial is not None and z.reducer.trial.done,
             "split_shards": sum(len(segs) > 1 for segs in z.bucket_segments),
             "first_stepped_alone": z._first_needed}
 
@@ -115,6 +118,8 @@ def test_zero_matches_single_process(spawned, case, world):
         assert all(r["first_stepped_alone"] is not None for r in results)
     if case.endswith("-after-backward"):  # several buckets, none launched from backward
         assert all(r["buckets"] > 2 and r["in_backward"] == 0 for r in results), results
+    if case == "adamw-s1-auto":  # the trial ran to its decision
+        assert all(r["trial_done"] for r in results), results
 
 
 # --- memory, accumulation, unused params, skipping, checkpoints, overlap -----------------------
