@@ -70,8 +70,11 @@ def test_bad_arguments():
 
 
 def test_two_ranks_rate_limited_and_removed():
-    """8 MiB all-reduce over a 1 Gbit/s veth pair: gloo binds to the namespace interface,
-    the time is bandwidth-bound (each rank sends ~8 MiB), far slower than loopback."""
+    """8 MiB all-reduce over a 1 Gbit/s veth pair: gloo binds to the namespace interface and
+    the time is bandwidth-bound (each rank sends ~8 MiB): no faster than the rate allows (an
+    unlimited veth or loopback moves it several times faster on an idle machine). Loopback
+    is run too, for the sum; its time is not compared (on a loaded machine, CI's second
+    torch version building beside the tests, it took 68 ms against the link's 75)."""
     rate = 10**9
     lo = measure_allreduce(None, 2, NBYTES, reps=3)
     net = _open(2, "1gbit")
@@ -88,7 +91,6 @@ def test_two_ranks_rate_limited_and_removed():
     ideal_ms = NBYTES * 8 / rate * 1e3  # ring all-reduce of 2 ranks: N bytes out per rank
     ratio = ideal_ms / link["median_ms"]  # achieved fraction of the link rate
     assert 0.3 <= ratio <= 1.2, f"{link['median_ms']:.1f} ms vs ideal {ideal_ms:.1f} ms"
-    assert link["median_ms"] > 1.5 * lo["median_ms"], (link, lo)
 
 
 def test_one_rank():
