@@ -185,8 +185,8 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
             lr = lr_at(step, cfg)
             engine.set_lr(lr)
             tok, tgt = loader.next()
-            reducing_trial = engine.reduction_tuning()
-            tuning = overlap_tuning(plans) or reducing_trial
+            reducing = engine.reduction_tuning()  # the trial starts with the run: only ends
+            tuning = overlap_tuning(plans) or reducing
             t0 = time.perf_counter()
             # the step's one host sync reads the loss, the norm and the inf/NaN flag together
             out = engine.update(cfg.optim.grad_clip, loss=engine.forward_backward(tok, tgt))
@@ -200,10 +200,9 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
                     "step": step + 1, "loss": loss, "tokens_per_s": tps, "lr": lr,
                     "grad_norm": norm, "step_time_s": dt, "mfu": mfu,
                     "tokens": (step + 1) * tokens_per_step,
-                    "overlap_tuning": tuning or overlap_tuning(plans)
-                    or engine.reduction_tuning()}) + "\n")
+                    "overlap_tuning": tuning or overlap_tuning(plans)}) + "\n")
                 metrics.flush()
-            if reducing_trial and not engine.reduction_tuning():  # it decided in this step
+            if reducing and not engine.reduction_tuning():  # it decided in this step
                 bar.write(f"gradient reduction {engine.grad_sync.reducer.overlap_reason}", dims)
             bar.update(f"loss {loss:.4f} | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}%")
             done = step + 1

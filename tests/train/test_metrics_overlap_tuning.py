@@ -41,4 +41,8 @@ def test_metrics_mark_the_steps_of_the_gradient_reduction_trial(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     steps = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [s["overlap_tuning"] for s in steps] == [True] * n + [False] * 3, steps
+    # the decision is printed once, with its figures
+    said = [ln for ln in out.stderr.splitlines() if ln.startswith("gradient reduction ")]
+    assert len(said) == 1 and " of the overlapped ones' time, median of 6 rounds" in said[0], \
+        out.stderr[-2000:]
     assert all(s["loss"] == s["loss"] for s in steps), steps  # no NaN

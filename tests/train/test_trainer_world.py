@@ -1,7 +1,7 @@
 """``train`` ends the ``torch.distributed`` world it started (a process that exits with
 gloo's process group alive can abort in the interpreter's teardown, and the launcher then
 reports a failed rank after a finished run), and leaves a world it was given alone. Each
-case runs in a fresh interpreter: other tests of this process may have left a world up."""
+case runs in a fresh interpreter, whose world at exit is the one ``train`` left."""
 
 from __future__ import annotations
 

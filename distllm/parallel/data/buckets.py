@@ -223,25 +223,30 @@ class GradBuckets:
         self.trial: ReductionTrial | None = None
         self._cycle_t0: float | None = None
         self.overlap = overlap is not False
-        self.overlap_reason = "during backward" if overlap is True else "after backward"
+        self._reason = "during backward" if overlap is True else "after backward"
         if overlap != "auto":
             return
         device = self.buckets[0].params[0].device if self.buckets else torch.device("cpu")
         if self.mode != "all_reduce":
-            self.overlap_reason = ("during backward: reduce-scatter mode frees each bucket once "
-                                   "reduced (after backward the whole gradient would be held)")
+            self._reason = ("during backward: reduce-scatter mode frees each bucket once "
+                            "reduced (after backward the whole gradient would be held)")
         elif self.nranks == 1:
-            self.overlap_reason = "nothing to reduce (one rank)"
+            self._reason = "nothing to reduce (one rank)"
         elif device.type != "cpu":
-            self.overlap_reason = (f"during backward: on {device.type} the collective runs "
-                                   "beside the compute")
+            self._reason = (f"during backward: on {device.type} the collective runs beside "
+                            "the compute")
         else:
             group = self.group
             self.trial = ReductionTrial(
                 f"gradient all-reduce ({len(self.buckets)} buckets, {self.nranks} ranks)",
                 lambda vals: max_over_ranks(vals, group, device))
             self.overlap = self.trial.overlap_now()
-            self.overlap_reason = self.trial.reason
+
+    @property
+    def overlap_reason(self) -> str:
+        """Why the buckets reduce as they do (under ``"auto"``, the trial's state or its
+        decision with the figures)."""
+        return self.trial.reason if self.trial is not None else self._reason
 
     # --- layout ------------------------------------------------------------------------
     def _add_bucket(self, i: int, ps: list[torch.nn.Parameter]) -> None:
@@ -458,9 +463,8 @@ class GradBuckets:
         decision's collective pairs up) and set how the next cycle reduces."""
         t0 = self._cycle_t0 if self._cycle_t0 is not None else t_finish
         self._cycle_t0 = None
-        self.trial.record(self.overlap, (time.perf_counter() - t0) * 1e3)
+        self.trial.record((time.perf_counter() - t0) * 1e3)
         self.overlap = self.trial.overlap_now()
-        self.overlap_reason = self.trial.reason
 
     def start_cycle_log(self) -> None:
         """Clear :attr:`launch_log` and the count of launches from backward."""

@@ -53,9 +53,9 @@ def trial_cycles(rounds: int | None = None) -> int:
 
 class ReductionTrial:
     """The trial of one reducer (see the module docstring). :meth:`overlap_now` says how the
-    next synchronised cycle runs; :meth:`record` takes its time (ms), and at the trial's last
-    cycle decides with ``max_over_ranks(values) -> values`` (collective over the group: every
-    rank records the same number of cycles)."""
+    next synchronised cycle runs; :meth:`record` takes its time (ms) once it ran so, and at
+    the trial's last cycle decides with ``max_over_ranks(values) -> values`` (collective
+    over the group: every rank records the same number of cycles)."""
 
     def __init__(self, what: str, max_over_ranks: Callable[[Sequence[float]], list[float]],
                  rounds: int = ROUNDS) -> None:
@@ -82,23 +82,19 @@ class ReductionTrial:
         first = rnd % 2 == 0  # rounds alternate which schedule goes first
         return first if pos == 0 else not first
 
-    def record(self, overlapped: bool, ms: float) -> None:
-        """The time of the cycle just finished, run with ``overlapped``; decides after the
-        last one."""
+    def record(self, ms: float) -> None:
+        """The time of the cycle just finished, run as :meth:`overlap_now` said; decides
+        after the last one."""
         if self.decision is not None:
             return
         if self.cycles > 0:
-            self.samples[overlapped].append(ms)
+            self.samples[self.overlap_now()].append(ms)
         self.cycles += 1
         if self.cycles == trial_cycles(self.rounds):
             self._decide()
 
     def _decide(self) -> None:
-        on, off = self.samples[True], self.samples[False]
-        if len(on) != self.rounds or len(off) != self.rounds:
-            raise RuntimeError(f"reduction trial: {len(on)} overlapped and {len(off)} "
-                               f"after-backward cycles timed, expected {self.rounds} each")
-        vals = self._max([*on, *off])
+        vals = self._max([*self.samples[True], *self.samples[False]])  # R each
         on, off = vals[:self.rounds], vals[self.rounds:]
         ratio = statistics.median(b / a for a, b in zip(on, off, strict=True))
         wins = sum(b < a for a, b in zip(on, off, strict=True))

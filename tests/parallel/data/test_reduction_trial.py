@@ -21,10 +21,10 @@ def _run(times_on, times_off, max_fn=None, rounds=4):
         ov = t.overlap_now()
         ran.append(ov)
         if len(ran) == 1:
-            t.record(ov, 1e6)  # the untimed first cycle: its time is not used
+            t.record(1e6)  # the untimed first cycle: its time is not used
             continue
         src = times_on if ov else times_off
-        t.record(ov, src[k[ov]] if k[ov] < len(src) else 0.0)
+        t.record(src[k[ov]] if k[ov] < len(src) else 0.0)
         k[ov] += 1
     return ran, t
 
