@@ -11,6 +11,10 @@ suite ``ddp``:
 - ``torch_ddp``: ``torch.nn.parallel.DistributedDataParallel`` (default settings);
 - ``no_overlap``: ``distllm_ddp`` with ``overlap_grad_reduce=False``: the same hooks copy
   each gradient into its bucket during backward, and every bucket is all-reduced after it;
+- ``ddp_auto``: ``distllm_ddp`` with ``overlap_grad_reduce="auto"``, its trial run
+  before the timing (so its timed steps run the schedule it chose, that of ``distllm_ddp``
+  or of ``no_overlap``); its row says what it chose and why (``extra.auto_decision``) and
+  its time against the faster of the two (``extra.vs_best_schedule``);
 - parts, timed alone: ``fwd_alone``, ``fwd_bwd_alone`` (backward with the same buckets
   filled by the same hooks, under ``no_sync``: no communication), ``comm_alone`` (the
   bucketed all-reduce of the gradients), ``opt_alone`` (the AdamW step);
@@ -161,6 +165,27 @@ def _no_overlap(shape, x, dims, cap):
     return step, lambda: memory_report(d, optimizer=opt)
 
 
+def _ddp_auto(shape, x, dims, cap):
+    from distllm.parallel import DistributedDataParallel, memory_report
+
+    m = _model(shape)
+    d = DistributedDataParallel(m, dims=dims, bucket_cap_mb=cap, overlap_grad_reduce="auto")
+    opt = _adamw(m.parameters())
+
+    def step():
+        d.zero_grad()
+        d(x).pow(2).mean().backward()
+        opt.step()
+
+    trial_steps = 0
+    while d.reducer.tuning:  # the trial (the same number of steps on every rank) decides
+        step()
+        trial_steps += 1
+    step.decision = {"auto_decision": d.reducer.overlap_reason,
+                     "auto_overlaps": d.reducer.overlap, "auto_trial_steps": trial_steps}
+    return step, lambda: memory_report(d, optimizer=opt)
+
+
 def _zero(stage, prefetch=True):
     def build(shape, x, dims, cap):
         from distllm.parallel import ZeroOptimizer
@@ -246,11 +271,12 @@ def _parts(shape, x, dims, cap) -> dict:
 
 _BUILDERS = {
     "distllm_ddp": _distllm_ddp, "torch_ddp": _torch_ddp, "no_overlap": _no_overlap,
+    "ddp_auto": _ddp_auto,
     "zero1": _zero(1), "zero2": _zero(2), "zero3": _zero(3), "zero3_noprefetch": _zero(3, False),
     "fsdp2": _fsdp2,
 }
 PHASES = {
-    "ddp": ["distllm_ddp", "torch_ddp", "no_overlap"],
+    "ddp": ["distllm_ddp", "torch_ddp", "no_overlap", "ddp_auto"],
     "zero": ["distllm_ddp", "zero1", "zero2", "zero3", "zero3_noprefetch", "fsdp2"],
     "sweep": ["torch_ddp"] + [f"ddp_cap{c}" for c in SWEEP_MB],
 }
@@ -304,7 +330,8 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
         timelines = {n: profile_timeline(_one_step(variants[n]), warmup=0, before=dist.barrier)
                      for n in TIMELINES if n in variants}
         return {"mem": mem, "timelines": timelines,
-                "psi": sum(p.numel() for p in _model(shape).parameters())}
+                "psi": sum(p.numel() for p in _model(shape).parameters()),
+                "auto": {n: v.decision for n, v in variants.items() if hasattr(v, "decision")}}
 
     return Setup(variants, missing, warmup=2, reps=cfg.reps or (3 if cfg.quick else 10),
                  finish=finish)
@@ -351,6 +378,11 @@ def _ddp_rows(res: dict, case: str, label: str, reason: str) -> list[dict]:
             kw["hidden_frac"] = (parts - s.median_ms) / can_hide if can_hide > 0 else None
             kw.update(vs_ideal=s.median_ms / ideal, comm_ms=comm, bwd_ms=bwd,
                       hideable_ms=can_hide, hidden_ceiling=1.0)
+        if name == "ddp_auto":  # what it chose, against both schedules it chose from
+            best = min(med["distllm_ddp"], med["no_overlap"])
+            kw.update(res["auto"]["ddp_auto"], vs_distllm_ddp=s.median_ms / med["distllm_ddp"],
+                      vs_no_overlap=s.median_ms / med["no_overlap"],
+                      vs_best_schedule=s.median_ms / best)
         if name == "distllm_ddp":
             kw["vs_torch_ddp"] = s.median_ms / med["torch_ddp"]
             bar = 1.03 if label == "loopback" else 1.00  # over an emulated link: not slower

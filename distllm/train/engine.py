@@ -139,7 +139,7 @@ class Engine:
         """Whether the data-parallel gradient reduction is in ``--overlap-grad-reduce
         auto``'s trial (its steps alternate between reducing during and after backward)."""
         reducer = getattr(self.grad_sync, "reducer", None)
-        return reducer is not None and reducer.trial is not None and not reducer.trial.done
+        return reducer is not None and reducer.tuning
 
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups

@@ -51,3 +51,19 @@ def test_targets_ddp_not_slower_than_torch_over_a_link_and_zero_within_its_bars(
     rows = {r["variant"]: r["extra"] for r in ddp_overlap._zero_rows(res, "c", "10gbit", "")}
     assert rows["zero2"]["meets_target"] and rows["zero2"]["target"].startswith("<= 1.05x")
     assert not rows["zero3"]["meets_target"] and rows["zero3"]["target"].startswith("<= 1.25x")
+
+
+def test_auto_row_says_what_it_chose_and_how_it_ran_against_both_schedules():
+    st = {name: _st(ms) for name, ms in {
+        "distllm_ddp": 40.0, "torch_ddp": 38.0, "no_overlap": 36.0, "ddp_auto": 37.0,
+        "fwd_alone": 10.0, "fwd_bwd_alone": 30.0, "comm_alone": 15.0, "opt_alone": 5.0,
+    }.items()}
+    chose = {"auto_decision": "after backward (its steps took 0.9 ...)", "auto_overlaps": False,
+             "auto_trial_steps": 13}
+    res = {"stats": st, "mem": {}, "timelines": {}, "auto": {"ddp_auto": chose}}
+    e = {r["variant"]: r for r in ddp_overlap._ddp_rows(res, "c", "loopback", "")}[
+        "ddp_auto"]["extra"]
+    assert {k: e[k] for k in chose} == chose
+    assert e["vs_distllm_ddp"] == pytest.approx(37 / 40)
+    assert e["vs_no_overlap"] == pytest.approx(37 / 36)
+    assert e["vs_best_schedule"] == pytest.approx(37 / 36)  # the faster of the two: 36 ms

@@ -243,6 +243,12 @@ class GradBuckets:
             self.overlap = self.trial.overlap_now()
 
     @property
+    def tuning(self) -> bool:
+        """Whether ``"auto"``'s trial is still running (its synchronised cycles alternate
+        between reducing during and after backward)."""
+        return self.trial is not None and not self.trial.done
+
+    @property
     def overlap_reason(self) -> str:
         """Why the buckets reduce as they do (under ``"auto"``, the trial's state or its
         decision with the figures)."""
@@ -341,7 +347,7 @@ class GradBuckets:
                 "a gradient arrived for a bucket whose reduction was already launched in this "
                 "step (two backward passes without no_sync?): run all but the last micro-batch "
                 "under no_sync(), or call finish_grad_sync() between backward passes")
-        if self._hooks_fired == 0 and self.trial is not None and not self.trial.done:
+        if self._hooks_fired == 0 and self.tuning:
             self._cycle_t0 = time.perf_counter()  # the trial times the cycle from here
         self._hooks_fired += 1
         if self.finish_on_backward_end and not self._callback_queued:
@@ -452,7 +458,7 @@ class GradBuckets:
         self._next = 0
         self._hooks_fired = 0
         self._synced = True
-        if self.trial is not None and not self.trial.done:
+        if self.tuning:
             self._record_cycle(t_finish)
         if self.on_finish is not None:
             self.on_finish()

@@ -63,6 +63,8 @@ class DistributedDataParallel(nn.Module):
             ``--overlap-grad-reduce`` off): the reference for what the overlap gains, or to
             rule it out when debugging. ``"auto"``: on CPU a trial in the first steps
             decides (:mod:`distllm.parallel.data.reduction_trial`); on a GPU, overlapped.
+            ``reducer.tuning`` is True while the trial runs; ``reducer.overlap_reason``
+            says how the buckets reduce and why (the trial's figures once it decided).
 
     Collectives: forward none; backward one all-reduce per bucket (sum, pre-divided by dp).
     After backward the gradients are views of the buckets (``param.grad`` aliases the flat
