@@ -1,10 +1,14 @@
 """End-to-end training throughput: distllm against PyTorch's own building blocks.
 
 Suite ``train_e2e``: tokens/s of one full training step (forward, backward, gradient sync,
-global-norm clipping, AdamW) of the same GPT on 2 gloo ranks, at three layouts:
+global-norm clipping, AdamW) of the same GPT on 2 gloo ranks, at four layouts:
 
 * ``tp2``: distllm's TP modules (overlapped row-parallel all-reduce) against a dense GPT
   parallelised with DTensor ``parallelize_module`` (``ColwiseParallel`` / ``RowwiseParallel``);
+* ``dp2``: distllm's data parallelism as ``distllm train --dp 2`` runs it (ZeRO stage 0:
+  bucketed all-reduce, ``--overlap-grad-reduce auto``, whose trial runs before the timing
+  and whose decision the row carries as ``extra.grad_reduce``) against torch
+  ``DistributedDataParallel``;
 * ``dp2.zero2``: distllm ``ZeroOptimizer(stage=2)`` against torch ``DistributedDataParallel``
   and FSDP2 ``fully_shard(reshard_after_forward=False)`` (ZeRO-2-like);
 * ``pp2.1f1b``: distllm's pipeline executor against ``torch.distributed.pipelining``
@@ -62,7 +66,7 @@ __all__ = ["SUITE", "cases", "setup", "rows", "model_of", "model_names", "model_
            "BREAKDOWN_FILE"]
 
 SUITE, SUITE_OVH = "train_e2e", "train_overhead"
-LAYOUTS = ("tp2", "dp2.zero2", "pp2.1f1b")
+LAYOUTS = ("tp2", "dp2", "dp2.zero2", "pp2.1f1b")
 # (blocks, hidden, global batch, seq, micro-batches) per mode
 _PRESETS = {True: [(4, 128, 8, 64, 2)], False: [(4, 128, 16, 128, 4), (6, 768, 8, 64, 4)]}
 BREAKDOWN_FILE = "train_e2e_breakdown.json"
@@ -152,7 +156,8 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
         return _overhead_setup(cfg, reps)
     layout, shape = case.params["layout"], tuple(case.params["shape"])
     gcfg, name = model_of(shape)
-    kw = {"tp2": dict(tp=2), "dp2.zero2": dict(dp=2), "pp2.1f1b": dict(pp=2)}[layout]
+    kw = {"tp2": dict(tp=2), "dp2": dict(dp=2), "dp2.zero2": dict(dp=2),
+          "pp2.1f1b": dict(pp=2)}[layout]
     dims = ParallelDims(**kw)
     variants, missing = {}, {}
     for vname, build in builders(layout, gcfg, shape, dims).items():
@@ -161,10 +166,15 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
         except Exception as e:  # noqa: BLE001 - a variant that cannot run here is a row
             missing[vname] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
-    if "distllm" in variants:  # overlap="auto"'s trial in the step runs before the timing
-        settle_overlap(variants["distllm"], variants["distllm"].engine.chunks)
-        if (d := drain(variants["distllm"])) is not None:
+    grad_reduce = None
+    if "distllm" in variants:  # the "auto" trials in the step run before the timing
+        ours = variants["distllm"]
+        settle_overlap(ours, ours.engine.chunks)  # the row-parallel schedules
+        while ours.engine.reduction_tuning():  # the gradient reduction's (as many steps
+            ours()  # on every rank)
+        if (d := drain(ours)) is not None:
             d()
+        grad_reduce = getattr(ours.engine.grad_sync, "reducer", None)
     steps = dict(variants)  # a step that leaves work in flight is timed within a loop
     variants = {n: f if (d := drain(f)) is None else LoopStep(f, d) for n, f in steps.items()}
 
@@ -173,7 +183,8 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
         for n, f in steps.items():  # the same step unprofiled: the CPU of each thread
             prof[n]["cpu"] = cpu_split(f, before=dist.barrier, drain=drain(f))
         dist.barrier()
-        return {"tokens": shape[2] * shape[3], "model": name, "breakdown": prof}
+        return {"tokens": shape[2] * shape[3], "model": name, "breakdown": prof,
+                "grad_reduce": grad_reduce and grad_reduce.overlap_reason}
 
     return Setup(variants, missing, warmup=2, reps=reps, finish=finish)
 
@@ -191,6 +202,8 @@ def _layout_rows(layout: str, res: dict, label: str, reason: str) -> list[dict]:
                   model=res["model"], layout=layout)
         if name in prof:
             kw["breakdown"] = {k: v for k, v in prof[name].items() if k != "top"}
+        if name == "distllm" and res.get("grad_reduce"):
+            kw["grad_reduce"] = res["grad_reduce"]  # how its gradient reduction ran, and why
         if name == "distllm" and best is not None:
             kw["vs_torch"] = peers[best].median_ms / st.median_ms
             kw["best_peer"] = best

@@ -2,8 +2,8 @@
 
 distllm's step (``Engine.forward_backward`` then ``Engine.update``: one host read per step)
 and its torch peers on a dense GPT of the same shape built from torch blocks: DTensor
-``parallelize_module`` for ``tp2``, ``DistributedDataParallel`` and FSDP2 ``fully_shard``
-for ``dp2.zero2``, ``torch.distributed.pipelining`` 1F1B for ``pp2.1f1b``; each with
+``parallelize_module`` for ``tp2``, ``DistributedDataParallel`` for ``dp2``, and with FSDP2
+``fully_shard`` for ``dp2.zero2``, ``torch.distributed.pipelining`` 1F1B for ``pp2.1f1b``; each with
 global-norm clipping and torch's fused AdamW (``fused=True``, as distllm's engine runs it),
 so that the optimizer costs the same on both sides. :func:`builders` gives one layout's
 variants, unbuilt; :mod:`distllm.bench.train_e2e` times and reports them.
@@ -84,7 +84,7 @@ def _distllm(layout: str, cfg, batch, seq, m, dims):
     from distllm.train.config import ParallelConfig, TrainConfig
     from distllm.train.engine import Engine
 
-    kw = {"tp2": dict(tp=2), "dp2.zero2": dict(dp=2, zero=2),
+    kw = {"tp2": dict(tp=2), "dp2": dict(dp=2), "dp2.zero2": dict(dp=2, zero=2),
           "pp2.1f1b": dict(pp=2, schedule="1f1b", micro_batches=m)}[layout]
     tc = TrainConfig(model="tiny", parallel=ParallelConfig(**kw), global_batch=batch,
                      seq_len=seq, steps=10, progress=False)
@@ -212,13 +212,15 @@ def _torch_pp(cfg, batch, seq, m, dims):
 
 
 def builders(layout: str, gcfg, shape: tuple[int, ...], dims) -> dict[str, Callable]:
-    """Variant name -> a function that builds its step, for ``layout`` (``tp2``,
+    """Variant name -> a function that builds its step, for ``layout`` (``tp2``, ``dp2``,
     ``dp2.zero2`` or ``pp2.1f1b``) at ``shape`` ``(blocks, hidden, batch, seq, micro-batches)``
     of the model ``gcfg``: distllm first, then its torch peers."""
     _, _, batch, seq, m = shape
     out = {"distllm": lambda: _distllm(layout, gcfg, batch, seq, m, dims)}
     if layout == "tp2":
         out["torch_dtensor_tp"] = lambda: _torch_tp(gcfg, batch, seq, dims)
+    elif layout == "dp2":
+        out["torch_ddp"] = lambda: _torch_dp("ddp", gcfg, batch, seq, dims)
     elif layout == "dp2.zero2":
         out["torch_ddp"] = lambda: _torch_dp("ddp", gcfg, batch, seq, dims)
         out["torch_fsdp2_zero2"] = lambda: _torch_dp("fsdp2", gcfg, batch, seq, dims)

@@ -20,18 +20,18 @@ def _st(ms: float):
 def test_cases_run_every_layout_at_both_sizes_then_the_overhead():
     got = [(c.label, c.ranks, c.networks, c.suite) for c in train_e2e.cases(BenchConfig())]
     layouts = [(f"{lay} {m}", 2, True, None) for m in ("tiny", "6x768")
-               for lay in ("tp2", "dp2.zero2", "pp2.1f1b")]
+               for lay in ("tp2", "dp2", "dp2.zero2", "pp2.1f1b")]
     assert got == [*layouts, ("tiny tp1.pp1.dp1", 1, False, "train_overhead")]
-    assert [c.label for c in train_e2e.cases(BenchConfig(quick=True))][:3] == [
-        "tp2 tiny", "dp2.zero2 tiny", "pp2.1f1b tiny"]
+    assert [c.label for c in train_e2e.cases(BenchConfig(quick=True))][:4] == [
+        "tp2 tiny", "dp2 tiny", "dp2.zero2 tiny", "pp2.1f1b tiny"]
     [gpu] = train_e2e.cases(BenchConfig(device="cuda"))
     assert gpu.skip == "the CPU suite (gloo ranks)"
 
 
 def test_shapes_choose_the_model():
     cases = train_e2e.cases(BenchConfig(shapes="6,768,8,64;2,256,4,32,2"))
-    assert [c.label for c in cases[:4:3]] == ["tp2 6x768", "tp2 2x256"]
-    assert cases[3].params["shape"] == (2, 256, 4, 32, 2)
+    assert [c.label for c in cases[:5:4]] == ["tp2 6x768", "tp2 2x256"]
+    assert cases[4].params["shape"] == (2, 256, 4, 32, 2)
     assert cases[0].params["shape"] == (6, 768, 8, 64, 4)  # micro-batches default 4
     cfg, name = train_e2e.model_of((6, 768, 8, 64, 4))
     assert (name, cfg.n_heads, cfg.ffn_hidden_size, cfg.vocab_size) == ("6x768", 12, 3072, 256)
@@ -42,12 +42,12 @@ def test_shapes_choose_the_model():
 
 def test_model_presets_choose_the_sizes():
     cases = train_e2e.cases(BenchConfig(extra={"model": ["tiny", "gpt2-small"]}))
-    assert [c.label for c in cases[:6:3]] == ["tp2 tiny", "tp2 12x768"]
+    assert [c.label for c in cases[:8:4]] == ["tp2 tiny", "tp2 12x768"]
     # blocks and hidden from the preset; batch, sequence, micro-batches from its size class
-    assert [c.params["shape"] for c in cases[:6:3]] == [(4, 128, 16, 128, 4), (12, 768, 8, 64, 4)]
+    assert [c.params["shape"] for c in cases[:8:4]] == [(4, 128, 16, 128, 4), (12, 768, 8, 64, 4)]
     assert train_e2e.model_shapes("gpt2-medium, tiny", quick=True) == [
         (24, 1024, 8, 64, 4), (4, 128, 8, 64, 2)]
-    assert train_e2e.model_of(cases[3].params["shape"])[0].n_heads == 12
+    assert train_e2e.model_of(cases[4].params["shape"])[0].n_heads == 12
     with pytest.raises(ValueError, match=r"--model 'gpt2-small-6': unknown GPT preset.*"
                                          r"choose from tiny, gpt2-small"):
         train_e2e.cases(BenchConfig(extra={"model": "gpt2-small-6"}))
@@ -62,11 +62,12 @@ def _bd(ops: int, syncs: int) -> dict:
 
 
 def test_layout_rows_against_the_best_peer_with_breakdowns(tmp_path):
-    case = train_e2e.cases(BenchConfig())[1]
+    case = train_e2e.cases(BenchConfig())[2]
     prof = {"distllm": _bd(100, 1), "torch_ddp": _bd(120, 50), "torch_fsdp2_zero2": _bd(1, 1)}
     res = Result({"distllm": _st(50.0), "torch_ddp": _st(40.0),
                   "torch_fsdp2_zero2": _st(80.0)}, {"x": "ImportError: no"},
-                 [{"tokens": 1000, "model": "tiny", "breakdown": prof}] * 2, "2gbit", "")
+                 [{"tokens": 1000, "model": "tiny", "breakdown": prof,
+                   "grad_reduce": "during backward: reduce-scatter mode"}] * 2, "2gbit", "")
     rows = {r["variant"]: r for r in train_e2e.rows(BenchConfig(out=tmp_path), case, res)}
     ours = rows["distllm"]["extra"]
     assert ours["vs_torch"] == pytest.approx(40.0 / 50.0)
@@ -75,6 +76,8 @@ def test_layout_rows_against_the_best_peer_with_breakdowns(tmp_path):
     assert ours["vs_peer"]["ops"] == [100, 120, -20] and ours["vs_peer"]["syncs"] == [1, 50, -49]
     assert "top" not in ours["breakdown"] and ours["breakdown"]["ops"] == 100
     assert rows["torch_ddp"]["extra"]["role"] == "peer"
+    assert ours["grad_reduce"] == "during backward: reduce-scatter mode"  # distllm's row only
+    assert "grad_reduce" not in rows["torch_ddp"]["extra"]
     assert rows["x"]["status"] == "unavailable" and rows["x"]["reason"] == "ImportError: no"
     assert rows["distllm"]["case"] == "2gbit dp2.zero2 tiny b1000 tokens/step"
     kept = json.loads((tmp_path / train_e2e.BREAKDOWN_FILE).read_text())
