@@ -9,6 +9,8 @@ sets it, else guessed from its name (:func:`role_of`):
 - ``peer``: the best outside equivalent (``torch_*``, ``onednn``, ``addmm``, ``fsdp``, ...);
 - ``ideal``: a bound computed from measured parts (``ideal``), never a contender;
 - ``part``: a component timed alone (``*_only``, ``*_alone``, ``gemm``, ``allreduce``);
+- ``control``: the baseline again, elsewhere in the round (an A/A control, set by the
+  module): how far one variant reads from itself, never a contender; an auto note quotes it;
 - ``fused``: everything else (the distllm paths: ``fused``, ``overlap``, ``chunked``, ``auto``).
 
 Speed-ups are ratios of medians measured in the same run (``unfused.ms / variant.ms``),
@@ -159,9 +161,11 @@ def _auto_note(rows: list[dict], base: dict | None) -> str:
         return ""
     lo, mid, hi = speedup_band(base, auto)
     b = base["variant"]
+    ctl = next((r for r in rows if _ok(r) and role_of(r) == "control"), None)
+    aa = f" ({b} against itself: {speedup_band(base, ctl)[1]:.2f}x)" if ctl else ""
     if hi < 1.0:
-        return f"; auto is {1 / mid:.2f}x slower than {b} (a miss)"
-    return f"; auto runs at {mid:.2f}x of {b}"
+        return f"; auto is {1 / mid:.2f}x slower than {b} (a miss){aa}"
+    return f"; auto runs at {mid:.2f}x of {b}{aa}"
 
 
 def _stage(rows: list[dict]) -> tuple[str, bool]:
@@ -189,7 +193,8 @@ def _verdict(rows: list[dict]) -> str:
     bad = [r for r in rows if r.get("status") != "ok"]
     fused, base = _best(rows, "fused"), _best(rows, "unfused")
     if base is None:
-        ok = sorted((r for r in rows if _ok(r) and role_of(r) not in ("ideal", "part")),
+        ok = sorted((r for r in rows
+                     if _ok(r) and role_of(r) not in ("ideal", "part", "control")),
                     key=lambda r: r["ms"])
         if len(ok) >= 2:
             lo, mid, _ = speedup_band(ok[1], ok[0])

@@ -14,6 +14,12 @@ Case ``fwd M,K,N``: per rank ``Y_partial = X (M, K) @ W^T (K, N)`` then all-redu
 - ``auto``: ``RowParallelLinear(overlap="auto")``'s forward (its first call measures and
   picks chunks or none; that call is warm-up), with the choice in ``extra``;
 - ``ideal``: ``max(gemm, allreduce)`` from the medians (a bound, not timed);
+- ``sequential_again`` (role ``control``): the sequential schedule once more, last in the
+  round, where its neighbours are others than ``sequential``'s: an A/A control. Its ratio
+  to ``sequential`` is how far one schedule reads from itself in this run
+  (``extra.same_schedule_ratio`` on ``auto``'s row too), the resolution any verdict between
+  two schedules of the case has (on 2 loopback ranks at (2048, 512, 2048) it read from 0.76x
+  to 1.12x in four runs);
 - ``gemm_beside_allreduce`` (all-reduce cases): the whole all-reduce started asynchronously,
   then the whole GEMM beside it, then the wait (no dependency between them, so no schedule
   can overlap more): what this machine's cores allow, since the collective's own CPU (gloo's
@@ -181,6 +187,7 @@ def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
     counter = stats_of.backward if kind == "bwd" else stats_of.forward
     _schedule_parts(v, (ekind, a, mm, n_out, then), comm, (0, 1) if kind == "bwd" else (0,),
                     auto=(counter.chunks, counter.growth))
+    v["sequential_again"] = v["sequential"]  # the A/A control: last in the round
     return v, stats_of, (ekind, a, mm, n_out, then)
 
 
@@ -298,6 +305,8 @@ def case_rows(suite: str, kind: str, shape, res: dict[str, Stats], info: dict, n
     comm_name = next(x for x in res if x.startswith(("allreduce", "allgather", "reducescatter")))
     t_comm, t_gemm = res[comm_name].median_ms, res["gemm"].median_ms
     t_seq = res["sequential"].median_ms
+    again = res.get("sequential_again")
+    aa = t_seq / again.median_ms if again is not None else None  # speed, as speedup_vs_unfused
     common = dict(dtype=dtype, shape=f"{m}x{k}x{n}", device="cpu", net=net)
     beside = res.get("gemm_beside_allreduce")
     machine = hidden_share(beside.median_ms, t_gemm, t_comm) if beside is not None else None
@@ -312,11 +321,14 @@ def case_rows(suite: str, kind: str, shape, res: dict[str, Stats], info: dict, n
             extra.update(role="part", chunking_penalty=st.median_ms / t_gemm - 1)
         elif name == "sequential":
             extra["role"] = "unfused"
+        elif name == "sequential_again":
+            extra.update(role="control", vs_sequential=st.median_ms / t_seq - 1)
         else:
             extra.update(role="fused", vs_sequential=st.median_ms / t_seq - 1)
             if name == "auto":
                 d = info.get("forward" if kind != "bwd" else "backward", {})
-                extra.update(auto_chunks=d.get("chunks"), auto_reason=d.get("reason"))
+                extra.update(auto_chunks=d.get("chunks"), auto_reason=d.get("reason"),
+                             same_schedule_ratio=aa)
         if name in info.get("timelines", {}):
             extra["timeline"] = info["timelines"][name]
         hid = None

@@ -74,6 +74,7 @@ def test_row_overlap_hidden_uses_each_variants_own_parts():
         "chunked4": 25.0, "auto": 26.0,
         "compute_alone_c0": 10.0, "comm_alone_c0": 20.0,
         "compute_alone_c4": 12.0, "comm_alone_c4": 24.0,  # chunked: slower parts
+        "sequential_again": 33.0,  # the A/A control: one schedule read 10% slower
     }.items()}
     info = {"forward": {"chunks": 4, "reason": "4 chunks"}}
     rows = {r["variant"]: r for r in row_parallel_overlap.case_rows(
@@ -90,6 +91,10 @@ def test_row_overlap_hidden_uses_each_variants_own_parts():
         assert rows[part]["extra"]["role"] == "part" and rows[part]["hidden_frac"] is None
     assert rows["sequential"]["hidden_frac"] is None  # the baseline
     assert rows["ideal"]["hidden_frac"] == pytest.approx(1.0)
+    again = rows["sequential_again"]
+    assert again["extra"]["role"] == "control" and again["hidden_frac"] is None
+    assert again["extra"]["vs_sequential"] == pytest.approx(0.1)
+    assert rows["auto"]["extra"]["same_schedule_ratio"] == pytest.approx(30 / 33)
 
 
 def test_auto_is_measured_against_the_parts_of_the_schedule_it_chose():

@@ -156,6 +156,12 @@ def test_roles_and_verdicts():
     tie = [_r("unfused", 10.0, 0.2), _r("fused", 9.8, 0.2), _r("auto", 10.0, 0.2)]
     assert report.verdict(tie).startswith("no gain here (fused 1.02x, within the spread)")
     assert "auto runs at 1.00x of unfused" in report.verdict(tie)
+    assert "against itself" not in report.verdict(tie)
+    # an A/A control (the baseline again, elsewhere in the round) is quoted, never a contender
+    ctl = _r("unfused_again", 9.0, 0.2, role="control")
+    assert report.verdict([*tie, ctl]).endswith(
+        "auto runs at 1.00x of unfused (unfused against itself: 1.11x)")
+    assert report.verdict([ctl, _r("a", 10.0), _r("b", 12.0)]).startswith("fastest: a (1.20x")
     sched = [_r("gpipe", 10.0), _r("1f1b", 8.0)]
     assert report.verdict(sched).startswith("fastest: 1f1b (1.25x over gpipe")
     gone = [row("s", "c", "fused", status="unavailable", reason="needs CUDA")]
