@@ -31,7 +31,7 @@ def test_cases_run_every_layout_at_both_sizes_then_the_overhead():
 def test_shapes_choose_the_model():
     cases = train_e2e.cases(BenchConfig(shapes="6,768,8,64;2,256,4,32,2"))
     assert [c.label for c in cases[:5:4]] == ["tp2 6x768", "tp2 2x256"]
-    assert cases[4].params["shape"] == (2, 256, 4, 32, 2)
+    assert cases[len(train_e2e.LAYOUTS)].params["shape"] == (2, 256, 4, 32, 2)
     assert cases[0].params["shape"] == (6, 768, 8, 64, 4)  # micro-batches default 4
     cfg, name = train_e2e.model_of((6, 768, 8, 64, 4))
     assert (name, cfg.n_heads, cfg.ffn_hidden_size, cfg.vocab_size) == ("6x768", 12, 3072, 256)
@@ -42,12 +42,13 @@ def test_shapes_choose_the_model():
 
 def test_model_presets_choose_the_sizes():
     cases = train_e2e.cases(BenchConfig(extra={"model": ["tiny", "gpt2-small"]}))
-    assert [c.label for c in cases[:8:4]] == ["tp2 tiny", "tp2 12x768"]
+    assert [c.label for c in cases[::len(train_e2e.LAYOUTS)][:2]] == ["tp2 tiny", "tp2 12x768"]
     # blocks and hidden from the preset; batch, sequence, micro-batches from its size class
-    assert [c.params["shape"] for c in cases[:8:4]] == [(4, 128, 16, 128, 4), (12, 768, 8, 64, 4)]
+    firsts = cases[::len(train_e2e.LAYOUTS)][:2]  # each size's first layout
+    assert [c.params["shape"] for c in firsts] == [(4, 128, 16, 128, 4), (12, 768, 8, 64, 4)]
     assert train_e2e.model_shapes("gpt2-medium, tiny", quick=True) == [
         (24, 1024, 8, 64, 4), (4, 128, 8, 64, 2)]
-    assert train_e2e.model_of(cases[4].params["shape"])[0].n_heads == 12
+    assert train_e2e.model_of(cases[len(train_e2e.LAYOUTS)].params["shape"])[0].n_heads == 12
     with pytest.raises(ValueError, match=r"--model 'gpt2-small-6': unknown GPT preset.*"
                                          r"choose from tiny, gpt2-small"):
         train_e2e.cases(BenchConfig(extra={"model": "gpt2-small-6"}))
