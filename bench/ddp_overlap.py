@@ -120,19 +120,37 @@ def _mb(n: int) -> float:
 
 
 # --- variant builders: each returns (step fn, memory dict) -------------------------------------
-def _distllm_ddp(shape, x, dims, cap):
-    from distllm.parallel import DistributedDataParallel, memory_report
+def _ddp(overlap: bool | str = True):
+    """The builder of distllm DDP with ``overlap_grad_reduce=overlap``: ``distllm_ddp``
+    (True), ``no_overlap`` (False: every bucket all-reduced at the end of backward) and
+    ``ddp_auto`` ("auto": its trial runs here, before the timing, the same number of steps on
+    every rank; the step carries what it chose as ``step.decision``)."""
+    def build(shape, x, dims, cap):
+        from distllm.parallel import DistributedDataParallel, memory_report
 
-    m = _model(shape)
-    d = DistributedDataParallel(m, dims=dims, bucket_cap_mb=cap)
-    opt = _adamw(m.parameters())
+        m = _model(shape)
+        d = DistributedDataParallel(m, dims=dims, bucket_cap_mb=cap, overlap_grad_reduce=overlap)
+        opt = _adamw(m.parameters())
 
-    def step():
-        d.zero_grad()
-        d(x).pow(2).mean().backward()
-        opt.step()
+        def step():
+            d.zero_grad()
+            d(x).pow(2).mean().backward()
+            opt.step()
 
-    return step, lambda: memory_report(d, optimizer=opt)
+        if overlap == "auto":
+            trial_steps = 0
+            while d.reducer.tuning:
+                step()
+                trial_steps += 1
+            step.decision = {"auto_decision": d.reducer.overlap_reason,
+                             "auto_overlaps": d.reducer.overlap,
+                             "auto_trial_steps": trial_steps}
+        return step, lambda: memory_report(d, optimizer=opt)
+
+    return build
+
+
+_distllm_ddp = _ddp()
 
 
 def _torch_ddp(shape, x, dims, cap):
@@ -148,42 +166,6 @@ def _torch_ddp(shape, x, dims, cap):
         opt.step()
 
     return step, lambda: memory_report(m, optimizer=opt)
-
-
-def _no_overlap(shape, x, dims, cap):
-    from distllm.parallel import DistributedDataParallel, memory_report
-
-    m = _model(shape)
-    d = DistributedDataParallel(m, dims=dims, bucket_cap_mb=cap, overlap_grad_reduce=False)
-    opt = _adamw(m.parameters())
-
-    def step():
-        d.zero_grad()
-        d(x).pow(2).mean().backward()  # every bucket all-reduced at the end of backward
-        opt.step()
-
-    return step, lambda: memory_report(d, optimizer=opt)
-
-
-def _ddp_auto(shape, x, dims, cap):
-    from distllm.parallel import DistributedDataParallel, memory_report
-
-    m = _model(shape)
-    d = DistributedDataParallel(m, dims=dims, bucket_cap_mb=cap, overlap_grad_reduce="auto")
-    opt = _adamw(m.parameters())
-
-    def step():
-        d.zero_grad()
-        d(x).pow(2).mean().backward()
-        opt.step()
-
-    trial_steps = 0
-    while d.reducer.tuning:  # the trial (the same number of steps on every rank) decides
-        step()
-        trial_steps += 1
-    step.decision = {"auto_decision": d.reducer.overlap_reason,
-                     "auto_overlaps": d.reducer.overlap, "auto_trial_steps": trial_steps}
-    return step, lambda: memory_report(d, optimizer=opt)
 
 
 def _zero(stage, prefetch=True):
@@ -270,8 +252,8 @@ def _parts(shape, x, dims, cap) -> dict:
 
 
 _BUILDERS = {
-    "distllm_ddp": _distllm_ddp, "torch_ddp": _torch_ddp, "no_overlap": _no_overlap,
-    "ddp_auto": _ddp_auto,
+    "distllm_ddp": _distllm_ddp, "torch_ddp": _torch_ddp, "no_overlap": _ddp(False),
+    "ddp_auto": _ddp("auto"),
     "zero1": _zero(1), "zero2": _zero(2), "zero3": _zero(3), "zero3_noprefetch": _zero(3, False),
     "fsdp2": _fsdp2,
 }

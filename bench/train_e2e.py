@@ -166,7 +166,6 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
         except Exception as e:  # noqa: BLE001 - a variant that cannot run here is a row
             missing[vname] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
-    grad_reduce = None
     if "distllm" in variants:  # the "auto" trials in the step run before the timing
         ours = variants["distllm"]
         settle_overlap(ours, ours.engine.chunks)  # the row-parallel schedules
@@ -174,7 +173,6 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
             ours()  # on every rank)
         if (d := drain(ours)) is not None:
             d()
-        grad_reduce = getattr(ours.engine.grad_sync, "reducer", None)
     steps = dict(variants)  # a step that leaves work in flight is timed within a loop
     variants = {n: f if (d := drain(f)) is None else LoopStep(f, d) for n, f in steps.items()}
 
@@ -184,7 +182,8 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
             prof[n]["cpu"] = cpu_split(f, before=dist.barrier, drain=drain(f))
         dist.barrier()
         return {"tokens": shape[2] * shape[3], "model": name, "breakdown": prof,
-                "grad_reduce": grad_reduce and grad_reduce.overlap_reason}
+                "grad_reduce": (steps["distllm"].engine.reduction_reason()
+                                if "distllm" in steps else None)}
 
     return Setup(variants, missing, warmup=2, reps=reps, finish=finish)
 

@@ -141,6 +141,12 @@ class Engine:
         reducer = getattr(self.grad_sync, "reducer", None)
         return reducer is not None and reducer.tuning
 
+    def reduction_reason(self) -> str | None:
+        """How the data-parallel gradient reduction runs and why (the trial's decision and
+        its figures under ``--overlap-grad-reduce auto``); None without one."""
+        reducer = getattr(self.grad_sync, "reducer", None)
+        return None if reducer is None else reducer.overlap_reason
+
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
 

@@ -203,7 +203,7 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
                     "overlap_tuning": tuning or overlap_tuning(plans)}) + "\n")
                 metrics.flush()
             if reducing and not engine.reduction_tuning():  # it decided in this step
-                bar.write(f"gradient reduction {engine.grad_sync.reducer.overlap_reason}", dims)
+                bar.write(f"gradient reduction {engine.reduction_reason()}", dims)
             bar.update(f"loss {loss:.4f} | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}%")
             done = step + 1
             if cfg.save_every and done % cfg.save_every == 0 and done < end:
