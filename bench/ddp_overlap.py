@@ -35,7 +35,8 @@ the middle step of three (:class:`distllm.bench.harness.LoopStep`), as in a trai
 ``hidden_frac = (fwd + bwd + comm + opt - variant) / min(bwd, comm)`` from the parts alone:
 the share of what could hide (the reduction under backward) that the variant hid; its
 ceiling is 1 (``extra.hidden_ceiling``), and a row above it is a measurement error that the
-report flags. torch DDP's rows use the same parts (its first bucket is smaller: an
+report flags; ``extra.hidden_band`` is its p10..p90 taken round by round (:func:`_hidden_band`).
+torch DDP's rows use the same parts (its first bucket is smaller: an
 approximation). ``peak_mem_mb``: bytes of parameters + gradients + optimizer state held per
 rank after a step, measured from the tensors (:func:`distllm.parallel.memory_report`;
 activations and transient buffers excluded; torch DDP's internal buckets are not visible and
@@ -62,7 +63,7 @@ from torch import nn
 
 from distllm.comm.collectives import all_reduce
 from distllm.diagnostics.timeline import hidden, profile_timeline
-from distllm.diagnostics.timing import Stats
+from distllm.diagnostics.timing import Stats, paired_band
 
 SUITE_DDP, SUITE_ZERO = "ddp", "zero"
 SUITE = SUITE_DDP  # cases of the zero phase name their suite
@@ -340,6 +341,19 @@ def _rowkw(res: dict, name: str, label: str, reason: str) -> dict:
     return kw
 
 
+def _hidden_band(st: dict[str, Stats], s: Stats) -> tuple[float, float] | None:
+    """p10..p90 of the hidden share of the variant timed ``s``, round by round: repetition
+    ``i`` of the variant and of every part ran in the same round."""
+
+    def share(v: float, fwd: float, fwd_bwd: float, comm: float, opt: float) -> float | None:
+        can_hide = min(fwd_bwd - fwd, comm)
+        return (fwd_bwd + comm + opt - v) / can_hide if can_hide > 0 else None
+
+    return paired_band(share, s.samples_ms, *(st[n].samples_ms for n in
+                                              ("fwd_alone", "fwd_bwd_alone", "comm_alone",
+                                               "opt_alone")))
+
+
 def _ddp_rows(res: dict, case: str, label: str, reason: str) -> list[dict]:
     st: dict[str, Stats] = res["stats"]
     med = {n: s.median_ms for n, s in st.items()}
@@ -359,7 +373,7 @@ def _ddp_rows(res: dict, case: str, label: str, reason: str) -> list[dict]:
             kw["role"] = "peer" if name == "torch_ddp" else "fused"
             kw["hidden_frac"] = (parts - s.median_ms) / can_hide if can_hide > 0 else None
             kw.update(vs_ideal=s.median_ms / ideal, comm_ms=comm, bwd_ms=bwd,
-                      hideable_ms=can_hide, hidden_ceiling=1.0)
+                      hideable_ms=can_hide, hidden_ceiling=1.0, hidden_band=_hidden_band(st, s))
         if name == "ddp_auto":  # what it chose, against both schedules it chose from
             best = min(med["distllm_ddp"], med["no_overlap"])
             kw.update(res["auto"]["ddp_auto"], vs_distllm_ddp=s.median_ms / med["distllm_ddp"],

@@ -21,7 +21,9 @@ only when the whole band is above 1: faster in at least nine rounds of ten.
 A ``hidden_frac`` above its ceiling (``extra.hidden_ceiling``, else 1: nothing hides more
 than all of what could hide) is impossible, so the measurement is wrong: :func:`annotate`
 sets ``extra.above_ceiling`` on every row with a hidden share, and the tables mark such a
-figure with ``⚠`` and a note. A case whose rows say what they were measured on
+figure with ``⚠`` and a note. A hidden share's cell carries its band where the row has one
+(``extra.hidden_band``: the p10..p90 of the share taken round by round; single rounds may
+pass the ceiling, which marks only the median). A case whose rows say what they were measured on
 (``extra.stage``) names it in its verdict; on a synthetic stage (``extra.synthetic``, e.g.
 fixed-duration sleeps) the verdict reports the ratio and recommends nothing.
 """
@@ -36,12 +38,11 @@ from typing import Any
 
 from distllm.bench.rows import fmt
 
-from distllm.diagnostics.timing import quantile
+from distllm.diagnostics.timing import paired_band
 
 __all__ = ["role_of", "annotate", "verdict", "suite_table", "write_report", "by_case",
            "speedup_band", "not_measured", "summary_table", "above_ceiling"]
 
-PAIRED_MIN = 5  # repetitions of each variant for a paired band (else the two p10..p90 bands)
 CEILING_MARK = "⚠"
 UNRESOLVED_MARK = "n/r"
 UNRESOLVED_NOTE = (f"{UNRESOLVED_MARK}: hidden share not resolved: what could hide is within the "
@@ -111,16 +112,17 @@ def speedup_band(base: dict, r: dict) -> tuple[float, float, float]:
     """``(low, mid, high)`` of ``base`` over ``r``: ``mid`` is the ratio of the medians.
 
     Paired (both rows carry ``extra.samples_ms`` of the same run length, at least
-    :data:`PAIRED_MIN`): the 10th and 90th percentiles of the per-repetition ratios
-    ``base_i / r_i``. The runner interleaves the variants, so repetition ``i`` of each ran
-    in the same round and a drift of the machine moves both; ``low > 1`` says ``r`` was
-    faster in nine rounds of ten. Otherwise the widest ratio of the two p10..p90 bands,
-    ``base.p10 / r.p90 .. base.p90 / r.p10`` (rows of different runs)."""
+    :data:`~distllm.diagnostics.timing.PAIRED_MIN`): the 10th and 90th percentiles of the
+    per-repetition ratios ``base_i / r_i``. The runner interleaves the variants, so
+    repetition ``i`` of each ran in the same round and a drift of the machine moves both;
+    ``low > 1`` says ``r`` was faster in nine rounds of ten. Otherwise the widest ratio of
+    the two p10..p90 bands, ``base.p10 / r.p90 .. base.p90 / r.p10`` (rows of different
+    runs)."""
     mid = base["ms"] / r["ms"]
     a, b = _samples(base), _samples(r)
-    if a is not None and b is not None and len(a) == len(b) >= PAIRED_MIN:
-        ratios = [x / y for x, y in zip(a, b, strict=True)]
-        return min(quantile(ratios, 0.1), mid), mid, max(quantile(ratios, 0.9), mid)
+    band = paired_band(lambda x, y: x / y, a, b) if a is not None and b is not None else None
+    if band is not None:
+        return min(band[0], mid), mid, max(band[1], mid)
     (b10, b90), (r10, r90) = _band(base), _band(r)
     return b10 / r90, mid, b90 / r10
 
@@ -250,7 +252,12 @@ def _hidden_cell(r: dict) -> str:
     hid = r.get("hidden_frac")
     if not isinstance(hid, int | float):
         return UNRESOLVED_MARK if _unresolved(r) else ""
-    return f"{100 * hid:.0f}%" + (f" {CEILING_MARK}" if above_ceiling(r) else "")
+    extra = r.get("extra") if isinstance(r.get("extra"), dict) else {}
+    band = extra.get("hidden_band")
+    ok = isinstance(band, list | tuple) and len(band) == 2 and all(
+        isinstance(x, int | float) for x in band)
+    return (f"{100 * hid:.0f}%" + (f" ({100 * band[0]:.0f}..{100 * band[1]:.0f})" if ok else "")
+            + (f" {CEILING_MARK}" if above_ceiling(r) else ""))
 
 
 def _ceiling_note(rows: Iterable[dict]) -> list[str]:

@@ -36,14 +36,16 @@ Case ``fwd M,K,N``: per rank ``Y_partial = X (M, K) @ W^T (K, N)`` then all-redu
 parts: the share of what could hide that the variant hid, from medians; its ceiling is 1
 (``extra.hidden_ceiling``), and a row above it is a measurement error that the report flags
 (``extra.hidden_frac_min``: the same from the fastest repetition of each, a view less
-sensitive to a loaded machine). Where what can hide is no larger than the p10..p90 width
-of either part, the share is noise and is not reported: ``hidden_frac`` is None,
-``extra.hidden_unresolved`` says why and ``extra.hidden_frac_unresolved`` keeps the
-number (:func:`unresolved`). ``extra.machine_ceiling`` is the share that
-``gemm_beside_allreduce`` hides (of ``min(gemm, allreduce)``, the parts alone), and
+sensitive to a loaded machine; ``extra.hidden_band``: the p10..p90 of the share taken round
+by round, :func:`hidden_band`, in which single rounds may pass 1). Where what can hide is no
+larger than the p10..p90 width of either part, the share is noise and is not reported:
+``hidden_frac`` is None, ``extra.hidden_unresolved`` says why and
+``extra.hidden_frac_unresolved`` keeps the number (:func:`unresolved`).
+``extra.machine_ceiling`` is the share that ``gemm_beside_allreduce`` hides (of
+``min(gemm, allreduce)``, the parts alone; its band ``extra.machine_ceiling_band``), and
 ``extra.of_machine_ceiling`` the variant's hidden share over it. Case ``bwd M,K,N``:
-``dX = dY (M, N) @ W (N, K)`` all-reduced while ``dW = dY^T @ X`` computes
-(``chunked<c>`` chunks the dX GEMM too).
+``dX = dY (M, N) @ W (N, K)`` all-reduced while ``dW = dY^T @ X`` computes (``chunked<c>``
+chunks the dX GEMM too).
 
 ``cfg.net`` (e.g. ``"2gbit"``) runs the ranks in network namespaces joined by a
 rate-limited link (:mod:`distllm.testing.netem`), and loopback too unless ``quick``; where
@@ -63,7 +65,7 @@ from distllm.bench.rows import row
 
 from distllm.comm.collectives import all_reduce
 from distllm.comm.compat import all_gather_into, reduce_scatter_into
-from distllm.diagnostics.timing import Stats, cuda_event_timer
+from distllm.diagnostics.timing import Stats, cuda_event_timer, paired_band
 
 SUITE = "row_overlap"
 CHUNKS = (2, 4, 8)
@@ -221,6 +223,13 @@ def hidden_share(variant_ms: float, compute_ms: float, comm_ms: float) -> float 
     return (compute_ms + comm_ms - variant_ms) / can_hide if can_hide > 0 else None
 
 
+def hidden_band(variant: Stats, compute: Stats, comm: Stats) -> tuple[float, float] | None:
+    """The p10..p90 of :func:`hidden_share` round by round (repetition ``i`` of the variant
+    and of its two parts ran in the same round; see
+    :func:`~distllm.diagnostics.timing.paired_band`), or None with too few rounds."""
+    return paired_band(hidden_share, variant.samples_ms, compute.samples_ms, comm.samples_ms)
+
+
 def unresolved(compute: Stats, comm: Stats) -> str:
     """Why the hidden share of a variant with these parts cannot be told from noise, or "":
     what can hide, ``min(compute, comm)``, is no larger than the p10..p90 width of either
@@ -310,11 +319,12 @@ def case_rows(suite: str, kind: str, shape, res: dict[str, Stats], info: dict, n
     common = dict(dtype=dtype, shape=f"{m}x{k}x{n}", device="cpu", net=net)
     beside = res.get("gemm_beside_allreduce")
     machine = hidden_share(beside.median_ms, t_gemm, t_comm) if beside is not None else None
+    machine_band = None if beside is None else hidden_band(beside, res["gemm"], res[comm_name])
     rows = []
     for name, st in res.items():
         extra: dict = {}
         if name == "gemm_beside_allreduce":
-            extra.update(role="part", machine_ceiling=machine)
+            extra.update(role="part", machine_ceiling=machine, machine_ceiling_band=machine_band)
         elif name == comm_name or name == "gemm" or name.endswith("_alone") or "_alone_" in name:
             extra["role"] = "part"
         elif name.startswith("gemm_chunked"):
@@ -339,6 +349,7 @@ def case_rows(suite: str, kind: str, shape, res: dict[str, Stats], info: dict, n
             hid = hidden_share(st.median_ms, comp.median_ms, com.median_ms)
             # best-of-reps view, less sensitive to a loaded machine
             extra.update(hidden_frac_min=hidden_share(st.min_ms, comp.min_ms, com.min_ms),
+                         hidden_band=hidden_band(st, comp, com),
                          compute_ms=comp.median_ms, comm_ms=com.median_ms,
                          hideable_ms=min(comp.median_ms, com.median_ms), hidden_ceiling=1.0)
             why = unresolved(comp, com)

@@ -7,6 +7,9 @@ doctor, ``distllm plan --calibrate`` and the emulated-link check. The rules:
   C B A, so that drift of the machine hits every variant alike and none is always first;
 - **samples, then a summary**: :func:`interleaved_samples` returns every repetition's
   milliseconds per variant; :func:`stats_of` gives the median, p10/p90 and minimum;
+  repetition ``i`` of every variant ran in the same round, so a figure made of several
+  variants (a speed-up, a hidden share) has a band taken round by round
+  (:func:`paired_band`), in which a drift of the machine moves every term alike;
 - **one clock per kind of work**: ``timer(fn) -> ms`` is :func:`wall_timer` (with a device
   synchronisation inside the timed region), :func:`cuda_event_timer` (GPU time on the
   current stream) or :func:`process_time_timer` (this process's CPU time);
@@ -44,6 +47,8 @@ __all__ = [
     "Stats",
     "stats_of",
     "quantile",
+    "paired_band",
+    "PAIRED_MIN",
     "wall_timer",
     "cuda_event_timer",
     "process_time_timer",
@@ -84,6 +89,26 @@ def quantile(xs: Sequence[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+# rounds a band taken round by round needs (else callers fall back to the variants' own bands)
+PAIRED_MIN = 5
+
+
+def paired_band(fn: Callable[..., float | None], *series: Sequence[float]
+                ) -> tuple[float, float] | None:
+    """``(p10, p90)`` of ``fn(x_i, y_i, ...)`` over the rounds ``i`` of ``series`` (one
+    variant's repetitions each, in the order :func:`interleaved_samples` ran them), rounds
+    where ``fn`` gives None left out; None unless every series has the same length, at
+    least :data:`PAIRED_MIN`, and ``fn`` gave that many values. The ends are single rounds:
+    a band says how far one round's figure strays, not how precise the median is."""
+    n = len(series[0]) if series else 0
+    if n < PAIRED_MIN or any(len(s) != n for s in series):
+        return None
+    vals = [v for v in (fn(*xs) for xs in zip(*series, strict=True)) if v is not None]
+    if len(vals) < PAIRED_MIN:
+        return None
+    return quantile(vals, 0.1), quantile(vals, 0.9)
 
 
 def stats_of(samples_ms: Sequence[float]) -> Stats:

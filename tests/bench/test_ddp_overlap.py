@@ -32,6 +32,21 @@ def test_ddp_hidden_is_a_share_of_the_backward_it_can_hide_under():
     assert (e["parts_ms"], e["vs_parts"]) == (50.0, pytest.approx(1.1))
 
 
+def test_ddp_hidden_band_pairs_each_variant_with_the_parts_of_its_round():
+    drift = [1.0, 1.3, 0.9, 1.2, 0.8, 1.1]
+    st = {name: stats_of([ms * d for d in drift]) for name, ms in {
+        "distllm_ddp": 40.0, "torch_ddp": 38.0, "no_overlap": 55.0,
+        "fwd_alone": 10.0, "fwd_bwd_alone": 30.0, "comm_alone": 15.0, "opt_alone": 5.0,
+    }.items()}
+    st["torch_ddp"] = stats_of([38.0 * d for d in drift[::-1]])  # rounds out of step
+    res = {"stats": st, "mem": {}, "timelines": {}}
+    rows = {r["variant"]: r for r in ddp_overlap._ddp_rows(res, "c", "loopback", "")}
+    assert rows["distllm_ddp"]["extra"]["hidden_band"] == pytest.approx(((50 - 40) / 15,) * 2)
+    lo, hi = rows["torch_ddp"]["extra"]["hidden_band"]
+    assert lo < 0.3 and hi > 1.2, (lo, hi)
+    assert "hidden_band" not in rows["no_overlap"]["extra"]
+
+
 def test_targets_ddp_not_slower_than_torch_over_a_link_and_zero_within_its_bars():
     parts = {"fwd_alone": 10.0, "fwd_bwd_alone": 33.0, "comm_alone": 15.0, "opt_alone": 7.0}
 

@@ -177,6 +177,45 @@ def test_row_overlap_machine_ceiling_from_the_gemm_beside_its_all_reduce():
     assert e["of_machine_ceiling"] == pytest.approx((11 / 12) / 0.8)
 
 
+def test_hidden_share_has_a_band_taken_round_by_round():
+    """Rounds that run every variant of the case slower alike (the machine's drift) leave
+    the share of each round where it is; the band says so, and the report prints it. A
+    variant whose rounds disagree with its parts' has a wide band."""
+    from distllm.bench.report import annotate, suite_table
+
+    drift = [1.0, 1.3, 0.9, 1.2, 0.8, 1.1]
+    res = {name: stats_of([ms * d for d in drift]) for name, ms in {
+        "allreduce": 20.0, "gemm": 10.0, "sequential": 30.0, "chunked4": 25.0,
+        "gemm_beside_allreduce": 22.0, "compute_alone_c4": 12.0, "comm_alone_c4": 24.0,
+    }.items()}
+    res["chunked8"] = stats_of([25.0 * d for d in drift[::-1]])  # the same median, unpaired
+    res["compute_alone_c8"], res["comm_alone_c8"] = res["compute_alone_c4"], res["comm_alone_c4"]
+    rows = row_parallel_overlap.case_rows("row_overlap", "fwd", (8, 8, 8), res, {}, "2gbit",
+                                          "float32")
+    got = {r["variant"]: r for r in rows}
+    # every round: (12 + 24 - 25) / 12, and the ceiling (10 + 20 - 22) / 10
+    assert got["chunked4"]["hidden_frac"] == pytest.approx(11 / 12)
+    assert got["chunked4"]["extra"]["hidden_band"] == pytest.approx((11 / 12, 11 / 12))
+    beside = got["gemm_beside_allreduce"]["extra"]
+    assert beside["machine_ceiling_band"] == pytest.approx((0.8, 0.8))
+    assert got["chunked8"]["hidden_frac"] == pytest.approx(11 / 12)
+    lo, hi = got["chunked8"]["extra"]["hidden_band"]
+    assert lo < 0.6 and hi > 1.1, (lo, hi)
+    for r in rows:
+        r["status"] = "ok"
+    table = suite_table(annotate(rows))
+    assert "| 92% (92..92) |" in table
+    assert f"| 92% ({100 * lo:.0f}..{100 * hi:.0f}) |" in table
+    # too few rounds to pair: no band, and the cell is the median alone
+    short = {n: stats_of(st.samples_ms[:3]) for n, st in res.items()}
+    rows = row_parallel_overlap.case_rows("row_overlap", "fwd", (8, 8, 8), short, {}, "2gbit",
+                                          "float32")
+    c4 = next(r for r in rows if r["variant"] == "chunked4")
+    assert c4["extra"]["hidden_band"] is None
+    c4["status"] = "ok"
+    assert "| 92% |" in suite_table(annotate(rows))
+
+
 @pytest.mark.parametrize("kind, fn", [("fwd", "mm_t"), ("rs", "mm_t"), ("ag", "mm_t"),
                                       ("bwd", "mm")])
 def test_every_variant_times_the_gemm_the_layer_runs(monkeypatch, kind, fn):

@@ -34,6 +34,28 @@ def test_stats_of_quantiles():
         timing.stats_of([])
 
 
+def test_paired_band_takes_each_round_alone():
+    """A figure of several variants, round by round: a drift of the machine that moves every
+    variant of a round alike leaves it steady, where each variant's own band is as wide as
+    the drift."""
+    drift = [1.0, 1.3, 0.9, 1.2, 0.8, 1.1]
+    a, b = [11 * d for d in drift], [10 * d for d in drift]
+    assert timing.paired_band(lambda x, y: x / y, a, b) == pytest.approx((1.1, 1.1))
+    flipped = timing.paired_band(lambda x, y: x / y, a, b[::-1])
+    assert flipped[0] < 0.95 and flipped[1] > 1.3, flipped
+    # three series; rounds where the figure is undefined are left out
+    c = [1.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+    lo, hi = timing.paired_band(lambda x, y, z: (x - y) / z if z else None, a, b, c)
+    # the five rounds left: 1.0, 1.3, 1.2, 0.8, 1.1 (the drift); p10 0.88, p90 1.26
+    assert (lo, hi) == pytest.approx((0.88, 1.26)), (lo, hi)
+    # unequal lengths (a dropped variant) or too few rounds: no band
+    assert timing.paired_band(lambda x, y: x / y, a, b[:-1]) is None
+    short = timing.PAIRED_MIN - 1
+    assert timing.paired_band(lambda x, y: x / y, a[:short], b[:short]) is None
+    assert timing.paired_band(lambda x, y, z: (x - y) / z if z else None,
+                              a[:-1], b[:-1], [0.0] + c[1:-1]) is None  # 4 rounds left
+
+
 def test_timers_and_before_each():
     fake = iter([5.0, 7.0, 6.0])
     before = []
