@@ -21,9 +21,12 @@ Case ``fwd M,K,N``: per rank ``Y_partial = X (M, K) @ W^T (K, N)`` then all-redu
   two schedules of the case has (on 2 loopback ranks at (2048, 512, 2048) it read from 0.76x
   to 1.12x in four runs);
 - ``gemm_beside_allreduce`` (all-reduce cases): the whole all-reduce started asynchronously,
-  then the whole GEMM beside it, then the wait (no dependency between them, so no schedule
-  can overlap more): what this machine's cores allow, since the collective's own CPU (gloo's
-  copies and sums, the kernel's TCP) comes from the cores that run the GEMM.
+  then the whole GEMM beside it, then the wait (no dependency between them): how much the
+  collective's own CPU (gloo's copies, the kernel's TCP) slows the GEMM beside it and the
+  other way round, on cores that run both. A reference, not a bound: its all-reduce is
+  summed after the wait (on 2 gloo ranks, one exchange whose sum is taken when waited for),
+  where a chunked schedule sums its earlier chunks while the later ones travel, so a
+  schedule can hide more than it does.
 
 - ``compute_alone_c<c>`` / ``comm_alone_c<c>``: each schedule's compute and its
   collectives, each alone and run the way that schedule runs them (``c0``: sequential): the
@@ -41,9 +44,10 @@ by round, :func:`hidden_band`, in which single rounds may pass 1). Where what ca
 larger than the p10..p90 width of either part, the share is noise and is not reported:
 ``hidden_frac`` is None, ``extra.hidden_unresolved`` says why and
 ``extra.hidden_frac_unresolved`` keeps the number (:func:`unresolved`).
-``extra.machine_ceiling`` is the share that ``gemm_beside_allreduce`` hides (of
-``min(gemm, allreduce)``, the parts alone; its band ``extra.machine_ceiling_band``), and
-``extra.of_machine_ceiling`` the variant's hidden share over it. Case ``bwd M,K,N``:
+``extra.beside_share`` is the share that ``gemm_beside_allreduce`` hides (of
+``min(gemm, allreduce)``, the parts alone; its band ``extra.beside_share_band``), and
+``extra.of_beside_share`` the variant's hidden share over it (above 1 where the schedule
+hid more than the whole GEMM beside the whole all-reduce). Case ``bwd M,K,N``:
 ``dX = dY (M, N) @ W (N, K)`` all-reduced while ``dW = dY^T @ X`` computes (``chunked<c>``
 chunks the dX GEMM too).
 
@@ -324,7 +328,7 @@ def case_rows(suite: str, kind: str, shape, res: dict[str, Stats], info: dict, n
     for name, st in res.items():
         extra: dict = {}
         if name == "gemm_beside_allreduce":
-            extra.update(role="part", machine_ceiling=machine, machine_ceiling_band=machine_band)
+            extra.update(role="part", beside_share=machine, beside_share_band=machine_band)
         elif name == comm_name or name == "gemm" or name.endswith("_alone") or "_alone_" in name:
             extra["role"] = "part"
         elif name.startswith("gemm_chunked"):
@@ -357,8 +361,8 @@ def case_rows(suite: str, kind: str, shape, res: dict[str, Stats], info: dict, n
                 extra.update(hidden_unresolved=why, hidden_frac_unresolved=hid)
                 hid = None
             if machine is not None and hid is not None:
-                extra.update(machine_ceiling=machine,
-                             of_machine_ceiling=hid / machine if machine > 0 else None)
+                extra.update(beside_share=machine,
+                             of_beside_share=hid / machine if machine > 0 else None)
         extra["ms_min"] = st.min_ms
         rows.append(row(suite, case, name, st, flops=2.0 * m * k * n, hidden_frac=hid,
                         speedup_vs_unfused=t_seq / st.median_ms, **common, **extra))
