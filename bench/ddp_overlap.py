@@ -35,8 +35,8 @@ the middle step of three (:class:`distllm.bench.harness.LoopStep`), as in a trai
 ``hidden_frac = (fwd + bwd + comm + opt - variant) / min(bwd, comm)`` from the parts alone:
 the share of what could hide (the reduction under backward) that the variant hid; its
 ceiling is 1 (``extra.hidden_ceiling``), and a row above it is a measurement error that the
-report flags; ``extra.hidden_band`` is its p10..p90 taken round by round (:func:`_hidden_band`).
-torch DDP's rows use the same parts (its first bucket is smaller: an
+report flags; ``extra.hidden_band`` is its p10..p90 taken round by round
+(:func:`_hidden_band`). torch DDP's rows use the same parts (its first bucket is smaller: an
 approximation). ``peak_mem_mb``: bytes of parameters + gradients + optimizer state held per
 rank after a step, measured from the tensors (:func:`distllm.parallel.memory_report`;
 activations and transient buffers excluded; torch DDP's internal buckets are not visible and

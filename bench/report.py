@@ -23,9 +23,10 @@ than all of what could hide) is impossible, so the measurement is wrong: :func:`
 sets ``extra.above_ceiling`` on every row with a hidden share, and the tables mark such a
 figure with ``⚠`` and a note. A hidden share's cell carries its band where the row has one
 (``extra.hidden_band``: the p10..p90 of the share taken round by round; single rounds may
-pass the ceiling, which marks only the median). A case whose rows say what they were measured on
-(``extra.stage``) names it in its verdict; on a synthetic stage (``extra.synthetic``, e.g.
-fixed-duration sleeps) the verdict reports the ratio and recommends nothing.
+pass the ceiling, which marks only the median). A case whose rows say what they were
+measured on (``extra.stage``) names it in its verdict; on a synthetic stage
+(``extra.synthetic``, e.g. fixed-duration sleeps) the verdict reports the ratio and
+recommends nothing.
 """
 
 from __future__ import annotations

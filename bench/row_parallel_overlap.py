@@ -322,13 +322,13 @@ def case_rows(suite: str, kind: str, shape, res: dict[str, Stats], info: dict, n
     aa = t_seq / again.median_ms if again is not None else None  # speed, as speedup_vs_unfused
     common = dict(dtype=dtype, shape=f"{m}x{k}x{n}", device="cpu", net=net)
     beside = res.get("gemm_beside_allreduce")
-    machine = hidden_share(beside.median_ms, t_gemm, t_comm) if beside is not None else None
-    machine_band = None if beside is None else hidden_band(beside, res["gemm"], res[comm_name])
+    beside_sh = hidden_share(beside.median_ms, t_gemm, t_comm) if beside is not None else None
+    beside_band = None if beside is None else hidden_band(beside, res["gemm"], res[comm_name])
     rows = []
     for name, st in res.items():
         extra: dict = {}
         if name == "gemm_beside_allreduce":
-            extra.update(role="part", beside_share=machine, beside_share_band=machine_band)
+            extra.update(role="part", beside_share=beside_sh, beside_share_band=beside_band)
         elif name == comm_name or name == "gemm" or name.endswith("_alone") or "_alone_" in name:
             extra["role"] = "part"
         elif name.startswith("gemm_chunked"):
@@ -360,9 +360,9 @@ def case_rows(suite: str, kind: str, shape, res: dict[str, Stats], info: dict, n
             if why:  # a share this run cannot tell apart from noise: kept, not reported
                 extra.update(hidden_unresolved=why, hidden_frac_unresolved=hid)
                 hid = None
-            if machine is not None and hid is not None:
-                extra.update(beside_share=machine,
-                             of_beside_share=hid / machine if machine > 0 else None)
+            if beside_sh is not None and hid is not None:
+                extra.update(beside_share=beside_sh,
+                             of_beside_share=hid / beside_sh if beside_sh > 0 else None)
         extra["ms_min"] = st.min_ms
         rows.append(row(suite, case, name, st, flops=2.0 * m * k * n, hidden_frac=hid,
                         speedup_vs_unfused=t_seq / st.median_ms, **common, **extra))
