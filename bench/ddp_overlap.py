@@ -36,14 +36,15 @@ the middle step of three (:class:`distllm.bench.harness.LoopStep`), as in a trai
 the share of what could hide (the reduction under backward) that the variant hid; its
 ceiling is 1 (``extra.hidden_ceiling``), and a row above it is a measurement error that the
 report flags; ``extra.hidden_band`` is its p10..p90 taken round by round
-(:func:`_hidden_band`). torch DDP's rows use the same parts (its first bucket is smaller: an
-approximation). ``peak_mem_mb``: bytes of parameters + gradients + optimizer state held per
-rank after a step, measured from the tensors (:func:`distllm.parallel.memory_report`;
-activations and transient buffers excluded; torch DDP's internal buckets are not visible and
-not counted). ``extra.grad_opt_mb``: the gradient + optimizer part alone. Rows of
-``TIMELINES`` carry one profiled step of rank 0 (``timeline``, from
-:mod:`distllm.diagnostics.timeline`) and ``profiled_hidden_frac``, the share of the
-collectives' running time under compute.
+(:func:`_hidden_band`). Where what can hide is no larger than the p10..p90 width of a part,
+the share is not reported (``extra.hidden_unresolved``, as in the row suite). torch DDP's
+rows use the same parts (its first bucket is smaller: an approximation). ``peak_mem_mb``:
+bytes of parameters + gradients + optimizer state held per rank after a step, measured from
+the tensors (:func:`distllm.parallel.memory_report`; activations and transient buffers
+excluded; torch DDP's internal buckets are not visible and not counted).
+``extra.grad_opt_mb``: the gradient + optimizer part alone. Rows of ``TIMELINES`` carry one
+profiled step of rank 0 (``timeline``, from :mod:`distllm.diagnostics.timeline`) and
+``profiled_hidden_frac``, the share of the collectives' running time under compute.
 
 Cases are phases (``ddp``, ``zero``, and without ``quick`` the bucket-size ``sweep``), each
 on 2 ranks over loopback and ``cfg.net`` through :mod:`distllm.testing.netem`; where the
@@ -58,6 +59,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from distllm.bench.harness import BenchConfig, Case, LoopStep, Result, Setup
+from distllm.bench.row_parallel_overlap import unresolved
 from distllm.bench.rows import row
 from torch import nn
 
@@ -371,9 +373,15 @@ def _ddp_rows(res: dict, case: str, label: str, reason: str) -> list[dict]:
             kw.update(role="unfused", parts_ms=parts, vs_parts=s.median_ms / parts)
         else:
             kw["role"] = "peer" if name == "torch_ddp" else "fused"
-            kw["hidden_frac"] = (parts - s.median_ms) / can_hide if can_hide > 0 else None
+            hid = (parts - s.median_ms) / can_hide if can_hide > 0 else None
             kw.update(vs_ideal=s.median_ms / ideal, comm_ms=comm, bwd_ms=bwd,
                       hideable_ms=can_hide, hidden_ceiling=1.0, hidden_band=_hidden_band(st, s))
+            why = unresolved(st["fwd_bwd_alone"], st["comm_alone"], st["fwd_alone"],
+                             st["opt_alone"], can_hide=can_hide)
+            if why and hid is not None:  # noise of the parts, not a share: kept, not reported
+                kw.update(hidden_unresolved=why, hidden_frac_unresolved=hid)
+                hid = None
+            kw["hidden_frac"] = hid
         if name == "ddp_auto":  # what it chose, against both schedules it chose from
             best = min(med["distllm_ddp"], med["no_overlap"])
             kw.update(res["auto"]["ddp_auto"], vs_distllm_ddp=s.median_ms / med["distllm_ddp"],

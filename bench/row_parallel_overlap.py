@@ -234,13 +234,17 @@ def hidden_band(variant: Stats, compute: Stats, comm: Stats) -> tuple[float, flo
     return paired_band(hidden_share, variant.samples_ms, compute.samples_ms, comm.samples_ms)
 
 
-def unresolved(compute: Stats, comm: Stats) -> str:
+def unresolved(compute: Stats, comm: Stats, *more: Stats, can_hide: float | None = None
+               ) -> str:
     """Why the hidden share of a variant with these parts cannot be told from noise, or "":
-    what can hide, ``min(compute, comm)``, is no larger than the p10..p90 width of either
-    part timed alone (then a share above 100% or far below 0 is the spread of the parts, as
-    with the 3-6 ms collectives of a loopback case beside a GEMM that spreads by 8 ms)."""
-    can_hide = min(compute.median_ms, comm.median_ms)
-    width = max(compute.p90_ms - compute.p10_ms, comm.p90_ms - comm.p10_ms)
+    what can hide (``can_hide`` ms; by default ``min(compute, comm)``) is no larger than the
+    p10..p90 width of any part timed alone (``more``: other parts the share adds up, such as
+    the DDP step's forward and optimizer). Then a share above 100% or far below 0 is the
+    spread of the parts, as with the 3-6 ms collectives of a loopback case beside a GEMM that
+    spreads by 8 ms."""
+    if can_hide is None:
+        can_hide = min(compute.median_ms, comm.median_ms)
+    width = max(p.p90_ms - p.p10_ms for p in (compute, comm, *more))
     if can_hide > width:
         return ""
     return (f"what can hide ({can_hide:.3g} ms) is within the spread of its parts timed alone "

@@ -47,6 +47,39 @@ def test_ddp_hidden_band_pairs_each_variant_with_the_parts_of_its_round():
     assert "hidden_band" not in rows["no_overlap"]["extra"]
 
 
+def test_a_ddp_hidden_share_within_the_noise_of_its_parts_is_not_reported():
+    """A 5 ms reduction beside a backward whose forward + backward spreads by 20 ms: a share
+    of -100% or +200% there is the spread, so the row says n/r instead of printing it."""
+    from distllm.bench.report import annotate, suite_table
+
+    st = {name: _st(ms) for name, ms in {
+        "distllm_ddp": 60.0, "torch_ddp": 62.0, "no_overlap": 55.0,
+        "fwd_alone": 10.0, "comm_alone": 5.0, "opt_alone": 5.0,
+    }.items()}
+    st["fwd_bwd_alone"] = stats_of([35.0, 40.0, 45.0, 50.0, 55.0])  # p10..p90 16 ms wide
+    res = {"stats": st, "mem": {}, "timelines": {}}
+    rows = ddp_overlap._ddp_rows(res, "c", "loopback", "")
+    got = {r["variant"]: r for r in rows}
+    e = got["distllm_ddp"]["extra"]
+    assert got["distllm_ddp"]["hidden_frac"] is None
+    assert e["hidden_frac_unresolved"] == pytest.approx((45 + 5 + 5 - 60) / 5)
+    assert "within the spread" in e["hidden_unresolved"] and "16 ms" in e["hidden_unresolved"]
+    for r in rows:
+        r["status"] = "ok"
+    line = next(x for x in suite_table(annotate(rows)).splitlines() if "| distllm_ddp |" in x)
+    assert "| n/r |" in line and "⚠" not in line
+    # the spread of a part that is not what can hide (the optimizer step) counts too
+    st["fwd_bwd_alone"], st["opt_alone"] = _st(45.0), stats_of([1.0, 3.0, 5.0, 7.0, 9.0])
+    got = {r["variant"]: r for r in ddp_overlap._ddp_rows(res, "c", "loopback", "")}
+    assert got["distllm_ddp"]["hidden_frac"] is None
+    assert "6.4 ms" in got["distllm_ddp"]["extra"]["hidden_unresolved"]
+    # the same parts, steady: the share is reported
+    st["opt_alone"] = _st(5.0)
+    got = {r["variant"]: r for r in ddp_overlap._ddp_rows(res, "c", "loopback", "")}
+    assert got["distllm_ddp"]["hidden_frac"] == pytest.approx((45 + 5 + 5 - 60) / 5)
+    assert "hidden_unresolved" not in got["distllm_ddp"]["extra"]
+
+
 def test_targets_ddp_not_slower_than_torch_over_a_link_and_zero_within_its_bars():
     parts = {"fwd_alone": 10.0, "fwd_bwd_alone": 33.0, "comm_alone": 15.0, "opt_alone": 7.0}
 
