@@ -91,6 +91,14 @@ def test_overhead_row():
     [r] = train_e2e.rows(BenchConfig(), case, res)
     assert (r["suite"], r["case"], r["ms"]) == ("train_overhead", "tiny tp1.pp1.dp1", 100.0)
     assert r["extra"]["overhead_frac"] == pytest.approx(0.04) and r["extra"]["met"] is True
+    assert r["extra"]["overhead_band"] is None  # no per-round operator times: no band
+    # round by round: a plain step of 100, 110, 90, 120, 80 ms against the profiled steps'
+    # operators of the same rounds, 96, 99, 90, 120, 76: overheads 4%, 10%, 0, 0, 5%
+    wall = stats_of([100.0, 110.0, 90.0, 120.0, 80.0])
+    res = Result({"wall": wall, "profiled": _st(130.0)}, {},
+                 [{"op_ms": 96.0, "op_ms_rounds": [96.0, 99.0, 90.0, 120.0, 76.0]}])
+    [r] = train_e2e.rows(BenchConfig(), case, res)
+    assert r["extra"]["overhead_band"] == pytest.approx((0.0, 0.08))
 
 
 def test_overhead_counts_every_operator_namespace():
