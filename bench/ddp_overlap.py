@@ -343,17 +343,20 @@ def _rowkw(res: dict, name: str, label: str, reason: str) -> dict:
     return kw
 
 
+_PARTS = ("fwd_alone", "fwd_bwd_alone", "comm_alone", "opt_alone")
+
+
+def _share(v: float, fwd: float, fwd_bwd: float, comm: float, opt: float) -> float | None:
+    """The hidden share of a step of ``v`` ms from its parts alone (module docstring): what
+    can hide is ``min(bwd, comm)``, only backward running while gradients are reduced."""
+    can_hide = min(fwd_bwd - fwd, comm)
+    return (fwd_bwd + comm + opt - v) / can_hide if can_hide > 0 else None
+
+
 def _hidden_band(st: dict[str, Stats], s: Stats) -> tuple[float, float] | None:
-    """p10..p90 of the hidden share of the variant timed ``s``, round by round: repetition
+    """p10..p90 of :func:`_share` of the variant timed ``s``, round by round: repetition
     ``i`` of the variant and of every part ran in the same round."""
-
-    def share(v: float, fwd: float, fwd_bwd: float, comm: float, opt: float) -> float | None:
-        can_hide = min(fwd_bwd - fwd, comm)
-        return (fwd_bwd + comm + opt - v) / can_hide if can_hide > 0 else None
-
-    return paired_band(share, s.samples_ms, *(st[n].samples_ms for n in
-                                              ("fwd_alone", "fwd_bwd_alone", "comm_alone",
-                                               "opt_alone")))
+    return paired_band(_share, s.samples_ms, *(st[n].samples_ms for n in _PARTS))
 
 
 def _ddp_rows(res: dict, case: str, label: str, reason: str) -> list[dict]:
@@ -373,11 +376,10 @@ def _ddp_rows(res: dict, case: str, label: str, reason: str) -> list[dict]:
             kw.update(role="unfused", parts_ms=parts, vs_parts=s.median_ms / parts)
         else:
             kw["role"] = "peer" if name == "torch_ddp" else "fused"
-            hid = (parts - s.median_ms) / can_hide if can_hide > 0 else None
+            hid = _share(s.median_ms, *(med[n] for n in _PARTS))
             kw.update(vs_ideal=s.median_ms / ideal, comm_ms=comm, bwd_ms=bwd,
                       hideable_ms=can_hide, hidden_ceiling=1.0, hidden_band=_hidden_band(st, s))
-            why = unresolved(st["fwd_bwd_alone"], st["comm_alone"], st["fwd_alone"],
-                             st["opt_alone"], can_hide=can_hide)
+            why = unresolved(can_hide, *(st[n] for n in _PARTS))
             if why and hid is not None:  # noise of the parts, not a share: kept, not reported
                 kw.update(hidden_unresolved=why, hidden_frac_unresolved=hid)
                 hid = None

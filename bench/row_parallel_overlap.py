@@ -234,17 +234,13 @@ def hidden_band(variant: Stats, compute: Stats, comm: Stats) -> tuple[float, flo
     return paired_band(hidden_share, variant.samples_ms, compute.samples_ms, comm.samples_ms)
 
 
-def unresolved(compute: Stats, comm: Stats, *more: Stats, can_hide: float | None = None
-               ) -> str:
-    """Why the hidden share of a variant with these parts cannot be told from noise, or "":
-    what can hide (``can_hide`` ms; by default ``min(compute, comm)``) is no larger than the
-    p10..p90 width of any part timed alone (``more``: other parts the share adds up, such as
-    the DDP step's forward and optimizer). Then a share above 100% or far below 0 is the
-    spread of the parts, as with the 3-6 ms collectives of a loopback case beside a GEMM that
-    spreads by 8 ms."""
-    if can_hide is None:
-        can_hide = min(compute.median_ms, comm.median_ms)
-    width = max(p.p90_ms - p.p10_ms for p in (compute, comm, *more))
+def unresolved(can_hide: float, *parts: Stats) -> str:
+    """Why a hidden share whose parts are ``parts`` cannot be told from noise, or "": what can
+    hide (``can_hide`` ms; the row suite's ``min(compute, comm)``, the DDP suite's
+    ``min(backward, reduction)``) is no larger than the p10..p90 width of any part timed
+    alone. Then a share above 100% or far below 0 is the spread of the parts, as with the
+    3-6 ms collectives of a loopback case beside a GEMM that spreads by 8 ms."""
+    width = max(p.p90_ms - p.p10_ms for p in parts)
     if can_hide > width:
         return ""
     return (f"what can hide ({can_hide:.3g} ms) is within the spread of its parts timed alone "
@@ -360,7 +356,7 @@ def case_rows(suite: str, kind: str, shape, res: dict[str, Stats], info: dict, n
                          hidden_band=hidden_band(st, comp, com),
                          compute_ms=comp.median_ms, comm_ms=com.median_ms,
                          hideable_ms=min(comp.median_ms, com.median_ms), hidden_ceiling=1.0)
-            why = unresolved(comp, com)
+            why = unresolved(min(comp.median_ms, com.median_ms), comp, com)
             if why:  # a share this run cannot tell apart from noise: kept, not reported
                 extra.update(hidden_unresolved=why, hidden_frac_unresolved=hid)
                 hid = None

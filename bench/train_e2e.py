@@ -263,13 +263,17 @@ def _op_ms(prof) -> float:
     return total_us / 1e3
 
 
+def _overhead(wall_ms: float, op_ms: float) -> float:
+    """The share of a step's wall time spent outside operators."""
+    return max(0.0, wall_ms - op_ms) / wall_ms
+
+
 def rows(cfg: BenchConfig, case: Case, result: Result) -> list[dict]:
     if case.params.get("overhead"):
         wall, op = result.stats["wall"], result.info[0]["op_ms"]
-        frac = max(0.0, wall.median_ms - op) / wall.median_ms
+        frac = _overhead(wall.median_ms, op)
         # round by round: each plain step against the profiled step of its round
-        band = paired_band(lambda w, o: max(0.0, w - o) / w, wall.samples_ms,
-                           result.info[0].get("op_ms_rounds") or [])
+        band = paired_band(_overhead, wall.samples_ms, result.info[0].get("op_ms_rounds") or [])
         return [row(SUITE_OVH, case.label, "distllm", wall, op_ms=op, overhead_frac=frac,
                     overhead_band=band, target="<= 0.05", met=frac <= 0.05, device="cpu",
                     dtype="float32")]
