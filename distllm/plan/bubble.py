@@ -22,9 +22,15 @@ from distllm.parallel.pipeline.schedules import SCHEDULES
 __all__ = ["in_flight", "pipeline_time", "SCHEDULES", "simulator_or_none"]
 
 
-
 def in_flight(schedule: str, p: int, m: int, v: int = 1) -> list[float]:
-    """Micro-batches of a whole rank's activations held at peak, per pipeline rank."""
+    """Micro-batches of a whole rank's activations held at peak, per pipeline rank.
+
+    1F1B: rank ``r`` runs ``p - r`` forwards before its first backward frees one. ZB-H1
+    holds a micro-batch from its forward until its weight-gradient pass (W), which the
+    cool-down defers: every rank, the last included, holds up to ``p`` (the schedule's
+    replay, :func:`distllm.parallel.pipeline.simulate`, counts the same). Between B and W
+    only the deferred linears' inputs and output gradients stay, so counting a whole
+    micro-batch there is an upper bound."""
     if p == 1 or schedule == "none":
         return [1.0]
     if schedule == "gpipe":
@@ -32,7 +38,9 @@ def in_flight(schedule: str, p: int, m: int, v: int = 1) -> list[float]:
     if schedule == "interleaved-1f1b":
         # warm-up of rank r: 2(p-1-r) + (v-1)p chunk forwards (Megatron's interleaved 1F1B)
         return [min(2 * (p - 1 - r) + (v - 1) * p + 1, m * v) / v for r in range(p)]
-    return [float(min(p - r, m)) for r in range(p)]  # 1f1b, zb-h1
+    if schedule == "zb-h1":
+        return [float(min(p, m))] * p
+    return [float(min(p - r, m)) for r in range(p)]  # 1f1b
 
 
 def pipeline_time(

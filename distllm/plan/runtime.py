@@ -50,6 +50,10 @@ class Runtime:
     """ZeRO-2/3 with several micro-batches: ``full`` (gradients accumulate in full-size
     buffers, reduce-scattered in the last micro-batch) or ``shard`` (reduce-scattered every
     micro-batch into the shard)."""
+    zb_h1_resident: bool = False
+    """zb-h1's deferred weight-gradient pass needs the parameters and the forward's tensors
+    still in memory: the runtime refuses zb-h1 with ZeRO-3 (which releases the parameters
+    after use) and with activation checkpointing (whose recomputation frees them)."""
     step_syncs: bool = False
     """Each optimizer step all-reduces scalars on the host's path (the loss, the gradient
     norm, the inf/NaN flag), one small collective each (:meth:`TimeModel.sync_time`)."""
@@ -71,6 +75,7 @@ RUNTIMES: dict[str, Runtime] = {
         causal_skip=True,
         zero_grad_accumulation="full",
         step_syncs=True,
+        zb_h1_resident=True,
         source={
             "stage_split": "distllm.train.engine: _all_chunk_ids over mcfg.n_pipeline_layers",
             "step_syncs": "distllm.train.engine.Engine.update: one world all-reduce of the "
@@ -92,6 +97,8 @@ RUNTIMES: dict[str, Runtime] = {
             "causal_skip": "torch scaled_dot_product_attention(is_causal=True)",
             "zero_grad_accumulation": "distllm.parallel.data buckets: non-persistent "
             "buffers filled under no_sync() until the last micro-batch",
+            "zb_h1_resident": "distllm.train.config.TrainConfig refuses zb-h1 with zero=3 "
+            "and with activation checkpointing",
         },
     ),
     "megatron-lm-2021": Runtime(

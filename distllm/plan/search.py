@@ -102,8 +102,23 @@ def _schedules(
     return out
 
 
-def _enumerate(shape: ModelShape, world: int, gpn: int, pins: dict, even: bool = False):
-    """Yield (Layout, reason-or-None) for every combination."""
+def _zb_h1_reason(schedule: str, zero: int, checkpointing: str) -> str | None:
+    """Why a runtime that keeps zb-h1's W pass resident (:attr:`Runtime.zb_h1_resident`)
+    cannot run this combination, or None."""
+    if schedule != "zb-h1":
+        return None
+    if zero == 3:
+        return "zb-h1 with zero=3: its deferred weight gradients need the released parameters"
+    if checkpointing != "none":
+        return (f"zb-h1 with checkpointing={checkpointing}: its deferred weight gradients do not "
+                "survive recomputation")
+    return None
+
+
+def _enumerate(shape: ModelShape, world: int, gpn: int, pins: dict, even: bool = False,
+               zb_resident: bool = False):
+    """Yield (Layout, reason-or-None) for every combination (``even``, ``zb_resident``: the
+    runtime's rules, :attr:`Runtime.stage_split` and :attr:`Runtime.zb_h1_resident`)."""
     B = shape.global_batch
     for tp in divisors(world):
         if pins.get("tp") and tp != pins["tp"]:
@@ -126,11 +141,12 @@ def _enumerate(shape: ModelShape, world: int, gpn: int, pins: dict, even: bool =
             if reason is not None:
                 yield base, reason
                 continue
-            yield from _inner(shape, tp, pp, dp, B // dp, pins, even)
+            yield from _inner(shape, tp, pp, dp, B // dp, pins, even, zb_resident)
 
 
 def _inner(
-    shape: ModelShape, tp: int, pp: int, dp: int, per_replica: int, pins: dict, even: bool
+    shape: ModelShape, tp: int, pp: int, dp: int, per_replica: int, pins: dict, even: bool,
+    zb_resident: bool = False,
 ):
     zeros = [pins["zero"]] if pins.get("zero") is not None else [0, 1, 2, 3]
     ms = [pins["micro_batches"]] if pins.get("micro_batches") else divisors(per_replica)
@@ -152,9 +168,10 @@ def _inner(
                     else None
                 )
                 for ck in cks:
+                    wreason = _zb_h1_reason(sch, zero, ck) if zb_resident else None
                     for sp in sps:
                         lay = Layout(tp, pp, dp, zero, sch, m, ck, sp, v)
-                        yield lay, mreason or sreason or zreason
+                        yield lay, mreason or sreason or zreason or wreason
 
 
 def search(
@@ -194,7 +211,7 @@ def search(
     cap = prof.usable_bytes
     ranked, rejected = [], []
     even = cm.runtime.stage_split == "blocks"
-    for lay, reason in _enumerate(shape, world, gpn, pins, even):
+    for lay, reason in _enumerate(shape, world, gpn, pins, even, cm.runtime.zb_h1_resident):
         if reason is not None:
             if keep_rejected:
                 rejected.append(Estimate(lay, rejected_reason=reason))

@@ -119,6 +119,11 @@ class ParallelConfig:
                     f"schedule needs at least pp micro-batches; raise --micro-batches to "
                     f">= {self.pp} or use --schedule gpipe"
                 )
+        if self.zero == 3 and self.pp > 1 and self.schedule == "zb-h1":
+            raise ValueError(
+                "zero=3 with the zb-h1 schedule: its deferred weight gradients arrive after "
+                "ZeRO-3 has released the parameters; use --zero 2 or lower, or another "
+                "--schedule")
         _positive("virtual_stages", self.virtual_stages)
         if not isinstance(self.batch_split, int) or self.batch_split < 0:
             raise ValueError(f"batch_split={self.batch_split!r} (--batch-split): use 0 (auto), 1 "

@@ -21,6 +21,7 @@ from distllm.comm.collectives import all_reduce
 from distllm.dtypes import DTYPES as DTYPE
 from distllm.models.gpt import GPT, GPTConfig
 from distllm.parallel.mesh import ParallelDims
+from distllm.parallel.pipeline import split_micro_batches
 from distllm.train.config import TrainConfig
 
 __all__ = ["Engine", "DTYPE", "StepMetrics", "stage_layer_ids"]
@@ -190,7 +191,9 @@ class Engine:
         m = self.cfg.parallel.micro_batches
         model = self.chunks[0]
         total: torch.Tensor | None = None
-        for k, (tok, tgt) in enumerate(zip(tokens.chunk(m), targets.chunk(m), strict=True)):
+        mbs = zip(split_micro_batches(tokens, m, "the batch"),
+                  split_micro_batches(targets, m, "the targets"), strict=True)
+        for k, (tok, tgt) in enumerate(mbs):
             ctx = self.grad_sync.no_sync() if k < m - 1 else contextlib.nullcontext()
             with ctx:
                 loss = model.loss(self._forward(model, tok), tgt)

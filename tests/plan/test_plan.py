@@ -154,6 +154,42 @@ def test_pipeline_closed_forms_against_the_schedule_replay():
     assert in_flight("1f1b", 4, 8) == [4, 3, 2, 1]
     assert in_flight("gpipe", 4, 8) == [8] * 4
     assert in_flight("interleaved-1f1b", 4, 8, 2)[0] == pytest.approx(4 + 3 / 2)
+    assert in_flight("zb-h1", 4, 8) == [4] * 4  # W deferred: the last rank holds p too
+
+
+def test_activations_in_flight_match_the_schedule_replay():
+    """The memory model's micro-batches held per rank are the replay's peak, every schedule
+    (zb-h1 holds each one from F to its deferred W: up to p on every rank, not 1F1B's p - r)."""
+    from distllm.parallel.pipeline.schedules import build_schedule
+    from distllm.parallel.pipeline.simulate import simulate
+
+    for sch in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b"):
+        for p in (2, 3, 4, 8):
+            for m in (1, 2, 3, 5, 8, 16):
+                for v in (2, 3) if sch == "interleaved-1f1b" else (1,):
+                    try:
+                        schedule = build_schedule(sch, p, m, v)
+                    except ValueError:  # e.g. interleaving with m not a multiple of p
+                        continue
+                    want = simulate(schedule).peak_activations
+                    assert in_flight(sch, p, m, v) == pytest.approx(want), (sch, p, m, v)
+
+
+def test_zb_h1_layouts_the_trainer_refuses_are_rejected():
+    """distllm's trainer refuses zb-h1 with ZeRO-3 and with activation checkpointing: the
+    planner rejects them with that reason for its runtime, and only for it."""
+    shape = preset("gpt2-medium").with_(global_batch=32)
+    pins = {"schedule": "zb-h1", "pp": 2}
+    res = search(shape, 4, 4, "a100-80gb", pins=pins)
+    assert res.ranked and all(e.layout.schedule == "zb-h1" for e in res.ranked)
+    assert {e.layout.zero for e in res.ranked} == {0, 1, 2}
+    assert {e.layout.checkpointing for e in res.ranked} == {"none"}
+    why = {e.rejected_reason for e in res.rejected}
+    assert "zb-h1 with zero=3: its deferred weight gradients need the released parameters" in why
+    assert any(r and r.startswith("zb-h1 with checkpointing=full") for r in why), why
+    other = search(shape, 4, 4, "a100-80gb", pins=pins, runtime_name="megatron-lm-2021")
+    assert any(e.layout.zero == 3 for e in other.ranked)
+    assert any(e.layout.checkpointing == "full" for e in other.ranked)
 
 
 def test_collective_alpha_beta():

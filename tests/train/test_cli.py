@@ -38,6 +38,7 @@ def _err(capsys, argv: list[str]) -> str:
     (["--seq-len", "4096"], "exceeds"),
     (["--lr", "-1"], "lr=-1.0"),
     (["--pp", "2", "--schedule", "zb-h1", "--activation-checkpointing", "full"], "zb-h1"),
+    (["--nproc", "2", "--pp", "2", "--schedule", "zb-h1", "--zero", "3"], "--zero 2 or lower"),
 ])
 def test_bad_input(capsys, argv, words):
     assert words in _err(capsys, argv)

@@ -5,6 +5,7 @@ ParallelDims (no processes)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from distllm.dtypes import DTYPES
 from distllm.models.gpt import CHECKPOINTING, VOCAB_PARALLEL
@@ -20,6 +21,7 @@ from distllm.train.config import TRAIN_DTYPES, ParallelConfig, TrainConfig, chec
     (dict(schedule="x"), "schedule='x': choose one of gpipe, 1f1b, interleaved-1f1b, zb-h1"),
     (dict(tp=0), "tp=0"),
     (dict(pp=4, micro_batches=2), "micro_batches=2 < pp=4"),
+    (dict(pp=2, zero=3, schedule="zb-h1"), "zero=3 with the zb-h1 schedule: .*--zero 2 or lower"),
     (dict(overlap="y"), "overlap='y': choose one of auto, chunked, none"),
     (dict(vocab_parallel="n"), "vocab_parallel='n': choose one of auto, on, off"),
     (dict(tp=2, sequence_parallel=True, vocab_parallel="off"),
@@ -64,8 +66,8 @@ LAYOUTS = [
     Layout(2, 1, 4),
     Layout(1, 2, 2, 1, "gpipe", 3, "full"),
     Layout(2, 2, 2, 2, "1f1b", 4, "selective", True),
-    Layout(1, 4, 1, 0, "interleaved-1f1b", 8, "none", False, 3),
-    Layout(1, 2, 1, 3, "zb-h1", 2),
+    Layout(1, 4, 1, 3, "interleaved-1f1b", 8, "none", False, 3),
+    Layout(1, 2, 1, 2, "zb-h1", 2),
 ]
 
 
@@ -97,6 +99,19 @@ def test_from_config_resolves_dp_and_names_a_bad_world():
     assert Layout.from_config(cfg, 6) == Layout(2, 1, 3, 0, "none", 1)
     with pytest.raises(ValueError, match="world size 5 is not divisible by tp\\*pp=2"):
         Layout.from_config(cfg, 5)
+
+
+def test_engine_refuses_a_batch_its_micro_batches_do_not_divide():
+    """At pp=1 as at pp > 1: 6 sequences in 4 micro-batches is an error naming the knob (not
+    three uneven chunks averaged as four)."""
+    from distllm.train.engine import Engine
+
+    cfg = TrainConfig(model="tiny", parallel=ParallelConfig(micro_batches=4), n_layers=1,
+                      seq_len=8, global_batch=6, dtype="float64")
+    eng = Engine(cfg, cfg.model_config(), ParallelDims())
+    x = torch.zeros(6, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"6 samples, not divisible by --micro-batches=4"):
+        eng.forward_backward(x, x)
 
 
 def test_engine_builds_the_model_with_the_configured_vocabulary_split(monkeypatch):
