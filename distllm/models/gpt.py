@@ -116,9 +116,14 @@ class GPTConfig:
         return v * h + self.max_seq_len * h + L * block + head
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 * params in matmuls + attention scores (12 L h s)."""
-        n_matmul = self.num_params() - self.max_seq_len * self.hidden_size
-        return 6.0 * n_matmul + 12.0 * self.n_layers * self.hidden_size * seq_len
+        """Training FLOPs per token (forward + backward): 6 per weight of a matmul -- each
+        block's QKV, out-projection and MLP, and the output head's v x h (tied or not: the
+        input embedding is a lookup) -- plus the attention scores and their weighting,
+        12 L h s. Biases, norms and positions are not counted."""
+        h, f, L, v = self.hidden_size, self.ffn_hidden_size, self.n_layers, self.vocab_size
+        qkv = h * (self.n_heads + 2 * self.kv_heads) * self.head_dim  # (h, (a + 2 kv) d)
+        block = qkv + h * h + 2 * h * f  # QKV, out-projection, MLP in and out
+        return 6.0 * (L * block + v * h) + 12.0 * L * h * seq_len
 
     def to_dict(self) -> dict:
         return asdict(self)

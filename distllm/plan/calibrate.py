@@ -317,8 +317,17 @@ def calibrate(net_rate: str | None = "1gbit", ranks: int = 4) -> Profile:
     )
 
 
+CALIBRATE_RANKS = 4  # rank processes sharing the machine, as the ``tiny`` validation runs
+
+
 def calibrate_cli(args: argparse.Namespace) -> int:
-    prof = calibrate(args.net or None, ranks=args.gpus if args.gpus else 4)
+    """``distllm plan --calibrate``: ``--gpus`` is the rank count (default
+    :data:`CALIBRATE_RANKS`), written as the profile's ``gpus_per_node``."""
+    ranks = CALIBRATE_RANKS if args.gpus is None else args.gpus
+    if ranks < 1:
+        raise ValueError(f"--gpus={ranks}: give --calibrate a positive rank count "
+                         f"(default {CALIBRATE_RANKS})")
+    prof = calibrate(args.net or None, ranks=ranks)
     out = Path(args.out) if args.out else PROFILE_DIR / "cpu.json"
     out.write_text(json.dumps(prof.to_json(), indent=1) + "\n")
     p = prof

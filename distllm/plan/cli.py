@@ -18,10 +18,11 @@ from .cost import GB, STATE_BYTES, Estimate, training_dtype
 from .hardware import load_profile, profile_names
 from .model import ModelShape, preset, preset_names
 from .runtime import runtime, runtime_names
-from .search import CHECKPOINTING, explain, model_states_table, search
+from .search import CHECKPOINTING, _check_cluster, explain, model_states_table, search
 
 __all__ = ["add_arguments", "run", "shape_from_args"]
 
+DEFAULT_GPUS = 8  # --gpus of a search or a --params table (--calibrate has its own)
 _SHAPE = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "global_batch")
 
 
@@ -42,7 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     m.add_argument("--dtype", default=None, help="bfloat16 (GPU default), float32 (CPU default)")
     c = p.add_argument_group("cluster")
-    c.add_argument("--gpus", type=int, default=8, help="devices in total")
+    c.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help=f"devices in total (default {DEFAULT_GPUS}; --calibrate: the rank processes "
+        "that share this machine, default 4)",
+    )
     c.add_argument("--gpus-per-node", type=int, default=None, help="default: the profile's")
     c.add_argument(
         "--gpu",
@@ -157,6 +164,8 @@ def _rejections(rejected: list[Estimate], examples: int = 2) -> str:
 
 
 def _params_mode(a: argparse.Namespace) -> int:
+    _check_cluster(a.gpus, a.gpus)  # --gpus a positive integer
+    _pins(a)  # --tp/--pp/--dp positive integers
     if a.dp is not None and a.dp * (a.tp or 1) * (a.pp or 1) != a.gpus:
         raise ValueError(
             f"--dp={a.dp} with tp*pp={(a.tp or 1) * (a.pp or 1)} does not use "
@@ -233,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
         from .calibrate import calibrate_cli
 
         return calibrate_cli(args)
+    if args.gpus is None:
+        args.gpus = DEFAULT_GPUS
     if args.top < 1:
         raise ValueError(f"--top={args.top}: it must be a positive integer")
     load_profile(args.gpu)  # a bad profile name fails before anything else

@@ -8,6 +8,7 @@ writes a measured one for the machine it runs on.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,6 @@ __all__ = [
 ]
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
-
 
 
 def _peak_key(dtype: str) -> str:
@@ -242,25 +242,57 @@ def load_profile(name_or_path: str | Path | Profile) -> Profile:
             f"unknown hardware profile {s!r}: choose --gpu from "
             f"{', '.join(profile_names())} or give a profile .json path"
         )
-    return Profile.from_json(json.loads(path.read_text()))
+    try:
+        return Profile.from_json(json.loads(path.read_text()))
+    except ValueError as e:  # json.JSONDecodeError is one
+        where = s if s.endswith(".json") else f"{s} ({path})"
+        raise ValueError(f"--gpu {where} is not a valid profile: {e}") from None
 
 
+# a GPU's name -> the profile of that GPU; the device's memory must match the profile's too
 _GPU_NAMES = (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80gb"))
+_MEMORY_TOLERANCE = 0.1  # the driver reports a little less than the datasheet's GiB
+_NO_PROFILE = (
+    "so `distllm train --plan auto` cannot plan for it: write a profile .json (a copy of "
+    "distllm/plan/profiles/a100-80gb.json with this GPU's figures), run `distllm plan --gpu "
+    "FILE.json --gpus N` with the model's flags, and give `distllm train` the layout it chooses "
+    "(--tp --pp --dp --zero --schedule --micro-batches --virtual-stages --sequence-parallel "
+    "--activation-checkpointing) instead of --plan auto"
+)
+
+
+def _device_memory(name: str) -> float | None:
+    """Bytes of device 0: the driver's figure, else the name's (``A100-SXM4-40GB``), else
+    None."""
+    import torch
+
+    try:
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    except (AssertionError, RuntimeError, AttributeError):  # no driver to ask
+        m = re.search(r"(\d+)\s*GB", name)
+        return float(m.group(1)) * 2**30 if m else None
 
 
 def detect_profile() -> str:
     """The profile name of this machine's device: ``cpu`` without CUDA, else the GPU's
-    (A100 -> a100-80gb, H100 -> h100, H200 -> h200); an unknown GPU is an error that says
-    to pass a profile."""
+    (A100 80GB -> a100-80gb, H100 -> h100, H200 -> h200) when its memory is within 10% of
+    the profile's (the name alone where neither the driver nor the name gives the memory);
+    another GPU, or one of these with a different memory size, is an error that says how to
+    plan for it."""
     import torch  # lazy: the planner itself does not need torch
 
     if not torch.cuda.is_available():
         return "cpu"
     name = torch.cuda.get_device_name()
+    known = ", ".join(profile_names())
     for key, prof in _GPU_NAMES:
-        if key in name:
+        if key not in name:
+            continue
+        want, have = load_profile(prof).memory_bytes, _device_memory(name)
+        if have is None or abs(have / want - 1) <= _MEMORY_TOLERANCE:
             return prof
-    raise ValueError(
-        f"no hardware profile for {name!r}: pass one (--gpu NAME or a .json path "
-        f"from `distllm plan --calibrate`); known: {', '.join(profile_names())}"
-    )
+        raise ValueError(
+            f"no hardware profile for {name!r} with {have / 2**30:.0f} GiB (the {prof} "
+            f"profile has {want / 2**30:.0f} GiB; packaged: {known}), {_NO_PROFILE}"
+        )
+    raise ValueError(f"no hardware profile for {name!r} (packaged: {known}), {_NO_PROFILE}")

@@ -154,6 +154,12 @@ def _inner(
     sps = [False, True] if tp > 1 and shape.seq_len % tp == 0 else [False]
     if pins.get("sequence_parallel") is not None and tp > 1:
         sps = [pins["sequence_parallel"]]
+    # pinned on where it cannot run: kept, with the trainer's reason
+    spreason = (
+        f"--sequence-parallel on needs seq_len={shape.seq_len} divisible by tp={tp}"
+        if True in sps and shape.seq_len % tp
+        else None
+    )
     for m in ms:
         mreason = (
             None
@@ -171,7 +177,7 @@ def _inner(
                     wreason = _zb_h1_reason(sch, zero, ck) if zb_resident else None
                     for sp in sps:
                         lay = Layout(tp, pp, dp, zero, sch, m, ck, sp, v)
-                        yield lay, mreason or sreason or zreason or wreason
+                        yield lay, spreason or mreason or sreason or zreason or wreason
 
 
 def search(
@@ -195,6 +201,7 @@ def search(
     gpn = gpus_per_node or min(prof.gpus_per_node, world)
     _check_cluster(world, gpn)
     pins = dict(pins or {})
+    _check_pins(world, pins)
     dtype = dtype or ("float32" if prof.cores else "bfloat16")
     cm = CostModel(
         shape,
@@ -246,6 +253,26 @@ def _check_cluster(world: int, gpn: int) -> None:
         raise ValueError(
             f"gpus={world} is not a whole number of nodes of {gpn}: choose --gpus "
             f"as a multiple of --gpus-per-node, or change --gpus-per-node"
+        )
+
+
+def _check_pins(world: int, pins: dict) -> None:
+    """The pinned tp/pp/dp must split ``world`` devices: name the flag that does not (else
+    the search has no layout to reject and cannot say why)."""
+    pinned = {k: pins[k] for k in ("tp", "pp", "dp") if pins.get(k)}
+    for k, v in pinned.items():
+        if world % v:
+            choose = ", ".join(map(str, divisors(world)))
+            raise ValueError(
+                f"--{k} {v} does not divide --gpus {world}: choose --{k} from {choose}"
+            )
+    prod = math.prod(pinned.values())
+    flags = " x ".join(f"--{k} {v}" for k, v in pinned.items())
+    if len(pinned) > 1 and world % prod:
+        raise ValueError(f"{flags} = {prod} does not divide --gpus {world}: change one of them")
+    if len(pinned) == 3 and prod != world:
+        raise ValueError(
+            f"{flags} = {prod} is not --gpus {world}: drop --dp or make tp*pp*dp = gpus"
         )
 
 
@@ -313,6 +340,10 @@ def model_states_table(
     """Model-state memory per device of a bare parameter count under each ZeRO stage."""
     if not n_params > 0 or not math.isfinite(n_params):
         raise ValueError(f"params={n_params!r}: give --params as a positive count, e.g. 7.5e9")
+    _check_cluster(world, world)
+    for knob, v in (("tp", tp), ("pp", pp)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"--{knob}={v!r}: it must be a positive integer")
     if world % (tp * pp):
         raise ValueError(f"gpus={world} is not divisible by tp*pp={tp * pp}: change --tp/--pp")
     prof = load_profile(profile)

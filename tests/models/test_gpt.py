@@ -32,3 +32,33 @@ def test_small_vocabulary_is_held_whole_under_tp():
         splits_vocab(256, 128, tp=2, sequence_parallel=True, choice="off")
     with pytest.raises(ValueError, match="vocab_parallel='sometimes'"):
         splits_vocab(256, 128, tp=2, choice="sometimes")
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt2-small"])
+def test_flops_per_token_counts_each_matmul_weight_once(name):
+    from dataclasses import replace
+
+    from distllm.plan import preset
+
+    c = GPTConfig.preset(name)
+    h, f, L, v, s = c.hidden_size, c.ffn_hidden_size, c.n_layers, c.vocab_size, c.max_seq_len
+    # 6 per weight of the blocks' GEMMs and the head (the input embedding is a lookup), plus
+    # the attention scores and their weighting
+    closed = 6 * (L * (4 * h * h + 2 * h * f) + v * h) + 12 * L * h * s
+    assert c.flops_per_token(s) == closed
+    assert replace(c, tie_embeddings=not c.tie_embeddings).flops_per_token(s) == closed
+    if name == "gpt2-small":
+        assert closed == 854_438_400
+    # the planner counts the same, its head over the padded vocabulary
+    shape = preset(name)
+    planner = shape.model_flops_per_step() / (shape.global_batch * shape.seq_len)
+    pad = 6 * (c.padded_vocab(1) - v) * h
+    assert planner == pytest.approx(c.flops_per_token(shape.seq_len) + pad, rel=1e-15)
+
+
+def test_flops_per_token_with_grouped_query_attention():
+    c = GPTConfig(vocab_size=100, n_layers=3, hidden_size=64, n_heads=8, n_kv_heads=2,
+                  ffn_hidden_size=160, max_seq_len=16)
+    h, d = 64, 8
+    qkv = h * (h + 2 * 2 * d)  # 8 query heads, 2 key and 2 value heads of 8
+    assert c.flops_per_token(7) == 6 * (3 * (qkv + h * h + 2 * h * 160) + 100 * h) + 12 * 3 * h * 7

@@ -1,0 +1,202 @@
+"""``distllm plan`` input: every bad value is one line naming its flag, exit code 2; layouts
+the trainer refuses are rejected; ``--calibrate``'s rank count; the device detection behind
+``distllm train --plan auto`` (no processes, no GPU: the device is only named)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import types
+
+import pytest
+import torch
+
+from distllm.cli import main
+from distllm.plan import detect_profile, load_profile, preset, search
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize(
+    "argv,err",
+    [
+        (["--params", "7e9", "--gpus", "0"], "gpus=0: give --gpus as a positive integer"),
+        (["--params", "7e9", "--gpus", "-8"], "gpus=-8: give --gpus as a positive integer"),
+        (["--params", "7e9", "--tp", "-1"], "--tp=-1: it must be a positive integer"),
+        (["--params", "7e9", "--tp", "0"], "--tp=0: it must be a positive integer"),
+        (["--params", "7e9", "--pp", "0"], "--pp=0: it must be a positive integer"),
+        (
+            ["--model", "tiny", "--gpus", "8", "--tp", "3"],
+            "--tp 3 does not divide --gpus 8: choose --tp from 1, 2, 4, 8",
+        ),
+        (
+            ["--model", "tiny", "--gpus", "8", "--dp", "3"],
+            "--dp 3 does not divide --gpus 8: choose --dp from 1, 2, 4, 8",
+        ),
+        (
+            ["--model", "tiny", "--gpus", "8", "--pp", "16"],
+            "--pp 16 does not divide --gpus 8: choose --pp from 1, 2, 4, 8",
+        ),
+        (
+            ["--model", "tiny", "--gpus", "8", "--tp", "4", "--pp", "4"],
+            "--tp 4 x --pp 4 = 16 does not divide --gpus 8: change one of them",
+        ),
+        (
+            ["--model", "tiny", "--gpus", "8", "--tp", "2", "--pp", "2", "--dp", "1"],
+            "--tp 2 x --pp 2 x --dp 1 = 4 is not --gpus 8: drop --dp or make tp*pp*dp = gpus",
+        ),
+    ],
+)
+def test_bad_cluster_or_pin_names_the_flag(argv, err, capsys):
+    assert main(["plan", *argv]) == 2
+    assert capsys.readouterr().err == f"distllm plan: error: {err}\n"
+
+
+def test_pinned_sequence_parallelism_needs_seq_len_divisible_by_tp(capsys):
+    from distllm.train.config import ParallelConfig, TrainConfig, check_layout
+
+    why = "--sequence-parallel on needs seq_len=33 divisible by tp=2"
+    argv = [
+        "plan",
+        "--model",
+        "tiny",
+        "--gpus",
+        "2",
+        "--gpu",
+        "cpu",
+        "--tp",
+        "2",
+        "--seq-len",
+        "33",
+        "--sequence-parallel",
+        "on",
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert why in err and err.count("\n") == 1, err
+    pins = {"tp": 2, "sequence_parallel": True}
+    res = search(preset("tiny").with_(seq_len=33), 2, profile="cpu", pins=pins)
+    assert not res.ranked and {e.rejected_reason for e in res.rejected} == {why}
+    res = search(preset("tiny").with_(seq_len=34), 2, profile="cpu", pins=pins)
+    assert res.ranked and all(e.layout.sequence_parallel for e in res.ranked)
+    # the trainer agrees: 33 refused, 34 taken
+    cfg = TrainConfig(model="tiny", parallel=ParallelConfig(tp=2, sequence_parallel=True))
+    shape = {"n_layers": 4, "n_heads": 4, "hidden": 128}
+    check_layout(cfg, 2, seq_len=34, **shape)
+    with pytest.raises(ValueError, match="seq_len=33 is not divisible by tp=2"):
+        check_layout(cfg, 2, seq_len=33, **shape)
+
+
+def test_a_bad_profile_file_is_named_with_the_flag(tmp_path, capsys):
+    bad = tmp_path / "mine.json"
+    for text, why in (
+        ("not json", "Expecting value: line 1 column 1 (char 0)"),
+        ('{"name": "x"}', "profile is missing the field 'links'"),
+    ):
+        bad.write_text(text)
+        assert main(["plan", "--model", "tiny", "--gpu", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err == f"distllm plan: error: --gpu {bad} is not a valid profile: {why}\n"
+
+
+@pytest.mark.parametrize("argv,ranks", [([], 4), (["--gpus", "2"], 2)])
+def test_calibrate_measures_4_ranks_unless_told(monkeypatch, tmp_path, capsys, argv, ranks):
+    import distllm.plan.calibrate as cal
+
+    asked = []
+
+    def fake(net_rate, ranks):
+        asked.append(ranks)
+        return dataclasses.replace(load_profile("cpu"), gpus_per_node=ranks)
+
+    monkeypatch.setattr(cal, "calibrate", fake)
+    out = tmp_path / "my-machine.json"
+    assert main(["plan", "--calibrate", "--out", str(out), *argv]) == 0
+    assert asked == [ranks] and json.loads(out.read_text())["gpus_per_node"] == ranks
+    assert main(["plan", "--calibrate", "--out", str(out), "--gpus", "0"]) == 2
+    assert capsys.readouterr().err.endswith(
+        "error: --gpus=0: give --calibrate a positive rank count (default 4)\n"
+    )
+    # a search and a --params table keep their 8 devices
+    assert main(["plan", "--params", "7.5e9", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["tp"], r["pp"], r["dp"]) for r in rows] == [(1, 1, 8)] * 4, rows
+
+
+@pytest.fixture
+def gpu_named(monkeypatch):
+    """Name device 0 (and give its memory in bytes, or leave the driver unreachable)."""
+
+    def name(n: str, total: float | None = None) -> None:
+        def props(*a):
+            if total is None:
+                raise RuntimeError("no NVIDIA driver")
+            return types.SimpleNamespace(total_memory=int(total))
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: n)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+
+    return name
+
+
+@pytest.mark.parametrize(
+    "name,total,profile",
+    [
+        # the driver reports a little under the datasheet's GiB
+        ("NVIDIA A100-SXM4-80GB", 79.2 * GiB, "a100-80gb"),
+        ("NVIDIA A100-SXM4-80GB", None, "a100-80gb"),  # no driver: the name's size
+        ("NVIDIA H100 80GB HBM3", 79.1 * GiB, "h100"),
+        ("NVIDIA H200", 139.8 * GiB, "h200"),
+        ("NVIDIA H200", None, "h200"),  # no size anywhere: the name alone
+    ],
+)
+def test_a_known_gpu_of_the_profiles_memory_gets_its_profile(gpu_named, name, total, profile):
+    gpu_named(name, total)
+    assert detect_profile() == profile
+
+
+KNOWN = "packaged: a100-80gb, cpu, h100, h200"
+
+
+@pytest.mark.parametrize(
+    "name,total,why",
+    [
+        ("NVIDIA A100-SXM4-40GB", None, f"with 40 GiB (the a100-80gb profile has 80 GiB; {KNOWN})"),
+        (
+            "NVIDIA A100-PCIE-40GB",
+            39.4 * GiB,
+            f"with 39 GiB (the a100-80gb profile has 80 GiB; {KNOWN})",
+        ),
+        ("NVIDIA H100 NVL", 93.1 * GiB, f"with 93 GiB (the h100 profile has 80 GiB; {KNOWN})"),
+        ("NVIDIA L40S", 44.4 * GiB, f"({KNOWN})"),
+    ],
+)
+def test_another_gpu_says_how_to_plan_for_it(gpu_named, monkeypatch, capsys, name, total, why):
+    from distllm.train import cli as train_cli
+
+    def launch(*a):
+        raise AssertionError("no layout should have been chosen")
+
+    monkeypatch.setattr(train_cli, "_launch", launch)
+    gpu_named(name, total)
+    with pytest.raises(ValueError) as e:
+        detect_profile()
+    msg = str(e.value)
+    assert msg.startswith(
+        f"no hardware profile for {name!r} {why}, so `distllm train --plan "
+        "auto` cannot plan for it: "
+    ), msg
+    assert "`distllm plan --gpu FILE.json --gpus N`" in msg and msg.endswith(
+        "instead of --plan auto"
+    )
+    # the layout flags it names are `distllm train`'s
+    p = argparse.ArgumentParser()
+    train_cli.add_arguments(p)
+    named = re.search(r"\((--[^)]*)\) instead", msg).group(1).split()
+    assert len(named) == 9 and set(named) <= set(p._option_string_actions), named
+    # and `distllm train --plan auto` stops there, with that one line
+    assert main(["train", "--plan", "auto", "--nproc", "2", "--steps", "1", "--no-save"]) == 2
+    assert capsys.readouterr().err == f"distllm train: error: {msg}\n"
