@@ -28,8 +28,8 @@ $(STAMP): $(SRCS) $(EXT_STALE)
 
 train: $(STAMP)
 	$(VENV)/bin/distllm info
-	$(VENV)/bin/distllm train --nproc 4 --tp 2 --pp 2 --model tiny --out runs/tiny \
-	  --steps 300 --global-batch 16 --seq-len 64
+	$(VENV)/bin/distllm train --nproc 4 --tp 2 --pp 2 --model tiny \
+	  --out runs/tiny-$$(date +%Y%m%d-%H%M%S) --steps 300 --global-batch 16 --seq-len 64
 
 # CPU tests; tests marked `gpu` run in bench/gpu_check.sh, `full` in `make test-full`.
 test: $(STAMP)

@@ -30,6 +30,10 @@ class UsageError(Exception):
     """Bad input from the user: printed as one line, exit code 2."""
 
 
+USAGE_ERRORS = (UsageError, ValueError, FileNotFoundError)
+"""The exceptions a subcommand raises for bad input: printed as one line, exit code 2."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv[1:])
     try:
         return int(mod.run(args) or 0)
-    except (UsageError, ValueError, FileNotFoundError) as exc:
+    except USAGE_ERRORS as exc:
         print(f"distllm {name}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -6,31 +6,38 @@ choices from the field, its help from the field's docstring; a boolean field tha
 True gets ``--no-<name>``. Only ``--nproc`` and ``--plan`` are not config fields.
 
 Under ``torchrun`` (any number of nodes) every rank runs this command with the same options.
-On one machine, ``--nproc N`` starts ``torchrun`` itself (``python -m torch.distributed.run
---standalone --nproc-per-node N -m distllm train ...``). With no GPU the ranks use gloo on the
-CPU; with GPUs, NCCL. Bad input is checked here, before any rank starts, and reported as one
-line with exit code 2.
+On one machine, ``--nproc N`` launches the ranks itself as ``torchrun --standalone
+--nproc-per-node N -m distllm train ...`` would (torch's elastic agent, in this process). With
+no GPU the ranks use gloo on the CPU; with GPUs, NCCL. Bad input is checked here, before any
+rank starts, and reported as one line with exit code 2; what only a rank can find (the data
+too short for a batch, a checkpoint of another batch size) is reported once the same way, and
+any other failure of a rank ends the job with one line naming it.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import inspect
+import logging
 import os
-import subprocess
+import signal
 import sys
+import tempfile
 import textwrap
 import typing
+import uuid
 from functools import cache
+from pathlib import Path
 from typing import Any, NamedTuple
 
-from distllm.cli import UsageError
+from distllm.cli import USAGE_ERRORS, UsageError
 from distllm.train.config import OptimConfig, ParallelConfig, TrainConfig, check_layout
 
 __all__ = ["add_arguments", "run", "config_from_args", "config_to_argv", "apply_plan",
-           "precheck", "field_docs"]
+           "precheck", "check_out", "field_docs"]
 
 # (argument group, config class, attribute of TrainConfig holding it; None: TrainConfig itself)
 SECTIONS = (("layout", ParallelConfig, "parallel"), ("run", TrainConfig, None),
@@ -145,9 +152,8 @@ def _cores() -> int:
 
 
 def precheck(cfg: TrainConfig, world: int) -> None:
-    """Every check that can run before a rank starts (raises ValueError / FileNotFoundError)."""
-    from distllm.train import checkpoint
-
+    """Every check of the command that can run before a rank starts (raises ValueError /
+    FileNotFoundError); the output folder's are :func:`check_out`'s."""
     mcfg = cfg.model_config()
     seq = cfg.seq_len or mcfg.max_seq_len
     if seq > mcfg.max_seq_len:
@@ -161,57 +167,173 @@ def precheck(cfg: TrainConfig, world: int) -> None:
         files = _files_of(cfg.data)
         if sum(f.stat().st_size for f in files) == 0:
             raise ValueError(f"--data {cfg.data}: the text is empty; pass a non-empty file")
+
+
+def check_out(cfg: TrainConfig) -> None:
+    """Checks of the output folder ``cfg.out``, which it creates: with ``--resume`` it holds
+    a checkpoint of this model; without, no checkpoint (a later ``--resume`` would continue
+    the other run); a folder this process can write into."""
+    from distllm.train import checkpoint
+
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {cfg.out}: it is a file, not a folder; pass another --out")
     if cfg.resume:
-        checkpoint.check_compatible(cfg.out, mcfg)
+        checkpoint.check_compatible(out, cfg.model_config())
+    elif (prev := checkpoint.latest(out)) is not None:
+        raise ValueError(f"--out {cfg.out} holds a previous run's checkpoints (step "
+                         f"{int(prev.name.removeprefix('step_'))}): pass --resume to continue "
+                         f"it, or another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {cfg.out}: cannot create the folder ({exc.strerror}); pass "
+                         f"another --out") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {cfg.out}: the folder is not writable; pass another --out")
+
+
+USAGE_ERRORS_ENV = "DISTLLM_TRAIN_USAGE_ERRORS"
+"""Set by ``--nproc``'s launcher for its ranks: a folder into which a rank writes its bad-input
+message (``rank<R>.txt``) instead of printing it; the launcher prints each distinct one once.
+Ranks of any other launcher print theirs."""
+
+
+@contextlib.contextmanager
+def _launcher_scope():
+    """Restores what launching changes in this process: the environment, the signal handlers
+    torch's elastic agent installs; and keeps its log records (of a failed rank, of the
+    ranks it stops) off stderr unless ``LOGLEVEL`` (the agent's own knob) is set."""
+    env = dict(os.environ)
+    sigs = [s for s in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, s)]
+    handlers = {s: signal.getsignal(getattr(signal, s)) for s in sigs}
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic",
+                                              "torch.distributed.launcher")]
+    quiet = logging.NullHandler()
+    saved = [lg.propagate for lg in loggers]
+    if "LOGLEVEL" not in os.environ:
+        for lg in loggers:
+            lg.addHandler(quiet)
+            lg.propagate = False
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        for s, h in handlers.items():
+            signal.signal(getattr(signal, s), h)
+        for lg, prop in zip(loggers, saved, strict=True):
+            lg.removeHandler(quiet)
+            lg.propagate = prop
 
 
 def _launch(nproc: int, argv: list[str]) -> int:
-    """Start ``torchrun --standalone`` with ``nproc`` ranks running ``distllm train argv``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "distllm", "train", *argv]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, _cores() // nproc)))
-    proc = subprocess.run(cmd, env=env)
-    if proc.returncode != 0:
-        print(f"distllm train: error: a rank failed (exit code {proc.returncode}); see above",
-              file=sys.stderr)
-        return 2 if proc.returncode == 2 else 1
+    """Run ``distllm train argv`` on ``nproc`` ranks of this machine, as ``torchrun
+    --standalone`` does (torch's elastic agent in this process, a c10d rendezvous on a free
+    port, no restarts). Bad input a rank finds is printed once (exit code 2); another failure
+    names the first failed rank (exit code 1); a signal stops the ranks."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    with tempfile.TemporaryDirectory(prefix="distllm-train-") as tmp, _launcher_scope():
+        errors = os.path.join(tmp, "usage-errors")
+        os.mkdir(errors)
+        os.environ[USAGE_ERRORS_ENV] = errors
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores() // nproc)))
+        config = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+            rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+            monitor_interval=0.1, logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")))
+        try:
+            elastic_launch(config, sys.executable)("-m", "distllm", "train", *argv)
+        except ChildFailedError as exc:
+            return _report_failure(exc, Path(errors))
+        except SignalException as exc:
+            print(f"distllm train: stopped by {exc.sigval.name}", file=sys.stderr)
+            return 128 + int(exc.sigval)
     return 0
 
 
+def _report_failure(exc, errors: Path) -> int:
+    """One line per distinct bad-input message the ranks left in ``errors`` (exit code 2),
+    else one line naming the first failed rank of ``exc`` (a ``ChildFailedError``)."""
+    messages: list[str] = []
+    for f in sorted(errors.glob("rank*.txt"), key=lambda f: int(f.stem.removeprefix("rank"))):
+        msg = f.read_text().strip()
+        if msg and msg not in messages:
+            messages.append(msg)
+    for msg in messages:
+        print(f"distllm train: error: {msg}", file=sys.stderr)
+    if messages:
+        return 2
+    rank, failure = exc.get_first_failure()
+    if failure.exitcode < 0:
+        what = f"was killed by {failure.signal_name()}"
+    else:
+        what = f"failed (exit code {failure.exitcode}); its traceback is above"
+    print(f"distllm train: error: rank {rank} {what}", file=sys.stderr)
+    return 1
+
+
 def apply_plan(cfg: TrainConfig, world: int) -> tuple[TrainConfig, str]:
-    """``cfg`` with the planner's best layout for ``world`` ranks, and why it was chosen."""
+    """``cfg`` with the planner's best layout for ``world`` ranks, and why it was chosen: the
+    layout of the model this run trains (``--n-layers`` included) in its ``--dtype``."""
     import torch
 
-    from distllm.plan import best_layout, detect_profile
+    from distllm.plan import best_layout, detect_profile, preset
 
+    mcfg = cfg.model_config()
+    shape = preset(cfg.model).with_(layers=mcfg.n_layers)
     per_node = torch.cuda.device_count() or world
-    layout, why = best_layout(cfg.model, world, min(per_node, world), detect_profile(),
-                              global_batch=cfg.global_batch,
-                              seq_len=cfg.seq_len or cfg.model_config().max_seq_len)
+    layout, why = best_layout(shape, world, min(per_node, world), detect_profile(),
+                              dtype=cfg.dtype, global_batch=cfg.global_batch,
+                              seq_len=cfg.seq_len or mcfg.max_seq_len)
     cfg = dataclasses.replace(cfg, parallel=ParallelConfig.from_layout(layout, cfg.parallel),
                               activation_checkpointing=layout.checkpointing)
     return cfg, f"--plan auto chose {layout.name()} for {world} ranks:\n{why}"
 
 
+def _check_nproc(nproc: int) -> None:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        raise UsageError("--nproc starts torchrun itself: drop it under an external torchrun")
+    if nproc < 1 or nproc > _cores() * 4:
+        raise UsageError(f"--nproc {nproc}: this machine has {_cores()} cores; choose "
+                         f"1..{_cores() * 4} ranks")
+
+
+def _rank(cfg: TrainConfig, world: int) -> int:
+    """Train ``cfg`` as one rank of ``world`` (under a launcher, or alone). Under ``--nproc``'s
+    launcher, bad input goes to the launcher's folder (:data:`USAGE_ERRORS_ENV`), exit code 2."""
+    errors = os.environ.get(USAGE_ERRORS_ENV)
+    try:
+        precheck(cfg, world)
+        check_out(cfg)
+        from distllm.train.trainer import train
+
+        train(cfg)
+    except KeyboardInterrupt:  # Ctrl-C, or the launcher passing it on: it says so once
+        return 128 + signal.SIGINT
+    except USAGE_ERRORS as exc:
+        if errors is None:
+            raise
+        Path(errors, f"rank{os.environ.get('RANK', '0')}.txt").write_text(str(exc))
+        return 2
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if args.nproc:
+        _check_nproc(args.nproc)
     cfg = config_from_args(args)
+    world = args.nproc or int(os.environ.get("WORLD_SIZE", "1"))
     if args.plan == "auto":
-        cfg, why = apply_plan(cfg, args.nproc or int(os.environ.get("WORLD_SIZE", "1")))
+        cfg, why = apply_plan(cfg, world)
         if int(os.environ.get("RANK", "0")) == 0:
             print(why, flush=True)
-    if args.nproc:
-        if under_torchrun:
-            raise UsageError("--nproc starts torchrun itself: drop it under an external torchrun")
-        if args.nproc < 1 or args.nproc > _cores() * 4:
-            raise UsageError(f"--nproc {args.nproc}: this machine has {_cores()} cores; choose "
-                             f"1..{_cores() * 4} ranks")
-        precheck(cfg, args.nproc)
-        return _launch(args.nproc, config_to_argv(cfg))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not args.nproc:
+        return _rank(cfg, world)
     precheck(cfg, world)
-    from distllm.train.trainer import train
-
-    train(cfg)
-    return 0
+    check_out(cfg)
+    return _launch(args.nproc, config_to_argv(cfg))

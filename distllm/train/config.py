@@ -129,6 +129,9 @@ class ParallelConfig:
             raise ValueError(f"batch_split={self.batch_split!r} (--batch-split): use 0 (auto), 1 "
                              "(off) or the number of parts (>= 2)")
         check_vocab_parallel(self.vocab_parallel, self.tp, self.sequence_parallel)
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb}: it must be > 0 MiB (25 is the "
+                             "default)")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s={self.timeout_s}: it must be positive seconds")
 
@@ -195,6 +198,8 @@ class OptimConfig:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: choose a value in [0, 1)")
+        if not self.eps >= 0:
+            raise ValueError(f"eps={self.eps}: it must be >= 0 (1e-8 is the default)")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip={self.grad_clip}: use 0 to disable, or a positive norm")
         if self.warmup_steps < -1:

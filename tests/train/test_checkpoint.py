@@ -66,8 +66,8 @@ def _train_cmd(corpus: str, out: Path, *extra: str) -> list[str]:
 
 
 def _workers(launcher: int) -> list[int]:
-    torchrun = _children(launcher)
-    return [w for t in torchrun for w in _children(t)]
+    """The rank processes of ``distllm train --nproc`` (the launcher's children)."""
+    return _children(launcher)
 
 
 def test_kill_and_resume(corpus, reference, tmp_path):
@@ -97,7 +97,8 @@ def test_kill_and_resume(corpus, reference, tmp_path):
             proc.wait()
     assert proc.returncode != 0
     assert took < 60, f"the job took {took:.0f} s to end after a rank died"
-    assert "distllm train: error: a rank failed" in err.splitlines()[-1]
+    assert err.splitlines()[-1].startswith("distllm train: error: rank "), err[-2000:]
+    assert err.splitlines()[-1].endswith(" was killed by SIGKILL"), err[-2000:]
     # resume from step 3 exactly (a later save, if the run got that far, is set aside)
     for d in (out / "checkpoints").iterdir():
         if d.name != "step_00000003":

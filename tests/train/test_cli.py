@@ -1,9 +1,16 @@
 """``distllm train`` bad input: one clear line on stderr and exit code 2, checked before any
-rank starts (and a checkpoint of another model refused at --resume)."""
+rank starts where it can be (and a checkpoint of another model refused at --resume); what only
+a rank finds under ``--nproc`` is reported once the same way; a failed rank, or a signal to
+the launcher, ends the job with one line."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +46,9 @@ def _err(capsys, argv: list[str]) -> str:
     (["--lr", "-1"], "lr=-1.0"),
     (["--pp", "2", "--schedule", "zb-h1", "--activation-checkpointing", "full"], "zb-h1"),
     (["--nproc", "2", "--pp", "2", "--schedule", "zb-h1", "--zero", "3"], "--zero 2 or lower"),
+    (["--nproc", "2", "--bucket-cap-mb", "0"], "bucket_cap_mb=0.0: it must be > 0 MiB"),
+    (["--nproc", "2", "--eps", "-1"], "eps=-1.0: it must be >= 0"),
+    (["--nproc", "-2", "--plan", "auto"], "--nproc -2"),
 ])
 def test_bad_input(capsys, argv, words):
     assert words in _err(capsys, argv)
@@ -62,6 +72,129 @@ def test_resume_refuses_another_model(capsys, corpus, tmp_path):
     line = _err(capsys, ["--resume", "--out", str(out), "--data", corpus, "--seq-len", "32"])
     assert "different model" in line and "n_layers: checkpoint 2 vs run 4" in line
     assert "no complete checkpoint" in _err(capsys, ["--resume", "--out", str(tmp_path / "x")])
+
+
+def test_out_must_be_a_folder_it_can_create(capsys, tmp_path):
+    (tmp_path / "afile").write_text("")
+    line = _err(capsys, ["--nproc", "2", "--out", str(tmp_path / "afile")])
+    assert f"--out {tmp_path / 'afile'}: it is a file" in line
+    line = _err(capsys, ["--out", str(tmp_path / "afile" / "sub")])
+    assert f"--out {tmp_path / 'afile' / 'sub'}: cannot create the folder" in line
+
+
+# --- under --nproc: what a rank finds, a failed rank, a signal ----------------------------
+
+TINY = ["--model", "tiny", "--steps", "1", "--eval-batches", "0", "--seq-len", "32",
+        "--no-progress", "--timeout", "60"]
+
+
+def _one_line(capfd, argv: list[str]) -> str:
+    """The one stderr line of ``distllm train argv`` (exit code 2); the ranks are processes
+    writing to this one's stderr, hence ``capfd``."""
+    from distllm.train.cli import USAGE_ERRORS_ENV
+
+    before = signal.getsignal(signal.SIGTERM)
+    rc = main(["train", *argv])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert rc == 2, err
+    assert len(err) == 1 and err[0].startswith("distllm train: error: "), err
+    # the launcher leaves this process as it found it
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert USAGE_ERRORS_ENV not in os.environ
+    return err[0]
+
+
+def test_bad_input_a_rank_finds_is_one_line(capfd, tmp_path):
+    """The data too short for one global batch is found by the ranks (which load it)."""
+    (tmp_path / "small.txt").write_text("x" * 600)  # 300 training tokens: 9 windows of 33
+    line = _one_line(capfd, ["--nproc", "2", *TINY, "--global-batch", "16", "--data",
+                             str(tmp_path / "small.txt"), "--out", str(tmp_path / "run")])
+    assert "fewer than one global batch of 16: lower --global-batch" in line
+
+
+def test_a_fresh_run_refuses_old_checkpoints_and_resume_checks_the_batch(capfd, tmp_path):
+    out = str(tmp_path / "run")
+    assert main(["train", "--nproc", "2", *TINY, "--global-batch", "4", "--out", out]) == 0
+    capfd.readouterr()
+    line = _one_line(capfd, ["--nproc", "2", *TINY, "--global-batch", "4", "--out", out])
+    assert (f"--out {out} holds a previous run's checkpoints (step 1): pass --resume to "
+            "continue it, or another --out") in line
+    line = _one_line(capfd, ["--nproc", "2", *TINY, "--steps", "2", "--global-batch", "8",
+                             "--out", out, "--resume"])  # found after the ranks load it
+    assert "global_batch=4, this run 8: resume with --global-batch 4" in line
+
+
+def test_a_failed_rank_is_named_once(capsys, tmp_path):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from distllm.train.cli import _report_failure
+
+    none = str(tmp_path / "no-error-file")
+    crashed = ChildFailedError("distllm", {1: ProcessFailure(1, 10, 1, none)})
+    killed = ChildFailedError("distllm", {0: ProcessFailure(0, 11, -9, none)})
+    assert _report_failure(crashed, tmp_path) == 1
+    assert _report_failure(killed, tmp_path) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "distllm train: error: rank 1 failed (exit code 1); its traceback is above",
+        "distllm train: error: rank 0 was killed by SIGKILL"]
+    for rank, msg in ((2, "b"), (0, "a"), (1, "a")):
+        (tmp_path / f"rank{rank}.txt").write_text(msg)
+    assert _report_failure(crashed, tmp_path) == 2
+    assert capsys.readouterr().err.splitlines() == ["distllm train: error: a",
+                                                    "distllm train: error: b"]
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(stat.parent.name))
+        except (OSError, ValueError):
+            continue
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_the_ranks(tmp_path, sig):
+    """The ranks run in sessions of their own: the launcher passes a signal on to them, and
+    the job ends with one line (no rank's traceback for Ctrl-C)."""
+    out, log = tmp_path / "run", tmp_path / "stderr.txt"
+    ranks: list[int] = []
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "distllm", "train", "--nproc", "2",
+                                 *TINY, "--steps", "100000", "--global-batch", "4", "--out",
+                                 str(out)], stderr=err, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").stat().st_size:
+            assert proc.poll() is None, log.read_text()[-2000:]
+            assert time.time() < deadline, "no step was done"
+            time.sleep(0.05)
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2, ranks
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+        deadline = time.time() + 10
+        while any(map(_alive, ranks)) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_alive, ranks)), "a rank outlived the launcher"
+    finally:
+        for pid in [proc.pid, *ranks]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    err = log.read_text()
+    assert proc.returncode == 128 + sig, err[-2000:]
+    assert err.splitlines()[-1] == f"distllm train: stopped by {sig.name}", err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
 
 
 # --- flags generated from the config dataclasses --------------------------------------

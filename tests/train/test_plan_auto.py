@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 
 def test_plan_auto_trains_the_chosen_layout(tmp_path):
     out = subprocess.run(
@@ -36,3 +38,21 @@ def test_plan_auto_trains_the_chosen_layout(tmp_path):
     assert ran.group(3) == "2", banner[0]
     steps = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2] and all(s["loss"] > 0 for s in steps)
+
+
+def test_plan_auto_plans_the_model_it_trains():
+    """The planner sees --n-layers (a 1-block tiny fills at most 3 pipeline chunks) and
+    --dtype (float64 parameters take twice float32's memory)."""
+    from distllm.train.cli import apply_plan, precheck
+    from distllm.train.config import TrainConfig
+
+    cfg, _ = apply_plan(TrainConfig(model="tiny", n_layers=1), 8)
+    assert cfg.parallel.pp * cfg.parallel.chunks_per_rank <= 3, cfg.parallel
+    precheck(cfg, 8)
+
+    def params_gb(dtype: str) -> float:
+        _, why = apply_plan(TrainConfig(model="tiny", dtype=dtype, global_batch=8,
+                                        seq_len=32), 1)  # one layout: tp1.pp1.dp1
+        return float(re.search(r"memory: params ([0-9.e-]+) GB", why).group(1))
+
+    assert params_gb("float64") == pytest.approx(2 * params_gb("float32"), rel=0.02)
