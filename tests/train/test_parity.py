@@ -19,7 +19,7 @@ from tests.train._util import train_many
 
 STEPS = 3
 TOL = 1e-12  # float64: layouts differ only in summation order (all-reduce, micro-batching)
-TOL_BF16 = 3e-2  # bf16 compute (8-bit mantissa) with fp32 master weights: ~1% per-step loss
+TOL_BF16 = 2e-3  # bf16 compute, fp32 masters: both bf16 layouts within 5e-4 of float64 (4x)
 
 
 def _id(kw: dict) -> str:

@@ -3,6 +3,8 @@ on an inf/NaN gradient and doubles after a run of good steps (as ``torch.amp.Gra
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
 __all__ = ["LossScaler"]
@@ -29,6 +31,22 @@ class LossScaler:
             raise ValueError(f"loss_scale={loss_scale!r}: use None, a positive number or 'dynamic'")
         self.scale = DYNAMIC_INIT if self.dynamic else constant
         self._good_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"dynamic", "scale", "good_steps"}``: what a resumed run needs to scale (and grow
+        the scale) as the uninterrupted one would."""
+        return {"dynamic": self.dynamic, "scale": self.scale, "good_steps": self._good_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` into a dynamic scaler. A scaler that is off or
+        constant keeps its own scale (the optimizer's setting, not state), and so does a
+        dynamic one given the state of one that was not dynamic; a state without
+        ``good_steps`` (saved before it was kept) restarts the count of good steps."""
+        if not self.dynamic or not state.get("dynamic", True):
+            return
+        if state.get("scale") is not None:
+            self.scale = float(state["scale"])
+        self._good_steps = int(state.get("good_steps", 0))
 
     def scale_loss(self, loss: Tensor) -> Tensor:
         """``loss * scale`` (the loss itself when the scale is 1)."""

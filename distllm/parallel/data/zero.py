@@ -138,11 +138,15 @@ class ZeroOptimizer(ZeroGradChecks):
         units: stage 3: the submodules gathered as one; stages 1-2: the layers whose
             forward waits for the parameter gathers of their whole subtree (default: the
             children of every outermost ``ModuleList``/``Sequential``; at stage 3 leftover
-            parameters form the root unit).
+            parameters, and those a module outside their unit also holds (a tied weight),
+            form the root unit).
         loss_scale: ``None``, a constant, or ``"dynamic"`` (fp16): multiply the loss with
-            :meth:`scale_loss`; gradients are unscaled before clipping and stepping.
+            :meth:`scale_loss`; gradients are unscaled before clipping and stepping. A
+            dynamic scaler's state is in :meth:`state_dict`.
         param_groups: with a module: optimizer param groups (dicts with ``params`` and
             options) of that module's parameters, e.g. to exempt biases from weight decay.
+            Without a module it is refused (ValueError): pass the groups as
+            ``module_or_params``.
         overlap_param_gather: stages 1-2 with a module: launch the all-gather of the updated
             parameters in ``step`` (the bucket of the module's first parameter as soon as it
             is stepped, the others at the end) and wait for each bucket in a forward pre-hook

@@ -1,7 +1,8 @@
 """ZeRO-3 parameter sharding: each layer's parameters are gathered just before use.
 
 Each *unit* (a layer; by default every child of the outermost ``ModuleList``/``Sequential``
-containers, leftover parameters forming the root unit) packs its parameters into one flat
+containers; leftover parameters, and those a module outside the unit also holds such as a
+weight tied between two layers, form the root unit) packs its parameters into one flat
 buffer per optimizer param group, padded to a multiple of the DP size ``N``. A rank keeps
 only its slice (``L/N`` elements) between uses; the full buffer's storage is freed
 (``untyped_storage().resize_(0)``) and re-allocated for each gather, so views of it saved
@@ -17,8 +18,11 @@ starts the all-gather of the next unit (``prefetch=True``); a forward post-hook 
 (except the root, needed first in backward) and hooks the unit's outputs.
 Backward: the first gradient reaching a unit's outputs all-gathers it again and prefetches
 the unit that runs backward next; when every parameter of the unit has its gradient
-accumulated, the full parameters are freed (the gradient bucket is reduce-scattered by
-:class:`~distllm.parallel.data.buckets.GradBuckets`).
+accumulated in this backward pass, the full parameters are freed (the gradient bucket is
+reduce-scattered by :class:`~distllm.parallel.data.buckets.GradBuckets`). The count restarts
+with each backward pass (micro-batch); a unit with a parameter that gets no gradient in a
+pass stays gathered until the next forward frees it, or the end of the synchronised
+backward.
 """
 
 from __future__ import annotations
@@ -53,6 +57,25 @@ def default_units(module: nn.Module) -> list[nn.Module]:
     return units
 
 
+def _owners(module: nn.Module, units: list[nn.Module]) -> dict[nn.Parameter, nn.Module]:
+    """The unit of each parameter: the first unit whose subtree holds every module that holds
+    it directly. A parameter also held outside that subtree (a weight tied between two
+    layers, e.g. a head sharing the embedding's matrix) is left to the root unit, which stays
+    gathered from the first forward of a step to the end of its backward: a unit's own
+    parameters are freed after its forward, before the other holder reads them."""
+    holders: dict[nn.Parameter, list[nn.Module]] = {}
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            holders.setdefault(p, []).append(m)
+    owner: dict[nn.Parameter, nn.Module] = {}
+    for u in units:
+        inside = set(u.modules())
+        for p in u.parameters():
+            if p not in owner and all(h in inside for h in holders.get(p, ())):
+                owner[p] = u
+    return owner
+
+
 @dataclass(eq=False)
 class _Flat:
     params: list[nn.Parameter]
@@ -78,12 +101,9 @@ class ShardedParams:
         units = list(units) if units is not None else default_units(module)
         if module in units:
             units.remove(module)
-        owner: dict[nn.Parameter, nn.Module] = {}
-        for u in units:
-            for p in u.parameters():
-                owner.setdefault(p, u)
+        owner = _owners(module, units)
         for p in params:
-            owner.setdefault(p, module)  # leftovers: the root unit
+            owner.setdefault(p, module)  # leftovers and shared parameters: the root unit
         self.units = units + [module]  # forward order of the non-root units, then the root
         self.flats: dict[nn.Module, list[_Flat]] = {}
         for u in self.units:  # one flat per unit, each param group's parameters together
@@ -91,6 +111,7 @@ class ShardedParams:
             self.flats[u] = [self._make_flat(mine)] if mine else []
         self.unit_of = {p: u for u in self.units for f in self.flats[u] for p in f.params}
         self._landed: dict[nn.Module, set] = {u: set() for u in self.units}
+        self._landed_pass: dict[nn.Module, int | None] = {u: None for u in self.units}
         self._order: list[nn.Module] = [u for u in self.units if u is not module]
         self._seen: list[nn.Module] = []
         self._hooks = []
@@ -248,6 +269,16 @@ class ShardedParams:
             self.reshard(mod)
 
     def _pre_backward(self, mod: nn.Module) -> None:
+        # a unit's landed set counts the gradients of this backward pass only: a parameter
+        # that got none in an earlier pass (unused in that micro-batch) must land again
+        # before the unit is freed. Reset on the unit's first entry of the pass, not on each
+        # (a unit called twice keeps what landed between its two backwards). A pass is an
+        # autograd graph task (its id keys torch's own register_multi_grad_hook "any" mode).
+        task = torch._C._current_graph_task_id()
+        for u in (self.module, mod):  # the root is gathered with every unit
+            if self._landed_pass[u] != task:
+                self._landed_pass[u] = task
+                self._landed[u].clear()
         if self.flats[self.module]:
             self.unshard(self.module, wait=True)
         self.unshard(mod, wait=True)

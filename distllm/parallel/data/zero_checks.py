@@ -54,8 +54,21 @@ class ZeroGradChecks:
         self._prepare_grads()
         norm = global_norm(self._tp_pieces(), dims=self.dims, norm_type=norm_type,
                            dp_sharded=self.stage >= 1 and self.nranks > 1)
-        clip_by(norm, max_norm, (m.grad for m in self.masters))
+        clip_by(norm, max_norm, self._clip_targets())
         return norm
+
+    def _clip_targets(self) -> list[Tensor]:
+        """The gradients clipping scales, each storage once: the masters' gradients and, at
+        stages 0-1, the whole replicated bucket of each (not only this rank's slice), so
+        that the ``.grad`` views read clipped and the buckets stay equal on every DP rank; a
+        gradient accumulated into them without ``zero_grad`` is then averaged onto the
+        same clipped values everywhere, as with torch's DDP."""
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        if self.stage >= 2:
+            return grads
+        bufs = [b.buffer for b in self.reducer.buckets if b.buffer is not None]
+        ptrs = {b.untyped_storage().data_ptr() for b in bufs}
+        return bufs + [g for g in grads if g.untyped_storage().data_ptr() not in ptrs]
 
     @torch.no_grad()
     def clip_and_check(self, max_norm: float, extra: Tensor | None = None
@@ -79,7 +92,7 @@ class ZeroGradChecks:
         norm, sums = norm_and_sums(local_norm(self._tp_pieces(), dims=self.dims),
                                    [self._local_inf()] + ([extra] if extra is not None else []),
                                    world)
-        clip_by(norm, max_norm, (m.grad for m in self.masters))
+        clip_by(norm, max_norm, self._clip_targets())
         return norm, (sums[0] > 0).to(torch.float32), sums[1:] if extra is not None else None
 
     @torch.no_grad()

@@ -39,12 +39,17 @@ def _unname(items: list, names: dict) -> list:
 def param_groups_of(module_or_params, param_groups=None
                   ) -> tuple[nn.Module | None, list[tuple[list, dict]], dict]:
     """``(module, [(params, options), ...], names)`` from a module, parameters, ``(name,
-    param)`` pairs (``named_parameters()``), or param-group dicts of either."""
+    param)`` pairs (``named_parameters()``), or param-group dicts of either.
+    ``param_groups`` goes with a module only (refused otherwise, rather than ignored)."""
     names: dict[nn.Parameter, str] = {}
     if isinstance(module_or_params, nn.Module):
         module = module_or_params
         items = list(param_groups) if param_groups is not None else list(module.parameters())
         names = {p: n for n, p in module.named_parameters()}
+    elif param_groups is not None:
+        raise ValueError("param_groups= is only read with an nn.Module as module_or_params: "
+                         "pass the param-group dicts as module_or_params instead (e.g. "
+                         "ZeroOptimizer(groups, ...)), or pass the model with param_groups=")
     else:
         module, items = None, list(module_or_params)
     groups: list[tuple[list, dict]] = []

@@ -3,13 +3,17 @@
 ``gather_state(z)`` returns::
 
     {"stage": int, "skipped_steps": int, "loss_scale": float,
+     "loss_scaler": {"dynamic": bool, "scale": float, "good_steps": int},
      "param_groups": [hyper-parameters of each group, without "params"],
      "master": {name: full fp32 (master dtype) tensor shaped like the parameter},
      "state":  {name: {key: full tensor shaped like the parameter, or the scalar as is}}}
 
 identical on every DP rank (collective: one all-gather over DP per bucket and state key),
 so a ``torch.distributed.checkpoint`` save writes each tensor once, and the DP size may
-change between save and load. ``load_state`` slices this rank's shard out of it.
+change between save and load. ``load_state`` slices this rank's shard out of it, and
+restores the loss scaler's state only into a dynamic scaler (see
+:meth:`~distllm.parallel.data.loss_scale.LossScaler.load_state_dict`; a checkpoint without
+``"loss_scaler"`` gives its ``"loss_scale"``).
 
 :class:`ModuleStateHooks` keeps the model's own ``state_dict()`` / ``load_state_dict()``
 meaningful under ZeRO: at stage 3 the units involved are gathered around them (a collective
@@ -71,7 +75,8 @@ def gather_state(z) -> dict[str, Any]:
                     state[n][key] = v.clone() if isinstance(v, Tensor) else v
     groups = [{k: v for k, v in g.items() if k != "params"} for g in z.optimizer.param_groups]
     return {"stage": z.stage, "skipped_steps": z.skipped_steps, "loss_scale": z.loss_scale,
-            "param_groups": groups, "master": master, "state": state}
+            "loss_scaler": z.scaler.state_dict(), "param_groups": groups, "master": master,
+            "state": state}
 
 
 def _my_slice(z, i: int, per_param: dict[str, Tensor], like: Tensor) -> Tensor:
@@ -104,7 +109,7 @@ def load_state(z, sd: dict[str, Any]) -> None:
     for g, saved in zip(z.optimizer.param_groups, sd["param_groups"], strict=True):
         g.update({k: v for k, v in saved.items() if k != "params"})
     z.skipped_steps = int(sd.get("skipped_steps", 0))
-    z.loss_scale = float(sd.get("loss_scale", z.loss_scale))
+    z.scaler.load_state_dict(sd.get("loss_scaler", {"scale": sd.get("loss_scale")}))
     z.publish_params()
 
 

@@ -43,3 +43,34 @@ def test_dynamic_halves_on_overflow_and_grows_after_good_steps():
 def test_bad_loss_scale(bad):
     with pytest.raises(ValueError, match=f"loss_scale={bad!r}: use None, a positive number"):
         LossScaler(bad)
+
+
+def test_state_round_trip_keeps_the_growth_schedule():
+    s = LossScaler("dynamic")
+    s.update(skipped=True)
+    for _ in range(GROWTH_INTERVAL - 2):
+        s.update(skipped=False)
+    state = s.state_dict()
+    assert state == {"dynamic": True, "scale": 2.0**15, "good_steps": GROWTH_INTERVAL - 2}
+    resumed = LossScaler("dynamic")
+    resumed.load_state_dict(state)
+    for t in (s, resumed):
+        t.update(skipped=False)
+    assert resumed.scale == s.scale == 2.0**15  # one good step short, in both
+    for t in (s, resumed):
+        t.update(skipped=False)
+    assert resumed.scale == s.scale == 2.0**16  # the interval ends at the same step
+
+
+def test_load_state_keeps_a_constant_or_absent_scale():
+    state = LossScaler("dynamic").state_dict()
+    for setting, want in ((None, 1.0), (8.0, 8.0)):
+        s = LossScaler(setting)
+        s.load_state_dict(state)
+        assert s.scale == want and s.state_dict()["good_steps"] == 0, setting
+    dyn = LossScaler("dynamic")
+    dyn.load_state_dict(LossScaler(8.0).state_dict())  # a constant's scale is not state
+    assert dyn.scale == DYNAMIC_INIT
+    old = LossScaler("dynamic")
+    old.load_state_dict({"scale": 1024.0})  # saved without the count of good steps
+    assert old.scale == 1024.0 and old.state_dict()["good_steps"] == 0

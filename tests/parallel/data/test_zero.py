@@ -217,8 +217,9 @@ def _skip_and_reload(dims) -> dict:
 
 
 def _loss_scale(dims) -> dict:
-    """Dynamic loss scaling: a scaled loss gives the unscaled update; an overflow halves the
-    scale and skips the step."""
+    """Dynamic loss scaling: a scaled loss gives the unscaled gradient norm and update; an
+    overflow halves the scale and skips the step. (The update alone would not tell: clipped,
+    a gradient left scaled by 65536 moves AdamW's weights the same.)"""
     from distllm.parallel import ZeroOptimizer
 
     model, ref = make(), make()
@@ -229,10 +230,10 @@ def _loss_scale(dims) -> dict:
     x, y = batch(0)
     s0 = z.loss_scale
     z.scale_loss(loss_fn(model, local(x, dims), local(y, dims))).backward()
-    z.clip_grad_norm_(OPT.grad_clip)
+    norm = z.clip_grad_norm_(OPT.grad_clip).item()
     z.step()
     loss_fn(ref, x, y).backward()
-    torch.nn.utils.clip_grad_norm_(ref.parameters(), OPT.grad_clip)
+    norm -= torch.nn.utils.clip_grad_norm_(ref.parameters(), OPT.grad_clip).item()
     ropt.step()
     z.wait_params()  # the parameter all-gather overlaps the next forward; read after waiting
     err = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters(),
@@ -240,8 +241,8 @@ def _loss_scale(dims) -> dict:
     z.zero_grad()
     z.scale_loss(float("inf") * loss_fn(model, local(x, dims), local(y, dims))).backward()
     stepped = z.step()
-    return {"err": err, "halved": z.loss_scale == s0 / 2, "stepped": stepped,
-            "skipped": z.skipped_steps}
+    return {"err": err, "norm": abs(norm), "halved": z.loss_scale == s0 / 2,
+            "stepped": stepped, "skipped": z.skipped_steps}
 
 
 def _overlap(dims) -> dict:
@@ -335,7 +336,8 @@ def test_checkpoint_reloads_into_another_stage(spawned, stage):
 def test_dynamic_loss_scale(spawned):
     for r in spawned(zero_extras, 2):
         sc = r["scale"]
-        assert sc["err"] < TOL and sc["halved"] and not sc["stepped"] and sc["skipped"] == 1, sc
+        assert sc["err"] < TOL and sc["norm"] < TOL, sc
+        assert sc["halved"] and not sc["stepped"] and sc["skipped"] == 1, sc
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3, "1-groups", "2-groups"])
@@ -376,6 +378,9 @@ def test_bad_input():
         ZeroOptimizer(m, torch.optim.AdamW(m.parameters()), stage=1, dims=None)
     with pytest.raises(ValueError, match="no parameters"):
         ZeroOptimizer(nn.GELU(), torch.optim.AdamW, stage=1, dims=None)
+    with pytest.raises(ValueError, match="param_groups= is only read with an nn.Module"):
+        ZeroOptimizer(m.parameters(), torch.optim.AdamW, stage=1, dims=None,
+                      param_groups=[{"params": list(m.parameters()), "weight_decay": 0.1}])
     with pytest.raises(ValueError, match="stage=3 needs the nn.Module"):
         ZeroOptimizer(m.parameters(), torch.optim.AdamW, stage=3, dims=None)
     with pytest.raises(ValueError, match="dims=None"):

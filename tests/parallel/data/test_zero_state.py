@@ -1,6 +1,7 @@
 """The model's own ``state_dict()`` / ``load_state_dict()`` under ZeroOptimizer: full tensors
 at stage 3 (gathered over DP, never the empty shards), loads that reach the shards and the
-mixed-precision master weights, on 2 gloo ranks against a float64 single process."""
+mixed-precision master weights, on 2 gloo ranks against a float64 single process; and the
+loss scaler's state in the optimizer's own ``state_dict()``."""
 
 from __future__ import annotations
 
@@ -108,12 +109,52 @@ def _assign_refused(dims) -> str:
     return "no error"
 
 
+def _scaler_state(dims) -> dict:
+    """ZeroOptimizer.state_dict() carries the dynamic loss scaler's state (its count of good
+    steps too); loading it leaves an optimizer without loss scaling, or with a constant
+    one, as it was (its gradient norm stays the single process's)."""
+    from distllm.parallel import ZeroOptimizer
+
+    def build(loss_scale):
+        model = make()
+        return model, ZeroOptimizer(model, torch.optim.AdamW, stage=1, dims=dims,
+                                    loss_scale=loss_scale, **adamw())
+
+    model, z = build("dynamic")
+    for s in range(2):
+        x, y = batch(s)
+        z.zero_grad()
+        z.scale_loss(loss_fn(model, local(x, dims), local(y, dims))).backward()
+        z.step()
+    sd = z.state_dict()
+    out = {"saved": sd["loss_scaler"], "dynamic": build("dynamic")[1], "constant": build(8.0)[1]}
+    for key in ("dynamic", "constant"):
+        out[key].load_state_dict(sd)
+        out[key] = out[key].scaler.state_dict()
+    old = {k: v for k, v in sd.items() if k != "loss_scaler"}  # saved before it was kept
+    z_old = build("dynamic")[1]
+    z_old.load_state_dict({**old, "loss_scale": 1024.0})
+    out["old"] = z_old.scaler.state_dict()
+    m_none, z_none = build(None)
+    z_none.load_state_dict(sd)
+    ref = make()
+    ref.load_state_dict(m_none.state_dict())
+    x, y = batch(2)
+    loss_fn(m_none, local(x, dims), local(y, dims)).backward()
+    loss_fn(ref, x, y).backward()
+    out["none_scale"] = z_none.loss_scale
+    out["none_norm"] = abs(z_none.clip_grad_norm_(float("inf")).item()
+                           - torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9).item())
+    return out
+
+
 def zero_module_state() -> dict:
     from distllm import ParallelDims
 
     dims = ParallelDims()
     return {"step": _after_one_step(dims), "round_trip": _round_trip(dims),
-            "mixed": _mixed_masters(dims), "assign": _assign_refused(dims)}
+            "mixed": _mixed_masters(dims), "assign": _assign_refused(dims),
+            "scaler": _scaler_state(dims)}
 
 
 def _results(spawned) -> list[dict]:
@@ -167,3 +208,17 @@ def test_load_state_dict_reaches_mixed_precision_masters(spawned, stage):
 def test_load_state_dict_with_assign_is_refused(spawned):
     for r in _results(spawned):
         assert "assign=False" in r["assign"], r["assign"]
+
+
+def test_optimizer_state_dict_carries_the_loss_scaler(spawned):
+    from distllm.parallel.data.loss_scale import DYNAMIC_INIT
+
+    for r in _results(spawned):
+        sc = r["scaler"]
+        assert sc["saved"] == {"dynamic": True, "scale": DYNAMIC_INIT, "good_steps": 2}, sc
+        assert sc["dynamic"] == sc["saved"], sc  # a resumed run grows the scale on time
+        assert sc["constant"]["scale"] == 8.0, sc  # a constant scale is a setting, kept
+        assert sc["old"] == {"dynamic": True, "scale": 1024.0, "good_steps": 0}, sc
+        # no loss scaling: its gradients are not divided by the loaded scale
+        assert sc["none_norm"] < TOL, f"gradient norm off by {sc['none_norm']:.3g}"
+        assert sc["none_scale"] == 1.0, sc

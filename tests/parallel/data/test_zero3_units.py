@@ -1,0 +1,203 @@
+"""ZeRO-3 units against a float64 single process (2 gloo ranks, ~1e-10): gradient
+accumulation where a unit's parameter gets no gradient in some micro-batches (its landed
+count restarts with each backward pass), a unit whose backward is entered twice per pass,
+units recomputed by reentrant activation checkpointing, and a weight tied between two
+layers (GPT's ``tie_embeddings``), which belongs to the root unit."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tests._spawn import SpawnCache, case_of, run_cases
+from tests.parallel.data._common import OPT, TOL, adamw, groups_of, local, max_err, set_lr
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    return SpawnCache()
+
+
+class _Gated(nn.Module):
+    """A residual MLP whose output is scaled by ``gate`` only when asked: ``gate`` gets no
+    gradient in a micro-batch that does not use it."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(h, 2 * h + 1)
+        self.down = nn.Linear(2 * h + 1, h)
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, h))
+
+    def forward(self, x, use_gate: bool):  # (..., h) -> (..., h)
+        y = self.down(torch.tanh(self.up(x)))
+        return x + (self.gate * y if use_gate else y)
+
+
+class _GatedNet(nn.Module):
+    """``how``: "plain" (each block once), "twice" (each block twice, its gate only in the
+    second call) or "reentrant" (each block under reentrant activation checkpointing)."""
+
+    def __init__(self, how: str, d_in: int = 7, h: int = 13, n: int = 3, out: int = 5) -> None:
+        super().__init__()
+        self.how = how
+        self.inp = nn.Linear(d_in, h)
+        self.blocks = nn.ModuleList(_Gated(h) for _ in range(n))
+        self.head = nn.Linear(h, out)
+
+    def forward(self, x, use_gate: bool):
+        x = self.inp(x)
+        for b in self.blocks:
+            if self.how == "twice":
+                x = b(b(x, False), use_gate)
+            elif self.how == "reentrant":
+                x = checkpoint(b, x, use_gate, use_reentrant=True)
+            else:
+                x = b(x, use_gate)
+        return self.head(x)
+
+
+def _gated_net(how: str) -> _GatedNet:
+    torch.manual_seed(0)
+    return _GatedNet(how).double()
+
+
+# each step's micro-batches: whether each uses the gates (the last one is synchronised)
+GATES = ((False, True, False), (True, False, True))
+
+
+def _accumulate(dims, how: str, stage: int = 3, prefetch: bool = True) -> dict:
+    """Two steps of three micro-batches (the first two under ``no_sync``), gates used in
+    some of them, clipped AdamW; the reference runs each micro-batch on the global rows."""
+    from distllm.parallel import ZeroOptimizer
+
+    model, ref = _gated_net(how), _gated_net(how)
+    z = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, dims=dims, prefetch=prefetch,
+                      param_groups=groups_of(model), bucket_cap_mb=0.002, **adamw())
+    ropt = torch.optim.AdamW(groups_of(ref), **adamw())
+    g = torch.Generator().manual_seed(3)
+    held, norms = [], []
+    for step, gates in enumerate(GATES):
+        set_lr(step, z, ropt)
+        z.zero_grad()
+        ropt.zero_grad()
+        for k, use in enumerate(gates):
+            x = torch.randn(4 * dims.dp, 3, 7, generator=g, dtype=torch.float64)
+            last = k == len(gates) - 1
+            with z.no_sync() if not last else contextlib.nullcontext():
+                (model(local(x, dims), use).square().mean() / len(gates)).backward()
+            if stage == 3 and not last:
+                held.append(z.sharded.full_bytes_held())
+            (ref(x, use).square().mean() / len(gates)).backward()
+        norms.append(abs(z.clip_grad_norm_(OPT.grad_clip).item()
+                         - torch.nn.utils.clip_grad_norm_(ref.parameters(), OPT.grad_clip).item()))
+        z.step()
+        ropt.step()
+        if stage == 3:
+            held.append(z.sharded.full_bytes_held())
+    return {"master": max_err(z.state_dict()["master"], dict(ref.named_parameters())),
+            "norm": max(norms), "held": held}
+
+
+def gated_main() -> dict:
+    from distllm import ParallelDims
+
+    dims = ParallelDims()
+    cases = {f"{how}-s3": (lambda how=how: _accumulate(dims, how))
+             for how in ("plain", "twice", "reentrant")}
+    cases["plain-s3-no-prefetch"] = lambda: _accumulate(dims, "plain", prefetch=False)
+    cases["twice-s3-no-prefetch"] = lambda: _accumulate(dims, "twice", prefetch=False)
+    for stage in (1, 2):
+        cases[f"plain-s{stage}"] = lambda stage=stage: _accumulate(dims, "plain", stage)
+    return run_cases(cases)
+
+
+CASES = ["plain-s1", "plain-s2", "plain-s3", "plain-s3-no-prefetch", "twice-s3",
+         "twice-s3-no-prefetch", "reentrant-s3"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_accumulation_with_parameters_unused_in_some_micro_batches(spawned, case):
+    for r in case_of(spawned(gated_main, 2), case):
+        assert r["master"] < TOL and r["norm"] < TOL, f"{case}: {r}"
+        if case in ("plain-s3-no-prefetch", "twice-s3-no-prefetch"):
+            # a unit is freed once all its parameters' gradients of this pass have landed:
+            # after the micro-batches that used every parameter (GATES), nothing is held
+            # (a unit with an unused gate stays gathered until the next forward)
+            assert r["held"][1] == 0 and r["held"][3] == 0, r["held"]
+            assert r["held"][0] > 0, r["held"]  # ... and the gate-less one keeps them
+        if "-s3" in case:
+            assert r["held"][2] == r["held"][5] == 0, r["held"]  # freed after each step
+
+
+# --- a weight tied between two layers ----------------------------------------------------------
+
+def _gpt(dims):
+    from distllm.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig.preset("tiny", tie_embeddings=True, n_layers=2, hidden_size=32, n_heads=2,
+                           ffn_hidden_size=64, vocab_size=61, max_seq_len=16)
+    return GPT(cfg, dims, dtype=torch.float64, seed=0, overlap="none")
+
+
+def _tied(dims, head_is_unit: bool) -> dict:
+    """The tied GPT at ZeRO-3 with the engine's units (every layer), or without the head
+    among them (its weights are the root's leftovers, the tied one held by the embedding
+    unit too): three clipped AdamW steps of two micro-batches (the first under ``no_sync``,
+    as the engine runs them), then its state dicts."""
+    from distllm.parallel import ZeroOptimizer
+
+    model, ref = _gpt(dims), _gpt(dims)
+    layers = model.layer_list()
+    z = ZeroOptimizer(model, torch.optim.AdamW, stage=3, dims=dims,
+                      param_groups=groups_of(model), units=layers if head_is_unit
+                      else layers[:-1], **adamw())
+    ropt = torch.optim.AdamW(groups_of(ref), **adamw())
+    wte = model.layers["0"].wte.weight
+    out = {"tied": wte is layers[-1].lm_head.weight, "root": z.sharded.unit_of[wte] is model}
+    g = torch.Generator().manual_seed(1)
+    norms = []
+    for step in range(3):
+        set_lr(step, z, ropt)
+        x = torch.randint(0, 61, (2 * dims.dp, 16), generator=g)
+        z.zero_grad()
+        ropt.zero_grad()
+        xl = local(x, dims)
+        with z.no_sync():
+            (model.loss(model(xl[:1]), xl[:1]) / 2).backward()
+        (model.loss(model(xl[1:]), xl[1:]) / 2).backward()
+        ref.loss(ref(x), x).backward()
+        norms.append(abs(z.clip_grad_norm_(OPT.grad_clip).item()
+                         - torch.nn.utils.clip_grad_norm_(ref.parameters(), OPT.grad_clip).item()))
+        z.step()
+        ropt.step()
+    out.update(norm=max(norms), weights=max_err(model.state_dict(), ref.state_dict()),
+               master=max_err(z.state_dict()["master"], dict(ref.named_parameters())),
+               held=z.sharded.full_bytes_held())
+    # the model's state dict loads into another tied ZeRO-3 model, whose forward agrees
+    m2 = _gpt(dims)
+    ZeroOptimizer(m2, torch.optim.AdamW, stage=3, dims=dims, units=m2.layer_list(), **adamw())
+    m2.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        out["reload"] = (m2(x) - ref(x))[..., :61].abs().max().item()  # (the padding: -inf)
+    return out
+
+
+def tied_main() -> dict:
+    from distllm import ParallelDims
+
+    dims = ParallelDims()
+    return run_cases({"head-unit": lambda: _tied(dims, True),
+                      "head-leftover": lambda: _tied(dims, False)})
+
+
+@pytest.mark.parametrize("case", ["head-unit", "head-leftover"])
+def test_zero3_tied_embedding_matches_single_process(spawned, case):
+    for r in case_of(spawned(tied_main, 2), case):
+        assert r["tied"] and r["root"], r  # the shared weight is the root unit's
+        for what in ("norm", "weights", "master", "reload"):
+            assert r[what] < TOL, f"{case}: {what} differs from the single process: {r}"
+        assert r["held"] == 0, r
