@@ -339,7 +339,8 @@ def linear_gelu_fwd(
         if save_pre:
             u.copy_(pre)
         return y, u
-    bias_arg = bias if bias is not None else y  # never read when HAS_BIAS is false
+    # the kernel reads the bias with unit stride (b_ptr + n): a strided view is copied
+    bias_arg = bias.contiguous() if bias is not None else y  # never read unless HAS_BIAS
     u_arg = u if save_pre else y  # never written when SAVE_PRE is false
 
     def grid(meta):

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from distllm.comm.collectives import all_reduce
+from distllm.nn.embedding import check_ids_in_vocab
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -58,7 +59,8 @@ def vocab_parallel_cross_entropy(logits_local: torch.Tensor, targets: torch.Tens
     ``r`` holds ``[r*V/tp, (r+1)*V/tp)``, as ``ColumnParallelLinear`` /
     ``VocabParallelEmbedding`` shard it); ``targets`` hold global token ids, the same on
     every tp rank. Equals ``F.cross_entropy`` of the gathered logits: tokens equal to
-    ``ignore_index`` count zero and are left out of the mean; ``reduction`` is "mean",
+    ``ignore_index`` count zero and are left out of the mean, any other target outside
+    ``[0, V)`` is an error (a ValueError on CPU); ``reduction`` is "mean",
     "sum" or "none" (per token). fp16/bf16 logits are reduced in float32 and the loss is
     float32. Collectives: see ``_VocabParallelCrossEntropy``; with tp=1 none.
     """
@@ -67,6 +69,8 @@ def vocab_parallel_cross_entropy(logits_local: torch.Tensor, targets: torch.Tens
     if targets.shape != logits_local.shape[:-1]:
         raise ValueError(f"targets of shape {tuple(targets.shape)} do not match logits "
                          f"{tuple(logits_local.shape)} without their last (vocabulary) dim")
+    vocab = logits_local.shape[-1] * dims.tp
+    check_ids_in_vocab(targets, vocab, "vocab_parallel_cross_entropy: targets", ignore_index)
     loss = _VocabParallelCrossEntropy.apply(logits_local, targets, dims.tp_group, ignore_index)
     if reduction == "none":
         return loss

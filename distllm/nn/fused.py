@@ -13,33 +13,15 @@ No collective runs in forward or backward (single-device layers).
 
 from __future__ import annotations
 
-import functools
-import inspect
-import logging
 import math
 
 import torch
-import torch.fx
-import torch.nn.functional as F
 from torch import nn
 
+from distllm.nn.fuse_graph import Pair, block_pairs, fusable_linear, gelu_approximate
 from distllm.ops.linear_gelu import linear_gelu
 
 __all__ = ["FusedLinearGeLU", "fuse", "gelu_approximate"]
-
-log = logging.getLogger("distllm")
-
-# Activation classes (matched by name, so transformers need not be installed) -> approximate.
-# All of these compute GeLU exactly or in its tanh form; QuickGELU (x * sigmoid(1.702 x)) and
-# ClippedGELU are other functions and are left alone.
-_GELU_CLASSES = {
-    "GELUActivation": "none",
-    "NewGELUActivation": "tanh",
-    "GELUTanh": "tanh",
-    "PytorchGELUTanh": "tanh",
-    "FastGELUActivation": "tanh",
-    "AccurateGELUActivation": "tanh",
-}
 
 
 class FusedLinearGeLU(nn.Module):
@@ -138,49 +120,6 @@ class _FusedConv1DGeLU(nn.Module):
         )
 
 
-def gelu_approximate(act) -> str | None:
-    """``"none"`` / ``"tanh"`` if ``act`` (module or function) is a GeLU, else None."""
-    if isinstance(act, nn.GELU):
-        return act.approximate
-    if isinstance(act, nn.Module):
-        name = type(act).__name__
-        if name not in _GELU_CLASSES:
-            return None
-        inner = getattr(act, "act", None)  # GELUActivation(use_gelu_python=...) etc.
-        if name in ("GELUActivation", "GELUTanh") and inner is not None:
-            return _GELU_CLASSES[name] if _is_gelu_fn(inner) or _is_method(inner) else None
-        return _GELU_CLASSES[name]
-    if act is F.gelu or act is torch.nn.functional.gelu:
-        return "none"
-    if isinstance(act, functools.partial) and act.func is F.gelu and not act.args:
-        ap = act.keywords.get("approximate", "none")
-        return ap if ap in ("none", "tanh") else None
-    return None
-
-
-def _is_gelu_fn(fn) -> bool:
-    return fn is F.gelu or (isinstance(fn, functools.partial) and fn.func is F.gelu)
-
-
-def _is_method(fn) -> bool:
-    return inspect.ismethod(fn) and fn.__name__ in ("_gelu_python", "_gelu_tanh_python")
-
-
-def _fusable_linear(m) -> str | None:
-    """The kind of a fusable layer: "linear" (plain nn.Linear), "conv1d" (HF Conv1D) or None."""
-    if type(m) is nn.Linear:
-        return "linear"
-    w = getattr(m, "weight", None)
-    if (
-        type(m).__name__ == "Conv1D"
-        and isinstance(w, torch.Tensor)
-        and w.dim() == 2
-        and w.shape[1] == getattr(m, "nf", None)
-    ):
-        return "conv1d"
-    return None
-
-
 class _FusedMLPHead(FusedLinearGeLU):
     """The first Linear of a Linear -> GeLU -> Linear chain swapped by :func:`fuse`: it
     computes the whole chain (the GeLU's slot becomes an identity, the second Linear's a
@@ -233,157 +172,71 @@ def _fused_mlp(fc1: nn.Linear, fc2: nn.Linear, approximate: str) -> tuple[nn.Mod
 
 
 def _fused(fc, approximate: str) -> nn.Module:
-    if _fusable_linear(fc) == "linear":
+    if fusable_linear(fc) == "linear":
         return FusedLinearGeLU.from_linear(fc, approximate)
     return _FusedConv1DGeLU(fc, approximate)
-
-
-class _GeluAttribute(nn.Module):
-    """Stands in, while a block is traced, for a GeLU *function* stored as an attribute
-    (``self.act = F.gelu``), so that its call shows in the graph under the attribute's name."""
-
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x):
-        return self.fn(x)
-
-
-class _ChildrenAsLeaves(torch.fx.Tracer):
-    """Traces one block's own ``forward`` only: every submodule call is one graph node."""
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return True
-
-
-def _trace(block: nn.Module) -> torch.fx.Graph | None:
-    """``block.forward`` as a graph whose nodes call its children (GeLU function attributes
-    included, as modules of the same name); optional arguments defaulting to None are traced
-    as None. None, with a debug log, if the block cannot be traced."""
-    fn_attrs = {k: v for k, v in vars(block).items() if _is_gelu_attr(k, v)}
-    for name, fn in fn_attrs.items():  # restored below, whatever the trace does
-        delattr(block, name)
-        block._modules[name] = _GeluAttribute(fn)
-    try:
-        params = inspect.signature(type(block).forward).parameters
-        concrete = {n: None for n, p in params.items() if n != "self" and p.default is None}
-        return _ChildrenAsLeaves().trace(block, concrete_args=concrete or None)
-    except Exception as exc:  # noqa: BLE001 - an untraceable block is left as it is
-        log.debug(
-            "fuse: %s not traced, left alone (%s: %s)",
-            type(block).__name__,
-            type(exc).__name__,
-            exc,
-        )
-        return None
-    finally:
-        for name, fn in fn_attrs.items():
-            del block._modules[name]
-            object.__setattr__(block, name, fn)
-
-
-def _is_gelu_attr(name: str, value) -> bool:
-    """A GeLU function (not module) stored on a block."""
-    return (
-        not name.startswith("_")
-        and not isinstance(value, nn.Module)
-        and callable(value)
-        and gelu_approximate(value) is not None
-    )
-
-
-def _pairs(block: nn.Module, graph: torch.fx.Graph) -> list[tuple[str, str, str, str | None]]:
-    """(fc, act, approximate, fc2) for each child Linear (or HF Conv1D) whose output has one
-    consumer, a child GeLU called on it alone; each called once in the graph. ``fc2`` names
-    the child ``nn.Linear`` that alone consumes the GeLU's output, once, when ``fc`` is an
-    ``nn.Linear`` too (a whole MLP), else None."""
-    calls = [n for n in graph.nodes if n.op == "call_module" and "." not in n.target]
-    times = {}
-    for n in calls:
-        times[n.target] = times.get(n.target, 0) + 1
-    out = []
-    for node in calls:
-        fc = getattr(block, node.target)
-        if not _fusable_linear(fc) or times[node.target] != 1 or len(node.users) != 1:
-            continue
-        (user,) = node.users
-        if user.op != "call_module" or "." in user.target or times[user.target] != 1:
-            continue
-        if user.args != (node,) or user.kwargs:
-            continue
-        ap = gelu_approximate(getattr(block, user.target))
-        if ap is not None:
-            out.append((node.target, user.target, ap, _consumer_linear(block, user, times)
-                        if _fusable_linear(fc) == "linear" else None))
-    return out
-
-
-def _consumer_linear(block: nn.Module, act_node, times: dict) -> str | None:
-    """The child ``nn.Linear`` that alone consumes ``act_node``'s output, called once on it."""
-    if len(act_node.users) != 1:
-        return None
-    (user,) = act_node.users
-    if user.op != "call_module" or "." in user.target or times.get(user.target) != 1:
-        return None
-    if user.args != (act_node,) or user.kwargs:
-        return None
-    return user.target if type(getattr(block, user.target)) is nn.Linear else None
-
-
-def _fuse_block(block: nn.Module) -> int:
-    children = dict(block.named_children())
-    if not any(_fusable_linear(m) for m in children.values()):
-        return 0
-    if not any(gelu_approximate(m) for m in children.values()) and not any(
-        _is_gelu_attr(k, v) for k, v in vars(block).items()
-    ):
-        return 0
-    graph = _trace(block)
-    if graph is None:
-        return 0
-    pairs = _pairs(block, graph)
-    for fc_name, act_name, ap, fc2_name in pairs:
-        if fc2_name is not None:
-            head, tail = _fused_mlp(getattr(block, fc_name), getattr(block, fc2_name), ap)
-            setattr(block, fc_name, head)
-            setattr(block, fc2_name, tail)
-        else:
-            setattr(block, fc_name, _fused(getattr(block, fc_name), ap))
-        if isinstance(getattr(block, act_name), nn.Module):
-            setattr(block, act_name, nn.Identity())
-        else:  # a function attribute (e.g. F.gelu): replaced by the identity function
-            object.__setattr__(block, act_name, _identity)
-    return len(pairs)
 
 
 def _identity(x):
     return x
 
 
+def _replacements(block: nn.Module, pairs: list[Pair]) -> dict[str, object]:
+    """Child name -> what takes its place, for ``pairs`` of ``block``; builds every new module
+    (which may raise) without touching ``block``."""
+    new: dict[str, object] = {}
+    for fc_name, act_name, ap, fc2_name in pairs:
+        if fc2_name is not None:
+            new[fc_name], new[fc2_name] = _fused_mlp(
+                getattr(block, fc_name), getattr(block, fc2_name), ap)
+        else:
+            new[fc_name] = _fused(getattr(block, fc_name), ap)
+        # a GeLU module becomes nn.Identity, a GeLU function attribute the identity function
+        is_module = isinstance(getattr(block, act_name), nn.Module)
+        new[act_name] = nn.Identity() if is_module else _identity
+    return new
+
+
+def _apply(block: nn.Module, new: dict[str, object]) -> None:
+    for name, value in new.items():
+        if isinstance(value, nn.Module):
+            setattr(block, name, value)
+        else:
+            object.__setattr__(block, name, value)
+
+
 def fuse(model: nn.Module) -> int:
     """Swap every Linear -> GeLU pair of ``model`` in place for one fused layer; returns how
     many were swapped.
 
-    Reads the pairs from each block's graph: every module whose children include a Linear
-    (or Hugging Face ``Conv1D``) and a GeLU (a module, or a GeLU function stored as an
-    attribute) is traced with ``torch.fx``, its children kept whole, and a Linear whose
-    output feeds only a GeLU, each called once, is a pair. This covers ``nn.Sequential`` and
-    Hugging Face MLP blocks (GPT-2's ``Conv1D``, BERT). The Linear becomes a
-    :class:`FusedLinearGeLU` sharing its parameters (a ``Conv1D`` keeps its (in, out)
-    layout), the GeLU an identity. When the GeLU's output in turn feeds only a child
-    ``nn.Linear`` (a whole MLP), the first Linear's replacement computes the MLP, with the
-    backward fused across the two GEMMs, and the second Linear's slot keeps its parameters
-    under their names and passes its input through. Everything else (other activations,
-    Linear subclasses, outputs used twice, blocks that cannot be traced) is left alone;
-    outputs change only by the dtype's rounding.
+    Reads the pairs from each block's graph (:mod:`distllm.nn.fuse_graph`): every module
+    whose children include a Linear (or Hugging Face ``Conv1D``) and a GeLU (a module, or a
+    GeLU function stored as an attribute) is traced with ``torch.fx``, its children kept
+    whole, and a Linear whose output feeds only a GeLU, each called once, is a pair. This
+    covers ``nn.Sequential`` and Hugging Face MLP blocks (GPT-2's ``Conv1D``, BERT). The
+    Linear becomes a :class:`FusedLinearGeLU` sharing its parameters (a ``Conv1D`` keeps its
+    (in, out) layout), the GeLU an identity. When the GeLU's output in turn feeds only a
+    child ``nn.Linear`` (a whole MLP), the first Linear's replacement computes the MLP, with
+    the backward fused across the two GEMMs, and the second Linear's slot keeps its parameters
+    under their names and passes its input through; in a chain (Linear -> GeLU -> Linear ->
+    GeLU -> Linear) every GeLU is fused and the last pair takes the Linear after it. A block
+    whose ``forward`` has arguments defaulting to None is traced with each of them None and
+    given (every combination; more than four such arguments leave the block alone), and only
+    the edges found in every trace are fused. Everything else (other
+    activations, Linear subclasses, outputs used twice, blocks that cannot be traced) is left
+    alone; outputs change only by the dtype's rounding. All replacements are built before
+    the model changes, so an error leaves it as it was.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"fuse needs an nn.Module, got {type(model).__name__}")
-    count = 0
+    plans = []  # every block's replacements are built before any block changes
     for m in list(model.modules()):
         if isinstance(m, (FusedLinearGeLU, _FusedConv1DGeLU, _FusedAway)):
             continue
         if type(m).forward is not nn.Module.forward:
-            count += _fuse_block(m)
-    return count
+            pairs = block_pairs(m)
+            if pairs:
+                plans.append((m, pairs, _replacements(m, pairs)))
+    for m, _, new in plans:
+        _apply(m, new)
+    return sum(len(pairs) for _, pairs, _ in plans)

@@ -7,11 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distllm.nn.fuse_graph import block_pairs, consumer_of
 from distllm.nn.parallel_linear import (
     ACTIVATIONS,
     ColumnParallelLinear,
     RowParallelLinear,
     _autocast_operands,
+    _check_width,
 )
 from distllm.parallel.tensor.batch_split import deferring, with_bias
 from distllm.parallel.tensor.fused_mlp import describe_kernel, parallel_mlp, resolve_backend
@@ -34,6 +36,28 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x), approximate=ACTIVATIONS[self.activation]))
+
+
+def _dense_activation(mlp: nn.Module) -> str:
+    """``mlp``'s activation as ParallelMLP names it ("gelu" / "gelu_tanh"); a ValueError
+    naming the activation if it is anything else or cannot be read."""
+    act = getattr(mlp, "activation", None)
+    if isinstance(act, str):
+        if act in ("gelu", "gelu_tanh"):
+            return act
+        raise ValueError(f"ParallelMLP.from_dense: {type(mlp).__name__}.activation={act!r}: "
+                         "ParallelMLP computes 'gelu' or 'gelu_tanh' only")
+    for p in block_pairs(mlp):
+        if p.fc == "fc1" and p.fc2 == "fc2":
+            return "gelu" if p.approximate == "none" else "gelu_tanh"
+        if p.fc == "fc1":
+            raise ValueError(f"ParallelMLP.from_dense: {type(mlp).__name__}: the output of its "
+                             f"GeLU {p.act!r} does not go to fc2 alone; ParallelMLP computes "
+                             "fc2(gelu(fc1(x))) with nothing between")
+    found = consumer_of(mlp, "fc1")
+    what = f"its activation {found}" if found else "its forward, not read as fc2(act(fc1(x))),"
+    raise ValueError(f"ParallelMLP.from_dense: {type(mlp).__name__}: {what} is not a GeLU "
+                     "(exact or tanh) between fc1 and fc2, the only MLP ParallelMLP computes")
 
 
 class ParallelMLP(nn.Module):
@@ -80,12 +104,15 @@ class ParallelMLP(nn.Module):
     @classmethod
     def from_dense(cls, mlp: nn.Module, dims, sequence_parallel: bool = False,
                    overlap: str = "auto", chunks: int = 4, backend: str = "auto") -> ParallelMLP:
-        """Shard a dense MLP with ``fc1`` / ``fc2`` ``nn.Linear``s (e.g. :class:`DenseMLP`)."""
+        """Shard a dense MLP with ``fc1`` / ``fc2`` ``nn.Linear``s: a :class:`DenseMLP` (or
+        any module whose ``activation`` is "gelu" or "gelu_tanh"), or one whose forward is
+        ``fc2(act(fc1(x)))`` with ``act`` a GeLU child (exact or tanh, read from its graph as
+        :func:`distllm.nn.fuse` does). Any other activation is a ValueError naming it."""
         fc1, fc2 = getattr(mlp, "fc1", None), getattr(mlp, "fc2", None)
         if not isinstance(fc1, nn.Linear) or not isinstance(fc2, nn.Linear):
             raise ValueError("ParallelMLP.from_dense needs a module with nn.Linear attributes "
                              f"fc1 and fc2, got {type(mlp).__name__}")
-        act = getattr(mlp, "activation", "gelu")
+        act = _dense_activation(mlp)
         check_divisible(fc1.out_features, dims.tp, "ffn_hidden", "ffn_hidden")
         m = cls.__new__(cls)
         nn.Module.__init__(m)
@@ -101,6 +128,9 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (b, s, h) -> (b, s, f/tp) -> (b, s, h); under sp (b, s/tp, h) in and out
         fc1, fc2 = self.fc1, self.fc2
+        _check_width(x, fc1.in_features, "ParallelMLP",
+                     f"hidden={fc1.in_features}, fc1's in_features: every rank takes the whole "
+                     "input")
         if fc1.sequence_parallel and x.dim() != 3:
             raise ValueError("ParallelMLP: sequence_parallel expects (batch, seq/tp, hidden) "
                              f"input, got shape {tuple(x.shape)}")

@@ -57,6 +57,13 @@ def _check_sp_input(x: torch.Tensor, tp: int, sp: bool, what: str) -> None:
                          f"shape {tuple(x.shape)}")
 
 
+def _check_width(x: torch.Tensor, want: int, what: str, why: str) -> None:
+    """ValueError, before any collective, unless ``x``'s last dim is ``want`` features."""
+    if x.dim() == 0 or x.shape[-1] != want:
+        raise ValueError(f"{what}: input of shape {tuple(x.shape)} has "
+                         f"{x.shape[-1] if x.dim() else 0} features, expected {want} ({why})")
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y = act(X W^T + b)`` with ``W``'s output rows split over tp: rank ``r`` holds
     ``W[r*out/tp:(r+1)*out/tp]`` and produces that slice of ``Y``.
@@ -123,6 +130,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp, group = self.dims.tp, self.dims.tp_group
+        _check_width(x, self.in_features, "ColumnParallelLinear",
+                     f"in_features={self.in_features}: every rank takes the whole input")
         _check_sp_input(x, tp, self.sequence_parallel, "ColumnParallelLinear")
         approx = ACTIVATIONS[self.activation]
         if approx is not None:
@@ -220,6 +229,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp, group = self.dims.tp, self.dims.tp_group
+        self._check_input(x)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, group)
         _check_sp_input(x, tp, self.sequence_parallel, "RowParallelLinear")
@@ -237,6 +247,17 @@ class RowParallelLinear(nn.Module):
         with torch.autocast(dev, enabled=False):  # the engines see the cast dtypes
             return with_bias(deferred, lambda bias: row_parallel_matmul(
                 x, w, bias, self.plan, self.sequence_parallel), b)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        n, tp = self.in_features, self.dims.tp
+        if self.input_is_parallel:
+            _check_width(x, n // tp, "RowParallelLinear",
+                         f"in_features={n} / tp={tp} with input_is_parallel=True; for the full "
+                         f"{n}-feature input use input_is_parallel=False")
+        else:
+            _check_width(x, n, "RowParallelLinear",
+                         f"in_features={n} with input_is_parallel=False; for an input already "
+                         f"split over tp ({n // tp} features) use input_is_parallel=True")
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}/tp={self.dims.tp}, out={self.out_features}, "

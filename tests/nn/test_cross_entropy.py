@@ -1,8 +1,8 @@
 """``vocab_parallel_cross_entropy`` on 2 and 4 gloo ranks in float64 against
 ``F.cross_entropy`` of the gathered logits (loss and logits grad) for every reduction and
 ``ignore_index``, with large shifted logits; and at the end of a sequence-parallel chain
-(embedding -> MLP -> column-parallel head -> loss) against the dense chain. One spawn per
-world size, each scenario its own test."""
+(embedding -> MLP -> column-parallel head -> loss) against the dense chain; targets outside
+the vocabulary raise. One spawn per world size, each scenario its own test."""
 
 from __future__ import annotations
 
@@ -107,3 +107,17 @@ def test_bad_reduction_names_the_knob():
     dims = types.SimpleNamespace(tp=2, tp_rank=0, tp_group=None)  # raises before any collective
     with pytest.raises(ValueError, match="reduction='avg'"):
         vocab_parallel_cross_entropy(torch.zeros(2, 3), torch.zeros(2), dims, reduction="avg")
+
+
+@pytest.mark.parametrize("bad", ["V", -1, 1000])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_targets_outside_the_vocabulary_name_its_size(tp, bad):
+    """V = 3 * tp: a target not in [0, V) and not ignore_index raises before any collective
+    (F.cross_entropy raises too; the gather would otherwise read a clamped logit)."""
+    dims = types.SimpleNamespace(tp=tp, tp_rank=0, tp_group=None)
+    v = 3 * tp
+    bad = v if bad == "V" else bad
+    tgt = torch.tensor([[0, -100, v - 1, bad]])
+    with pytest.raises(ValueError, match=rf"targets must be in \[0, {v}\) for a vocabulary of "
+                                         rf"size {v}, or equal ignore_index=-100: got {bad}"):
+        vocab_parallel_cross_entropy(torch.zeros(1, 4, 3), tgt, dims)

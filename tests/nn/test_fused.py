@@ -164,9 +164,14 @@ def test_fuse_whole_mlp_fuses_its_backward_across_the_two_gemms(backend, approxi
     calls = []
     real = impl.gemm_dgelu
     monkeypatch.setattr(impl, "gemm_dgelu", lambda *a: calls.append(a[0]) or real(*a))
-    model = _fused_copy(ref, backend, 1)
+    _need(backend)
+    model = copy.deepcopy(ref).to(DTYPE[backend])
+    w2, b2 = model[2].weight, model[2].bias
+    assert fuse(model) == 1 and _pin(model, backend) == 1
     assert isinstance(model[0], FusedLinearGeLU) and isinstance(model[1], nn.Identity)
-    assert type(model[2]).__name__ == "_FusedAway" and model[2].weight is model[2].weight
+    # the second Linear's slot holds its own Parameters, which the head computes with
+    assert type(model[2]).__name__ == "_FusedAway" and model[0]._tail is model[2]
+    assert model[2].weight is w2 and model[2].bias is b2
     assert set(model.state_dict()) == keys  # checkpoints still load
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ref.parameters())
     _same_outputs_and_grads(ref, model, torch.randn(2, 5, 8, dtype=torch.float64))
@@ -227,7 +232,15 @@ class _TwoLine(_Block):  # h = fc(x); h = act(h), with an optional mask defaulti
     def forward(self, x, mask=None):
         h = self.fc(x)
         h = self.act(h)
-        if mask is not None and mask.any():  # traced with mask=None: no test of a proxy
+        if mask is not None:  # between act and proj only when given: the MLP is not whole
+            h = h.masked_fill(mask, 0.0)
+        return self.proj(h)
+
+
+class _MaskAny(_Block):  # a branch on the optional argument's values: cannot be traced given
+    def forward(self, x, mask=None):
+        h = self.act(self.fc(x))
+        if mask is not None and mask.any():
             h = h.masked_fill(mask, 0.0)
         return self.proj(h)
 
@@ -259,17 +272,23 @@ class _ThroughDropout(_Block):  # fc -> dropout -> act: not a Linear -> GeLU edg
 def test_fuse_two_line_block_with_an_optional_argument():
     ref = _TwoLine(functools.partial(F.gelu, approximate="tanh")).double()
     block = copy.deepcopy(ref)
-    assert fuse(block) == 1
-    assert isinstance(block.fc, FusedLinearGeLU) and block.fc.approximate == "tanh"
+    assert fuse(block) == 1  # fc -> act in every trace; act -> proj only with mask=None
+    assert type(block.fc) is FusedLinearGeLU and block.fc.approximate == "tanh"
+    assert type(block.proj) is nn.Linear
     assert "act" not in block._modules  # the function attribute stays a plain attribute
     _pin(block, "cpu")
-    _same_outputs_and_grads(ref, block, torch.randn(4, 8, dtype=torch.float64))
+    x = torch.randn(4, 8, dtype=torch.float64)
+    _same_outputs_and_grads(ref, block, x)
+    mask = torch.rand(4, 32) < 0.5
+    torch.testing.assert_close(block(x, mask), ref(x, mask), **TOL[torch.float64])
 
 
 @pytest.mark.parametrize(
     "make",
-    [_SharedAct, lambda: _DataDependent(nn.GELU()), _ThroughDropout, lambda: _UsesFcTwice(F.gelu)],
-    ids=["shared-act", "untraceable", "through-dropout", "fc-output-used-twice"],
+    [_SharedAct, lambda: _DataDependent(nn.GELU()), _ThroughDropout, lambda: _UsesFcTwice(F.gelu),
+     lambda: _MaskAny(nn.GELU())],
+    ids=["shared-act", "untraceable", "through-dropout", "fc-output-used-twice",
+         "untraceable-given-an-optional-argument"],
 )
 def test_fuse_leaves_blocks_without_a_single_consumer_edge_alone(make, caplog):
     ref = make().double()
@@ -282,7 +301,7 @@ def test_fuse_leaves_blocks_without_a_single_consumer_edge_alone(make, caplog):
         assert "act" not in block._modules and vars(block)["act"] is ref.act
     x = torch.randn(3, 8, dtype=torch.float64)
     torch.testing.assert_close(block(x), ref(x), rtol=0, atol=0)
-    if isinstance(ref, _DataDependent):
+    if isinstance(ref, (_DataDependent, _MaskAny)):
         assert any("not traced" in r.getMessage() for r in caplog.records), caplog.records
 
 

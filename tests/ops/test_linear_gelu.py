@@ -173,6 +173,31 @@ def test_triton_3d_noncontiguous():
         _check("triton", x, w, b, "tanh", grads=False)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton", "auto"])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_strided_bias(backend, approximate):
+    """A bias that is every other entry of a packed vector (stride 2), the entries between
+    them large, so that reading the bias with unit stride cannot pass."""
+    dtype = torch.float32 if backend == "triton" else torch.float64  # interpreter: no fp64
+    x, w, b = _data(7, 40, 24, dtype)
+    packed = torch.stack([b, torch.full_like(b, 50.0)], -1).requires_grad_()  # (N, 2)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    bias = packed[:, 0]
+    assert bias.stride() == (2,)
+    with torch.no_grad():  # inference path (no saved pre-activation)
+        y0 = linear_gelu(x, w, bias, approximate=approximate, backend=backend)
+    y = linear_gelu(xl, wl, bias, approximate=approximate, backend=backend)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ref, want = _oracle(x, w, b, approximate, g)
+    _close(y0, ref, dtype, "y (no grad)")
+    _close(y, ref, dtype, "y")
+    y.backward(g.to(dtype))
+    _close(xl.grad, want["dx"], dtype, "dx")
+    _close(wl.grad, want["dw"], dtype, "dw")
+    _close(packed.grad[:, 0], want["db"], dtype, "db")
+    assert packed.grad[:, 1].eq(0).all(), "gradient reached the entries between the bias"
+
+
 # ---------------------------------------------------------------------------- registration
 @pytest.mark.parametrize("backend", ["cpu", "auto", "triton"])
 def test_opcheck(backend):

@@ -32,8 +32,9 @@ Mechanics: inside :func:`defer_reductions` a row-parallel layer (``RowParallelLi
 fused ``ParallelMLP``'s ``fc2``) computes its whole GEMM, launches the all-reduce and
 returns the partial sum at once (:meth:`OverlapPlan.launch_deferred`), its bias not yet
 added; :meth:`DeferredReductions.finish` waits and returns the sum plus the bias. Nothing
-may read the partial sum before that. :func:`split_residual` runs a stack of sublayers that
-way.
+may read the partial sum before that: a sublayer must return its one row-parallel output
+unchanged, and any other output is refused (:meth:`DeferredReductions.check`).
+:func:`split_residual` runs a stack of sublayers that way.
 """
 
 from __future__ import annotations
@@ -54,12 +55,13 @@ class DeferredReductions:
     """The all-reduces a sublayer launched and left in flight, and the biases to add after."""
 
     def __init__(self) -> None:
-        self._pending: list[tuple[object, object]] = []  # (plan, handle)
+        self._pending: list[tuple[object, object, torch.Tensor]] = []  # (plan, handle, out)
         self._bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(out): (out, bias)
 
-    def launched(self, plan, handle) -> None:
-        """Record ``plan``'s all-reduce ``handle`` (waited for by :meth:`finish`)."""
-        self._pending.append((plan, handle))
+    def launched(self, plan, handle, out: torch.Tensor) -> None:
+        """Record ``plan``'s all-reduce ``handle`` of the partial sum ``out`` (waited for by
+        :meth:`finish`)."""
+        self._pending.append((plan, handle, out))
 
     def add_bias_later(self, out: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Have :meth:`finish` return ``out + bias`` for ``out`` (a replicated bias goes on
@@ -71,13 +73,36 @@ class DeferredReductions:
     def pending(self) -> bool:
         return bool(self._pending)
 
-    def finish(self, out: torch.Tensor) -> torch.Tensor:
-        """Wait for every recorded all-reduce and return ``out`` (now the sum over the TP
-        group) plus its bias, if one was recorded for it."""
+    def check(self, out: torch.Tensor) -> None:
+        """RuntimeError unless ``out`` is the one partial sum launched (or none was): the
+        sublayer must return its row-parallel layer's output itself, since anything computed
+        from a partial sum before its all-reduce finished is wrong."""
+        launched = [o for _, _, o in self._pending]
+        if launched and (len(launched) != 1 or launched[0] is not out):
+            got = "another tensor" if len(launched) == 1 else "a tensor"
+            raise RuntimeError(
+                "batch split: a sublayer must return its one row-parallel layer's output "
+                f"unchanged, but it launched {len(launched)} deferred all-reduce(s) and "
+                f"returned {got}, computed from a partial sum before its all-reduce (e.g. "
+                "the sum of a parallel attention + MLP block, or an op after the "
+                "row-parallel layer); run such a block unsplit (split_residual parts=1, "
+                "GPT batch_split=1)")
+
+    def drain(self) -> None:
+        """Wait for every recorded all-reduce (every rank must, before its next collective)."""
         with torch.no_grad():  # the sum lands in ``out`` in place, outside autograd's view
-            for plan, handle in self._pending:
+            for plan, handle, _ in self._pending:
                 plan.wait_deferred(handle)
         self._pending = []
+
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
+        """Wait for every recorded all-reduce and return ``out`` (now the sum over the TP
+        group) plus its bias, if one was recorded for it; :meth:`check`'s RuntimeError (after
+        the waits, on every rank alike) if ``out`` is not the partial sum launched."""
+        try:
+            self.check(out)
+        finally:
+            self.drain()
         hit = self._bias.pop(id(out), None)  # (the dict holds ``out``: its id is its own)
         return out if hit is None else out + hit[1]
 
@@ -130,18 +155,26 @@ def split_residual(sublayers: Sequence[Callable[[torch.Tensor], torch.Tensor]],
         return x
     xs = list(x.tensor_split(n, dim=0))
     waits: list[tuple[DeferredReductions, torch.Tensor] | None] = [None] * n
-    for f in sublayers:
+    live: list[DeferredReductions] = []  # drained on an error: no all-reduce left in flight
+    try:
+        for f in sublayers:
+            for i in range(n):
+                if waits[i] is not None:
+                    d, out = waits[i]
+                    xs[i] = xs[i] + d.finish(out)
+                with defer_reductions() as d:
+                    live.append(d)
+                    out = f(xs[i])
+                d.check(out)
+                waits[i] = (d, out) if d.pending else None
+                if waits[i] is None:  # nothing deferred (e.g. tp=1): the sum is ready
+                    xs[i] = xs[i] + d.finish(out)
         for i in range(n):
             if waits[i] is not None:
                 d, out = waits[i]
                 xs[i] = xs[i] + d.finish(out)
-            with defer_reductions() as d:
-                out = f(xs[i])
-            waits[i] = (d, out) if d.pending else None
-            if waits[i] is None:  # nothing deferred (e.g. tp=1): the sum is ready
-                xs[i] = xs[i] + d.finish(out)
-    for i in range(n):
-        if waits[i] is not None:
-            d, out = waits[i]
-            xs[i] = xs[i] + d.finish(out)
+    except BaseException:
+        for d in live:
+            d.drain()
+        raise
     return torch.cat(xs, dim=0)

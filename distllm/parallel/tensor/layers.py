@@ -212,7 +212,7 @@ class OverlapPlan:
         ``deferred.finish`` waits, which autograd forbids on a custom Function's view)."""
         out = a.new_empty(*lead, n_out)
         mm(a, out.view(-1, n_out))
-        deferred.launched(self, self.comm.launch("all_reduce", out))
+        deferred.launched(self, self.comm.launch("all_reduce", out), out)
         c = self.stats.forward
         c.record("deferred", 0, "all_reduce", 0.0)
         c.reason, c.growth = ("batch split: the all-reduce runs while the batch's next part "
@@ -275,6 +275,15 @@ def _mm(w: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """``out = a @ w``: ``(m, out) @ (out, in)``, the input-gradient GEMM (on CPU as
     :func:`_mm_t`)."""
     return lambda a, o: cpu_gemm.mm(a, w, out=o)
+
+
+def _check_k(x: torch.Tensor, weight: torch.Tensor, what: str) -> None:
+    """ValueError, before any GEMM or collective, unless ``x`` (..., K) fits ``weight``
+    (N, K)."""
+    if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{what}: input of shape {tuple(x.shape)} does not fit this rank's "
+                         f"weight {tuple(weight.shape)}: its last dim must be "
+                         f"{weight.shape[1]}")
 
 
 class _ColumnParallelMatmul(torch.autograd.Function):
@@ -375,10 +384,12 @@ class _RowParallelMatmul(torch.autograd.Function):
 def column_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                            plan: OverlapPlan, sequence_parallel: bool) -> torch.Tensor:
     """Autograd entry of the column-parallel GEMM (see the module table for collectives)."""
+    _check_k(x, weight, "column_parallel_matmul")
     return _ColumnParallelMatmul.apply(x, weight, bias, plan, sequence_parallel)
 
 
 def row_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         plan: OverlapPlan, sequence_parallel: bool) -> torch.Tensor:
     """Autograd entry of the row-parallel GEMM (see the module table for collectives)."""
+    _check_k(x, weight, "row_parallel_matmul")
     return _RowParallelMatmul.apply(x, weight, bias, plan, sequence_parallel)

@@ -114,6 +114,44 @@ def _bias_guard(dims) -> str:
     return "no error"
 
 
+def _reads_partial_sums(dims) -> dict[str, str]:
+    """Sublayers whose output is not their one row-parallel output: refused on every rank
+    (a parallel attention + MLP block sums two partial sums; an op after the layer reads
+    one); the row-parallel output itself, bias included, matches the dense layer."""
+    from torch import nn
+
+    from distllm.nn import RowParallelLinear
+    from distllm.parallel.tensor.batch_split import defer_reductions, split_residual
+
+    torch.manual_seed(0)
+    d1, d2 = nn.Linear(8, 8, dtype=DT), nn.Linear(8, 8, dtype=DT)
+    r1, r2 = (RowParallelLinear.from_dense(d, dims, input_is_parallel=False, overlap="none")
+              for d in (d1, d2))
+    x = torch.randn(4, 3, 8, dtype=DT)
+    out = {}
+    for name, f in (("parallel block", lambda t: r1(t) + r2(t)), ("op after", lambda t: 2 * r1(t)),
+                    ("two in a row", lambda t: r2(r1(t)))):
+        try:
+            with torch.no_grad():
+                split_residual([f], x, parts=2)
+            out[name] = "no error"
+        except RuntimeError as e:
+            out[name] = str(e)
+    try:  # finish() itself, outside split_residual: waits, then refuses
+        with torch.no_grad(), defer_reductions() as d:
+            y = r1(x) + r2(x)
+        d.finish(y)
+        out["finish"] = "no error"
+    except RuntimeError as e:
+        out["finish"] = str(e)
+    with torch.no_grad():  # nothing left in flight by the refusals: this one runs
+        got = split_residual([r1, r2], x, parts=2)
+        want = x + d1(x)
+        want = want + d2(want)
+    out["one layer"] = f"{(got - want).abs().max().item():.3e}"
+    return out
+
+
 def split_main() -> dict:
     from distllm import ParallelDims
 
@@ -124,6 +162,7 @@ def split_main() -> dict:
         "auto": lambda: _auto(dims),
         "hooked": lambda: _hooked(dims),
         "bias_guard": lambda: _bias_guard(dims),
+        "reads_partial_sums": lambda: _reads_partial_sums(dims),
     })
 
 
@@ -157,6 +196,15 @@ def test_a_block_with_hooks_runs_whole(spawned):
 def test_a_deferred_function_refuses_a_bias(spawned):
     for got in case_of(spawned(split_main, 2), "bias_guard"):
         assert "takes its bias later" in got, got
+
+
+def test_a_sublayer_reading_a_partial_sum_is_refused(spawned):
+    for got in case_of(spawned(split_main, 2), "reads_partial_sums"):
+        for name in ("parallel block", "op after", "two in a row", "finish"):
+            assert "must return its one row-parallel layer's output unchanged" in got[name], got
+        assert "launched 2 deferred" in got["parallel block"], got
+        assert "launched 1 deferred all-reduce(s) and returned another tensor" in got["op after"]
+        assert float(got["one layer"]) < TOL, got
 
 
 def test_batch_split_values():

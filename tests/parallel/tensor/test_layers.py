@@ -2,7 +2,8 @@
 ``ColumnParallelLinear`` / ``RowParallelLinear`` modules, on 2 and 4 gloo ranks in float64
 against dense ``nn.Linear``s built from the same weights (output, input grad, every weight
 and bias grad), for every overlap mode, activation, with and without sequence parallelism;
-the collective each direction records as having run; and the errors that name the knob.
+the collective each direction records as having run; and the errors that name the knob
+(a wrong input width among them, raised before any collective).
 One spawn per world size, each scenario its own test."""
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from distllm.nn.mlp import ParallelMLP
 from distllm.nn.parallel_linear import (
     ColumnParallelLinear,
     RowParallelLinear,
     gather_sequence,
     scatter_sequence,
 )
+from distllm.parallel.tensor import column_parallel_matmul, row_parallel_matmul
 from tests._spawn import SpawnCache, case_of, run_cases
 
 TOL = 1e-10  # float64: sums over K <= 64 terms in a different order, ~1e-15 each
@@ -188,4 +191,46 @@ BAD = {  # name: (what raises, the knob its message must name)
 def test_bad_input_names_the_knob(case):
     make, knob = BAD[case]
     with pytest.raises(ValueError, match=knob):
+        make()
+
+
+WIDTH = {  # name: (call with an input of the wrong width, the message), at tp=2
+    "row, input_is_parallel": (
+        lambda: RowParallelLinear(8, 10, DIMS)(torch.zeros(3, 8)),
+        r"RowParallelLinear: input of shape \(3, 8\) has 8 features, expected 4 \(in_features=8 "
+        r"/ tp=2 with input_is_parallel=True; for the full 8-feature input use "
+        r"input_is_parallel=False\)"),
+    "row, full input": (
+        lambda: RowParallelLinear(8, 10, DIMS, input_is_parallel=False)(torch.zeros(3, 4)),
+        r"has 4 features, expected 8 \(in_features=8 with input_is_parallel=False; for an input "
+        r"already split over tp \(4 features\) use input_is_parallel=True\)"),
+    "column": (
+        lambda: ColumnParallelLinear(8, 10, DIMS, overlap="chunked")(torch.zeros(2, 3, 16)),
+        r"ColumnParallelLinear: input of shape \(2, 3, 16\) has 16 features, expected 8 "
+        r"\(in_features=8: every rank takes the whole input\)"),
+    "column, fused gelu": (
+        lambda: ColumnParallelLinear(8, 10, DIMS, activation="gelu")(torch.zeros(3, 4)),
+        r"has 4 features, expected 8 \(in_features=8"),
+    "mlp": (
+        lambda: ParallelMLP(8, 16, DIMS)(torch.zeros(3, 4)),
+        r"ParallelMLP: input of shape \(3, 4\) has 4 features, expected 8 \(hidden=8"),
+    "row_parallel_matmul": (
+        lambda: _matmul(RowParallelLinear(8, 10, DIMS), row_parallel_matmul, 8),
+        r"row_parallel_matmul: input of shape \(3, 8\) does not fit this rank's weight \(10, 4\): "
+        r"its last dim must be 4"),
+    "column_parallel_matmul": (
+        lambda: _matmul(ColumnParallelLinear(8, 10, DIMS), column_parallel_matmul, 4),
+        r"column_parallel_matmul: input of shape \(3, 4\) does not fit this rank's weight "
+        r"\(5, 8\): its last dim must be 8"),
+}
+
+
+def _matmul(layer, fn, width: int):
+    return fn(torch.zeros(3, width), layer.weight, layer.bias, layer.plan, False)
+
+
+@pytest.mark.parametrize("case", list(WIDTH))
+def test_wrong_input_width_names_in_features_before_any_collective(case):
+    make, match = WIDTH[case]
+    with pytest.raises(ValueError, match=match):
         make()
