@@ -9,8 +9,13 @@ beyond the measured spread (the p10..p90 bands of the two runs must not overlap)
 - ``lost speed-up``: a fused variant's speed-up over the unfused one (a ratio measured
   within each run, so comparable across machines and load) fell beyond both runs' bands.
 
-A variant that ran before and now does not (unavailable or error) is flagged ``lost``.
-Improvements are the mirror images; everything else is ``same``.
+A variant that ran before and now does not is flagged ``lost``: its row is unavailable or
+an error, or it is missing from a suite the new run ran. A case or a suite that raised leaves
+one error row (variant ``-``, case the case's label, or ``-`` for the whole suite) instead of
+rows whose names carry the network; it is matched to the earlier rows by suite and case
+label (:func:`_label_match`) and its reason is the note of each one it lost. Rows of a suite
+the new run did not run are ``gone``, not a regression. Improvements are the mirror images;
+everything else is ``same``.
 
 :func:`winners` checks that two runs agree on which variant wins each case: the same
 winner, or a different one whose lead is within the new run's spread (bands overlap).
@@ -85,6 +90,28 @@ def _key(r: dict) -> tuple[str, str, str]:
     return (str(r.get("suite")), str(r.get("case")), str(r.get("variant")))
 
 
+def _label_match(failure: dict, r: dict) -> bool:
+    """Whether the failure row ``failure`` of one run (variant ``-``: a case or a suite that
+    did not run) stands for row ``r`` of the other: same suite, and the failure's case is
+    ``-`` (the whole suite), ``r``'s case label (``extra.case_label``, set by the runner), or,
+    for rows without one, ``r``'s case itself or a run of whole words of it (row case names
+    add the network to the label: ``fwd 256,256,512`` -> ``fwd 256,256,512 loopback``)."""
+    if str(failure.get("suite")) != str(r.get("suite")):
+        return False
+    label = str(failure.get("case"))
+    if label == "-":
+        return True
+    extra = r.get("extra") if isinstance(r.get("extra"), dict) else {}
+    if extra.get("case_label") is not None:
+        return str(extra["case_label"]) == label
+    return f" {label} " in f" {r.get('case')} "
+
+
+def _failures(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r.get("status") in ("error", "unavailable")
+            and str(r.get("variant")) == "-"]
+
+
 def _time_kind(o: dict, n: dict, tol: float) -> str:
     o10, o90 = o.get("ms_p10") or o["ms"], o.get("ms_p90") or o["ms"]
     n10, n90 = n.get("ms_p10") or n["ms"], n.get("ms_p90") or n["ms"]
@@ -95,21 +122,41 @@ def _time_kind(o: dict, n: dict, tol: float) -> str:
     return "same"
 
 
+def _lost_note(n: dict | None, stands_in: bool) -> str:
+    """Why a row that ran before did not run now: its own row's reason, or that of the
+    failure row of its case (``stands_in``) or suite."""
+    if n is None:
+        return "not in the new run"
+    if not stands_in:
+        return str(n.get("reason") or n.get("status"))
+    what = "the whole suite" if str(n.get("case")) == "-" else f"case {n.get('case')}"
+    return f"{what}: {n.get('status')}: {n.get('reason')}"
+
+
 def compare_rows(old: list[dict], new: list[dict], tolerance: float = 0.0) -> list[Change]:
-    """One :class:`Change` per (suite, case, variant) present in either run."""
+    """One :class:`Change` per (suite, case, variant) present in either run; a new run's
+    failure row that stands for rows of the old run is reported on those rows only."""
     olds = {_key(r): r for r in old}
     news = {_key(r): r for r in new}
     osp, nsp = _speedups(old), _speedups(new)
+    fails, new_suites = _failures(new), {str(r.get("suite")) for r in new}
+    used: set[tuple[str, str, str]] = set()  # failure rows that stand for old rows
     out = []
     for k in list(dict.fromkeys([*olds, *news])):
         o, n = olds.get(k), news.get(k)
+        stands_in = n is None and _ok(o)
+        if stands_in:  # a case or a suite that failed as a whole: its one error row
+            n = next((f for f in fails if _label_match(f, o)), None)
+            used.update([_key(n)] if n is not None else [])
         c = Change(*k, kind="same", old_ms=o.get("ms") if o else None,
                    new_ms=n.get("ms") if n else None,
                    old_speedup=osp[k][1] if k in osp else None,
                    new_speedup=nsp[k][1] if k in nsp else None)
         if _ok(o) and not _ok(n):
-            c.kind = "lost" if n else "gone"
-            c.note = str((n or {}).get("reason") or "not in the new run")
+            if n is None and k[0] not in new_suites:
+                c.kind, c.note = "gone", "its suite did not run in the new run"
+            else:
+                c.kind, c.note = "lost", _lost_note(n, stands_in)
         elif _ok(n) and not _ok(o):
             c.kind, c.note = "new", "" if not o else f"was {o.get('status')}"
         elif _ok(o) and _ok(n):
@@ -121,9 +168,9 @@ def compare_rows(old: list[dict], new: list[dict], tolerance: float = 0.0) -> li
                 elif c.kind == "same" and nlo > ohi * (1 + tolerance):
                     c.kind = "gained speed-up"
         else:
-            c.note = "not measured in either run"
+            c.note = "not measured in either run" if o else f"not measured: {_lost_note(n, False)}"
         out.append(c)
-    return out
+    return [c for c in out if (c.suite, c.case, c.variant) not in used - olds.keys()]
 
 
 def _contenders(rows: list[dict]) -> dict[tuple[str, str], dict[str, dict]]:
@@ -134,12 +181,23 @@ def _contenders(rows: list[dict]) -> dict[tuple[str, str], dict[str, dict]]:
     return out
 
 
+ONE_SIDED = ("only in the old run", "only in the new run")
+
+
 def winners(old: list[dict], new: list[dict]) -> list[tuple[str, str, str, str, str]]:
-    """Per case in both runs: (suite, case, old winner, new winner, verdict), verdict being
-    ``same``, ``same kind (<role>)`` (both fused, say: the decision stands), ``within spread``
-    (the old winner's band overlaps the new winner's in the new run) or ``changed``."""
+    """Per case: (suite, case, old winner, new winner, verdict), verdict being ``same``,
+    ``same kind (<role>)`` (both fused, say: the decision stands), ``within spread`` (the old
+    winner's band overlaps the new winner's in the new run) or ``changed``; a case with
+    contenders in one run only has ``-`` for the other winner and the verdict ``only in the
+    old run`` / ``only in the new run`` (unless its suite did not run at all in the other
+    run: a suite left out is no finding)."""
     o, n = _contenders(old), _contenders(new)
+    ran = [{str(r.get("suite")) for r in rows} for rows in (new, old)]  # the other run's
     out = []
+    for k, runs, side in ((o.keys() - n.keys(), o, 0), (n.keys() - o.keys(), n, 1)):
+        for case in (c for c in k if c[0] in ran[side]):
+            w = min(runs[case].values(), key=lambda r: r["ms"])["variant"]
+            out.append((*case, *((w, "-") if side == 0 else ("-", w)), ONE_SIDED[side]))
     for k in o.keys() & n.keys():
         ow = min(o[k].values(), key=lambda r: r["ms"])["variant"]
         nrow = min(n[k].values(), key=lambda r: r["ms"])
@@ -166,9 +224,12 @@ def _f(x: float | None, fmt: str = "{:.3g}") -> str:
 
 
 def winners_table(wins: list[tuple[str, str, str, str, str]]) -> str:
-    agree = sum(v != "changed" for *_, v in wins)
-    lines = [f"Which variant wins: {agree} of {len(wins)} cases agree (same winner, one of the "
-             "same kind, or a different one within the spread).", "",
+    both = [v for *_, v in wins if v not in ONE_SIDED]
+    agree = sum(v != "changed" for v in both)
+    lines = [f"Which variant wins: {agree} of {len(both)} cases agree (same winner, one of the "
+             "same kind, or a different one within the spread)."
+             + (f" {len(wins) - len(both)} case(s) ran in one run only."
+                if len(wins) > len(both) else ""), "",
              "| suite | case | old winner | new winner | agreement |", "|---|---|---|---|---|"]
     lines += [f"| {s} | {c} | {o} | {n} | {v} |" for s, c, o, n, v in wins]
     return "\n".join(lines)

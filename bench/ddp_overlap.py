@@ -48,7 +48,8 @@ profiled step of rank 0 (``timeline``, from :mod:`distllm.diagnostics.timeline`)
 
 Cases are phases (``ddp``, ``zero``, and without ``quick`` the bucket-size ``sweep``), each
 on 2 ranks over loopback and ``cfg.net`` through :mod:`distllm.testing.netem`; where the
-link cannot be built, rows say so and run on loopback.
+link cannot be built, a quick run's rows say so and run on loopback, and a full run has one
+``unavailable`` row for the rate (:func:`distllm.bench.harness.run_case`).
 Run: ``distllm bench --suite ddp,zero --net 10gbit``.
 """
 
@@ -359,6 +360,60 @@ def _hidden_band(st: dict[str, Stats], s: Stats) -> tuple[float, float] | None:
     return paired_band(_share, s.samples_ms, *(st[n].samples_ms for n in _PARTS))
 
 
+def _vs_parts(st: dict[str, Stats], parts: float) -> dict:
+    """``no_overlap``'s step against its parts one after the other (``fwd_bwd + comm +
+    opt``): ``vs_parts`` of the medians, ``vs_parts_band`` (p10..p90 round by round, else
+    the widest ratio of the p10..p90 bands) and ``parts_add_up``, whether 1 is within that
+    band. Where they do not add up, the shares computed from the parts are off by the
+    difference; {} without ``no_overlap``."""
+    if "no_overlap" not in st:
+        return {}
+    v, *ps = (st[n] for n in ("no_overlap", "fwd_bwd_alone", "comm_alone", "opt_alone"))
+    band = paired_band(lambda x, *p: x / sum(p), v.samples_ms, *(p.samples_ms for p in ps))
+    if band is None:
+        band = (v.p10_ms / sum(p.p90_ms for p in ps), v.p90_ms / sum(p.p10_ms for p in ps))
+    return {"parts_ms": parts, "vs_parts": v.median_ms / parts, "vs_parts_band": band,
+            "parts_add_up": band[0] <= 1.0 <= band[1]}
+
+
+def _hidden_kw(st: dict[str, Stats], s: Stats, can_hide: float, ideal: float) -> dict:
+    """The hidden share of a step timed ``s`` (None where it is within the parts' noise)."""
+    med = {n: st[n].median_ms for n in _PARTS}
+    hid = _share(s.median_ms, *(med[n] for n in _PARTS))
+    kw = {"vs_ideal": s.median_ms / ideal, "hideable_ms": can_hide, "hidden_ceiling": 1.0,
+          "hidden_band": _hidden_band(st, s)}
+    why = unresolved(can_hide, *(st[n] for n in _PARTS))
+    if why and hid is not None:  # noise of the parts, not a share: kept, not reported
+        kw.update(hidden_unresolved=why, hidden_frac_unresolved=hid)
+        hid = None
+    return {**kw, "hidden_frac": hid}
+
+
+def _ratios(name: str, s: Stats, med: dict[str, float], label: str, vs_ideal: float) -> dict:
+    """``ddp_auto`` against the schedules it chose from, ``distllm_ddp`` against torch's
+    (and its target): each only where the other variant ran."""
+    kw: dict = {}
+    if name == "ddp_auto":
+        ran = {n: med[n] for n in ("distllm_ddp", "no_overlap") if n in med}
+        kw.update({f"vs_{n}": s.median_ms / ms for n, ms in ran.items()})
+        if ran:
+            kw["vs_best_schedule"] = s.median_ms / min(ran.values())
+    if name == "distllm_ddp" and "torch_ddp" in med:
+        kw["vs_torch_ddp"] = s.median_ms / med["torch_ddp"]
+        bar = 1.03 if label == "loopback" else 1.00  # over an emulated link: not slower
+        kw["meets_target"] = kw["vs_torch_ddp"] <= bar and (label == "loopback" or
+                                                           vs_ideal <= 1.05)
+        kw["target"] = f"<= {bar}x torch_ddp" + ("" if label == "loopback" else
+                                                ", <= 1.05x ideal")
+    return kw
+
+
+def _missing_rows(suite: str, case: str, res: dict, label: str) -> list[dict]:
+    """One ``unavailable`` row per variant that could not be built, with its error."""
+    return [row(suite, case, name, status="unavailable", reason=why, net=label)
+            for name, why in (res.get("missing") or {}).items()]
+
+
 def _ddp_rows(res: dict, case: str, label: str, reason: str) -> list[dict]:
     st: dict[str, Stats] = res["stats"]
     med = {n: s.median_ms for n, s in st.items()}
@@ -366,37 +421,24 @@ def _ddp_rows(res: dict, case: str, label: str, reason: str) -> list[dict]:
     bwd = med["fwd_bwd_alone"] - fwd
     ideal = fwd + max(bwd, comm) + opt
     parts = fwd + bwd + comm + opt  # every part alone, one after the other
-    can_hide = min(bwd, comm)  # only backward runs while gradients are reduced
+    check = _vs_parts(st, parts)  # do they add up to no_overlap's step?
     rows = []
     for name, s in st.items():
         kw = _rowkw(res, name, label, reason)
         if name.endswith("_alone"):
             kw["role"] = "part"
-        elif name == "no_overlap":  # its parts one after the other: do they add up?
-            kw.update(role="unfused", parts_ms=parts, vs_parts=s.median_ms / parts)
-        else:
-            kw["role"] = "peer" if name == "torch_ddp" else "fused"
-            hid = _share(s.median_ms, *(med[n] for n in _PARTS))
-            kw.update(vs_ideal=s.median_ms / ideal, comm_ms=comm, bwd_ms=bwd,
-                      hideable_ms=can_hide, hidden_ceiling=1.0, hidden_band=_hidden_band(st, s))
-            why = unresolved(can_hide, *(st[n] for n in _PARTS))
-            if why and hid is not None:  # noise of the parts, not a share: kept, not reported
-                kw.update(hidden_unresolved=why, hidden_frac_unresolved=hid)
-                hid = None
-            kw["hidden_frac"] = hid
-        if name == "ddp_auto":  # what it chose, against both schedules it chose from
-            best = min(med["distllm_ddp"], med["no_overlap"])
-            kw.update(res["auto"]["ddp_auto"], vs_distllm_ddp=s.median_ms / med["distllm_ddp"],
-                      vs_no_overlap=s.median_ms / med["no_overlap"],
-                      vs_best_schedule=s.median_ms / best)
-        if name == "distllm_ddp":
-            kw["vs_torch_ddp"] = s.median_ms / med["torch_ddp"]
-            bar = 1.03 if label == "loopback" else 1.00  # over an emulated link: not slower
-            kw["meets_target"] = kw["vs_torch_ddp"] <= bar and (
-                label == "loopback" or kw["vs_ideal"] <= 1.05)
-            kw["target"] = f"<= {bar}x torch_ddp" + ("" if label == "loopback" else
-                                                    ", <= 1.05x ideal")
+        elif name == "no_overlap":
+            kw.update(role="unfused", **check)
+        else:  # only backward runs while gradients are reduced: min(bwd, comm) can hide
+            kw.update(_hidden_kw(st, s, min(bwd, comm), ideal), comm_ms=comm, bwd_ms=bwd,
+                      role="peer" if name == "torch_ddp" else "fused")
+            if "parts_add_up" in check:  # a share from parts that do not add up is wrong
+                kw["parts_add_up"] = check["parts_add_up"]
+            kw.update(_ratios(name, s, med, label, kw["vs_ideal"]))
+        if name == "ddp_auto":  # what it chose
+            kw.update((res.get("auto") or {}).get("ddp_auto") or {})
         rows.append(row(SUITE_DDP, case, name, s, **kw))
+    rows += _missing_rows(SUITE_DDP, case, res, label)
     rows.append(row(SUITE_DDP, case, "ideal", None, role="ideal", device="cpu", net=label,
                     reason="fwd + max(bwd, comm) + opt from the parts' medians",
                     bwd_ms=bwd, comm_ms=comm))
@@ -409,17 +451,19 @@ _ZERO_BARS = {"zero2": 1.05, "zero3": 1.25}
 
 def _zero_rows(res: dict, case: str, label: str, reason: str) -> list[dict]:
     st: dict[str, Stats] = res["stats"]
-    ddp = st["distllm_ddp"]
-    ddp_go = res["mem"]["distllm_ddp"]["grads"] + res["mem"]["distllm_ddp"]["optimizer"]
+    ddp, ddp_mem = st.get("distllm_ddp"), res["mem"].get("distllm_ddp")
+    ddp_go = ddp_mem["grads"] + ddp_mem["optimizer"] if ddp_mem else None
     rows = []
     for name, s in st.items():
         kw = _rowkw(res, name, label, reason)
         kw["role"] = {"distllm_ddp": "unfused", "fsdp2": "peer"}.get(name, "fused")
-        kw["vs_ddp"] = s.median_ms / ddp.median_ms
         m = res["mem"].get(name)
-        if m:
+        if m and ddp_go:
             kw["grad_opt_vs_ddp"] = (m["grads"] + m["optimizer"]) / ddp_go
-        if name in _ZERO_BARS:
+        if ddp is not None:  # the ratios to distllm_ddp, where it ran
+            kw["vs_ddp"] = s.median_ms / ddp.median_ms
+        if name in _ZERO_BARS and ddp is not None and (name != "zero2" or
+                                                       "grad_opt_vs_ddp" in kw):
             kw["meets_target"] = kw["vs_ddp"] <= _ZERO_BARS[name] and (
                 name != "zero2" or kw["grad_opt_vs_ddp"] <= 0.5)
             kw["target"] = f"<= {_ZERO_BARS[name]}x distllm_ddp" + (
@@ -427,14 +471,14 @@ def _zero_rows(res: dict, case: str, label: str, reason: str) -> list[dict]:
         if name == "zero3_noprefetch" and "zero3" in st:
             kw["slower_than_prefetch"] = s.p10_ms > st["zero3"].p90_ms  # bands apart
         rows.append(row(SUITE_ZERO, case, name, s, **kw))
-    for name, why in res["missing"].items():
-        rows.append(row(SUITE_ZERO, case, name, status="unavailable", reason=why, net=label))
-    return rows
+    return rows + _missing_rows(SUITE_ZERO, case, res, label)
 
 
 def _sweep_rows(res: dict, case: str, label: str, reason: str) -> list[dict]:
     st: dict[str, Stats] = res["stats"]
-    base = st["torch_ddp"].median_ms
-    return [row(SUITE_DDP, f"{case} sweep", name, s, vs_torch_ddp=s.median_ms / base,
+    base = st["torch_ddp"].median_ms if "torch_ddp" in st else None
+    return [row(SUITE_DDP, f"{case} sweep", name, s,
+                vs_torch_ddp=s.median_ms / base if base else None,
                 role="peer" if name == "torch_ddp" else "fused",
-                **_rowkw(res, name, label, reason)) for name, s in st.items()]
+                **_rowkw(res, name, label, reason)) for name, s in st.items()
+            ] + _missing_rows(SUITE_DDP, f"{case} sweep", res, label)

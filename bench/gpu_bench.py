@@ -5,24 +5,30 @@ timed with CUDA events over interleaved repetitions (median, p10..p90), in one p
    and (4096, 4096, 4096), forward without autograd: ``fused-cuda`` (cuBLASLt epilogue),
    ``fused-triton``, ``unfused`` (F.linear then F.gelu), ``peer-addmm-activation``
    (``torch._addmm_activation(b, x, W^T, use_gelu=True)``, PyTorch's own fused epilogue) and
-   ``gemm-nobias`` (F.linear without bias: the bare cuBLAS GEMM, the floor). TFLOP/s count
-   2*M*K*N per call; ``speedup_vs_unfused`` is the ratio of medians in this run.
+   ``gemm-nobias`` (F.linear without bias: the bare cuBLAS GEMM, the floor; role ``part``
+   in ``extra.role``, no contender). TFLOP/s count 2*M*K*N per call; ``speedup_vs_unfused``
+   is the ratio of medians in this run.
 2. ``parallel_mlp``: ``ParallelMLP`` at tp1 in bfloat16, (tokens, hidden, ffn) =
    (8192, 4096, 16384), forward + backward: ``fused-cuda`` (cuBLASLt GELU_AUX_BIAS forward,
    DGELU_BGRAD backward across the two GEMMs), ``fused-triton``, and ``unfused``
    (``backend="reference"``: the GEMMs, then GeLU and its derivative as separate passes).
    TFLOP/s count the six GEMMs, 12*M*H*F per call.
 3. ``chunk_penalty``: one (8192, 8192) @ (8192, 8192) GEMM against the same product as 4
-   row-chunk GEMMs (what an overlap engine with 4 chunks runs instead of one GEMM).
+   row-chunk GEMMs (what an overlap engine with 4 chunks runs instead of one GEMM); both
+   role ``part`` (a penalty, not a speed-up).
 4. ``two_streams``: a GEMM on one stream beside an elementwise kernel (a stand-in for a
    communication kernel) on a second stream, issued in either order: the fraction of the
-   shorter one hidden (1 = fully concurrent, 0 = serialised). Measured in two child
-   processes, with and without ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (which must be set before
-   CUDA starts).
+   shorter one hidden (1 = fully concurrent, 0 = serialised), unclipped: a fraction above 1
+   or below 0 is a measurement error, marked ``extra.above_ceiling`` / ``extra.below_floor``
+   as in the CPU suites. Measured in two child processes, with and without
+   ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (which must be set before CUDA starts).
 
 Run: ``python -m distllm.bench.gpu_bench --out results.json`` (``--quick``: fewer
 repetitions). Rows are :func:`distllm.bench.rows.row` dicts; a variant that fails is a
-row with ``status="error"`` and its reason, never a crash of the whole run.
+row with ``status="error"`` and its reason, never a crash of the whole run. ``--out`` is
+rewritten (atomically) after each measurement, with ``"complete": false`` and the
+measurements still to run until the last one is done, so a run stopped by a timeout keeps
+what it measured; SIGINT (``timeout -s INT``) writes what ran and exits 130.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from distllm.bench.report import above_ceiling, below_floor
 from distllm.bench.rows import machine_info, markdown_table, row
 
 from distllm.diagnostics.timing import Timer, cuda_event_timer, interleaved
@@ -46,6 +53,7 @@ LINEAR_SHAPES = [(8192, 4096, 16384), (4096, 4096, 4096)]
 MLP_SHAPE = (8192, 4096, 16384)
 CHUNK_N, CHUNKS = 8192, 4
 
+
 def _timed_rows(
     case: str,
     variants: dict,
@@ -54,16 +62,21 @@ def _timed_rows(
     warmup: int,
     flops: float,
     base: str,
+    roles: dict[str, str] | None = None,
     **common,
 ) -> list[dict]:
+    """Rows of ``variants`` timed interleaved; ``roles``: variant -> ``extra.role`` (the
+    report's role, for variants whose name does not say it)."""
+    roles = roles or {}
     failed: dict[str, str] = {}  # a variant that raises is a row with its error, not a crash
     st = interleaved(variants, warmup=warmup, reps=reps, timer=timer, errors=failed)
-    out = [row(SUITE, case, n, status="error", reason=why, **common) for n, why in failed.items()]
+    role = {n: {"role": roles[n]} if n in roles else {} for n in variants}
+    out = [row(SUITE, case, n, status="error", reason=why, **role[n], **common)
+           for n, why in failed.items()]
     for name, s in st.items():
         sp = st[base].median_ms / s.median_ms if base in st else None
-        out.append(
-            row(SUITE, case, name, s, flops=flops, speedup_vs_unfused=sp, spread=s.spread, **common)
-        )
+        out.append(row(SUITE, case, name, s, flops=flops, speedup_vs_unfused=sp,
+                       spread=s.spread, **role[name], **common))
     return out
 
 
@@ -100,6 +113,7 @@ def bench_linear_gelu(
                 warmup,
                 2.0 * M * K * N,
                 "unfused",
+                roles={"gemm-nobias": "part"},  # the bare GEMM: the floor, no contender
                 shape=f"{M}x{K}x{N}",
                 dtype=str(dtype).removeprefix("torch."),
                 device=device,
@@ -159,19 +173,13 @@ def bench_chunk_penalty(
     n: int, chunks: int, dtype: torch.dtype, device: str, timer: Timer, reps: int, warmup: int = 3
 ) -> list[dict]:
     """One (n, n) @ (n, n) GEMM against ``chunks`` row-chunk GEMMs of the same product."""
-    from distllm.parallel.tensor.overlap import chunk_bounds
-
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
     bm = torch.randn(n, n, device=device, dtype=dtype, generator=g)
     c = torch.empty(n, n, device=device, dtype=dtype)
-
-    def chunked():
-        for s, e in chunk_bounds(n, chunks):
-            torch.mm(a[s:e], bm, out=c[s:e])  # (n/chunks, n) @ (n, n)
-
-    variants = {"one-gemm": lambda: torch.mm(a, bm, out=c), f"{chunks}-chunk-gemms": chunked}
-    rows = _timed_rows(
+    variants = chunk_penalty_variants(a, bm, c, chunks)
+    # "speedup" of the chunked form below 1 is the penalty: both are parts, no contenders
+    return _timed_rows(
         f"chunk penalty {n}^3 {str(dtype).removeprefix('torch.')}",
         variants,
         timer,
@@ -179,22 +187,44 @@ def bench_chunk_penalty(
         warmup,
         2.0 * n**3,
         "one-gemm",
+        roles=dict.fromkeys(variants, "part"),
         device=device,
         shape=f"{n}x{n}x{n}",
         dtype=str(dtype).removeprefix("torch."),
     )
-    for r in rows:  # "speedup" of the chunked form below 1 is the penalty
-        r["role"] = "part"
-    return rows
 
 
-def overlap_fraction(t_a: float, t_b: float, t_both: float) -> float:
+def chunk_penalty_variants(a, bm, c, chunks: int) -> dict[str, Callable[[], object]]:
+    """The variants of measurement 3: ``a @ bm`` written into ``c`` (all (n, n)), as one
+    GEMM and as ``chunks`` row-chunk GEMMs."""
+    from distllm.parallel.tensor.overlap import chunk_bounds
+
+    def chunked():
+        for s, e in chunk_bounds(a.shape[0], chunks):
+            torch.mm(a[s:e], bm, out=c[s:e])  # (n/chunks, n) @ (n, n)
+
+    return {"one-gemm": lambda: torch.mm(a, bm, out=c), f"{chunks}-chunk-gemms": chunked}
+
+
+def overlap_fraction(t_a: float, t_b: float, t_both: float) -> float | None:
     """Fraction of the shorter of two kernels hidden when both run at once:
-    (t_a + t_b - t_both) / min(t_a, t_b), clipped to [0, 1]."""
+    (t_a + t_b - t_both) / min(t_a, t_b), not clipped: above 1 (both together faster than
+    the longer alone) or below 0 (slower than both in a row) the measurement is wrong, which
+    the row marks. None when the shorter one took no time."""
     shorter = min(t_a, t_b)
     if shorter <= 0:
-        return 0.0
-    return max(0.0, min(1.0, (t_a + t_b - t_both) / shorter))
+        return None
+    return (t_a + t_b - t_both) / shorter
+
+
+def _hidden_row(case: str, variant: str, frac: float | None) -> dict:
+    """A two-streams hidden fraction as a row: ceiling 1, floor 0, and whether it passes
+    either (``extra.above_ceiling`` / ``extra.below_floor``)."""
+    r = row(SUITE, case, variant, status="ok", hidden_frac=frac, hidden_ceiling=1.0,
+            hidden_floor=0.0, role="part")
+    if frac is not None:
+        r["extra"].update(above_ceiling=above_ceiling(r), below_floor=below_floor(r))
+    return r
 
 
 def two_streams(n: int = 8192, elems: int = 1 << 29, reps: int = 10) -> dict[str, float]:
@@ -272,15 +302,9 @@ def two_streams_rows(reps: int, python: str = sys.executable) -> list[dict]:
             rows.append(row(SUITE, f"two streams, {label}", "-", status="error", reason=why))
             continue
         for k, v in res.items():
-            rows.append(
-                row(
-                    SUITE,
-                    f"two streams, {label}",
-                    k,
-                    status="ok",
-                    **({"hidden_frac": v} if k.startswith("hidden_") else {"ms": v}),
-                )
-            )
+            case = f"two streams, {label}"
+            rows.append(_hidden_row(case, k, v) if k.startswith("hidden_") else
+                        row(SUITE, case, k, status="ok", ms=v))
     return rows
 
 
@@ -292,14 +316,42 @@ def run_all(
     mlp_shape=None,
     chunk_n: int = CHUNK_N,
     streams: bool = True,
+    progress: Callable[[list[dict], list[str]], object] | None = None,
 ) -> list[dict]:
+    """Every measurement, in order; ``progress(rows so far, measurements left)`` runs before
+    the first and after each one (``main`` writes ``--out`` there)."""
     reps = 10 if quick else 30
-    rows = bench_linear_gelu(linear_shapes or LINEAR_SHAPES, torch.bfloat16, device, timer, reps)
-    rows += bench_parallel_mlp(mlp_shape or MLP_SHAPE, torch.bfloat16, device, timer, reps)
-    rows += bench_chunk_penalty(chunk_n, CHUNKS, torch.bfloat16, device, timer, reps)
-    if streams:
-        rows += two_streams_rows(reps)
+    dt = torch.bfloat16
+    steps: list[tuple[str, Callable[[], list[dict]]]] = [
+        (f"linear_gelu {s}", lambda s=s: bench_linear_gelu([s], dt, device, timer, reps))
+        for s in (linear_shapes or LINEAR_SHAPES)]
+    steps += [("parallel_mlp", lambda: bench_parallel_mlp(mlp_shape or MLP_SHAPE, dt, device,
+                                                          timer, reps)),
+              ("chunk_penalty", lambda: bench_chunk_penalty(chunk_n, CHUNKS, dt, device, timer,
+                                                            reps))]
+    steps += [("two_streams", lambda: two_streams_rows(reps))] if streams else []
+    rows: list[dict] = []
+    if progress is not None:
+        progress(rows, [name for name, _ in steps])
+    for i, (_, step) in enumerate(steps):
+        rows += step()
+        if progress is not None:
+            progress(rows, [name for name, _ in steps[i + 1:]])
     return rows
+
+
+def write_results(path: Path, rows: list[dict], machine: dict, left: list[str],
+                  interrupted: str = "") -> None:
+    """``path`` as JSON (rows, machine, whether complete and what is left), written to a
+    temporary file beside it and renamed over it: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"machine": machine, "complete": not left and not interrupted, "left": left,
+            "rows": rows}
+    if interrupted:
+        data["interrupted"] = interrupted
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,7 +370,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.two_streams_child:
         print(json.dumps(two_streams(reps=args.two_streams_child)))
         return 0
-    rows = run_all(quick=args.quick)
+    machine, done = machine_info(), {"rows": [], "left": ["every measurement"]}
+
+    def progress(rows: list[dict], left: list[str]) -> None:
+        done.update(rows=list(rows), left=left)
+        if args.out:
+            write_results(args.out, rows, machine, left)
+
+    try:
+        rows = run_all(quick=args.quick, progress=progress)
+    except KeyboardInterrupt:  # timeout -s INT: keep what was measured, say what was not
+        if args.out:
+            write_results(args.out, done["rows"], machine, done["left"], "SIGINT")
+        print(f"gpu_bench: interrupted; not measured: {', '.join(done['left'])}",
+              file=sys.stderr)
+        return 130
     print(
         markdown_table(
             rows,
@@ -336,11 +402,6 @@ def main(argv: list[str] | None = None) -> int:
             ],
         )
     )
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            json.dumps({"machine": machine_info(), "rows": rows}, indent=1, default=str)
-        )
     return 1 if any(r["status"] == "error" for r in rows) else 0
 
 

@@ -12,6 +12,10 @@
 #
 # OUT_DIR gets at most 8 files: summary.log (one line per step), gpu_tests.xml (JUnit),
 # results.json (benchmark rows + machine), info.json (distllm info), logs.tgz (full logs).
+# They are removed first, so a reused OUT_DIR holds only this run's files. A step that runs
+# out of time gets SIGINT (then SIGKILL 20 s later): pytest still writes the JUnit file of
+# the tests that ran, and the benchmark's results.json holds every measurement it finished
+# (it is rewritten after each one; "complete": false says some are missing).
 # Environment: PY (the interpreter; default .venv/bin/python if present, else python3),
 # TORCH_CUDA_ARCH_LIST, MAX_JOBS (default: all cores), GPU_CHECK_BUILD_TIMEOUT (seconds;
 # default 180 with a GPU, 3600 without one, where the check is a rehearsal of the build).
@@ -30,7 +34,8 @@ cd "$(dirname "$0")/.."
 mkdir -p "$out" || { echo "gpu_check: cannot create OUT_DIR $out" >&2; exit 2; }
 out=$(cd "$out" && pwd)
 logs=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_logs.XXXXXX")
-rm -f "$out/summary.log"
+outputs=(summary.log gpu_tests.xml results.json results.json.tmp info.json logs.tgz)
+for f in "${outputs[@]}"; do rm -f "$out/$f"; done
 
 start=$(date +%s)
 deadline=$((start + 470))  # 8 minutes minus the packing of logs
@@ -101,7 +106,7 @@ others=$($PY -m pytest --collect-only -q -m gpu -p no:cacheprovider tests 2>/dev
   | sed -n 's/::.*//p' | sort -u | grep -vxF -f <(printf '%s\n' "${ordered[@]}") || true)
 t=$(budget 180 100)
 say "gpu tests: ${#ordered[@]} files + $(echo "$others" | grep -c . ) more (timeout ${t}s, 120s per test)"
-timeout "$t" $PY -m pytest -m gpu -p no:randomly -p no:cacheprovider -q -rfE --timeout 120 \
+timeout -s INT -k 20 "$t" $PY -m pytest -m gpu -p no:randomly -p no:cacheprovider -q -rfE --timeout 120 \
   --junitxml="$out/gpu_tests.xml" "${ordered[@]}" $others > "$logs/gpu_tests.log" 2>&1
 rc=$?
 say "gpu tests rc=$rc: $(tail -1 "$logs/gpu_tests.log")"
@@ -109,13 +114,17 @@ grep -E "^(FAILED|ERROR)" "$logs/gpu_tests.log" | head -20 | while read -r line;
 [ "$rc" -ne 0 ] && failed=1
 
 # (c) benchmark -------------------------------------------------------------------------------
-t=$(budget 180 5)
+t=$(budget 180 25)  # the reserve covers the 20 s between SIGINT and SIGKILL
 say "benchmark: python -m distllm.bench.gpu_bench (timeout ${t}s)"
 # the benchmark tunes Triton fully (the tests cut it to one configuration)
-DISTLLM_TRITON_TUNE=full timeout "$t" $PY -m distllm.bench.gpu_bench --out "$out/results.json" \
-  > "$logs/bench.log" 2>&1
+DISTLLM_TRITON_TUNE=full timeout -s INT -k 20 "$t" $PY -m distllm.bench.gpu_bench \
+  --out "$out/results.json" > "$logs/bench.log" 2>&1
 rc=$?
-say "benchmark rc=$rc"
+say "benchmark rc=$rc, results.json: $($PY -c 'import json, sys
+d = json.load(open(sys.argv[1]))
+print(len(d["rows"]), "rows,", "complete" if d.get("complete") else
+      "incomplete, not measured: " + ", ".join(d.get("left") or ["?"]))' "$out/results.json" 2>&1 \
+  | tail -1)"
 [ "$rc" -ne 0 ] && failed=1
 
 say "done in $(( $(date +%s) - start ))s: $([ $failed -eq 0 ] && echo 'all steps passed' || echo 'some step failed')"

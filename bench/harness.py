@@ -202,7 +202,12 @@ def _rank_case(modname: str, cfg: BenchConfig, case: Case) -> dict:
 
 
 def run_case(mod: ModuleType, cfg: BenchConfig, case: Case) -> list[dict]:
-    """The rows of one case of suite module ``mod``, over each network it runs on."""
+    """The rows of one case of suite module ``mod``, over each network it runs on.
+
+    Where the emulated link of ``cfg.net`` cannot be built, the ranks fall back to loopback;
+    when loopback is measured in the same call already, the fallback is not run again
+    (its rows would repeat the loopback rows' keys): one ``unavailable`` row, case
+    ``"<label> <rate>"``, says why the rate was not measured."""
     from distllm.testing import run_distributed
     from distllm.testing.netem import open_network
 
@@ -210,10 +215,15 @@ def run_case(mod: ModuleType, cfg: BenchConfig, case: Case) -> list[dict]:
         return [row(case.suite or mod.SUITE, case.label, "-", status="unavailable",
                     reason=case.skip)]
     out: list[dict] = []
+    loopback_done = False
     for rate in networks(cfg) if case.networks else [None]:
         c = dataclasses.replace(case, net=rate)
         if c.ranks:
             with open_network(rate, c.ranks) as net:
+                if rate and net.label != str(rate) and loopback_done:
+                    out.append(row(case.suite or mod.SUITE, f"{case.label} {rate}", "-",
+                                   status="unavailable", reason=net.reason, net=str(rate)))
+                    continue
                 per = run_distributed(_rank_case, c.ranks, mod.__name__, cfg, c,
                                       timeout=c.timeout, setup=net.setup, env=net.env)
             res = Result(per[0]["stats"], per[0]["unavailable"], [p["info"] for p in per],
@@ -222,6 +232,7 @@ def run_case(mod: ModuleType, cfg: BenchConfig, case: Case) -> list[dict]:
             s = mod.setup(cfg, c)
             stats, info = measure(s, distributed=False)
             res = Result(stats, s.unavailable, [info], rate or "loopback")
+        loopback_done = loopback_done or res.net == "loopback"
         out += mod.rows(cfg, c, res)
     return out
 

@@ -21,9 +21,15 @@ only when the whole band is above 1: faster in at least nine rounds of ten.
 A ``hidden_frac`` above its ceiling (``extra.hidden_ceiling``, else 1: nothing hides more
 than all of what could hide) is impossible, so the measurement is wrong: :func:`annotate`
 sets ``extra.above_ceiling`` on every row with a hidden share, and the tables mark such a
-figure with ``⚠`` and a note. A hidden share's cell carries its band where the row has one
-(``extra.hidden_band``: the p10..p90 of the share taken round by round; single rounds may
-pass the ceiling, which marks only the median). A case whose rows say what they were
+figure with ``⚠`` and a note. A share has no floor of its own: a schedule may run slower
+than its parts one after the other by more than all of what could hide (a chunking penalty,
+contention), so a large negative share is a result. What is flagged (:func:`below_floor`)
+is a share below a floor its module sets (``extra.hidden_floor``), or one computed from
+parts that do not add up to the step without overlap beyond their spread
+(``extra.parts_add_up`` False): ``extra.below_floor``, the same mark and a note. A hidden
+share's cell carries its band where the row has one (``extra.hidden_band``: the p10..p90
+of the share taken round by round; single rounds may pass the ceiling, which marks only the
+median). A case whose rows say what they were
 measured on (``extra.stage``) names it in its verdict; on a synthetic stage
 (``extra.synthetic``, e.g. fixed-duration sleeps) the verdict reports the ratio and
 recommends nothing.
@@ -42,7 +48,7 @@ from distllm.bench.rows import fmt
 from distllm.diagnostics.timing import paired_band
 
 __all__ = ["role_of", "annotate", "verdict", "suite_table", "write_report", "by_case",
-           "speedup_band", "not_measured", "summary_table", "above_ceiling"]
+           "speedup_band", "not_measured", "summary_table", "above_ceiling", "below_floor"]
 
 CEILING_MARK = "⚠"
 UNRESOLVED_MARK = "n/r"
@@ -51,6 +57,9 @@ UNRESOLVED_NOTE = (f"{UNRESOLVED_MARK}: hidden share not resolved: what could hi
                    "be noise.")
 CEILING_NOTE = (f"{CEILING_MARK}: hidden above its ceiling (100% of what could hide), which "
                 "no overlap can do: the measurement of that row is wrong, not the overlap.")
+FLOOR_NOTE = (f"{CEILING_MARK}: hidden below the floor its suite sets, or computed from parts "
+              "that do not add up to the step without overlap beyond their spread: the parts "
+              "do not explain that row's time, so its share is not a measure of the overlap.")
 
 _IDEAL = ("ideal",)
 _PART = ("_only", "_alone", "alone", "part:")
@@ -138,18 +147,31 @@ def above_ceiling(r: dict) -> bool | None:
     return hid > (ceiling if isinstance(ceiling, int | float) else 1.0)
 
 
+def below_floor(r: dict) -> bool | None:
+    """Whether ``r``'s hidden share is below the floor its module set (``extra.hidden_floor``;
+    none by default) or was computed from parts that do not add up (``extra.parts_add_up``
+    False); None: the row has no hidden share."""
+    hid = r.get("hidden_frac")
+    if not isinstance(hid, int | float):
+        return None
+    extra = r.get("extra") if isinstance(r.get("extra"), dict) else {}
+    floor = extra.get("hidden_floor")
+    return (isinstance(floor, int | float) and hid < floor) or (
+        extra.get("parts_add_up") is False)
+
+
 def annotate(rows: list[dict]) -> list[dict]:
     """Fill ``speedup_vs_unfused`` (if the module did not), ``extra.role``,
-    ``extra.speedup_vs_peer`` and ``extra.above_ceiling`` in place, per case; returns
-    ``rows``."""
+    ``extra.speedup_vs_peer``, ``extra.above_ceiling`` and ``extra.below_floor`` in place,
+    per case; returns ``rows``."""
     for case_rows in by_case(rows).values():
         base, peer = _best(case_rows, "unfused"), _best(case_rows, "peer")
         for r in case_rows:
             extra = r["extra"] if isinstance(r.get("extra"), dict) else {}
             extra["role"] = role_of(r)
-            over = above_ceiling(r)
+            over, under = above_ceiling(r), below_floor(r)
             if over is not None:
-                extra["above_ceiling"] = over
+                extra["above_ceiling"], extra["below_floor"] = over, under
             if _ok(r) and peer is not None and r is not peer:
                 extra["speedup_vs_peer"] = peer["ms"] / r["ms"]
             r["extra"] = extra
@@ -258,12 +280,13 @@ def _hidden_cell(r: dict) -> str:
     ok = isinstance(band, list | tuple) and len(band) == 2 and all(
         isinstance(x, int | float) for x in band)
     return (f"{100 * hid:.0f}%" + (f" ({100 * band[0]:.0f}..{100 * band[1]:.0f})" if ok else "")
-            + (f" {CEILING_MARK}" if above_ceiling(r) else ""))
+            + (f" {CEILING_MARK}" if above_ceiling(r) or below_floor(r) else ""))
 
 
 def _ceiling_note(rows: Iterable[dict]) -> list[str]:
     rows = list(rows)
     notes = [CEILING_NOTE] if any(above_ceiling(r) for r in rows) else []
+    notes += [FLOOR_NOTE] if any(below_floor(r) for r in rows) else []
     notes += [UNRESOLVED_NOTE] if any(_unresolved(r) for r in rows) else []
     return [""] + notes if notes else []
 
@@ -280,10 +303,17 @@ def not_measured(rows: list[dict]) -> list[str]:
     seen: dict[tuple[str, str], int] = {}
     for r in rows:
         if r.get("status") != "ok":
-            k = (str(r.get("variant")), _why(r).replace("\n", " "))
+            k = (_what(r), _why(r).replace("\n", " "))
             seen[k] = seen.get(k, 0) + 1
-    return [f"- {v if v != '-' else 'the whole suite'}: {why}" + (f" ({n} cases)" if n > 1 else "")
-            for (v, why), n in seen.items()]
+    return [f"- {v}: {why}" + (f" ({n} cases)" if n > 1 else "") for (v, why), n in seen.items()]
+
+
+def _what(r: dict) -> str:
+    """What a row that did not run stands for: its variant; for a failure row (variant
+    ``-``), its case, or the whole suite when the case is ``-`` too."""
+    if str(r.get("variant")) != "-":
+        return str(r.get("variant"))
+    return "the whole suite" if str(r.get("case")) == "-" else f"case `{r.get('case')}`"
 
 
 def suite_table(rows: list[dict]) -> str:
@@ -303,22 +333,26 @@ def suite_table(rows: list[dict]) -> str:
 
 def summary_table(rows: list[dict]) -> str:
     """One line per case over all suites: baseline (the unfused variant, else the best peer),
-    best fused variant, speed-up with its p10..p90 band, hidden share, and the verdict."""
+    best fused variant, speed-up with its p10..p90 band, hidden share, and the verdict; a
+    case where no fused variant ran (one that failed, say) has ``-`` for best and its
+    verdict says why."""
     lines = ["| suite | case | baseline ms | best | its ms | speed-up (band) | hidden | verdict |",
              "|---|---|---|---|---|---|---|---|"]
     shown = []
     for (suite, case), crows in by_case(rows).items():
         base, best = _best(crows, "unfused") or _best(crows, "peer"), _best(crows, "fused")
-        if best is None:
+        b = f"{fmt(base['ms'])} ({base['variant']})" if base else ""
+        v = verdict(crows).replace("|", "/").replace("\n", " ")
+        if best is None:  # no fused variant ran: the line says why (the verdict)
+            lines.append(f"| {suite} | {case} | {b} | - |  |  |  | {v} |")
             continue
         shown.append(best)
         sp = ""
         if base is not None:
             lo, mid, hi = speedup_band(base, best)
             sp = f"{mid:.2f}x ({lo:.2f}..{hi:.2f})"
-        b = f"{fmt(base['ms'])} ({base['variant']})" if base else ""
         lines.append(f"| {suite} | {case} | {b} | {best['variant']} | {fmt(best['ms'])} | "
-                     f"{sp} | {_hidden_cell(best)} | {verdict(crows)} |")
+                     f"{sp} | {_hidden_cell(best)} | {v} |")
     return "\n".join(lines + _ceiling_note(shown))
 
 

@@ -53,7 +53,8 @@ chunks the dX GEMM too).
 
 ``cfg.net`` (e.g. ``"2gbit"``) runs the ranks in network namespaces joined by a
 rate-limited link (:mod:`distllm.testing.netem`), and loopback too unless ``quick``; where
-the link cannot be built the rows say so and run on loopback. With ``--device cuda`` the
+the link cannot be built, a quick run's rows say so and run on loopback, and a full run has
+one ``unavailable`` row for the rate (loopback is measured already). With ``--device cuda`` the
 cases are one GPU's: the GEMM's chunking penalty and its slowdown beside a copy kernel.
 Run: ``distllm bench --suite row_overlap --net 2gbit``.
 """

@@ -16,6 +16,7 @@ module runs once with ``cfg.extra["suites"]`` naming the suites wanted, and each
 the suite it names in ``row["suite"]``, or else by its variant name (see :func:`_assign`).
 A row naming a suite outside the registry (a module's own sub-suite, such as
 ``train_overhead`` from ``train_e2e``) keeps that name and follows its module's suites.
+The seconds each suite took are those of its own cases (:func:`_case_suite`).
 """
 
 from __future__ import annotations
@@ -133,6 +134,9 @@ def _assign(r: dict, names: list[str]) -> str:
 
 def _run_case(mod: Any, names: list[str], cfg: BenchConfig, case: Case,
               registered: frozenset[str] = frozenset()) -> list[dict]:
+    """The rows of one case; each carries the case's label (``extra.case_label``), which its
+    own case name may extend (with the network, say), so that a later run whose case failed
+    (one error row, case = the label) can be matched to these rows."""
     try:
         rows = run_case(mod, cfg, case)
     except Exception as exc:  # noqa: BLE001 - a failing case is a row, not a crash
@@ -147,8 +151,17 @@ def _run_case(mod: Any, names: list[str], cfg: BenchConfig, case: Case,
             r["suite"] = _assign(r, names) if len(names) > 1 else names[0]
         # else: a sub-suite of this module's own (e.g. train_overhead): kept under its name
         r["status"] = r.get("status") or "ok"
+        r["extra"] = {**(r.get("extra") or {}), "case_label": case.label}
         out.append(r)
     return out
+
+
+def _case_suite(case: Case, rows: list[dict], group: list[str]) -> str:
+    """The suite of ``group`` whose time a case counts to: the one it names, else the one
+    of its first row, else the first of the group."""
+    if case.suite in group:
+        return case.suite
+    return next((r["suite"] for r in rows if r.get("suite") in group), group[0])
 
 
 @contextlib.contextmanager
@@ -212,15 +225,16 @@ def run_suites(names: list[str], cfg: BenchConfig, *, progress: bool = True,
     known = frozenset(registry)
     with _progress(sum(len(p[-1]) for p in plan), progress) as step:
         for i, group, mod, c, cases in plan:
-            t0 = time.perf_counter()
             got: list[dict] = []
+            elapsed.update(dict.fromkeys(group, 0.0))
             for case in cases:
                 desc = f"{'+'.join(group)} {case.label}"
                 step(desc, False)
-                got += _run_case(mod, group, c, case, known)
+                t0 = time.perf_counter()
+                case_rows = _run_case(mod, group, c, case, known)
+                elapsed[_case_suite(case, case_rows, group)] += time.perf_counter() - t0
+                got += case_rows
                 step(desc, True)
             order = {n: j for j, n in enumerate(group)}
             per_group[i] = sorted(got, key=lambda r: order.get(r["suite"], len(order)))
-            for n in group:
-                elapsed[n] = (time.perf_counter() - t0) / len(group)
     return SuiteRun([r for i in sorted(per_group) for r in per_group[i]], elapsed)

@@ -25,11 +25,13 @@ preset's blocks and hidden size at its size class's batch, sequence and micro-ba
 distllm's step is ``Engine.forward_backward`` then ``Engine.update`` (one host read per
 step: loss, norm and inf/NaN flag together). Each layout's variants are interleaved in one
 run (timer: the slowest rank's step), on loopback and, with ``cfg.net``, on the emulated
-network (:mod:`distllm.testing.netem`). A step that leaves work in flight for the next one
-(ZeRO-2's parameter all-gathers, which the next forward waits for layer by layer) is timed as
-the middle of three (:class:`distllm.bench.harness.LoopStep`): as in a training loop, it
-waits for the previous step's gathers and its own overlap the step after, instead of a
-barrier absorbing them untimed. ``vs_torch`` is the torch variant's best median over
+network (:mod:`distllm.testing.netem`; where it cannot be built, one ``unavailable`` row
+for the rate, or in a quick run the rows on loopback with the reason). A step that leaves
+work in flight for the next one (ZeRO-2's parameter all-gathers, which the next forward
+waits for layer by layer) is timed as the middle of three
+(:class:`distllm.bench.harness.LoopStep`): as in a training loop, it waits for the previous
+step's gathers and its own overlap the step after, instead of a barrier absorbing them
+untimed. ``vs_torch`` is the torch variant's best median over
 distllm's (>= 1.0: distllm is faster).
 
 After the timing, one step of each variant is profiled on every rank
@@ -215,8 +217,9 @@ def _layout_rows(layout: str, res: dict, label: str, reason: str) -> list[dict]:
         rows.append(row(SUITE, case, name, st, **kw))
     for name, why in res["missing"].items():
         rows.append(row(SUITE, case, name, status="unavailable", reason=why, net=label))
-    if ours is None:
-        rows.append(row(SUITE, case, "distllm", status="unavailable", reason="did not build"))
+    if ours is None and "distllm" not in res["missing"]:  # else its row says why above
+        rows.append(row(SUITE, case, "distllm", status="unavailable", reason="did not build",
+                        net=label))
     return rows
 
 

@@ -107,3 +107,89 @@ def test_cli_fail_on_regression(tmp_path, monkeypatch, capsys):
     (bad / "results.json").write_text("[1, 2]")
     assert main([*args, "--out", str(tmp_path / "n4"), "--compare", str(bad)]) == 2
     assert "not a distllm bench results.json" in capsys.readouterr().err
+
+
+def test_a_case_or_suite_that_failed_in_the_new_run_is_a_regression():
+    """A case that raised leaves one error row (variant "-", case = its label), not the rows
+    of the old run, whose case names carry the network: every old row it stands for is
+    ``lost``, with the error as the note, and the error row is not listed on its own."""
+    old = [_r("sequential", 30.0, case="fwd 8,8,8 loopback", suite_="row"),
+           _r("chunked4", 20.0, case="fwd 8,8,8 loopback", suite_="row"),
+           _r("sequential", 30.0, case="bwd 8,8,8 loopback", suite_="row")]
+    new = [_r("-", 0, case="fwd 8,8,8", suite_="row", status="error", reason="RuntimeError: x"),
+           _r("sequential", 30.0, case="bwd 8,8,8 loopback", suite_="row")]
+    ch = {(c.case, c.variant): c for c in compare.compare_rows(old, new)}
+    assert {k: c.kind for k, c in ch.items()} == {
+        ("fwd 8,8,8 loopback", "sequential"): "lost", ("fwd 8,8,8 loopback", "chunked4"): "lost",
+        ("bwd 8,8,8 loopback", "sequential"): "same"}
+    assert ch[("fwd 8,8,8 loopback", "chunked4")].note == (
+        "case fwd 8,8,8: error: RuntimeError: x")
+    assert len(compare.regressions(list(ch.values()))) == 2
+    # a suite that failed as a whole (case "-") stands for every old row of that suite
+    whole = [_r("-", 0, case="-", suite_="row", status="error", reason="ImportError: y")]
+    ch = compare.compare_rows(old, whole)
+    assert [c.kind for c in ch] == ["lost"] * 3
+    assert ch[0].note == "the whole suite: error: ImportError: y"
+    # an old ok row missing from a suite the new run ran, with no failure row: lost too
+    ch = compare.compare_rows(old, new[1:])
+    assert sorted(c.kind for c in ch) == ["lost", "lost", "same"]
+    assert {c.note for c in ch if c.kind == "lost"} == {"not in the new run"}
+    # a suite the new run did not run at all is gone, not a regression
+    ch = compare.compare_rows(old, [_r("fused", 1.0, suite_="other")])
+    assert {c.kind for c in ch if c.suite == "row"} == {"gone"}
+    assert not compare.regressions(ch)
+
+
+def test_failure_rows_match_the_case_label_the_runner_records():
+    """Row case names need not contain the label (the DDP suite names its cases by network
+    and model); the runner records the label as ``extra.case_label``."""
+    a = _r("distllm_ddp", 40.0, case="loopback 1.6M b2s16h256", suite_="ddp")
+    b = _r("distllm_ddp", 40.0, case="loopback 1.6M b2s16h256 sweep", suite_="ddp")
+    a["extra"]["case_label"], b["extra"]["case_label"] = "ddp", "sweep"
+    new = [_r("-", 0, case="ddp", suite_="ddp", status="error", reason="OSError: z"),
+           _r("distllm_ddp", 40.0, case="loopback 1.6M b2s16h256 sweep", suite_="ddp")]
+    kinds = {c.case: c.kind for c in compare.compare_rows([a, b], new)}
+    assert kinds == {"loopback 1.6M b2s16h256": "lost", "loopback 1.6M b2s16h256 sweep": "same"}
+
+
+def test_the_runner_labels_rows_and_a_crashed_case_fails_the_comparison(monkeypatch):
+    """End to end through the runner: the fake suite's rows, then the same suite with a
+    setup() that raises: every old row is lost, and the winners table lists the case as
+    measured in the old run only."""
+    from tests.bench import fake_suites
+
+    reg = {"fake": suite.Suite("fake", "tests.bench.fake_suites", "synthetic")}
+    cfg = suite.BenchConfig(reps=2, shapes="1,2,3")
+    old = suite.run_suites(["fake"], cfg, progress=False, registry=reg).rows
+    assert {r["extra"]["case_label"] for r in old} == {"1,2,3"}
+
+    def boom(cfg, case):
+        raise RuntimeError("setup failed")
+
+    monkeypatch.setattr(fake_suites, "setup", boom)
+    new = suite.run_suites(["fake"], cfg, progress=False, registry=reg).rows
+    assert [(r["case"], r["variant"], r["status"]) for r in new] == [("1,2,3", "-", "error")]
+    ch = compare.compare_rows(old, new)
+    assert sorted((c.variant, c.kind) for c in ch) == [  # fused_cuda: unavailable in both
+        ("fused", "lost"), ("fused_cuda", "same"), ("torch_peer", "lost"), ("unfused", "lost")]
+    assert len(compare.regressions(ch)) == 3
+    wins = compare.winners(old, new)
+    assert wins == [("fake", "1,2,3", "fused", "-", "only in the old run")]
+    table = compare.winners_table(wins)
+    assert "0 of 0 cases agree" in table and "1 case(s) ran in one run only" in table
+    assert "| fake | 1,2,3 | fused | - | only in the old run |" in table
+
+
+def test_winners_list_cases_of_one_run():
+    old = [_r("unfused", 20.0, case="a"), _r("fused", 10.0, case="a"),
+           _r("unfused", 20.0, case="gone"), _r("fused", 10.0, case="gone")]
+    new = [_r("unfused", 20.0, case="a"), _r("fused", 10.0, case="a"),
+           _r("torch", 5.0, case="new")]
+    # a suite the other run did not run at all is left out (not a finding)
+    old += [_r("fused", 1.0, case="x", suite_="not_run_now")]
+    new += [_r("fused", 1.0, case="y", suite_="not_run_before")]
+    assert compare.winners(old, new) == [
+        ("s", "a", "fused", "fused", "same"),
+        ("s", "gone", "fused", "-", "only in the old run"),
+        ("s", "new", "-", "torch", "only in the new run")]
+    assert "1 of 1 cases agree" in compare.winners_table(compare.winners(old, new))

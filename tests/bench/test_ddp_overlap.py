@@ -115,3 +115,79 @@ def test_auto_row_says_what_it_chose_and_how_it_ran_against_both_schedules():
     assert e["vs_distllm_ddp"] == pytest.approx(37 / 40)
     assert e["vs_no_overlap"] == pytest.approx(37 / 36)
     assert e["vs_best_schedule"] == pytest.approx(37 / 36)  # the faster of the two: 36 ms
+
+
+_PARTS_MS = {"fwd_alone": 10.0, "fwd_bwd_alone": 30.0, "comm_alone": 15.0, "opt_alone": 5.0}
+
+
+def test_variants_that_did_not_build_are_rows_and_ratios_skip_them():
+    """A variant that failed to build is an unavailable row with its error; a missing
+    torch_ddp, no_overlap or distllm_ddp leaves out the ratios to it, not the case."""
+    st = {n: _st(ms) for n, ms in {"distllm_ddp": 40.0, "torch_ddp": 38.0, "no_overlap": 55.0,
+                                   **_PARTS_MS}.items()}
+    res = {"stats": st, "missing": {"ddp_auto": "RuntimeError: trial failed"}, "mem": {},
+           "timelines": {}}
+    got = {r["variant"]: r for r in ddp_overlap._ddp_rows(res, "c", "loopback", "")}
+    assert (got["ddp_auto"]["status"], got["ddp_auto"]["reason"]) == (
+        "unavailable", "RuntimeError: trial failed")
+    assert got["distllm_ddp"]["extra"]["vs_torch_ddp"] == pytest.approx(40 / 38)
+    del st["torch_ddp"], st["no_overlap"]
+    st["ddp_auto"] = _st(39.0)
+    res.update(missing={"torch_ddp": "ImportError: x", "no_overlap": "ImportError: x"},
+               auto={"ddp_auto": {"auto_overlaps": True}})
+    got = {r["variant"]: r for r in ddp_overlap._ddp_rows(res, "c", "loopback", "")}
+    assert {n: got[n]["status"] for n in ("torch_ddp", "no_overlap", "distllm_ddp")} == {
+        "torch_ddp": "unavailable", "no_overlap": "unavailable", "distllm_ddp": "ok"}
+    e = got["distllm_ddp"]["extra"]
+    assert "vs_torch_ddp" not in e and "meets_target" not in e
+    assert e["vs_ideal"] == pytest.approx(40 / (10 + 20 + 5))  # ideal from the parts
+    e = got["ddp_auto"]["extra"]
+    assert "vs_no_overlap" not in e and e["auto_overlaps"] is True
+    assert e["vs_distllm_ddp"] == e["vs_best_schedule"] == pytest.approx(39 / 40)
+    # the sweep: the missing bucket size is a row; without torch_ddp, no ratio to it
+    sw = {"stats": {"ddp_cap1": _st(41.0)}, "mem": {},
+          "missing": {"ddp_cap5": "OSError: y", "torch_ddp": "ImportError: x"}}
+    got = {r["variant"]: r for r in ddp_overlap._sweep_rows(sw, "c", "loopback", "")}
+    assert {n: (r["case"], r["status"]) for n, r in got.items()} == {
+        "ddp_cap1": ("c sweep", "ok"), "ddp_cap5": ("c sweep", "unavailable"),
+        "torch_ddp": ("c sweep", "unavailable")}
+    assert got["ddp_cap1"]["extra"]["vs_torch_ddp"] is None
+    # ZeRO without distllm_ddp: its rows, no ratios to it
+    zr = {"stats": {"zero2": _st(50.0)}, "missing": {"distllm_ddp": "E: z"}, "timelines": {},
+          "mem": {"zero2": {"grads": 1.0, "optimizer": 1.0, "total": 3.0}}}
+    got = {r["variant"]: r for r in ddp_overlap._zero_rows(zr, "c", "loopback", "")}
+    assert got["distllm_ddp"]["status"] == "unavailable" and got["zero2"]["status"] == "ok"
+    assert not {"vs_ddp", "meets_target", "grad_opt_vs_ddp"} & set(got["zero2"]["extra"])
+
+
+def test_shares_from_parts_that_do_not_add_up_are_flagged():
+    """no_overlap's step against its parts in a row, round by round: 1.31x beyond the band
+    says the parts miss part of the step, so every share computed from them is wrong (a
+    share of -108% here): flagged with the report's measurement-error mark and note."""
+    from distllm.bench import report
+
+    drift = [1.0, 1.02, 0.98, 1.01, 0.99, 1.03]
+
+    def rows(no_overlap: float, ours: float) -> dict:
+        st = {n: stats_of([ms * d for d in drift]) for n, ms in {
+            "distllm_ddp": ours, "torch_ddp": 52.0, "no_overlap": no_overlap,
+            **_PARTS_MS}.items()}
+        got = ddp_overlap._ddp_rows({"stats": st, "mem": {}, "timelines": {}}, "c",
+                                    "loopback", "")
+        return {r["variant"]: r for r in report.annotate(got)}
+
+    got = rows(50.0 * 1.31, 50.0 + 1.08 * 15)  # parts 50 ms, what can hide 15 ms
+    e = got["no_overlap"]["extra"]
+    assert e["vs_parts"] == pytest.approx(1.31) and e["parts_add_up"] is False
+    assert e["vs_parts_band"] == pytest.approx((1.31, 1.31))
+    ours = got["distllm_ddp"]
+    assert ours["hidden_frac"] == pytest.approx(-1.08)
+    assert ours["extra"]["parts_add_up"] is False and ours["extra"]["below_floor"] is True
+    assert got["torch_ddp"]["extra"]["below_floor"] is True  # a share of -13%: same parts
+    table = report.suite_table(list(got.values()))
+    assert "| -108% (-108..-108) ⚠ |" in table and report.FLOOR_NOTE in table
+    # parts that add up (no_overlap within their band), a share above the floor: no flag
+    got = rows(50.0, 45.0)
+    assert got["no_overlap"]["extra"]["parts_add_up"] is True
+    assert got["distllm_ddp"]["extra"]["below_floor"] is False
+    assert report.FLOOR_NOTE not in report.suite_table(list(got.values()))

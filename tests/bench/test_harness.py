@@ -105,3 +105,41 @@ def test_loop_step_times_the_middle_step_of_three():
     synced = harness.LoopStep(p.step, p.drain, sync=lambda: time.sleep(0.003))
     synced()
     assert 10.0 <= synced.ms < 19.0, synced.ms
+
+
+def test_an_unavailable_link_after_loopback_is_one_unavailable_row(monkeypatch):
+    """``--net`` whose link cannot be built falls back to loopback: in a full run loopback is
+    measured already, so the fallback is not run again (its rows would repeat the loopback
+    rows' keys); one unavailable row names the rate and the reason. A quick run, which has
+    no loopback run of its own, runs the fallback with the reason."""
+    import contextlib
+
+    import distllm.testing as testing
+    from distllm.diagnostics.timing import stats_of
+    from distllm.testing import netem
+
+    @contextlib.contextmanager
+    def no_link(rate, nranks=2):
+        yield netem.Network("loopback", f"{rate} unavailable: no root" if rate else "", None,
+                            None)
+
+    runs = []
+
+    def fake_run_distributed(fn, n, modname, cfg, case, **kw):
+        runs.append(case.net)
+        return [{"stats": {"slow_on_rank1": stats_of([1.0, 1.1, 1.2])}, "unavailable": {},
+                 "info": {"rank": r}} for r in range(n)]
+
+    monkeypatch.setattr(netem, "open_network", no_link)
+    monkeypatch.setattr(testing, "run_distributed", fake_run_distributed)
+    [case] = fake_ranks.cases(BenchConfig())
+    rows = harness.run_case(fake_ranks, BenchConfig(net="2gbit"), case)
+    assert runs == [None]  # loopback only: the fallback is not run a second time
+    assert [(r["suite"], r["case"], r["variant"], r["status"], r["reason"]) for r in rows] == [
+        ("fake_ranks", "two ranks loopback", "slow_on_rank1", "ok", ""),
+        ("fake_ranks", "two ranks 2gbit", "-", "unavailable", "2gbit unavailable: no root")]
+    runs.clear()
+    [r] = harness.run_case(fake_ranks, BenchConfig(net="2gbit", quick=True), case)
+    assert runs == ["2gbit"]
+    assert (r["case"], r["status"], r["reason"]) == (
+        "two ranks loopback", "ok", "2gbit unavailable: no root")

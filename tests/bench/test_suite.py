@@ -275,3 +275,71 @@ def test_rows_keep_sub_suites_and_registered_names_are_reassigned(monkeypatch):
     assert got == [("main", "unfused", "ok"), ("main", "y", "ok"), ("main", "fused", "ok"),
                    ("sub", "x", "ok"), ("other", "-", "unavailable")]
     assert set(res.elapsed_s) == {"main"}
+
+
+def test_hidden_below_its_floor_is_flagged():
+    """A share has no floor unless its module sets one (a schedule may be slower than its
+    parts in a row by more than all of what could hide: a result, not an error); below a
+    floor the row sets, or from parts that do not add up, it gets the ceiling's mark and its
+    own note in both tables."""
+    rows = report.annotate([
+        _r("sequential", 10.0),
+        _r("chunked2", 12.0, hidden_frac=-1.08),  # no floor: a result
+        _r("chunked4", 11.0, hidden_frac=-1.0, parts_add_up=False),  # parts do not add up
+        _r("chunked8", 10.5, hidden_frac=-0.2, hidden_floor=0.0),  # below its own floor
+        _r("gemm", 5.0),
+    ])
+    flags = {r["variant"]: r["extra"].get("below_floor") for r in rows}
+    assert flags == {"sequential": None, "chunked2": False, "chunked4": True,
+                     "chunked8": True, "gemm": None}
+    assert {r["variant"]: r["extra"].get("above_ceiling") for r in rows}["chunked2"] is False
+    table = report.suite_table(rows)
+    assert "| -108% |" in table and "| -100% ⚠ |" in table and "| -20% ⚠ |" in table
+    assert report.FLOOR_NOTE in table and report.CEILING_NOTE not in table
+    best = report.annotate([_r("sequential", 10.0),
+                            _r("chunked2", 12.0, hidden_frac=-1.5, hidden_floor=-1.0)])
+    summary = report.summary_table(best)
+    assert "| -150% ⚠ |" in summary and report.FLOOR_NOTE in summary
+
+
+def test_a_failed_case_is_named_and_has_a_summary_line():
+    """One case that raised (its error row: variant "-", case = its label) is that case in
+    "not measured", not the whole suite, and keeps a Summary line with its reason; a suite
+    that failed as a whole (case "-") is the whole suite."""
+    st = stats_of([29.0, 30.0, 31.0])
+    rows = report.annotate([
+        row("row", "fwd 8 loopback", "sequential", st), row("row", "fwd 8 loopback", "chunked4",
+                                                            stats_of([19.0, 20.0, 21.0])),
+        row("row", "bwd 8", "-", status="error", reason="RuntimeError: boom"),
+        row("row", "-", "-", status="unavailable", reason="no CUDA device"),
+        row("row", "pp 8", "gpipe", st)])
+    assert report.not_measured(rows) == ["- case `bwd 8`: error: RuntimeError: boom",
+                                         "- the whole suite: unavailable: no CUDA device"]
+    lines = report.summary_table(rows).splitlines()[2:]
+    assert [ln.split(" | ")[1] for ln in lines] == ["fwd 8 loopback", "bwd 8", "-", "pp 8"]
+    assert lines[1] == "| row | bwd 8 |  | - |  |  |  | not measured here: RuntimeError: boom |"
+    assert lines[2].endswith("| not measured here: no CUDA device |")
+    assert lines[3].endswith("| measured: gpipe only (no unfused baseline in this case) |")
+
+
+def test_suites_sharing_a_module_get_the_time_of_their_own_cases(monkeypatch):
+    """Two suites of one module (as ddp and zero): each suite's seconds are those of its own
+    cases (on a clock that setup() advances), not the module's total split evenly; a case
+    that names no suite counts to the suite of its rows."""
+    clock = [0.0]
+    monkeypatch.setattr(suite, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def setup(cfg, case):
+        clock[0] += case.params["s"]
+        return Setup()
+
+    mod = _suite_module("fake_shared", setup,
+                        lambda cfg, case, res: [row(case.params["to"], case.label, "x")])
+    mod.cases = lambda cfg: [Case("f", {"s": 0.05, "to": "fast"}, suite="fast"),
+                             Case("z", {"s": 1.0, "to": "slow"}, suite="slow"),
+                             Case("y", {"s": 0.5, "to": "slow"})]
+    monkeypatch.setitem(sys.modules, "fake_shared", mod)
+    reg = {"fast": suite.Suite("fast", "fake_shared", "t"),
+           "slow": suite.Suite("slow", "fake_shared", "t")}
+    res = suite.run_suites(["fast", "slow"], BenchConfig(), progress=False, registry=reg)
+    assert res.elapsed_s == pytest.approx({"fast": 0.05, "slow": 1.5})

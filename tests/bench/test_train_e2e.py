@@ -167,3 +167,18 @@ def test_torch_peers_clip_by_the_global_norm(kind):
     for per_rank in run_distributed(_peer_clips, 2, kind, timeout=120):
         for got, want in per_rank:
             assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
+
+
+def test_a_distllm_variant_that_did_not_build_is_one_row():
+    """distllm's build error is its row; "did not build" only where no reason was given."""
+    res = {"stats": {"torch_ddp": _st(40.0)}, "missing": {"distllm": "RuntimeError: boom"},
+           "tokens": 1000, "model": "tiny", "breakdown": {}, "grad_reduce": None}
+    rows = train_e2e._layout_rows("dp2", res, "loopback", "")
+    keys = [(r["suite"], r["case"], r["variant"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 2
+    ours = next(r for r in rows if r["variant"] == "distllm")
+    assert (ours["status"], ours["reason"]) == ("unavailable", "RuntimeError: boom")
+    rows = train_e2e._layout_rows("dp2", {**res, "missing": {}}, "loopback", "")
+    ours = next(r for r in rows if r["variant"] == "distllm")
+    assert (ours["status"], ours["reason"], ours["extra"]["net"]) == (
+        "unavailable", "did not build", "loopback")
