@@ -44,15 +44,20 @@
   flight together at the end of backward, hold up to one more copy of the gradients until
   they are waited on, and so do the TP overlap engine's chunks.
 - :func:`all_reduce_exchange`: the 2-rank all-reduce as one exchange: each rank sends its
-  tensor and adds the peer's into it, or keeps the larger (``x + y`` is ``y + x`` in IEEE
-  arithmetic, and the maximum is taken in rank order: the same bits on both ranks).
+  tensor and adds the peer's into it, or keeps the larger (both taken in rank order, rank
+  0's operand first: the same bits on both ranks).
 - :func:`broadcast_from`: a broadcast whose source is named by its rank *within* the group
   (torch's ``src`` is a global rank).
 
 Each returns, with ``async_op=True``, a handle with ``wait()`` and ``is_completed()``; the
-reduce-scatters and all-gathers write ``out`` by the time ``wait()`` returns. Gloo (seen on
-torch 2.14.1) reports its point-to-point messages completed only once they are waited on,
-so the point-to-point handles' ``is_completed()`` stays False until their ``wait()``.
+reduce-scatters and all-gathers write ``out`` by the time ``wait()`` returns. Their arguments
+are checked before any message is posted (a ``ValueError`` naming what to change): a call that
+raises leaves no message in flight. ``out`` and ``inp`` must share dtype and device (nothing is
+converted); the reduce-scatters and :func:`all_gather_pairwise` take contiguous tensors.
+Tensors that require grad are written as ``torch.distributed``'s collectives write them,
+outside autograd. Gloo (seen on torch 2.14.1) reports its point-to-point messages completed
+only once they are waited on, so the point-to-point handles' ``is_completed()`` stays False
+until their ``wait()``.
 """
 
 from __future__ import annotations
@@ -91,7 +96,8 @@ class _SliceOnWait:
         if not self.done:
             self.work.wait()
             n = self.out.numel()
-            self.out.view(-1).copy_(self.inp.view(-1)[self.lo: self.lo + n])
+            with torch.no_grad():
+                self.out.view(-1).copy_(self.inp.view(-1)[self.lo: self.lo + n])
             self.done = True
         return True
 
@@ -111,7 +117,8 @@ class _InFlight:
         if not self.done:
             for w in self.works:
                 w.wait()
-            self._finish_local()
+            with torch.no_grad():  # ``out`` / ``t`` may require grad, as in torch's collectives
+                self._finish_local()
             self.works, self.done = [], True
         return True
 
@@ -159,13 +166,32 @@ class _GatherPairwise(_InFlight):
         self.works += [dist.irecv(slots[q], group=group, group_src=q) for q in peers]
         self.works += [dist.isend(inp.view(-1), group=group, group_dst=q) for q in peers]
         if slots[rank].data_ptr() != inp.data_ptr():  # (in place: already there)
-            slots[rank].copy_(inp.view(-1))
+            with torch.no_grad():
+                slots[rank].copy_(inp.view(-1))
+
+
+def _check_like(what: str, out: torch.Tensor, inp: torch.Tensor, contiguous: bool) -> None:
+    """Raise before any message is posted when ``out`` and ``inp`` differ in dtype or device
+    (``out`` receives ``inp``'s bytes as they are) or, with ``contiguous``, when either is not
+    contiguous (each message is a tensor's flat memory)."""
+    if out.dtype != inp.dtype:
+        raise ValueError(f"{what}: out is {out.dtype}, inp {inp.dtype}; allocate out with "
+                         f"dtype={inp.dtype} (nothing is converted)")
+    if out.device != inp.device:
+        raise ValueError(f"{what}: out is on {out.device}, inp on {inp.device}; allocate out "
+                         f"on {inp.device}")
+    if contiguous and not inp.is_contiguous():
+        raise ValueError(f"{what}: inp is not contiguous; pass inp.contiguous()")
+    if contiguous and not out.is_contiguous():
+        raise ValueError(f"{what}: out is not contiguous; pass a contiguous out (torch.empty) "
+                         f"and copy it where it belongs after")
 
 
 def _check_sizes(out: torch.Tensor, inp: torch.Tensor, world: int) -> None:
     if inp.numel() != world * out.numel():
         raise ValueError(f"reduce-scatter over {world} ranks: inp has {inp.numel()} elements, "
                          f"out {out.numel()}; inp must hold {world} * out.numel() (pad it)")
+    _check_like("reduce-scatter", out, inp, contiguous=True)
 
 
 _EXCHANGE_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX)
@@ -185,14 +211,15 @@ class _ExchangeAdd(_InFlight):
                       dist.isend(t, group=group, group_dst=peer)]
 
     def _finish_local(self) -> None:
-        # the same bits on both ranks: x + y is y + x in IEEE arithmetic (signed zeros
-        # included); maximum is not (max(-0, +0) is its first argument), so both ranks take
-        # it as max(rank 0's, rank 1's); a NaN on either side gives NaN
+        # the same bits on both ranks: both compute op(rank 0's, rank 1's). The order matters
+        # where the operands' bits do: maximum(-0, +0) is its first argument, and the sum of
+        # two NaNs is the NaN (sign, payload) of one operand position, as the kernel computes
+        # it; a NaN on either side gives NaN
+        first, second = (self.t, self.peer_t) if self.rank == 0 else (self.peer_t, self.t)
         if self.is_max:
-            first, second = (self.t, self.peer_t) if self.rank == 0 else (self.peer_t, self.t)
             torch.maximum(first, second, out=self.t)
         else:
-            self.t.add_(self.peer_t)
+            torch.add(first, second, out=self.t)
         self.peer_t = None
 
 
@@ -206,10 +233,12 @@ def _p2p_pays(group: ProcessGroup | None, *tensors: torch.Tensor,
             and t.numel() * t.element_size() >= min_bytes)
 
 
-def _check_gather_sizes(out: torch.Tensor, inp: torch.Tensor, world: int) -> None:
+def _check_gather_sizes(out: torch.Tensor, inp: torch.Tensor, world: int,
+                        contiguous: bool = False) -> None:
     if out.numel() != world * inp.numel():
         raise ValueError(f"all-gather over {world} ranks: out has {out.numel()} elements, inp "
                          f"{inp.numel()}; out must hold {world} * inp.numel()")
+    _check_like("all-gather", out, inp, contiguous)
 
 
 def _finish(handle: _SliceOnWait | _InFlight, async_op: bool):
@@ -267,9 +296,7 @@ def all_gather_pairwise(out: torch.Tensor, inp: torch.Tensor,
     elements) receives every rank's ``inp`` in rank order. ``inp`` may be this rank's slice
     of ``out`` itself; it must stay unchanged until the handle is waited on. Returns the
     handle when ``async_op``, else ``None``."""
-    _check_gather_sizes(out, inp, dist.get_world_size(group))
-    if not (out.is_contiguous() and inp.is_contiguous()):
-        raise ValueError("all_gather_pairwise needs contiguous tensors")
+    _check_gather_sizes(out, inp, dist.get_world_size(group), contiguous=True)
     return _finish(_GatherPairwise(out, inp, group), async_op)
 
 

@@ -23,11 +23,29 @@ __all__ = ["from_hf", "to_hf", "config_from_hf"]
 _ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
+# GPT-2 options that change the function the model computes, with the value distllm's GPT
+# implements: attention scores scaled by 1/sqrt(head_dim) in every layer, no cross-attention
+_FIXED = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+          "add_cross_attention": False}
+
+
 def config_from_hf(hf_config) -> GPTConfig:
+    """The :class:`GPTConfig` of a Hugging Face ``GPT2Config``; a ``ValueError`` naming the
+    option for a config distllm's GPT does not compute (an activation other than
+    ``gelu_new``, ``gelu_pytorch_tanh`` and ``gelu``, attention scores not scaled by
+    1/sqrt(head_dim) or scaled by the inverse layer index, cross-attention layers).
+    ``reorder_and_upcast_attn`` is accepted: it computes the same scores, in float32 (on HF's
+    eager attention path only), so it changes rounding, not the function; distllm's
+    attention computes in the model's dtype."""
     act = hf_config.activation_function
     if act not in _ACT:
         raise ValueError(f"activation_function={act!r} of the GPT-2 config is not supported: "
                          f"use one of {', '.join(_ACT)}")
+    for name, ours in _FIXED.items():
+        theirs = getattr(hf_config, name, ours)
+        if bool(theirs) != ours:
+            raise ValueError(f"{name}={theirs!r} of the GPT-2 config is not supported: distllm's "
+                             f"GPT computes the model of {name}={ours!r}")
     h = hf_config.n_embd
     return GPTConfig(vocab_size=hf_config.vocab_size, n_layers=hf_config.n_layer, hidden_size=h,
                      n_heads=hf_config.n_head, ffn_hidden_size=hf_config.n_inner or 4 * h,

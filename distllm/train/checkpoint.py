@@ -13,7 +13,14 @@ Format (``OUT/checkpoints/step_00000300/``):
   tensors per stage" form, chosen for simplicity; it costs a TP all-gather per tensor at save.
 * ``meta.json``: the model config, step, layout, data-loader position and optimizer step.
 * ``rng/rank{r}.pt``: each rank's RNG states, restored only at the same layout
-  (``torch.load(weights_only=True)``; nothing else is unpickled).
+  (``torch.load(weights_only=True)``).
+
+Loading unpickles three things, none able to run code: the RNG states and DCP's tensor data
+(``torch.load(weights_only=True)``), and DCP's ``.metadata``, which DCP's own reader would
+``pickle.load``: :class:`_RestrictedReader` unpickles it allowing only the classes DCP
+metadata holds (:class:`_MetadataUnpickler`) and refuses entries that are not tensors (DCP
+would ``torch.load`` those with ``weights_only=False``). A refused checkpoint is a
+``pickle.UnpicklingError`` naming the file and what it asked for.
 
 A save writes ``.tmp-step_N`` and renames it once every rank has finished, so a crash during
 a save leaves the previous checkpoint whole; ``load_latest`` takes the newest complete one.
@@ -23,12 +30,14 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from distllm.models.sharding import (
     canonical_shapes,
@@ -160,6 +169,88 @@ def _empty_targets(engine, with_optim: bool) -> dict[str, torch.Tensor]:
     return state
 
 
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"  # its classes are allowed
+# what else the .metadata of a distllm checkpoint pickles: shapes (torch.Size), the layout
+# (torch.strided pickles as _get_layout("torch.strided")), DCP's file offsets (_StorageInfo)
+# and the checkpoint's path; and torch dtypes (see _MetadataUnpickler.find_class)
+_PICKLED = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+            *((m, c) for m in ("pathlib", "pathlib._local")
+              for c in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath",
+                        "PureWindowsPath"))}
+
+
+class _Refused(pickle.UnpicklingError):
+    """Checkpoint metadata that is not loaded; the message names the file and why."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata and nothing else: ``find_class`` returns only the classes of
+    ``torch.distributed.checkpoint.metadata``, torch dtypes and :data:`_PICKLED`, so a
+    crafted file cannot name a callable to run."""
+
+    def __init__(self, file, source: Path) -> None:
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str):
+        obj = getattr(dcp_metadata, name, None) if module == _DCP_METADATA else None
+        if ((module, name) in _PICKLED
+                or (isinstance(obj, type) and obj.__module__ == _DCP_METADATA)
+                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
+            return super().find_class(module, name)
+        raise _Refused(
+            f"{self.source} asks to unpickle {module}.{name}, which checkpoint metadata never "
+            f"holds: refusing to load it (a damaged or crafted checkpoint: pass another --out)")
+
+
+def _read_metadata(file: Path) -> dcp_metadata.Metadata:
+    """The DCP metadata in ``file``, unpickled by :class:`_MetadataUnpickler`, whose entries
+    must all be tensors."""
+    with open(file, "rb") as f:
+        try:
+            md = _MetadataUnpickler(f, file).load()
+        except _Refused:
+            raise
+        except Exception as e:  # a truncated or garbled file
+            raise _Refused(f"{file} is not checkpoint metadata ({type(e).__name__}: {e}): the "
+                           f"checkpoint is damaged: pass another --out") from e
+    if not isinstance(md, dcp_metadata.Metadata):
+        raise _Refused(f"{file} holds a {type(md).__name__}, not checkpoint metadata: pass "
+                       f"another --out")
+    for fqn, entry in md.state_dict_metadata.items():
+        if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
+            raise _Refused(
+                f"{file}: entry {fqn!r} is a {type(entry).__name__}, not a tensor (distllm "
+                f"saves tensors only, and DCP would unpickle it without restriction): refusing "
+                f"to load it (a damaged or crafted checkpoint: pass another --out)")
+    return md
+
+
+class _RestrictedReader(dcp.FileSystemReader):
+    """DCP's file-system reader with :func:`_read_metadata` as ``read_metadata``: it reads
+    the checkpoint's ``.metadata`` (``__{rank}.metadata`` when DCP asks for a rank's own)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self._dir = Path(path)
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        super().reset(checkpoint_id)
+        if checkpoint_id:
+            self._dir = Path(checkpoint_id)
+
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        rank = kwargs.get("rank")
+        md = _read_metadata(self._dir / (".metadata" if rank is None else f"__{rank}.metadata"))
+        load_id = getattr(self, "load_id", None)  # DCP's reader tags the metadata it returns
+        if load_id is not None and hasattr(md, "storage_meta"):
+            if md.storage_meta is None:
+                md.storage_meta = dcp_metadata.StorageMeta()
+            md.storage_meta.load_id = load_id
+        return md
+
+
 def load_latest(out: str | os.PathLike, engine, loader) -> int:
     """Load the newest complete checkpoint under ``out`` into ``engine`` and ``loader`` at
     this run's layout; returns its step."""
@@ -167,7 +258,9 @@ def load_latest(out: str | os.PathLike, engine, loader) -> int:
     meta = json.loads((path / "meta.json").read_text())
     with_optim = meta["optimizer_step"] > 0
     state = _empty_targets(engine, with_optim)
-    dcp.load(state, checkpoint_id=str(path))
+    reader = _RestrictedReader(path)
+    reader.read_metadata()  # a refused .metadata raises here, on every rank, before DCP runs
+    dcp.load(state, storage_reader=reader)
     local = {}
     for chunk, i, name, _, param in _entries(engine):
         kind = param_table(chunk.cfg, i, chunk.vocab_parallel)[name][1]

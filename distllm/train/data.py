@@ -41,6 +41,8 @@ class ByteTokenizer:
 
     def encode(self, text: str | bytes) -> torch.Tensor:
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        if not data:  # torch.frombuffer refuses an empty buffer
+            return torch.empty(0, dtype=torch.long)
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
     def decode(self, ids: torch.Tensor | list[int]) -> str:

@@ -208,3 +208,152 @@ def test_all_reduce_paths(world):
         assert len(r) == n_paths * 2 * 2 * 2, sorted(r)
         for key, err in r.items():
             assert err == 0.0, f"rank {rank}, all_reduce {key}: off by {err}"
+
+
+def _outcome(fn, *args, **kw) -> str:
+    """What ``fn(*args, **kw)`` raised, as ``"Type: message"``, or "no error"."""
+    try:
+        fn(*args, **kw)
+    except Exception as e:  # noqa: BLE001 - the type is part of the outcome
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _follow_up_errors(big: int) -> list[float]:
+    """An all-reduce, a pairwise all-gather and a reduce-scatter, each against its exact
+    result: a message left in flight by an earlier call would be taken by one of them."""
+    from distllm.comm.collectives import all_gather, all_reduce, reduce_scatter
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.full((5,), float(rank + 1), dtype=torch.float64)
+    all_reduce(t)
+    g = torch.full((world * big,), float("nan"), dtype=torch.float64)
+    all_gather(g, torch.full((big,), float(rank), dtype=torch.float64))
+    r = torch.full((N,), float("nan"), dtype=torch.float64)
+    reduce_scatter(r, _inp(rank, world))
+    total = sum(_inp(q, world) for q in range(world))
+    return [(t - world * (world + 1) / 2).abs().max().item(),
+            (g - torch.arange(world).repeat_interleave(big)).abs().max().item(),
+            (r - total[rank * N: (rank + 1) * N]).abs().max().item()]
+
+
+def misuse_main() -> dict:
+    from distllm.comm import collectives as coll
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    big = coll.PAIRWISE_MIN_BYTES // 8 + 3  # float64 elements: the pairwise all-gather
+    f32, f64 = torch.float32, torch.float64
+    rs_inp = _inp(rank, world)
+    cases = {
+        "ag_dtype": (coll.all_gather, torch.empty(world * N, dtype=f32),
+                     torch.zeros(N, dtype=f64)),
+        "ag_dtype_big": (coll.all_gather, torch.empty(world * big, dtype=f32),
+                         torch.zeros(big, dtype=f64)),
+        "ag_dtype_pairwise": (coll.all_gather_pairwise, torch.empty(world * N, dtype=f32),
+                              torch.zeros(N, dtype=f64)),
+        "ag_device": (coll.all_gather, torch.empty(world * big, dtype=f64, device="meta"),
+                      torch.zeros(big, dtype=f64)),
+        "rs_dtype": (coll.reduce_scatter, torch.empty(N, dtype=f32), rs_inp),
+        # (world, N) viewed from (N, world): slices of it are strided
+        "rs_inp": (coll.reduce_scatter, torch.empty(N, dtype=f64),
+                   rs_inp.view(N, world).t()),
+        "rs_inp_pairwise": (coll.reduce_scatter_pairwise, torch.empty(N, dtype=f64),
+                            rs_inp.view(N, world).t()),
+        "rs_inp_by_all_reduce": (coll.reduce_scatter_by_all_reduce, torch.empty(N, dtype=f64),
+                                 rs_inp.view(N, world).t()),
+        "rs_out": (coll.reduce_scatter, torch.empty(N, 2, dtype=f64)[:, 0], rs_inp),
+    }
+    out = {}
+    for name, (fn, res, inp) in cases.items():
+        out[name] = _outcome(fn, res, inp)
+        out[name, "after"] = _follow_up_errors(big)
+    return out
+
+
+def test_misuse_raises_before_posting():
+    """A dtype, device or layout the collective cannot take is a ValueError on every rank
+    before any message is posted; the collectives after it get their exact results."""
+    dtype_msg = ("ValueError: {}: out is torch.float32, inp torch.float64; allocate out with "
+                 "dtype=torch.float64 (nothing is converted)")
+    want = {
+        "ag_dtype": dtype_msg.format("all-gather"),
+        "ag_dtype_big": dtype_msg.format("all-gather"),
+        "ag_dtype_pairwise": dtype_msg.format("all-gather"),
+        "ag_device": "ValueError: all-gather: out is on meta, inp on cpu; allocate out on cpu",
+        "rs_dtype": dtype_msg.format("reduce-scatter"),
+        "rs_out": "ValueError: reduce-scatter: out is not contiguous; pass a contiguous out "
+                  "(torch.empty) and copy it where it belongs after",
+    }
+    for name in ("rs_inp", "rs_inp_pairwise", "rs_inp_by_all_reduce"):
+        want[name] = "ValueError: reduce-scatter: inp is not contiguous; pass inp.contiguous()"
+    for rank, r in enumerate(run_distributed(misuse_main, 2, timeout=120)):
+        for name, msg in want.items():
+            assert r[name] == msg, (rank, name, r[name])
+            assert r[name, "after"] == [0.0, 0.0, 0.0], (rank, name, r[name, "after"])
+
+
+def requires_grad_main() -> dict:
+    from distllm.comm import collectives as coll
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    big = coll.PAIRWISE_MIN_BYTES // 8 + 3
+    res = {}
+    for op, want in ((dist.ReduceOp.SUM, 3.0), (dist.ReduceOp.MAX, 2.0)):
+        for async_op in (False, True):
+            t = torch.full((3,), float(rank + 1), dtype=torch.float64, requires_grad=True)
+            _call(coll.all_reduce, t, async_op=async_op, op=op)
+            res["all_reduce", op == dist.ReduceOp.MAX, async_op] = (
+                (t.detach() - want).abs().max().item(), t.requires_grad, t.is_leaf, t.grad)
+    total = sum(_inp(q, world) for q in range(world))
+    for name in ("reduce_scatter_pairwise", "reduce_scatter_by_all_reduce"):
+        for async_op in (False, True):
+            o = torch.zeros(N, dtype=torch.float64, requires_grad=True)
+            inp = _inp(rank, world).requires_grad_(name == "reduce_scatter_pairwise")
+            _call(getattr(coll, name), o, inp, async_op=async_op)
+            res[name, async_op] = ((o.detach() - total[rank * N: (rank + 1) * N]).abs().max()
+                                   .item(), o.requires_grad, o.is_leaf, o.grad)
+    for async_op in (False, True):
+        g = torch.zeros(world * big, dtype=torch.float64, requires_grad=True)
+        mine = torch.full((big,), float(rank), dtype=torch.float64, requires_grad=True)
+        _call(coll.all_gather_pairwise, g, mine, async_op=async_op)
+        res["all_gather_pairwise", async_op] = (
+            (g.detach() - torch.arange(world).repeat_interleave(big)).abs().max().item(),
+            g.requires_grad, g.is_leaf, g.grad)
+    return res
+
+
+def test_tensors_that_require_grad():
+    """Leaf tensors that require grad are written as torch.distributed writes them: values
+    exact, still leaves that require grad, no gradient."""
+    for rank, r in enumerate(run_distributed(requires_grad_main, 2, timeout=120)):
+        assert len(r) == 2 * 2 + 2 * 2 + 2, sorted(r)
+        for key, got in r.items():
+            assert got == (0.0, True, True, None), (rank, key, got)
+
+
+def nan_bits_main() -> dict:
+    from distllm.comm.collectives import all_reduce
+
+    rank = dist.get_rank()
+    res = {}
+    # NaNs of both signs and several payloads, each element a different pairing; 37 elements
+    # run through the vectorized body and the scalar tail of the add
+    for dtype, itype, quiet, sign in ((torch.float64, torch.int64, 0x7FF8 << 48, -1 << 63),
+                                      (torch.float32, torch.int32, 0x7FC0 << 16, -1 << 31)):
+        i = torch.arange(37)
+        payload = (i * 3 + rank) % 5 + 1
+        negative = (i + rank) % 2 == 0
+        bits = torch.where(negative, quiet + sign, quiet) + payload  # (37,)
+        t = bits.to(itype).view(dtype)
+        all_reduce(t)
+        res[str(dtype)] = (t.isnan().all().item(), t.view(itype).tolist())
+    return res
+
+
+def test_sum_exchange_nan_bits_agree():
+    """The 2-rank SUM exchange of two NaNs of different sign and payload gives both ranks the
+    same bits (both add rank 0's operand to rank 1's)."""
+    a, b = run_distributed(nan_bits_main, 2, timeout=120)
+    for dtype in ("torch.float64", "torch.float32"):
+        assert a[dtype][0] and b[dtype][0], dtype
+        assert a[dtype][1] == b[dtype][1], (dtype, a[dtype][1], b[dtype][1])

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from distllm.models.gpt import GPTConfig
 from distllm.testing import run_distributed
 from distllm.train import checkpoint
 from tests.train._util import train_many
@@ -111,3 +118,54 @@ def test_kill_and_resume(corpus, reference, tmp_path):
     assert [x["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
     assert {"step", "loss", "tokens_per_s", "lr", "grad_norm", "mfu"} <= set(lines[0])
     _close([x["loss"] for x in lines], ref)
+
+
+class _Payload:
+    """Unpickling it creates the folder ``mark``: a stand-in for code a crafted file runs."""
+
+    def __init__(self, mark: Path) -> None:
+        self.mark = mark
+
+    def __reduce__(self):
+        return (os.makedirs, (str(self.mark),))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_crafted_metadata_runs_nothing(tmp_path):
+    """A checkpoint whose DCP ``.metadata`` unpickles a callable: ``load_latest`` refuses it
+    by name before DCP reads it, and the callable never runs."""
+    mark = tmp_path / "ran"
+    step = tmp_path / "out" / "checkpoints" / "step_00000001"
+    step.mkdir(parents=True)
+    mcfg = GPTConfig.preset("tiny")
+    (step / "meta.json").write_text(json.dumps({
+        "format": checkpoint.FORMAT, "step": 1, "model": checkpoint._model_key(mcfg),
+        "model_name": "tiny", "optimizer_step": 0, "layout": {}, "data": {}}))
+    (step / ".metadata").write_bytes(pickle.dumps(_Payload(mark)))
+    engine = types.SimpleNamespace(mcfg=mcfg, chunks=[], dtype=torch.float32)
+    with pytest.raises(pickle.UnpicklingError) as e:
+        checkpoint.load_latest(tmp_path / "out", engine, loader=None)
+    assert str(e.value) == (
+        f"{step}/.metadata asks to unpickle os.makedirs, which checkpoint metadata never "
+        f"holds: refusing to load it (a damaged or crafted checkpoint: pass another --out)")
+    assert not mark.exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_non_tensor_entry_runs_nothing(tmp_path):
+    """A DCP checkpoint whose entry is a pickled object (DCP would ``torch.load`` it with
+    ``weights_only=False`` into a tensor's place) is refused; the object never runs."""
+    mark, ck = tmp_path / "ran", tmp_path / "ck"
+    dcp.save({"w": _Payload(mark)}, checkpoint_id=str(ck), no_dist=True)
+    assert not mark.exists()
+    reader = checkpoint._RestrictedReader(ck)
+    want = (f"{ck}/.metadata: entry 'w' is a BytesStorageMetadata, not a tensor (distllm "
+            f"saves tensors only, and DCP would unpickle it without restriction): refusing "
+            f"to load it (a damaged or crafted checkpoint: pass another --out)")
+    with pytest.raises(pickle.UnpicklingError) as e:
+        reader.read_metadata()
+    assert str(e.value) == want
+    with pytest.raises(BaseException) as e:  # DCP wraps it (CheckpointException)
+        dcp.load({"w": torch.empty(3)}, storage_reader=reader, no_dist=True)
+    assert want in str(e.value)
+    assert not mark.exists()

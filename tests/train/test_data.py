@@ -20,6 +20,14 @@ def test_tokenizer_roundtrip():
     assert tok.decode(ids) == text
 
 
+def test_tokenizer_empty_text():
+    tok = ByteTokenizer()
+    for empty in ("", b""):
+        ids = tok.encode(empty)
+        assert ids.dtype == torch.int64 and ids.shape == (0,)
+        assert tok.decode(ids) == ""
+
+
 def test_default_corpus_is_the_stdlib_and_deterministic():
     a, b = load_corpus(None), load_corpus(None)
     assert a.source == "python-stdlib" and a.n_files > 100

@@ -71,3 +71,55 @@ def test_from_hf_tp2_pp2(vocab_parallel):
         assert r["logits"] < TOL and r["loss"] < TOL, r
     for r in res:
         assert r["to_hf"] == 0.0, r
+
+
+@pytest.mark.parametrize("option, value, want", [
+    ("scale_attn_weights", False, "scale_attn_weights=False of the GPT-2 config is not "
+     "supported: distllm's GPT computes the model of scale_attn_weights=True"),
+    ("scale_attn_by_inverse_layer_idx", True, "scale_attn_by_inverse_layer_idx=True of the "
+     "GPT-2 config is not supported: distllm's GPT computes the model of "
+     "scale_attn_by_inverse_layer_idx=False"),
+    ("add_cross_attention", True, "add_cross_attention=True of the GPT-2 config is not "
+     "supported: distllm's GPT computes the model of add_cross_attention=False"),
+])
+def test_config_from_hf_refuses_other_attention(option, value, want):
+    """GPT-2 options that change the logits are refused by name (no processes)."""
+    from transformers import GPT2Config
+
+    from distllm.models.hf import config_from_hf
+
+    cfg = GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    assert config_from_hf(cfg).hidden_size == 32  # the defaults are distllm's model
+    setattr(cfg, option, value)
+    with pytest.raises(ValueError) as e:
+        config_from_hf(cfg)
+    assert str(e.value) == want
+
+
+def _reordered_rank() -> float:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from distllm import ParallelDims
+    from distllm.models import from_hf
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     bos_token_id=0, eos_token_id=0, reorder_and_upcast_attn=True,
+                     attn_implementation="eager")
+    hf = GPT2LMHeadModel(cfg).eval()  # float32: the upcast path's own precision
+    with torch.no_grad():  # sharper attention than the 0.02 init
+        for blk in hf.transformer.h:
+            blk.attn.c_attn.weight.mul_(10)
+    x = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(1))
+    model = from_hf(hf, ParallelDims(tp=1, pp=1)).eval()
+    with torch.no_grad():
+        return float((model(x)[..., :50] - hf(x).logits).abs().max())
+
+
+def test_from_hf_accepts_reorder_and_upcast_attn():
+    """``reorder_and_upcast_attn`` (float32 scores on HF's eager path) is the same model:
+    HF's logits to float32 rounding."""
+    err = run_distributed(_reordered_rank, 1, timeout=120)[0]
+    assert err < 1e-5, err  # float32, logits of order 1: rounding of two summation orders
