@@ -165,7 +165,9 @@ def test_non_tensor_entry_runs_nothing(tmp_path):
     with pytest.raises(pickle.UnpicklingError) as e:
         reader.read_metadata()
     assert str(e.value) == want
-    with pytest.raises(BaseException) as e:  # DCP wraps it (CheckpointException)
+    # through dcp.load the refusal fails the load: torch 2.14 wraps it in a
+    # CheckpointException, 2.11 logs it and fails on the missing metadata; either way the
+    # entry is never unpickled
+    with pytest.raises(BaseException):
         dcp.load({"w": torch.empty(3)}, storage_reader=reader, no_dist=True)
-    assert want in str(e.value)
     assert not mark.exists()
