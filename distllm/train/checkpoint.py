@@ -229,11 +229,13 @@ def _read_metadata(file: Path) -> dcp_metadata.Metadata:
 
 class _RestrictedReader(dcp.FileSystemReader):
     """DCP's file-system reader with :func:`_read_metadata` as ``read_metadata``: it reads
-    the checkpoint's ``.metadata`` (``__{rank}.metadata`` when DCP asks for a rank's own)."""
+    the checkpoint's ``.metadata`` (``__{rank}.metadata`` when DCP asks for a rank's own),
+    each file unpickled once (``load_latest`` reads it before ``dcp.load`` reads it again)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         super().__init__(path)
         self._dir = Path(path)
+        self._read: dict[Path, dcp_metadata.Metadata] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)
@@ -242,7 +244,10 @@ class _RestrictedReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
         rank = kwargs.get("rank")
-        md = _read_metadata(self._dir / (".metadata" if rank is None else f"__{rank}.metadata"))
+        file = self._dir / (".metadata" if rank is None else f"__{rank}.metadata")
+        if file not in self._read:
+            self._read[file] = _read_metadata(file)
+        md = self._read[file]
         load_id = getattr(self, "load_id", None)  # DCP's reader tags the metadata it returns
         if load_id is not None and hasattr(md, "storage_meta"):
             if md.storage_meta is None:
