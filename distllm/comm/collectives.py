@@ -70,7 +70,27 @@ from distllm.comm.compat import all_gather_into, reduce_scatter_into
 
 __all__ = ["reduce_scatter", "reduce_scatter_pairwise", "reduce_scatter_by_all_reduce",
            "all_gather", "all_gather_pairwise", "all_reduce", "all_reduce_exchange",
-           "broadcast_from", "PAIRWISE_MIN_BYTES", "EXCHANGE_MIN_BYTES"]
+           "broadcast_from", "backend_for", "group_device", "PAIRWISE_MIN_BYTES",
+           "EXCHANGE_MIN_BYTES"]
+
+def backend_for(group: ProcessGroup | None, device_type: str) -> str | None:
+    """The backend that runs ``group``'s collectives on ``device_type`` tensors ("gloo",
+    "nccl", ...), or None where none does. Read from torch's backend configuration
+    (``"cpu:gloo,cuda:nccl"``), so that a group made by ``init_process_group()`` without a
+    backend, or with one per device, answers as a plain ``"nccl"`` group does (for those,
+    ``get_backend`` says ``"undefined"`` or the whole string)."""
+    table = dict(part.split(":", 1)
+                 for part in dist.get_backend_config(group).split(",") if ":" in part)
+    return table.get(device_type)
+
+
+def group_device(group: ProcessGroup | None = None) -> torch.device:
+    """The device of the tensors ``group``'s collectives take: the current CUDA device
+    where NCCL serves CUDA tensors, else the CPU."""
+    if backend_for(group, "cuda") == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
 
 # gloo, CPU tensors: the all-gather is pairwise from this many bytes per rank (see above)
 PAIRWISE_MIN_BYTES = 64 * 1024
@@ -228,7 +248,7 @@ def _p2p_pays(group: ProcessGroup | None, *tensors: torch.Tensor,
     """Whether the point-to-point substitutes run: gloo, contiguous CPU tensors, the first
     (what each rank sends) of at least ``min_bytes``."""
     t = tensors[0]
-    return (dist.get_backend(group) == "gloo" and not t.is_cuda
+    return (not t.is_cuda and backend_for(group, t.device.type) == "gloo"
             and all(x.is_contiguous() for x in tensors)
             and t.numel() * t.element_size() >= min_bytes)
 
@@ -281,7 +301,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | N
     :func:`reduce_scatter_pairwise` for CPU tensors and :func:`reduce_scatter_by_all_reduce`
     (which overwrites ``inp``) for CUDA ones; elsewhere the backend's collective. Returns
     the handle when ``async_op``, else ``None``."""
-    if dist.get_backend(group) == "gloo":
+    if backend_for(group, inp.device.type) == "gloo":
         if inp.is_cuda:
             return reduce_scatter_by_all_reduce(out, inp, group, async_op)
         return reduce_scatter_pairwise(out, inp, group, async_op)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distllm.comm.collectives import all_reduce, reduce_scatter
+from distllm.comm.collectives import all_reduce, group_device, reduce_scatter
 from distllm.comm.compat import all_gather_into
 
 __all__ = [
@@ -208,9 +208,7 @@ def interleaved(variants: dict[str, Callable[[], object]], **kw) -> dict[str, St
 def _timing_device(group, device) -> torch.device:
     if device is not None:
         return torch.device(device)
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return group_device(group)
 
 
 def max_over_ranks(values: Sequence[float], group=None, device=None) -> list[float]:

@@ -98,7 +98,10 @@ def to_hf(models: GPT | Iterable[GPT]):
 
     models = [models] if isinstance(models, GPT) else list(models)
     cfg, dims = models[0].cfg, models[0].dims
-    mine = {i: gather_layer(m, i) for m in models for i in m.layer_ids}
+    # on the CPU: the HF model is built there, and an object all-gather would otherwise
+    # unpickle each stage's CUDA tensors onto the sending rank's device index
+    mine = {i: {k: t.cpu() for k, t in gather_layer(m, i).items()}
+            for m in models for i in m.layer_ids}
     if dims.pp > 1:
         parts: list = [None] * dims.pp
         dist.all_gather_object(parts, mine, group=dims.pp_group)

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from distllm.comm.collectives import group_device
+
 __all__ = ["ParallelDims", "MeshShape", "mesh_groups", "divisors"]
 
 
@@ -97,12 +99,22 @@ def _current_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _local_device() -> int:
+    """This rank's GPU: ``LOCAL_RANK`` (torchrun), else ``SLURM_LOCALID`` or
+    ``OMPI_COMM_WORLD_LOCAL_RANK`` (srun, mpirun), else the global rank modulo the visible
+    GPUs (never GPU 0 for every rank: NCCL refuses two ranks on one GPU)."""
+    for var in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return int(os.environ["RANK"]) % max(1, torch.cuda.device_count())
+
+
 def _init_from_env(backend: str | None, timeout: datetime.timedelta) -> None:
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(_local_device())
         dist.init_process_group(backend=backend, timeout=timeout)
     else:  # a single process that never went through torchrun
         store = dist.HashStore()
@@ -280,9 +292,7 @@ class ParallelDims:
     @property
     def device(self) -> torch.device:
         self._built()
-        if dist.get_backend() == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return group_device()
 
     def __repr__(self) -> str:
         where = f"rank={self._rank}, coords(pp,dp,tp)={self.coords}" if self.is_built else (

@@ -9,14 +9,17 @@ keyed ``master.<name>`` / ``state.<name>.<key>``).
 
 Loaded tensors arrive on the CPU (``torch.distributed.checkpoint`` reads into CPU
 targets); :func:`install` puts weights and moments on the device of the parameters (or
-ZeRO masters) they belong to, and the optimizer step count on the CPU, where
-``torch.optim.AdamW`` keeps it.
+ZeRO masters) they belong to, and the optimizer step count where the optimizer keeps it
+(:func:`~distllm.parallel.data.zero_state.place_step`: on the parameter's device for the
+fused AdamW the engine builds).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from distllm.parallel.data.zero_state import place_step
 
 __all__ = ["collect", "install", "MOMENTS"]
 
@@ -65,7 +68,7 @@ def install(engine, local: dict[nn.Parameter, dict[str, torch.Tensor]], step: in
             put = dict(device=like.device, dtype=like.dtype)
             sd["master"][n] = d["weight"].to(**put).reshape(like.shape)
             if any(k in d for k in MOMENTS):
-                sd["state"][n] = {"step": torch.tensor(float(step)),  # on CPU, as AdamW keeps it
+                sd["state"][n] = {"step": torch.tensor(float(step)),  # placed by the ZeRO load
                                   **{k: d[k].to(**put).reshape(like.shape)
                                      for k in MOMENTS if k in d}}
         engine.zero.load_state_dict(sd)
@@ -73,7 +76,7 @@ def install(engine, local: dict[nn.Parameter, dict[str, torch.Tensor]], step: in
     opt = engine.optimizer
     for p, d in local.items():
         p.copy_(d["weight"].reshape(p.shape))
-        if any(k in d for k in MOMENTS):  # moments beside the parameter, step on CPU
-            opt.state[p] = {"step": torch.tensor(float(step)),
+        if any(k in d for k in MOMENTS):  # moments beside the parameter
+            opt.state[p] = {"step": place_step(opt, p, step),
                             **{k: d[k].to(device=p.device, dtype=p.dtype).reshape(p.shape).clone()
                                for k in MOMENTS if k in d}}

@@ -105,6 +105,9 @@ def test_checkpoint_gather_and_install_on_cuda(cuda_job, monkeypatch, tmp_path, 
         for st in opt.state.values():
             for key in MOMENTS:
                 assert st[key].device == CUDA, (key, st[key].device)
+            # the engine's AdamW is fused: its kernel takes the step count on the
+            # parameters' device in fp32 (torch's load_state_dict puts it there too)
+            assert st["step"].device == CUDA and st["step"].dtype == torch.float32, st["step"]
         _backward(monkeypatch, engine)
         engine.update(1.0)
     rec.check(expect={"all_reduce"})

@@ -126,7 +126,8 @@ def test_collective_timings_sit_on_the_groups_device(monkeypatch):
     seen, real_tensor = [], torch.tensor
     monkeypatch.setattr(timing.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(timing.dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(timing.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(timing.dist, "get_backend_config", lambda group=None: "cuda:nccl")
+    monkeypatch.setattr(timing.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(timing.torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(timing.torch, "tensor", lambda v, dtype, device: seen.append(device)
                         or real_tensor(v, dtype=dtype))

@@ -193,3 +193,48 @@ def test_single_process_without_torchrun():
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize("config,cuda,want", [
+    ("cuda:nccl", True, "cuda"),
+    # init_process_group() without a backend on a CUDA machine: get_backend says "undefined"
+    ("cpu:gloo,cuda:nccl", True, "cuda"),
+    ("cpu:gloo,cuda:gloo", True, "cpu"),  # gloo for both: the CPU, as with "gloo"
+    ("cpu:gloo", False, "cpu"),
+    ("cuda:nccl", False, "cpu"),  # no CUDA in this process
+])
+def test_the_device_follows_the_backend_that_serves_cuda(monkeypatch, config, cuda, want):
+    """The mesh's device (where the model, and every tensor that meets a collective, lives)
+    is CUDA wherever NCCL serves CUDA tensors, whatever name the group's backend has."""
+    from distllm.comm import collectives
+    from distllm.parallel import mesh
+
+    dims = mesh.ParallelDims(tp=1, pp=1, dp=1)  # sizes only: no world is started
+    monkeypatch.setattr(collectives.dist, "get_backend_config", lambda group=None: config)
+    monkeypatch.setattr(collectives.dist, "get_backend",
+                        lambda group=None: "undefined" if "," in config else config[5:])
+    monkeypatch.setattr(collectives.torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(collectives.torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(mesh.ParallelDims, "_built", lambda self: None)
+    expect = torch.device("cuda", 2) if want == "cuda" else torch.device("cpu")
+    assert dims.device == expect
+    assert collectives.backend_for(None, "cuda") == dict(
+        p.split(":") for p in config.split(",")).get("cuda")
+    assert collectives.backend_for(None, "xpu") is None
+
+
+@pytest.mark.parametrize("env,want", [
+    ({"RANK": "5", "LOCAL_RANK": "1"}, 1),
+    ({"RANK": "5", "SLURM_LOCALID": "3"}, 3),
+    ({"RANK": "5", "OMPI_COMM_WORLD_LOCAL_RANK": "2"}, 2),
+    ({"RANK": "5"}, 1),  # 4 GPUs visible: the global rank modulo 4
+])
+def test_each_rank_picks_its_own_gpu(monkeypatch, env, want):
+    from distllm.parallel import mesh
+
+    for var in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "RANK"):
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(mesh.torch.cuda, "device_count", lambda: 4)
+    assert mesh._local_device() == want

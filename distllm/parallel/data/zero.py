@@ -82,6 +82,7 @@ from distllm.parallel.data.zero_state import (
     gather_state,
     is_elementwise,
     load_state,
+    place_step,
 )
 from distllm.parallel.mesh import ParallelDims
 
@@ -484,6 +485,8 @@ class ZeroOptimizer(ZeroGradChecks):
             for key, v in state.items():
                 if is_elementwise(v, m):
                     st[key] = v[s.lo:s.hi].clone()
+                elif key == "step":
+                    st[key] = place_step(self.optimizer, s.tensor, v)
                 else:
                     st[key] = v.clone() if isinstance(v, Tensor) else v
 

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from distllm.comm.collectives import all_gather
 
-__all__ = ["gather_state", "load_state", "is_elementwise", "ModuleStateHooks"]
+__all__ = ["gather_state", "load_state", "is_elementwise", "place_step", "ModuleStateHooks"]
 
 
 def _full(z, shard: Tensor) -> Tensor:
@@ -56,6 +56,22 @@ def is_elementwise(v: Any, m: Tensor) -> bool:
 
 
 @torch.no_grad()
+def place_step(optimizer: torch.optim.Optimizer, param: Tensor, step: Any) -> Tensor:
+    """The optimizer step count as ``optimizer`` keeps it for ``param``: on the parameter's
+    device in fp32 when its group is ``fused`` or ``capturable`` (the fused AdamW kernel
+    refuses a CPU step beside CUDA parameters), else on the CPU as given. The rule of
+    ``torch.optim.Optimizer.load_state_dict``, for state set without it."""
+    value = step if isinstance(step, Tensor) else torch.tensor(float(step))
+    for g in optimizer.param_groups:
+        if any(q is param for q in g["params"]):
+            if g.get("fused") or g.get("capturable"):
+                # a copy: one step tensor shared by several parameters would be advanced
+                # once per parameter at each step (the fused kernel adds in place)
+                return value.to(dtype=torch.float32, device=param.device, copy=True)
+            break
+    return value.clone()
+
+
 def gather_state(z) -> dict[str, Any]:
     master: dict[str, Tensor] = {}
     state: dict[str, dict[str, Any]] = {}

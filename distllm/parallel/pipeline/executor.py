@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distllm.comm.collectives import backend_for
 from distllm.parallel.pipeline.pp_comm import StageComm, p2p_channel_groups
 from distllm.parallel.pipeline.schedules import (
     RECV_B,
@@ -119,7 +120,7 @@ class PipelineParallel(nn.Module):
         self.grad_sync, self.track_memory = grad_sync, track_memory
         self.pp_ranks = dims.group_ranks("pp")
         if p2p_channels is None:
-            p2p_channels = dist.get_backend(dims.pp_group) == "nccl"
+            p2p_channels = backend_for(dims.pp_group, dims.device.type) == "nccl"
         chans = p2p_channel_groups(dims, wrap=self.v > 1) if p2p_channels and self.pp > 1 else None
         self.comm = StageComm(dims.rank, dims.pp_group, dims.device, self.pp * self.v,
                               channels=chans)

@@ -32,6 +32,8 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from distllm.comm.collectives import backend_for
+
 __all__ = ["StageComm", "p2p_channel_groups"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
@@ -96,7 +98,7 @@ class StageComm:
         self.rank, self.group, self.device, self.stages = rank, group, device, num_stages
         self.channels = channels or {}  # (src, dst) global ranks -> a group of its own
         self.every_header = every_header  # a header before every activation: any shapes
-        self.use_tags = dist.get_backend(group) != "nccl"
+        self.use_tags = backend_for(group, device.type) != "nccl"
         self.shapes: dict[tuple[str, int], tuple[torch.Size, torch.dtype]] = {}
         self._sent_shape: dict[tuple[str, int], tuple[torch.Size, torch.dtype]] = {}
         self._ops: list[dist.P2POp] = []
