@@ -4,7 +4,9 @@
 - ``distllm._cuda`` CUDA ops from ``csrc/cuda/*.cu`` (cuBLASLt epilogues, elementwise kernels).
   ``DISTLLM_BUILD_CUDA`` unset: built when a CUDA toolkit and a CUDA-enabled torch are both
   present. ``=1``: forced, and the build fails with the reason when it cannot. ``=0``: skipped.
-  ``TORCH_CUDA_ARCH_LIST`` is respected (default "8.0;9.0"); ``MAX_JOBS`` as in torch.
+  ``TORCH_CUDA_ARCH_LIST`` is respected (default "8.0;9.0+PTX"); ``MAX_JOBS`` as in torch.
+  A toolkit of another CUDA major version than torch's is skipped in auto mode (torch's
+  build would refuse it) and refused with ``=1``.
 
 ``kernels/`` installs as ``distllm.kernels`` and ``bench/`` as ``distllm.bench``.
 """
@@ -96,6 +98,17 @@ def _cublaslt_link_arg(lib_dirs: list[str], toolkit: str) -> list[str]:
     )
 
 
+def _nvcc_major(toolkit: str) -> int | None:
+    """The CUDA major version of ``toolkit``'s nvcc ("release 13.0" -> 13), or None."""
+    try:
+        out = subprocess.run([os.path.join(toolkit, "bin", "nvcc"), "--version"],
+                             capture_output=True, text=True, timeout=60, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release (\d+)\.", out)
+    return int(m.group(1)) if m else None
+
+
 def _extensions():
     mode = _cuda_mode()
     if mode != "0" and "CUDA_HOME" not in os.environ and "CUDA_PATH" not in os.environ:
@@ -106,7 +119,8 @@ def _extensions():
     import torch
     from torch.utils import cpp_extension as ce
 
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    # PTX of the newest architecture too: a newer GPU JIT-compiles it (no "no kernel image")
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
     cxx = ["-O3", "-std=c++20", "-fopenmp"]
     exts = [
         ce.CppExtension(
@@ -121,6 +135,12 @@ def _extensions():
         why_not = "no CUDA toolkit found (nvcc not on PATH and CUDA_HOME unset)"
     elif torch.version.cuda is None:
         why_not = f"torch {torch.__version__} is a CPU build"
+    elif (nvcc := _nvcc_major(ce.CUDA_HOME)) != int(torch.version.cuda.split(".")[0]):
+        # torch's build_ext refuses a toolkit of another major version, and would fail the
+        # whole install (the CPU extension and the Python package with it)
+        why_not = (f"the CUDA toolkit at {ce.CUDA_HOME} is CUDA {nvcc or 'of unknown version'}, "
+                   f"torch {torch.__version__} was built with CUDA {torch.version.cuda}: point "
+                   f"CUDA_HOME at a CUDA {torch.version.cuda.split('.')[0]}.x toolkit")
     if mode == "0":
         _log("DISTLLM_BUILD_CUDA=0: skipping distllm._cuda")
         return exts

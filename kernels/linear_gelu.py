@@ -34,6 +34,7 @@ configuration; on a GPU they are autotuned over configurations for Ampere and Ho
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -41,6 +42,8 @@ import triton
 import triton.language as tl
 from distllm.kernels import linear_gelu_tuning as tuning
 from distllm.kernels.linear_gelu_tuning import aot_variants  # noqa: F401 - read by kernels.aot
+
+from distllm.comm.compat import tf32_matmul_allowed
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -305,12 +308,18 @@ def interpreting() -> bool:
     return _INTERPRET
 
 
+def _on(t: torch.Tensor):
+    """The device context of a launch: Triton launches on the current CUDA device (and its
+    current stream), which need not be the tensors' device."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def _dot_flags(dtype: torch.dtype) -> dict[str, bool]:
     """The GEMM kernels' dot flags: TF32 for float32 where torch's matmul switch allows it
     (compiled only), and bf16 dots in fp32 under the interpreter (its bf16 dot is wrong)."""
     return {
         "ALLOW_TF32": dtype == torch.float32
-        and bool(torch.backends.cuda.matmul.allow_tf32)
+        and tf32_matmul_allowed()
         and not _INTERPRET,
         "DOT_FP32": _INTERPRET and dtype == torch.bfloat16,
     }
@@ -346,28 +355,29 @@ def linear_gelu_fwd(
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    _fwd[grid](
-        x,
-        weight,
-        bias_arg,
-        y,
-        u_arg,
-        M,
-        N,
-        K,
-        x.stride(0),
-        x.stride(1),
-        weight.stride(0),
-        weight.stride(1),
-        y.stride(0),
-        y.stride(1),
-        triton.next_power_of_2(M),
-        HAS_BIAS=bias is not None,
-        SAVE_PRE=save_pre,
-        APPROX_TANH=approximate == "tanh",
-        **_dot_flags(x.dtype),
-        **_FWD_META,
-    )
+    with _on(x):
+        _fwd[grid](
+            x,
+            weight,
+            bias_arg,
+            y,
+            u_arg,
+            M,
+            N,
+            K,
+            x.stride(0),
+            x.stride(1),
+            weight.stride(0),
+            weight.stride(1),
+            y.stride(0),
+            y.stride(1),
+            triton.next_power_of_2(M),
+            HAS_BIAS=bias is not None,
+            SAVE_PRE=save_pre,
+            APPROX_TANH=approximate == "tanh",
+            **_dot_flags(x.dtype),
+            **_FWD_META,
+        )
     return y, u
 
 
@@ -386,19 +396,20 @@ def gelu_bwd_pass(
     if M == 0 or N == 0:
         return gu, (torch.zeros(N, device=pre.device, dtype=pre.dtype) if has_bias else None)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-    _bwd_kernel[grid](
-        grad,
-        pre,
-        gu,
-        parts,
-        M,
-        N,
-        HAS_BIAS=has_bias,
-        APPROX_TANH=approximate == "tanh",
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        **({} if _INTERPRET else tuning.BWD_LAUNCH),
-    )
+    with _on(pre):
+        _bwd_kernel[grid](
+            grad,
+            pre,
+            gu,
+            parts,
+            M,
+            N,
+            HAS_BIAS=has_bias,
+            APPROX_TANH=approximate == "tanh",
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            **({} if _INTERPRET else tuning.BWD_LAUNCH),
+        )
     db = parts.sum(0).to(pre.dtype) if has_bias else None
     return gu, db
 
@@ -427,24 +438,25 @@ def gemm_dgelu(
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    _dgelu[grid](
-        dy,
-        w,
-        pre,
-        gu,
-        parts,
-        M,
-        N,
-        K,
-        dy.stride(0),
-        dy.stride(1),
-        w.stride(0),
-        w.stride(1),
-        triton.next_power_of_2(M),
-        HAS_BIAS=has_bias,
-        APPROX_TANH=approximate == "tanh",
-        **_dot_flags(dy.dtype),
-        **_FWD_META,
-    )
+    with _on(dy):
+        _dgelu[grid](
+            dy,
+            w,
+            pre,
+            gu,
+            parts,
+            M,
+            N,
+            K,
+            dy.stride(0),
+            dy.stride(1),
+            w.stride(0),
+            w.stride(1),
+            triton.next_power_of_2(M),
+            HAS_BIAS=has_bias,
+            APPROX_TANH=approximate == "tanh",
+            **_dot_flags(dy.dtype),
+            **_FWD_META,
+        )
     db = parts.sum(0).to(dy.dtype) if has_bias else None
     return gu, db

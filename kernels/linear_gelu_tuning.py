@@ -102,8 +102,10 @@ _FWD_INTS = (
     "stride_yn",
     "M_BUCKET",
 )
-# What a launch from contiguous tensors finds 16-divisible (stride_xk = stride_wk =
-# stride_yn = 1 are not; M is whatever the batch is).
+# A launch from contiguous tensors: the unit strides, which Triton turns into constants
+# (it specializes an int argument equal to 1), and what it finds 16-divisible (M is
+# whatever the batch is).
+_FWD_UNIT = ("stride_xk", "stride_wk", "stride_yn")
 _FWD_ALIGNED = (
     "x_ptr",
     "w_ptr",
@@ -120,6 +122,7 @@ _FWD_ALIGNED = (
 _BWD_POINTERS = ("g_ptr", "u_ptr", "gu_ptr", "db_ptr")
 _DGELU_POINTERS = ("dy_ptr", "w_ptr", "u_ptr", "gu_ptr", "db_ptr")
 _DGELU_INTS = ("M", "N", "K", "stride_dm", "stride_dk", "stride_wk", "stride_wn", "M_BUCKET")
+_DGELU_UNIT = ("stride_dk", "stride_wn")
 _DGELU_ALIGNED = ("dy_ptr", "w_ptr", "u_ptr", "gu_ptr", "db_ptr", "N", "K", "stride_dm",
                   "stride_wk", "M_BUCKET")
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -130,10 +133,19 @@ def aot_variants(arch: int) -> list:
     ``distllm.kernels.aot``: each forward tuning config the autotuner may pick there, for
     each dtype (fp32 with and without TF32), with every epilogue flag on; every
     combination of the epilogue flags (bias, pre-activation saved, erf or tanh) with one
-    config; the generic (unaligned) form; and the backward pass for each dtype and flag."""
+    config, launched from contiguous tensors (unit strides, which Triton makes constants,
+    and 16-divisible pointers and sizes); the generic form (any strides, unaligned); and the
+    backward pass for each dtype and flag."""
     from distllm.kernels.aot import SMEM_LIMIT, Variant
 
     mod, out = KERNELS, []
+
+    def contiguous(ints, ce, unit, aligned):
+        """(ints, constexprs) of a launch: from contiguous tensors when ``aligned`` (the
+        unit strides constants), else any strides (all ints)."""
+        if not aligned:
+            return ints, ce
+        return tuple(i for i in ints if i not in unit), (*ce, *((u, 1) for u in unit))
 
     def fwd(dt, tf32, cfg, flags, aligned):
         bias, save, tanh = flags
@@ -145,12 +157,13 @@ def aot_variants(arch: int) -> list:
             ("DOT_FP32", False),
             *sorted(cfg.kwargs.items()),
         )
+        ints, ce = contiguous(_FWD_INTS, ce, _FWD_UNIT, aligned)
         return Variant(
             mod,
             "_fwd_kernel",
             dt,
             _FWD_POINTERS,
-            _FWD_INTS,
+            ints,
             ce,
             cfg.num_warps,
             cfg.num_stages,
@@ -165,12 +178,13 @@ def aot_variants(arch: int) -> list:
             ("DOT_FP32", False),
             *sorted(cfg.kwargs.items()),
         )
+        ints, ce = contiguous(_DGELU_INTS, ce, _DGELU_UNIT, aligned)
         return Variant(
             mod,
             "_dgelu_kernel",
             dt,
             _DGELU_POINTERS,
-            _DGELU_INTS,
+            ints,
             ce,
             cfg.num_warps,
             cfg.num_stages,

@@ -128,3 +128,33 @@ def test_build_mode_knob_is_checked(monkeypatch):
     monkeypatch.setenv("DISTLLM_BUILD_CUDA", "yes")
     with pytest.raises(SystemExit, match="DISTLLM_BUILD_CUDA='yes'"):
         build._cuda_mode()
+
+
+@pytest.mark.parametrize("mode", ["", "1"])
+def test_build_skips_a_toolkit_of_another_cuda_major(monkeypatch, tmp_path, mode):
+    """torch's build_ext refuses a toolkit whose CUDA major differs from torch's and would
+    fail the whole install: auto mode builds the CPU extension alone, "=1" names the cause."""
+    import torch
+    from torch.utils import cpp_extension as ce
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        import setup as build
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    other = 12
+    nvcc = tmp_path / "bin" / "nvcc"
+    nvcc.parent.mkdir()
+    nvcc.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {other}.8, V{other}.8.9'\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setattr(ce, "CUDA_HOME", str(tmp_path))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    monkeypatch.setenv("DISTLLM_BUILD_CUDA", mode)
+    if mode == "1":
+        with pytest.raises(SystemExit, match=f"is CUDA {other}, torch .* CUDA_HOME"):
+            build._extensions()
+    else:
+        assert [e.name for e in build._extensions()] == ["distllm._C"]
+    assert build._nvcc_major(str(tmp_path)) == other

@@ -15,6 +15,13 @@ Collectives on one flat tensor:
 Both call the torch function as is: a backend that lacks the collective (gloo has no
 reduce-scatter) still raises, and callers keep their own workaround for it
 (:func:`distllm.comm.collectives.reduce_scatter` exchanges pairwise on gloo).
+
+Switches:
+
+- :func:`tf32_matmul_allowed`: whether float32 CUDA matmuls may use TF32, read from
+  ``torch.backends.cuda.matmul.fp32_precision`` (falling back to the global
+  ``torch.backends.fp32_precision``). Reading the legacy ``allow_tf32`` raises once a user
+  has set TF32 through the newer API, so nothing in distllm reads it.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
-__all__ = ["ALL_GATHER_API", "REDUCE_SCATTER_API", "all_gather_into", "reduce_scatter_into"]
+__all__ = ["ALL_GATHER_API", "REDUCE_SCATTER_API", "all_gather_into", "reduce_scatter_into",
+           "tf32_matmul_allowed"]
 
 
 def _pick(module: Any, new: str, old: str) -> tuple[str, Callable[..., Any]]:
@@ -69,3 +77,13 @@ def reduce_scatter_into(
     Returns the work handle when ``async_op``, else ``None``.
     """
     return _reduce_scatter(out, inp, op=op, group=group, async_op=async_op)
+
+
+def tf32_matmul_allowed() -> bool:
+    """Whether float32 CUDA matmuls may use TF32: torch's matmul switch, set either way
+    (``allow_tf32 = True`` reads as ``fp32_precision == "tf32"``). "none" defers to the
+    global ``torch.backends.fp32_precision``; both "none" is torch's default, IEEE."""
+    precision = torch.backends.cuda.matmul.fp32_precision
+    if precision == "none":
+        precision = torch.backends.fp32_precision
+    return precision == "tf32"

@@ -4,9 +4,10 @@
 - ``cuda``: cuBLASLt epilogues from ``distllm._cuda`` (GELU_AUX_BIAS forward; backward: the
   GeLU-derivative kernel of ``bias_gelu_backward``, then the weight-gradient GEMM with the
   BGRADB epilogue, which also yields the bias gradient). tanh GeLU only. float32 operands use
-  TF32 when ``torch.backends.cuda.matmul.allow_tf32`` is set. When cuBLASLt offers no
-  algorithm for the inputs (the op raises ``NotImplementedError``), the call runs on the next
-  backend (triton, else reference) and says so once through ``logging.getLogger("distllm")``.
+  TF32 where torch's matmul switch allows it (:func:`distllm.comm.compat.tf32_matmul_allowed`).
+  When cuBLASLt offers no algorithm for the inputs (the op raises ``NotImplementedError``),
+  the call runs on the next backend (triton, else reference) and says so once through
+  ``logging.getLogger("distllm")``.
   (cuBLASLt's DGELU_BGRAD epilogue, ``distllm._cuda.cublaslt_dgelu_bgrad``, fuses the
   GeLU derivative into a GEMM that produces the incoming gradient, i.e. the data-gradient GEMM
   of the layer that consumes y; this op's backward receives that gradient already computed,
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import distllm.ops.bias_gelu  # noqa: F401 - defines torch.ops.distllm.bias_gelu_backward
+from distllm.comm.compat import tf32_matmul_allowed
 from distllm.ops import extensions
 from distllm.ops.cpu_gemm import mm as cpu_mm
 from distllm.ops.cpu_gemm import onednn_linear_ok, onednn_or_torch
@@ -124,6 +126,8 @@ def why_not(backend: str, x: torch.Tensor, weight: torch.Tensor, approximate: st
             return "cuBLASLt's GeLU epilogue is the tanh form: it serves approximate='tanh' only"
         if x.shape[-1] % 8 or weight.shape[0] % 8:
             return "cuBLASLt epilogues need in/out features that are multiples of 8"
+        if x.shape[-1] == 0:  # a GEMM with nothing to sum: layouts with a leading dim of 0
+            return "cuBLASLt needs in_features > 0 (an empty GEMM: gelu(bias) elsewhere)"
         return None
     return f"unknown backend {backend!r}"
 
@@ -155,12 +159,13 @@ def _cublaslt_fwd(x, w, b, save_pre: bool):
 
 def _cublaslt_wgrad(gu, x, has_bias: bool):
     """(dw, db): the weight-gradient GEMM with the BGRADB epilogue."""
-    return extensions.load("_cuda").cublaslt_wgrad_bgrad(gu, _aligned(x), has_bias, _tf32())
+    return extensions.load("_cuda").cublaslt_wgrad_bgrad(_aligned(gu), _aligned(x), has_bias,
+                                                          _tf32())
 
 
 def _tf32() -> bool:
     """Whether float32 cuBLASLt GEMMs may use TF32 (torch's own matmul switch)."""
-    return bool(torch.backends.cuda.matmul.allow_tf32)
+    return tf32_matmul_allowed()
 
 
 _fallback_warned: set[str] = set()

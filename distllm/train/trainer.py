@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from distllm.comm.compat import tf32_matmul_allowed
 from distllm.dtypes import dtype_name
 from distllm.parallel.mesh import ParallelDims
 from distllm.train.config import TrainConfig, check_layout
@@ -49,7 +50,7 @@ def peak_flops(dtype: torch.dtype, device: torch.device) -> tuple[float, str]:
         from distllm.plan.hardware import detect_profile, load_profile
 
         name = dtype_name(dtype)
-        if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        if dtype == torch.float32 and tf32_matmul_allowed():
             name = "tf32"
         try:
             prof = load_profile(detect_profile())

@@ -107,3 +107,32 @@ def test_pick_prefers_new_then_old():
     assert compat._pick(only_old, "fresh", "legacy") == ("legacy", old)
     with pytest.raises(AttributeError):
         compat._pick(types.SimpleNamespace(), "fresh", "legacy")
+
+
+@pytest.fixture
+def restore_precision():
+    m = torch.backends.cuda.matmul
+    saved = (torch.backends.fp32_precision, m.fp32_precision)
+    yield
+    torch.backends.fp32_precision, m.fp32_precision = saved
+
+
+@pytest.mark.parametrize("how,want", [
+    ("legacy-on", True), ("legacy-off", False), ("matmul-tf32", True), ("matmul-ieee", False),
+    ("global-tf32", True), ("default", False),
+])
+def test_tf32_switch_reads_either_api(restore_precision, how, want):
+    """TF32 set through torch's newer API (where reading the legacy ``allow_tf32`` raises)
+    reads the same as set through the legacy one; the GEMM backends and the trainer's MFU
+    ask this, at every float32 call."""
+    from distllm.comm.compat import tf32_matmul_allowed
+
+    m = torch.backends.cuda.matmul
+    torch.backends.fp32_precision, m.fp32_precision = "none", "none"
+    if how.startswith("legacy"):
+        m.allow_tf32 = how == "legacy-on"
+    elif how.startswith("matmul"):
+        m.fp32_precision = how.split("-")[1]
+    elif how == "global-tf32":
+        torch.backends.fp32_precision = "tf32"
+    assert tf32_matmul_allowed() is want

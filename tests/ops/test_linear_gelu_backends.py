@@ -114,3 +114,16 @@ def test_auto_drops_a_backend_that_raises(monkeypatch):
     torch.testing.assert_close(y, F.gelu(F.linear(x, w, b), approximate="tanh"), rtol=0, atol=1e-12)
     for got, want in ((xr.grad, xs.grad), (wr.grad, ws.grad), (br.grad, bs.grad)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_cuda_refuses_what_cublaslt_cannot_lay_out(monkeypatch):
+    """The cuda backend's own checks, past the extension and device checks: the tanh form
+    only, features multiples of 8, and no empty GEMM (a leading dimension of 0, which
+    cuBLASLt's layouts refuse with an error no backend would catch)."""
+    monkeypatch.setattr(impl, "_cuda_ext_status", lambda: (True, "ok"))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    x, w = torch.empty(4, 16), torch.empty(8, 16)
+    assert impl.why_not("cuda", x, w, "tanh") is None
+    assert "tanh form" in impl.why_not("cuda", x, w, "none")
+    assert "multiples of 8" in impl.why_not("cuda", torch.empty(4, 12), torch.empty(8, 12), "tanh")
+    assert "in_features > 0" in impl.why_not("cuda", torch.empty(4, 0), torch.empty(8, 0), "tanh")
