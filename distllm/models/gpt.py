@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import nn
 
+from distllm.nn.precision import Embedding as TableEmbedding
+from distllm.nn.precision import LayerNorm
 from distllm.parallel.mesh import ParallelDims
 from distllm.parallel.tensor.batch_split import split_parts, split_residual
 
@@ -188,7 +190,7 @@ def _layer_norm(cfg: GPTConfig, dims: ParallelDims, sp: bool, dtype) -> nn.Modul
 
         return ParallelLayerNorm(cfg.hidden_size, dims, eps=cfg.layer_norm_eps,
                                  sequence_parallel=True).to(dtype)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
+    return LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
 
 
 class Embedding(nn.Module):
@@ -215,7 +217,7 @@ class Embedding(nn.Module):
             raise ValueError("Embedding(vocab_parallel=False) does not support sequence "
                              "parallelism")
         else:
-            self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+            self.wte = TableEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.wpe = nn.Parameter(torch.zeros(cfg.max_seq_len, cfg.hidden_size, dtype=dtype))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -339,7 +341,7 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor, dims: ParallelDims,
     target logit over TP in forward; none in backward). With tp=1, or the full logits of a
     head that does not split the vocabulary (``vocab_parallel=False``), it is the plain
     ``F.cross_entropy`` (no collective)."""
-    if logits.dtype == torch.bfloat16:
+    if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()  # the softmax in fp32
     if dims.tp == 1 or not vocab_parallel:
         import torch.nn.functional as F

@@ -5,15 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
+from distllm.nn.precision import embedding
 from distllm.parallel.tensor.mappings import (
     reduce_from_tp_region,
     reduce_scatter_to_sequence_parallel,
 )
 from distllm.parallel.tensor.sharding import mark_tensor_parallel, shard
+
+torch.fx.wrap("embedding")  # recorded as one call by torch.fx (see distllm.nn.precision)
 
 __all__ = ["VocabParallelEmbedding", "check_ids_in_vocab"]
 
@@ -106,7 +108,7 @@ class VocabParallelEmbedding(nn.Module):
         tp, group = self.dims.tp, self.dims.tp_group
         check_ids_in_vocab(ids, self.vocab, "VocabParallelEmbedding: token ids")
         if tp == 1:
-            return F.embedding(ids, self.weight, self.padding_idx)
+            return embedding(ids, self.weight, self.padding_idx)
         if self.sequence_parallel and (ids.dim() != 2 or ids.shape[1] % tp):
             raise ValueError(f"VocabParallelEmbedding: ids of shape {tuple(ids.shape)}: under "
                              f"sequence_parallel=True they must be (batch, seq) with seq a "
@@ -114,7 +116,7 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
         # (b, s, h) partial; ids of other ranks read row 0 and are zeroed (no gradient)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight, self._local_padding_idx())
+        out = embedding(local.masked_fill(outside, 0), self.weight, self._local_padding_idx())
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel(out, group)

@@ -11,11 +11,13 @@ replicated over tp and no collective runs in either direction.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from distllm.nn.precision import layer_norm
 from distllm.parallel.tensor.mappings import sync_grad_over_tp
 from distllm.parallel.tensor.sharding import mark_sequence_parallel
+
+torch.fx.wrap("layer_norm")  # recorded as one call by torch.fx (see distllm.nn.precision)
 
 __all__ = ["ParallelLayerNorm"]
 
@@ -59,7 +61,7 @@ class ParallelLayerNorm(nn.Module):
         if self.sequence_parallel:
             w = sync_grad_over_tp(w, self.dims.tp_group)
             b = None if b is None else sync_grad_over_tp(b, self.dims.tp_group)
-        return F.layer_norm(x, (self.hidden,), w, b, self.eps)
+        return layer_norm(x, (self.hidden,), w, b, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.hidden}, eps={self.eps}, sp={self.sequence_parallel}"

@@ -12,6 +12,7 @@ from the host once (the loss, the gradient norm and the inf/NaN flag together).
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +71,7 @@ class StepMetrics:
 
     loss: float  # the global loss (Engine.global_loss); nan when update() was given none
     grad_norm: float  # before clipping
-    skipped: bool  # a gradient was inf/NaN: the optimizer did not step (ZeRO)
+    skipped: bool  # a gradient was inf/NaN: the optimizer did not step (on every rank)
 
 
 class Engine:
@@ -232,7 +233,8 @@ class Engine:
 
     def update(self, max_norm: float, loss: torch.Tensor | None = None) -> StepMetrics:
         """Clip by the global gradient norm (``max_norm <= 0``: no clipping), step AdamW
-        (ZeRO: unless a gradient is inf/NaN on some rank), zero the gradients.
+        unless a gradient is inf/NaN on some rank (ZeRO: its flag; DDP: the global norm,
+        the same on every rank, is not finite), zero the gradients.
 
         ``loss``: this rank's :meth:`forward_backward` loss, reduced by :meth:`global_loss`.
         The norm, the loss and the inf/NaN flag are read back together: the step's one host
@@ -253,12 +255,15 @@ class Engine:
         else:
             vals = {"grad_norm": self.ddp.clip_grad_norm_(max_norm).to(torch.float64)}
         read = dict(zip(vals, torch.stack(list(vals.values())).tolist(), strict=True))
-        skipped = bool(read.get("found_inf", 0.0))
+        # DDP: an inf/NaN gradient anywhere makes the global norm inf/NaN on every rank
+        skipped = (bool(read["found_inf"]) if "found_inf" in read
+                   else not math.isfinite(read["grad_norm"]))
         if self.zero is not None:
             self.zero.step(found_inf=skipped)
             self.zero.zero_grad()
         else:
-            self.optimizer.step()
+            if not skipped:
+                self.optimizer.step()
             self.ddp.zero_grad()
         return StepMetrics(loss=read.get("loss", float("nan")), grad_norm=read["grad_norm"],
                            skipped=skipped)

@@ -201,8 +201,12 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
                     "step": step + 1, "loss": loss, "tokens_per_s": tps, "lr": lr,
                     "grad_norm": norm, "step_time_s": dt, "mfu": mfu,
                     "tokens": (step + 1) * tokens_per_step,
-                    "overlap_tuning": tuning or overlap_tuning(plans)}) + "\n")
+                    "overlap_tuning": tuning or overlap_tuning(plans),
+                    **({"skipped": True} if out.skipped else {})}) + "\n")
                 metrics.flush()
+            if out.skipped:
+                bar.write(f"step {step + 1}: an inf/NaN gradient (norm {norm}): the optimizer "
+                          f"did not step", dims)
             if reducing and not engine.reduction_tuning():  # it decided in this step
                 bar.write(f"gradient reduction {engine.reduction_reason()}", dims)
             bar.update(f"loss {loss:.4f} | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}%")

@@ -1,8 +1,9 @@
-"""GPTConfig arithmetic (no processes)."""
+"""GPTConfig arithmetic and the loss of half-precision logits (no processes)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from distllm.models.gpt import GPTConfig, splits_vocab
 
@@ -62,3 +63,17 @@ def test_flops_per_token_with_grouped_query_attention():
     h, d = 64, 8
     qkv = h * (h + 2 * 2 * d)  # 8 query heads, 2 key and 2 value heads of 8
     assert c.flops_per_token(7) == 6 * (3 * (qkv + h * h + 2 * h * 160) + 100 * h) + 12 * 3 * h * 7
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_loss_of_half_logits_is_an_fp32_softmax(dtype):
+    from distllm import ParallelDims
+    from distllm.models.gpt import gpt_loss
+
+    g = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(4, 8, 300, generator=g, dtype=torch.float64)).to(dtype)
+    tgt = torch.randint(300, (4, 8), generator=g)
+    dims = ParallelDims(tp=1, pp=1, dp=1)
+    loss = gpt_loss(logits, tgt, dims)
+    ref = torch.nn.functional.cross_entropy(logits.double().reshape(-1, 300), tgt.reshape(-1))
+    assert loss.dtype == torch.float32 and abs(loss.item() - ref.item()) < 1e-5 * ref.item()

@@ -130,3 +130,49 @@ def test_two_rank_step_all_reduces_by_exchange(corpus, tmp_path, layout):
         kinds = {k for k, _ in got}
         assert kinds == {"exchange"}, (rank, got)
         assert got[-1] == ("exchange", 2), (rank, got)  # the step's norm squares and loss
+
+
+def _skip_rank(data: str, out: str, layout: dict) -> list[dict]:
+    """Three steps; before the second's update an inf lands in one gradient of rank 1 only."""
+    import torch
+
+    from distllm import ParallelDims
+    from distllm.train.engine import Engine
+
+    cfg = make_cfg(data, out, **layout)
+    dims = ParallelDims(tp=layout.get("tp", 1), dp=layout.get("dp", -1))
+    eng = Engine(cfg, cfg.model_config(), dims)
+    g = torch.Generator().manual_seed(3)
+    res = []
+    for step in range(3):
+        tok = torch.randint(eng.mcfg.vocab_size, (8 // dims.dp, 32), generator=g)
+        hook = None
+        if step == 1 and dims.rank == 1:  # in backward, before any reduction sees it
+            # a TP shard's gradient under TP (a replicated parameter's is the same on every
+            # TP rank, and the norm counts it on TP rank 0)
+            first = next(p for c in eng.chunks for p in c.parameters()
+                         if dims.tp == 1 or getattr(p, "tensor_model_parallel", False))
+            hook = first.register_hook(lambda grad: grad.index_fill(0, grad.new_zeros(
+                1, dtype=torch.long), float("inf")))
+        loss = eng.forward_backward(tok, tok.roll(-1, 1))
+        if hook is not None:
+            hook.remove()
+        before = [p.detach().clone() for c in eng.chunks for p in c.parameters()]
+        out = eng.update(cfg.optim.grad_clip, loss=loss)
+        after = [p.detach() for c in eng.chunks for p in c.parameters()]
+        res.append({"skipped": out.skipped,
+                    "moved": any(not torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+                    "finite": all(bool(torch.isfinite(a).all()) for a in after)})
+    return res
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2), dict(tp=2), dict(dp=2, zero=2)],
+                         ids=["dp2-ddp", "tp2-ddp", "dp2-zero2"])
+def test_an_inf_gradient_on_one_rank_skips_the_step_everywhere(corpus, tmp_path, layout):
+    """DDP as ZeRO: an inf/NaN gradient on any rank skips the optimizer step on every rank
+    (DDP reads it in the global norm, which every rank shares); the weights stay finite."""
+    for rank, got in enumerate(run_distributed(_skip_rank, 2, corpus, str(tmp_path), layout,
+                                               timeout=300)):
+        assert [r["skipped"] for r in got] == [False, True, False], (rank, got)
+        assert [r["moved"] for r in got] == [True, False, True], (rank, got)
+        assert all(r["finite"] for r in got), (rank, got)

