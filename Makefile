@@ -43,7 +43,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check distllm kernels bench tests
 
 bench: $(STAMP)
-	$(VENV)/bin/distllm bench --quick --out runs/bench
+	$(VENV)/bin/distllm bench --quick --out runs/bench-$$(date +%Y%m%d-%H%M%S)
 
 # The oldest supported torch (CI runs this after `make test`). The tree is copied to
 # $(OLD_TREE) (tracked and unignored files; its compiled extensions are kept between

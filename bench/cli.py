@@ -1,6 +1,7 @@
 """``distllm bench``: run the microbenchmark suites, write results, report and plots.
 
-Output in ``--out DIR`` (default ``runs/bench-<UTC time>``): ``results.json`` and
+Output in ``--out DIR`` (default ``runs/bench-<UTC time>``; a folder that already holds a
+run's results is refused, so that nothing is overwritten or mixed): ``results.json`` and
 ``results.csv`` (one row per case and variant, with the machine), ``REPORT.md`` (a table per
 suite with speed-ups and a verdict per case), ``<suite>_speedup.png`` and, for the overlap
 suites, ``<suite>_timeline.png``; with ``--compare OLD_DIR`` also ``COMPARE.md``. A markdown
@@ -15,7 +16,7 @@ import argparse
 import contextlib
 import datetime as _dt
 import json
-import re
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -24,8 +25,6 @@ from distllm.dtypes import canonical_dtype
 from distllm.parallel.tensor.layers import OVERLAP_MODES
 
 __all__ = ["add_arguments", "run"]
-
-_SHAPE = re.compile(r"^\s*\d+(\s*,\s*\d+)+\s*$")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,7 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--net", default=None, metavar="RATE",
                    help="emulated link for multi-rank suites, e.g. 2gbit (root + iproute2)")
     p.add_argument("--reps", type=int, default=None, help="override each suite's repetitions")
-    p.add_argument("--out", default=None, metavar="DIR", help="default runs/bench-<time>")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="a new folder, or one without an earlier run's results (default "
+                        "runs/bench-<time>)")
     p.add_argument("--compare", default=None, metavar="OLD_DIR",
                    help="compare with an earlier run's folder; writes COMPARE.md")
     p.add_argument("--fail-on-regression", action="store_true",
@@ -105,10 +106,9 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--dtype {args.dtype!r} is unknown; use one of float32, bfloat16, "
                          "float16") from None
     if args.shapes:
-        bad = [s for s in args.shapes.split(";") if s.strip() and not _SHAPE.match(s)]
-        if bad:
-            raise ValueError(f"--shapes: {bad[0]!r} is not a list of integers; write "
-                             "'M,K,N;M,K,N' (e.g. '128,256,512;7,769,1000')")
+        from distllm.bench.harness import parse_shapes
+
+        parse_shapes(args.shapes)
     if args.model is not None:
         _check_model(args)
     if args.net:
@@ -122,6 +122,28 @@ def _check(args: argparse.Namespace) -> None:
 
         if not torch.cuda.is_available():
             raise ValueError("--device cuda: torch sees no CUDA device here; use --device cpu")
+
+
+_RECORDS = ("results.json", "results.csv", "REPORT.md", "COMPARE.md", "DOCTOR.md", "doctor.json")
+"""The files that make a folder hold the results of a run (a benchmark run's or the doctor's)."""
+
+
+def _out_dir(path: Path) -> Path:
+    """``path`` as the run's output folder, created if need be. Refused (ValueError naming
+    ``--out``) where it is a file, cannot be created, or holds an earlier run's results
+    (:data:`_RECORDS`): the run would overwrite them, or mix its files with theirs."""
+    try:
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"--out {path} is a file, not a folder: pass a folder as --out")
+        held = [f for f in _RECORDS if (path / f).exists()]
+        if held:
+            raise ValueError(f"--out {path} holds the results of an earlier run "
+                             f"({', '.join(held)}): pass another --out")
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {path}: cannot create the folder ({exc.strerror or exc}): "
+                         "pass another --out") from None
+    return path
 
 
 def _list() -> int:
@@ -199,19 +221,28 @@ def _doctor_rank(overlap: str, require: bool | None, steps: int, trace: str | No
     return {"report": rep.as_dict(), "markdown": rep.to_markdown()}
 
 
+def _doctor_env() -> dict[str, str]:
+    """Environment for the doctor's ranks. Without a CUDA device, kineto (the profiler's
+    backend) logs nothing: its trace asks CUDA for the devices even when it profiles the CPU
+    alone, and would print ``gpuGetDeviceCount failed`` as an error on every rank. A
+    ``KINETO_LOG_LEVEL`` set by the user is kept."""
+    import torch
+
+    if "KINETO_LOG_LEVEL" in os.environ or torch.cuda.is_available():
+        return {}
+    return {"KINETO_LOG_LEVEL": "99"}  # above every kineto severity: nothing is printed
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from distllm.testing import run_distributed
 
-    out = Path(args.out) if args.out else None
-    trace = None
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        trace = str((out / "doctor_trace.json").resolve())
     if args.steps < 1:
         raise ValueError(f"--steps {args.steps}: must be >= 1")
+    out = _out_dir(Path(args.out)) if args.out else None
+    trace = str((out / "doctor_trace.json").resolve()) if out is not None else None
     link = "loopback"
     with contextlib.ExitStack() as stack:
-        kw: dict = {}
+        kw: dict = {"env": _doctor_env()}
         if args.net:
             from distllm.testing.netem import EmulatedNetwork
 
@@ -219,7 +250,7 @@ def _doctor(args: argparse.Namespace) -> int:
             link = args.net if net.available else f"loopback ({args.net} unavailable: " \
                                                    f"{net.reason})"
             if net.available:
-                kw = {"setup": net.setup, "env": net.env}
+                kw = {"setup": net.setup, "env": {**kw["env"], **net.env}}
         res = run_distributed(_doctor_rank, 2, args.overlap, args.require_overlap, args.steps,
                               trace, timeout=300, **kw)
     print(f"distllm bench --doctor: tp=2 on 2 gloo ranks over {link}, layers built with "
@@ -264,8 +295,7 @@ def run(args: argparse.Namespace) -> int:
 
         old = load_results(args.compare)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out or f"runs/bench-{stamp}")
-    out.mkdir(parents=True, exist_ok=True)
+    out = _out_dir(Path(args.out or f"runs/bench-{stamp}"))
     cfg = BenchConfig(quick=args.quick, device=args.device, dtype=args.dtype,
                       shapes=args.shapes, net=args.net, out=out, reps=args.reps,
                       extra={"model": args.model} if args.model else {})

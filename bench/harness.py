@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,7 +55,9 @@ from distllm.diagnostics.timing import (
 from distllm.train.host_memory import keep_freed_memory
 
 __all__ = ["BenchConfig", "Case", "Setup", "Result", "LoopStep", "loop_aware", "shapes",
-           "networks", "run_case", "run", "keep_freed_memory"]
+           "parse_shapes", "networks", "run_case", "run", "keep_freed_memory"]
+
+_SHAPE = re.compile(r"^\s*-?\d+(\s*,\s*-?\d+)+\s*$")
 
 
 @dataclass
@@ -115,10 +118,32 @@ class Result:
     net_reason: str = ""  # why an asked-for emulated link fell back to loopback
 
 
+def parse_shapes(spec: str) -> list[tuple[int, ...]]:
+    """``--shapes`` (``"M,K,N;M,K,N"``; a suite may take more or fewer integers a shape, e.g.
+    train_e2e's ``"L,H,B,S[,M]"``) as tuples. Raises ValueError, naming ``--shapes``, for a
+    shape that is not a list of integers or has a dimension below 1, and for no shape."""
+    parts = [s.strip() for s in spec.split(";") if s.strip()]
+    if not parts:
+        raise ValueError(f"--shapes {spec!r}: no shape given; write 'M,K,N;M,K,N' "
+                         "(e.g. '128,256,512;7,769,1000')")
+    out = []
+    for s in parts:
+        if not _SHAPE.match(s):
+            raise ValueError(f"--shapes: {s!r} is not a list of integers; write "
+                             "'M,K,N;M,K,N' (e.g. '128,256,512;7,769,1000')")
+        dims = tuple(int(v) for v in s.split(","))
+        if min(dims) < 1:
+            raise ValueError(f"--shapes: {s!r} has a dimension of {min(dims)}; every "
+                             "dimension must be at least 1")
+        out.append(dims)
+    return out
+
+
 def shapes(cfg: BenchConfig, presets: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    """The explicit ``cfg.shapes`` (``"M,K,N;M,K,N"``) as tuples, else ``presets``."""
+    """The explicit ``cfg.shapes`` (``"M,K,N;M,K,N"``, see :func:`parse_shapes`) as tuples,
+    else ``presets``."""
     if cfg.shapes and "," in cfg.shapes:
-        return [tuple(int(v) for v in s.split(",")) for s in cfg.shapes.split(";") if s.strip()]
+        return parse_shapes(cfg.shapes)
     return list(presets)
 
 

@@ -189,7 +189,7 @@ def _layer_norm(cfg: GPTConfig, dims: ParallelDims, sp: bool, dtype) -> nn.Modul
         from distllm.nn import ParallelLayerNorm
 
         return ParallelLayerNorm(cfg.hidden_size, dims, eps=cfg.layer_norm_eps,
-                                 sequence_parallel=True).to(dtype)
+                                 sequence_parallel=True, dtype=dtype)
     return LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
 
 

@@ -184,12 +184,20 @@ class ParallelDims:
                 f"world_size={world} (or leave it out to take the job's)"
             )
         if not dist.is_initialized():
-            _init_from_env(self.backend, datetime.timedelta(seconds=self.timeout_s))
+            _init_from_env(self.backend, self.timeout)
         for name, rank_lists in self.groups.items():
-            # every rank takes part in creating every group, in the same order
-            self._pg[name], _ = dist.new_subgroups_by_enumeration(rank_lists)
+            # every rank takes part in creating every group, in the same order; each with
+            # the job's timeout (torch gives a subgroup its 30-minute default otherwise, and
+            # a stalled rank would hold a wait on a TP, PP or DP group that long)
+            self._pg[name], _ = dist.new_subgroups_by_enumeration(
+                rank_lists, timeout=self.timeout)
         self._rank = dist.get_rank()
         return self
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        """The collective timeout of every group this mesh creates (``timeout_s``)."""
+        return datetime.timedelta(seconds=self.timeout_s)
 
     @property
     def is_built(self) -> bool:

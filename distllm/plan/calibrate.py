@@ -24,13 +24,15 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 from .hardware import PROFILE_DIR, Link, Profile
 
-__all__ = ["calibrate", "calibrate_cli", "fit_alpha_beta"]
+__all__ = ["calibrate", "calibrate_cli", "fit_alpha_beta", "output_path", "write_profile"]
 
 AR_SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
 
@@ -318,18 +320,58 @@ def calibrate(net_rate: str | None = "1gbit", ranks: int = 4) -> Profile:
 
 
 CALIBRATE_RANKS = 4  # rank processes sharing the machine, as the ``tiny`` validation runs
+DEFAULT_OUT = "cpu-calibrated.json"
+"""``--out`` unless given: in the current directory, never over a packaged profile."""
+
+
+def output_path(out: str | None) -> Path:
+    """The profile file ``--out`` names (default :data:`DEFAULT_OUT`), checked before any
+    measuring: a ``.json`` name (``--gpu`` reads a path by that suffix) in an existing
+    folder, and not in the packaged profiles (:data:`PROFILE_DIR`), which a reinstall
+    replaces."""
+    path = Path(out or DEFAULT_OUT)
+    if path.suffix != ".json":
+        raise ValueError(f"--out {path}: give a .json name (--gpu reads a profile path by its "
+                         f".json suffix), e.g. --out {path.with_suffix('.json')}")
+    if path.is_dir():
+        raise ValueError(f"--out {path} is a folder: give a file name, e.g. --out "
+                         f"{path / DEFAULT_OUT}")
+    if not path.parent.is_dir():
+        raise ValueError(f"--out {path}: the folder {path.parent} does not exist: create it "
+                         "or choose another --out")
+    if path.resolve().is_relative_to(PROFILE_DIR.resolve()):
+        raise ValueError(f"--out {path} is in the profiles that ship with distllm "
+                         f"({PROFILE_DIR}): choose a path outside it, e.g. --out {DEFAULT_OUT}")
+    return path
+
+
+def write_profile(prof: Profile, path: Path) -> None:
+    """Write ``prof`` to ``path`` at once: a temporary file in the same folder, renamed over
+    ``path`` only when complete (an interrupted write leaves any earlier file whole)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # as open() would create it, not mkstemp's 0600
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(prof.to_json(), indent=1) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def calibrate_cli(args: argparse.Namespace) -> int:
     """``distllm plan --calibrate``: ``--gpus`` is the rank count (default
-    :data:`CALIBRATE_RANKS`), written as the profile's ``gpus_per_node``."""
+    :data:`CALIBRATE_RANKS`), written as the profile's ``gpus_per_node``; ``--out`` the
+    profile file (:func:`output_path`)."""
     ranks = CALIBRATE_RANKS if args.gpus is None else args.gpus
     if ranks < 1:
         raise ValueError(f"--gpus={ranks}: give --calibrate a positive rank count "
                          f"(default {CALIBRATE_RANKS})")
+    out = output_path(args.out)
     prof = calibrate(args.net or None, ranks=ranks)
-    out = Path(args.out) if args.out else PROFILE_DIR / "cpu.json"
-    out.write_text(json.dumps(prof.to_json(), indent=1) + "\n")
+    write_profile(prof, out)
     p = prof
     print(
         f"wrote {out}: float32 {p.peak_flops['float32'] / 1e9:.1f} GFLOP/s "
@@ -339,4 +381,6 @@ def calibrate_cli(args: argparse.Namespace) -> int:
         f"inter {p.links['inter'].bandwidth / 1e9:.3f} GB/s + "
         f"{p.links['inter'].latency * 1e6:.0f} us"
     )
+    print(f"plan with it: distllm plan --gpu {shlex.quote(str(out))} --gpus {ranks} "
+          "--model MODEL")
     return 0

@@ -41,7 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="a bare parameter count: model-state memory per ZeRO stage only",
     )
-    m.add_argument("--dtype", default=None, help="bfloat16 (GPU default), float32 (CPU default)")
+    m.add_argument(
+        "--dtype",
+        default=None,
+        help="bfloat16 (GPU default), float32 (CPU default), float64; float16 with --runtime "
+        "megatron-lm-2021 (distllm does not train in it)",
+    )
     c = p.add_argument_group("cluster")
     c.add_argument(
         "--gpus",
@@ -97,13 +102,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="measure this machine (GEMM, gloo links) and write a profile",
     )
     o.add_argument("--net", default="1gbit", help="--calibrate: emulated link rate")
-    o.add_argument("--out", default=None, help="--calibrate: profile path to write")
+    o.add_argument(
+        "--out",
+        default=None,
+        help="--calibrate: the profile .json to write (default cpu-calibrated.json in this "
+        "folder; replaced if it exists); plan with it by --gpu FILE.json",
+    )
 
 
 def shape_from_args(a: argparse.Namespace) -> ModelShape:
     over = {k: getattr(a, k) for k in _SHAPE if getattr(a, k) is not None}
     if a.model:
-        return preset(a.model).with_(**over)
+        base = preset(a.model)
+        # a learned position table has a row per position: no longer sequence (the trainer's
+        # rule, distllm.train.cli.precheck)
+        seq = over.get("seq_len", base.seq_len)
+        if base.learned_positions and seq > base.seq_len:
+            raise ValueError(f"seq_len={seq} exceeds the {base.name} context {base.seq_len}: "
+                             "lower --seq-len")
+        return base.with_(**over)
     missing = [k for k in ("layers", "hidden", "heads", "vocab", "seq_len") if k not in over]
     if missing:
         flags = " ".join("--" + k.replace("_", "-") for k in missing)
@@ -315,7 +332,8 @@ def _explained_steps(args: argparse.Namespace, shape: ModelShape, res):
 
 
 def _verify(args: argparse.Namespace, shape: ModelShape, res) -> int:
-    """``--verify``: the dry run of the chosen layout against the planner's memory."""
+    """``--verify``: the dry run of the chosen layout against the planner's memory; exit code
+    1 when its measured peak does not fit the profile's usable memory."""
     from .verify import verify
 
     best = res.best  # raises, saying why, when nothing fits
@@ -326,4 +344,7 @@ def _verify(args: argparse.Namespace, shape: ModelShape, res) -> int:
         print()
     else:
         print(v.report())
+    if not v.fits:
+        print(f"distllm plan: verify failed: {v.verdict()}", file=sys.stderr)
+        return 1
     return 0

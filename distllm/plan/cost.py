@@ -95,6 +95,7 @@ class CostModel(TimeModel):
         self.runtime = runtime(runtime_name)
         self.world, self.gpn = world, gpus_per_node
         self.dtype = training_dtype(dtype)
+        self.runtime.check_dtype(self.dtype)
         self.e = ACT_BYTES[self.dtype]
         self.flash = flash_attention
         self.bucket_bytes = bucket_mb * 2**20

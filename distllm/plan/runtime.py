@@ -57,7 +57,19 @@ class Runtime:
     step_syncs: bool = False
     """Each optimizer step all-reduces scalars on the host's path (the loss, the gradient
     norm, the inf/NaN flag), one small collective each (:meth:`TimeModel.sync_time`)."""
+    dtypes: tuple[str, ...] = ()
+    """The training dtypes it runs (canonical names, :mod:`distllm.dtypes`); empty: every
+    one the planner models."""
     source: dict[str, str] = field(default_factory=dict)
+
+    def check_dtype(self, dtype: str) -> None:
+        """Raise, naming ``--dtype`` and ``--runtime``, when this runtime does not train in
+        ``dtype`` (a canonical name)."""
+        if self.dtypes and dtype not in self.dtypes:
+            raise ValueError(
+                f"dtype={dtype!r}: the {self.name} runtime does not train in {dtype}: choose "
+                f"--dtype from {', '.join(self.dtypes)}, or another --runtime"
+            )
 
 
 RUNTIMES: dict[str, Runtime] = {
@@ -76,6 +88,7 @@ RUNTIMES: dict[str, Runtime] = {
         zero_grad_accumulation="full",
         step_syncs=True,
         zb_h1_resident=True,
+        dtypes=("float32", "bfloat16", "float64"),
         source={
             "stage_split": "distllm.train.engine: _all_chunk_ids over mcfg.n_pipeline_layers",
             "step_syncs": "distllm.train.engine.Engine.update: one world all-reduce of the "
@@ -99,6 +112,7 @@ RUNTIMES: dict[str, Runtime] = {
             "buffers filled under no_sync() until the last micro-batch",
             "zb_h1_resident": "distllm.train.config.TrainConfig refuses zb-h1 with zero=3 "
             "and with activation checkpointing",
+            "dtypes": "distllm.train.config.TRAIN_DTYPES (no float16 training)",
         },
     ),
     "megatron-lm-2021": Runtime(

@@ -4,7 +4,9 @@ of the real training code (:mod:`distllm.plan.dry_run`) at that layout.
 The model is distllm's GPT (:class:`distllm.models.gpt.GPTConfig`); the planner is given the
 same shape (untied embeddings, no dropout, the vocabulary padded to ``64 * tp``), the
 ``distllm`` runtime and fused attention, so both describe the same job. The rank compared is
-the pipeline rank the planner finds heaviest (first DP and TP rank).
+the pipeline rank the planner finds heaviest (first DP and TP rank). Its measured peak is
+also held against the usable memory of one device of the hardware profile: a layout the
+planner ranked but whose dry run does not fit fails the verification (:attr:`Verification.fits`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 from .cost import CostModel
 from .dry_run import DryRun, dry_run
-from .hardware import load_profile
+from .hardware import Profile, load_profile
 from .layout import GB, Layout
 from .model import ModelShape
 
@@ -78,6 +80,11 @@ def train_config_for(lay: Layout, shape: ModelShape, dtype: str):
     )
 
 
+def _gb(n: float) -> str:
+    """``84.4 GB``; three significant digits below 1 GB (``0.00612 GB``)."""
+    return f"{n / GB:.1f} GB" if n >= GB else f"{n / GB:.3g} GB"
+
+
 @dataclass
 class Verification:
     """The planner's prediction and the dry run's measurement for one rank (bytes)."""
@@ -87,6 +94,25 @@ class Verification:
     pp_rank: int
     predicted: dict[str, float]
     measured: DryRun
+    profile: str = ""
+    """The hardware profile's name."""
+    usable: float = float("inf")
+    """Bytes a layout may use on one of the profile's devices (``Profile.usable_bytes``)."""
+
+    @property
+    def fits(self) -> bool:
+        """The measured peak is within the usable memory."""
+        return self.measured.peak <= self.usable
+
+    def verdict(self) -> str:
+        """Whether the measured peak fits the usable memory, with both numbers."""
+        m = self.measured
+        where = f"{_gb(self.usable)} usable on {self.profile}"
+        if self.fits:
+            return f"fits: measured peak {_gb(m.peak)} of the {where}"
+        return (f"does not fit: {self.layout.name()} measured a peak of {_gb(m.peak)} "
+                f"(rank {m.rank}, {m.peak_phase}), over the {where}; the planner predicted "
+                f"{_gb(self.predicted['total'])}")
 
     @property
     def error(self) -> float:
@@ -109,6 +135,9 @@ class Verification:
             },
             "peak_phase": m.peak_phase,
             "error": self.error,
+            "profile": self.profile,
+            "usable_gb": self.usable / GB,
+            "fits": self.fits,
             "dry_run_seconds": m.seconds,
             "ops": m.ops,
         }
@@ -131,13 +160,14 @@ class Verification:
                      f"{m.phases.get('optimizer', 0) / GB:10.3f}")
         lines.append(f"  {'peak':12s} {p['total'] / GB:10.3f} {m.peak / GB:10.3f}  "
                      f"error {self.error:+.1%} (measured peak in {m.peak_phase})")
+        lines.append(f"  {self.verdict()}")
         return "\n".join(lines)
 
 
 def verify(shape: ModelShape, lay: Layout, *, dtype: str = "bfloat16",
-           profile: str = "a100-80gb", pp_rank: int | None = None) -> Verification:
+           profile: str | Profile = "a100-80gb", pp_rank: int | None = None) -> Verification:
     """Dry-run ``lay`` for ``shape`` (as distllm's GPT) and compare one rank's peak memory
-    with the planner's."""
+    with the planner's and with the usable memory of a device of ``profile``."""
     mcfg = gpt_config_for(shape)
     plan_shape = shape_for(mcfg, shape.global_batch, shape.seq_len)
     world = lay.tp * lay.pp * lay.dp
@@ -147,4 +177,5 @@ def verify(shape: ModelShape, lay: Layout, *, dtype: str = "bfloat16",
     r = cm.heaviest_rank(lay) if pp_rank is None else pp_rank
     predicted = cm.rank_memory(lay, r)
     measured = dry_run(train_config_for(lay, plan_shape, dtype), mcfg, world, pp_rank=r)
-    return Verification(lay, plan_shape.name, r, predicted, measured)
+    name = prof.name if isinstance(profile, Profile) else str(profile)
+    return Verification(lay, plan_shape.name, r, predicted, measured, name, prof.usable_bytes)

@@ -1,8 +1,14 @@
 """``distllm bench``'s own options: ``--doctor`` runs the library's overlap doctor on 2 gloo
 ranks and exits 1 when an overlap asked for is not happening; ``--model`` names GPT presets
-for train_e2e's sizes and is refused, before anything runs, where it does not apply."""
+for train_e2e's sizes and is refused, before anything runs, where it does not apply; an
+``--out`` that holds an earlier run, is a file or cannot be created, and ``--shapes`` with a
+dimension below 1, are refused with one line before anything runs."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -72,3 +78,105 @@ def test_model_refused_with_one_line(args, says, tmp_path, capsys, monkeypatch):
     assert err.count("\n") == 1 and err.startswith("distllm bench: error: --model"), err
     assert says in err, err
     assert not (tmp_path / "o").exists()  # refused before anything ran
+
+
+def _refused(main, argv, capsys, says):
+    """``distllm bench argv`` exits 2 with one error line that contains ``says``."""
+    assert main(["bench", "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("distllm bench: error: "), err
+    assert says in err, err
+    return err
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    from distllm.bench import suite
+
+    from distllm import testing
+
+    def ran(*a, **k):
+        raise AssertionError("ran past the checks")
+
+    monkeypatch.setattr(suite, "run_suites", ran)
+    monkeypatch.setattr(testing, "run_distributed", ran)
+
+
+@pytest.mark.parametrize(("args", "record"), [
+    ([], "results.json"),
+    ([], "REPORT.md"),
+    (["--suite", "pipeline"], "COMPARE.md"),
+    (["--doctor"], "DOCTOR.md"),
+    (["--doctor"], "results.json"),
+])
+def test_out_holding_an_earlier_run_is_refused(args, record, tmp_path, capsys, nothing_runs):
+    from distllm.cli import main
+
+    out = tmp_path / "b1"
+    out.mkdir()
+    (out / record).write_text("kept")
+    (out / "linear_gelu_speedup.png").write_text("kept too")
+    err = _refused(main, [*args, "--out", str(out)], capsys,
+                   f"--out {out} holds the results of an earlier run ({record}): pass another "
+                   "--out")
+    assert "Traceback" not in err
+    assert sorted(p.name for p in out.iterdir()) == sorted([record, "linear_gelu_speedup.png"])
+    assert (out / record).read_text() == "kept"
+
+
+@pytest.mark.parametrize("doctor", [[], ["--doctor"]])
+def test_out_that_is_a_file_or_cannot_be_created_is_refused(doctor, tmp_path, capsys,
+                                                             nothing_runs):
+    from distllm.cli import main
+
+    f = tmp_path / "some-existing-file.txt"
+    f.write_text("kept")
+    _refused(main, [*doctor, "--out", str(f)], capsys,
+             f"--out {f} is a file, not a folder: pass a folder as --out")
+    assert f.read_text() == "kept"
+    _refused(main, [*doctor, "--out", str(f / "sub")], capsys,
+             f"--out {f / 'sub'}: cannot create the folder (Not a directory): pass another --out")
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--suite", "linear_gelu", "--shapes", "0,1,2"],
+     "--shapes: '0,1,2' has a dimension of 0; every dimension must be at least 1"),
+    (["--suite", "parallel_mlp", "--shapes", "32,16,64; 8,-4,16"],
+     "'8,-4,16' has a dimension of -4"),
+    (["--suite", "row_overlap", "--shapes", "64,0,64"], "'64,0,64' has a dimension of 0"),
+    (["--suite", "train_e2e", "--shapes", "6,768,0,64"], "'6,768,0,64' has a dimension of 0"),
+    (["--suite", "train_e2e", "--shapes", "2,256,4,32,0"], "'2,256,4,32,0' has a dimension of 0"),
+    (["--suite", "linear_gelu", "--shapes", ";"], "--shapes ';': no shape given"),
+])
+def test_shapes_with_a_dimension_below_one_are_refused(args, says, tmp_path, capsys,
+                                                      nothing_runs):
+    from distllm.cli import main
+
+    _refused(main, [*args, "--out", str(tmp_path / "o")], capsys, says)
+    assert not (tmp_path / "o").exists()  # refused before anything ran
+
+
+def test_doctor_without_cuda_prints_no_profiler_error(tmp_path):
+    """Without a CUDA device kineto still asks CUDA for its devices when the trace is built,
+    and logged ``gpuGetDeviceCount failed`` on every rank's stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    p = subprocess.run([sys.executable, "-m", "distllm", "bench", "--doctor", "--steps", "1",
+                        "--out", str(tmp_path / "d")], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "Overlap doctor" in p.stdout
+    assert "gpuGetDeviceCount" not in p.stderr and "ERROR:" not in p.stderr, p.stderr
+
+
+def test_doctor_env_keeps_a_users_kineto_log_level(monkeypatch):
+    import torch
+    from distllm.bench import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
+    assert cli._doctor_env() == {"KINETO_LOG_LEVEL": "99"}
+    monkeypatch.setenv("KINETO_LOG_LEVEL", "0")
+    assert cli._doctor_env() == {}  # the ranks inherit the user's level
+    monkeypatch.delenv("KINETO_LOG_LEVEL")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cli._doctor_env() == {}

@@ -4,6 +4,7 @@ on gloo ranks (the slowest rank's time), cases that cannot run, and cleanup on f
 from __future__ import annotations
 
 import os
+import re
 import types
 
 import pytest
@@ -21,6 +22,19 @@ def test_shapes_and_networks():
     assert harness.networks(BenchConfig()) == [None]
     assert harness.networks(BenchConfig(net="2gbit")) == [None, "2gbit"]
     assert harness.networks(BenchConfig(net="2gbit", quick=True)) == ["2gbit"]
+
+
+def test_shapes_below_one_are_refused():
+    for spec, says in [("7,0,3", "'7,0,3' has a dimension of 0"),
+                       ("1,2,3;4,-5,6", "'4,-5,6' has a dimension of -5"),
+                       ("6,768,8,0", "'6,768,8,0' has a dimension of 0"),
+                       ("1,x,3", "'1,x,3' is not a list of integers"), (";", "no shape given")]:
+        with pytest.raises(ValueError, match=f"^--shapes.*{re.escape(says)}"):
+            harness.parse_shapes(spec)
+    with pytest.raises(ValueError, match="has a dimension of 0"):  # a suite's own cases()
+        harness.shapes(BenchConfig(shapes="0,16,24"), [(1, 2, 3)])
+    assert harness.parse_shapes(" 7,769,1000; 2,256,4,32,2 ;") == [(7, 769, 1000),
+                                                                   (2, 256, 4, 32, 2)]
 
 
 def test_in_process_cases_time_every_variant():

@@ -121,6 +121,21 @@ def test_quick_run_writes_every_file(registry, tmp_path, capsys):
     assert rc == 0
 
 
+def test_a_second_run_into_the_same_out_is_refused(registry, tmp_path, capsys):
+    """The first run's files stay as they were: nothing replaced, nothing added beside them."""
+    out = tmp_path / "b1"
+    args = ["--shapes", "16,32,24", "--reps", "3", "--no-progress", "--out", str(out)]
+    assert main(["bench", "--suite", "fake", *args]) == 0
+    first = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert {"results.json", "REPORT.md", "fake_speedup.png"} <= set(first)
+    capsys.readouterr()
+    assert main(["bench", "--suite", "broken", *args]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"distllm bench: error: --out {out} holds the results of an earlier run "
+                   "(results.json, results.csv, REPORT.md): pass another --out\n")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == first
+
+
 def test_list_and_bad_input(registry, capsys, tmp_path):
     assert main(["bench", "--list"]) == 0
     out = capsys.readouterr().out

@@ -238,3 +238,27 @@ def test_each_rank_picks_its_own_gpu(monkeypatch, env, want):
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(mesh.torch.cuda, "device_count", lambda: 4)
     assert mesh._local_device() == want
+
+
+def _stalled_peer(timeout_s: float) -> float | None:
+    import time
+
+    import torch
+
+    dims = ParallelDims(tp=2, timeout_s=timeout_s)
+    if dims.rank == 1:  # a stalled rank: never joins the TP all-reduce
+        time.sleep(4 * timeout_s)
+        return None
+    t0 = time.perf_counter()
+    try:
+        dist.all_reduce(torch.ones(4), group=dims.tp_group)
+    except RuntimeError:
+        return time.perf_counter() - t0
+    return -1.0
+
+
+def test_a_stalled_rank_fails_a_subgroup_collective_within_the_timeout():
+    """Every group the mesh creates waits at most ``timeout_s`` (a subgroup made without
+    one waits torch's 30-minute default: a stalled rank hung the job)."""
+    took = run_distributed(_stalled_peer, 2, 2.0, timeout=120)[0]
+    assert took is not None and 0 < took < 8.0, took

@@ -89,6 +89,38 @@ def test_pinned_sequence_parallelism_needs_seq_len_divisible_by_tp(capsys):
         check_layout(cfg, 2, seq_len=33, **shape)
 
 
+def test_seq_len_beyond_the_presets_positions_is_refused_as_the_trainer_does(capsys):
+    """A learned position table has one row per position: gpt2-small (1024) does not plan
+    4096, in the trainer's words; its own 1024 plans, and a rotary model is not bounded."""
+    from distllm.train.cli import precheck
+    from distllm.train.config import TrainConfig
+
+    why = "seq_len=4096 exceeds the gpt2-small context 1024: lower --seq-len"
+    assert main(["plan", "--model", "gpt2-small", "--seq-len", "4096"]) == 2
+    assert capsys.readouterr().err == f"distllm plan: error: {why}\n"
+    with pytest.raises(ValueError) as e:
+        precheck(TrainConfig(model="gpt2-small", seq_len=4096), 1)
+    assert str(e.value) == why
+    assert main(["plan", "--model", "gpt2-small", "--seq-len", "1024", "--top", "1"]) == 0
+    argv = ["plan", "--model", "llama2-7b", "--seq-len", "8192", "--gpus", "64", "--top", "1"]
+    assert main(argv) == 0
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "fp16", "half"])
+def test_float16_is_refused_for_the_distllm_runtime_only(dtype, capsys):
+    """distllm trains in float32, bfloat16 and float64 (no float16); Megatron-LM 2021 trained
+    in fp16, so that runtime plans it."""
+    argv = ["plan", "--model", "gpt2-small", "--gpus", "8", "--dtype", dtype, "--top", "1"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "distllm plan: error: dtype='float16': the distllm runtime does not train in float16: "
+        "choose --dtype from float32, bfloat16, float64, or another --runtime\n"
+    )
+    assert main([*argv, "--runtime", "megatron-lm-2021"]) == 0
+    assert "top 1 of" in capsys.readouterr().out
+
+
 def test_a_bad_profile_file_is_named_with_the_flag(tmp_path, capsys):
     bad = tmp_path / "mine.json"
     for text, why in (
@@ -103,15 +135,7 @@ def test_a_bad_profile_file_is_named_with_the_flag(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,ranks", [([], 4), (["--gpus", "2"], 2)])
 def test_calibrate_measures_4_ranks_unless_told(monkeypatch, tmp_path, capsys, argv, ranks):
-    import distllm.plan.calibrate as cal
-
-    asked = []
-
-    def fake(net_rate, ranks):
-        asked.append(ranks)
-        return dataclasses.replace(load_profile("cpu"), gpus_per_node=ranks)
-
-    monkeypatch.setattr(cal, "calibrate", fake)
+    asked = _fake_calibration(monkeypatch)
     out = tmp_path / "my-machine.json"
     assert main(["plan", "--calibrate", "--out", str(out), *argv]) == 0
     assert asked == [ranks] and json.loads(out.read_text())["gpus_per_node"] == ranks
@@ -123,6 +147,85 @@ def test_calibrate_measures_4_ranks_unless_told(monkeypatch, tmp_path, capsys, a
     assert main(["plan", "--params", "7.5e9", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["tp"], r["pp"], r["dp"]) for r in rows] == [(1, 1, 8)] * 4, rows
+
+
+def _fake_calibration(monkeypatch) -> list[int]:
+    """``calibrate`` replaced by the packaged cpu profile at the asked rank count (no
+    measuring); returns the rank counts it was asked for."""
+    import distllm.plan.calibrate as cal
+
+    asked: list[int] = []
+
+    def fake(net_rate, ranks):
+        asked.append(ranks)
+        return dataclasses.replace(load_profile("cpu"), gpus_per_node=ranks)
+
+    monkeypatch.setattr(cal, "calibrate", fake)
+    return asked
+
+
+def test_calibrate_writes_to_this_folder_by_default(monkeypatch, tmp_path, capsys):
+    """Without --out the profile goes to ./cpu-calibrated.json, not over the packaged cpu
+    profile; --gpu reads it back."""
+    from distllm.plan.hardware import PROFILE_DIR
+
+    packaged = (PROFILE_DIR / "cpu.json").read_bytes()
+    asked = _fake_calibration(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--calibrate", "--gpus", "2"]) == 0
+    assert asked == [2] and (PROFILE_DIR / "cpu.json").read_bytes() == packaged
+    assert [f.name for f in tmp_path.iterdir()] == ["cpu-calibrated.json"]  # no temporary
+    out = capsys.readouterr().out
+    assert "plan with it: distllm plan --gpu cpu-calibrated.json --gpus 2" in out, out
+    assert main(["plan", "--model", "tiny", "--gpu", "cpu-calibrated.json", "--gpus", "2"]) == 0
+
+
+def test_calibrate_refuses_an_out_it_cannot_or_must_not_write(monkeypatch, tmp_path, capsys):
+    """A path among the packaged profiles (an existing one or a new one), a name without
+    .json, a folder, a missing folder: one line naming --out, before any measuring."""
+    from distllm.plan.hardware import PROFILE_DIR
+
+    packaged = {f.name: f.read_bytes() for f in PROFILE_DIR.iterdir()}
+    asked = _fake_calibration(monkeypatch)
+    (tmp_path / "d.json").mkdir()
+    for out, why in (
+        (PROFILE_DIR / "cpu.json", "is in the profiles that ship with distllm"),
+        (PROFILE_DIR / "mine.json", "is in the profiles that ship with distllm"),
+        (tmp_path / "mine", "give a .json name"),
+        (tmp_path / "d.json", "is a folder"),
+        (tmp_path / "no" / "x.json", f"the folder {tmp_path / 'no'} does not exist"),
+    ):
+        assert main(["plan", "--calibrate", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"distllm plan: error: --out {out}") and why in err, err
+        assert err.count("\n") == 1, err
+    assert asked == []
+    assert {f.name: f.read_bytes() for f in PROFILE_DIR.iterdir()} == packaged
+
+
+def test_an_interrupted_profile_write_leaves_the_old_file(monkeypatch, tmp_path):
+    """The profile is written to a temporary file renamed over --out when complete: an
+    interrupted write keeps the earlier file and leaves nothing behind."""
+    import os
+
+    from distllm.plan.calibrate import write_profile
+
+    out = tmp_path / "mine.json"
+    out.write_text("old")
+
+    def interrupted(*a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", interrupted)  # Ctrl-C once the profile is written
+    with pytest.raises(KeyboardInterrupt):
+        write_profile(load_profile("cpu"), out)
+    assert out.read_text() == "old" and [f.name for f in tmp_path.iterdir()] == ["mine.json"]
+    monkeypatch.undo()
+    write_profile(load_profile("cpu"), out)
+    assert load_profile(str(out)) == load_profile("cpu")
+    plain = tmp_path / "plain.json"
+    plain.write_text("")  # the permissions open() gives a new file
+    assert out.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777
 
 
 @pytest.fixture

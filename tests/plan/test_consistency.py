@@ -1,5 +1,6 @@
 """The planner reads the rules it shares with the code from their one home: the vocabulary
-padding from distllm's model, the dtype names from :mod:`distllm.dtypes`."""
+padding from distllm's model, the dtype names from :mod:`distllm.dtypes`; the dtypes the
+distllm runtime trains in are the trainer's."""
 
 from __future__ import annotations
 
@@ -46,3 +47,10 @@ def test_an_unknown_training_dtype_names_the_knob():
 
     with pytest.raises(ValueError, match="--dtype"):
         CostModel(preset("tiny"), load_profile("cpu"), 4, 4, dtype="int8")
+
+
+def test_the_distllm_runtime_trains_the_trainers_dtypes():
+    from distllm.plan.runtime import runtime
+    from distllm.train.config import TRAIN_DTYPES
+
+    assert set(runtime("distllm").dtypes) == set(TRAIN_DTYPES)

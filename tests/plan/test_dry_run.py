@@ -128,3 +128,42 @@ def test_fake_data_pointers_stay_unique_after_storages_die():
         new = torch.empty(8)
         assert new.data_ptr() not in {t.data_ptr() for t in ts}
         assert ts[1][2:].data_ptr() == ts[1].data_ptr() + 8  # offsets still count
+
+
+def test_cli_verify_sequence_parallel(capsys):
+    """Under sequence parallelism the norms are ``ParallelLayerNorm``s, built in the
+    training dtype on the fake tensors like every other layer."""
+    argv = ["plan", "--model", "tiny", "--gpus", "4", "--gpu", "a100-80gb", "--tp", "2",
+            "--pp", "1", "--dp", "2", "--zero", "1", "--micro-batches", "1", "--checkpointing",
+            "none", "--global-batch", "2", "--seq-len", "64", "--sequence-parallel", "on",
+            "--verify", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"] == "tp2.pp1.dp2.zero1.m1.sp" and out["fits"], out
+    assert abs(out["error"]) < TOLERANCE, out
+
+
+def test_cli_verify_fails_when_the_dry_run_does_not_fit(monkeypatch, capsys):
+    """A ranked layout whose measured peak is over the profile's usable memory fails the
+    verification: the verdict names the layout and both sizes, exit code 1."""
+    import dataclasses
+
+    import distllm.plan.verify as verify_mod
+    from distllm.plan import load_profile
+
+    a100 = load_profile("a100-80gb")
+    small = dataclasses.replace(a100, memory_bytes=1e6, usable_memory_fraction=0.9)
+    monkeypatch.setattr(verify_mod, "load_profile", lambda _name: small)
+    argv = ["plan", "--model", "tiny", "--gpus", "2", "--gpu", "a100-80gb", "--tp", "1",
+            "--pp", "1", "--dp", "2", "--zero", "0", "--micro-batches", "1", "--checkpointing",
+            "none", "--global-batch", "2", "--seq-len", "64", "--verify"]
+    assert main(argv) == 1
+    cap = capsys.readouterr()
+    verdict = cap.out.splitlines()[-1].strip()
+    assert verdict.startswith("does not fit: tp1.pp1.dp2.zero0.m1 measured a peak of "), verdict
+    assert "over the 0.0009 GB usable on a100-80gb" in verdict, verdict
+    assert cap.err == f"distllm plan: verify failed: {verdict}\n"
+    assert main([*argv, "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert not out["fits"] and out["usable_gb"] == pytest.approx(0.0009)
+    assert out["measured_gb"]["total"] > out["usable_gb"]

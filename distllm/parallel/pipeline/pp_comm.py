@@ -72,7 +72,7 @@ def p2p_channel_groups(dims, wrap: bool) -> dict[tuple[int, int], dist.ProcessGr
                     edges.append(e)
     mine = {}
     for src, dst in edges:
-        g = dist.new_group([src, dst])
+        g = dist.new_group([src, dst], timeout=dims.timeout)
         if dims.rank in (src, dst):
             mine[(src, dst)] = g
             # start the communicator now, in this global order: started lazily by a first
