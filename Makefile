@@ -69,4 +69,4 @@ test-torch211: setup-torch211
 	  PYTEST_ARGS='$(PYTEST_ARGS)'
 
 clean:
-	rm -rf build *.egg-info distllm/*.so runs
+	rm -rf build *.egg-info distllm/*.so  # build outputs only: runs/ holds the user's runs

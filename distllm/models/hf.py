@@ -111,7 +111,10 @@ def to_hf(models: GPT | Iterable[GPT]):
                         n_embd=cfg.hidden_size, n_layer=cfg.n_layers, n_head=cfg.n_heads,
                         n_inner=cfg.ffn_hidden_size, activation_function=act,
                         layer_norm_epsilon=cfg.layer_norm_eps, tie_word_embeddings=False,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        # GPT-2's <|endoftext|> (50256) only where the vocabulary holds it
+                        **({} if cfg.vocab_size > 50256 else
+                           {"bos_token_id": None, "eos_token_id": None}))
     dtype = next(iter(mine[0].values())).dtype
     hf = GPT2LMHeadModel(hf_cfg).to(dtype).eval()
     sd = {"transformer.wte.weight": mine[0]["wte.weight"],

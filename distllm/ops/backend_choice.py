@@ -7,6 +7,11 @@ unfused reference is always a candidate, so ``auto`` is never slower than unfuse
 measurement noise. (Not to be confused with the overlap engines' tuner, which picks how a
 tensor-parallel GEMM overlaps its collective.)
 
+:func:`pin` (``distllm train --deterministic``) replaces the timing by a fixed rule: the
+first candidate (the fused backend ahead of the unfused reference; oneDNN ahead of torch's
+GEMM), so that two runs, or a run and its resumed continuation, compute with the same
+kernels whatever the machine's load.
+
 Choices persist across processes only when the user names a file in
 ``DISTLLM_AUTOTUNE_CACHE``: a choice measured while the machine was busy would otherwise
 outlive the load that skewed it. Keys carry the device name and the torch version, so a
@@ -32,6 +37,23 @@ log = logging.getLogger("distllm")
 _lock = threading.Lock()
 _memory: dict[str, str] = {}
 _disk_loaded = False
+_pinned = False
+
+
+def pin() -> None:
+    """From now on every choice is the first candidate, without timing (reproducible runs:
+    the timing picks by the machine's load). Choices made before, and the cache file, are
+    dropped for this process."""
+    global _pinned, _disk_loaded, _generation
+    with _lock:
+        _pinned, _disk_loaded = True, True  # the file's measured choices are not read
+        _memory.clear()
+        _generation += 1
+
+
+def pinned() -> bool:
+    """Whether :func:`pin` fixed the choices."""
+    return _pinned
 
 
 def cache_path() -> Path | None:
@@ -132,6 +154,11 @@ def choose(
         hit = _memory.get(full)
     if hit in candidates:
         return hit
+    if _pinned:
+        best = next(iter(candidates))
+        with _lock:
+            _memory[full] = best
+        return best
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     with torch.enable_grad() if grad else torch.no_grad():
         times = measure(candidates, sync, reps=5)

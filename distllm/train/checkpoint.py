@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
 
 from distllm.models.sharding import (
     canonical_shapes,
@@ -74,6 +75,43 @@ def _model_key(cfg) -> dict:
     return d
 
 
+def _damaged(path: Path, cause: str) -> ValueError:
+    """The one-line error of a checkpoint that cannot be read, naming the previous complete
+    one (which ``--resume`` takes once this one is moved aside)."""
+    done = sorted(d for d in path.parent.iterdir() if d.is_dir() and d.name.startswith("step_")
+                  and (d / "meta.json").is_file() and d.name < path.name)
+    then = (f"move it aside to resume from {done[-1].name} (step "
+            f"{int(done[-1].name.removeprefix('step_'))}), or pass another --out") if done else \
+        "pass another --out (no earlier checkpoint is complete)"
+    return ValueError(f"checkpoint {path} is damaged ({cause}): {then}")
+
+
+def _cause(exc: BaseException) -> str:
+    """The innermost message of ``exc`` on one line (DCP wraps each rank's error with its
+    traceback: the first failed rank's error is named)."""
+    prefix = ""
+    while True:
+        if isinstance(exc, CheckpointException) and exc.failures:
+            rank, (exc, _) = min(exc.failures.items())
+            prefix = f"rank {rank}: "
+        elif exc.__cause__ is not None:
+            exc = exc.__cause__
+        else:
+            break
+    text = prefix + (" ".join(str(exc).split()) or type(exc).__name__)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _read_meta(path: Path) -> dict:
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise _damaged(path, f"meta.json: {_cause(exc)}") from None
+    if not isinstance(meta, dict):
+        raise _damaged(path, "meta.json holds no object")
+    return meta
+
+
 def check_compatible(out: str | os.PathLike, mcfg) -> Path:
     """Raise a one-line error when ``out`` has no complete checkpoint or one of another
     model; return the checkpoint's path otherwise."""
@@ -81,7 +119,7 @@ def check_compatible(out: str | os.PathLike, mcfg) -> Path:
     if path is None:
         raise FileNotFoundError(f"--resume: no complete checkpoint under {_ckpt_root(out)}; "
                                 f"drop --resume to start afresh")
-    meta = json.loads((path / "meta.json").read_text())
+    meta = _read_meta(path)
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path} is not a distllm GPT checkpoint (format "
                          f"{meta.get('format')!r}); pass another --out")
@@ -180,8 +218,9 @@ _PICKLED = {("torch", "Size"), ("torch.serialization", "_get_layout"),
                         "PureWindowsPath"))}
 
 
-class _Refused(pickle.UnpicklingError):
-    """Checkpoint metadata that is not loaded; the message names the file and why."""
+class _Refused(pickle.UnpicklingError, ValueError):
+    """Checkpoint metadata that is not loaded; the message names the file and why (a
+    ValueError too: ``distllm train`` reports it in one line, exit code 2)."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -260,12 +299,32 @@ def load_latest(out: str | os.PathLike, engine, loader) -> int:
     """Load the newest complete checkpoint under ``out`` into ``engine`` and ``loader`` at
     this run's layout; returns its step."""
     path = check_compatible(out, engine.mcfg)
-    meta = json.loads((path / "meta.json").read_text())
-    with_optim = meta["optimizer_step"] > 0
-    state = _empty_targets(engine, with_optim)
-    reader = _RestrictedReader(path)
-    reader.read_metadata()  # a refused .metadata raises here, on every rank, before DCP runs
-    dcp.load(state, storage_reader=reader)
+    meta = _read_meta(path)
+    try:
+        with_optim = meta["optimizer_step"] > 0
+        state = _empty_targets(engine, with_optim)
+        reader = _RestrictedReader(path)
+        reader.read_metadata()  # a refused .metadata raises here, on every rank, before DCP
+        dcp.load(state, storage_reader=reader)  # a rank's failed read fails it on every rank
+    except _Refused:
+        raise
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - named in the error
+        raise _damaged(path, _cause(exc)) from None
+    # this rank's own part (its random state): every rank learns whether any failed
+    failed = None
+    try:
+        _install(path, engine, loader, meta, state, with_optim)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - named in the error
+        failed = f"rank {engine.dims.rank}: {_cause(exc)}"
+    causes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(causes, failed)
+    if any(causes):
+        raise _damaged(path, next(c for c in causes if c))
+    dist.barrier()
+    return int(meta["step"])
+
+
+def _install(path: Path, engine, loader, meta: dict, state: dict, with_optim: bool) -> None:
     local = {}
     for chunk, i, name, _, param in _entries(engine):
         kind = param_table(chunk.cfg, i, chunk.vocab_parallel)[name][1]
@@ -278,8 +337,6 @@ def load_latest(out: str | os.PathLike, engine, loader) -> int:
     install(engine, local, meta["optimizer_step"])
     loader.load_state_dict(meta["data"])
     _load_rng(path, engine, meta)
-    dist.barrier()
-    return int(meta["step"])
 
 
 def _load_rng(path: Path, engine, meta: dict) -> None:

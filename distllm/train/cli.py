@@ -107,27 +107,44 @@ def flags(sections: tuple = SECTIONS) -> tuple[Flag, ...]:
     return tuple(out)
 
 
+PLANNED = ("tp", "pp", "dp", "zero", "schedule", "micro_batches", "virtual_stages",
+           "sequence_parallel", "activation_checkpointing")
+"""The fields ``--plan auto`` decides; parsed with a default of None, so that the ones given
+on the command line are known (and pinned for the planner)."""
+_PIN_NAMES = {"activation_checkpointing": "checkpointing"}  # the planner's name for a field
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     groups = {name: p.add_argument_group(name, cls.__doc__.splitlines()[0].replace("``", ""))
               for name, cls, _ in SECTIONS}
     g = groups["layout"]
-    g.add_argument("--nproc", type=int, default=0,
+    g.add_argument("--nproc", type=int, default=None,
                    help="start torchrun with N ranks on this machine (omit under torchrun)")
     g.add_argument("--plan", default="none", choices=("none", "auto"),
-                   help="auto: take the planner's best layout for this world size (overrides "
-                        "--tp --pp --dp --zero --schedule --micro-batches, the virtual stages, "
-                        "sequence parallelism and activation checkpointing)")
+                   help="auto: take the planner's best layout for this world size (its --tp "
+                        "--pp --dp --zero --schedule --micro-batches, sequence parallelism and "
+                        "activation checkpointing; those given with it are pinned, as in "
+                        "distllm plan)")
     by_section = {section: name for name, _, section in SECTIONS}
     for f in flags():
-        groups[by_section[f.section]].add_argument(f.flag, dest=f.field, default=f.default,
-                                                   **f.kwargs)
+        kw, default = dict(f.kwargs), f.default
+        if f.field in PLANNED:  # None: not given (the real default is filled in after)
+            kw["help"] = kw["help"].replace("%(default)s", str(f.default))
+            default = None
+        groups[by_section[f.section]].add_argument(f.flag, dest=f.field, default=default, **kw)
+
+
+def given_layout(a: argparse.Namespace) -> dict[str, Any]:
+    """The layout fields given on the command line (of :data:`PLANNED`), with their values."""
+    return {f: getattr(a, f) for f in PLANNED if getattr(a, f, None) is not None}
 
 
 def config_from_args(a: argparse.Namespace) -> TrainConfig:
     """The :class:`TrainConfig` of parsed ``distllm train`` arguments."""
     values: dict[str | None, dict[str, Any]] = {section: {} for _, _, section in SECTIONS}
     for f in flags():
-        values[f.section][f.field] = getattr(a, f.field)
+        value = getattr(a, f.field)
+        values[f.section][f.field] = f.default if value is None and f.field in PLANNED else value
     return TrainConfig(parallel=ParallelConfig(**values["parallel"]),
                        optim=OptimConfig(**values["optim"]), **values[None])
 
@@ -171,19 +188,30 @@ def precheck(cfg: TrainConfig, world: int) -> None:
 
 def check_out(cfg: TrainConfig) -> None:
     """Checks of the output folder ``cfg.out``, which it creates: with ``--resume`` it holds
-    a checkpoint of this model; without, no checkpoint (a later ``--resume`` would continue
-    the other run); a folder this process can write into."""
+    a checkpoint of this model before ``--steps`` (and ``--stop-after``); without, no
+    checkpoint (a later ``--resume`` would continue the other run) and no other run's
+    metrics; a folder this process can write into."""
     from distllm.train import checkpoint
 
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {cfg.out}: it is a file, not a folder; pass another --out")
     if cfg.resume:
-        checkpoint.check_compatible(out, cfg.model_config())
+        step = int(checkpoint.check_compatible(out, cfg.model_config()).name.removeprefix(
+            "step_"))
+        if step >= cfg.steps:
+            raise ValueError(f"--resume: the checkpoint in --out {cfg.out} is at step {step}, "
+                             f"where --steps {cfg.steps} ends: raise --steps to train on")
+        if cfg.stop_after and cfg.stop_after <= step:
+            raise ValueError(f"--stop-after {cfg.stop_after}: the run resumes after step "
+                             f"{step}; raise --stop-after, or drop it")
     elif (prev := checkpoint.latest(out)) is not None:
         raise ValueError(f"--out {cfg.out} holds a previous run's checkpoints (step "
                          f"{int(prev.name.removeprefix('step_'))}): pass --resume to continue "
                          f"it, or another --out")
+    elif (metrics := out / "metrics.jsonl").is_file() and metrics.stat().st_size > 0:
+        raise ValueError(f"--out {cfg.out} holds a previous run's metrics.jsonl (a run without "
+                         f"checkpoints): pass another --out, or remove it")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -277,9 +305,18 @@ def _report_failure(exc, errors: Path) -> int:
     return 1
 
 
-def apply_plan(cfg: TrainConfig, world: int) -> tuple[TrainConfig, str]:
+def apply_plan(cfg: TrainConfig, world: int,
+               given: dict[str, Any] | None = None) -> tuple[TrainConfig, str]:
     """``cfg`` with the planner's best layout for ``world`` ranks, and why it was chosen: the
-    layout of the model this run trains (``--n-layers`` included) in its ``--dtype``."""
+    layout of the model this run trains (``--n-layers`` included) in its ``--dtype``, with the
+    layout fields ``given`` on the command line pinned."""
+    given = dict(given or {})
+    if "virtual_stages" in given:
+        raise UsageError("--plan auto chooses the virtual stages with the schedule: drop "
+                         "--virtual-stages (or --plan auto)")
+    if given.get("dp") == -1:
+        given.pop("dp")  # -1: "the rest of the world", which the planner decides anyway
+    pins = {_PIN_NAMES.get(k, k): v for k, v in given.items()}
     import torch
 
     from distllm.plan import best_layout, detect_profile, preset
@@ -289,7 +326,7 @@ def apply_plan(cfg: TrainConfig, world: int) -> tuple[TrainConfig, str]:
     per_node = torch.cuda.device_count() or world
     layout, why = best_layout(shape, world, min(per_node, world), detect_profile(),
                               dtype=cfg.dtype, global_batch=cfg.global_batch,
-                              seq_len=cfg.seq_len or mcfg.max_seq_len)
+                              seq_len=cfg.seq_len or mcfg.max_seq_len, pins=pins)
     cfg = dataclasses.replace(cfg, parallel=ParallelConfig.from_layout(layout, cfg.parallel),
                               activation_checkpointing=layout.checkpointing)
     return cfg, f"--plan auto chose {layout.name()} for {world} ranks:\n{why}"
@@ -324,15 +361,15 @@ def _rank(cfg: TrainConfig, world: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.nproc:
+    if args.nproc is not None:
         _check_nproc(args.nproc)
     cfg = config_from_args(args)
     world = args.nproc or int(os.environ.get("WORLD_SIZE", "1"))
     if args.plan == "auto":
-        cfg, why = apply_plan(cfg, world)
+        cfg, why = apply_plan(cfg, world, given_layout(args))
         if int(os.environ.get("RANK", "0")) == 0:
             print(why, flush=True)
-    if not args.nproc:
+    if args.nproc is None:
         return _rank(cfg, world)
     precheck(cfg, world)
     check_out(cfg)

@@ -58,7 +58,8 @@ def _check_choices(obj: Any) -> None:
 
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r}: it must be a positive integer")
+        raise ValueError(f"{name}={value!r}: it must be a positive integer (--"
+                         f"{name.replace('_', '-')})")
 
 
 @dataclass
@@ -238,8 +239,8 @@ class TrainConfig:
     """Override the preset's number of transformer blocks (0: the preset's)."""
     stop_after: int = 0
     """Stop this run after this many steps in total (0: run to ``steps``), saving a
-    checkpoint there (unless ``save_final`` is off); the learning-rate schedule still spans
-    ``steps`` (for preemptible jobs that continue with --resume)."""
+    checkpoint there (unless --no-save); the learning-rate schedule still spans ``steps``
+    (for preemptible jobs that continue with --resume)."""
     save_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
     save_final: bool = field(default=True, metadata={"flag": "--no-save"})
@@ -249,7 +250,9 @@ class TrainConfig:
     progress: bool = True
     """Show a progress bar on rank 0."""
     deterministic: bool = False
-    """Ask torch for deterministic kernels (exact resume in float32)."""
+    """Ask torch for deterministic kernels, and pick each ``auto`` GEMM backend by a fixed
+    rule instead of timing (the same kernels in every run and after --resume: exact resume
+    in float32)."""
     keep_freed_memory: bool = True
     """On CPU, have glibc keep freed memory instead of returning it to the kernel, so that a
     step does not page-fault in what the last one freed (ZeRO-2's gradient buckets, the

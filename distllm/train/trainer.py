@@ -229,7 +229,12 @@ def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> TrainResult:
     import torch.distributed as dist
 
     started = dims is None and not dist.is_initialized()
-    result = _train(cfg, dims)
+    try:
+        result = _train(cfg, dims)
+    except (ValueError, FileNotFoundError):  # bad input, found alike on every rank: the
+        if started and dist.is_initialized():  # world is idle, and ends as after a run
+            dist.destroy_process_group()
+        raise
     if started and dist.is_initialized():
         dist.destroy_process_group()
     return result
@@ -243,7 +248,10 @@ def _train(cfg: TrainConfig, dims: ParallelDims | None) -> TrainResult:
     if dims is None:
         dims = ParallelDims.from_layout(p, timeout_s=p.timeout_s)
     if cfg.deterministic:
+        from distllm.ops import backend_choice
+
         torch.use_deterministic_algorithms(True)
+        backend_choice.pin()  # the kernels by a fixed rule, not by this machine's timing
     if cfg.keep_freed_memory and dims.device.type == "cpu":
         keep_freed_memory()
     mcfg = cfg.model_config()

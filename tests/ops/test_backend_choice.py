@@ -52,3 +52,28 @@ def test_choice_persists_only_where_asked(tmp_path, monkeypatch):
     backend_choice.clear()
     backend_choice._disk_loaded = False
     assert any(k.endswith("persist-test|2") for k in backend_choice.cached())
+
+
+def test_pinned_choices_take_the_first_candidate_untimed(tmp_path, monkeypatch):
+    """``distllm train --deterministic``: the first candidate, never timed (a timed choice
+    follows the machine's load, so two runs, or a run and its resumed continuation, could
+    compute with different kernels), and a cache file's measured choices are not read."""
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("DISTLLM_AUTOTUNE_CACHE", str(path))
+    backend_choice.clear()
+    slow_first = {"slow": lambda: sum(range(200000)), "fast": lambda: None}
+    assert backend_choice.choose("pin-test|1", torch.device("cpu"), slow_first) == "fast"
+    monkeypatch.setattr(backend_choice, "_pinned", False)
+    monkeypatch.setattr(backend_choice, "_disk_loaded", False)
+    try:
+        backend_choice.pin()
+        assert backend_choice.pinned()
+
+        def untimed():
+            raise AssertionError("a pinned choice runs no candidate")
+
+        cands = {"slow": untimed, "fast": untimed}
+        assert backend_choice.choose("pin-test|1", torch.device("cpu"), cands) == "slow"
+        assert backend_choice.lookup("pin-test|1", torch.device("cpu")) == "slow"
+    finally:
+        backend_choice.clear()

@@ -49,6 +49,9 @@ def _err(capsys, argv: list[str]) -> str:
     (["--nproc", "2", "--bucket-cap-mb", "0"], "bucket_cap_mb=0.0: it must be > 0 MiB"),
     (["--nproc", "2", "--eps", "-1"], "eps=-1.0: it must be >= 0"),
     (["--nproc", "-2", "--plan", "auto"], "--nproc -2"),
+    (["--nproc", "0"], "--nproc 0"),
+    (["--global-batch", "0"], "--global-batch"),
+    (["--nproc", "2", "--plan", "auto", "--virtual-stages", "2"], "drop --virtual-stages"),
 ])
 def test_bad_input(capsys, argv, words):
     assert words in _err(capsys, argv)
@@ -201,7 +204,7 @@ def test_a_signal_stops_the_ranks(tmp_path, sig):
 
 # every flag of the hand-written parser this one replaced, with its default
 OLD_FLAGS = {
-    "--nproc": 0, "--tp": 1, "--pp": 1, "--dp": -1, "--zero": 0, "--schedule": "1f1b",
+    "--nproc": None, "--tp": 1, "--pp": 1, "--dp": -1, "--zero": 0, "--schedule": "1f1b",
     "--micro-batches": 0, "--virtual-stages": 2, "--sequence-parallel": False,
     "--overlap": "auto", "--plan": "none", "--bucket-cap-mb": 25.0, "--timeout": 300.0,
     "--model": "tiny", "--global-batch": 32, "--seq-len": 0, "--steps": 300, "--seed": 1234,
@@ -227,8 +230,14 @@ def test_every_old_flag_keeps_its_name_and_default():
     p = _parser()
     actions = {s: a for a in p._actions for s in a.option_strings}
     assert set(OLD_FLAGS) <= set(actions), set(OLD_FLAGS) - set(actions)
+    from distllm.train.cli import PLANNED, flags
+
+    real = {f.flag: f.default for f in flags()}
     for flag, default in OLD_FLAGS.items():
-        assert actions[flag].default == default, (flag, actions[flag].default, default)
+        if actions[flag].dest in PLANNED:  # parsed as None (not given); the config's default
+            assert actions[flag].default is None and real[flag] == default, flag
+        else:
+            assert actions[flag].default == default, (flag, actions[flag].default, default)
 
 
 def test_no_flags_give_the_default_config():
@@ -326,3 +335,77 @@ def test_flags_of_a_config_class():
 
     with pytest.raises(TypeError, match="Undocumented.c has no docstring: write one under it"):
         flags((("x", Undocumented, None),))
+
+
+
+def test_plan_auto_pins_the_layout_flags_given_with_it():
+    """``--plan auto --tp 2 --zero 0`` plans with tp=2 and ZeRO-0 pinned, as ``distllm plan``
+    does (the planner alone picks another layout for the tiny model on 2 ranks)."""
+    from distllm.train.cli import apply_plan, config_from_args, given_layout
+
+    args = _parser().parse_args(["--plan", "auto", "--tp", "2", "--zero", "0"])
+    assert given_layout(args) == {"tp": 2, "zero": 0}
+    cfg, _ = apply_plan(config_from_args(args), 2, given_layout(args))
+    assert (cfg.parallel.tp, cfg.parallel.zero) == (2, 0)
+    free, _ = apply_plan(config_from_args(_parser().parse_args(["--plan", "auto"])), 2)
+    assert (free.parallel.tp, free.parallel.zero) != (2, 0)
+
+
+def _checkpoint_at(out: Path, step: int) -> None:
+    import json
+
+    from distllm.models.gpt import GPTConfig
+    from distllm.train import checkpoint
+
+    d = out / "checkpoints" / f"step_{step:08d}"
+    d.mkdir(parents=True)
+    (d / "meta.json").write_text(json.dumps({
+        "format": checkpoint.FORMAT, "step": step,
+        "model": checkpoint._model_key(GPTConfig.preset("tiny")), "model_name": "tiny"}))
+
+
+def test_resume_past_the_steps_or_the_stop_is_refused(capsys, tmp_path):
+    """A resumed run with nothing to train says so (it printed "resumed from step 6" and a
+    validation loss "after 4 steps", or "stopped after step 30" having run nothing)."""
+    out = tmp_path / "run"
+    _checkpoint_at(out, 6)
+    base = ["--model", "tiny", "--out", str(out), "--resume"]
+    assert ("checkpoint in --out " + str(out) + " is at step 6, where --steps 4 ends: raise "
+            "--steps") in _err(capsys, [*base, "--steps", "4"])
+    assert "--steps 6 ends" in _err(capsys, [*base, "--steps", "6"])
+    assert ("--stop-after 5: the run resumes after step 6; raise --stop-after"
+            in _err(capsys, [*base, "--steps", "9", "--stop-after", "5"]))
+
+
+def test_a_fresh_run_refuses_an_earlier_runs_metrics(capsys, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    assert f"--out {out} holds a previous run's metrics.jsonl" in _err(
+        capsys, ["--model", "tiny", "--out", str(out)])
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_the_previous_one(capfd, tmp_path):
+    """A checkpoint whose files cannot be read: one line on every path (DCP's shards, read
+    collectively; one rank's random state, which the other ranks learn of; meta.json), exit
+    code 2, naming the complete checkpoint before it."""
+    import shutil
+
+    out = tmp_path / "run"
+    common = ["--nproc", "2", "--dp", "2", *TINY, "--global-batch", "4", "--out", str(out)]
+    assert main(["train", *common, "--steps", "6", "--save-every", "2",
+                 "--stop-after", "4"]) == 0
+    capfd.readouterr()
+    step4 = out / "checkpoints" / "step_00000004"
+    keep = tmp_path / "step4"
+    shutil.copytree(step4, keep)
+    then = "move it aside to resume from step_00000002 (step 2), or pass another --out"
+    for damage, words in ((step4 / "rng" / "rank1.pt", "(rank 1: "),
+                          (step4 / "__1_0.distcp", "(rank "),
+                          (step4 / "meta.json", "(meta.json: ")):
+        damage.write_bytes(damage.read_bytes()[:10] if damage.suffix != ".json" else b"")
+        line = _one_line(capfd, [*common, "--steps", "6", "--resume"])
+        assert line.startswith(f"distllm train: error: checkpoint {step4} is damaged {words}")
+        assert line.endswith(then), line
+        shutil.rmtree(step4)
+        shutil.copytree(keep, step4)

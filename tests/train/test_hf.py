@@ -54,7 +54,12 @@ def _hf_rank(vocab: int, seq: int, vocab_parallel: str) -> dict[str, float]:
             out["logits"] = float((full - ref.logits).abs().max())
             loss = model.loss(local[:, :-1], x[:, 1:])
             out["loss"] = abs(float(loss) - float(ref_loss))
-    back = to_hf(model).state_dict()
+    converted = to_hf(model)
+    # no <|endoftext|> id (50256) outside a 123-token vocabulary
+    out["special_ids_in_vocab"] = float(all(
+        t is None or t < vocab for t in (converted.config.bos_token_id,
+                                          converted.config.eos_token_id)))
+    back = converted.state_dict()
     want = hf.state_dict()
     want["lm_head.weight"] = want["transformer.wte.weight"]
     out["to_hf"] = max(float((back[k] - want[k]).abs().max()) for k in want
@@ -70,7 +75,7 @@ def test_from_hf_tp2_pp2(vocab_parallel):
     for r in last:
         assert r["logits"] < TOL and r["loss"] < TOL, r
     for r in res:
-        assert r["to_hf"] == 0.0, r
+        assert r["to_hf"] == 0.0 and r["special_ids_in_vocab"] == 1.0, r
 
 
 @pytest.mark.parametrize("option, value, want", [
