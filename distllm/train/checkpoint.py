@@ -49,7 +49,7 @@ from distllm.models.sharding import (
 )
 from distllm.train.optim_state import MOMENTS, collect, install
 
-__all__ = ["save", "load_latest", "latest", "check_compatible", "FORMAT"]
+__all__ = ["save", "load_latest", "latest", "check_compatible", "prune", "FORMAT"]
 
 FORMAT = "distllm-gpt-ckpt-1"
 
@@ -189,8 +189,27 @@ def save(out: str | os.PathLike, engine, loader, *, step: int) -> Path:
             os.fsync(f.fileno())
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        prune(out, engine.cfg.keep_checkpoints)
     dist.barrier()
     return final
+
+
+def prune(out: str | os.PathLike, keep: int) -> list[Path]:
+    """Remove all but the newest ``keep`` complete checkpoints under ``out`` (``keep`` 0:
+    none removed); returns the removed folders. Incomplete ones (no ``meta.json``) are left
+    to the save that made them, and the newest complete one is always kept."""
+    root = _ckpt_root(out)
+    if keep <= 0 or not root.is_dir():
+        return []
+    done = sorted(d for d in root.iterdir()
+                  if d.is_dir() and d.name.startswith("step_") and (d / "meta.json").is_file())
+    gone = done[:-keep]
+    for d in gone:
+        # renamed first, so that a removal cut short never leaves a complete-looking folder
+        aside = d.with_name(f".old-{d.name}")
+        os.replace(d, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    return gone
 
 
 def _empty_targets(engine, with_optim: bool) -> dict[str, torch.Tensor]:

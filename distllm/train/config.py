@@ -243,6 +243,8 @@ class TrainConfig:
     (for preemptible jobs that continue with --resume)."""
     save_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
+    keep_checkpoints: int = 0
+    """Keep only this many of the newest checkpoints in ``out`` (0: keep all)."""
     save_final: bool = field(default=True, metadata={"flag": "--no-save"})
     """Save a checkpoint after the last step."""
     eval_batches: int = 8
@@ -274,6 +276,9 @@ class TrainConfig:
                 "activation_checkpointing with the zb-h1 schedule: its deferred weight "
                 "gradients do not survive recomputation; use --activation-checkpointing none "
                 "or another --schedule")
+        if self.keep_checkpoints < 0:
+            raise ValueError(f"keep_checkpoints={self.keep_checkpoints}: use 0 (keep all) or "
+                             f"a count (--keep-checkpoints)")
         if self.save_every < 0:
             raise ValueError(f"save_every={self.save_every}: use 0 (end only) or a step count")
         if self.eval_batches < 0:

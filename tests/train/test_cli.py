@@ -409,3 +409,31 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_previous_one(capfd, tmp_pat
         assert line.endswith(then), line
         shutil.rmtree(step4)
         shutil.copytree(keep, step4)
+
+
+def test_keep_checkpoints_keeps_the_newest(capfd, tmp_path):
+    """``--keep-checkpoints 2`` with a save every step: the two newest stay, and the run
+    resumes from the newest."""
+    from distllm.train import checkpoint
+
+    out = tmp_path / "run"
+    common = ["--nproc", "2", "--dp", "2", *TINY, "--global-batch", "4", "--out", str(out)]
+    assert main(["train", *common, "--steps", "6", "--save-every", "1", "--stop-after", "4",
+                 "--keep-checkpoints", "2"]) == 0
+    names = sorted(d.name for d in (out / "checkpoints").iterdir())
+    assert names == ["step_00000003", "step_00000004"], names
+    assert checkpoint.latest(out).name == "step_00000004"
+
+
+def test_prune_never_removes_the_newest_or_an_incomplete_save(tmp_path):
+    from distllm.train import checkpoint
+
+    for step in (1, 2, 3):
+        _checkpoint_at(tmp_path, step)
+    (tmp_path / "checkpoints" / ".tmp-step_00000004").mkdir()
+    (tmp_path / "checkpoints" / "step_00000005").mkdir()  # no meta.json: not complete
+    assert checkpoint.prune(tmp_path, 0) == []
+    gone = checkpoint.prune(tmp_path, 1)
+    assert [d.name for d in gone] == ["step_00000001", "step_00000002"]
+    left = sorted(d.name for d in (tmp_path / "checkpoints").iterdir())
+    assert left == [".tmp-step_00000004", "step_00000003", "step_00000005"], left
