@@ -329,16 +329,21 @@ def load_latest(out: str | os.PathLike, engine, loader) -> int:
         raise
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - named in the error
         raise _damaged(path, _cause(exc)) from None
-    # this rank's own part (its random state): every rank learns whether any failed
+    # this rank's own part (its random state): every rank learns whether any failed, and
+    # how: a ValueError is bad input (the data order of another --global-batch), said as is
     failed = None
     try:
         _install(path, engine, loader, meta, state, with_optim)
+    except ValueError as exc:
+        failed = ("usage", str(exc))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - named in the error
-        failed = f"rank {engine.dims.rank}: {_cause(exc)}"
+        failed = ("damaged", f"rank {engine.dims.rank}: {_cause(exc)}")
     causes: list = [None] * dist.get_world_size()
     dist.all_gather_object(causes, failed)
     if any(causes):
-        raise _damaged(path, next(c for c in causes if c))
+        kind, msg = next((c for c in causes if c and c[0] == "usage"),
+                         next(c for c in causes if c))
+        raise ValueError(msg) if kind == "usage" else _damaged(path, msg)
     dist.barrier()
     return int(meta["step"])
 

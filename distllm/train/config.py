@@ -301,7 +301,8 @@ def check_layout(cfg: TrainConfig, world: int, *, n_layers: int, n_heads: int, h
     if world % (p.tp * p.pp) != 0:
         raise ValueError(
             f"tp*pp = {p.tp}*{p.pp} = {p.tp * p.pp} does not divide the world size {world}: "
-            f"choose --tp/--pp whose product divides {world}, or change --nproc"
+            f"choose --tp/--pp whose product divides {world}, or change the number of ranks "
+            f"(--nproc, or torchrun's --nnodes x --nproc-per-node)"
         )
     dp = world // (p.tp * p.pp) if p.dp == -1 else p.dp
     if p.tp * p.pp * dp != world:

@@ -125,6 +125,7 @@ def test_a_fresh_run_refuses_old_checkpoints_and_resume_checks_the_batch(capfd, 
     line = _one_line(capfd, ["--nproc", "2", *TINY, "--steps", "2", "--global-batch", "8",
                              "--out", out, "--resume"])  # found after the ranks load it
     assert "global_batch=4, this run 8: resume with --global-batch 4" in line
+    assert "damaged" not in line, line  # bad input, not a damaged checkpoint
 
 
 def test_a_failed_rank_is_named_once(capsys, tmp_path):
