@@ -1,5 +1,9 @@
 """Pipeline bubble and activations in flight, per schedule.
 
+What a rank holds for memory is replayed from its schedule (:func:`memory_states`): the
+micro-batches each local chunk holds and the messages sent so far, at every moment that can
+be the peak.
+
 When :mod:`distllm.parallel.pipeline` provides ``simulate`` (a replay of the real schedule),
 the planner can use it for the short list of candidates; the closed forms below are used
 for the full search and whenever the simulator is absent:
@@ -15,11 +19,14 @@ for the full search and whenever the simulator is absent:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 from distllm.parallel.pipeline.schedules import SCHEDULES
 
-__all__ = ["in_flight", "pipeline_time", "SCHEDULES", "simulator_or_none"]
+__all__ = ["in_flight", "pipeline_time", "SCHEDULES", "simulator_or_none", "compute_order",
+           "MemoryState", "memory_states"]
 
 
 def in_flight(schedule: str, p: int, m: int, v: int = 1) -> list[float]:
@@ -41,6 +48,171 @@ def in_flight(schedule: str, p: int, m: int, v: int = 1) -> list[float]:
     if schedule == "zb-h1":
         return [float(min(p, m))] * p
     return [float(min(p - r, m)) for r in range(p)]  # 1f1b
+
+
+ZB_H1_BUILT = 2
+"""ZB-H1 orders of up to this many micro-batches per stage are built whole; longer ones repeat
+the steady state's period (see :func:`compute_order`)."""
+
+
+@functools.cache
+def _built_orders(schedule: str, p: int, m: int, v: int) -> tuple[tuple, ...]:
+    """Every rank's compute order, from ``build_schedule``."""
+    from distllm.parallel.pipeline.schedules import build_schedule
+
+    sched = build_schedule(schedule, p, m, v)
+    return tuple(tuple((a.kind, a.mb, a.chunk) for a in sched.compute(r)) for r in range(p))
+
+
+def _shifted(actions, d: int) -> tuple[tuple[str, int, int], ...]:
+    return tuple((kind, mb + d, c) for kind, mb, c in actions)
+
+
+@functools.cache
+def compute_order(schedule: str, p: int, m: int, v: int, r: int
+                  ) -> tuple[tuple[str, int, int], ...]:
+    """Rank ``r``'s compute actions ``(kind, micro-batch, chunk)`` in the order the executor
+    runs them (kind F, B or W).
+
+    GPipe, 1F1B and interleaved 1F1B follow the orders of
+    :mod:`distllm.parallel.pipeline.schedules`, built here for one rank (``build_schedule``
+    builds every rank's list with its messages and checks it, seconds for 64 stages of 1536
+    micro-batches). ZB-H1's list scheduling needs every rank: its orders come from
+    ``build_schedule``, for more than ``ZB_H1_BUILT * p`` micro-batches by repeating the
+    steady state's period (F, B and W of consecutive micro-batches every three actions) of
+    the order built for that many."""
+    if schedule == "gpipe":
+        return tuple([("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)])
+    if schedule == "1f1b":
+        warm = min(p - r - 1, m)
+        order = [("F", i, 0) for i in range(warm)]
+        for i in range(m - warm):
+            order += [("F", warm + i, 0), ("B", i, 0)]
+        return tuple(order + [("B", i, 0) for i in range(m - warm, m)])
+    if schedule == "interleaved-1f1b":
+        total = m * v
+
+        def fwd(k: int) -> tuple[int, int]:
+            group, rem = divmod(k, p * v)
+            return group * p + rem % p, rem // p
+
+        def bwd(k: int) -> tuple[str, int, int]:
+            mb, c = fwd(k)
+            return ("B", mb, v - 1 - c)
+
+        warm = min((p - r - 1) * 2 + (v - 1) * p, total)
+        order = [("F", *fwd(k)) for k in range(warm)]
+        for i in range(total - warm):
+            order += [("F", *fwd(warm + i)), bwd(i)]
+        return tuple(order + [bwd(k) for k in range(total - warm, total)])
+    m0 = ZB_H1_BUILT * p
+    if schedule != "zb-h1" or m <= m0:
+        return _built_orders(schedule, p, m, v)[r]
+    base = _built_orders(schedule, p, m0, v)[r]
+    at = base.index(("F", m0 // 2, 0))  # inside the steady state
+    period = base[at:at + 3]
+    if base[at + 3:at + 6] != _shifted(period, 1):  # no period there: build it whole
+        return _built_orders(schedule, p, m, v)[r]
+    d = m - m0
+    return (base[:at] + tuple(a for t in range(d) for a in _shifted(period, t))
+            + _shifted(base[at:], d))
+
+
+class MemoryState(NamedTuple):
+    """What a pipeline rank holds at one moment of a step, in counts (see
+    :func:`memory_states`)."""
+
+    held: tuple[int, ...]
+    """Micro-batches whose activations are held, per group of local chunks."""
+    sent: int
+    """Messages sent so far in the step (activations forward, input gradients backward)."""
+    running: int
+    """The group of the chunk whose backward (B or W) runs, or -1: just after a forward."""
+    posted: int
+    """Receive buffers posted ahead for the next compute action (0 or 1)."""
+
+
+def _dominates(a: MemoryState, b: MemoryState) -> bool:
+    """Every byte ``b`` counts, ``a`` counts too (all byte figures are non-negative)."""
+    return (a != b and (b.running == -1 or a.running == b.running) and a.sent >= b.sent
+            and a.posted >= b.posted and all(x >= y for x, y in zip(a.held, b.held, strict=True)))
+
+
+def _between(a: MemoryState, b: MemoryState, c: MemoryState) -> bool:
+    """``b`` lies on the segment from ``a`` to ``c`` (same running pass and posted receive):
+    a sum of byte figures weighted by its counts is at most the larger of theirs."""
+    if not (a.running == b.running == c.running and a.posted == b.posted == c.posted):
+        return False
+    u = [y - x for x, y in zip((*a.held, a.sent), (*b.held, b.sent), strict=True)]
+    w = [y - x for x, y in zip((*b.held, b.sent), (*c.held, c.sent), strict=True)]
+    parallel = all(u[i] * w[j] == u[j] * w[i] for i in range(len(u)) for j in range(i))
+    return parallel and sum(x * y for x, y in zip(u, w, strict=True)) > 0
+
+
+@functools.cache
+def memory_states(schedule: str, p: int, m: int, v: int, r: int,
+                  groups: tuple[int, ...] | None = None) -> tuple[MemoryState, ...]:
+    """The moments of rank ``r``'s step at which its memory can peak, by replaying
+    :func:`compute_order`: the end of every forward (its chunk's activations all held) and
+    every backward pass (B and W: the chunk's activations still held, its gradients being
+    made). A forward adds one micro-batch to its chunk; the backward that frees it (B, or W
+    in a schedule that splits the backward) removes it. ``sent`` counts the forward outputs
+    sent on (every stage but the last) and the input gradients sent back (every stage but
+    the first); ``posted``, the receive for the next action, posted before this one runs.
+
+    ``groups[c]``: the group of local chunk ``c`` (chunks of equal bytes share one; None:
+    a group per chunk); ``held`` and ``running`` count by group. Of the moments with the same
+    counts, running pass and posted receive only the last is kept (``sent`` only grows); of
+    those, none that another counts in full, nor any between two others of the same kind."""
+    groups = tuple(range(v)) if groups is None else groups
+    n = max(groups) + 1
+    if p == 1 or schedule == "none":
+        return (MemoryState((1,) * n, 0, 0, 0),)
+    order = compute_order(schedule, p, m, v, r)
+    split = schedule == "zb-h1"  # B makes the input gradient, W the weight gradients
+    stages = p * v
+    stage = [c * p + r for c in range(v)]
+
+    def needs_recv(a: tuple[str, int, int]) -> int:
+        kind, _, c = a
+        return int(kind == "F" and stage[c] > 0 or kind == "B" and stage[c] < stages - 1)
+
+    held, sent = [0] * n, 0
+    last: dict[tuple, tuple[int, int]] = {}  # (held, running, posted): (position, sent)
+    for k, (kind, _mb, c) in enumerate(order):
+        posted = needs_recv(order[k + 1]) if k + 1 < len(order) else 0
+        g = groups[c]
+        if kind == "F":
+            held[g] += 1
+            sent += stage[c] < stages - 1
+            last[(tuple(held), -1, posted)] = (k, sent)
+        else:
+            last[(tuple(held), g, posted)] = (k, sent)
+            if kind == "B":
+                sent += stage[c] > 0
+            if kind == "W" or not split:
+                held[g] -= 1
+    moments = sorted((k, MemoryState(h, sent, run, posted))
+                     for (h, run, posted), (k, sent) in last.items())
+    # a moment can only be counted in full by one with as many held and sent: one sorted
+    # earlier (a backward before a forward that holds the same)
+    kept: list[tuple[int, MemoryState]] = []
+    for k, st in sorted(_inner(moments), reverse=True,
+                        key=lambda e: (sum(e[1].held), e[1].sent, e[1].posted, e[1].running)):
+        if not any(_dominates(o, st) for _, o in kept):
+            kept.append((k, st))
+    return tuple(st for _, st in _inner(sorted(kept)))
+
+
+def _inner(moments: list[tuple[int, MemoryState]]) -> list[tuple[int, MemoryState]]:
+    """``(step position, moment)`` in step order, less each that lies between its neighbours
+    left."""
+    line: list[tuple[int, MemoryState]] = []
+    for k, st in moments:
+        while len(line) >= 2 and _between(line[-2][1], line[-1][1], st):
+            line.pop()
+        line.append((k, st))
+    return line
 
 
 def pipeline_time(

@@ -7,14 +7,17 @@ Memory (bytes per device, on the heaviest pipeline stage):
     gradients too, stage 3 everything. float32 training keeps 4 + 4 + 8, float64 8 + 8 + 16.
   * activations per layer and micro-batch after Korthikanti et al. 2022 ("Reducing Activation
     Recomputation in Large Transformer Models", sec. 4): s*b*h*(34 + 5*a*s/h) bytes in 16 bits
-    with dropout; (10 + 24/t) without and 34/t with sequence parallelism; selective
-    recomputation drops the attention core, full recomputation keeps only each layer's input.
-    Generalised here to any element size, GQA, gated MLPs, flash attention and no dropout.
-  * times the micro-batches in flight of the schedule (1F1B: p on the first stage; GPipe: m;
-    interleaved: p + (p-1)/v; ZB-H1: as 1F1B).
+    with dropout; (10 + 24/t) without and 34/t with sequence parallelism (plus 4*(1 - 1/t)
+    for a runtime whose GEMMs keep their all-gathered input); selective recomputation drops
+    the attention core, full recomputation keeps only each layer's input. Generalised here to
+    any element size, GQA, gated MLPs, flash attention and no dropout.
+  * times the micro-batches each local chunk holds, at the moment of the rank's schedule
+    that holds the most (:func:`~distllm.plan.bubble.memory_states`: 1F1B p - r on rank r;
+    GPipe m; interleaved up to 2(p - r - 1) + (v - 1)p + 1 chunks, the larger ones counted
+    as such), with the pipeline messages the runtime keeps by then.
 
-Which code runs (the stage split, the gradient dtype, whether the pipeline keeps each stage
-output) is the :class:`~distllm.plan.runtime.Runtime`'s; step time is
+Which code runs (the stage split, the gradient dtype, what the pipeline keeps of what it
+sends) is the :class:`~distllm.plan.runtime.Runtime`'s; step time is
 :mod:`distllm.plan.timing`'s.
 """
 
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 from distllm.dtypes import canonical_dtype
 
-from .bubble import in_flight
+from .bubble import memory_states
 from .collectives import collective_time
 from .hardware import Profile
 from .layout import GB, Estimate, Layout
@@ -109,31 +112,41 @@ class CostModel(TimeModel):
         self._cache: dict = {}
 
     # ---------------------------------------------------------------- memory --------
-    def ranks(self, pp: int, v: int) -> list[tuple[int, bool, bool]]:
-        """(blocks, holds the embedding, holds the head) of each pipeline rank; chunk ``c``
-        of the ``pp * v`` runs on rank ``c % pp``.
+    def chunks(self, pp: int, v: int) -> list[list[tuple[int, bool, bool]]]:
+        """(blocks, holds the embedding, holds the head) of each local chunk of each pipeline
+        rank; chunk ``c`` of the ``pp * v`` runs on rank ``c % pp`` as its local chunk
+        ``c // pp``.
 
         Runtime ``entries`` (distllm's engine): the list embedding, blocks, head
         (``layers + 2`` entries) cut as evenly as possible, earlier chunks taking the
         remainder. Runtime ``blocks`` (Megatron-LM): the blocks cut as evenly, the embedding
         added to the first chunk and the head to the last.
         """
-        key = ("ranks", pp, v)
+        key = ("chunks", pp, v)
         if key not in self._cache:
             blocks_only = self.runtime.stage_split == "blocks"
             n = self.shape.layers + (0 if blocks_only else 2)
             base, extra = divmod(n, pp * v)
-            out = [[0, False, False] for _ in range(pp)]
+            out: list[list[tuple[int, bool, bool]]] = [[] for _ in range(pp)]
             lo = 0
             for c in range(pp * v):
                 hi = lo + base + (1 if c < extra else 0)
-                r = out[c % pp]
                 first, last = lo == 0, hi == n
-                r[1] |= first
-                r[2] |= last
-                r[0] += (hi - lo) - (0 if blocks_only else first + last)
+                blocks = (hi - lo) - (0 if blocks_only else first + last)
+                out[c % pp].append((blocks, first, last))
                 lo = hi
-            self._cache[key] = [tuple(r) for r in out]
+            self._cache[key] = out
+        return self._cache[key]
+
+    def ranks(self, pp: int, v: int) -> list[tuple[int, bool, bool]]:
+        """(blocks, holds the embedding, holds the head) of each pipeline rank: its chunks
+        (:meth:`chunks`) together."""
+        key = ("ranks", pp, v)
+        if key not in self._cache:
+            self._cache[key] = [
+                (sum(c[0] for c in cs), any(c[1] for c in cs), any(c[2] for c in cs))
+                for cs in self.chunks(pp, v)
+            ]
         return self._cache[key]
 
     def _heavy_ranks(self, pp: int, v: int) -> tuple[int, ...]:
@@ -177,7 +190,14 @@ class CostModel(TimeModel):
         s, e = self.shape, self.e
         d = 1 if s.dropout else 0
         sbh, bs = b * s.seq_len * s.hidden, b * s.seq_len
-        repl = (4 * e + 2 * d) * sbh  # 2 norm inputs, 2 norm outputs, 2 dropout masks
+        norm_in = (2 * e + 2 * d) * sbh  # 2 norm inputs, 2 dropout masks
+        norm_out = 2 * e * sbh  # 2 norm outputs: the inputs of the QKV and first MLP GEMMs
+        if not sp:
+            repl = norm_in + norm_out
+        elif self.runtime.keeps_gathered_input:  # each GEMM keeps its all-gathered input
+            repl = norm_in / tp + norm_out
+        else:
+            repl = (norm_in + norm_out) / tp
         mlp = (3 if s.gated_mlp else 2) * e * bs * s.ffn
         shard = e * (2 * sbh + 2 * bs * s.kv_dim) + mlp  # Q, out-proj input, K, V, MLP
         if self.flash:
@@ -185,7 +205,7 @@ class CostModel(TimeModel):
         else:
             sq = b * s.heads * s.seq_len**2
             core = (e + d + (e if d else 0)) * sq  # softmax (+ dropout mask and output)
-        full = (repl / tp if sp else repl) + (shard + core) / tp
+        full = repl + (shard + core) / tp
         if ckpt == "none":
             out = full
         elif ckpt == "selective":
@@ -215,13 +235,13 @@ class CostModel(TimeModel):
         s = self.shape
         b = s.global_batch // (lay.dp * lay.micro_batches)
         params, per_layer = self.rank_params(lay)
-        blocks, has_e, has_h = self.ranks(lay.pp, lay.virtual_stages)[r]
+        _, has_e, has_h = self.ranks(lay.pp, lay.virtual_stages)[r]
         mem = self.model_state_bytes(params[r], lay.dp, lay.zero)
         unit = self._largest_unit(lay, per_layer, has_e, has_h)
         if lay.zero >= 3:  # the gathered unit being used and the next block, prefetched
             mem["params"] += (unit + per_layer) * self.param_bytes
         buffers, landing = self._grads_in_flight(lay, params[r], unit)
-        act = self._activations(lay, b, r, blocks, has_e, has_h, landing) + buffers
+        act = self._activations(lay, b, r, landing) + buffers
         mem["activations"] = act
         states = mem["params"] + mem["grads"] + mem["optimizer"]
         # the optimizer step's temporaries come after the activations are freed
@@ -258,39 +278,59 @@ class CostModel(TimeModel):
                                                 n_params)
         return 0.0, landing + self.grad_bytes * bucket
 
-    def _activations(self, lay: Layout, b: int, r: int, blocks: int, has_e: bool,
-                     has_h: bool, landing: float = 0.0) -> float:
+    def _activations(self, lay: Layout, b: int, r: int, landing: float = 0.0) -> float:
         """Activation bytes of pipeline rank ``r`` at the peak of forward-backward; ``landing``:
-        the gradient bytes in flight as one layer's gradients land (see _grads_in_flight)."""
-        s = self.shape
+        the gradient bytes in flight as one layer's gradients land (see _grads_in_flight).
+
+        The peak is the largest of the moments :func:`~distllm.plan.bubble.memory_states`
+        replays from the rank's schedule: each local chunk's activations times the
+        micro-batches it holds then, the messages kept, and during a backward that pass's
+        transient."""
+        s, rt = self.shape, self.runtime
         per = self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, lay.checkpointing)
         bs = b * s.seq_len
         rows = s.vocab_rows(lay.tp, lay.sequence_parallel)
         logits = (self.e + 4) * bs * rows  # logits + fp32 softmax
         sp = lay.tp if lay.sequence_parallel else 1
+        # a message between stages: one micro-batch's residual stream (b, s / sp, h)
+        msg = self.e * bs * s.hidden / sp
         # the embedding's output is the first block's input (counted there); its dropout
         # keeps a byte mask per element
         emb = (1 if s.dropout else 0) * bs * s.hidden / sp
-        fkey = ("flight", lay.schedule, lay.pp, lay.micro_batches, lay.virtual_stages)
-        flight = self._cache.get(fkey)
-        if flight is None:
-            flight = self._cache[fkey] = in_flight(*fkey[1:])
-        # a rank that sends keeps each in-flight micro-batch's stage output until its
-        # backward (the residual stream is not saved by autograd, the executor holds it)
-        keeps = self.runtime.keeps_stage_output and lay.pp > 1 and not has_h
-        held = self.e * bs * s.hidden / sp if keeps else 0.0
-        act = flight[r] * (blocks * per + (emb if has_e else 0) + (logits if has_h else 0) + held)
         # gradients alive while one block runs backward: the MLP's inner gradient and two of
         # the residual stream (the saved tensors of that block are freed as it goes)
         work = self.e * (bs * s.ffn / lay.tp + 2 * bs * s.hidden)
         # the head's backward starts with the fp32 gradient of the logits and its cast
-        head = (4 + self.e) * bs * rows if has_h else 0.0
-        # one of these transients at a time: a block's backward, the head's, or a layer's
-        # gradients landing (the saved tensors of the layer before are freed by then)
-        act += max(work if blocks else 0.0, head, landing)
-        if lay.checkpointing == "full":  # one block's activations live during recompute
-            act += self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, "none")
-        return act
+        head = (4 + self.e) * bs * rows
+        # one block's activations live while it is recomputed
+        redo = (self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, "none")
+                if lay.checkpointing == "full" else 0.0)
+        v, pipelined = lay.virtual_stages, lay.pp > 1
+        chunks = self.chunks(lay.pp, v)[r]
+        # a runtime that frees its sends as they complete keeps one stage output per
+        # micro-batch in flight, on a rank without the head, until that micro-batch's
+        # backward (the schedule holds it, not autograd): a v-th of one per chunk held
+        keeps_output = (pipelined and rt.keeps_stage_output and not rt.keeps_sends
+                        and not any(has_h for _, _, has_h in chunks))
+        out = msg / v if keeps_output else 0.0
+        # chunks of the same contents hold the same bytes: one group each
+        kinds: dict[tuple[int, bool, bool], int] = {}
+        groups = tuple(kinds.setdefault(c, len(kinds)) for c in chunks)
+        held, transient = [], []
+        for blocks, has_e, has_h in kinds:
+            held.append(blocks * per + (emb if has_e else 0.0) + (logits if has_h else 0.0) + out)
+            # one of these transients at a time: a block's backward, the head's, or a layer's
+            # gradients landing (the saved tensors of the layer before are freed by then)
+            transient.append(max(work if blocks else 0.0, head if has_h else 0.0, landing)
+                             + (redo if blocks else 0.0))
+        sent = msg if pipelined and rt.keeps_sends else 0.0
+        posted = msg if pipelined and rt.p2p_async else 0.0
+        states = memory_states(lay.schedule, lay.pp, lay.micro_batches, v, r, groups)
+        return max(
+            sum(n * a for n, a in zip(st.held, held, strict=True)) + st.sent * sent
+            + st.posted * posted + (transient[st.running] if st.running >= 0 else 0.0)
+            for st in states
+        )
 
     def evaluate(self, lay: Layout) -> Estimate:
         est = Estimate(lay, memory=self.memory(lay))

@@ -16,6 +16,10 @@ fake backend's ``wait`` returns at once; its ``is_completed`` is made to agree, 
 buckets are freed as on a GPU once their reduction is done); a fake tensor's ``data_ptr`` is
 made unique per storage (the gradient buckets compare pointers); ``Module.to`` of a module
 already on the device is left alone (torch would swap each fake parameter, which fails).
+The fake tensors live on the CPU; where the code takes another path on the device the run
+stands for (``device``), it takes that one: on CUDA, :mod:`distllm.nn.precision`'s layer norm
+and embedding run on 16-bit tensors as they are (on the CPU they compute in fp32, and a
+layer norm keeps an fp32 copy of its input for backward).
 Scalars and small integer or boolean tensors made by factory calls run for real, so step
 counts, masks and index arithmetic keep their values; their bytes are counted as well.
 """
@@ -36,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["DryRun", "dry_run", "SMALL_REAL"]
+__all__ = ["DryRun", "dry_run", "SMALL_REAL", "DEVICES"]
 
 SMALL_REAL = 1 << 17  # integer/boolean factory results below this many elements are real
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
@@ -102,10 +106,15 @@ class _Counter(TorchDispatchMode):
         return out
 
 
+DEVICES = ("cuda", "cpu")
+
+
 @contextlib.contextmanager
-def _patched(header: tuple[torch.Size, torch.dtype], counter: _Counter) -> Iterator[None]:
+def _patched(header: tuple[torch.Size, torch.dtype], counter: _Counter,
+             device: str = "cpu") -> Iterator[None]:
     """The stand-ins listed in the module docstring, and the counting of in-place storage
     resizes (which no op reports), undone on exit."""
+    from distllm.nn import precision
     from distllm.parallel.pipeline import pp_comm
 
     bases: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -121,6 +130,7 @@ def _patched(header: tuple[torch.Size, torch.dtype], counter: _Counter) -> Itera
         return bases[st] + t.storage_offset() * t.element_size()
 
     orig_to, orig_decode = torch.nn.Module.to, pp_comm._decode
+    orig_low = precision._low_on_cpu
 
     def to(self, *args, **kwargs):
         dev, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
@@ -142,9 +152,12 @@ def _patched(header: tuple[torch.Size, torch.dtype], counter: _Counter) -> Itera
     torch.nn.Module.to = to
     pp_comm._decode = lambda _hdr: header
     work.is_completed = lambda _self: True  # as its wait(): done at once
+    if device != "cpu":
+        precision._low_on_cpu = lambda _t: False
     try:
         yield
     finally:
+        precision._low_on_cpu = orig_low
         del FakeTensor.data_ptr
         torch.nn.Module.to = orig_to
         pp_comm._decode = orig_decode
@@ -218,9 +231,10 @@ def _measure(engine, counter: _Counter, tokens: torch.Tensor, clip: float):
     return phases, _state_bytes(engine)
 
 
-def dry_run(train_cfg, model_cfg, world: int, pp_rank: int = 0) -> DryRun:
+def dry_run(train_cfg, model_cfg, world: int, pp_rank: int = 0, device: str = "cuda") -> DryRun:
     """One training step of global rank ``pp_rank * dp * tp`` (pipeline rank ``pp_rank``,
-    first DP and TP rank) of ``train_cfg``'s layout on ``world`` fake ranks.
+    first DP and TP rank) of ``train_cfg``'s layout on ``world`` fake ranks, taking the code
+    paths of ``device`` (``cuda`` or ``cpu``, see the module docstring).
 
     ``train_cfg``: a :class:`distllm.train.config.TrainConfig` (its ``parallel`` layout,
     ``dtype``, ``global_batch``, ``seq_len`` and ``activation_checkpointing``);
@@ -236,6 +250,8 @@ def dry_run(train_cfg, model_cfg, world: int, pp_rank: int = 0) -> DryRun:
     seq = train_cfg.seq_len or model_cfg.max_seq_len
     dp = check_layout(train_cfg, world, n_layers=model_cfg.n_layers, n_heads=model_cfg.n_heads,
                       hidden=model_cfg.hidden_size, seq_len=seq)
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r}: choose one of {', '.join(DEVICES)}")
     if not 0 <= pp_rank < p.pp:
         raise ValueError(f"pp_rank={pp_rank}: choose a pipeline rank in 0..{p.pp - 1}")
     if dist.is_initialized():
@@ -250,7 +266,7 @@ def dry_run(train_cfg, model_cfg, world: int, pp_rank: int = 0) -> DryRun:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     counter = _Counter()
     try:
-        with _patched(header, counter), FakeTensorMode(allow_non_fake_inputs=True), counter:
+        with _patched(header, counter, device), FakeTensorMode(allow_non_fake_inputs=True), counter:
             engine = Engine(train_cfg, model_cfg, ParallelDims(tp=p.tp, pp=p.pp, dp=dp))
             tokens = torch.zeros(train_cfg.global_batch // dp, seq, dtype=torch.long)
             phases, states = _measure(engine, counter, tokens, train_cfg.optim.grad_clip)

@@ -54,6 +54,13 @@ class Runtime:
     """zb-h1's deferred weight-gradient pass needs the parameters and the forward's tensors
     still in memory: the runtime refuses zb-h1 with ZeRO-3 (which releases the parameters
     after use) and with activation checkpointing (whose recomputation frees them)."""
+    keeps_sends: bool = False
+    """Every activation and input gradient a pipeline rank sends stays in memory until the end
+    of the step, where the sends are waited for (False: freed as each send completes)."""
+    keeps_gathered_input: bool = False
+    """Under sequence parallelism the column-parallel GEMMs (QKV, the MLP's first) keep the
+    all-gathered full-sequence input for their weight gradient; False: they keep their
+    sequence shard and all-gather it again in backward (Korthikanti et al. 2022, sec. 4.2.2)."""
     step_syncs: bool = False
     """Each optimizer step all-reduces scalars on the host's path (the loss, the gradient
     norm, the inf/NaN flag), one small collective each (:meth:`TimeModel.sync_time`)."""
@@ -86,6 +93,8 @@ RUNTIMES: dict[str, Runtime] = {
         keeps_stage_output=True,
         causal_skip=True,
         zero_grad_accumulation="full",
+        keeps_sends=True,
+        keeps_gathered_input=True,
         step_syncs=True,
         zb_h1_resident=True,
         dtypes=("float32", "bfloat16", "float64"),
@@ -106,7 +115,11 @@ RUNTIMES: dict[str, Runtime] = {
             "p2p_async": "distllm.parallel.pipeline.pp_comm: batched isend/irecv, waited "
             "for only by the compute that consumes them",
             "keeps_stage_output": "distllm.parallel.pipeline.executor holds each micro-batch's "
-            "stage output until its backward",
+            "stage output until its backward (among the sends kept: keeps_sends)",
+            "keeps_sends": "distllm.parallel.pipeline.pp_comm.StageComm: each sent tensor "
+            "is kept (_keep) until finish() at the end of the step",
+            "keeps_gathered_input": "distllm.parallel.tensor.layers._ColumnParallelMatmul and "
+            "fused_mlp save x_full, the all-gathered input, for the weight gradient",
             "causal_skip": "torch scaled_dot_product_attention(is_causal=True)",
             "zero_grad_accumulation": "distllm.parallel.data buckets: non-persistent "
             "buffers filled under no_sync() until the last micro-batch",
@@ -146,6 +159,10 @@ RUNTIMES: dict[str, Runtime] = {
             "once, then torch.cuda.synchronize()",
             "keeps_stage_output": "Megatron-LM 2021 schedules keep output_tensors for backward",
             "causal_skip": "no fused attention: the full s x s scores (paper sec. 5)",
+            "keeps_sends": "Megatron-LM 2021 p2p_communication waits for each batch of "
+            "transfers at once",
+            "keeps_gathered_input": "no sequence parallelism in the 2021 code; the later one "
+            "all-gathers the input again in backward (Korthikanti et al. 2022)",
             "zero_grad_accumulation": "no ZeRO in the paper's runs",
         },
     ),

@@ -176,6 +176,8 @@ def verify(shape: ModelShape, lay: Layout, *, dtype: str = "bfloat16",
                    flash_attention=True, runtime_name="distllm")
     r = cm.heaviest_rank(lay) if pp_rank is None else pp_rank
     predicted = cm.rank_memory(lay, r)
-    measured = dry_run(train_config_for(lay, plan_shape, dtype), mcfg, world, pp_rank=r)
+    device = "cpu" if prof.cores else "cuda"  # the code paths of the profile's device
+    measured = dry_run(train_config_for(lay, plan_shape, dtype), mcfg, world, pp_rank=r,
+                       device=device)
     name = prof.name if isinstance(profile, Profile) else str(profile)
     return Verification(lay, plan_shape.name, r, predicted, measured, name, prof.usable_bytes)

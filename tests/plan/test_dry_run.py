@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from distllm.cli import main
-from distllm.plan import Layout, preset
+from distllm.plan import Layout, ModelShape, preset
 from distllm.plan.dry_run import dry_run
 from distllm.plan.verify import train_config_for, verify
 
@@ -69,6 +69,39 @@ def test_gpt3_175b_dry_run():
     v = _check(Layout(8, 16, 8, 1, "1f1b", 16, "full", False, 1), "gpt3-175b")
     assert v.measured.world == 1024
     assert v.measured.states["params"] == pytest.approx(v.predicted["params"], rel=1e-3)
+
+
+def test_interleaved_sequence_parallel_dry_run_agrees_with_the_planner():
+    """GPT-3 175B's pick (tp8.pp4, interleaved, sequence parallelism) in miniature: tp=4,
+    pp=4, two chunks per rank, 16 micro-batches, 8 blocks, so that rank 1 holds a 2-block
+    and a 1-block chunk. Its peak needs every term the planner missed there: the QKV and MLP
+    GEMMs' all-gathered inputs (-18% without them), the chunks' own sizes (-13% with an even
+    split), the messages kept until the step's end (-9% without them) and, on the dry run's
+    side, CUDA's layer norm (+8% with the CPU's fp32 copies)."""
+    shape = ModelShape("custom", 8, 128, 8, 512, 256, 256, 16)
+    lay = Layout(4, 4, 1, 0, "interleaved-1f1b", 16, "none", True, 2)
+    v = verify(shape, lay, pp_rank=1)
+    assert abs(v.error) < 0.03, v.report()
+
+
+def test_dry_run_takes_the_code_path_of_its_device():
+    """On the CPU a 16-bit layer norm computes in fp32 and keeps an fp32 copy of its input
+    for backward (``distllm.nn.precision``); on CUDA it keeps the 16-bit input. A dry run
+    for a GPU counts the latter: 2 bytes less per element of each norm's input (two per
+    block and the head's)."""
+    shape = preset("tiny").with_(global_batch=2, seq_len=64)
+    lay = Layout(1, 1, 1, 0, "none", 1, "none", False, 1)
+    from distllm.plan.verify import gpt_config_for
+
+    mcfg = gpt_config_for(shape)
+    cfg = train_config_for(lay, shape, "bfloat16")
+    cpu, cuda = (dry_run(cfg, mcfg, 1, device=d) for d in ("cpu", "cuda"))
+    assert cpu.states == cuda.states
+    norms = 2 * mcfg.n_layers + 1
+    saved = cpu.phases["forward-backward"] - cuda.phases["forward-backward"]
+    assert saved >= 2 * norms * 2 * 64 * mcfg.hidden_size
+    with pytest.raises(ValueError, match="device='tpu'"):
+        dry_run(cfg, mcfg, 1, device="tpu")
 
 
 def test_dry_run_counts_the_states_of_a_small_engine():

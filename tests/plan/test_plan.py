@@ -127,13 +127,37 @@ def _megatron(shape: ModelShape, b: int, t: int, sp: bool, ckpt: str) -> float:
     ],
 )
 def test_activations_match_megatron_formulas(t, sp, ckpt):
+    """Megatron-LM keeps a column-parallel GEMM's input as its sequence shard under sequence
+    parallelism (and all-gathers it again in backward): the paper's table."""
     shape = preset("gpt3-175b")  # dropout on, GPT MLP (f = 4h), no GQA
     cm = CostModel(
-        shape, load_profile("a100-80gb"), 1024, 8, dtype="bfloat16", flash_attention=False
+        shape, load_profile("a100-80gb"), 1024, 8, dtype="bfloat16", flash_attention=False,
+        runtime_name="megatron-lm-2021",
     )
     for b in (1, 3):
         got = cm.layer_activation_bytes(b, t, sp, ckpt)
         assert got == pytest.approx(_megatron(shape, b, t, sp, ckpt), rel=1e-12)
+
+
+@pytest.mark.parametrize("t,ckpt", [(2, "none"), (8, "none"), (8, "selective"), (8, "full")])
+def test_sequence_parallel_gemms_keep_their_gathered_input(t, ckpt):
+    """distllm's QKV and first MLP GEMMs keep the all-gathered full-sequence input for their
+    weight gradient (``_ColumnParallelMatmul``, ``fused_mlp``): the two norm outputs count
+    ``2 s b h`` bytes each instead of their ``1/t`` shard; without sequence parallelism and
+    under full recomputation (the block input only) nothing changes."""
+    shape = preset("gpt3-175b")
+    kw = dict(dtype="bfloat16", flash_attention=False)
+    a100 = load_profile("a100-80gb")
+    ours = CostModel(shape, a100, 1024, 8, **kw)
+    paper = CostModel(shape, a100, 1024, 8, runtime_name="megatron-lm-2021", **kw)
+    for b in (1, 3):
+        sbh = b * shape.seq_len * shape.hidden
+        extra = 0 if ckpt == "full" else 2 * 2 * sbh * (1 - 1 / t)
+        got = ours.layer_activation_bytes(b, t, True, ckpt)
+        assert got == pytest.approx(paper.layer_activation_bytes(b, t, True, ckpt) + extra,
+                                    rel=1e-12)
+        assert ours.layer_activation_bytes(b, t, False, ckpt) == pytest.approx(
+            paper.layer_activation_bytes(b, t, False, ckpt), rel=1e-12)
 
 
 def test_pipeline_closed_forms_against_the_schedule_replay():
@@ -173,6 +197,84 @@ def test_activations_in_flight_match_the_schedule_replay():
                         continue
                     want = simulate(schedule).peak_activations
                     assert in_flight(sch, p, m, v) == pytest.approx(want), (sch, p, m, v)
+
+
+def test_compute_orders_are_the_schedules():
+    """The memory replay's per-rank orders are ``build_schedule``'s, every schedule (zb-h1's
+    longer than ``ZB_H1_BUILT * p`` micro-batches repeat the steady state's period)."""
+    from distllm.parallel.pipeline.schedules import build_schedule
+    from distllm.plan.bubble import ZB_H1_BUILT, compute_order
+
+    for sch in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b"):
+        for p in (2, 3, 4, 5, 8):
+            for m in sorted({1, 2, 3, 5, 8, 16, 2 * ZB_H1_BUILT * p + 1, 5 * p}):
+                for v in (2, 3, 8) if sch == "interleaved-1f1b" else (1,):
+                    try:
+                        schedule = build_schedule(sch, p, m, v)
+                    except ValueError:  # e.g. interleaving with m not a multiple of p
+                        continue
+                    for r in range(p):
+                        want = tuple((a.kind, a.mb, a.chunk) for a in schedule.compute(r))
+                        assert compute_order(sch, p, m, v, r) == want, (sch, p, m, v, r)
+
+
+def test_memory_states_hold_and_send_what_the_schedule_does():
+    """The replay's moments hold at most the simulator's peak of chunks, reach it, and end
+    with every message of the step sent: forward outputs from every stage but the last,
+    input gradients from every stage but the first."""
+    from distllm.plan.bubble import memory_states
+
+    for sch in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b"):
+        for p in (2, 4):
+            for m in (4, 8, 16):
+                for v in (2, 8) if sch == "interleaved-1f1b" else (1,):
+                    for r in range(p):
+                        states = memory_states(sch, p, m, v, r)
+                        peak = max(sum(st.held) for st in states)
+                        assert peak == pytest.approx(in_flight(sch, p, m, v)[r] * v)
+                        sends = sum(m * ((c * p + r < p * v - 1) + (c * p + r > 0))
+                                    for c in range(v))
+                        # the last backward's gradient goes after its moment
+                        assert sends - 1 <= max(st.sent for st in states) <= sends
+
+
+def test_an_interleaved_rank_peaks_with_its_larger_chunks():
+    """GPT-3 175B at pp=4, v=8: 98 entries in 32 chunks, so rank 1's first chunk has 4 blocks
+    and its other seven 3. Interleaved 1F1B runs chunk 0 of micro-batches 4-7 while chunk 7
+    of 0-3 drains: at its peak the rank holds 8 of the 4-block chunks and 25 others,
+    107 blocks, not the 33 / 8 of its 25 blocks (103.1) of an even split."""
+    import dataclasses
+
+    from distllm.plan.bubble import memory_states
+    from distllm.plan.runtime import runtime
+
+    shape = preset("gpt3-175b").with_(dropout=False)
+    # the blocks alone: no stage outputs or messages kept
+    blocks_only = dataclasses.replace(runtime("distllm"), keeps_sends=False,
+                                      keeps_stage_output=False)
+    cm = CostModel(shape, load_profile("a100-80gb"), 1024, 8, runtime_name=blocks_only)
+    assert cm.chunks(4, 8)[1] == [(4, False, False)] + [(3, False, False)] * 7
+    states = memory_states("interleaved-1f1b", 4, 16, 8, 1)
+    assert max(st.held[0] * 4 + sum(st.held[1:]) * 3 for st in states) == 107
+    lay = Layout(8, 4, 32, 1, "interleaved-1f1b", 16, "none", False, 8)
+    per = cm.layer_activation_bytes(3, 8, False, "none")
+    # and one block's backward at a time, or a message being received
+    assert 107 * per < cm.rank_memory(lay, 1)["activations"] < 108 * per
+
+
+def test_distllm_keeps_what_a_pipeline_rank_sends_until_the_step_ends():
+    """distllm's StageComm keeps every activation and input gradient it sends until the end
+    of the step: a middle rank of 1F1B with full recomputation (each block keeps only its
+    input, the size of one message) ends the step holding 2m of them; Megatron-LM 2021,
+    which waits for its transfers at once, holds only the stage outputs in flight."""
+    shape = preset("gpt3-175b").with_(dropout=False)
+    a100 = load_profile("a100-80gb")
+    lay = Layout(8, 4, 32, 1, "1f1b", 48, "full", False, 1)
+    msg = 2 * shape.seq_len * shape.hidden  # one sequence per micro-batch, bf16
+    ours = CostModel(shape, a100, 1024, 8).rank_memory(lay, 1)["activations"]
+    paper = CostModel(shape, a100, 1024, 8, runtime_name="megatron-lm-2021")
+    # the 2m - 1 messages sent before the last backward, less the 3 stage outputs in flight
+    assert ours - paper.rank_memory(lay, 1)["activations"] > (2 * 48 - 1 - 3) * msg
 
 
 def test_zb_h1_layouts_the_trainer_refuses_are_rejected():
