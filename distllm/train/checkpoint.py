@@ -49,7 +49,8 @@ from distllm.models.sharding import (
 )
 from distllm.train.optim_state import MOMENTS, collect, install
 
-__all__ = ["save", "load_latest", "latest", "check_compatible", "prune", "FORMAT"]
+__all__ = ["save", "load_latest", "latest", "check_compatible", "prune", "step_of",
+           "FORMAT"]
 
 FORMAT = "distllm-gpt-ckpt-1"
 
@@ -58,13 +59,22 @@ def _ckpt_root(out: str | os.PathLike) -> Path:
     return Path(out) / "checkpoints"
 
 
+def _complete(root: Path) -> list[Path]:
+    """The complete checkpoints in ``root`` (each with its ``meta.json``), oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(d for d in root.iterdir()
+                  if d.is_dir() and d.name.startswith("step_") and (d / "meta.json").is_file())
+
+
+def step_of(path: Path) -> int:
+    """The step of the checkpoint folder ``path`` (``step_00000042`` -> 42)."""
+    return int(path.name.removeprefix("step_"))
+
+
 def latest(out: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under ``out`` (one with its ``meta.json``), or None."""
-    root = _ckpt_root(out)
-    if not root.is_dir():
-        return None
-    done = sorted(d for d in root.iterdir()
-                  if d.is_dir() and d.name.startswith("step_") and (d / "meta.json").is_file())
+    done = _complete(_ckpt_root(out))
     return done[-1] if done else None
 
 
@@ -78,10 +88,9 @@ def _model_key(cfg) -> dict:
 def _damaged(path: Path, cause: str) -> ValueError:
     """The one-line error of a checkpoint that cannot be read, naming the previous complete
     one (which ``--resume`` takes once this one is moved aside)."""
-    done = sorted(d for d in path.parent.iterdir() if d.is_dir() and d.name.startswith("step_")
-                  and (d / "meta.json").is_file() and d.name < path.name)
-    then = (f"move it aside to resume from {done[-1].name} (step "
-            f"{int(done[-1].name.removeprefix('step_'))}), or pass another --out") if done else \
+    done = [d for d in _complete(path.parent) if d.name < path.name]
+    then = (f"move it aside to resume from {done[-1].name} (step {step_of(done[-1])}), or "
+            f"pass another --out") if done else \
         "pass another --out (no earlier checkpoint is complete)"
     return ValueError(f"checkpoint {path} is damaged ({cause}): {then}")
 
@@ -198,12 +207,9 @@ def prune(out: str | os.PathLike, keep: int) -> list[Path]:
     """Remove all but the newest ``keep`` complete checkpoints under ``out`` (``keep`` 0:
     none removed); returns the removed folders. Incomplete ones (no ``meta.json``) are left
     to the save that made them, and the newest complete one is always kept."""
-    root = _ckpt_root(out)
-    if keep <= 0 or not root.is_dir():
+    if keep <= 0:
         return []
-    done = sorted(d for d in root.iterdir()
-                  if d.is_dir() and d.name.startswith("step_") and (d / "meta.json").is_file())
-    gone = done[:-keep]
+    gone = _complete(_ckpt_root(out))[:-keep]
     for d in gone:
         # renamed first, so that a removal cut short never leaves a complete-looking folder
         aside = d.with_name(f".old-{d.name}")

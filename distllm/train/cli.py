@@ -197,8 +197,7 @@ def check_out(cfg: TrainConfig) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {cfg.out}: it is a file, not a folder; pass another --out")
     if cfg.resume:
-        step = int(checkpoint.check_compatible(out, cfg.model_config()).name.removeprefix(
-            "step_"))
+        step = checkpoint.step_of(checkpoint.check_compatible(out, cfg.model_config()))
         if step >= cfg.steps:
             raise ValueError(f"--resume: the checkpoint in --out {cfg.out} is at step {step}, "
                              f"where --steps {cfg.steps} ends: raise --steps to train on")
@@ -207,7 +206,7 @@ def check_out(cfg: TrainConfig) -> None:
                              f"{step}; raise --stop-after, or drop it")
     elif (prev := checkpoint.latest(out)) is not None:
         raise ValueError(f"--out {cfg.out} holds a previous run's checkpoints (step "
-                         f"{int(prev.name.removeprefix('step_'))}): pass --resume to continue "
+                         f"{checkpoint.step_of(prev)}): pass --resume to continue "
                          f"it, or another --out")
     elif (metrics := out / "metrics.jsonl").is_file() and metrics.stat().st_size > 0:
         raise ValueError(f"--out {cfg.out} holds a previous run's metrics.jsonl (a run without "
