@@ -16,6 +16,12 @@ Both call the torch function as is: a backend that lacks the collective (gloo ha
 reduce-scatter) still raises, and callers keep their own workaround for it
 (:func:`distllm.comm.collectives.reduce_scatter` exchanges pairwise on gloo).
 
+Launching:
+
+- :func:`elastic_launch_config`: torch's elastic ``LaunchConfig``, with ``shutdown_timeout``
+  (how long the agent waits for its workers after passing on a signal, before SIGKILL) where
+  torch has the field; older torch (2.11) waits 30 s.
+
 Switches:
 
 - :func:`tf32_matmul_allowed`: whether float32 CUDA matmuls may use TF32, read from
@@ -34,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
 __all__ = ["ALL_GATHER_API", "REDUCE_SCATTER_API", "all_gather_into", "reduce_scatter_into",
-           "tf32_matmul_allowed"]
+           "tf32_matmul_allowed", "elastic_launch_config", "ELASTIC_SHUTDOWN_TIMEOUT"]
 
 
 def _pick(module: Any, new: str, old: str) -> tuple[str, Callable[..., Any]]:
@@ -87,3 +93,25 @@ def tf32_matmul_allowed() -> bool:
     if precision == "none":
         precision = torch.backends.fp32_precision
     return precision == "tf32"
+
+
+def _elastic_fields() -> set[str]:
+    from dataclasses import fields
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return {f.name for f in fields(LaunchConfig)}
+
+
+ELASTIC_SHUTDOWN_TIMEOUT = "shutdown_timeout" in _elastic_fields()
+"""Whether torch's ``LaunchConfig`` takes ``shutdown_timeout``."""
+
+
+def elastic_launch_config(*, shutdown_timeout: int, **kw: Any) -> Any:
+    """``torch.distributed.launcher.api.LaunchConfig(**kw)``, with ``shutdown_timeout`` (whole
+    seconds) where torch has it (:data:`ELASTIC_SHUTDOWN_TIMEOUT`), else dropped."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if ELASTIC_SHUTDOWN_TIMEOUT:
+        kw["shutdown_timeout"] = shutdown_timeout
+    return LaunchConfig(**kw)

@@ -5,7 +5,8 @@
 - ``trainer``: the loop (learning-rate schedule, metrics, MFU, validation);
 - ``engine``: one rank's GPT chunks, pipeline, DP wrapper or ZeRO optimizer, and AdamW;
 - ``data``: the byte tokenizer, the corpus and the DP-split batch loader;
-- ``checkpoint``, ``optim_state``: sharded checkpoints that load at any other layout.
+- ``checkpoint``, ``optim_state``: sharded checkpoints that load at any other layout;
+- ``stop_signal``: a signal (a scheduler's preemption) stops the run with a checkpoint.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
+import math
 import os
 import signal
 import sys
@@ -232,7 +233,8 @@ def _launcher_scope():
     torch's elastic agent installs; and keeps its log records (of a failed rank, of the
     ranks it stops) off stderr unless ``LOGLEVEL`` (the agent's own knob) is set."""
     env = dict(os.environ)
-    sigs = [s for s in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, s)]
+    sigs = [s for s in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+            if hasattr(signal, s)]
     handlers = {s: signal.getsignal(getattr(signal, s)) for s in sigs}
     loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic",
                                               "torch.distributed.launcher")]
@@ -254,27 +256,38 @@ def _launcher_scope():
             lg.propagate = prop
 
 
-def _launch(nproc: int, argv: list[str]) -> int:
-    """Run ``distllm train argv`` on ``nproc`` ranks of this machine, as ``torchrun
-    --standalone`` does (torch's elastic agent in this process, a c10d rendezvous on a free
-    port, no restarts). Bad input a rank finds is printed once (exit code 2); another failure
-    names the first failed rank (exit code 1); a signal stops the ranks."""
+def _launch(nproc: int, cfg: TrainConfig) -> int:
+    """Run ``cfg`` on ``nproc`` ranks of this machine, as ``torchrun --standalone`` does
+    (torch's elastic agent in this process, a c10d rendezvous on a free port, no restarts).
+    Bad input a rank finds is printed once (exit code 2); another failure names the first
+    failed rank (exit code 1). A signal stops the ranks: the agent passes it on (the signals
+    of ``--save-on-signal`` too, which then save a checkpoint) and waits ``--timeout`` seconds
+    for them (30 s on torch without ``shutdown_timeout``) before it kills them."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
+
+    from distllm.comm.compat import elastic_launch_config
+    from distllm.train.stop_signal import parse_signals
+
+    passed_on = ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"]  # the agent's own default
+    passed_on += [s for s in parse_signals(cfg.save_on_signal) if s not in passed_on]
 
     with tempfile.TemporaryDirectory(prefix="distllm-train-") as tmp, _launcher_scope():
         errors = os.path.join(tmp, "usage-errors")
         os.mkdir(errors)
         os.environ[USAGE_ERRORS_ENV] = errors
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores() // nproc)))
-        config = LaunchConfig(
+        config = elastic_launch_config(
             min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
             rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-            monitor_interval=0.1, logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")))
+            monitor_interval=0.1, logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")),
+            signals_to_handle=",".join(passed_on),
+            shutdown_timeout=math.ceil(cfg.parallel.timeout_s))
         try:
-            elastic_launch(config, sys.executable)("-m", "distllm", "train", *argv)
+            elastic_launch(config, sys.executable)("-m", "distllm", "train",
+                                                   *config_to_argv(cfg))
         except ChildFailedError as exc:
             return _report_failure(exc, Path(errors))
         except SignalException as exc:
@@ -372,4 +385,4 @@ def run(args: argparse.Namespace) -> int:
         return _rank(cfg, world)
     precheck(cfg, world)
     check_out(cfg)
-    return _launch(args.nproc, config_to_argv(cfg))
+    return _launch(args.nproc, cfg)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from distllm.models.gpt import CHECKPOINTING, VOCAB_PARALLEL, GPTConfig, check_vocab_parallel
 from distllm.parallel.pipeline.schedules import SCHEDULES
 from distllm.parallel.tensor.layers import OVERLAP_MODES
+from distllm.train.stop_signal import parse_signals
 
 if TYPE_CHECKING:
     from distllm.plan.layout import Layout
@@ -247,6 +248,10 @@ class TrainConfig:
     """Keep only this many of the newest checkpoints in ``out`` (0: keep all)."""
     save_final: bool = field(default=True, metadata={"flag": "--no-save"})
     """Save a checkpoint after the last step."""
+    save_on_signal: str = "SIGTERM,SIGUSR1"
+    """Signals that stop the run after the step in flight with a checkpoint (comma-separated:
+    SIGTERM, SIGUSR1, SIGUSR2; none: off), for preemptible jobs: a scheduler's SIGTERM, or
+    SLURM's ``--signal=USR1@SECONDS``. Continue with --resume."""
     eval_batches: int = 8
     """Global batches of held-out data used for the validation loss at the end (0: none)."""
     progress: bool = True
@@ -281,6 +286,7 @@ class TrainConfig:
                              f"a count (--keep-checkpoints)")
         if self.save_every < 0:
             raise ValueError(f"save_every={self.save_every}: use 0 (end only) or a step count")
+        parse_signals(self.save_on_signal)
         if self.eval_batches < 0:
             raise ValueError(f"eval_batches={self.eval_batches}: it must be >= 0")
 

@@ -11,6 +11,7 @@ alternate between schedules, or its data-parallel gradient reduction in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -85,6 +86,8 @@ class TrainResult:
     val_loss: float | None = None
     baseline: float = 0.0
     steps_done: int = 0
+    stopped_by: str | None = None
+    """The signal that stopped the run (``--save-on-signal``), or None."""
 
 
 class _Progress:
@@ -173,6 +176,7 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
                seq: int, result: TrainResult) -> None:
     from distllm.parallel.tensor import overlap_plans, overlap_tuning
     from distllm.train import checkpoint
+    from distllm.train.stop_signal import StopSignal, parse_signals
 
     metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a") if dims.rank == 0 else None
     # the tensor-parallel layers' plans, found once (whether a trial runs is asked each step)
@@ -181,7 +185,13 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
     fpt = engine.mcfg.flops_per_token(seq)
     tokens_per_step = cfg.global_batch * seq
     bar = _Progress(cfg.steps, start, cfg.progress and dims.rank == 0)
-    try:
+    stop = StopSignal(parse_signals(cfg.save_on_signal))
+    result.steps_done = start
+    with contextlib.ExitStack() as scope:
+        scope.callback(bar.close)
+        if metrics is not None:
+            scope.callback(metrics.close)
+        scope.enter_context(stop)
         for step in range(start, end):
             lr = lr_at(step, cfg)
             engine.set_lr(lr)
@@ -210,14 +220,16 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
             if reducing and not engine.reduction_tuning():  # it decided in this step
                 bar.write(f"gradient reduction {engine.reduction_reason()}", dims)
             bar.update(f"loss {loss:.4f} | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}%")
-            done = step + 1
-            if cfg.save_every and done % cfg.save_every == 0 and done < end:
+            done = result.steps_done = step + 1
+            saved = bool(cfg.save_every and done % cfg.save_every == 0 and done < end)
+            if saved:
                 checkpoint.save(cfg.out, engine, loader, step=done)
-    finally:
-        bar.close()
-        if metrics is not None:
-            metrics.close()
-    result.steps_done = end
+            # the ranks agree on a stop request; after the last step the run ends anyway
+            result.stopped_by = stop.poll() if done < end else stop.settle()
+            if result.stopped_by is not None:
+                if done < end and not saved:
+                    checkpoint.save(cfg.out, engine, loader, step=done)
+                break
 
 
 def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> TrainResult:
@@ -271,12 +283,24 @@ def _train(cfg: TrainConfig, dims: ParallelDims | None) -> TrainResult:
             _log(f"resumed from step {start} ({cfg.out})", dims)
         # a fresh run starts a fresh metrics file; a resumed one drops steps after its start
         _truncate_metrics(os.path.join(cfg.out, "metrics.jsonl"), start)
-    end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
-    _run_steps(cfg, engine, loader, dims, start, end, seq, result)
-    if cfg.save_final and start < end:
+    planned = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
+    _run_steps(cfg, engine, loader, dims, start, planned, seq, result)
+    end = result.steps_done  # before ``planned`` when a signal stopped the run (saved then)
+    saved = end < planned or cfg.save_final
+    if cfg.save_final and start < end == planned:
         checkpoint.save(cfg.out, engine, loader, step=end)
     if engine.zero is not None:  # nothing in flight when the run ends (ZeRO's gathers)
         engine.zero.wait_params()
+    if result.stopped_by is not None:
+        if end < cfg.steps:
+            what = (f"checkpoint saved in {cfg.out}; continue with --resume" if saved else
+                    "no checkpoint (--no-save)")
+            _log(f"stopped by {result.stopped_by} after step {end} of {cfg.steps} "
+                 f"(--save-on-signal): {what}", dims)
+        else:
+            _log(f"{result.stopped_by} came in the last step: the run is complete; validation "
+                 f"skipped", dims)
+        return result
     if end < cfg.steps:
         _log(f"stopped after step {end} of {cfg.steps} (--stop-after); continue with --resume",
              dims)

@@ -121,6 +121,45 @@ def test_kill_and_resume(corpus, reference, tmp_path):
     _close([x["loss"] for x in lines], ref)
 
 
+def _signalled_at_step_3(corpus: str, out: str) -> list[tuple[list[float], str | None]]:
+    """Rank function: a dp2 ZeRO-1 run of the 60-step schedule in which rank 1 alone gets
+    SIGUSR1 during step 4, then its resume for one more step; each run's losses and
+    ``stopped_by``."""
+    import torch.distributed as dist
+
+    import distllm.train.trainer as trainer
+    from tests.train._util import make_cfg
+
+    lr_at = trainer.lr_at
+
+    def signalling_lr_at(step, cfg):
+        if step == 3 and dist.get_rank() == 1 and not cfg.resume:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return lr_at(step, cfg)
+
+    trainer.lr_at = signalling_lr_at
+    runs = []
+    for kw in (dict(), dict(resume=True, stop_after=6)):
+        res = trainer.train(make_cfg(corpus, out, dp=2, zero=1, steps=60, **kw))
+        runs.append((res.losses, res.stopped_by))
+    return runs
+
+
+def test_a_signal_to_one_rank_stops_every_rank_with_a_checkpoint(corpus, reference, tmp_path):
+    """SIGUSR1 (a ``--save-on-signal`` default) reaching one rank during step 4 stops both
+    after step 5 (the ranks agree one step late, without a wait), with a checkpoint there
+    although ``save_final`` is off; resuming from it reproduces the uninterrupted losses."""
+    out = tmp_path / "run"
+    res = run_distributed(_signalled_at_step_3, 2, corpus, str(out), timeout=300)
+    for (stopped, by), (resumed, by_resumed) in res:
+        assert by == "SIGUSR1" and by_resumed is None
+        assert len(stopped) == 5 and len(resumed) == 1
+        _close(stopped + resumed, reference)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000005"]
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
 class _Payload:
     """Unpickling it creates the folder ``mark``: a stand-in for code a crafted file runs."""
 

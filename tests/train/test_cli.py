@@ -5,6 +5,7 @@ the launcher, ends the job with one line."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -52,6 +53,8 @@ def _err(capsys, argv: list[str]) -> str:
     (["--nproc", "0"], "--nproc 0"),
     (["--global-batch", "0"], "--global-batch"),
     (["--nproc", "2", "--plan", "auto", "--virtual-stages", "2"], "drop --virtual-stages"),
+    (["--nproc", "2", "--save-on-signal", "SIGTERM,INT"],
+     "--save-on-signal SIGTERM,INT: 'INT' is not one of SIGTERM, SIGUSR1, SIGUSR2; name them"),
 ])
 def test_bad_input(capsys, argv, words):
     assert words in _err(capsys, argv)
@@ -166,16 +169,21 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_stops_the_ranks(tmp_path, sig):
+@pytest.mark.parametrize("sig,save_on", [(signal.SIGTERM, None), (signal.SIGUSR1, None),
+                                         (signal.SIGINT, None), (signal.SIGTERM, "none")],
+                         ids=["SIGTERM", "SIGUSR1", "SIGINT", "SIGTERM-not-saving"])
+def test_a_signal_stops_the_ranks(tmp_path, sig, save_on):
     """The ranks run in sessions of their own: the launcher passes a signal on to them, and
-    the job ends with one line (no rank's traceback for Ctrl-C)."""
+    the job ends with one line (no rank's traceback for Ctrl-C). A signal of
+    ``--save-on-signal`` (SIGTERM, SIGUSR1 by default) stops them after a step with a
+    checkpoint at the last step ``metrics.jsonl`` has; Ctrl-C stops them at once."""
     out, log = tmp_path / "run", tmp_path / "stderr.txt"
     ranks: list[int] = []
+    extra = [] if save_on is None else ["--save-on-signal", save_on]
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "distllm", "train", "--nproc", "2",
                                  *TINY, "--steps", "100000", "--global-batch", "4", "--out",
-                                 str(out)], stderr=err, start_new_session=True)
+                                 str(out), *extra], stderr=err, start_new_session=True)
     try:
         deadline = time.time() + 120
         while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").stat().st_size:
@@ -199,6 +207,14 @@ def test_a_signal_stops_the_ranks(tmp_path, sig):
     assert proc.returncode == 128 + sig, err[-2000:]
     assert err.splitlines()[-1] == f"distllm train: stopped by {sig.name}", err[-2000:]
     assert "Traceback" not in err, err[-2000:]
+    saved = sorted(p.name for p in (out / "checkpoints").glob("*"))
+    if sig == signal.SIGINT or save_on == "none":
+        assert saved == [], saved
+        return
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert saved == [f"step_{last:08d}"], (saved, last)
+    assert (f"stopped by {sig.name} after step {last} of 100000 (--save-on-signal): checkpoint "
+            f"saved in {out}; continue with --resume") in err.splitlines(), err[-2000:]
 
 
 # --- flags generated from the config dataclasses --------------------------------------
