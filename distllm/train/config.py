@@ -254,6 +254,9 @@ class TrainConfig:
     SLURM's ``--signal=USR1@SECONDS``. Continue with --resume."""
     eval_batches: int = 8
     """Global batches of held-out data used for the validation loss at the end (0: none)."""
+    eval_every: int = 0
+    """Also validate every this many steps (0: only at the end); each validation loss is in
+    its step's line of metrics.jsonl (``val_loss``)."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     deterministic: bool = False
@@ -289,6 +292,12 @@ class TrainConfig:
         parse_signals(self.save_on_signal)
         if self.eval_batches < 0:
             raise ValueError(f"eval_batches={self.eval_batches}: it must be >= 0")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every={self.eval_every}: use 0 (the end only) or a step "
+                             f"count (--eval-every)")
+        if self.eval_every and not self.eval_batches:
+            raise ValueError(f"--eval-every {self.eval_every} with --eval-batches 0: validation "
+                             f"is off; raise --eval-batches, or drop --eval-every")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -6,7 +6,9 @@ Every rank runs :func:`train`; rank 0 shows the progress bar and writes
 ``grad_norm``, ``step_time_s``, ``mfu``, ``tokens``, and ``overlap_tuning``: whether a
 tensor-parallel layer of rank 0 was in ``overlap="auto"``'s trial in the step, whose calls
 alternate between schedules, or its data-parallel gradient reduction in
-``--overlap-grad-reduce auto``'s, before or after this step).
+``--overlap-grad-reduce auto``'s, before or after this step; ``skipped``: true for a step
+whose gradient was inf/NaN; ``val_loss`` at a step that validated: every ``--eval-every``
+steps, and the last of ``--steps``).
 """
 
 from __future__ import annotations
@@ -84,6 +86,9 @@ def _measured_flops(dtype: torch.dtype, device: torch.device) -> tuple[float, st
 class TrainResult:
     losses: list[float] = field(default_factory=list)
     val_loss: float | None = None
+    """The validation loss after the last step (``--steps``), or None."""
+    val_losses: dict[int, float] = field(default_factory=dict)
+    """Every validation loss of this run, by step (``--eval-every``, and the last step)."""
     baseline: float = 0.0
     steps_done: int = 0
     stopped_by: str | None = None
@@ -132,14 +137,18 @@ def _log(msg: str, dims: ParallelDims) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def _validate(engine, corpus, cfg: TrainConfig, seq: int, dims: ParallelDims) -> float | None:
+def _validate(engine, corpus, cfg: TrainConfig, seq: int, dims: ParallelDims,
+              say: bool = True) -> float | None:
+    """The mean loss of ``--eval-batches`` global batches of the held-out data (the same
+    batches at every call), or None where there are none (said on rank 0 when ``say``)."""
     if cfg.eval_batches == 0:
         return None
     n_windows = (len(corpus.val) - 1) // seq
     batch = cfg.global_batch  # the training shape: the pipeline keeps its micro-batch shape
     if n_windows < batch:
-        _log(f"validation skipped: the held-out data holds {n_windows} sequences of {seq} "
-             f"tokens, fewer than one global batch ({batch})", dims)
+        if say:
+            _log(f"validation skipped: the held-out data holds {n_windows} sequences of {seq} "
+                 f"tokens, fewer than one global batch ({batch})", dims)
         return None
     loader = BatchLoader(corpus.val, seq_len=seq, global_batch=batch, dp=dims.dp,
                          dp_rank=dims.dp_rank, seed=cfg.seed, shuffle=False)
@@ -173,7 +182,7 @@ def _banner(cfg: TrainConfig, mcfg, dims: ParallelDims, corpus) -> None:
 
 
 def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int, end: int,
-               seq: int, result: TrainResult) -> None:
+               seq: int, result: TrainResult, corpus) -> None:
     from distllm.parallel.tensor import overlap_plans, overlap_tuning
     from distllm.train import checkpoint
     from distllm.train.stop_signal import StopSignal, parse_signals
@@ -187,6 +196,7 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
     bar = _Progress(cfg.steps, start, cfg.progress and dims.rank == 0)
     stop = StopSignal(parse_signals(cfg.save_on_signal))
     result.steps_done = start
+    told = False  # whether a validation said why it is skipped
     with contextlib.ExitStack() as scope:
         scope.callback(bar.close)
         if metrics is not None:
@@ -206,21 +216,31 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
             result.losses.append(loss)
             tps = tokens_per_step / dt
             mfu = fpt * tps / (peak * dims.world_size)
+            done = result.steps_done = step + 1
+            val = None
+            if done == cfg.steps or cfg.eval_every and done % cfg.eval_every == 0:
+                val = _validate(engine, corpus, cfg, seq, dims, say=not told)
+                told = True
+                if val is not None:
+                    result.val_losses[done] = val
+                    result.val_loss = val if done == cfg.steps else None
             if metrics is not None:
                 metrics.write(json.dumps({
                     "step": step + 1, "loss": loss, "tokens_per_s": tps, "lr": lr,
                     "grad_norm": norm, "step_time_s": dt, "mfu": mfu,
                     "tokens": (step + 1) * tokens_per_step,
                     "overlap_tuning": tuning or overlap_tuning(plans),
-                    **({"skipped": True} if out.skipped else {})}) + "\n")
+                    **({"skipped": True} if out.skipped else {}),
+                    **({} if val is None else {"val_loss": val})}) + "\n")
                 metrics.flush()
             if out.skipped:
                 bar.write(f"step {step + 1}: an inf/NaN gradient (norm {norm}): the optimizer "
                           f"did not step", dims)
             if reducing and not engine.reduction_tuning():  # it decided in this step
                 bar.write(f"gradient reduction {engine.reduction_reason()}", dims)
+            if val is not None and done < cfg.steps:
+                bar.write(f"step {done}: validation loss {val:.4f}", dims)
             bar.update(f"loss {loss:.4f} | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}%")
-            done = result.steps_done = step + 1
             saved = bool(cfg.save_every and done % cfg.save_every == 0 and done < end)
             if saved:
                 checkpoint.save(cfg.out, engine, loader, step=done)
@@ -284,7 +304,7 @@ def _train(cfg: TrainConfig, dims: ParallelDims | None) -> TrainResult:
         # a fresh run starts a fresh metrics file; a resumed one drops steps after its start
         _truncate_metrics(os.path.join(cfg.out, "metrics.jsonl"), start)
     planned = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
-    _run_steps(cfg, engine, loader, dims, start, planned, seq, result)
+    _run_steps(cfg, engine, loader, dims, start, planned, seq, result, corpus)
     end = result.steps_done  # before ``planned`` when a signal stopped the run (saved then)
     saved = end < planned or cfg.save_final
     if cfg.save_final and start < end == planned:
@@ -297,16 +317,13 @@ def _train(cfg: TrainConfig, dims: ParallelDims | None) -> TrainResult:
                     "no checkpoint (--no-save)")
             _log(f"stopped by {result.stopped_by} after step {end} of {cfg.steps} "
                  f"(--save-on-signal): {what}", dims)
-        else:
-            _log(f"{result.stopped_by} came in the last step: the run is complete; validation "
-                 f"skipped", dims)
-        return result
+            return result
+        _log(f"{result.stopped_by} came in the last step: the run is complete", dims)
     if end < cfg.steps:
         _log(f"stopped after step {end} of {cfg.steps} (--stop-after); continue with --resume",
              dims)
         return result
-    result.val_loss = _validate(engine, corpus, cfg, seq, dims)
-    if result.val_loss is not None:
+    if result.val_loss is not None:  # validated after the last step
         _log(f"validation loss {result.val_loss:.4f} (uniform baseline ln({mcfg.vocab_size}) = "
              f"{result.baseline:.4f}) after {cfg.steps} steps", dims)
     return result

@@ -53,6 +53,9 @@ def _err(capsys, argv: list[str]) -> str:
     (["--nproc", "0"], "--nproc 0"),
     (["--global-batch", "0"], "--global-batch"),
     (["--nproc", "2", "--plan", "auto", "--virtual-stages", "2"], "drop --virtual-stages"),
+    (["--nproc", "2", "--eval-every", "5", "--eval-batches", "0"],
+     "--eval-every 5 with --eval-batches 0: validation is off; raise --eval-batches"),
+    (["--eval-every", "-1"], "eval_every=-1: use 0 (the end only) or a step count"),
     (["--nproc", "2", "--save-on-signal", "SIGTERM,INT"],
      "--save-on-signal SIGTERM,INT: 'INT' is not one of SIGTERM, SIGUSR1, SIGUSR2; name them"),
 ])

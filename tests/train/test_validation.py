@@ -1,0 +1,76 @@
+"""The validation loss: every layout's equals the single-process run's (float64), at each
+``--eval-every`` step and after the last step, and validating does not change training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from distllm.testing import run_distributed
+
+TOL = 1e-10  # float64: the layouts differ in summation order only
+
+
+def _train_validating(runs: list[dict], data: str, out: str) -> list[tuple]:
+    """Rank function: train each of ``runs``; its losses and validation losses by step."""
+    from distllm.train.trainer import train
+    from tests.train._util import make_cfg
+
+    done = []
+    for i, kw in enumerate(runs):
+        res = train(make_cfg(data, f"{out}/run{i}", **kw))
+        done.append((res.losses, res.val_losses, res.val_loss))
+    return done
+
+
+MID = dict(steps=60, stop_after=4, eval_every=2, eval_batches=2)  # validates at 2 and 4
+END = dict(steps=4, eval_batches=2)  # validates after its last step only
+LAYOUTS = [
+    dict(tp=2, pp=2, m=2, sp=True, **MID),
+    dict(tp=2, dp=2, zero=3, vp="on", **MID),
+    dict(pp=2, dp=2, schedule="interleaved-1f1b", m=2, **MID),
+    dict(dp=4, zero=2, **END),
+]
+
+
+@pytest.fixture(scope="module")
+def validated(corpus, tmp_path_factory):
+    one = run_distributed(_train_validating, 1, [MID, END], corpus,
+                          str(tmp_path_factory.mktemp("one")), timeout=300)[0]
+    out = tmp_path_factory.mktemp("four")
+    four = run_distributed(_train_validating, 4, LAYOUTS, corpus, str(out), timeout=600)[0]
+    return {"MID": one[0], "END": one[1]}, four, out
+
+
+def _close(a: float, b: float, what: str) -> None:
+    assert abs(a - b) <= TOL * max(1.0, abs(b)), f"{what}: {a} vs {b}"
+
+
+@pytest.mark.parametrize("i", range(len(LAYOUTS)))
+def test_validation_matches_one_process(validated, reference, i):
+    ones, four, _ = validated
+    kw = LAYOUTS[i]
+    losses, vals, final = four[i]
+    ref_losses, ref_vals, ref_final = ones["MID" if "eval_every" in kw else "END"]
+    if "eval_every" in kw:
+        assert sorted(vals) == [2, 4] and final is None and ref_final is None
+        # validating every 2 steps leaves training as it was (the 6-step reference)
+        for step, (a, b) in enumerate(zip(ref_losses, reference, strict=False)):
+            _close(a, b, f"one process, step {step + 1}")
+        assert ref_vals[4] < ref_vals[2] - 0.05  # it measures something that moves
+    else:
+        assert sorted(vals) == [4] and final == vals[4] and ref_final == ref_vals[4]
+    assert sorted(vals) == sorted(ref_vals)
+    for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
+        _close(a, b, f"{kw} step {step + 1}")
+    for step in vals:
+        _close(vals[step], ref_vals[step], f"{kw} validation at step {step}")
+
+
+def test_validation_goes_into_the_metrics_line(validated):
+    _, _, out = validated
+    lines = [json.loads(x) for x in Path(out, "run0", "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4]
+    assert [("val_loss" in x) for x in lines] == [False, True, False, True]
