@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import datetime as _dt
 import json
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -221,18 +220,6 @@ def _doctor_rank(overlap: str, require: bool | None, steps: int, trace: str | No
     return {"report": rep.as_dict(), "markdown": rep.to_markdown()}
 
 
-def _doctor_env() -> dict[str, str]:
-    """Environment for the doctor's ranks. Without a CUDA device, kineto (the profiler's
-    backend) logs nothing: its trace asks CUDA for the devices even when it profiles the CPU
-    alone, and would print ``gpuGetDeviceCount failed`` as an error on every rank. A
-    ``KINETO_LOG_LEVEL`` set by the user is kept."""
-    import torch
-
-    if "KINETO_LOG_LEVEL" in os.environ or torch.cuda.is_available():
-        return {}
-    return {"KINETO_LOG_LEVEL": "99"}  # above every kineto severity: nothing is printed
-
-
 def _doctor(args: argparse.Namespace) -> int:
     from distllm.testing import run_distributed
 
@@ -242,7 +229,7 @@ def _doctor(args: argparse.Namespace) -> int:
     trace = str((out / "doctor_trace.json").resolve()) if out is not None else None
     link = "loopback"
     with contextlib.ExitStack() as stack:
-        kw: dict = {"env": _doctor_env()}
+        kw: dict = {}
         if args.net:
             from distllm.testing.netem import EmulatedNetwork
 
@@ -250,7 +237,7 @@ def _doctor(args: argparse.Namespace) -> int:
             link = args.net if net.available else f"loopback ({args.net} unavailable: " \
                                                    f"{net.reason})"
             if net.available:
-                kw = {"setup": net.setup, "env": {**kw["env"], **net.env}}
+                kw = {"setup": net.setup, "env": net.env}
         res = run_distributed(_doctor_rank, 2, args.overlap, args.require_overlap, args.steps,
                               trace, timeout=300, **kw)
     print(f"distllm bench --doctor: tp=2 on 2 gloo ranks over {link}, layers built with "

@@ -163,7 +163,9 @@ def _peak_during(fn) -> tuple[int, str]:
         with mode:
             fn()
         return mode.peak - start, "allocator bytes in use after each operator (glibc mallinfo2)"
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
+
+    from distllm.diagnostics.profiler import profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()

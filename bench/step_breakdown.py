@@ -118,7 +118,9 @@ def breakdown(step: Callable[[], object], *, before: Callable[[], object] | None
     after the step, still under the profiler but outside ``wall_ms``: it waits for what
     the step left in flight (ZeRO's parameter gathers, which the next forward would wait
     for), so that no backend thread records an event while the profiler stops."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
+
+    from distllm.diagnostics.profiler import profile
 
     if before is not None:
         before()

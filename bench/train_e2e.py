@@ -235,9 +235,10 @@ def write_breakdown(out: Path, case: str, prof: dict[str, dict]) -> Path:
 def _overhead_setup(cfg: BenchConfig, reps: int) -> Setup:
     """tiny at tp1.pp1.dp1: ``wall`` is one plain step; ``profiled`` the same step under
     ``torch.profiler``, recording the time spent inside operators."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     from distllm import ParallelDims
+    from distllm.diagnostics.profiler import profile
     from distllm.models.gpt import GPTConfig
 
     _, _, batch, seq, _ = _PRESETS[cfg.quick][0]

@@ -7,6 +7,8 @@
 - :mod:`distllm.diagnostics.probe`: the doctor's per-layer hooks and profiler read-out;
 - :mod:`distllm.diagnostics.timeline`: one step as compute and communication lanes, from
   ``torch.profiler``, and the interval algebra of the hidden share;
+- :mod:`distllm.diagnostics.profiler`: the one way distllm starts ``torch.profiler`` (kineto's
+  log quiet on a machine without CUDA);
 - :mod:`distllm.diagnostics.timing`: the one timing module (interleaved repetitions, timers,
   the max over ranks, a collective timed alone) that the doctor, ``distllm bench``,
   calibration and the auto-tuners share.

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from distllm.diagnostics.probe import Probe, full_numel, fused_parents, snapshot, trace
+from distllm.diagnostics.profiler import profile
 from distllm.diagnostics.timing import COLLECTIVES, time_collective
 from distllm.parallel.tensor.layers import settle_overlap
 
@@ -301,7 +302,7 @@ def _profile(step_fn, steps: int, probe: Probe, sync, cuda: bool):
     step_ms = []
     probe.attach()
     try:
-        with torch.profiler.profile(activities=acts) as prof, warnings.catch_warnings():
+        with profile(activities=acts) as prof, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             for _ in range(steps):
                 t0 = time.perf_counter()

@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from distllm.diagnostics.profiler import profile
+
 __all__ = ["lanes", "profile_timeline", "merge", "overlap_ms", "hidden", "COMM_MARKERS"]
 
 COMM_MARKERS = ("gloo:", "nccl")  # a collective running (worker thread / GPU kernel)
@@ -129,7 +131,7 @@ def profile_timeline(fn: Callable[[], object], warmup: int = 1,
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     acts = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=acts) as prof:
+    with profile(activities=acts) as prof:
         fn()
         if cuda:
             torch.cuda.synchronize()

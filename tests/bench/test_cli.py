@@ -168,15 +168,26 @@ def test_doctor_without_cuda_prints_no_profiler_error(tmp_path):
     assert "gpuGetDeviceCount" not in p.stderr and "ERROR:" not in p.stderr, p.stderr
 
 
-def test_doctor_env_keeps_a_users_kineto_log_level(monkeypatch):
-    import torch
-    from distllm.bench import cli
+_PROFILE_ONCE = """
+import torch
+from torch.profiler import ProfilerActivity
+from distllm.diagnostics.profiler import profile
+torch.cuda.is_available = lambda: {cuda}
+with profile(activities=[ProfilerActivity.CPU]):
+    torch.ones(3) + 1
+"""
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
-    assert cli._doctor_env() == {"KINETO_LOG_LEVEL": "99"}
-    monkeypatch.setenv("KINETO_LOG_LEVEL", "0")
-    assert cli._doctor_env() == {}  # the ranks inherit the user's level
-    monkeypatch.delenv("KINETO_LOG_LEVEL")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert cli._doctor_env() == {}
+
+@pytest.mark.parametrize("level,cuda,quiet", [(None, False, True), ("0", False, False),
+                                              (None, True, False)])
+def test_the_profiler_is_quiet_without_cuda_unless_the_user_sets_a_level(level, cuda, quiet):
+    """distllm's profiles (doctor, timeline, the bench suites) leave kineto's log off on a
+    machine without CUDA; a KINETO_LOG_LEVEL the user set is kept, and so is kineto's log
+    where CUDA is (there it also prints its start/stop lines)."""
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    if level is not None:
+        env["KINETO_LOG_LEVEL"] = level
+    p = subprocess.run([sys.executable, "-c", _PROFILE_ONCE.format(cuda=cuda)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert ("profiler_start" not in p.stderr) == quiet, p.stderr
