@@ -62,7 +62,7 @@ class StopSignal:
 
         self.names = names
         self.group = group
-        self.device = group_device(group)
+        self.device = group_device(group) if names else torch.device("cpu")
         self.received = 0  # the signal number this rank received (the highest), 0: none
         self._previous: dict[int, object] = {}
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
@@ -81,21 +81,35 @@ class StopSignal:
         for num, handler in self._previous.items():
             signal.signal(num, handler)
         self._previous.clear()
-        pending, self._pending = self._pending, None
-        if pending is not None and exc_type is None:  # nothing in flight after the steps
-            pending[0].wait()  # (after a failure, a peer may never join it)
+        if exc_type is None:  # nothing in flight after the steps (after a failure, a peer
+            self._finish()  # may never join it)
+        self._pending = None
 
     def _start(self) -> None:
-        flag = torch.tensor([self.received], dtype=torch.int32, device=self.device)
+        flag = torch.full((1,), self.received, dtype=torch.int32, device=self.device)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        self._pending = (work, flag)
+        if self.device.type == "cuda":
+            # read back without syncing the stream at the next poll (which would wait for the
+            # step queued since): the stream waits for the all-reduce and copies the flag to
+            # pinned memory; the next poll waits for this point of the stream only
+            work.wait()
+            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            host.copy_(flag, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            self._pending = (done, host)
+        else:
+            self._pending = (work, flag)
 
     def _finish(self) -> int:
         if self._pending is None:
             return 0
-        work, flag = self._pending
+        handle, flag = self._pending
         self._pending = None
-        work.wait()
+        if isinstance(handle, torch.cuda.Event):
+            handle.synchronize()
+        else:
+            handle.wait()
         return int(flag.item())
 
     def poll(self) -> str | None:

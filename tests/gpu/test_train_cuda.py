@@ -73,3 +73,25 @@ def test_tiny_gpt_one_step(tmp_path, dtype, autocast):
     for key, tol in (("loss", LOSS_TOL), ("norm", NORM_TOL), ("loss_after", LOSS_TOL)):
         assert abs(r[key] - r["ref_" + key]) <= tol * abs(r["ref_" + key]), (key, r)
     assert r["loss_after"] < r["loss"], r  # the step moved the weights downhill
+
+
+def _polls_on_nccl() -> tuple[list, str]:
+    import os
+    import signal
+
+    from distllm.train.stop_signal import StopSignal
+
+    got = []
+    with StopSignal(("SIGUSR1",)) as stop:
+        got.append(stop.poll())
+        os.kill(os.getpid(), signal.SIGUSR1)
+        got.append(stop.poll())
+        got.append(stop.poll())
+    return got, stop.device.type
+
+
+def test_stop_signal_agrees_over_nccl():
+    """The stop request's all-reduce takes a CUDA tensor on NCCL, and is read back through
+    pinned memory and an event (not a sync of the whole stream)."""
+    got, device = run_nccl(_polls_on_nccl)
+    assert device == "cuda" and got == [None, None, "SIGUSR1"]
