@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from distllm.models.gpt import CHECKPOINTING, VOCAB_PARALLEL, GPTConfig, check_vocab_parallel
 from distllm.parallel.pipeline.schedules import SCHEDULES
 from distllm.parallel.tensor.layers import OVERLAP_MODES
+from distllm.train.data import TOKEN_DTYPES
 from distllm.train.stop_signal import parse_signals
 
 if TYPE_CHECKING:
@@ -231,7 +232,10 @@ class TrainConfig:
     activation_checkpointing: str = _choice("none", CHECKPOINTING)
     """Recompute activations in backward: none, selective (attention core) or full (blocks)."""
     data: str | None = None
-    """A text file or a folder of text files; None uses the Python standard library's sources."""
+    """A text file or a folder of text files (read as bytes), a .bin file of token ids, or a
+    folder holding train.bin (and val.bin); None uses the Python standard library's sources."""
+    data_dtype: str = _choice("uint16", TOKEN_DTYPES)
+    """The dtype of a .bin file's token ids (nanoGPT writes uint16)."""
     out: str = "runs/train"
     """Output folder: metrics.jsonl and checkpoints."""
     resume: bool = False

@@ -6,6 +6,13 @@ every machine with Python, deterministic for a given Python version. Files are r
 order and joined with a blank line; the last ``val_fraction`` of the bytes is held out for the
 validation loss.
 
+Pre-tokenized data: a ``.bin`` file of token ids, as nanoGPT's ``prepare.py`` writes them
+(the ids back to back, little-endian, no header; ``uint16`` by default, ``uint32`` with
+``--data-dtype`` for vocabularies past 65,536), read through a memory map, so that a file
+larger than memory trains. ``--data`` names the file (its last ``val_fraction`` held out), or
+a folder holding ``train.bin`` and, for the validation loss, ``val.bin`` (else ``train.bin``'s
+tail is held out). The ids must fit the model's vocabulary: the loader checks each batch.
+
 The loader cuts the training bytes into non-overlapping windows of ``seq_len + 1`` tokens
 (inputs and shifted targets), shuffles the windows once per epoch with a generator seeded by
 ``(seed, epoch)``, and hands out global batches in that order; DP rank ``r`` takes rows
@@ -21,6 +28,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -29,7 +37,12 @@ __all__ = [
     "load_corpus",
     "BatchLoader",
     "default_corpus_files",
+    "TOKEN_DTYPES",
+    "check_vocab",
 ]
+
+TOKEN_DTYPES = ("uint16", "uint32")
+"""The dtypes of a ``.bin`` file's token ids (``--data-dtype``)."""
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".json", ".csv", ".c", ".h", ".html", ".tex")
 
@@ -77,18 +90,66 @@ def _files_of(path: str) -> list[Path]:
 
 @dataclass
 class Corpus:
-    """Token ids of the training and validation parts (int64 CPU tensors) and where they came
-    from."""
+    """Token ids of the training and validation parts and where they came from: uint8 CPU
+    tensors of a text's bytes, or read-only memory maps of a ``.bin`` file's ids."""
 
-    train: torch.Tensor
-    val: torch.Tensor
+    train: torch.Tensor | np.ndarray
+    val: torch.Tensor | np.ndarray
     source: str
     n_files: int
 
 
-def load_corpus(path: str | None = None, *, val_fraction: float = 0.02,
-                min_tokens: int = 64) -> Corpus:
-    """Read ``path`` (a file, a folder, or None for the standard library) into token ids."""
+def _held_out(n: int, val_fraction: float) -> int:
+    """How many of ``n`` ids (the last) are held out for validation."""
+    return max(int(n * val_fraction), min(n // 2, 4096))
+
+
+def _token_files(path: str) -> tuple[Path, Path | None] | None:
+    """``(train, val or None)`` where ``path`` is a ``.bin`` file or a folder holding
+    ``train.bin``, else None (text)."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".bin":
+        val = p.with_name("val.bin") if p.name == "train.bin" else None
+        return p, val if val is not None and val.is_file() else None
+    if p.is_dir() and (p / "train.bin").is_file():
+        return p / "train.bin", (p / "val.bin") if (p / "val.bin").is_file() else None
+    return None
+
+
+def _memmap(f: Path, dtype: str, path: str) -> np.ndarray:
+    itemsize = np.dtype(dtype).itemsize
+    size = f.stat().st_size
+    if size % itemsize:
+        raise ValueError(f"--data {path}: {f.name} holds {size} bytes, not a whole number of "
+                         f"{dtype} token ids; check --data-dtype ({', '.join(TOKEN_DTYPES)})")
+    if size == 0:
+        return np.zeros(0, dtype=dtype)  # numpy cannot map an empty file
+    return np.memmap(f, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
+
+
+def _load_tokens(path: str, files: tuple[Path, Path | None], dtype: str, val_fraction: float,
+                 min_tokens: int) -> Corpus:
+    if dtype not in TOKEN_DTYPES:
+        raise ValueError(f"--data-dtype {dtype}: choose one of {', '.join(TOKEN_DTYPES)}")
+    train_f, val_f = files
+    ids = _memmap(train_f, dtype, path)
+    if len(ids) < min_tokens:
+        raise ValueError(f"--data {path}: {train_f.name} holds {len(ids)} token ids, too few to "
+                         f"train on (need at least {min_tokens}); pass a bigger file")
+    if val_f is not None:
+        train, val = ids, _memmap(val_f, dtype, path)
+    else:
+        n_val = _held_out(len(ids), val_fraction)
+        train, val = ids[:-n_val], ids[-n_val:]
+    return Corpus(train=train, val=val, source=os.fspath(path), n_files=1 + (val_f is not None))
+
+
+def load_corpus(path: str | None = None, *, val_fraction: float = 0.02, min_tokens: int = 64,
+                dtype: str = "uint16") -> Corpus:
+    """Read ``path`` (a file, a folder, or None for the standard library) into token ids:
+    text as bytes, or a ``.bin`` file of ``dtype`` token ids (see the module's docstring)."""
+    if path is not None and (tokens := _token_files(path)) is not None:
+        return _load_tokens(path, tokens, dtype, val_fraction, min_tokens)
     files = default_corpus_files() if path is None else _files_of(path)
     chunks = []
     for f in files:
@@ -105,8 +166,26 @@ def load_corpus(path: str | None = None, *, val_fraction: float = 0.02,
             f"{min_tokens}); pass a bigger file or folder"
         )
     ids = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    n_val = max(int(len(ids) * val_fraction), min(len(ids) // 2, 4096))
+    n_val = _held_out(len(ids), val_fraction)
     return Corpus(train=ids[:-n_val], val=ids[-n_val:], source=source, n_files=len(files))
+
+
+SCAN_IDS = 1 << 20
+"""How many ids of each part :func:`check_vocab` reads (the first)."""
+
+
+def check_vocab(corpus: Corpus, vocab_size: int, model: str) -> None:
+    """Refuse a corpus whose first :data:`SCAN_IDS` training or validation ids reach past
+    ``vocab_size``: before any step, the same on every rank (the loader checks each batch
+    too, for ids further in)."""
+    for part in (corpus.train, corpus.val):
+        head = part[:SCAN_IDS]
+        top = int(head.max()) if len(head) else -1
+        if top >= vocab_size:
+            raise ValueError(
+                f"--data {corpus.source}: token id {top} is beyond the vocabulary of --model "
+                f"{model} ({vocab_size} ids): choose a --model whose vocabulary covers the "
+                f"data's tokenizer (gpt2-* for GPT-2's), or check --data-dtype")
 
 
 class BatchLoader:
@@ -116,11 +195,13 @@ class BatchLoader:
     none (every rank derives the same order from the seed).
     """
 
-    def __init__(self, tokens: torch.Tensor, *, seq_len: int, global_batch: int, dp: int = 1,
-                 dp_rank: int = 0, seed: int = 0, shuffle: bool = True):
+    def __init__(self, tokens: torch.Tensor | np.ndarray, *, seq_len: int, global_batch: int,
+                 dp: int = 1, dp_rank: int = 0, seed: int = 0, shuffle: bool = True,
+                 vocab_size: int | None = None):
         if global_batch % dp:
             raise ValueError(f"global_batch={global_batch} is not divisible by dp={dp}")
         self.tokens = tokens
+        self.vocab_size = vocab_size  # every batch's ids are checked against it (when given)
         self.seq_len = seq_len
         self.global_batch = global_batch
         self.dp, self.dp_rank = dp, dp_rank
@@ -155,7 +236,15 @@ class BatchLoader:
         self.index += self.global_batch
         # (b, 1) * seq + (1, seq+1) -> (b, seq+1) token offsets
         offs = windows[:, None] * self.seq_len + torch.arange(self.seq_len + 1)[None, :]
-        seqs = self.tokens[offs].long()
+        if isinstance(self.tokens, np.ndarray):  # a memory map: only these windows are read
+            seqs = torch.from_numpy(self.tokens[offs.numpy()].astype(np.int64))
+        else:
+            seqs = self.tokens[offs].long()
+        if self.vocab_size is not None and int(seqs.max()) >= self.vocab_size:
+            raise ValueError(
+                f"the data holds token ids beyond the model's vocabulary of {self.vocab_size} "
+                f"ids: choose a --model whose vocabulary covers the data's tokenizer (gpt2-* "
+                f"for GPT-2's), or check --data-dtype")
         return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
 
     def __iter__(self):

@@ -27,7 +27,7 @@ from distllm.comm.compat import tf32_matmul_allowed
 from distllm.dtypes import dtype_name
 from distllm.parallel.mesh import ParallelDims
 from distllm.train.config import TrainConfig, check_layout
-from distllm.train.data import BatchLoader, load_corpus
+from distllm.train.data import BatchLoader, check_vocab, load_corpus
 from distllm.train.host_memory import keep_freed_memory
 
 __all__ = ["train", "lr_at", "TrainResult", "peak_flops"]
@@ -151,7 +151,8 @@ def _validate(engine, corpus, cfg: TrainConfig, seq: int, dims: ParallelDims,
                  f"tokens, fewer than one global batch ({batch})", dims)
         return None
     loader = BatchLoader(corpus.val, seq_len=seq, global_batch=batch, dp=dims.dp,
-                         dp_rank=dims.dp_rank, seed=cfg.seed, shuffle=False)
+                         dp_rank=dims.dp_rank, seed=cfg.seed, shuffle=False,
+                         vocab_size=engine.mcfg.vocab_size)
     n = min(cfg.eval_batches, n_windows // batch)
     engine.train(False)
     total = 0.0
@@ -290,9 +291,10 @@ def _train(cfg: TrainConfig, dims: ParallelDims | None) -> TrainResult:
     seq = cfg.seq_len or mcfg.max_seq_len
     check_layout(cfg, dims.world_size, n_layers=mcfg.n_layers, n_heads=mcfg.n_heads,
                  hidden=mcfg.hidden_size, seq_len=seq)
-    corpus = load_corpus(cfg.data)
+    corpus = load_corpus(cfg.data, dtype=cfg.data_dtype)
+    check_vocab(corpus, mcfg.vocab_size, cfg.model)
     loader = BatchLoader(corpus.train, seq_len=seq, global_batch=cfg.global_batch, dp=dims.dp,
-                         dp_rank=dims.dp_rank, seed=cfg.seed)
+                         dp_rank=dims.dp_rank, seed=cfg.seed, vocab_size=mcfg.vocab_size)
     engine = Engine(cfg, mcfg, dims)
     result = TrainResult(baseline=math.log(mcfg.vocab_size))
     start = checkpoint.load_latest(cfg.out, engine, loader) if cfg.resume else 0

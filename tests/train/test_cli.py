@@ -121,6 +121,17 @@ def test_bad_input_a_rank_finds_is_one_line(capfd, tmp_path):
     assert "fewer than one global batch of 16: lower --global-batch" in line
 
 
+def test_token_ids_past_the_vocabulary_are_one_line(capfd, tmp_path):
+    """Ids 0..20000 fed to the 256-id tiny model: the largest of the training part (the last
+    4096 are held out) is named, once, by every rank before a step."""
+    import numpy as np
+
+    np.arange(20_001).astype(np.uint16).tofile(tmp_path / "gpt2.bin")
+    line = _one_line(capfd, ["--nproc", "2", *TINY, "--global-batch", "4", "--data",
+                             str(tmp_path / "gpt2.bin"), "--out", str(tmp_path / "run")])
+    assert "token id 15904 is beyond the vocabulary of --model tiny (256 ids)" in line, line
+
+
 def test_a_fresh_run_refuses_old_checkpoints_and_resume_checks_the_batch(capfd, tmp_path):
     out = str(tmp_path / "run")
     assert main(["train", "--nproc", "2", *TINY, "--global-batch", "4", "--out", out]) == 0

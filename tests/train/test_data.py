@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from distllm.train.config import TrainConfig
-from distllm.train.data import BatchLoader, ByteTokenizer, load_corpus
+from distllm.train.data import SCAN_IDS, BatchLoader, ByteTokenizer, check_vocab, load_corpus
 from distllm.train.trainer import lr_at
 
 
@@ -68,6 +69,70 @@ def test_loader_resumes_mid_epoch():
 def test_loader_refuses_too_little_data():
     with pytest.raises(ValueError, match="--global-batch"):
         BatchLoader(torch.arange(50), seq_len=10, global_batch=8)
+
+
+# --- pre-tokenized .bin files ----------------------------------------------------------
+
+def _ids(n: int, top: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, top, n)
+
+
+@pytest.mark.parametrize("dtype,top", [("uint16", 50257), ("uint32", 128256)])
+def test_a_token_file_is_memory_mapped_and_split_as_text_is(tmp_path, dtype, top):
+    ids = _ids(300_000, top)
+    ids.astype(dtype).tofile(tmp_path / "tokens.bin")
+    c = load_corpus(str(tmp_path / "tokens.bin"), dtype=dtype)
+    assert isinstance(c.train, np.memmap) and c.n_files == 1
+    n_val = int(len(ids) * 0.02)  # the text split: 2%, at least min(half, 4096)
+    assert np.array_equal(c.train, ids[:-n_val]) and np.array_equal(c.val, ids[-n_val:])
+    # the loader hands out the same batches as from the ids in memory
+    a = BatchLoader(c.train, seq_len=31, global_batch=6, dp=2, dp_rank=1, seed=5, vocab_size=top)
+    b = BatchLoader(torch.from_numpy(ids[:-n_val]), seq_len=31, global_batch=6, dp=2,
+                    dp_rank=1, seed=5)
+    for _ in range(20):
+        (x, y), (u, v) = a.next(), b.next()
+        assert x.dtype == torch.int64 and torch.equal(x, u) and torch.equal(y, v)
+
+
+def test_a_folder_of_train_and_val_bin(tmp_path):
+    _ids(10_000, 1000, 1).astype("uint16").tofile(tmp_path / "train.bin")
+    _ids(3_000, 1000, 2).astype("uint16").tofile(tmp_path / "val.bin")
+    for path in (tmp_path, tmp_path / "train.bin"):  # the folder, or its train.bin
+        c = load_corpus(str(path))
+        assert len(c.train) == 10_000 and len(c.val) == 3_000 and c.n_files == 2
+        assert np.array_equal(c.val, _ids(3_000, 1000, 2))
+
+
+def test_token_files_refuse_what_they_cannot_read(tmp_path):
+    (tmp_path / "odd.bin").write_bytes(b"\0" * 1001)
+    with pytest.raises(ValueError, match="1001 bytes, not a whole number of uint16 token ids; "
+                                         "check --data-dtype"):
+        load_corpus(str(tmp_path / "odd.bin"))
+    (tmp_path / "short.bin").write_bytes(b"\0" * 20)
+    with pytest.raises(ValueError, match="holds 10 token ids, too few to train on"):
+        load_corpus(str(tmp_path / "short.bin"))
+
+
+def test_ids_past_the_vocabulary_are_refused_naming_the_model():
+    ids = np.full(1000, 300, dtype=np.uint16)  # the tiny model has 256 ids
+    loader = BatchLoader(ids, seq_len=9, global_batch=4, vocab_size=256)
+    with pytest.raises(ValueError, match="token ids beyond the model's vocabulary of 256 ids: "
+                                         "choose a --model"):
+        loader.next()
+
+
+def test_check_vocab_reads_the_start_of_each_part(tmp_path):
+    ids = np.zeros(SCAN_IDS + 5000, dtype=np.uint16)
+    ids[SCAN_IDS + 10] = 999  # past the scan: left to the loader
+    ids.tofile(tmp_path / "train.bin")
+    val = np.zeros(100, dtype=np.uint16)
+    val.tofile(tmp_path / "val.bin")
+    check_vocab(load_corpus(str(tmp_path)), 256, "tiny")
+    val[99] = 256
+    val.tofile(tmp_path / "val.bin")
+    with pytest.raises(ValueError, match=r"--data .*: token id 256 is beyond the vocabulary of "
+                                         r"--model tiny \(256 ids\): choose a --model"):
+        check_vocab(load_corpus(str(tmp_path)), 256, "tiny")
 
 
 def test_lr_schedule_warmup_then_cosine():

@@ -74,3 +74,28 @@ def test_validation_goes_into_the_metrics_line(validated):
     lines = [json.loads(x) for x in Path(out, "run0", "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
     assert [("val_loss" in x) for x in lines] == [False, True, False, True]
+
+
+def _train_on(datas: list[str], out: str) -> list[tuple]:
+    """Rank function: the same dp2 ZeRO-1 run on each of ``datas``."""
+    from distllm.train.trainer import train
+    from tests.train._util import make_cfg
+
+    done = []
+    for i, data in enumerate(datas):
+        res = train(make_cfg(data, f"{out}/run{i}", dp=2, zero=1, **END))
+        done.append((res.losses, res.val_loss))
+    return done
+
+
+def test_a_token_file_trains_as_its_text_does(corpus, tmp_path):
+    """The corpus's bytes written as uint16 token ids (nanoGPT's .bin) train to the same
+    losses and validation loss as the text file itself: the same split, windows and batches."""
+    import numpy as np
+
+    ids = np.frombuffer(Path(corpus).read_bytes(), dtype=np.uint8).astype(np.uint16)
+    ids.tofile(tmp_path / "corpus.bin")
+    (text, text_val), (bins, bins_val) = run_distributed(
+        _train_on, 2, [corpus, str(tmp_path / "corpus.bin")], str(tmp_path), timeout=300)[0]
+    assert len(text) == 4 and text_val is not None
+    assert bins == text and bins_val == text_val
