@@ -201,7 +201,13 @@ class BatchLoader:
         if global_batch % dp:
             raise ValueError(f"global_batch={global_batch} is not divisible by dp={dp}")
         self.tokens = tokens
-        self.vocab_size = vocab_size  # every batch's ids are checked against it (when given)
+        self.vocab_size = vocab_size  # the ids are checked against it (when given): tensors
+        # here, as a whole (bytes, whose ids cannot reach 256, need no look); memory maps (files
+        # larger than memory) in each batch, as numpy arrays (no tensor read in a step)
+        if (vocab_size is not None and isinstance(tokens, torch.Tensor) and len(tokens)
+                and not (tokens.dtype == torch.uint8 and vocab_size >= 256)
+                and int(tokens.max()) >= vocab_size):
+            raise ValueError(self._beyond())
         self.seq_len = seq_len
         self.global_batch = global_batch
         self.dp, self.dp_rank = dp, dp_rank
@@ -237,15 +243,18 @@ class BatchLoader:
         # (b, 1) * seq + (1, seq+1) -> (b, seq+1) token offsets
         offs = windows[:, None] * self.seq_len + torch.arange(self.seq_len + 1)[None, :]
         if isinstance(self.tokens, np.ndarray):  # a memory map: only these windows are read
-            seqs = torch.from_numpy(self.tokens[offs.numpy()].astype(np.int64))
+            ids = self.tokens[offs.numpy()]
+            if self.vocab_size is not None and ids.max() >= self.vocab_size:
+                raise ValueError(self._beyond())
+            seqs = torch.from_numpy(ids.astype(np.int64))
         else:
             seqs = self.tokens[offs].long()
-        if self.vocab_size is not None and int(seqs.max()) >= self.vocab_size:
-            raise ValueError(
-                f"the data holds token ids beyond the model's vocabulary of {self.vocab_size} "
+        return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+
+    def _beyond(self) -> str:
+        return (f"the data holds token ids beyond the model's vocabulary of {self.vocab_size} "
                 f"ids: choose a --model whose vocabulary covers the data's tokenizer (gpt2-* "
                 f"for GPT-2's), or check --data-dtype")
-        return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
 
     def __iter__(self):
         while True:

@@ -65,7 +65,13 @@ class StopSignal:
         self.device = group_device(group) if names else torch.device("cpu")
         self.received = 0  # the signal number this rank received (the highest), 0: none
         self._previous: dict[int, object] = {}
-        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+        self._pending: dist.Work | torch.cuda.Event | None = None
+        # one flag for the run, read through a numpy view of host memory (no tensor read in
+        # a step): on CUDA a pinned copy of the device flag, else the flag itself
+        self._flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+        cuda = self.device.type == "cuda"
+        self._host = torch.zeros(1, dtype=torch.int32, pin_memory=True) if cuda else self._flag
+        self._read = self._host.numpy()
 
     def _handle(self, signum: int, frame) -> None:  # only a flag: the step runs on
         self.received = max(self.received, signum)
@@ -86,31 +92,28 @@ class StopSignal:
         self._pending = None
 
     def _start(self) -> None:
-        flag = torch.full((1,), self.received, dtype=torch.int32, device=self.device)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        if self.device.type == "cuda":
+        self._flag.fill_(self.received)
+        work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group,
+                               async_op=True)
+        if self._host is not self._flag:
             # read back without syncing the stream at the next poll (which would wait for the
             # step queued since): the stream waits for the all-reduce and copies the flag to
             # pinned memory; the next poll waits for this point of the stream only
             work.wait()
-            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-            host.copy_(flag, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            self._pending = (done, host)
-        else:
-            self._pending = (work, flag)
+            self._host.copy_(self._flag, non_blocking=True)
+            work = torch.cuda.Event()
+            work.record()
+        self._pending = work
 
     def _finish(self) -> int:
         if self._pending is None:
             return 0
-        handle, flag = self._pending
-        self._pending = None
+        handle, self._pending = self._pending, None
         if isinstance(handle, torch.cuda.Event):
             handle.synchronize()
         else:
             handle.wait()
-        return int(flag.item())
+        return int(self._read[0])
 
     def poll(self) -> str | None:
         """After a step: the name of the signal the ranks agreed on (the highest any rank
