@@ -9,6 +9,7 @@ sit on different pipeline stages): ``from_hf`` copies ``wte`` into it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import torch
@@ -18,7 +19,8 @@ from distllm.models.gpt import GPT, GPTConfig
 from distllm.models.sharding import gather_layer, load_layer
 from distllm.parallel.mesh import ParallelDims
 
-__all__ = ["from_hf", "to_hf", "config_from_hf"]
+__all__ = ["from_hf", "to_hf", "config_from_hf", "pretrained_config", "check_pretrained_shape",
+           "load_pretrained"]
 
 _ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
@@ -87,6 +89,94 @@ def from_hf(hf_model, dims: ParallelDims, *, layer_ids: Iterable[int] | None = N
     for i in model.layer_ids:
         load_layer(model, i, {k: v.to(dtype) for k, v in _canonical_from_hf(sd, cfg, i).items()})
     return model
+
+
+# the fields that make two configs the same model (the name and init are not among them)
+_SHAPE = ("vocab_size", "n_layers", "hidden_size", "n_heads", "n_kv_heads", "ffn_hidden_size",
+          "max_seq_len", "activation", "layer_norm_eps")
+
+
+def _transformers(path: str):
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(f"--init-from {path}: reading a Hugging Face model needs the "
+                         f"transformers package (pip install transformers)") from None
+    return transformers
+
+
+@contextlib.contextmanager
+def _errors_only(tf):
+    """transformers' log at errors only and no progress bar (one per rank): its warnings on
+    a config (e.g. special token ids outside a small vocabulary) say nothing about the model
+    distllm reads, whose shape is checked here."""
+    log = tf.utils.logging
+    level, bars = log.get_verbosity(), log.is_progress_bar_enabled()
+    log.set_verbosity_error()
+    log.disable_progress_bar()
+    try:
+        yield
+    finally:
+        log.set_verbosity(level)
+        if bars:
+            log.enable_progress_bar()
+
+
+def pretrained_config(path: str) -> GPTConfig:
+    """The :class:`GPTConfig` of the Hugging Face GPT-2 folder ``path`` (its config.json, as
+    ``save_pretrained`` writes it; nothing is downloaded). ValueError naming ``--init-from``
+    for a folder without one, or a config distllm's GPT does not compute."""
+    from pathlib import Path
+
+    if not (Path(path) / "config.json").is_file():
+        what = "holds no config.json" if Path(path).is_dir() else "is not a folder"
+        raise ValueError(f"--init-from {path}: it {what}; pass a folder written by a Hugging "
+                         f"Face model's save_pretrained")
+    tf = _transformers(path)
+    try:
+        with _errors_only(tf):
+            hf_config = tf.GPT2Config.from_pretrained(path, local_files_only=True)
+        return config_from_hf(hf_config)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--init-from {path}: {exc}") from None
+
+
+def check_pretrained_shape(theirs: GPTConfig, ours: GPTConfig, model: str, path: str) -> None:
+    """ValueError naming ``--model`` (and a preset of the right shape, if one is) when the
+    pretrained model ``theirs`` is not the model ``ours`` that ``--model model`` builds."""
+    diff = [f"{f}={getattr(theirs, f)} (--model {model}: {getattr(ours, f)})" for f in _SHAPE
+            if getattr(theirs, f) != getattr(ours, f)]
+    if not diff:
+        return
+    from distllm.models.gpt import PRESETS
+
+    same = [n for n, c in PRESETS.items() if all(getattr(c, f) == getattr(theirs, f)
+                                                  for f in _SHAPE)]
+    hint = f"pass --model {same[0]}" if same else "no preset has its shape"
+    raise ValueError(f"--init-from {path}: its model has {', '.join(diff)}: {hint}")
+
+
+@torch.no_grad()
+def load_pretrained(models: Iterable[GPT], path: str) -> None:
+    """Copy the weights of the Hugging Face GPT-2 folder ``path`` into ``models`` (one rank's
+    model chunks, each its layers' TP shard, in its dtype), after checking its shape. Every
+    rank reads the whole model. No collective."""
+    models = list(models)
+    theirs = pretrained_config(path)
+    for m in models:
+        check_pretrained_shape(theirs, m.cfg, m.cfg.name, path)
+    tf = _transformers(path)
+    try:
+        with _errors_only(tf):
+            hf = tf.GPT2LMHeadModel.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--init-from {path}: {exc}") from None
+    sd = {k: v.detach() for k, v in hf.state_dict().items()}
+    del hf
+    for m in models:
+        dtype = next(m.parameters()).dtype
+        for i in m.layer_ids:
+            load_layer(m, i, {k: v.to(dtype) for k, v in _canonical_from_hf(sd, theirs, i).items()})
 
 
 @torch.no_grad()

@@ -180,11 +180,15 @@ def precheck(cfg: TrainConfig, world: int) -> None:
     check_layout(cfg, world, n_layers=mcfg.n_layers, n_heads=mcfg.n_heads,
                  hidden=mcfg.hidden_size, seq_len=seq)
     if cfg.data is not None:
-        from distllm.train.data import _files_of
+        from distllm.train.data import _files_of, _token_files
 
-        files = _files_of(cfg.data)
-        if sum(f.stat().st_size for f in files) == 0:
-            raise ValueError(f"--data {cfg.data}: the text is empty; pass a non-empty file")
+        files = _token_files(cfg.data) or _files_of(cfg.data)
+        if sum(f.stat().st_size for f in files if f is not None) == 0:
+            raise ValueError(f"--data {cfg.data}: the data is empty; pass a non-empty file")
+    if cfg.init_from and not cfg.resume:
+        from distllm.models.hf import check_pretrained_shape, pretrained_config
+
+        check_pretrained_shape(pretrained_config(cfg.init_from), mcfg, cfg.model, cfg.init_from)
 
 
 def check_out(cfg: TrainConfig) -> None:

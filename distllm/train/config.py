@@ -242,6 +242,10 @@ class TrainConfig:
     """Resume from the newest complete checkpoint in ``out``."""
     n_layers: int = 0
     """Override the preset's number of transformer blocks (0: the preset's)."""
+    init_from: str | None = None
+    """A Hugging Face GPT-2 folder (config.json and weights, as save_pretrained writes them)
+    whose weights start a fresh run (fine-tuning); --model names its shape (gpt2-small for
+    GPT-2's 124M). Needs transformers."""
     stop_after: int = 0
     """Stop this run after this many steps in total (0: run to ``steps``), saving a
     checkpoint there (unless --no-save); the learning-rate schedule still spans ``steps``

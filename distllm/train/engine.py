@@ -89,6 +89,10 @@ class Engine:
                   seed=cfg.seed)
         # one GPT per model chunk (v > 1 only for the interleaved schedule)
         self.chunks = [GPT(mcfg, dims, layer_ids=ids, **kw) for ids in self.chunk_ids]
+        if cfg.init_from and not cfg.resume:  # a resumed run takes its checkpoint's weights
+            from distllm.models.hf import load_pretrained
+
+            load_pretrained(self.chunks, cfg.init_from)
         self.device = dims.device  # cuda under NCCL, else cpu
         for c in self.chunks:
             c.to(self.device)

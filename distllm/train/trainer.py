@@ -179,7 +179,8 @@ def _banner(cfg: TrainConfig, mcfg, dims: ParallelDims, corpus) -> None:
     _log(f"distllm train: {cfg.model} ({mcfg.num_params() / 1e6:.2f}M params), "
          f"tp{dims.tp}.pp{dims.pp}.dp{dims.dp}.zero{p.zero} schedule={sched} "
          f"micro_batches={p.micro_batches} dtype={cfg.dtype} world={dims.world_size}, "
-         f"data={corpus.source} ({len(corpus.train) / 1e6:.1f}M train tokens)", dims)
+         f"data={corpus.source} ({len(corpus.train) / 1e6:.1f}M train tokens)"
+         + (f", weights from {cfg.init_from}" if cfg.init_from and not cfg.resume else ""), dims)
 
 
 def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int, end: int,

@@ -132,6 +132,48 @@ def test_token_ids_past_the_vocabulary_are_one_line(capfd, tmp_path):
     assert "token id 15904 is beyond the vocabulary of --model tiny (256 ids)" in line, line
 
 
+def test_a_folder_of_token_files_trains(tmp_path):
+    import numpy as np
+
+    (np.arange(20_000) % 256).astype(np.uint16).tofile(tmp_path / "train.bin")
+    (np.arange(5_000) % 256).astype(np.uint16).tofile(tmp_path / "val.bin")
+    assert main(["train", "--nproc", "2", *TINY, "--global-batch", "4", "--data", str(tmp_path),
+                 "--out", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_init_from_trains_saying_so_once(capfd, tmp_path):
+    """Under --nproc every rank reads the model; transformers' log and progress bars stay
+    quiet, the banner names the folder."""
+    from tests.train.test_hf import _save_tiny_hf
+
+    _save_tiny_hf(tmp_path / "hf")
+    capfd.readouterr()
+    assert main(["train", "--nproc", "2", "--tp", "2", *TINY, "--global-batch", "4",
+                 "--init-from", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith(f", weights from {tmp_path / 'hf'}"), err
+
+
+def test_init_from_refuses_another_shape_or_no_model(capsys, tmp_path):
+    from tests.train.test_hf import _save_tiny_hf
+
+    _save_tiny_hf(tmp_path / "hf")
+    capsys.readouterr()  # transformers' progress bar of the save
+    line = _err(capsys, ["--nproc", "2", "--model", "gpt2-small", "--init-from",
+                         str(tmp_path / "hf")])
+    assert line.endswith(f"--init-from {tmp_path / 'hf'}: its model has vocab_size=256 (--model "
+                         "gpt2-small: 50257), n_layers=4 (--model gpt2-small: 12), hidden_size=128 "
+                         "(--model gpt2-small: 768), n_heads=4 (--model gpt2-small: 12), "
+                         "ffn_hidden_size=512 (--model gpt2-small: 3072), max_seq_len=128 "
+                         "(--model gpt2-small: 1024): pass --model tiny"), line
+    line = _err(capsys, ["--init-from", str(tmp_path / "nothing")])
+    assert line.endswith(f"--init-from {tmp_path / 'nothing'}: it is not a folder; pass a folder "
+                         "written by a Hugging Face model's save_pretrained"), line
+    line = _err(capsys, ["--init-from", str(tmp_path)])
+    assert f"--init-from {tmp_path}: it holds no config.json" in line, line
+
+
 def test_a_fresh_run_refuses_old_checkpoints_and_resume_checks_the_batch(capfd, tmp_path):
     out = str(tmp_path / "run")
     assert main(["train", "--nproc", "2", *TINY, "--global-batch", "4", "--out", out]) == 0

@@ -128,3 +128,52 @@ def test_from_hf_accepts_reorder_and_upcast_attn():
     HF's logits to float32 rounding."""
     err = run_distributed(_reordered_rank, 1, timeout=120)[0]
     assert err < 1e-5, err  # float32, logits of order 1: rounding of two summation orders
+
+
+# --- --init-from: a fresh run starts from a Hugging Face GPT-2 folder ----------------------
+
+def _save_tiny_hf(path) -> None:
+    """A random GPT-2 of the ``tiny`` preset's shape (non-trivial norms and biases), saved as
+    ``save_pretrained`` writes it."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(3)
+    cfg = GPT2Config(vocab_size=256, n_positions=128, n_embd=128, n_layer=4, n_head=4,
+                     n_inner=512, activation_function="gelu_new", layer_norm_epsilon=1e-5,
+                     bos_token_id=0, eos_token_id=0)
+    hf = GPT2LMHeadModel(cfg)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "ln" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(path)
+
+
+def _first_loss(corpus: str, out: str, hf_dir: str) -> float:
+    """Rank function: the first step's loss of a tp2.pp2 float64 run from ``hf_dir``."""
+    from distllm.train.trainer import train
+    from tests.train._util import make_cfg
+
+    res = train(make_cfg(corpus, out, tp=2, pp=2, m=2, steps=60, stop_after=1,
+                         init_from=hf_dir))
+    return res.losses[0]
+
+
+def test_init_from_starts_at_the_hf_models_loss(corpus, tmp_path):
+    """The first step's loss of tp2.pp2 (float64) started from a saved HF GPT-2 is HF's own
+    loss on that batch: every layer's weights came over, sharded."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from distllm.train.data import BatchLoader, load_corpus
+
+    _save_tiny_hf(tmp_path / "hf")
+    losses = run_distributed(_first_loss, 4, corpus, str(tmp_path / "run"),
+                             str(tmp_path / "hf"), timeout=300)
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").double().eval()
+    x, y = BatchLoader(load_corpus(corpus).train, seq_len=32, global_batch=8, seed=7).next()
+    with torch.no_grad():
+        logits = hf(x).logits
+        want = float(torch.nn.functional.cross_entropy(logits.reshape(-1, 256), y.reshape(-1)))
+    assert all(abs(got - want) < TOL for got in losses), (losses, want)
