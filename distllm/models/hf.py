@@ -10,7 +10,7 @@ sit on different pipeline stages): ``from_hf`` copies ``wte`` into it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,7 @@ from distllm.models.sharding import gather_layer, load_layer
 from distllm.parallel.mesh import ParallelDims
 
 __all__ = ["from_hf", "to_hf", "config_from_hf", "pretrained_config", "check_pretrained_shape",
-           "load_pretrained"]
+           "pretrained_layers"]
 
 _ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
@@ -156,15 +156,14 @@ def check_pretrained_shape(theirs: GPTConfig, ours: GPTConfig, model: str, path:
     raise ValueError(f"--init-from {path}: its model has {', '.join(diff)}: {hint}")
 
 
-@torch.no_grad()
-def load_pretrained(models: Iterable[GPT], path: str) -> None:
-    """Copy the weights of the Hugging Face GPT-2 folder ``path`` into ``models`` (one rank's
-    model chunks, each its layers' TP shard, in its dtype), after checking its shape. Every
-    rank reads the whole model. No collective."""
-    models = list(models)
+def pretrained_layers(path: str, mcfg: GPTConfig, model: str
+                      ) -> Callable[[int], dict[str, torch.Tensor]]:
+    """The weights of the Hugging Face GPT-2 folder ``path``, checked to be the model
+    ``mcfg`` (``--model model``): a function of a layer index (0 the embedding, 1..L the
+    blocks, L + 1 the final norm and head) giving that layer's full canonical tensors, in the
+    folder's dtype. The whole model is read (on every rank that calls this)."""
     theirs = pretrained_config(path)
-    for m in models:
-        check_pretrained_shape(theirs, m.cfg, m.cfg.name, path)
+    check_pretrained_shape(theirs, mcfg, model, path)
     tf = _transformers(path)
     try:
         with _errors_only(tf):
@@ -172,11 +171,7 @@ def load_pretrained(models: Iterable[GPT], path: str) -> None:
     except (OSError, ValueError) as exc:
         raise ValueError(f"--init-from {path}: {exc}") from None
     sd = {k: v.detach() for k, v in hf.state_dict().items()}
-    del hf
-    for m in models:
-        dtype = next(m.parameters()).dtype
-        for i in m.layer_ids:
-            load_layer(m, i, {k: v.to(dtype) for k, v in _canonical_from_hf(sd, theirs, i).items()})
+    return lambda i: _canonical_from_hf(sd, theirs, i)
 
 
 @torch.no_grad()

@@ -369,6 +369,20 @@ def _install(path: Path, engine, loader, meta: dict, state: dict, with_optim: bo
     _load_rng(path, engine, meta)
 
 
+def install_weights(engine, layers) -> None:
+    """Set ``engine``'s weights from full canonical tensors, ``layers(i)`` giving layer
+    ``i``'s by canonical name (each rank takes its layers' TP shards): under ZeRO into the
+    fp32 master weights, so that a bf16 run starts from the source's values and not from
+    their bf16 rounding. The optimizer starts fresh. Collective under ZeRO, as a load is."""
+    local, full = {}, {}
+    for chunk, i, name, _, param in _entries(engine):
+        if i not in full:
+            full[i] = layers(i)
+        kind = param_table(chunk.cfg, i, chunk.vocab_parallel)[name][1]
+        local[param] = {"weight": shard_full(chunk.cfg, engine.dims, kind, full[i][name])}
+    install(engine, local, 0)
+
+
 def _load_rng(path: Path, engine, meta: dict) -> None:
     d = engine.dims
     lay = meta["layout"]

@@ -89,15 +89,16 @@ class Engine:
                   seed=cfg.seed)
         # one GPT per model chunk (v > 1 only for the interleaved schedule)
         self.chunks = [GPT(mcfg, dims, layer_ids=ids, **kw) for ids in self.chunk_ids]
-        if cfg.init_from and not cfg.resume:  # a resumed run takes its checkpoint's weights
-            from distllm.models.hf import load_pretrained
-
-            load_pretrained(self.chunks, cfg.init_from)
         self.device = dims.device  # cuda under NCCL, else cpu
         for c in self.chunks:
             c.to(self.device)
         self._build_dp_and_optimizer()
         self.pipeline = self._build_pipeline() if dims.pp > 1 else None
+        if cfg.init_from and not cfg.resume:  # a resumed run takes its checkpoint's weights
+            from distllm.models.hf import pretrained_layers
+            from distllm.train.checkpoint import install_weights
+
+            install_weights(self, pretrained_layers(cfg.init_from, mcfg, cfg.model))
 
     # --- data parallel + optimizer -----------------------------------------------------
     def _named_params(self) -> list[tuple[str, nn.Parameter]]:

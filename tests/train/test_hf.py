@@ -177,3 +177,41 @@ def test_init_from_starts_at_the_hf_models_loss(corpus, tmp_path):
         logits = hf(x).logits
         want = float(torch.nn.functional.cross_entropy(logits.reshape(-1, 256), y.reshape(-1)))
     assert all(abs(got - want) < TOL for got in losses), (losses, want)
+
+
+def _masters_from_hf(corpus: str, out: str, hf_dir: str, layout: dict) -> float:
+    """Rank function: an engine of ``layout`` in bf16 built with ``--init-from``; the largest
+    difference between its canonical weights (the fp32 masters, gathered) and the folder's."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from distllm import ParallelDims
+    from distllm.models.hf import _canonical_from_hf, config_from_hf
+    from distllm.train import checkpoint
+    from distllm.train.engine import Engine
+    from tests.train._util import make_cfg
+
+    cfg = make_cfg(corpus, out, dtype="bfloat16", init_from=hf_dir, **layout)
+    engine = Engine(cfg, cfg.model_config(), ParallelDims.from_layout(cfg.parallel))
+    state, _ = checkpoint._canonical(engine)
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir)
+    sd, hcfg = hf.state_dict(), config_from_hf(hf.config)
+    diff = 0.0
+    for key, got in state.items():
+        i, name = key.removeprefix("model.layers.").split(".", 1)
+        want = _canonical_from_hf(sd, hcfg, int(i))[name]
+        assert got.dtype == torch.float32, key
+        diff = max(diff, float((got - want).abs().max()))
+    return diff
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2, zero=1), dict(tp=2, dp=2, zero=3)],
+                         ids=["dp2.zero1", "tp2.dp2.zero3"])
+def test_init_from_sets_bf16_masters_exactly(corpus, tmp_path, layout):
+    """bf16 with fp32 masters: the masters are the folder's fp32 weights, not their bf16
+    rounding (2^-9 off)."""
+    _save_tiny_hf(tmp_path / "hf")
+    world = 2 if "tp" not in layout else 4
+    diffs = run_distributed(_masters_from_hf, world, corpus, str(tmp_path / "run"),
+                            str(tmp_path / "hf"), layout, timeout=300)
+    assert diffs == [0.0] * world, diffs
