@@ -1,4 +1,6 @@
-"""The ``distllm`` command: a thin dispatcher to ``info``, ``train``, ``bench`` and ``plan``.
+"""The ``distllm`` command: a thin dispatcher to its subcommands.
+
+``info``, ``train``, ``bench``, ``plan`` and ``export``.
 
 Each subcommand lives in its own module, which defines ``add_arguments(parser)`` and
 ``run(args) -> int``; only the chosen one is imported.
@@ -15,6 +17,7 @@ COMMANDS = {
     "train": ("distllm.train.cli", "train a GPT on TP x PP x DP x ZeRO (torchrun or --nproc)"),
     "bench": ("distllm.bench.cli", "microbenchmarks: fused vs unfused, overlap, report"),
     "plan": ("distllm.plan.cli", "choose TP x PP x DP x ZeRO x schedule for a model and cluster"),
+    "export": ("distllm.train.export", "a training checkpoint as a Hugging Face GPT-2 folder"),
 }
 
 

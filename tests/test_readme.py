@@ -10,6 +10,7 @@ Each command is checked the cheapest way that still exercises the real code:
   measures the machine: its flags are parsed only;
 - ``distllm bench``: ``--list`` runs; any other is parsed and validated as ``distllm bench``
   validates it (suites, dtype, shapes, link rate), without running a suite;
+- ``distllm export``: parsed only (its RUN is a training run's output);
 - ``make TARGET``: ``make -n TARGET`` must succeed (the target exists in the Makefile).
 
 Anything else fails the test: a new kind of command needs a check here.
@@ -155,6 +156,8 @@ def check_command(cmd: str) -> None:
         _plan(tokens[2:])
     elif head == "distllm" and len(tokens) > 1 and tokens[1] == "bench":
         _bench(tokens[2:])
+    elif head == "distllm" and len(tokens) > 1 and tokens[1] == "export":
+        _parse("export", tokens[2:])  # its RUN is a training run's output: parsed only
     else:
         raise AssertionError(f"no check for {head!r} commands: add one to tests/test_readme.py")
 

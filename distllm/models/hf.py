@@ -19,8 +19,8 @@ from distllm.models.gpt import GPT, GPTConfig
 from distllm.models.sharding import gather_layer, load_layer
 from distllm.parallel.mesh import ParallelDims
 
-__all__ = ["from_hf", "to_hf", "config_from_hf", "pretrained_config", "check_pretrained_shape",
-           "pretrained_layers"]
+__all__ = ["from_hf", "to_hf", "hf_from_layers", "config_from_hf", "pretrained_config",
+           "check_pretrained_shape", "pretrained_layers", "quiet_transformers"]
 
 _ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
@@ -106,11 +106,13 @@ def _transformers(path: str):
 
 
 @contextlib.contextmanager
-def _errors_only(tf):
+def quiet_transformers():
     """transformers' log at errors only and no progress bar (one per rank): its warnings on
     a config (e.g. special token ids outside a small vocabulary) say nothing about the model
     distllm reads, whose shape is checked here."""
-    log = tf.utils.logging
+    import transformers
+
+    log = transformers.utils.logging
     level, bars = log.get_verbosity(), log.is_progress_bar_enabled()
     log.set_verbosity_error()
     log.disable_progress_bar()
@@ -134,7 +136,7 @@ def pretrained_config(path: str) -> GPTConfig:
                          f"Face model's save_pretrained")
     tf = _transformers(path)
     try:
-        with _errors_only(tf):
+        with quiet_transformers():
             hf_config = tf.GPT2Config.from_pretrained(path, local_files_only=True)
         return config_from_hf(hf_config)
     except (OSError, ValueError) as exc:
@@ -166,7 +168,7 @@ def pretrained_layers(path: str, mcfg: GPTConfig, model: str
     check_pretrained_shape(theirs, mcfg, model, path)
     tf = _transformers(path)
     try:
-        with _errors_only(tf):
+        with quiet_transformers():
             hf = tf.GPT2LMHeadModel.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ValueError(f"--init-from {path}: {exc}") from None
@@ -179,8 +181,6 @@ def to_hf(models: GPT | Iterable[GPT]):
     """A ``GPT2LMHeadModel`` with the weights of ``models`` (this rank's chunks). Collective:
     an all-gather over TP per sharded tensor and, with pp > 1, an all-gather of the layers over
     the PP group; every rank returns the whole model."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     models = [models] if isinstance(models, GPT) else list(models)
     cfg, dims = models[0].cfg, models[0].dims
     # on the CPU: the HF model is built there, and an object all-gather would otherwise
@@ -191,6 +191,19 @@ def to_hf(models: GPT | Iterable[GPT]):
         parts: list = [None] * dims.pp
         dist.all_gather_object(parts, mine, group=dims.pp_group)
         mine = {i: layer for part in parts for i, layer in part.items()}
+    return hf_from_layers(cfg, mine)
+
+
+def hf_from_layers(cfg: GPTConfig, mine: dict[int, dict[str, torch.Tensor]]):
+    """A ``GPT2LMHeadModel`` of the model ``cfg`` whose layer ``i`` has the full canonical
+    tensors ``mine[i]`` (every layer), in their dtype. No collective. ValueError for a model
+    GPT-2 cannot hold (grouped-query attention)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if cfg.n_kv_heads not in (None, cfg.n_heads):
+        raise ValueError(f"the model has n_kv_heads={cfg.n_kv_heads} of {cfg.n_heads} heads: "
+                         f"Hugging Face's GPT-2 has no grouped-query attention to hold it")
+
     act = {"gelu_tanh": "gelu_new", "gelu": "gelu"}[cfg.activation]
     hf_cfg = GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len,
                         n_embd=cfg.hidden_size, n_layer=cfg.n_layers, n_head=cfg.n_heads,

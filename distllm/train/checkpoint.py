@@ -32,6 +32,7 @@ import json
 import os
 import pickle
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -70,6 +71,11 @@ def _complete(root: Path) -> list[Path]:
 def step_of(path: Path) -> int:
     """The step of the checkpoint folder ``path`` (``step_00000042`` -> 42)."""
     return int(path.name.removeprefix("step_"))
+
+
+def complete(out: str | os.PathLike) -> list[Path]:
+    """The complete checkpoints under ``out`` (a run's --out), oldest first."""
+    return _complete(_ckpt_root(out))
 
 
 def latest(out: str | os.PathLike) -> Path | None:
@@ -367,6 +373,36 @@ def _install(path: Path, engine, loader, meta: dict, state: dict, with_optim: bo
     install(engine, local, meta["optimizer_step"])
     loader.load_state_dict(meta["data"])
     _load_rng(path, engine, meta)
+
+
+def read_layers(path: Path):
+    """``(GPTConfig, {layer index: {canonical name: full tensor}})`` of the checkpoint
+    folder ``path``: its weights (the fp32 masters of a mixed-precision run), read in this
+    process alone (no process group) through :class:`_RestrictedReader`."""
+    from distllm.models.gpt import GPTConfig
+
+    meta = _read_meta(path)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a distllm GPT checkpoint (format "
+                         f"{meta.get('format')!r})")
+    cfg = GPTConfig(**meta["model"], name=meta.get("model_name") or "custom")
+    try:
+        reader = _RestrictedReader(path)
+        md = reader.read_metadata()
+        state = {k: torch.empty(m.size, dtype=m.properties.dtype)
+                 for k, m in md.state_dict_metadata.items() if k.startswith("model.layers.")}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single
+            warnings.filterwarnings("ignore", message=".*single process")  # process": it is
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except _Refused:
+        raise
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - named in the error
+        raise _damaged(path, _cause(exc)) from None
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in state.items():
+        i, name = key.removeprefix("model.layers.").split(".", 1)
+        layers.setdefault(int(i), {})[name] = t
+    return cfg, layers
 
 
 def install_weights(engine, layers) -> None:

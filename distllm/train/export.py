@@ -1,0 +1,89 @@
+"""``distllm export``: a training checkpoint as a Hugging Face GPT-2 folder.
+
+A checkpoint holds each layer's full canonical tensors (:mod:`distllm.train.checkpoint`: the
+fp32 masters under mixed precision), so one process reads them, without a process group or
+the layout the run trained at, and writes what ``GPT2LMHeadModel.save_pretrained`` writes
+(``config.json`` and ``model.safetensors``), in the checkpoint's dtype. The folder loads with
+``GPT2LMHeadModel.from_pretrained`` and starts another run with ``distllm train
+--init-from``. It is written beside the destination and renamed into place once complete,
+so a failed export leaves nothing behind; an existing destination is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+__all__ = ["add_arguments", "run", "export_hf"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", metavar="RUN",
+                   help="a training run's --out folder (its newest complete checkpoint), or "
+                        "one checkpoint folder (RUN/checkpoints/step_N)")
+    p.add_argument("dest", metavar="DEST",
+                   help="a new folder for the Hugging Face GPT-2 model")
+    p.add_argument("--step", type=int, default=None,
+                   help="the checkpoint of this step of RUN (default: the newest)")
+
+
+def _checkpoint_of(run: str, step: int | None) -> Path:
+    from distllm.train import checkpoint
+
+    p = Path(run)
+    if not p.is_dir():
+        raise FileNotFoundError(f"RUN {run}: no such folder")
+    if (p / "meta.json").is_file():  # a checkpoint folder itself
+        if step is not None and checkpoint.step_of(p) != step:
+            raise ValueError(f"--step {step}: RUN {run} is the checkpoint of step "
+                             f"{checkpoint.step_of(p)}; drop --step, or pass the run's folder")
+        return p
+    done = checkpoint.complete(p)
+    if not done:
+        raise FileNotFoundError(f"RUN {run}: no complete checkpoint under {p / 'checkpoints'}; "
+                                f"pass a training run's --out folder")
+    if step is None:
+        return done[-1]
+    have = {checkpoint.step_of(d): d for d in done}
+    if step not in have:
+        raise ValueError(f"--step {step}: RUN {run} has checkpoints of steps "
+                         f"{', '.join(map(str, sorted(have)))}")
+    return have[step]
+
+
+def export_hf(ckpt: str | os.PathLike, dest: str | os.PathLike) -> Path:
+    """Write the checkpoint folder ``ckpt`` as a Hugging Face GPT-2 folder ``dest`` (which
+    must not exist); returns ``dest``."""
+    from distllm.models.hf import hf_from_layers
+    from distllm.train.checkpoint import read_layers
+
+    dest = Path(dest)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise ValueError(f"DEST {dest} exists; pass a new folder")
+    cfg, layers = read_layers(Path(ckpt))
+    hf = hf_from_layers(cfg, layers)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        from distllm.models.hf import quiet_transformers
+
+        with quiet_transformers():
+            hf.save_pretrained(tmp)
+        if dest.exists():
+            dest.rmdir()  # empty (checked above)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def run(args: argparse.Namespace) -> int:
+    ckpt = _checkpoint_of(args.run, args.step)
+    dest = export_hf(ckpt, args.dest)
+    print(f"distllm export: {ckpt} -> {dest} (Hugging Face GPT-2; load it with "
+          f"GPT2LMHeadModel.from_pretrained, or train from it with --init-from)")
+    return 0
