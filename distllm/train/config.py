@@ -38,6 +38,11 @@ __all__ = [
 ]
 
 TRAIN_DTYPES = ("float32", "bfloat16", "float64")
+
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+"""After the warm-up: cosine or linear decay to ``lr * min_lr_ratio`` at the last step, a
+constant ``lr``, or warm-up-stable-decay (``lr`` until the last ``decay_fraction`` of the
+steps, then linear to ``lr * min_lr_ratio``; Hu et al. 2024, MiniCPM, arXiv:2404.06395)."""
 """The compute dtypes training runs (names of :data:`distllm.dtypes.DTYPES`)."""
 ZERO_STAGES = (0, 1, 2, 3)
 OVERLAP_GRAD_REDUCE = ("auto", "on", "off")
@@ -172,12 +177,18 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warm-up then cosine decay, and global-norm gradient clipping."""
+    """AdamW with linear warm-up then a decay (cosine by default), and global-norm gradient
+    clipping."""
 
     lr: float = 3e-3
     """Peak learning rate, reached after the warm-up."""
+    lr_schedule: str = _choice("cosine", LR_SCHEDULES)
+    """After the warm-up: cosine or linear decay to lr * min_lr_ratio at the last step,
+    constant, or wsd (constant, then linear over the last --decay-fraction of the steps)."""
     min_lr_ratio: float = 0.1
-    """The cosine decays to lr * min_lr_ratio at the last step."""
+    """The decay ends at lr * min_lr_ratio at the last step."""
+    decay_fraction: float = 0.2
+    """wsd: the share of the steps, at the end, over which the learning rate decays."""
     warmup_steps: int = -1
     """Linear warm-up steps; -1 uses 5% of the steps (at least 1)."""
     weight_decay: float = 0.1
@@ -207,6 +218,9 @@ class OptimConfig:
             raise ValueError(f"grad_clip={self.grad_clip}: use 0 to disable, or a positive norm")
         if self.warmup_steps < -1:
             raise ValueError(f"warmup_steps={self.warmup_steps}: use -1 (auto) or >= 0")
+        if not 0 < self.decay_fraction <= 1:
+            raise ValueError(f"decay_fraction={self.decay_fraction}: choose a share of the "
+                             f"steps in (0, 1] (--decay-fraction)")
 
 
 @dataclass

@@ -34,14 +34,26 @@ __all__ = ["train", "lr_at", "TrainResult", "peak_flops"]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to ``lr`` then cosine decay to ``lr * min_lr_ratio`` at the last step."""
+    """The learning rate of ``step`` (0-based): linear warm-up to ``lr``, then the
+    ``lr_schedule`` (:data:`~distllm.train.config.LR_SCHEDULES`) down to ``lr *
+    min_lr_ratio`` at the last step."""
     o = cfg.optim
     warm = max(1, round(0.05 * cfg.steps)) if o.warmup_steps == -1 else o.warmup_steps
     if step < warm:
         return o.lr * (step + 1) / warm
-    frac = (step - warm) / max(1, cfg.steps - 1 - warm)
     lo = o.lr * o.min_lr_ratio
-    return lo + 0.5 * (o.lr - lo) * (1 + math.cos(math.pi * min(1.0, frac)))
+    if o.lr_schedule == "constant":
+        return o.lr
+    if o.lr_schedule == "wsd":  # stable until the decay's first step, then linear
+        start = max(warm, cfg.steps - max(1, round(o.decay_fraction * cfg.steps)))
+        if step < start:
+            return o.lr
+        frac = (step - start + 1) / max(1, cfg.steps - start)
+        return o.lr - (o.lr - lo) * min(1.0, frac)
+    frac = min(1.0, (step - warm) / max(1, cfg.steps - 1 - warm))
+    if o.lr_schedule == "linear":
+        return o.lr - (o.lr - lo) * frac
+    return lo + 0.5 * (o.lr - lo) * (1 + math.cos(math.pi * frac))
 
 
 def peak_flops(dtype: torch.dtype, device: torch.device) -> tuple[float, str]:

@@ -145,3 +145,28 @@ def test_lr_schedule_warmup_then_cosine():
     assert lrs[-1] == pytest.approx(cfg.optim.lr * cfg.optim.min_lr_ratio)
     mid = warm - 1 + (100 - warm) // 2
     assert lrs[mid] < cfg.optim.lr and not math.isnan(lrs[mid])
+
+
+@pytest.mark.parametrize("schedule", ["linear", "constant", "wsd"])
+def test_other_lr_schedules(schedule):
+    from distllm.train.config import OptimConfig
+
+    cfg = TrainConfig(steps=100, optim=OptimConfig(lr=1.0, min_lr_ratio=0.1,
+                                                   lr_schedule=schedule, decay_fraction=0.2))
+    lrs = [lr_at(s, cfg) for s in range(100)]
+    assert lrs[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])  # the same warm-up
+    if schedule == "constant":
+        assert lrs[5:] == [1.0] * 95
+    elif schedule == "linear":  # as the cosine: 1.0 at step 5, 0.1 at step 99, straight
+        assert lrs[5:] == pytest.approx([1.0 - 0.9 * (s - 5) / 94 for s in range(5, 100)])
+    else:  # stable to step 79, then 20 even steps down to 0.1 at step 99
+        assert lrs[5:80] == [1.0] * 75
+        assert lrs[80:] == pytest.approx([1.0 - 0.9 * k / 20 for k in range(1, 21)])
+
+
+def test_decay_fraction_is_a_share():
+    from distllm.train.config import OptimConfig
+
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="--decay-fraction"):
+            OptimConfig(decay_fraction=bad)
