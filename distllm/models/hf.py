@@ -152,9 +152,17 @@ def check_pretrained_shape(theirs: GPTConfig, ours: GPTConfig, model: str, path:
         return
     from distllm.models.gpt import PRESETS
 
-    same = [n for n, c in PRESETS.items() if all(getattr(c, f) == getattr(theirs, f)
-                                                  for f in _SHAPE)]
-    hint = f"pass --model {same[0]}" if same else "no preset has its shape"
+    def fits(c: GPTConfig, but: tuple[str, ...] = ()) -> bool:
+        return all(getattr(c, f) == getattr(theirs, f) for f in _SHAPE if f not in but)
+
+    same = [n for n, c in PRESETS.items() if fits(c)]
+    deeper = [n for n, c in PRESETS.items() if fits(c, but=("n_layers",))]  # distilgpt2...
+    if same:
+        hint = f"pass --model {same[0]}"
+    elif deeper:
+        hint = f"pass --model {deeper[0]} --n-layers {theirs.n_layers}"
+    else:
+        hint = "no preset has its shape"
     raise ValueError(f"--init-from {path}: its model has {', '.join(diff)}: {hint}")
 
 
@@ -169,9 +177,22 @@ def pretrained_layers(path: str, mcfg: GPTConfig, model: str
     tf = _transformers(path)
     try:
         with quiet_transformers():
-            hf = tf.GPT2LMHeadModel.from_pretrained(path, local_files_only=True)
+            hf, info = tf.GPT2LMHeadModel.from_pretrained(path, local_files_only=True,
+                                                          output_loading_info=True)
     except (OSError, ValueError) as exc:
         raise ValueError(f"--init-from {path}: {exc}") from None
+    # transformers initializes what the files lack at random, and says so in a warning (kept
+    # quiet above): a folder that does not hold every weight is refused instead
+    gaps = {what: sorted(str(k) for k in info.get(what, ())
+                         if not str(k).endswith((".attn.bias", ".attn.masked_bias")))
+            for what in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if any(gaps.values()):
+        said = "; ".join(f"{what.replace('_', ' ')}: {', '.join(keys[:4])}"
+                         + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+                         for what, keys in gaps.items() if keys)
+        raise ValueError(f"--init-from {path}: its weights are not GPT-2's as transformers "
+                         f"names them ({said}); pass a folder GPT2LMHeadModel.save_pretrained "
+                         f"wrote")
     sd = {k: v.detach() for k, v in hf.state_dict().items()}
     return lambda i: _canonical_from_hf(sd, theirs, i)
 

@@ -225,6 +225,10 @@ def check_out(cfg: TrainConfig) -> None:
         raise ValueError(f"--out {cfg.out}: the folder is not writable; pass another --out")
 
 
+STOPPED_FILE = "stopped-by-signal.txt"
+"""Written into :data:`USAGE_ERRORS_ENV`'s folder by a rank that stopped on a signal of
+``--save-on-signal`` (after its checkpoint): the signal's name."""
+
 USAGE_ERRORS_ENV = "DISTLLM_TRAIN_USAGE_ERRORS"
 """Set by ``--nproc``'s launcher for its ranks: a folder into which a rank writes its bad-input
 message (``rank<R>.txt``) instead of printing it; the launcher prints each distinct one once.
@@ -273,10 +277,12 @@ def _launch(nproc: int, cfg: TrainConfig) -> int:
     from torch.distributed.launcher.api import elastic_launch
 
     from distllm.comm.compat import elastic_launch_config
-    from distllm.train.stop_signal import parse_signals
 
-    passed_on = ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"]  # the agent's own default
-    passed_on += [s for s in parse_signals(cfg.save_on_signal) if s not in passed_on]
+    # the agent's own default, and the user signals (the ranks of --save-on-signal save on
+    # them; without, their default action ends the ranks as it would have ended the
+    # launcher, which must not die of them alone and leave the ranks training)
+    passed_on = ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"]
+    passed_on += [s for s in ("SIGUSR1", "SIGUSR2") if hasattr(signal, s)]
 
     with tempfile.TemporaryDirectory(prefix="distllm-train-") as tmp, _launcher_scope():
         errors = os.path.join(tmp, "usage-errors")
@@ -303,6 +309,10 @@ def _launch(nproc: int, cfg: TrainConfig) -> int:
 def _report_failure(exc, errors: Path) -> int:
     """One line per distinct bad-input message the ranks left in ``errors`` (exit code 2),
     else one line naming the first failed rank of ``exc`` (a ``ChildFailedError``)."""
+    if (stopped := errors / STOPPED_FILE).is_file():  # the ranks stopped on a signal, saved
+        name = stopped.read_text().strip()
+        print(f"distllm train: stopped by {name}", file=sys.stderr)
+        return 128 + int(getattr(signal, name))
     messages: list[str] = []
     for f in sorted(errors.glob("rank*.txt"), key=lambda f: int(f.stem.removeprefix("rank"))):
         msg = f.read_text().strip()
@@ -365,7 +375,13 @@ def _rank(cfg: TrainConfig, world: int) -> int:
         check_out(cfg)
         from distllm.train.trainer import train
 
-        train(cfg)
+        result = train(cfg)
+        if result.stopped_by is not None and result.steps_done < cfg.steps:
+            # stopped by a signal, saved: not a finished run (a scheduler or a script reads
+            # the exit code); under --nproc the launcher says so once
+            if errors is not None:
+                Path(errors, STOPPED_FILE).write_text(result.stopped_by)
+            return 128 + int(getattr(signal, result.stopped_by))
     except KeyboardInterrupt:  # Ctrl-C, or the launcher passing it on: it says so once
         return 128 + signal.SIGINT
     except USAGE_ERRORS as exc:

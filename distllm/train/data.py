@@ -138,6 +138,9 @@ def _load_tokens(path: str, files: tuple[Path, Path | None], dtype: str, val_fra
                          f"train on (need at least {min_tokens}); pass a bigger file")
     if val_f is not None:
         train, val = ids, _memmap(val_f, dtype, path)
+        if len(val) == 0:
+            raise ValueError(f"--data {path}: {val_f.name} is empty; fill it, or remove it "
+                             f"(the tail of {train_f.name} is then held out)")
     else:
         n_val = _held_out(len(ids), val_fraction)
         train, val = ids[:-n_val], ids[-n_val:]
@@ -178,6 +181,11 @@ def check_vocab(corpus: Corpus, vocab_size: int, model: str) -> None:
     """Refuse a corpus whose first :data:`SCAN_IDS` training or validation ids reach past
     ``vocab_size``: before any step, the same on every rank (the loader checks each batch
     too, for ids further in)."""
+    head = corpus.train[:SCAN_IDS]
+    if (isinstance(head, np.ndarray) and head.dtype == np.uint16 and len(head) >= 1024
+            and not head[1::2].any() and head[::2].any()):
+        raise ValueError(f"--data {corpus.source}: every other uint16 id is 0, as in a file of "
+                         f"uint32 ids (their high halves): pass --data-dtype uint32")
     for part in (corpus.train, corpus.val):
         head = part[:SCAN_IDS]
         top = int(head.max()) if len(head) else -1
@@ -238,18 +246,30 @@ class BatchLoader:
             self.epoch, self.index, self._order = self.epoch + 1, 0, None
         per_rank = self.global_batch // self.dp
         lo = self.index + self.dp_rank * per_rank
-        windows = self._epoch_order()[lo:lo + per_rank]
-        self.index += self.global_batch
-        # (b, 1) * seq + (1, seq+1) -> (b, seq+1) token offsets
-        offs = windows[:, None] * self.seq_len + torch.arange(self.seq_len + 1)[None, :]
+        order = self._epoch_order()
+        windows = order[lo:lo + per_rank]
         if isinstance(self.tokens, np.ndarray):  # a memory map: only these windows are read
-            ids = self.tokens[offs.numpy()]
+            if self.vocab_size is not None and self.dp > 1:
+                # every rank checks the whole global batch, so that all of them refuse it
+                # at the same step (one rank alone would leave the others in a collective)
+                whole = self._ids(order[self.index:self.index + self.global_batch])
+                if whole.max() >= self.vocab_size:
+                    raise ValueError(self._beyond())
+            ids = self._ids(windows)
             if self.vocab_size is not None and ids.max() >= self.vocab_size:
                 raise ValueError(self._beyond())
             seqs = torch.from_numpy(ids.astype(np.int64))
         else:
-            seqs = self.tokens[offs].long()
+            seqs = self.tokens[self._offsets(windows)].long()
+        self.index += self.global_batch
         return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+
+    def _offsets(self, windows: torch.Tensor) -> torch.Tensor:
+        # (b, 1) * seq + (1, seq+1) -> (b, seq+1) token offsets
+        return windows[:, None] * self.seq_len + torch.arange(self.seq_len + 1)[None, :]
+
+    def _ids(self, windows: torch.Tensor) -> np.ndarray:
+        return self.tokens[self._offsets(windows).numpy()]
 
     def _beyond(self) -> str:
         return (f"the data holds token ids beyond the model's vocabulary of {self.vocab_size} "

@@ -67,6 +67,9 @@ def export_hf(ckpt: str | os.PathLike, dest: str | os.PathLike) -> Path:
     hf = hf_from_layers(cfg, layers)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # as a folder made with mkdir (mkdtemp's is the owner's alone)
     try:
         from distllm.models.hf import quiet_transformers
 

@@ -9,8 +9,10 @@ While the steps run, :class:`StopSignal` turns each signal of ``--save-on-signal
 (SIGTERM and SIGUSR1 by default) into a request: the handler only sets a flag, so the step
 in flight finishes as it would have. The ranks then agree, so that they stop after the same
 step, however many of them were signalled: after each step every rank starts an all-reduce
-(MAX) of its flag on the world group, and reads the result after the next step, so the
-agreement costs no wait in the step (the collective runs while the next step does). The run
+(MAX) of its flag over the world, and reads the result after the next step, so the agreement
+costs no wait in the step (the collective runs while the next step does). The flag is a CPU
+tensor, on gloo (the world's own where it has gloo for CPU tensors, else a gloo group made
+for it): a CUDA stream never waits for it. The run
 then saves a checkpoint and ends without validation; ``--resume`` continues it. A request
 therefore stops the run one or two steps after it arrives, plus a checkpoint save: the
 scheduler's grace period must cover that.
@@ -21,11 +23,14 @@ the process's previous handlers are in place, so a signal there acts as it did b
 
 from __future__ import annotations
 
+import datetime
 import signal
 import threading
 
 import torch
 import torch.distributed as dist
+
+from distllm.comm.collectives import backend_for
 
 __all__ = ["StopSignal", "SIGNALS", "parse_signals"]
 
@@ -57,21 +62,21 @@ class StopSignal:
     :meth:`poll` / :meth:`settle`, the ranks' agreement on it. Every rank must call them at
     the same points, as the collectives they are."""
 
-    def __init__(self, names: tuple[str, ...], group: dist.ProcessGroup | None = None):
-        from distllm.comm.collectives import group_device
-
+    def __init__(self, names: tuple[str, ...], group: dist.ProcessGroup | None = None,
+                 timeout: datetime.timedelta | None = None):
         self.names = names
-        self.group = group
-        self.device = group_device(group) if names else torch.device("cpu")
         self.received = 0  # the signal number this rank received (the highest), 0: none
         self._previous: dict[int, object] = {}
-        self._pending: dist.Work | torch.cuda.Event | None = None
-        # one flag for the run, read through a numpy view of host memory (no tensor read in
-        # a step): on CUDA a pinned copy of the device flag, else the flag itself
-        self._flag = torch.zeros(1, dtype=torch.int32, device=self.device)
-        cuda = self.device.type == "cuda"
-        self._host = torch.zeros(1, dtype=torch.int32, pin_memory=True) if cuda else self._flag
-        self._read = self._host.numpy()
+        self._pending: dist.Work | None = None
+        # the flag travels as a CPU tensor: over ``group`` where a backend of it takes CPU
+        # tensors (gloo), else over a gloo group of the same ranks made here (collective),
+        # so that no device stream waits for it; read through a numpy view (no tensor read)
+        self.group = group
+        if names and backend_for(group, "cpu") is None:
+            ranks = None if group is None else dist.get_process_group_ranks(group)
+            self.group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._read = self._flag.numpy()
 
     def _handle(self, signum: int, frame) -> None:  # only a flag: the step runs on
         self.received = max(self.received, signum)
@@ -93,26 +98,14 @@ class StopSignal:
 
     def _start(self) -> None:
         self._flag.fill_(self.received)
-        work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group,
-                               async_op=True)
-        if self._host is not self._flag:
-            # read back without syncing the stream at the next poll (which would wait for the
-            # step queued since): the stream waits for the all-reduce and copies the flag to
-            # pinned memory; the next poll waits for this point of the stream only
-            work.wait()
-            self._host.copy_(self._flag, non_blocking=True)
-            work = torch.cuda.Event()
-            work.record()
-        self._pending = work
+        self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group,
+                                        async_op=True)
 
     def _finish(self) -> int:
         if self._pending is None:
             return 0
-        handle, self._pending = self._pending, None
-        if isinstance(handle, torch.cuda.Event):
-            handle.synchronize()
-        else:
-            handle.wait()
+        work, self._pending = self._pending, None
+        work.wait()
         return int(self._read[0])
 
     def poll(self) -> str | None:

@@ -44,11 +44,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     lo = o.lr * o.min_lr_ratio
     if o.lr_schedule == "constant":
         return o.lr
-    if o.lr_schedule == "wsd":  # stable until the decay's first step, then linear
+    if o.lr_schedule == "wsd":  # stable to the decay's start, then linear
         start = max(warm, cfg.steps - max(1, round(o.decay_fraction * cfg.steps)))
         if step < start:
             return o.lr
-        frac = (step - start + 1) / max(1, cfg.steps - start)
+        frac = (step - start) / max(1, cfg.steps - 1 - start)  # as linear's, from ``start``
         return o.lr - (o.lr - lo) * min(1.0, frac)
     frac = min(1.0, (step - warm) / max(1, cfg.steps - 1 - warm))
     if o.lr_schedule == "linear":
@@ -155,7 +155,7 @@ def _validate(engine, corpus, cfg: TrainConfig, seq: int, dims: ParallelDims,
     batches at every call), or None where there are none (said on rank 0 when ``say``)."""
     if cfg.eval_batches == 0:
         return None
-    n_windows = (len(corpus.val) - 1) // seq
+    n_windows = max(0, len(corpus.val) - 1) // seq
     batch = cfg.global_batch  # the training shape: the pipeline keeps its micro-batch shape
     if n_windows < batch:
         if say:
@@ -208,7 +208,7 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
     fpt = engine.mcfg.flops_per_token(seq)
     tokens_per_step = cfg.global_batch * seq
     bar = _Progress(cfg.steps, start, cfg.progress and dims.rank == 0)
-    stop = StopSignal(parse_signals(cfg.save_on_signal))
+    stop = StopSignal(parse_signals(cfg.save_on_signal), timeout=dims.timeout)
     result.steps_done = start
     told = False  # whether a validation said why it is skipped
     with contextlib.ExitStack() as scope:
@@ -231,37 +231,42 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
             tps = tokens_per_step / dt
             mfu = fpt * tps / (peak * dims.world_size)
             done = result.steps_done = step + 1
+            # the checkpoint first (--save-every, and after the last step unless --no-save):
+            # a validation that fails must not take the step's weights with it
+            saved = bool(cfg.save_every and done % cfg.save_every == 0 and done < end
+                         or done == end and cfg.save_final)
+            if saved:
+                checkpoint.save(cfg.out, engine, loader, step=done)
             val = None
-            if done == cfg.steps or cfg.eval_every and done % cfg.eval_every == 0:
-                val = _validate(engine, corpus, cfg, seq, dims, say=not told)
-                told = True
-                if val is not None:
-                    result.val_losses[done] = val
-                    result.val_loss = val if done == cfg.steps else None
-            if metrics is not None:
-                metrics.write(json.dumps({
-                    "step": step + 1, "loss": loss, "tokens_per_s": tps, "lr": lr,
-                    "grad_norm": norm, "step_time_s": dt, "mfu": mfu,
-                    "tokens": (step + 1) * tokens_per_step,
-                    "overlap_tuning": tuning or overlap_tuning(plans),
-                    **({"skipped": True} if out.skipped else {}),
-                    **({} if val is None else {"val_loss": val})}) + "\n")
-                metrics.flush()
+            try:
+                if done == cfg.steps or cfg.eval_every and done % cfg.eval_every == 0:
+                    val = _validate(engine, corpus, cfg, seq, dims, say=not told)
+                    told = True
+                    if val is not None:
+                        result.val_losses[done] = val
+                        result.val_loss = val if done == cfg.steps else None
+            finally:  # the step's line, also when its validation failed
+                if metrics is not None:
+                    metrics.write(json.dumps({
+                        "step": done, "loss": loss, "tokens_per_s": tps, "lr": lr,
+                        "grad_norm": norm, "step_time_s": dt, "mfu": mfu,
+                        "tokens": done * tokens_per_step,
+                        "overlap_tuning": tuning or overlap_tuning(plans),
+                        **({"skipped": True} if out.skipped else {}),
+                        **({} if val is None else {"val_loss": val})}) + "\n")
+                    metrics.flush()
             if out.skipped:
-                bar.write(f"step {step + 1}: an inf/NaN gradient (norm {norm}): the optimizer "
+                bar.write(f"step {done}: an inf/NaN gradient (norm {norm}): the optimizer "
                           f"did not step", dims)
             if reducing and not engine.reduction_tuning():  # it decided in this step
                 bar.write(f"gradient reduction {engine.reduction_reason()}", dims)
             if val is not None and done < cfg.steps:
                 bar.write(f"step {done}: validation loss {val:.4f}", dims)
             bar.update(f"loss {loss:.4f} | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}%")
-            saved = bool(cfg.save_every and done % cfg.save_every == 0 and done < end)
-            if saved:
-                checkpoint.save(cfg.out, engine, loader, step=done)
             # the ranks agree on a stop request; after the last step the run ends anyway
             result.stopped_by = stop.poll() if done < end else stop.settle()
             if result.stopped_by is not None:
-                if done < end and not saved:
+                if not saved:
                     checkpoint.save(cfg.out, engine, loader, step=done)
                 break
 
@@ -320,18 +325,14 @@ def _train(cfg: TrainConfig, dims: ParallelDims | None) -> TrainResult:
         _truncate_metrics(os.path.join(cfg.out, "metrics.jsonl"), start)
     planned = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
     _run_steps(cfg, engine, loader, dims, start, planned, seq, result, corpus)
-    end = result.steps_done  # before ``planned`` when a signal stopped the run (saved then)
-    saved = end < planned or cfg.save_final
-    if cfg.save_final and start < end == planned:
-        checkpoint.save(cfg.out, engine, loader, step=end)
+    end = result.steps_done  # before ``planned`` when a signal stopped the run
     if engine.zero is not None:  # nothing in flight when the run ends (ZeRO's gathers)
         engine.zero.wait_params()
-    if result.stopped_by is not None:
+    if result.stopped_by is not None:  # saved at ``end`` (a stop always saves)
         if end < cfg.steps:
-            what = (f"checkpoint saved in {cfg.out}; continue with --resume" if saved else
-                    "no checkpoint (--no-save)")
             _log(f"stopped by {result.stopped_by} after step {end} of {cfg.steps} "
-                 f"(--save-on-signal): {what}", dims)
+                 f"(--save-on-signal): checkpoint saved in {cfg.out}; continue with --resume",
+                 dims)
             return result
         _log(f"{result.stopped_by} came in the last step: the run is complete", dims)
     if end < cfg.steps:

@@ -132,6 +132,39 @@ def test_token_ids_past_the_vocabulary_are_one_line(capfd, tmp_path):
     assert "token id 15904 is beyond the vocabulary of --model tiny (256 ids)" in line, line
 
 
+def test_ids_beyond_the_vocabulary_past_the_scan_are_one_line(capfd, tmp_path):
+    """Ids beyond the vocabulary after the first 1M (which are checked before a step) are
+    found by the loader; every DP rank checks the whole global batch, so all refuse it at
+    the same step and the launcher prints the one message."""
+    import numpy as np
+
+    from distllm.train.data import SCAN_IDS
+
+    ids = (np.arange(SCAN_IDS + 200_000) % 256).astype(np.uint16)
+    ids[SCAN_IDS:] = 300
+    ids.tofile(tmp_path / "train.bin")
+    (np.arange(5_000) % 256).astype(np.uint16).tofile(tmp_path / "val.bin")
+    rc = main(["train", "--nproc", "2", *TINY, "--steps", "1000", "--global-batch", "8",
+               "--data", str(tmp_path), "--out", str(tmp_path / "run")])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert rc == 2, err
+    # the banner (the run started), then the one error
+    assert len(err) == 2 and err[0].startswith("distllm train: tiny"), err
+    assert err[1] == ("distllm train: error: the data holds token ids beyond the model's "
+                      "vocabulary of 256 ids: choose a --model whose vocabulary covers the "
+                      "data's tokenizer (gpt2-* for GPT-2's), or check --data-dtype"), err
+
+
+def test_uint32_ids_read_as_uint16_are_refused(capsys, tmp_path):
+    import numpy as np
+
+    (np.arange(20_000) % 256).astype(np.uint32).tofile(tmp_path / "ids.bin")
+    line = _err(capsys, ["--data", str(tmp_path / "ids.bin"), "--steps", "1", "--out",
+                         str(tmp_path / "run")])
+    assert "every other uint16 id is 0, as in a file of uint32 ids" in line, line
+    assert "pass --data-dtype uint32" in line, line
+
+
 def test_a_folder_of_token_files_trains(tmp_path):
     import numpy as np
 
@@ -226,8 +259,10 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("sig,save_on", [(signal.SIGTERM, None), (signal.SIGUSR1, None),
-                                         (signal.SIGINT, None), (signal.SIGTERM, "none")],
-                         ids=["SIGTERM", "SIGUSR1", "SIGINT", "SIGTERM-not-saving"])
+                                         (signal.SIGINT, None), (signal.SIGTERM, "none"),
+                                         (signal.SIGUSR1, "none")],
+                         ids=["SIGTERM", "SIGUSR1", "SIGINT", "SIGTERM-not-saving",
+                              "SIGUSR1-not-saving"])
 def test_a_signal_stops_the_ranks(tmp_path, sig, save_on):
     """The ranks run in sessions of their own: the launcher passes a signal on to them, and
     the job ends with one line (no rank's traceback for Ctrl-C). A signal of
@@ -264,13 +299,56 @@ def test_a_signal_stops_the_ranks(tmp_path, sig, save_on):
     assert err.splitlines()[-1] == f"distllm train: stopped by {sig.name}", err[-2000:]
     assert "Traceback" not in err, err[-2000:]
     saved = sorted(p.name for p in (out / "checkpoints").glob("*"))
-    if sig == signal.SIGINT or save_on == "none":
+    if sig == signal.SIGINT or save_on == "none":  # (SIGUSR1 too ends the ranks, passed on)
         assert saved == [], saved
         return
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
     assert saved == [f"step_{last:08d}"], (saved, last)
     assert (f"stopped by {sig.name} after step {last} of 100000 (--save-on-signal): checkpoint "
             f"saved in {out}; continue with --resume") in err.splitlines(), err[-2000:]
+
+
+def _until_a_step(proc, out: Path, log: Path) -> None:
+    deadline = time.time() + 120
+    while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").stat().st_size:
+        assert proc.poll() is None, log.read_text()[-2000:]
+        assert time.time() < deadline, "no step was done"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("nproc", [None, 2], ids=["one-process", "ranks-of-nproc"])
+def test_a_run_stopped_by_a_signal_exits_as_stopped(tmp_path, nproc):
+    """SIGUSR1 to the training processes alone (not to a launcher): they save and exit with
+    128 + the signal, not 0 (a scheduler or a script must not take the run for finished);
+    under --nproc the launcher says so in one line."""
+    out, log = tmp_path / "run", tmp_path / "stderr.txt"
+    launch = [] if nproc is None else ["--nproc", str(nproc)]
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "distllm", "train", *launch, *TINY,
+                                 "--steps", "100000", "--global-batch", "4", "--out", str(out)],
+                                stderr=err, start_new_session=True)
+    ranks: list[int] = []
+    try:
+        _until_a_step(proc, out, log)
+        ranks = [proc.pid] if nproc is None else _children(proc.pid)
+        for pid in ranks:
+            os.kill(pid, signal.SIGUSR1)
+        proc.wait(timeout=60)
+    finally:
+        for pid in {proc.pid, *ranks}:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    err = log.read_text()
+    assert proc.returncode == 128 + signal.SIGUSR1, err[-2000:]
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert sorted(p.name for p in (out / "checkpoints").glob("*")) == [f"step_{last:08d}"]
+    lines = err.splitlines()
+    assert (f"stopped by SIGUSR1 after step {last} of 100000 (--save-on-signal): checkpoint "
+            f"saved in {out}; continue with --resume") in lines, err[-2000:]
+    if nproc is not None:
+        assert lines[-1] == "distllm train: stopped by SIGUSR1", err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
 
 
 # --- flags generated from the config dataclasses --------------------------------------

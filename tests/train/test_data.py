@@ -103,6 +103,13 @@ def test_a_folder_of_train_and_val_bin(tmp_path):
         assert np.array_equal(c.val, _ids(3_000, 1000, 2))
 
 
+def test_an_empty_val_bin_is_refused(tmp_path):
+    _ids(10_000, 1000, 1).astype("uint16").tofile(tmp_path / "train.bin")
+    (tmp_path / "val.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="val.bin is empty; fill it, or remove it"):
+        load_corpus(str(tmp_path))
+
+
 def test_token_files_refuse_what_they_cannot_read(tmp_path):
     (tmp_path / "odd.bin").write_bytes(b"\0" * 1001)
     with pytest.raises(ValueError, match="1001 bytes, not a whole number of uint16 token ids; "
@@ -159,9 +166,20 @@ def test_other_lr_schedules(schedule):
         assert lrs[5:] == [1.0] * 95
     elif schedule == "linear":  # as the cosine: 1.0 at step 5, 0.1 at step 99, straight
         assert lrs[5:] == pytest.approx([1.0 - 0.9 * (s - 5) / 94 for s in range(5, 100)])
-    else:  # stable to step 79, then 20 even steps down to 0.1 at step 99
-        assert lrs[5:80] == [1.0] * 75
-        assert lrs[80:] == pytest.approx([1.0 - 0.9 * k / 20 for k in range(1, 21)])
+    else:  # stable to step 80, then linear to 0.1 at step 99 (as linear is from its start)
+        assert lrs[5:81] == [1.0] * 76
+        assert lrs[80:] == pytest.approx([1.0 - 0.9 * k / 19 for k in range(20)])
+
+
+def test_wsd_decaying_all_steps_is_linear():
+    from distllm.train.config import OptimConfig
+
+    def lrs(schedule):
+        o = OptimConfig(lr=1.0, lr_schedule=schedule, decay_fraction=1.0, warmup_steps=0)
+        return [lr_at(s, TrainConfig(steps=10, optim=o)) for s in range(10)]
+
+    assert lrs("wsd") == pytest.approx(lrs("linear"))
+    assert lrs("wsd")[0] == 1.0
 
 
 def test_decay_fraction_is_a_share():

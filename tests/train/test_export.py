@@ -3,6 +3,7 @@ any layout it was trained at; the folder computes the run's own validation loss.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,9 @@ def test_the_export_computes_the_runs_validation_loss(corpus, trained, tmp_path,
     said = capsys.readouterr().out
     assert said.startswith(f"distllm export: {out / 'checkpoints' / 'step_00000003'} -> "), said
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # nothing else left beside it
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "hf").stat().st_mode & 0o777 == 0o777 & ~umask  # as mkdir makes it
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     assert next(hf.parameters()).dtype == torch.float64  # the checkpoint's dtype
     val = BatchLoader(load_corpus(corpus).val, seq_len=32, global_batch=8, shuffle=False)

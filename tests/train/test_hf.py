@@ -215,3 +215,21 @@ def test_init_from_sets_bf16_masters_exactly(corpus, tmp_path, layout):
     diffs = run_distributed(_masters_from_hf, world, corpus, str(tmp_path / "run"),
                             str(tmp_path / "hf"), layout, timeout=300)
     assert diffs == [0.0] * world, diffs
+
+
+def test_init_from_refuses_weights_under_other_names(tmp_path):
+    """A folder whose tensors carry other names (a prefix, as torch.compile's ``_orig_mod.``)
+    would load as random weights in transformers (a warning only): refused, naming them."""
+    from safetensors.torch import load_file, save_file
+
+    from distllm.models.gpt import GPTConfig
+    from distllm.models.hf import pretrained_layers
+
+    _save_tiny_hf(tmp_path / "hf")
+    f = tmp_path / "hf" / "model.safetensors"
+    save_file({f"_orig_mod.{k}": v for k, v in load_file(f).items()}, f,
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"--init-from .*: its weights are not GPT-2's as "
+                                         r"transformers names them \(missing keys: .* and \d+ "
+                                         r"more; unexpected keys: _orig_mod\."):
+        pretrained_layers(str(tmp_path / "hf"), GPTConfig.preset("tiny"), "tiny")

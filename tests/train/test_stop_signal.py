@@ -14,11 +14,16 @@ from distllm.testing import run_distributed
 from distllm.train.stop_signal import StopSignal, parse_signals
 
 
-def polls_around_a_signal(signalled_rank: int) -> tuple[list, str]:
+def polls_around_a_signal(signalled_rank: int, own_group: bool) -> tuple[list, str, bool]:
     """Rank function: four polls; ``signalled_rank`` sends itself SIGUSR1 after the first.
-    Also the handler in place inside the block and the previous one after it."""
+    Also the handler in place inside the block and the previous one after it. ``own_group``:
+    the world is taken for one without a CPU backend (NCCL's), so a gloo group is made."""
     import torch.distributed as dist
 
+    from distllm.train import stop_signal
+
+    if own_group:
+        stop_signal.backend_for = lambda group, device_type: None
     before = signal.getsignal(signal.SIGUSR1)
     got = []
     with StopSignal(("SIGUSR1",)) as stop:
@@ -30,12 +35,13 @@ def polls_around_a_signal(signalled_rank: int) -> tuple[list, str]:
         got.append(stop.poll())  # those sent at the second: this rank's, or a peer's
         got.append(stop.settle())
     assert signal.getsignal(signal.SIGUSR1) == before
-    return got, stop.device.type
+    return got, dist.get_backend(stop.group), stop.group is None
 
 
-def test_every_rank_agrees_one_poll_later():
-    for got, device in run_distributed(polls_around_a_signal, 2, 1):
-        assert device == "cpu"
+@pytest.mark.parametrize("own_group", [False, True], ids=["world", "own-gloo-group"])
+def test_every_rank_agrees_one_poll_later(own_group):
+    for got, backend, world in run_distributed(polls_around_a_signal, 2, 1, own_group):
+        assert backend == "gloo" and world != own_group
         assert got == [None, None, "SIGUSR1", "SIGUSR1"]
 
 
