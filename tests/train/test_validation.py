@@ -99,3 +99,30 @@ def test_a_token_file_trains_as_its_text_does(corpus, tmp_path):
         _train_on, 2, [corpus, str(tmp_path / "corpus.bin")], str(tmp_path), timeout=300)[0]
     assert len(text) == 4 and text_val is not None
     assert bins == text and bins_val == text_val
+
+
+def _failing_validation(corpus: str, out: str) -> str:
+    """Rank function: a 3-step run saving at the end, whose validation raises."""
+    import distllm.train.trainer as trainer
+    from tests.train._util import make_cfg
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("out of memory in validation")
+
+    trainer._validate = fails
+    try:
+        trainer.train(make_cfg(corpus, out, dp=2, steps=3, save_final=True, eval_batches=2))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_failed_validation_keeps_the_steps_checkpoint_and_line(corpus, tmp_path):
+    """The last step's checkpoint is written before its validation, and its metrics line
+    is written when the validation fails."""
+    out = tmp_path / "run"
+    said = run_distributed(_failing_validation, 2, corpus, str(out), timeout=300)
+    assert said == ["out of memory in validation"] * 2
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000003"]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3] and "val_loss" not in lines[-1]
