@@ -348,7 +348,11 @@ def _allreduce_rank(nbytes: int, reps: int) -> dict:
     all_reduce(x)  # the one timed below
     correct = bool((x == world * (world + 1) / 2).all())
     times_ms = time_collective("all_reduce", nbytes // 4, reps=reps, warmup=0)
-    return {"times_ms": times_ms, "local_addrs": _tcp_local_addrs(), "correct": correct}
+    addrs = _tcp_local_addrs()
+    # no rank ends (closing its connections) before every rank has read its own: a loaded
+    # machine's slower rank had found its side already closing, no longer ESTABLISHED
+    dist.barrier()
+    return {"times_ms": times_ms, "local_addrs": addrs, "correct": correct}
 
 
 def _tcp_local_addrs() -> list[str]:
