@@ -6,7 +6,8 @@
 - ``engine``: one rank's GPT chunks, pipeline, DP wrapper or ZeRO optimizer, and AdamW;
 - ``data``: the byte tokenizer, the corpus and the DP-split batch loader;
 - ``checkpoint``, ``optim_state``: sharded checkpoints that load at any other layout;
-- ``stop_signal``: a signal (a scheduler's preemption) stops the run with a checkpoint.
+- ``stop_signal``: a signal (a scheduler's preemption) stops the run with a checkpoint;
+- ``export``: ``distllm export``, a checkpoint as a Hugging Face GPT-2 folder.
 """
 
 from __future__ import annotations
