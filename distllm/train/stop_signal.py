@@ -12,10 +12,10 @@ step, however many of them were signalled: after each step every rank starts an 
 (MAX) of its flag over the world, and reads the result after the next step, so the agreement
 costs no wait in the step (the collective runs while the next step does). The flag is a CPU
 tensor, on gloo (the world's own where it has gloo for CPU tensors, else a gloo group made
-for it): a CUDA stream never waits for it. The run
-then saves a checkpoint and ends without validation; ``--resume`` continues it. A request
-therefore stops the run one or two steps after it arrives, plus a checkpoint save: the
-scheduler's grace period must cover that.
+for it): a CUDA stream never waits for it. The run then saves a checkpoint (unless that step
+was just saved) and ends without the final validation, with exit code 128 + the signal;
+``--resume`` continues it. A request therefore stops the run one or two steps after it
+arrives, plus a checkpoint save: the scheduler's grace period must cover that.
 
 Outside the steps (building the model, loading a checkpoint, the final save, validation)
 the process's previous handlers are in place, so a signal there acts as it did before.
