@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
 __all__ = ["ALL_GATHER_API", "REDUCE_SCATTER_API", "all_gather_into", "reduce_scatter_into",
-           "tf32_matmul_allowed", "elastic_launch_config", "ELASTIC_SHUTDOWN_TIMEOUT"]
+           "tf32_matmul_allowed", "elastic_launch_config"]
 
 
 def _pick(module: Any, new: str, old: str) -> tuple[str, Callable[..., Any]]:
@@ -95,23 +95,14 @@ def tf32_matmul_allowed() -> bool:
     return precision == "tf32"
 
 
-def _elastic_fields() -> set[str]:
+def elastic_launch_config(*, shutdown_timeout: int, **kw: Any) -> Any:
+    """``torch.distributed.launcher.api.LaunchConfig(**kw)``, with ``shutdown_timeout`` (whole
+    seconds) where torch's ``LaunchConfig`` has the field, else dropped. (Asked here, not at
+    import: the launcher's modules take 17 ms to import, which a rank never needs.)"""
     from dataclasses import fields
 
     from torch.distributed.launcher.api import LaunchConfig
 
-    return {f.name for f in fields(LaunchConfig)}
-
-
-ELASTIC_SHUTDOWN_TIMEOUT = "shutdown_timeout" in _elastic_fields()
-"""Whether torch's ``LaunchConfig`` takes ``shutdown_timeout``."""
-
-
-def elastic_launch_config(*, shutdown_timeout: int, **kw: Any) -> Any:
-    """``torch.distributed.launcher.api.LaunchConfig(**kw)``, with ``shutdown_timeout`` (whole
-    seconds) where torch has it (:data:`ELASTIC_SHUTDOWN_TIMEOUT`), else dropped."""
-    from torch.distributed.launcher.api import LaunchConfig
-
-    if ELASTIC_SHUTDOWN_TIMEOUT:
+    if "shutdown_timeout" in {f.name for f in fields(LaunchConfig)}:
         kw["shutdown_timeout"] = shutdown_timeout
     return LaunchConfig(**kw)

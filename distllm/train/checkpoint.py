@@ -28,6 +28,7 @@ a save leaves the previous checkpoint whole; ``load_latest`` takes the newest co
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -331,16 +332,9 @@ def load_latest(out: str | os.PathLike, engine, loader) -> int:
     this run's layout; returns its step."""
     path = check_compatible(out, engine.mcfg)
     meta = _read_meta(path)
-    try:
-        with_optim = meta["optimizer_step"] > 0
-        state = _empty_targets(engine, with_optim)
-        reader = _RestrictedReader(path)
-        reader.read_metadata()  # a refused .metadata raises here, on every rank, before DCP
-        dcp.load(state, storage_reader=reader)  # a rank's failed read fails it on every rank
-    except _Refused:
-        raise
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - named in the error
-        raise _damaged(path, _cause(exc)) from None
+    # (a rank's failed read fails it on every rank)
+    state = _read_dcp(path, lambda _: _empty_targets(engine, meta["optimizer_step"] > 0))
+    with_optim = meta["optimizer_step"] > 0
     # this rank's own part (its random state): every rank learns whether any failed, and
     # how: a ValueError is bad input (the data order of another --global-batch), said as is
     failed = None
@@ -360,16 +354,38 @@ def load_latest(out: str | os.PathLike, engine, loader) -> int:
     return int(meta["step"])
 
 
-def _install(path: Path, engine, loader, meta: dict, state: dict, with_optim: bool) -> None:
+def _read_dcp(path: Path, targets, no_dist: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors of the checkpoint ``path`` that ``targets(metadata)`` asks for (a dict of
+    tensors to fill), read through :class:`_RestrictedReader` (refused metadata raises, on
+    every rank, before DCP runs); any other failure is the one-line damaged error."""
+    try:
+        reader = _RestrictedReader(path)
+        state = targets(reader.read_metadata())
+        with warnings.catch_warnings():  # no_dist: "assuming the intent is to load in a
+            warnings.filterwarnings("ignore", message=".*single process")  # single process"
+            dcp.load(state, storage_reader=reader, no_dist=no_dist)
+    except _Refused:
+        raise
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - named in the error
+        raise _damaged(path, _cause(exc)) from None
+    return state
+
+
+def _shards(engine, tensor_of, keys: tuple[str, ...]) -> dict:
+    """``{parameter: {key: this rank's TP shard}}`` of ``engine``'s parameters, from the full
+    canonical tensor ``tensor_of(layer index, canonical name, key)``."""
     local = {}
     for chunk, i, name, _, param in _entries(engine):
         kind = param_table(chunk.cfg, i, chunk.vocab_parallel)[name][1]
-        keys = ("weight", *MOMENTS) if with_optim else ("weight",)
-        local[param] = {
-            k: shard_full(chunk.cfg, engine.dims, kind,
-                      state[f"model.layers.{i}.{name}" if k == "weight"
-                            else f"optim.layers.{i}.{name}.{k}"])
-            for k in keys}
+        local[param] = {k: shard_full(chunk.cfg, engine.dims, kind, tensor_of(i, name, k))
+                        for k in keys}
+    return local
+
+
+def _install(path: Path, engine, loader, meta: dict, state: dict, with_optim: bool) -> None:
+    local = _shards(engine, lambda i, name, k: state[f"model.layers.{i}.{name}" if k == "weight"
+                                                     else f"optim.layers.{i}.{name}.{k}"],
+                    ("weight", *MOMENTS) if with_optim else ("weight",))
     install(engine, local, meta["optimizer_step"])
     loader.load_state_dict(meta["data"])
     _load_rng(path, engine, meta)
@@ -386,18 +402,10 @@ def read_layers(path: Path):
         raise ValueError(f"{path} is not a distllm GPT checkpoint (format "
                          f"{meta.get('format')!r})")
     cfg = GPTConfig(**meta["model"], name=meta.get("model_name") or "custom")
-    try:
-        reader = _RestrictedReader(path)
-        md = reader.read_metadata()
-        state = {k: torch.empty(m.size, dtype=m.properties.dtype)
-                 for k, m in md.state_dict_metadata.items() if k.startswith("model.layers.")}
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single
-            warnings.filterwarnings("ignore", message=".*single process")  # process": it is
-            dcp.load(state, storage_reader=reader, no_dist=True)
-    except _Refused:
-        raise
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - named in the error
-        raise _damaged(path, _cause(exc)) from None
+    state = _read_dcp(path, lambda md: {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in md.state_dict_metadata.items() if k.startswith("model.layers.")},
+        no_dist=True)
     layers: dict[int, dict[str, torch.Tensor]] = {}
     for key, t in state.items():
         i, name = key.removeprefix("model.layers.").split(".", 1)
@@ -410,13 +418,8 @@ def install_weights(engine, layers) -> None:
     ``i``'s by canonical name (each rank takes its layers' TP shards): under ZeRO into the
     fp32 master weights, so that a bf16 run starts from the source's values and not from
     their bf16 rounding. The optimizer starts fresh. Collective under ZeRO, as a load is."""
-    local, full = {}, {}
-    for chunk, i, name, _, param in _entries(engine):
-        if i not in full:
-            full[i] = layers(i)
-        kind = param_table(chunk.cfg, i, chunk.vocab_parallel)[name][1]
-        local[param] = {"weight": shard_full(chunk.cfg, engine.dims, kind, full[i][name])}
-    install(engine, local, 0)
+    layer = functools.cache(layers)  # each layer's tensors once, for all its parameters
+    install(engine, _shards(engine, lambda i, name, _: layer(i)[name], ("weight",)), 0)
 
 
 def _load_rng(path: Path, engine, meta: dict) -> None:

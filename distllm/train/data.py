@@ -108,12 +108,11 @@ def _token_files(path: str) -> tuple[Path, Path | None] | None:
     """``(train, val or None)`` where ``path`` is a ``.bin`` file or a folder holding
     ``train.bin``, else None (text)."""
     p = Path(path)
-    if p.is_file() and p.suffix == ".bin":
-        val = p.with_name("val.bin") if p.name == "train.bin" else None
-        return p, val if val is not None and val.is_file() else None
-    if p.is_dir() and (p / "train.bin").is_file():
-        return p / "train.bin", (p / "val.bin") if (p / "val.bin").is_file() else None
-    return None
+    train = p / "train.bin" if p.is_dir() else p
+    if not (train.is_file() and train.suffix == ".bin"):
+        return None
+    val = train.with_name("val.bin")
+    return train, val if train.name == "train.bin" and val.is_file() else None
 
 
 def _memmap(f: Path, dtype: str, path: str) -> np.ndarray:
@@ -249,15 +248,17 @@ class BatchLoader:
         order = self._epoch_order()
         windows = order[lo:lo + per_rank]
         if isinstance(self.tokens, np.ndarray):  # a memory map: only these windows are read
-            if self.vocab_size is not None and self.dp > 1:
-                # every rank checks the whole global batch, so that all of them refuse it
-                # at the same step (one rank alone would leave the others in a collective)
-                whole = self._ids(order[self.index:self.index + self.global_batch])
-                if whole.max() >= self.vocab_size:
+            if self.vocab_size is None:
+                ids = self.tokens[self._offsets(windows).numpy()]
+            else:
+                # every rank reads and checks the whole global batch, so that all of them
+                # refuse it at the same step (one rank alone would leave the others in a
+                # collective), and takes its rows from it
+                whole = order[self.index:self.index + self.global_batch]
+                ids = self.tokens[self._offsets(whole).numpy()]
+                if ids.max() >= self.vocab_size:
                     raise ValueError(self._beyond())
-            ids = self._ids(windows)
-            if self.vocab_size is not None and ids.max() >= self.vocab_size:
-                raise ValueError(self._beyond())
+                ids = ids[lo - self.index:lo - self.index + per_rank]
             seqs = torch.from_numpy(ids.astype(np.int64))
         else:
             seqs = self.tokens[self._offsets(windows)].long()
@@ -267,9 +268,6 @@ class BatchLoader:
     def _offsets(self, windows: torch.Tensor) -> torch.Tensor:
         # (b, 1) * seq + (1, seq+1) -> (b, seq+1) token offsets
         return windows[:, None] * self.seq_len + torch.arange(self.seq_len + 1)[None, :]
-
-    def _ids(self, windows: torch.Tensor) -> np.ndarray:
-        return self.tokens[self._offsets(windows).numpy()]
 
     def _beyond(self) -> str:
         return (f"the data holds token ids beyond the model's vocabulary of {self.vocab_size} "

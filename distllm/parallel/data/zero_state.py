@@ -61,6 +61,8 @@ def place_step(optimizer: torch.optim.Optimizer, param: Tensor, step: Any) -> Te
     device in fp32 when its group is ``fused`` or ``capturable`` (the fused AdamW kernel
     refuses a CPU step beside CUDA parameters), else on the CPU as given. The rule of
     ``torch.optim.Optimizer.load_state_dict``, for state set without it."""
+    # a step count is optimizer state, never a collective's operand (gather_state copies it
+    # as is): made on the CPU, then placed by torch's rule below
     value = step if isinstance(step, Tensor) else torch.tensor(float(step))
     for g in optimizer.param_groups:
         if any(q is param for q in g["params"]):
