@@ -11,8 +11,11 @@ in flight finishes as it would have. The ranks then agree, so that they stop aft
 step, however many of them were signalled: after each step every rank starts an all-reduce
 (MAX) of its flag over the world, and reads the result after the next step, so the agreement
 costs no wait in the step (the collective runs while the next step does). The flag is a CPU
-tensor, on gloo (the world's own where it has gloo for CPU tensors, else a gloo group made
-for it): a CUDA stream never waits for it. The run then saves a checkpoint (unless that step
+tensor on a gloo group of its own, so a CUDA stream never waits for it, and the group is
+destroyed when the steps end: gloo's worker threads release a finished collective's tensor
+a moment after its wait returns, and one that does so while the interpreter shuts down
+aborts the process ("terminate called without an active exception"); in a world the caller
+started and does not destroy before it exits, the flag's last exchange could be that one. The run then saves a checkpoint (unless that step
 was just saved) and ends without the final validation, with exit code 128 + the signal;
 ``--resume`` continues it. A request therefore stops the run one or two steps after it
 arrives, plus a checkpoint save: the scheduler's grace period must cover that.
@@ -29,8 +32,6 @@ import threading
 
 import torch
 import torch.distributed as dist
-
-from distllm.comm.collectives import backend_for
 
 __all__ = ["StopSignal", "SIGNALS", "parse_signals"]
 
@@ -59,8 +60,10 @@ def parse_signals(spec: str) -> tuple[str, ...]:
 class StopSignal:
     """The run's stop request: a context manager installing the handlers for ``names`` (in
     the main thread; elsewhere a process cannot take signals, and none is installed), and
-    :meth:`poll` / :meth:`settle`, the ranks' agreement on it. Every rank must call them at
-    the same points, as the collectives they are."""
+    :meth:`poll` / :meth:`settle`, the ranks' agreement on it over the ranks of ``group``
+    (the world's when None). Every rank must make it, call them and leave it at the same
+    points, as the collectives they are (making it makes a gloo group, leaving it without
+    an error destroys that group)."""
 
     def __init__(self, names: tuple[str, ...], group: dist.ProcessGroup | None = None,
                  timeout: datetime.timedelta | None = None):
@@ -68,11 +71,10 @@ class StopSignal:
         self.received = 0  # the signal number this rank received (the highest), 0: none
         self._previous: dict[int, object] = {}
         self._pending: dist.Work | None = None
-        # the flag travels as a CPU tensor: over ``group`` where a backend of it takes CPU
-        # tensors (gloo), else over a gloo group of the same ranks made here (collective),
-        # so that no device stream waits for it; read through a numpy view (no tensor read)
-        self.group = group
-        if names and backend_for(group, "cpu") is None:
+        # the flag travels as a CPU tensor over a gloo group of the same ranks made here (no
+        # device stream waits for it), read through a numpy view (no tensor read)
+        self.group: dist.ProcessGroup | None = None
+        if names:
             ranks = None if group is None else dist.get_process_group_ranks(group)
             self.group = dist.new_group(ranks, backend="gloo", timeout=timeout)
         self._flag = torch.zeros(1, dtype=torch.int32)
@@ -93,7 +95,10 @@ class StopSignal:
             signal.signal(num, handler)
         self._previous.clear()
         if exc_type is None:  # nothing in flight after the steps (after a failure, a peer
-            self._finish()  # may never join it)
+            self._finish()  # may never join it, and the group stays as it is)
+            if self.group is not None:  # its threads end here, with what they held
+                dist.destroy_process_group(self.group)
+                self.group = None
         self._pending = None
 
     def _start(self) -> None:

@@ -85,11 +85,12 @@ def _polls_on_nccl() -> tuple[list, str]:
 
     got = []
     with StopSignal(("SIGUSR1",)) as stop:
+        backend = dist.get_backend(stop.group)
         got.append(stop.poll())
         os.kill(os.getpid(), signal.SIGUSR1)
         got.append(stop.poll())
         got.append(stop.poll())
-    return got, dist.get_backend(stop.group)
+    return got, backend
 
 
 def test_stop_signal_agrees_beside_nccl():
