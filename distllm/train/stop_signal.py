@@ -15,9 +15,10 @@ tensor on a gloo group of its own, so a CUDA stream never waits for it, and the 
 destroyed when the steps end: gloo's worker threads release a finished collective's tensor
 a moment after its wait returns, and one that does so while the interpreter shuts down
 aborts the process ("terminate called without an active exception"); in a world the caller
-started and does not destroy before it exits, the flag's last exchange could be that one. The run then saves a checkpoint (unless that step
-was just saved) and ends without the final validation, with exit code 128 + the signal;
-``--resume`` continues it. A request therefore stops the run one or two steps after it
+started and does not destroy before it exits, the flag's last exchange could be that one.
+
+The run then saves a checkpoint (unless that step was just saved) and ends without the
+final validation, with exit code 128 + the signal; ``--resume`` continues it. A request therefore stops the run one or two steps after it
 arrives, plus a checkpoint save: the scheduler's grace period must cover that.
 
 Outside the steps (building the model, loading a checkpoint, the final save, validation)
