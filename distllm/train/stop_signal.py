@@ -18,8 +18,9 @@ aborts the process ("terminate called without an active exception"); in a world 
 started and does not destroy before it exits, the flag's last exchange could be that one.
 
 The run then saves a checkpoint (unless that step was just saved) and ends without the
-final validation, with exit code 128 + the signal; ``--resume`` continues it. A request therefore stops the run one or two steps after it
-arrives, plus a checkpoint save: the scheduler's grace period must cover that.
+final validation, with exit code 128 + the signal; ``--resume`` continues it. A request
+therefore stops the run one or two steps after it arrives, plus a checkpoint save: the
+scheduler's grace period must cover that.
 
 Outside the steps (building the model, loading a checkpoint, the final save, validation)
 the process's previous handlers are in place, so a signal there acts as it did before.
