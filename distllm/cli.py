@@ -1,6 +1,6 @@
 """The ``distllm`` command: a thin dispatcher to its subcommands.
 
-``info``, ``train``, ``bench``, ``plan`` and ``export``.
+``info``, ``train``, ``bench``, ``plan``, ``export`` and ``tokenize``.
 
 Each subcommand lives in its own module, which defines ``add_arguments(parser)`` and
 ``run(args) -> int``; only the chosen one is imported.
@@ -18,6 +18,8 @@ COMMANDS = {
     "bench": ("distllm.bench.cli", "microbenchmarks: fused vs unfused, overlap, report"),
     "plan": ("distllm.plan.cli", "choose TP x PP x DP x ZeRO x schedule for a model and cluster"),
     "export": ("distllm.train.export", "a training checkpoint as a Hugging Face GPT-2 folder"),
+    "tokenize": ("distllm.train.tokenize_data",
+                 "text as a tokenizer's ids, the train.bin and val.bin that --data reads"),
 }
 
 

@@ -7,7 +7,9 @@
 - ``data``: the byte tokenizer, the corpus and the DP-split batch loader;
 - ``checkpoint``, ``optim_state``: sharded checkpoints that load at any other layout;
 - ``stop_signal``: a signal (a scheduler's preemption) stops the run with a checkpoint;
-- ``export``: ``distllm export``, a checkpoint as a Hugging Face GPT-2 folder.
+- ``export``: ``distllm export``, a checkpoint as a Hugging Face GPT-2 folder;
+- ``tokenize_data``: ``distllm tokenize``, text as a tokenizer's ids for ``--data``;
+- ``new_folder``: the folder those two write, whole or not at all.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ Format (``OUT/checkpoints/step_00000300/``):
   other (tp2.pp2.dp1 -> tp1.pp1.dp4 -> tp4, ZeRO stage changes included): each rank asks DCP
   for its own layers' full tensors and shards them itself. This is the "TP-gathered full
   tensors per stage" form, chosen for simplicity; it costs a TP all-gather per tensor at save.
-* ``meta.json``: the model config, step, layout, data-loader position and optimizer step.
+* ``meta.json``: the model config, step, layout, data-loader position and optimizer step,
+  and what the data held (``tokens``: text's bytes or a tokenizer's ids, which ``distllm
+  export`` passes on to ``--init-from``).
 * ``rng/rank{r}.pt``: each rank's RNG states, restored only at the same layout
   (``torch.load(weights_only=True)``).
 
@@ -49,6 +51,7 @@ from distllm.models.sharding import (
     param_table,
     shard_full,
 )
+from distllm.train.data import tokens_of
 from distllm.train.optim_state import MOMENTS, collect, install
 
 __all__ = ["save", "load_latest", "latest", "check_compatible", "prune", "step_of",
@@ -198,7 +201,8 @@ def save(out: str | os.PathLike, engine, loader, *, step: int) -> Path:
                 "model_name": engine.mcfg.name, "optimizer_step": opt_step,
                 "layout": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "zero": p.zero,
                            "v": engine.v, "world": dims.world_size},
-                "data": loader.state_dict(), "dtype": engine.cfg.dtype}
+                "data": loader.state_dict(), "dtype": engine.cfg.dtype,
+                "tokens": tokens_of(engine.cfg.data)}
         with open(tmp / "meta.json", "w") as f:
             json.dump(meta, f, indent=1)
             f.flush()
@@ -392,9 +396,11 @@ def _install(path: Path, engine, loader, meta: dict, state: dict, with_optim: bo
 
 
 def read_layers(path: Path):
-    """``(GPTConfig, {layer index: {canonical name: full tensor}})`` of the checkpoint
-    folder ``path``: its weights (the fp32 masters of a mixed-precision run), read in this
-    process alone (no process group) through :class:`_RestrictedReader`."""
+    """``(GPTConfig, {layer index: {canonical name: full tensor}}, tokens)`` of the
+    checkpoint folder ``path``: its weights (the fp32 masters of a mixed-precision run), read
+    in this process alone (no process group) through :class:`_RestrictedReader`, and what
+    the run trained on (``"bytes"``, ``"ids"``, or None from a checkpoint before that was
+    recorded)."""
     from distllm.models.gpt import GPTConfig
 
     meta = _read_meta(path)
@@ -410,7 +416,7 @@ def read_layers(path: Path):
     for key, t in state.items():
         i, name = key.removeprefix("model.layers.").split(".", 1)
         layers.setdefault(int(i), {})[name] = t
-    return cfg, layers
+    return cfg, layers, meta.get("tokens")
 
 
 def install_weights(engine, layers) -> None:

@@ -187,8 +187,11 @@ def precheck(cfg: TrainConfig, world: int) -> None:
             raise ValueError(f"--data {cfg.data}: the data is empty; pass a non-empty file")
     if cfg.init_from and not cfg.resume:
         from distllm.models.hf import check_pretrained_shape, pretrained_config
+        from distllm.train.tokenize_data import check_pretrained_tokens
 
-        check_pretrained_shape(pretrained_config(cfg.init_from), mcfg, cfg.model, cfg.init_from)
+        theirs = pretrained_config(cfg.init_from)
+        check_pretrained_shape(theirs, mcfg, cfg.model, cfg.init_from)
+        check_pretrained_tokens(cfg.init_from, theirs.vocab_size, cfg.data)
 
 
 def check_out(cfg: TrainConfig) -> None:

@@ -39,6 +39,7 @@ __all__ = [
     "default_corpus_files",
     "TOKEN_DTYPES",
     "check_vocab",
+    "tokens_of",
 ]
 
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -75,15 +76,15 @@ def default_corpus_files() -> list[Path]:
                   if "site-packages" not in p.parts and "dist-packages" not in p.parts)
 
 
-def _files_of(path: str) -> list[Path]:
+def _files_of(path: str, knob: str = "--data") -> list[Path]:
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"--data {path}: no such file or folder")
+        raise FileNotFoundError(f"{knob} {path}: no such file or folder")
     if p.is_file():
         return [p]
     files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
     if not files:
-        raise ValueError(f"--data {path}: the folder holds no text files "
+        raise ValueError(f"{knob} {path}: the folder holds no text files "
                          f"({', '.join(TEXT_SUFFIXES)})")
     return files
 
@@ -113,6 +114,12 @@ def _token_files(path: str) -> tuple[Path, Path | None] | None:
         return None
     val = train.with_name("val.bin")
     return train, val if train.name == "train.bin" and val.is_file() else None
+
+
+def tokens_of(path: str | None) -> str:
+    """What ``--data path`` (None: the default corpus) trains on: ``"ids"`` (a ``.bin``
+    file's, a tokenizer's) or ``"bytes"`` (text)."""
+    return "ids" if path is not None and _token_files(path) is not None else "bytes"
 
 
 def _memmap(f: Path, dtype: str, path: str) -> np.ndarray:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 __all__ = ["add_arguments", "run", "export_hf"]
@@ -57,31 +55,18 @@ def _checkpoint_of(run: str, step: int | None) -> Path:
 def export_hf(ckpt: str | os.PathLike, dest: str | os.PathLike) -> Path:
     """Write the checkpoint folder ``ckpt`` as a Hugging Face GPT-2 folder ``dest`` (which
     must not exist); returns ``dest``."""
-    from distllm.models.hf import hf_from_layers
+    from distllm.models.hf import hf_from_layers, quiet_transformers
     from distllm.train.checkpoint import read_layers
+    from distllm.train.new_folder import new_folder
 
-    dest = Path(dest)
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise ValueError(f"DEST {dest} exists; pass a new folder")
-    cfg, layers = read_layers(Path(ckpt))
-    hf = hf_from_layers(cfg, layers)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # as a folder made with mkdir (mkdtemp's is the owner's alone)
-    try:
-        from distllm.models.hf import quiet_transformers
-
+    with new_folder(dest) as tmp:
+        cfg, layers, tokens = read_layers(Path(ckpt))
+        hf = hf_from_layers(cfg, layers)
+        if tokens is not None:  # --init-from reads it: text trains a model of bytes only
+            hf.config.distllm_tokens = tokens
         with quiet_transformers():
             hf.save_pretrained(tmp)
-        if dest.exists():
-            dest.rmdir()  # empty (checked above)
-        os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
+    return Path(dest)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@ any layout it was trained at; the folder computes the run's own validation loss.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -46,6 +47,8 @@ def test_the_export_computes_the_runs_validation_loss(corpus, trained, tmp_path,
     umask = os.umask(0)
     os.umask(umask)
     assert (tmp_path / "hf").stat().st_mode & 0o777 == 0o777 & ~umask  # as mkdir makes it
+    # the run read text as bytes: --init-from then takes text for this model (test_tokenize)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["distllm_tokens"] == "bytes"
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     assert next(hf.parameters()).dtype == torch.float64  # the checkpoint's dtype
     val = BatchLoader(load_corpus(corpus).val, seq_len=32, global_batch=8, shuffle=False)

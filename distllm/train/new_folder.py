@@ -1,0 +1,36 @@
+"""A folder a command writes whole or not at all (``distllm export``, ``distllm tokenize``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["new_folder"]
+
+
+@contextlib.contextmanager
+def new_folder(dest: str | os.PathLike) -> Iterator[Path]:
+    """A temporary folder beside ``dest`` to write into, renamed to ``dest`` when the block
+    ends, removed when it raises: a failed command leaves nothing. ``dest`` must not exist
+    or be an empty folder (ValueError naming DEST). The folder has the permissions of one
+    made with ``mkdir`` under the umask (``mkdtemp``'s are the owner's alone)."""
+    dest = Path(dest)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise ValueError(f"DEST {dest} exists; pass a new folder")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
+    try:
+        yield tmp
+        if dest.exists():
+            dest.rmdir()  # empty (checked above)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

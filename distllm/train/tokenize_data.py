@@ -1,0 +1,184 @@
+"""``distllm tokenize``: text as token ids for ``--data``, through a Hugging Face tokenizer.
+
+distllm reads text as bytes (:class:`~distllm.train.data.ByteTokenizer`). A model that knows
+a tokenizer's ids (GPT-2's, for ``--init-from``) must train on those ids: this command
+writes them the way ``--data`` reads them, a folder holding ``train.bin`` and ``val.bin``
+(nanoGPT's layout: the ids back to back, little-endian, ``uint16``, or ``uint32`` for a
+vocabulary past 65,536, which ``--data-dtype`` then names).
+
+SRC is a text file or a folder of them (the files ``--data`` reads there, in the same
+order). Each file is one document, followed by the tokenizer's end-of-text token when it
+has one (GPT-2's ``<|endoftext|>``), as nanoGPT's OpenWebText preparation does; no other
+special token is added. The last ``--val-fraction`` of the ids (at least min(n/2, 4096), as
+for text) is ``val.bin``.
+
+A file is read and tokenized in pieces of at least ``chunk_chars`` characters, each cut at
+the first newline past that length with a non-space character on either side. GPT-2's
+byte-level pre-tokenizer splits there in any case (its pieces never cross such a newline),
+so with GPT-2's tokenizer the ids are those of the whole file (tested); a file with no such
+newline is one piece. The ids stream to disk, so a corpus larger than memory is tokenized.
+The folder is written beside DEST and renamed into place once complete: a failed run leaves
+nothing, and an existing DEST is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["add_arguments", "run", "tokenize_to_bins", "tokenizer_files",
+           "check_pretrained_tokens", "BYTE_VOCAB"]
+
+CHUNK_CHARS = 1 << 22
+"""About how many characters are tokenized at once."""
+
+_CUT = re.compile(r"(?<=\S\n)(?=\S)")  # after "x\n", before "y": no pre-token crosses it
+
+BYTE_VOCAB = 256
+"""A model with at most this many ids reads bytes (distllm's text, ``ByteTokenizer``)."""
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def tokenizer_files(path: str | os.PathLike) -> bool:
+    """Whether the folder ``path`` holds a Hugging Face tokenizer's files."""
+    return any((Path(path) / f).is_file() for f in _TOKENIZER_FILES)
+
+
+def check_pretrained_tokens(path: str, vocab_size: int, data: str | None) -> None:
+    """ValueError when the text ``--data data`` (None: the default corpus), which distllm
+    reads as bytes, would train the pretrained model of the folder ``path`` (``vocab_size``
+    ids), which reads a tokenizer's ids: the run would fine-tune it on ids that mean other
+    things to it. A model reads bytes when its vocabulary is :data:`BYTE_VOCAB` at most, or
+    when ``distllm export`` wrote it from a run on text (``distllm_tokens`` in its config).
+    The error names ``distllm tokenize``, with the folder as the tokenizer where it holds one."""
+    from distllm.train.data import tokens_of
+
+    if tokens_of(data) != "bytes" or vocab_size <= BYTE_VOCAB:
+        return
+    with open(Path(path) / "config.json") as f:
+        if json.load(f).get("distllm_tokens") == "bytes":
+            return
+    src = data if data is not None else "SRC"
+    what = (f"--data {data} is text" if data is not None
+            else "without --data the run trains on text (the standard library's sources)")
+    tok = path if tokenizer_files(path) else "TOKENIZER"
+    where = "" if tok == path else (" (TOKENIZER: a folder holding the model's tokenizer, "
+                                    "as its save_pretrained writes it)")
+    raise ValueError(f"--init-from {path}: its model reads a tokenizer's ids (a "
+                     f"{vocab_size:,}-token vocabulary), and {what}, which distllm reads as "
+                     f"bytes: write the text's ids with `distllm tokenize {src} OUT "
+                     f"--tokenizer {tok}`{where} and pass --data OUT")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", metavar="SRC", help="a text file, or a folder of text files")
+    p.add_argument("dest", metavar="DEST",
+                   help="a new folder for train.bin and val.bin (pass it to train's --data)")
+    p.add_argument("--tokenizer", required=True, metavar="DIR",
+                   help="a folder holding a Hugging Face tokenizer (what its save_pretrained "
+                        "writes; nothing is downloaded), e.g. the --init-from folder")
+    p.add_argument("--val-fraction", type=float, default=0.02,
+                   help="the share of the ids, at the end, held out as val.bin (default 0.02)")
+
+
+def _load_tokenizer(path: str):
+    from distllm.models.hf import quiet_transformers
+
+    if not Path(path).is_dir() or not tokenizer_files(path):
+        raise ValueError(f"--tokenizer {path}: no tokenizer there (none of "
+                         f"{', '.join(_TOKENIZER_FILES)}); pass a folder a Hugging Face "
+                         f"tokenizer's save_pretrained wrote")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ValueError(f"--tokenizer {path}: reading a Hugging Face tokenizer needs the "
+                         f"transformers package (pip install transformers)") from None
+    try:
+        with quiet_transformers():
+            return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--tokenizer {path}: {exc}") from None
+
+
+def _pieces(f: Path, chunk_chars: int) -> Iterator[str]:
+    """The text of ``f`` in pieces of at least ``chunk_chars`` characters (the last may be
+    shorter), cut only where :data:`_CUT` matches."""
+    dec = codecs.getincrementaldecoder("utf-8")()
+    buf = ""
+    with open(f, "rb") as fh:
+        while True:
+            block = fh.read(chunk_chars)
+            buf += dec.decode(block, final=not block)
+            while len(buf) > chunk_chars and (m := _CUT.search(buf, chunk_chars)):
+                yield buf[:m.start()]
+                buf = buf[m.start():]
+            if not block:
+                break
+    if buf:
+        yield buf
+
+
+def tokenize_to_bins(src: str, dest: str, tokenizer: str, val_fraction: float = 0.02,
+                     chunk_chars: int = CHUNK_CHARS) -> dict:
+    """Write ``dest/train.bin`` and ``dest/val.bin``: the ids of the text ``src`` under the
+    Hugging Face tokenizer in the folder ``tokenizer`` (see the module's docstring). Returns
+    what was written: ``train`` and ``val`` id counts, ``dtype``, ``vocab``, ``files``."""
+    from distllm.train.data import _files_of, _held_out
+    from distllm.train.new_folder import new_folder
+
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"--val-fraction {val_fraction}: choose a share between 0 and 1")
+    files = _files_of(src, knob="SRC")
+    tok = _load_tokenizer(tokenizer)
+    vocab = len(tok)
+    dtype = np.dtype("<u2" if vocab <= 1 << 16 else "<u4")
+    eos = tok.eos_token_id
+    with new_folder(dest) as tmp:
+        n = 0
+        with open(tmp / "train.bin", "wb") as out:
+            for f in files:
+                try:
+                    for piece in _pieces(f, chunk_chars):
+                        ids = tok(piece, add_special_tokens=False)["input_ids"]
+                        out.write(np.asarray(ids, dtype=dtype).tobytes())
+                        n += len(ids)
+                except UnicodeDecodeError as exc:
+                    raise ValueError(f"SRC {src}: {f} is not UTF-8 text ({exc.reason}); "
+                                     f"convert it, or leave it out") from None
+                except OSError as exc:
+                    raise FileNotFoundError(f"SRC {src}: cannot read {f} ({exc})") from None
+                if eos is not None:
+                    out.write(np.asarray([eos], dtype=dtype).tobytes())
+                    n += 1
+        if n < 2:
+            raise ValueError(f"SRC {src}: {n} token ids, too few to split into train.bin and "
+                             f"val.bin; pass more text")
+        n_val = _held_out(n, val_fraction)
+        with open(tmp / "train.bin", "r+b") as train, open(tmp / "val.bin", "wb") as val:
+            train.seek((n - n_val) * dtype.itemsize)
+            shutil.copyfileobj(train, val)
+            train.truncate((n - n_val) * dtype.itemsize)
+            for fh in (train, val):
+                fh.flush()
+                os.fsync(fh.fileno())
+    return {"train": n - n_val, "val": n_val, "dtype": dtype.name, "vocab": vocab,
+            "files": len(files)}
+
+
+def run(args: argparse.Namespace) -> int:
+    got = tokenize_to_bins(args.src, args.dest, args.tokenizer, args.val_fraction)
+    flag = "" if got["dtype"] == "uint16" else f" --data-dtype {got['dtype']}"
+    print(f"distllm tokenize: {args.dest}: train.bin {got['train']:,} ids, val.bin "
+          f"{got['val']:,} ({got['dtype']}, a {got['vocab']:,}-token vocabulary, "
+          f"{got['files']} file{'s' if got['files'] != 1 else ''}); train with "
+          f"--data {args.dest}{flag}")
+    return 0
