@@ -30,7 +30,8 @@ def tok_dir(corpus, tmp_path_factory) -> Path:
         vocab_size=1000, special_tokens=["<|endoftext|>"], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok = GPT2TokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>",
-                            bos_token="<|endoftext|>", unk_token="<|endoftext|>")
+                            bos_token="<|endoftext|>", unk_token="<|endoftext|>",
+                            model_max_length=1024)  # as GPT-2's
     path = tmp_path_factory.mktemp("tokenizer")
     tok.save_pretrained(path)
     return path
@@ -77,15 +78,15 @@ def test_the_ids_are_each_whole_files_then_end_of_text(texts, tok_dir, tmp_path)
     assert c.train.tolist() == train.tolist() and c.val.tolist() == val.tolist()
 
 
-def test_a_vocabulary_past_65536_writes_uint32(corpus, tok_dir, tmp_path, capsys):
+def test_a_vocabulary_past_65536_writes_uint32(corpus, tok_dir, tmp_path, capfd):
     tok = _tokenizer(tok_dir)
     tok.add_tokens([f"zz{i}" for i in range(65_000)])
     tok.save_pretrained(tmp_path / "big")
     tiny = tmp_path / "t.txt"
-    tiny.write_text("def zz64999(x):\n    return x\n")
+    tiny.write_text("def zz64999(x):\n    return x\n" * 200)
     assert main(["tokenize", str(tiny), str(tmp_path / "ids"), "--tokenizer",
                  str(tmp_path / "big")]) == 0
-    said = capsys.readouterr().out.strip()
+    said = capfd.readouterr().out.strip()
     assert said.endswith(f"(uint32, a 66,000-token vocabulary, 1 file); train with --data "
                          f"{tmp_path / 'ids'} --data-dtype uint32"), said
     ids = np.fromfile(tmp_path / "ids" / "train.bin", dtype="<u4").tolist() + \
