@@ -158,6 +158,8 @@ def check_command(cmd: str) -> None:
         _bench(tokens[2:])
     elif head == "distllm" and len(tokens) > 1 and tokens[1] == "export":
         _parse("export", tokens[2:])  # its RUN is a training run's output: parsed only
+    elif head == "distllm" and len(tokens) > 1 and tokens[1] == "sample":
+        _parse("sample", tokens[2:])  # its RUN is a training run's output: parsed only
     elif head == "distllm" and len(tokens) > 1 and tokens[1] == "tokenize":
         _parse("tokenize", tokens[2:])  # its tokenizer is a user's folder: parsed only
     else:

@@ -9,6 +9,7 @@
 - ``stop_signal``: a signal (a scheduler's preemption) stops the run with a checkpoint;
 - ``export``: ``distllm export``, a checkpoint as a Hugging Face GPT-2 folder;
 - ``tokenize_data``: ``distllm tokenize``, text as a tokenizer's ids for ``--data``;
+- ``sample``: ``distllm sample``, text a checkpoint's model generates;
 - ``new_folder``: the folder those two write, whole or not at all.
 """
 

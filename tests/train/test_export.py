@@ -112,3 +112,107 @@ def test_a_failed_write_leaves_nothing(trained, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         main(["export", str(out), str(tmp_path / "d")])
     assert list(tmp_path.iterdir()) == []
+
+
+# --- distllm sample: the checkpoint's model continues a prompt --------------------------------
+
+def test_sample_greedy_is_the_likeliest_token_each_step(trained, capsys):
+    """Against a loop of the exported model's forward (no cache), argmax each step; top-k 1
+    sampling is greedy at any temperature; a seed repeats its samples."""
+    import torch
+
+    from distllm.models.hf import hf_from_layers
+    from distllm.train.checkpoint import read_layers
+    from distllm.train.data import ByteTokenizer
+    from distllm.train.sample import sample
+
+    out, _ = trained
+    ckpt = out / "checkpoints" / "step_00000003"
+    hf = hf_from_layers(*read_layers(ckpt)[:2])
+    ids = ByteTokenizer().encode("def f(x):\n").tolist()
+    with torch.no_grad():
+        for _ in range(24):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    want = ByteTokenizer().decode(ids)
+    assert sample(ckpt, "def f(x):\n", max_new_tokens=24, temperature=0) == [want]
+    assert sample(ckpt, "def f(x):\n", max_new_tokens=24, temperature=1.5, top_k=1) == [want]
+    drawn = sample(ckpt, "def f(x):\n", max_new_tokens=24, num_samples=3, seed=5)
+    assert len(drawn) == 3 and drawn == sample(ckpt, "def f(x):\n", max_new_tokens=24,
+                                               num_samples=3, seed=5)
+    assert all(d.startswith("def f(x):\n") for d in drawn) and drawn != [want] * 3
+    assert main(["sample", str(out), "--prompt", "def f(x):\n", "--max-new-tokens", "24",
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == want + "\n"
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--max-new-tokens", "200", "--prompt", "x" * 100],
+     "--max-new-tokens 200: with the prompt's 100 tokens it passes the model's context of "
+     "128; lower it, or shorten --prompt"),
+    (["--prompt", ""], "--prompt is empty: give the model some text to continue"),
+    (["--temperature", "-1"], "--temperature -1.0: it must be 0 (greedy) or more"),
+    (["--top-k", "-1"], "--top-k -1: it must be at least 0"),
+    (["--step", "2"], "--step 2: RUN {out} has checkpoints of steps 3"),
+    (["--tokenizer", "{tmp}"], "--tokenizer {tmp}: no tokenizer there (none of tokenizer.json, "
+                               "tokenizer_config.json, vocab.json, tokenizer.model); pass a "
+                               "folder a Hugging Face tokenizer's save_pretrained wrote"),
+])
+def test_sample_bad_input_is_one_line(trained, tmp_path, capsys, args, says):
+    out, _ = trained
+    fill = dict(tmp=tmp_path, out=out)
+    assert main(["sample", str(out), *(a.format(**fill) for a in args)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"distllm sample: error: {says.format(**fill)}"], err
+
+
+def _bpe_256(corpus: str, path: Path) -> Path:
+    """A byte-level BPE tokenizer of 256 ids (the corpus's characters, then merges), which
+    the 256-token model holds."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator([Path(corpus).read_text()],
+                           trainers.BpeTrainer(vocab_size=256, show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=tk).save_pretrained(path)
+    return path
+
+
+def test_sample_of_a_run_on_ids_decodes_with_its_tokenizer(corpus, trained, tmp_path):
+    import json
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from distllm.models.hf import hf_from_layers
+    from distllm.train.checkpoint import read_layers
+    from distllm.train.sample import sample
+
+    out, _ = trained
+    ckpt = tmp_path / "step_00000003"
+    shutil.copytree(out / "checkpoints" / "step_00000003", ckpt)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps({**meta, "tokens": "ids"}))
+    with pytest.raises(ValueError, match=r"^the run trained on a tokenizer's ids \(256-token "
+                                         r"vocabulary\): pass its tokenizer with --tokenizer DIR"):
+        sample(ckpt)
+    tok_dir = _bpe_256(corpus, tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    assert len(tok) == 256
+    hf = hf_from_layers(*read_layers(ckpt)[:2])
+    ids = tok("import os\n", add_special_tokens=False)["input_ids"]
+    n = len(ids)
+    with torch.no_grad():
+        for _ in range(16):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert n < 10  # merged: not the prompt's bytes
+    assert sample(ckpt, "import os\n", max_new_tokens=16, temperature=0,
+                  tokenizer=str(tok_dir)) == [tok.decode(ids)]
+    tok.add_tokens(["more"])
+    tok.save_pretrained(tmp_path / "big")
+    with pytest.raises(ValueError, match=r"--tokenizer .*big: its 257 ids do not fit the "
+                                         r"model's 256-token vocabulary; pass the run's "):
+        sample(ckpt, tokenizer=str(tmp_path / "big"))

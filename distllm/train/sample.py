@@ -1,0 +1,109 @@
+"""``distllm sample``: text from a training checkpoint, a look at what a run has learnt.
+
+The checkpoint (the newest of a run, or ``--step N``) is read in one process, whatever
+layout saved it, into a Hugging Face GPT-2 model as ``distllm export`` writes it, whose
+``generate`` samples: its KV cache, temperature and top-k (``--temperature 0``: greedy). A
+run on text reads and writes bytes (:class:`~distllm.train.data.ByteTokenizer`); a run on a
+tokenizer's ids (``.bin`` data) needs that tokenizer, ``--tokenizer DIR``. The prompt and
+the new tokens must fit the model's context.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+__all__ = ["add_arguments", "run", "sample"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", metavar="RUN",
+                   help="a training run's --out folder (its newest complete checkpoint), or "
+                        "one checkpoint folder (RUN/checkpoints/step_N)")
+    p.add_argument("--step", type=int, default=None,
+                   help="the checkpoint of this step of RUN (default: the newest)")
+    p.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
+    p.add_argument("--max-new-tokens", type=int, default=200,
+                   help="tokens to generate after the prompt (default 200)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="softmax temperature; 0 picks the likeliest token (default 0.8)")
+    p.add_argument("--top-k", type=int, default=50,
+                   help="sample among the k likeliest tokens; 0: all (default 50)")
+    p.add_argument("--num-samples", type=int, default=1, help="samples to draw (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="the sampling's random seed (default 0)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="the Hugging Face tokenizer of a run on token ids (.bin data); a run "
+                        "on text needs none (bytes)")
+
+
+def _codec(tokens: str | None, vocab: int, tokenizer: str | None):
+    """``(encode, decode)`` of the run's tokens: bytes, or the tokenizer in ``tokenizer``."""
+    from distllm.train.data import ByteTokenizer
+    from distllm.train.tokenize_data import BYTE_VOCAB, _load_tokenizer
+
+    if tokenizer is None:
+        if tokens == "ids" or tokens is None and vocab > BYTE_VOCAB:
+            raise ValueError(f"the run trained on a tokenizer's ids ({vocab:,}-token "
+                             f"vocabulary): pass its tokenizer with --tokenizer DIR")
+        byte = ByteTokenizer()
+        return (lambda text: byte.encode(text).tolist()), byte.decode
+    tok = _load_tokenizer(tokenizer)
+    if len(tok) > vocab:
+        raise ValueError(f"--tokenizer {tokenizer}: its {len(tok):,} ids do not fit the "
+                         f"model's {vocab:,}-token vocabulary; pass the run's tokenizer")
+    return (lambda text: tok(text, add_special_tokens=False)["input_ids"]), tok.decode
+
+
+def sample(ckpt, prompt: str = "\n", *, max_new_tokens: int = 200, temperature: float = 0.8,
+           top_k: int = 50, num_samples: int = 1, seed: int = 0,
+           tokenizer: str | None = None) -> list[str]:
+    """``num_samples`` continuations of ``prompt`` (the prompt's text, then the new text) by
+    the model of the checkpoint folder ``ckpt``."""
+    from pathlib import Path
+
+    from distllm.models.hf import hf_from_layers, quiet_transformers
+    from distllm.train.checkpoint import read_layers
+
+    for knob, value, least in (("--max-new-tokens", max_new_tokens, 1),
+                               ("--num-samples", num_samples, 1), ("--top-k", top_k, 0)):
+        if value < least:
+            raise ValueError(f"{knob} {value}: it must be at least {least}")
+    if temperature < 0:
+        raise ValueError(f"--temperature {temperature}: it must be 0 (greedy) or more")
+    cfg, layers, tokens = read_layers(Path(ckpt))
+    encode, decode = _codec(tokens, cfg.vocab_size, tokenizer)
+    ids = encode(prompt)
+    if not ids:
+        raise ValueError("--prompt is empty: give the model some text to continue")
+    if len(ids) + max_new_tokens > cfg.max_seq_len:
+        raise ValueError(f"--max-new-tokens {max_new_tokens}: with the prompt's {len(ids)} "
+                         f"tokens it passes the model's context of {cfg.max_seq_len}; lower "
+                         f"it, or shorten --prompt")
+    hf = hf_from_layers(cfg, layers)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    hf.to(device)
+    torch.manual_seed(seed)
+    greedy = temperature == 0
+    with torch.no_grad(), quiet_transformers():
+        out = hf.generate(
+            torch.tensor([ids] * num_samples, device=device),
+            attention_mask=torch.ones(num_samples, len(ids), dtype=torch.long, device=device),
+            max_new_tokens=max_new_tokens, do_sample=not greedy,
+            **({} if greedy else {"temperature": temperature, "top_k": top_k or None}),
+            pad_token_id=hf.config.eos_token_id if hf.config.eos_token_id is not None else 0)
+    return [decode(row.tolist()) for row in out.cpu()]
+
+
+def run(args: argparse.Namespace) -> int:
+    from distllm.train.export import _checkpoint_of
+
+    ckpt = _checkpoint_of(args.run, args.step)
+    texts = sample(ckpt, args.prompt, max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, top_k=args.top_k,
+                   num_samples=args.num_samples, seed=args.seed, tokenizer=args.tokenizer)
+    for i, text in enumerate(texts):
+        if i:
+            print("\n---")
+        print(text, flush=True)
+    return 0
