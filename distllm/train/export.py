@@ -15,7 +15,7 @@ import argparse
 import os
 from pathlib import Path
 
-__all__ = ["add_arguments", "run", "export_hf"]
+__all__ = ["add_arguments", "run", "export_hf", "checkpoint_of"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,7 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the checkpoint of this step of RUN (default: the newest)")
 
 
-def _checkpoint_of(run: str, step: int | None) -> Path:
+def checkpoint_of(run: str, step: int | None) -> Path:
+    """The checkpoint folder RUN names (a run's --out: its newest complete checkpoint, or
+    that of ``step``; or a checkpoint folder itself), for ``export`` and ``sample``;
+    ValueError / FileNotFoundError naming RUN or ``--step``."""
     from distllm.train import checkpoint
 
     p = Path(run)
@@ -70,7 +73,7 @@ def export_hf(ckpt: str | os.PathLike, dest: str | os.PathLike) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    ckpt = _checkpoint_of(args.run, args.step)
+    ckpt = checkpoint_of(args.run, args.step)
     dest = export_hf(ckpt, args.dest)
     print(f"distllm export: {ckpt} -> {dest} (Hugging Face GPT-2; load it with "
           f"GPT2LMHeadModel.from_pretrained, or train from it with --init-from)")

@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _codec(tokens: str | None, vocab: int, tokenizer: str | None):
     """``(encode, decode)`` of the run's tokens: bytes, or the tokenizer in ``tokenizer``."""
     from distllm.train.data import ByteTokenizer
-    from distllm.train.tokenize_data import BYTE_VOCAB, _load_tokenizer
+    from distllm.train.tokenize_data import BYTE_VOCAB, load_tokenizer
 
     if tokenizer is None:
         if tokens == "ids" or tokens is None and vocab > BYTE_VOCAB:
@@ -48,7 +48,7 @@ def _codec(tokens: str | None, vocab: int, tokenizer: str | None):
                              f"vocabulary): pass its tokenizer with --tokenizer DIR")
         byte = ByteTokenizer()
         return (lambda text: byte.encode(text).tolist()), byte.decode
-    tok = _load_tokenizer(tokenizer)
+    tok = load_tokenizer(tokenizer)
     if len(tok) > vocab:
         raise ValueError(f"--tokenizer {tokenizer}: its {len(tok):,} ids do not fit the "
                          f"model's {vocab:,}-token vocabulary; pass the run's tokenizer")
@@ -96,9 +96,9 @@ def sample(ckpt, prompt: str = "\n", *, max_new_tokens: int = 200, temperature: 
 
 
 def run(args: argparse.Namespace) -> int:
-    from distllm.train.export import _checkpoint_of
+    from distllm.train.export import checkpoint_of
 
-    ckpt = _checkpoint_of(args.run, args.step)
+    ckpt = checkpoint_of(args.run, args.step)
     texts = sample(ckpt, args.prompt, max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, top_k=args.top_k,
                    num_samples=args.num_samples, seed=args.seed, tokenizer=args.tokenizer)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["add_arguments", "run", "tokenize_to_bins", "tokenizer_files",
+__all__ = ["add_arguments", "run", "tokenize_to_bins", "tokenizer_files", "load_tokenizer",
            "check_pretrained_tokens", "BYTE_VOCAB"]
 
 CHUNK_CHARS = 1 << 20
@@ -94,7 +94,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the share of the ids, at the end, held out as val.bin (default 0.02)")
 
 
-def _load_tokenizer(path: str):
+def load_tokenizer(path: str):
+    """The Hugging Face tokenizer in the folder ``path`` (ValueError naming ``--tokenizer``)."""
     from distllm.models.hf import quiet_transformers
 
     if not Path(path).is_dir() or not tokenizer_files(path):
@@ -159,7 +160,7 @@ def tokenize_to_bins(src: str, dest: str, tokenizer: str, val_fraction: float = 
     if not 0 < val_fraction < 1:
         raise ValueError(f"--val-fraction {val_fraction}: choose a share between 0 and 1")
     files = _files_of(src, knob="SRC")
-    tok = _load_tokenizer(tokenizer)
+    tok = load_tokenizer(tokenizer)
     vocab = len(tok)
     dtype = np.dtype("<u2" if vocab <= 1 << 16 else "<u4")
     eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
