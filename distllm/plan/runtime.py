@@ -93,7 +93,6 @@ RUNTIMES: dict[str, Runtime] = {
         keeps_stage_output=True,
         causal_skip=True,
         zero_grad_accumulation="full",
-        keeps_sends=True,
         keeps_gathered_input=True,
         step_syncs=True,
         zb_h1_resident=True,
@@ -115,9 +114,9 @@ RUNTIMES: dict[str, Runtime] = {
             "p2p_async": "distllm.parallel.pipeline.pp_comm: batched isend/irecv, waited "
             "for only by the compute that consumes them",
             "keeps_stage_output": "distllm.parallel.pipeline.executor holds each micro-batch's "
-            "stage output until its backward (among the sends kept: keeps_sends)",
-            "keeps_sends": "distllm.parallel.pipeline.pp_comm.StageComm: each sent tensor "
-            "is kept (_keep) until finish() at the end of the step",
+            "stage output until its backward (_StepRun.outputs)",
+            "keeps_sends": "distllm.parallel.pipeline.pp_comm.StageComm drops each send once "
+            "it has completed (_drop_sent, at every flush)",
             "keeps_gathered_input": "distllm.parallel.tensor.layers._ColumnParallelMatmul and "
             "fused_mlp save x_full, the all-gathered input, for the weight gradient",
             "causal_skip": "torch scaled_dot_product_attention(is_causal=True)",

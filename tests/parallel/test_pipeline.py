@@ -326,3 +326,47 @@ def test_pipeline_with_tensor_parallel_stages():
     res = run_distributed(_tp_parity, 4, cases, timeout=240)
     for case, errs in zip(cases, zip(*res, strict=True), strict=True):
         assert max(errs) < TOL, (case, errs)
+
+
+
+class _Work:
+    """A stand-in for a send's ``dist.Work``: completed or not, failed or not."""
+
+    def __init__(self, done: bool, error: str | None = None):
+        self.done, self.error, self.waited = done, error, False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self) -> bool:
+        self.waited = True
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
+
+
+def _drops_completed_sends() -> None:
+    """Rank function (one rank: a StageComm needs a process group)."""
+    from distllm.parallel.pipeline.pp_comm import StageComm
+
+    comm = StageComm(0, None, torch.device("cpu"), 2)
+    done, busy = _Work(True), _Work(False)
+    comm._sends = [(done, torch.ones(3)), (busy, torch.ones(4)), (done, torch.ones(5))]
+    comm.flush()
+    assert [(w, t.numel()) for w, t in comm._sends] == [(busy, 4)] and done.waited
+    assert not busy.waited
+    comm._sends.append((_Work(True, "send failed"), torch.ones(1)))
+    with pytest.raises(RuntimeError, match="send failed"):
+        comm.flush()
+    busy.done = True
+    comm._sends = [(busy, torch.ones(4))]
+    comm.finish()
+    assert comm._sends == [] and busy.waited
+
+
+def test_a_stage_drops_its_completed_sends_at_each_flush():
+    """A send's tensor is dropped once ``is_completed`` says the send is done (NCCL: the
+    kernel ran; the dry run's fake backend: at once), not kept to the end of the step;
+    waited for then, so that a failed send raises. (gloo's send works report completion
+    only from ``wait``: there the sends stay until ``finish``.)"""
+    run_distributed(_drops_completed_sends, 1)

@@ -262,19 +262,26 @@ def test_an_interleaved_rank_peaks_with_its_larger_chunks():
     assert 107 * per < cm.rank_memory(lay, 1)["activations"] < 108 * per
 
 
-def test_distllm_keeps_what_a_pipeline_rank_sends_until_the_step_ends():
-    """distllm's StageComm keeps every activation and input gradient it sends until the end
-    of the step: a middle rank of 1F1B with full recomputation (each block keeps only its
-    input, the size of one message) ends the step holding 2m of them; Megatron-LM 2021,
-    which waits for its transfers at once, holds only the stage outputs in flight."""
+def test_distllm_frees_what_a_pipeline_rank_sends_as_each_send_completes():
+    """distllm's StageComm drops each activation and input gradient it sent once the send
+    has completed (``test_pipeline``): a middle rank of 1F1B with full recomputation (each
+    block keeps only its input, the size of one message) holds the stage outputs in flight,
+    as Megatron-LM 2021 does, not the 2m - 1 messages sent before the last backward that a
+    runtime keeping its sends to the end of the step holds."""
+    import dataclasses
+
+    from distllm.plan.runtime import runtime
+
     shape = preset("gpt3-175b").with_(dropout=False)
     a100 = load_profile("a100-80gb")
     lay = Layout(8, 4, 32, 1, "1f1b", 48, "full", False, 1)
     msg = 2 * shape.seq_len * shape.hidden  # one sequence per micro-batch, bf16
     ours = CostModel(shape, a100, 1024, 8).rank_memory(lay, 1)["activations"]
-    paper = CostModel(shape, a100, 1024, 8, runtime_name="megatron-lm-2021")
-    # the 2m - 1 messages sent before the last backward, less the 3 stage outputs in flight
-    assert ours - paper.rank_memory(lay, 1)["activations"] > (2 * 48 - 1 - 3) * msg
+    keeping = dataclasses.replace(runtime("distllm"), keeps_sends=True)
+    kept = CostModel(shape, a100, 1024, 8, runtime_name=keeping).rank_memory(lay, 1)
+    # nearly all of the 2m - 1 = 95 messages sent before the last backward (90 here)
+    assert kept["activations"] - ours > 1.8 * 48 * msg
+    assert not runtime("distllm").keeps_sends
 
 
 def test_zb_h1_layouts_the_trainer_refuses_are_rejected():

@@ -105,8 +105,10 @@ class StageComm:
         self._recv: dict[Key, tuple[torch.Tensor, list]] = {}
         self._deferred: dict[int, deque[Key]] = {}
         self._local: dict[Key, torch.Tensor] = {}
-        self._send_works: list = []
-        self._keep: list[torch.Tensor] = []
+        # the sends issued and not yet seen complete, with their tensors (kept alive until
+        # then); those seen complete are dropped at each flush, so that a rank holds the
+        # sends in flight, not every message of the step
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     def _tag(self, key: Key, header: bool) -> int:
         kind, mb, stage = key
@@ -133,7 +135,6 @@ class StageComm:
                 hdr = _encode(t.shape, t.dtype, t.device)
                 tag = self._tag(key, True)
                 self._ops.append(dist.P2POp(dist.isend, hdr, peer, self._g(peer, True), tag))
-                self._keep.append(hdr)
             elif self._sent_shape[edge] != sig:
                 raise ValueError(
                     f"stage {key[2] - 1} output changed from {tuple(self._sent_shape[edge][0])} "
@@ -142,7 +143,6 @@ class StageComm:
                     "length) for the executor's life; build a new executor for another shape")
         tag = self._tag(key, False)
         self._ops.append(dist.P2POp(dist.isend, t, peer, self._g(peer, True), tag))
-        self._keep.append(t)
 
     def recv(self, key: Key, peer: int) -> None:
         """Post the receive of message ``key`` from ``peer`` (deferred while its shape is
@@ -182,7 +182,9 @@ class StageComm:
         self.shapes[(key[0], key[2])] = _decode(hdr)
 
     def flush(self) -> None:
-        """Issue every posted operation as one ``batch_isend_irecv``."""
+        """Issue every posted operation as one ``batch_isend_irecv``, and drop the sends that
+        have completed."""
+        self._drop_sent()
         if not self._ops:
             return
         ops, self._ops = self._ops, []
@@ -196,9 +198,7 @@ class StageComm:
                 pairs += list(zip(batch, works, strict=True))
             elif works:  # one coalesced work for the whole batch (NCCL)
                 pairs += [(op, works[0]) for op in batch]
-        for op, w in pairs:
-            if op.op is dist.isend:
-                self._send_works.append(w)
+        self._sends += [(w, op.tensor) for op, w in pairs if op.op is dist.isend]
         for _key, (buf, ws) in self._recv.items():
             if not ws:
                 ws.extend(w for op, w in pairs if op.tensor is buf)
@@ -216,12 +216,23 @@ class StageComm:
             w.wait()
         return buf
 
+    def _drop_sent(self) -> None:
+        """Forget the sends that have completed (``is_completed`` does not block; a failed
+        send raises its error here, from its ``wait``): their tensors may be freed."""
+        if self._sends:
+            live = []
+            for w, t in self._sends:
+                if w.is_completed():
+                    w.wait()
+                else:
+                    live.append((w, t))
+            self._sends = live
+
     def finish(self) -> None:
         """Wait for every send of the step (their buffers may then be freed)."""
         self.flush()
-        for w in self._send_works:
+        for w, _ in self._sends:
             w.wait()
-        self._send_works.clear()
-        self._keep.clear()
+        self._sends.clear()
         if self._recv or any(self._deferred.values()) or self._local:
             raise RuntimeError("pipeline step ended with messages posted but never consumed")
