@@ -166,35 +166,122 @@ def check_pretrained_shape(theirs: GPTConfig, ours: GPTConfig, model: str, path:
     raise ValueError(f"--init-from {path}: its model has {', '.join(diff)}: {hint}")
 
 
+def _gpt2_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a ``GPT2LMHeadModel`` of the model ``cfg`` by its name, with its shape
+    (Conv1D weights ``(in, out)``), but ``lm_head.weight``, which a folder may leave to the
+    tied embedding."""
+    h, f, qkv = cfg.hidden_size, cfg.ffn_hidden_size, 3 * cfg.hidden_size
+    out = {"transformer.wte.weight": (cfg.vocab_size, h),
+           "transformer.wpe.weight": (cfg.max_seq_len, h),
+           "transformer.ln_f.weight": (h,), "transformer.ln_f.bias": (h,)}
+    for i in range(cfg.n_layers):
+        p = f"transformer.h.{i}."
+        out |= {p + "ln_1.weight": (h,), p + "ln_1.bias": (h,), p + "ln_2.weight": (h,),
+                p + "ln_2.bias": (h,), p + "attn.c_attn.weight": (h, qkv),
+                p + "attn.c_attn.bias": (qkv,), p + "attn.c_proj.weight": (h, h),
+                p + "attn.c_proj.bias": (h,), p + "mlp.c_fc.weight": (h, f),
+                p + "mlp.c_fc.bias": (f,), p + "mlp.c_proj.weight": (f, h),
+                p + "mlp.c_proj.bias": (h,)}
+    return out
+
+
+class _FolderWeights:
+    """The tensors of a Hugging Face folder's weight files by ``GPT2LMHeadModel``'s names
+    (``GPT2Model``'s, without ``transformer.``, are taken too), each read when asked:
+    safetensors (one file or an index of shards) through ``safe_open``, which reads that
+    tensor's bytes alone; ``pytorch_model.bin`` (or its shards) memory-mapped
+    (``torch.load(mmap=True, weights_only=True)``). ``shapes``: each name's shape, read
+    from the files' headers."""
+
+    def __init__(self, path: str):
+        import json
+        from pathlib import Path
+
+        root = Path(path)
+        self._where: dict[str, tuple[str, str]] = {}  # our name -> (file, the file's name)
+        self._open: dict[str, object] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for kind in ("model.safetensors", "pytorch_model.bin"):
+            index = root / f"{kind}.index.json"
+            if index.is_file():
+                with open(index) as fh:
+                    files = sorted(set(json.load(fh)["weight_map"].values()))
+            elif (root / kind).is_file():
+                files = [kind]
+            else:
+                continue
+            for name in files:
+                for key, shape in self._keys(str(root / name)):
+                    bare = key.startswith(("h.", "wte.", "wpe.", "ln_f."))  # GPT2Model's
+                    ours = "transformer." + key if bare else key
+                    self._where[ours] = (str(root / name), key)
+                    self.shapes[ours] = shape
+            return
+        raise ValueError(f"--init-from {path}: no weights there (model.safetensors, "
+                         f"pytorch_model.bin, or an index of their shards); pass a folder "
+                         f"GPT2LMHeadModel.save_pretrained wrote")
+
+    def _file(self, f: str):
+        if f not in self._open:
+            if f.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                self._open[f] = safe_open(f, framework="pt")
+            else:
+                self._open[f] = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+        return self._open[f]
+
+    def _keys(self, f: str):
+        opened = self._file(f)
+        if isinstance(opened, dict):
+            return [(k, tuple(v.shape)) for k, v in opened.items()]
+        return [(k, tuple(opened.get_slice(k).get_shape())) for k in opened.keys()]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        f, key = self._where[name]
+        opened = self._file(f)
+        return opened[key] if isinstance(opened, dict) else opened.get_tensor(key)
+
+    def get(self, name: str, default=None):
+        return self[name] if name in self else default
+
+
 def pretrained_layers(path: str, mcfg: GPTConfig, model: str
                       ) -> Callable[[int], dict[str, torch.Tensor]]:
     """The weights of the Hugging Face GPT-2 folder ``path``, checked to be the model
     ``mcfg`` (``--model model``): a function of a layer index (0 the embedding, 1..L the
     blocks, L + 1 the final norm and head) giving that layer's full canonical tensors, in the
-    folder's dtype. The whole model is read (on every rank that calls this)."""
+    folder's dtype. A layer's tensors are read from the files when it is asked for (so a
+    pipeline rank reads its stages' layers, not the model); every name and shape is checked
+    first, from the files' headers: a folder that lacks a weight, holds one of another name
+    (transformers would leave the model's at random, with a warning) or of another shape is
+    refused, naming them."""
     theirs = pretrained_config(path)
     check_pretrained_shape(theirs, mcfg, model, path)
-    tf = _transformers(path)
     try:
-        with quiet_transformers():
-            hf, info = tf.GPT2LMHeadModel.from_pretrained(path, local_files_only=True,
-                                                          output_loading_info=True)
-    except (OSError, ValueError) as exc:
+        weights = _FolderWeights(path)
+    except (OSError, RuntimeError) as exc:  # unreadable or damaged files
         raise ValueError(f"--init-from {path}: {exc}") from None
-    # transformers initializes what the files lack at random, and says so in a warning (kept
-    # quiet above): a folder that does not hold every weight is refused instead
-    gaps = {what: sorted(str(k) for k in info.get(what, ())
-                         if not str(k).endswith((".attn.bias", ".attn.masked_bias")))
-            for what in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    want = _gpt2_shapes(theirs)
+    optional = {"lm_head.weight": (theirs.vocab_size, theirs.hidden_size)}
+    have = {k: v for k, v in weights.shapes.items()
+            if not k.endswith((".attn.bias", ".attn.masked_bias"))}  # GPT-2's mask buffers
+    gaps = {"missing keys": sorted(set(want) - set(have)),
+            "unexpected keys": sorted(set(have) - set(want) - set(optional)),
+            "mismatched keys": sorted(f"{k} {have[k]} (not {shape})"
+                                      for k, shape in (want | optional).items()
+                                      if k in have and have[k] != shape)}
     if any(gaps.values()):
-        said = "; ".join(f"{what.replace('_', ' ')}: {', '.join(keys[:4])}"
+        said = "; ".join(f"{what}: {', '.join(keys[:4])}"
                          + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
                          for what, keys in gaps.items() if keys)
         raise ValueError(f"--init-from {path}: its weights are not GPT-2's as transformers "
                          f"names them ({said}); pass a folder GPT2LMHeadModel.save_pretrained "
                          f"wrote")
-    sd = {k: v.detach() for k, v in hf.state_dict().items()}
-    return lambda i: _canonical_from_hf(sd, theirs, i)
+    return lambda i: _canonical_from_hf(weights, theirs, i)
 
 
 @torch.no_grad()

@@ -233,3 +233,98 @@ def test_init_from_refuses_weights_under_other_names(tmp_path):
                                          r"transformers names them \(missing keys: .* and \d+ "
                                          r"more; unexpected keys: _orig_mod\."):
         pretrained_layers(str(tmp_path / "hf"), GPTConfig.preset("tiny"), "tiny")
+
+
+def _canonical_layers(hf_dir) -> dict[int, dict]:
+    """Every layer's canonical tensors of a folder, through transformers' own loading."""
+    from transformers import GPT2LMHeadModel
+
+    from distllm.models.hf import _canonical_from_hf, config_from_hf
+
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir)
+    cfg = config_from_hf(hf.config)
+    return {i: _canonical_from_hf(hf.state_dict(), cfg, i) for i in range(cfg.n_layers + 2)}
+
+
+def _variant(src, dst, kind: str) -> None:
+    """The folder ``src`` written another way a Hugging Face GPT-2 folder may be: its
+    tensors under ``GPT2Model``'s names with the attention-mask buffers (as the original
+    ``gpt2`` checkpoint), as safetensors shards with an index, or as ``pytorch_model.bin``."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    sd = load_file(dst / "model.safetensors")
+    (dst / "model.safetensors").unlink()
+    if kind == "bare":
+        bare = {k.removeprefix("transformer."): v for k, v in sd.items()}
+        bare |= {f"h.{i}.attn.bias": torch.ones(1, 1, 128, 128).tril() for i in range(4)}
+        save_file(bare, dst / "model.safetensors", metadata={"format": "pt"})
+    elif kind == "shards":
+        names = sorted(sd)
+        parts = {"model-00001-of-00002.safetensors": names[::2],
+                 "model-00002-of-00002.safetensors": names[1::2]}
+        for f, keys in parts.items():
+            save_file({k: sd[k] for k in keys}, dst / f, metadata={"format": "pt"})
+        (dst / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {k: f for f, keys in parts.items() for k in keys}}))
+    else:
+        torch.save(sd, dst / "pytorch_model.bin")
+
+
+@pytest.mark.parametrize("kind", ["bare", "shards", "bin"])
+def test_init_from_reads_every_way_a_folder_holds_its_weights(tmp_path, kind):
+    import torch
+
+    from distllm.models.gpt import GPTConfig
+    from distllm.models.hf import pretrained_layers
+
+    _save_tiny_hf(tmp_path / "hf")
+    want = _canonical_layers(tmp_path / "hf")
+    _variant(tmp_path / "hf", tmp_path / kind, kind)
+    layers = pretrained_layers(str(tmp_path / kind), GPTConfig.preset("tiny"), "tiny")
+    for i, tensors in want.items():
+        got = layers(i)
+        assert sorted(got) == sorted(tensors)
+        for name, t in tensors.items():
+            assert got[name].dtype == t.dtype and torch.equal(got[name], t), (kind, i, name)
+
+
+def test_init_from_reads_a_layer_when_it_is_asked_for(tmp_path, monkeypatch):
+    """A pipeline rank reads its own layers' tensors, not the model's."""
+    from distllm.models import hf as hf_mod
+    from distllm.models.gpt import GPTConfig
+
+    _save_tiny_hf(tmp_path / "hf")
+    read, real = [], hf_mod._FolderWeights.__getitem__
+    monkeypatch.setattr(hf_mod._FolderWeights, "__getitem__",
+                        lambda self, name: read.append(name) or real(self, name))
+    layers = hf_mod.pretrained_layers(str(tmp_path / "hf"), GPTConfig.preset("tiny"), "tiny")
+    assert read == []
+    layers(2)
+    assert read and all(name.startswith("transformer.h.1.") for name in read), read
+
+
+def test_init_from_refuses_a_weight_of_another_shape_or_none(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from distllm.models.gpt import GPTConfig
+    from distllm.models.hf import pretrained_layers
+
+    _save_tiny_hf(tmp_path / "hf")
+    f = tmp_path / "hf" / "model.safetensors"
+    sd = load_file(f)
+    sd["transformer.h.2.mlp.c_fc.bias"] = sd["transformer.h.2.mlp.c_fc.bias"][:500]
+    save_file(sd, f, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"its weights are not GPT-2's as transformers names "
+                                         r"them \(mismatched keys: transformer\.h\.2\.mlp\.c_fc"
+                                         r"\.bias \(500,\) \(not \(512,\)\)\)"):
+        pretrained_layers(str(tmp_path / "hf"), GPTConfig.preset("tiny"), "tiny")
+    f.unlink()
+    with pytest.raises(ValueError, match=r"--init-from .*: no weights there \(model\."
+                                         r"safetensors, pytorch_model\.bin, or an index of "
+                                         r"their shards\)"):
+        pretrained_layers(str(tmp_path / "hf"), GPTConfig.preset("tiny"), "tiny")
