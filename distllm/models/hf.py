@@ -10,6 +10,7 @@ sit on different pipeline stages): ``from_hf`` copies ``wte`` into it.
 from __future__ import annotations
 
 import contextlib
+import pickle
 from collections.abc import Callable, Iterable
 
 import torch
@@ -61,7 +62,7 @@ def _canonical_from_hf(sd: dict[str, torch.Tensor], cfg: GPTConfig, i: int
     if i == 0:
         return {"wte.weight": sd["transformer.wte.weight"], "wpe": sd["transformer.wpe.weight"]}
     if i == cfg.n_layers + 1:
-        head = sd.get("lm_head.weight", sd["transformer.wte.weight"])
+        head = sd["lm_head.weight" if "lm_head.weight" in sd else "transformer.wte.weight"]
         return {"ln_f.weight": sd["transformer.ln_f.weight"],
                 "ln_f.bias": sd["transformer.ln_f.bias"], "lm_head.weight": head}
     p = f"transformer.h.{i - 1}."
@@ -205,7 +206,11 @@ class _FolderWeights:
             index = root / f"{kind}.index.json"
             if index.is_file():
                 with open(index) as fh:
-                    files = sorted(set(json.load(fh)["weight_map"].values()))
+                    weight_map = json.load(fh).get("weight_map")
+                if not isinstance(weight_map, dict):
+                    raise ValueError(f"--init-from {path}: {index.name} has no weight_map; "
+                                     f"pass a folder GPT2LMHeadModel.save_pretrained wrote")
+                files = sorted(set(weight_map.values()))
             elif (root / kind).is_file():
                 files = [kind]
             else:
@@ -228,7 +233,11 @@ class _FolderWeights:
 
                 self._open[f] = safe_open(f, framework="pt")
             else:
-                self._open[f] = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+                try:
+                    self._open[f] = torch.load(f, map_location="cpu", mmap=True,
+                                               weights_only=True)
+                except RuntimeError:  # torch.save's format before 1.6 cannot be mapped
+                    self._open[f] = torch.load(f, map_location="cpu", weights_only=True)
         return self._open[f]
 
     def _keys(self, f: str):
@@ -261,10 +270,13 @@ def pretrained_layers(path: str, mcfg: GPTConfig, model: str
     refused, naming them."""
     theirs = pretrained_config(path)
     check_pretrained_shape(theirs, mcfg, model, path)
+    from safetensors import SafetensorError
+
     try:
         weights = _FolderWeights(path)
-    except (OSError, RuntimeError) as exc:  # unreadable or damaged files
-        raise ValueError(f"--init-from {path}: {exc}") from None
+    except (OSError, RuntimeError, SafetensorError, pickle.UnpicklingError) as exc:
+        raise ValueError(f"--init-from {path}: its weights cannot be read "
+                         f"({' '.join(str(exc).split())})") from None
     want = _gpt2_shapes(theirs)
     optional = {"lm_head.weight": (theirs.vocab_size, theirs.hidden_size)}
     have = {k: v for k, v in weights.shapes.items()

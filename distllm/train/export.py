@@ -15,7 +15,7 @@ import argparse
 import os
 from pathlib import Path
 
-__all__ = ["add_arguments", "run", "export_hf", "checkpoint_of"]
+__all__ = ["add_arguments", "run", "export_hf", "checkpoint_of", "needs_transformers"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,7 +72,18 @@ def export_hf(ckpt: str | os.PathLike, dest: str | os.PathLike) -> Path:
     return Path(dest)
 
 
+def needs_transformers(command: str) -> None:
+    """ValueError (one line) where the transformers package, which ``command`` needs, is not
+    installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError(f"distllm {command} needs the transformers package (pip install "
+                         f"transformers)")
+
+
 def run(args: argparse.Namespace) -> int:
+    needs_transformers("export")
     ckpt = checkpoint_of(args.run, args.step)
     dest = export_hf(ckpt, args.dest)
     print(f"distllm export: {ckpt} -> {dest} (Hugging Face GPT-2; load it with "

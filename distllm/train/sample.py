@@ -34,18 +34,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="the sampling's random seed (default 0)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="the Hugging Face tokenizer of a run on token ids (.bin data); a run "
-                        "on text needs none (bytes)")
+                        "on text needs none; 'bytes': read and write bytes")
 
 
 def _codec(tokens: str | None, vocab: int, tokenizer: str | None):
-    """``(encode, decode)`` of the run's tokens: bytes, or the tokenizer in ``tokenizer``."""
+    """``(encode, decode)`` of the run's tokens (``"bytes"``, ``"ids"``, or None from a
+    checkpoint that did not record them: bytes for a vocabulary of 256 ids at most): bytes,
+    or the tokenizer in the folder ``tokenizer`` (``"bytes"``: bytes, whatever was
+    recorded)."""
     from distllm.train.data import ByteTokenizer
     from distllm.train.tokenize_data import BYTE_VOCAB, load_tokenizer
 
-    if tokenizer is None:
-        if tokens == "ids" or tokens is None and vocab > BYTE_VOCAB:
-            raise ValueError(f"the run trained on a tokenizer's ids ({vocab:,}-token "
-                             f"vocabulary): pass its tokenizer with --tokenizer DIR")
+    if tokens is None:
+        tokens = "bytes" if vocab <= BYTE_VOCAB else "ids"
+    if tokenizer is None and tokens == "ids":
+        raise ValueError(f"the run trained on a tokenizer's ids ({vocab:,}-token vocabulary): "
+                         f"pass its tokenizer with --tokenizer DIR (or --tokenizer bytes)")
+    if tokenizer is not None and tokenizer != "bytes" and tokens == "bytes":
+        raise ValueError(f"--tokenizer {tokenizer}: the run trained on text, as bytes; drop "
+                         f"--tokenizer")
+    if tokenizer is None or tokenizer == "bytes":
         byte = ByteTokenizer()
         return (lambda text: byte.encode(text).tolist()), byte.decode
     tok = load_tokenizer(tokenizer)
@@ -96,7 +104,9 @@ def sample(ckpt, prompt: str = "\n", *, max_new_tokens: int = 200, temperature: 
 
 
 def run(args: argparse.Namespace) -> int:
-    from distllm.train.export import checkpoint_of
+    from distllm.train.export import checkpoint_of, needs_transformers
+
+    needs_transformers("sample")
 
     ckpt = checkpoint_of(args.run, args.step)
     texts = sample(ckpt, args.prompt, max_new_tokens=args.max_new_tokens,

@@ -12,11 +12,15 @@ has one (GPT-2's ``<|endoftext|>``), as nanoGPT's OpenWebText preparation does; 
 special token is added. The last ``--val-fraction`` of the ids (at least min(n/2, 4096), as
 for text) is ``val.bin``.
 
-A file is read and tokenized in pieces of at least ``chunk_chars`` characters, each cut at
-the first newline past that length with a non-space character on either side. GPT-2's
-byte-level pre-tokenizer splits there in any case (its pieces never cross such a newline),
-so with GPT-2's tokenizer the ids are those of the whole file (tested); a file with no such
-newline is one piece. The ids stream to disk, so a corpus larger than memory is tokenized.
+With GPT-2's tokenizer (a byte-level pre-tokenizer without a prefix space:
+:func:`cuts_are_exact`) a file is read and tokenized in pieces of at least ``chunk_chars``
+characters, each cut at the first newline past that length with a non-space character on
+either side. The pre-tokenizer splits there in any case (its pieces never cross such a
+newline), so the ids are those of the whole file (tested). A file without such newlines
+(Windows line ends, one line per paragraph) is one piece, held in memory; so is every file
+under another tokenizer, where a cut could change the ids. The ids stream to disk, so a
+corpus of many files larger than memory is tokenized. A ``<|endoftext|>`` written in the
+text is tokenized as text (as tiktoken's ``encode_ordinary`` does), not as a document's end.
 The folder is written beside DEST and renamed into place once complete: a failed run leaves
 nothing, and an existing DEST is refused.
 """
@@ -61,16 +65,18 @@ def check_pretrained_tokens(path: str, vocab_size: int, data: str | None) -> Non
     """ValueError when the text ``--data data`` (None: the default corpus), which distllm
     reads as bytes, would train the pretrained model of the folder ``path`` (``vocab_size``
     ids), which reads a tokenizer's ids: the run would fine-tune it on ids that mean other
-    things to it. A model reads bytes when its vocabulary is :data:`BYTE_VOCAB` at most, or
-    when ``distllm export`` wrote it from a run on text (``distllm_tokens`` in its config).
+    things to it. A model reads bytes when ``distllm export`` wrote it from a run on text
+    (``distllm_tokens`` in its config: ``"bytes"``), or, where its config does not say,
+    when its vocabulary is :data:`BYTE_VOCAB` ids at most.
     The error names ``distllm tokenize``, with the folder as the tokenizer where it holds one."""
     from distllm.train.data import tokens_of
 
-    if tokens_of(data) != "bytes" or vocab_size <= BYTE_VOCAB:
+    if tokens_of(data) != "bytes":
         return
     with open(Path(path) / "config.json") as f:
-        if json.load(f).get("distllm_tokens") == "bytes":
-            return
+        said = json.load(f).get("distllm_tokens")  # what distllm export recorded
+    if said == "bytes" or said is None and vocab_size <= BYTE_VOCAB:
+        return
     src = data if data is not None else "SRC"
     what = (f"--data {data} is text" if data is not None
             else "without --data the run trains on text (the standard library's sources)")
@@ -111,12 +117,26 @@ def load_tokenizer(path: str):
         with quiet_transformers():
             return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"--tokenizer {path}: {exc}") from None
+        raise ValueError(f"--tokenizer {path}: {' '.join(str(exc).split())}") from None
 
 
-def _pieces(f: Path, chunk_chars: int) -> Iterator[str]:
+def cuts_are_exact(tok) -> bool:
+    """Whether text cut at :data:`_CUT` tokenizes to the whole text's ids under ``tok``:
+    GPT-2's pre-tokenizer (byte-level, its regex, no prefix space, no normalizer), whose
+    pieces never cross such a newline. Another one (a SentencePiece-style ``Metaspace``, a
+    prefix space) would begin each piece as a new text."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    spec = json.loads(backend.to_str())
+    pre = spec.get("pre_tokenizer") or {}
+    return (spec.get("normalizer") is None and pre.get("type") == "ByteLevel"
+            and not pre.get("add_prefix_space") and pre.get("use_regex", True))
+
+
+def _pieces(f: Path, chunk_chars: int, cut: bool = True) -> Iterator[str]:
     """The text of ``f`` in pieces of at least ``chunk_chars`` characters (the last may be
-    shorter), cut only where :data:`_CUT` matches."""
+    shorter), cut only where :data:`_CUT` matches; ``cut`` False: the whole text."""
     dec = codecs.getincrementaldecoder("utf-8")()
     buf = ""
     with open(f, "rb") as fh:
@@ -124,7 +144,8 @@ def _pieces(f: Path, chunk_chars: int) -> Iterator[str]:
             block = fh.read(chunk_chars)
             seen = len(buf)  # no cut before here (and none at the end of a buffer)
             buf += dec.decode(block, final=not block)
-            while len(buf) > chunk_chars and (m := _CUT.search(buf, max(chunk_chars, seen))):
+            while cut and len(buf) > chunk_chars and (
+                    m := _CUT.search(buf, max(chunk_chars, seen))):
                 yield buf[:m.start()]
                 buf, seen = buf[m.start():], 0
             if not block:
@@ -133,12 +154,12 @@ def _pieces(f: Path, chunk_chars: int) -> Iterator[str]:
         yield buf
 
 
-def _text_pieces(src: str, files: list[Path], chunk_chars: int
+def _text_pieces(src: str, files: list[Path], chunk_chars: int, cut: bool
                  ) -> Iterator[tuple[str, bool]]:
     """``(piece, ends its file)`` over ``files``, each file's pieces then ``("", True)``."""
     for f in files:
         try:
-            for piece in _pieces(f, chunk_chars):
+            for piece in _pieces(f, chunk_chars, cut):
                 yield piece, False
         except UnicodeDecodeError as exc:
             raise ValueError(f"SRC {src}: {f} is not UTF-8 text ({exc.reason}); convert it, "
@@ -154,6 +175,7 @@ def tokenize_to_bins(src: str, dest: str, tokenizer: str, val_fraction: float = 
     Hugging Face tokenizer in the folder ``tokenizer`` (see the module's docstring), the
     pieces tokenized ``batch`` at a time. Returns what was written: ``train`` and ``val`` id
     counts, ``dtype``, ``vocab``, ``files``."""
+    from distllm.models.hf import quiet_transformers
     from distllm.train.data import _files_of, _held_out
     from distllm.train.new_folder import new_folder
 
@@ -168,11 +190,16 @@ def tokenize_to_bins(src: str, dest: str, tokenizer: str, val_fraction: float = 
         n = 0
         with open(tmp / "train.bin", "wb") as out:
             pending: list[tuple[str, bool]] = []
-            for item in itertools.chain(_text_pieces(src, files, chunk_chars), [None]):
+            pieces = _text_pieces(src, files, chunk_chars, cuts_are_exact(tok))
+            for item in itertools.chain(pieces, [None]):
                 if item is not None:
                     pending.append(item)
                 if pending and (item is None or len(pending) == batch):
-                    encoded = tok([p for p, _ in pending], add_special_tokens=False)
+                    # the text's own "<|endoftext|>" is text, not a document's end (as
+                    # tiktoken's encode_ordinary); quiet: "longer than the model's length"
+                    with quiet_transformers():
+                        encoded = tok([p for p, _ in pending], add_special_tokens=False,
+                                      split_special_tokens=True)
                     for ids, (_, ends) in zip(encoded["input_ids"], pending, strict=True):
                         ids = ids + eos if ends else ids
                         out.write(np.asarray(ids, dtype=dtype).tobytes())

@@ -309,9 +309,11 @@ def _train(cfg: TrainConfig, dims: ParallelDims | None) -> TrainResult:
     seq = cfg.seq_len or mcfg.max_seq_len
     check_layout(cfg, dims.world_size, n_layers=mcfg.n_layers, n_heads=mcfg.n_heads,
                  hidden=mcfg.hidden_size, seq_len=seq)
-    if cfg.init_from and not cfg.resume:  # text would fine-tune a tokenizer's model on bytes
+    if cfg.init_from and not cfg.resume:  # before the model is built (the CLI's precheck)
+        from distllm.models.hf import check_pretrained_shape, pretrained_config
         from distllm.train.tokenize_data import check_pretrained_tokens
 
+        check_pretrained_shape(pretrained_config(cfg.init_from), mcfg, cfg.model, cfg.init_from)
         check_pretrained_tokens(cfg.init_from, mcfg.vocab_size, cfg.data)
     corpus = load_corpus(cfg.data, dtype=cfg.data_dtype)
     check_vocab(corpus, mcfg.vocab_size, cfg.model)

@@ -153,9 +153,8 @@ def test_sample_greedy_is_the_likeliest_token_each_step(trained, capsys):
     (["--temperature", "-1"], "--temperature -1.0: it must be 0 (greedy) or more"),
     (["--top-k", "-1"], "--top-k -1: it must be at least 0"),
     (["--step", "2"], "--step 2: RUN {out} has checkpoints of steps 3"),
-    (["--tokenizer", "{tmp}"], "--tokenizer {tmp}: no tokenizer there (none of tokenizer.json, "
-                               "tokenizer_config.json, vocab.json, tokenizer.model); pass a "
-                               "folder a Hugging Face tokenizer's save_pretrained wrote"),
+    (["--tokenizer", "{tmp}"], "--tokenizer {tmp}: the run trained on text, as bytes; drop "
+                               "--tokenizer"),
 ])
 def test_sample_bad_input_is_one_line(trained, tmp_path, capsys, args, says):
     out, _ = trained
@@ -211,8 +210,28 @@ def test_sample_of_a_run_on_ids_decodes_with_its_tokenizer(corpus, trained, tmp_
     assert n < 10  # merged: not the prompt's bytes
     assert sample(ckpt, "import os\n", max_new_tokens=16, temperature=0,
                   tokenizer=str(tok_dir)) == [tok.decode(ids)]
+    # --tokenizer bytes reads this run as bytes (a checkpoint that did not record its tokens)
+    assert sample(ckpt, "import os\n", max_new_tokens=4, temperature=0, tokenizer="bytes")
+    with pytest.raises(ValueError, match=r"^--tokenizer .*tok: the run trained on text, as "
+                                         r"bytes; drop --tokenizer"):
+        sample(out / "checkpoints" / "step_00000003", tokenizer=str(tok_dir))
     tok.add_tokens(["more"])
     tok.save_pretrained(tmp_path / "big")
     with pytest.raises(ValueError, match=r"--tokenizer .*big: its 257 ids do not fit the "
                                          r"model's 256-token vocabulary; pass the run's "):
         sample(ckpt, tokenizer=str(tmp_path / "big"))
+
+
+@pytest.mark.parametrize("command", ["export", "sample"])
+def test_without_transformers_it_is_one_line(trained, tmp_path, capsys, monkeypatch, command):
+    import importlib.util
+
+    out, _ = trained
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else real(name, *a))
+    args = [str(out), str(tmp_path / "d")] if command == "export" else [str(out)]
+    assert main([command, *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"distllm {command}: error: distllm {command} needs the transformers package "
+                   f"(pip install transformers)"], err

@@ -271,11 +271,13 @@ def _variant(src, dst, kind: str) -> None:
             save_file({k: sd[k] for k in keys}, dst / f, metadata={"format": "pt"})
         (dst / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {}, "weight_map": {k: f for f, keys in parts.items() for k in keys}}))
-    else:
+    elif kind == "bin":
         torch.save(sd, dst / "pytorch_model.bin")
+    else:  # torch.save's format before torch 1.6, which cannot be memory-mapped
+        torch.save(sd, dst / "pytorch_model.bin", _use_new_zipfile_serialization=False)
 
 
-@pytest.mark.parametrize("kind", ["bare", "shards", "bin"])
+@pytest.mark.parametrize("kind", ["bare", "shards", "bin", "legacy-bin"])
 def test_init_from_reads_every_way_a_folder_holds_its_weights(tmp_path, kind):
     import torch
 
@@ -306,6 +308,20 @@ def test_init_from_reads_a_layer_when_it_is_asked_for(tmp_path, monkeypatch):
     assert read == []
     layers(2)
     assert read and all(name.startswith("transformer.h.1.") for name in read), read
+    read.clear()  # the last stage of a folder with its own head reads the head, not wte
+    _untie(tmp_path / "hf")
+    hf_mod.pretrained_layers(str(tmp_path / "hf"), GPTConfig.preset("tiny"), "tiny")(5)
+    assert sorted(read) == ["lm_head.weight", "transformer.ln_f.bias",
+                            "transformer.ln_f.weight"], read
+
+
+def _untie(hf_dir) -> None:
+    from safetensors.torch import load_file, save_file
+
+    f = hf_dir / "model.safetensors"
+    sd = load_file(f)
+    save_file(sd | {"lm_head.weight": sd["transformer.wte.weight"] + 1}, f,
+              metadata={"format": "pt"})
 
 
 def test_init_from_refuses_a_weight_of_another_shape_or_none(tmp_path):
@@ -322,6 +338,9 @@ def test_init_from_refuses_a_weight_of_another_shape_or_none(tmp_path):
     with pytest.raises(ValueError, match=r"its weights are not GPT-2's as transformers names "
                                          r"them \(mismatched keys: transformer\.h\.2\.mlp\.c_fc"
                                          r"\.bias \(500,\) \(not \(512,\)\)\)"):
+        pretrained_layers(str(tmp_path / "hf"), GPTConfig.preset("tiny"), "tiny")
+    f.write_bytes(b"\xff" * 64)  # damaged: one line naming --init-from, no traceback
+    with pytest.raises(ValueError, match=r"--init-from .*: its weights cannot be read \("):
         pretrained_layers(str(tmp_path / "hf"), GPTConfig.preset("tiny"), "tiny")
     f.unlink()
     with pytest.raises(ValueError, match=r"--init-from .*: no weights there \(model\."

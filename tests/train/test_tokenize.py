@@ -95,6 +95,70 @@ def test_a_vocabulary_past_65536_writes_uint32(corpus, tok_dir, tmp_path, capfd)
     assert 65_999 in ids  # an added token's id, past uint16
 
 
+def test_text_that_spells_end_of_text_is_text(tok_dir, tmp_path):
+    """The string "<|endoftext|>" inside a file is tokenized as text: only the file's end
+    gets the end-of-text id (a false document boundary otherwise)."""
+    from distllm.train.tokenize_data import tokenize_to_bins
+
+    tok = _tokenizer(tok_dir)
+    text = "x = '<|endoftext|>'\n" * 50
+    (tmp_path / "a.txt").write_text(text)
+    tokenize_to_bins(str(tmp_path / "a.txt"), str(tmp_path / "ids"), str(tok_dir))
+    ids = np.concatenate([np.fromfile(tmp_path / "ids" / f, dtype="<u2")
+                          for f in ("train.bin", "val.bin")]).tolist()
+    assert ids.count(tok.eos_token_id) == 1 and ids[-1] == tok.eos_token_id
+    assert ids[:-1] == tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def test_another_pre_tokenizer_gets_each_file_whole(corpus, texts, tmp_path):
+    """A SentencePiece-style tokenizer (``Metaspace``: a piece begins as a new text) is not
+    cut: the ids are each whole file's at any chunk size (cut, they were not)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from distllm.train.tokenize_data import _pieces, cuts_are_exact, tokenize_to_bins
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace()
+    tk.train_from_iterator([Path(corpus).read_text()], trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<unk>"], show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
+    tok.save_pretrained(tmp_path / "sp")
+    tok = _tokenizer(tmp_path / "sp")
+    assert not cuts_are_exact(tok)
+    whole = tok((texts / "part2.txt").read_text(), add_special_tokens=False)["input_ids"]
+    cut = [i for p in _pieces(texts / "part2.txt", 200)
+           for i in tok(p, add_special_tokens=False)["input_ids"]]
+    assert cut != whole  # what cutting would have done
+    tokenize_to_bins(str(texts / "part2.txt"), str(tmp_path / "ids"), str(tmp_path / "sp"),
+                     chunk_chars=200)
+    ids = np.concatenate([np.fromfile(tmp_path / "ids" / f, dtype="<u2")
+                          for f in ("train.bin", "val.bin")]).tolist()
+    assert ids == whole  # no end-of-text token: this tokenizer has none
+
+
+def test_tokenizing_says_nothing_on_a_text_past_the_models_length(tok_dir, tmp_path):
+    """transformers warns once per tokenizer of ids "longer than the specified maximum
+    sequence length" (1024 here): a corpus is not a model input, and the warning stays out."""
+    import logging
+
+    from transformers.utils import logging as tf_logging
+
+    from distllm.train.tokenize_data import tokenize_to_bins
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = tf_logging.get_logger("transformers")
+    logger.addHandler(handler)
+    try:
+        (tmp_path / "a.txt").write_text("def f(x):\n    return x\n" * 400)
+        tokenize_to_bins(str(tmp_path / "a.txt"), str(tmp_path / "ids"), str(tok_dir))
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
+
+
 @pytest.mark.parametrize("case,says", [
     ("no-src", "SRC {tmp}/none: no such file or folder"),
     ("no-tokenizer", "--tokenizer {tmp}: no tokenizer there (none of tokenizer.json, "
@@ -171,9 +235,10 @@ def test_init_from_takes_ids_or_a_model_of_bytes(corpus, tmp_path):
     ours = _gpt2_config(tmp_path / "ours", distllm_tokens="bytes")
     check_pretrained_tokens(str(ours), 50257, corpus)
     check_pretrained_tokens(str(ours), 50257, None)
-    with pytest.raises(ValueError, match="its model reads a tokenizer's ids"):
-        check_pretrained_tokens(str(_gpt2_config(tmp_path / "x", distllm_tokens="ids")),
-                                50257, corpus)
+    for vocab in (50257, 256):  # what export recorded decides, also for a small vocabulary
+        with pytest.raises(ValueError, match="its model reads a tokenizer's ids"):
+            check_pretrained_tokens(str(_gpt2_config(tmp_path / f"x{vocab}",
+                                                     distllm_tokens="ids")), vocab, corpus)
 
 
 def test_train_refuses_it_before_building_the_model(tmp_path):

@@ -4,7 +4,10 @@ Messages are named by ``(kind, mb, dst_stage)`` with ``kind`` ``"F"`` (an activa
 stage ``dst_stage``) or ``"B"`` (the gradient of stage ``dst_stage``'s output). The executor
 *posts* sends and receives as its schedule says; consecutive posts go out together as one
 ``dist.batch_isend_irecv`` at the next :meth:`StageComm.flush`; a receive is waited for only
-by the compute that consumes it, sends only at the end of the step.
+by the compute that consumes it; a send's tensor is dropped at the first flush after its work
+reports completion (``is_completed``: NCCL, the dry run's fake backend), and the sends still
+held are waited for at the end of the step (all of them on gloo, whose send works report
+completion only through ``wait``).
 
 Shapes without round trips: a gradient has the shape of the output its receiver computed
 (known locally); an activation's shape and dtype travel once, as a small header sent in the
