@@ -254,9 +254,6 @@ class _FolderWeights:
         opened = self._file(f)
         return opened[key] if isinstance(opened, dict) else opened.get_tensor(key)
 
-    def get(self, name: str, default=None):
-        return self[name] if name in self else default
-
 
 def pretrained_layers(path: str, mcfg: GPTConfig, model: str
                       ) -> Callable[[int], dict[str, torch.Tensor]]:

@@ -84,7 +84,7 @@ def complete(out: str | os.PathLike) -> list[Path]:
 
 def latest(out: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under ``out`` (one with its ``meta.json``), or None."""
-    done = _complete(_ckpt_root(out))
+    done = complete(out)
     return done[-1] if done else None
 
 

@@ -35,7 +35,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from distllm.cli import USAGE_ERRORS, UsageError
-from distllm.train.config import OptimConfig, ParallelConfig, TrainConfig, check_layout
+from distllm.train.config import (
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+    check_init_from,
+    check_layout,
+)
 
 __all__ = ["add_arguments", "run", "config_from_args", "config_to_argv", "apply_plan",
            "precheck", "check_out", "field_docs"]
@@ -185,13 +191,7 @@ def precheck(cfg: TrainConfig, world: int) -> None:
         files = _token_files(cfg.data) or _files_of(cfg.data)
         if sum(f.stat().st_size for f in files if f is not None) == 0:
             raise ValueError(f"--data {cfg.data}: the data is empty; pass a non-empty file")
-    if cfg.init_from and not cfg.resume:
-        from distllm.models.hf import check_pretrained_shape, pretrained_config
-        from distllm.train.tokenize_data import check_pretrained_tokens
-
-        theirs = pretrained_config(cfg.init_from)
-        check_pretrained_shape(theirs, mcfg, cfg.model, cfg.init_from)
-        check_pretrained_tokens(cfg.init_from, theirs.vocab_size, cfg.data)
+    check_init_from(cfg, mcfg)
 
 
 def check_out(cfg: TrainConfig) -> None:

@@ -35,15 +35,15 @@ __all__ = [
     "TrainConfig",
     "TRAIN_DTYPES",
     "check_layout",
+    "check_init_from",
 ]
 
 TRAIN_DTYPES = ("float32", "bfloat16", "float64")
-
+"""The compute dtypes training runs (names of :data:`distllm.dtypes.DTYPES`)."""
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 """After the warm-up: cosine or linear decay to ``lr * min_lr_ratio`` at the last step, a
 constant ``lr``, or warm-up-stable-decay (``lr`` until the last ``decay_fraction`` of the
 steps, then linear to ``lr * min_lr_ratio``; Hu et al. 2024, MiniCPM, arXiv:2404.06395)."""
-"""The compute dtypes training runs (names of :data:`distllm.dtypes.DTYPES`)."""
 ZERO_STAGES = (0, 1, 2, 3)
 OVERLAP_GRAD_REDUCE = ("auto", "on", "off")
 """``--overlap-grad-reduce``: the data-parallel reduction during backward, after it, or the
@@ -372,3 +372,17 @@ def check_layout(cfg: TrainConfig, world: int, *, n_layers: int, n_heads: int, h
             f"needs: choose --seq-len a multiple of {p.tp} or drop --sequence-parallel"
         )
     return dp
+
+
+def check_init_from(cfg: TrainConfig, mcfg: GPTConfig) -> None:
+    """Checks of ``--init-from`` that need only the folder's ``config.json``, before any
+    model is built (the launcher's precheck and :func:`~distllm.train.trainer.train` both
+    run them): the folder's model is ``mcfg`` (``--model``), and the data's tokens are the
+    ones it reads. None for a run without ``--init-from`` or resuming."""
+    if not cfg.init_from or cfg.resume:
+        return
+    from distllm.models.hf import check_pretrained_shape, pretrained_config
+    from distllm.train.tokenize_data import check_pretrained_tokens
+
+    check_pretrained_shape(pretrained_config(cfg.init_from), mcfg, cfg.model, cfg.init_from)
+    check_pretrained_tokens(cfg.init_from, mcfg.vocab_size, cfg.data)

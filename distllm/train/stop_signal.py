@@ -62,23 +62,18 @@ def parse_signals(spec: str) -> tuple[str, ...]:
 class StopSignal:
     """The run's stop request: a context manager installing the handlers for ``names`` (in
     the main thread; elsewhere a process cannot take signals, and none is installed), and
-    :meth:`poll` / :meth:`settle`, the ranks' agreement on it over the ranks of ``group``
-    (the world's when None). Every rank must make it, call them and leave it at the same
-    points, as the collectives they are (making it makes a gloo group, leaving it without
-    an error destroys that group)."""
+    :meth:`poll` / :meth:`settle`, the ranks' agreement on it over the world. Every rank must
+    make it, call them and leave it at the same points, as the collectives they are (making
+    it makes a gloo group of the world's ranks, leaving it without an error destroys it)."""
 
-    def __init__(self, names: tuple[str, ...], group: dist.ProcessGroup | None = None,
-                 timeout: datetime.timedelta | None = None):
+    def __init__(self, names: tuple[str, ...], timeout: datetime.timedelta | None = None):
         self.names = names
         self.received = 0  # the signal number this rank received (the highest), 0: none
         self._previous: dict[int, object] = {}
         self._pending: dist.Work | None = None
-        # the flag travels as a CPU tensor over a gloo group of the same ranks made here (no
-        # device stream waits for it), read through a numpy view (no tensor read)
-        self.group: dist.ProcessGroup | None = None
-        if names:
-            ranks = None if group is None else dist.get_process_group_ranks(group)
-            self.group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        # the flag travels as a CPU tensor over a gloo group of the world's ranks made here
+        # (no device stream waits for it), read through a numpy view (no tensor read)
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if names else None
         self._flag = torch.zeros(1, dtype=torch.int32)
         self._read = self._flag.numpy()
 

@@ -189,22 +189,17 @@ def tokenize_to_bins(src: str, dest: str, tokenizer: str, val_fraction: float = 
     with new_folder(dest) as tmp:
         n = 0
         with open(tmp / "train.bin", "wb") as out:
-            pending: list[tuple[str, bool]] = []
             pieces = _text_pieces(src, files, chunk_chars, cuts_are_exact(tok))
-            for item in itertools.chain(pieces, [None]):
-                if item is not None:
-                    pending.append(item)
-                if pending and (item is None or len(pending) == batch):
-                    # the text's own "<|endoftext|>" is text, not a document's end (as
-                    # tiktoken's encode_ordinary); quiet: "longer than the model's length"
-                    with quiet_transformers():
-                        encoded = tok([p for p, _ in pending], add_special_tokens=False,
-                                      split_special_tokens=True)
-                    for ids, (_, ends) in zip(encoded["input_ids"], pending, strict=True):
-                        ids = ids + eos if ends else ids
-                        out.write(np.asarray(ids, dtype=dtype).tobytes())
-                        n += len(ids)
-                    pending.clear()
+            while pending := list(itertools.islice(pieces, batch)):
+                # the text's own "<|endoftext|>" is text, not a document's end (as tiktoken's
+                # encode_ordinary); quiet: "longer than the model's maximum length"
+                with quiet_transformers():
+                    encoded = tok([p for p, _ in pending], add_special_tokens=False,
+                                  split_special_tokens=True)
+                for ids, (_, ends) in zip(encoded["input_ids"], pending, strict=True):
+                    ids = ids + eos if ends else ids
+                    out.write(np.asarray(ids, dtype=dtype).tobytes())
+                    n += len(ids)
         if n < 2:
             raise ValueError(f"SRC {src}: {n} token ids, too few to split into train.bin and "
                              f"val.bin; pass more text")

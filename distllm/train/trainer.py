@@ -26,7 +26,7 @@ import torch
 from distllm.comm.compat import tf32_matmul_allowed
 from distllm.dtypes import dtype_name
 from distllm.parallel.mesh import ParallelDims
-from distllm.train.config import TrainConfig, check_layout
+from distllm.train.config import TrainConfig, check_init_from, check_layout
 from distllm.train.data import BatchLoader, check_vocab, load_corpus
 from distllm.train.host_memory import keep_freed_memory
 
@@ -309,12 +309,7 @@ def _train(cfg: TrainConfig, dims: ParallelDims | None) -> TrainResult:
     seq = cfg.seq_len or mcfg.max_seq_len
     check_layout(cfg, dims.world_size, n_layers=mcfg.n_layers, n_heads=mcfg.n_heads,
                  hidden=mcfg.hidden_size, seq_len=seq)
-    if cfg.init_from and not cfg.resume:  # before the model is built (the CLI's precheck)
-        from distllm.models.hf import check_pretrained_shape, pretrained_config
-        from distllm.train.tokenize_data import check_pretrained_tokens
-
-        check_pretrained_shape(pretrained_config(cfg.init_from), mcfg, cfg.model, cfg.init_from)
-        check_pretrained_tokens(cfg.init_from, mcfg.vocab_size, cfg.data)
+    check_init_from(cfg, mcfg)
     corpus = load_corpus(cfg.data, dtype=cfg.data_dtype)
     check_vocab(corpus, mcfg.vocab_size, cfg.model)
     loader = BatchLoader(corpus.train, seq_len=seq, global_batch=cfg.global_batch, dp=dims.dp,

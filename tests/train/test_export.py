@@ -211,7 +211,10 @@ def test_sample_of_a_run_on_ids_decodes_with_its_tokenizer(corpus, trained, tmp_
     assert sample(ckpt, "import os\n", max_new_tokens=16, temperature=0,
                   tokenizer=str(tok_dir)) == [tok.decode(ids)]
     # --tokenizer bytes reads this run as bytes (a checkpoint that did not record its tokens)
-    assert sample(ckpt, "import os\n", max_new_tokens=4, temperature=0, tokenizer="bytes")
+    as_bytes = sample(out / "checkpoints" / "step_00000003", "import os\n", max_new_tokens=4,
+                      temperature=0)
+    assert sample(ckpt, "import os\n", max_new_tokens=4, temperature=0,
+                  tokenizer="bytes") == as_bytes
     with pytest.raises(ValueError, match=r"^--tokenizer .*tok: the run trained on text, as "
                                          r"bytes; drop --tokenizer"):
         sample(out / "checkpoints" / "step_00000003", tokenizer=str(tok_dir))

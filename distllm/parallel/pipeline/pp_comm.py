@@ -101,7 +101,8 @@ class StageComm:
         self.rank, self.group, self.device, self.stages = rank, group, device, num_stages
         self.channels = channels or {}  # (src, dst) global ranks -> a group of its own
         self.every_header = every_header  # a header before every activation: any shapes
-        self.use_tags = backend_for(group, device.type) != "nccl"
+        backend = backend_for(group, device.type)
+        self.use_tags = backend != "nccl"
         self.shapes: dict[tuple[str, int], tuple[torch.Size, torch.dtype]] = {}
         self._sent_shape: dict[tuple[str, int], tuple[torch.Size, torch.dtype]] = {}
         self._ops: list[dist.P2POp] = []
@@ -110,8 +111,11 @@ class StageComm:
         self._local: dict[Key, torch.Tensor] = {}
         # the sends issued and not yet seen complete, with their tensors (kept alive until
         # then); those seen complete are dropped at each flush, so that a rank holds the
-        # sends in flight, not every message of the step
+        # sends in flight, not every message of the step. gloo's send works report
+        # completion only through wait: there they are not asked at each flush (the
+        # step's hot path), only waited for in finish()
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._drops = backend != "gloo"
 
     def _tag(self, key: Key, header: bool) -> int:
         kind, mb, stage = key
@@ -222,7 +226,7 @@ class StageComm:
     def _drop_sent(self) -> None:
         """Forget the sends that have completed (``is_completed`` does not block; a failed
         send raises its error here, from its ``wait``): their tensors may be freed."""
-        if self._sends:
+        if self._drops and self._sends:
             live = []
             for w, t in self._sends:
                 if w.is_completed():
