@@ -4,8 +4,9 @@ The checkpoint (the newest of a run, or ``--step N``) is read in one process, wh
 layout saved it, into a Hugging Face GPT-2 model as ``distllm export`` writes it, whose
 ``generate`` samples: its KV cache, temperature and top-k (``--temperature 0``: greedy). A
 run on text reads and writes bytes (:class:`~distllm.train.data.ByteTokenizer`); a run on a
-tokenizer's ids (``.bin`` data) needs that tokenizer, ``--tokenizer DIR``. The prompt and
-the new tokens must fit the model's context.
+tokenizer's ids (``.bin`` data) needs that tokenizer, ``--tokenizer DIR``, and a sample ends
+at its end-of-text token, where ``distllm tokenize`` ended each file. The prompt and the new
+tokens must fit the model's context.
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _codec(tokens: str | None, vocab: int, tokenizer: str | None):
-    """``(encode, decode)`` of the run's tokens (``"bytes"``, ``"ids"``, or None from a
+    """``(encode, decode, eos)`` of the run's tokens (``"bytes"``, ``"ids"``, or None from a
     checkpoint that did not record them: bytes for a vocabulary of 256 ids at most): bytes,
     or the tokenizer in the folder ``tokenizer`` (``"bytes"``: bytes, whatever was
-    recorded)."""
+    recorded). ``eos``: the tokenizer's end-of-text id, which ends a sample (None for
+    bytes)."""
     from distllm.train.data import ByteTokenizer
     from distllm.train.tokenize_data import BYTE_VOCAB, load_tokenizer
 
@@ -55,12 +57,21 @@ def _codec(tokens: str | None, vocab: int, tokenizer: str | None):
                          f"--tokenizer")
     if tokenizer is None or tokenizer == "bytes":
         byte = ByteTokenizer()
-        return (lambda text: byte.encode(text).tolist()), byte.decode
+        return (lambda text: byte.encode(text).tolist()), byte.decode, None
     tok = load_tokenizer(tokenizer)
     if len(tok) > vocab:
         raise ValueError(f"--tokenizer {tokenizer}: its {len(tok):,} ids do not fit the "
                          f"model's {vocab:,}-token vocabulary; pass the run's tokenizer")
-    return (lambda text: tok(text, add_special_tokens=False)["input_ids"]), tok.decode
+    return ((lambda text: tok(text, add_special_tokens=False)["input_ids"]), tok.decode,
+            tok.eos_token_id)
+
+
+def _until_eos(row: list[int], start: int, eos: int | None) -> list[int]:
+    """``row`` up to its first ``eos`` at or after ``start`` (kept): ``generate`` pads a
+    sample that ended early with more of them."""
+    if eos is not None and eos in row[start:]:
+        return row[:row.index(eos, start) + 1]
+    return row
 
 
 def sample(ckpt, prompt: str = "\n", *, max_new_tokens: int = 200, temperature: float = 0.8,
@@ -80,7 +91,7 @@ def sample(ckpt, prompt: str = "\n", *, max_new_tokens: int = 200, temperature: 
     if temperature < 0:
         raise ValueError(f"--temperature {temperature}: it must be 0 (greedy) or more")
     cfg, layers, tokens = read_layers(Path(ckpt))
-    encode, decode = _codec(tokens, cfg.vocab_size, tokenizer)
+    encode, decode, eos = _codec(tokens, cfg.vocab_size, tokenizer)
     ids = encode(prompt)
     if not ids:
         raise ValueError("--prompt is empty: give the model some text to continue")
@@ -99,8 +110,8 @@ def sample(ckpt, prompt: str = "\n", *, max_new_tokens: int = 200, temperature: 
             attention_mask=torch.ones(num_samples, len(ids), dtype=torch.long, device=device),
             max_new_tokens=max_new_tokens, do_sample=not greedy,
             **({} if greedy else {"temperature": temperature, "top_k": top_k or None}),
-            pad_token_id=hf.config.eos_token_id if hf.config.eos_token_id is not None else 0)
-    return [decode(row.tolist()) for row in out.cpu()]
+            eos_token_id=eos, pad_token_id=0 if eos is None else eos)
+    return [decode(_until_eos(row, len(ids), eos)) for row in out.cpu().tolist()]
 
 
 def run(args: argparse.Namespace) -> int:

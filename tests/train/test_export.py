@@ -210,6 +210,13 @@ def test_sample_of_a_run_on_ids_decodes_with_its_tokenizer(corpus, trained, tmp_
     assert n < 10  # merged: not the prompt's bytes
     assert sample(ckpt, "import os\n", max_new_tokens=16, temperature=0,
                   tokenizer=str(tok_dir)) == [tok.decode(ids)]
+    # a tokenizer's end-of-text token ends a sample: here the 4th new token's id
+    end = ids[n + 3]
+    eos_tok = AutoTokenizer.from_pretrained(tok_dir)
+    eos_tok.eos_token = eos_tok.convert_ids_to_tokens(end)
+    eos_tok.save_pretrained(tmp_path / "eos")
+    assert sample(ckpt, "import os\n", max_new_tokens=16, temperature=0,
+                  tokenizer=str(tmp_path / "eos")) == [tok.decode(ids[:ids.index(end, n) + 1])]
     # --tokenizer bytes reads this run as bytes (a checkpoint that did not record its tokens)
     as_bytes = sample(out / "checkpoints" / "step_00000003", "import os\n", max_new_tokens=4,
                       temperature=0)
@@ -223,6 +230,15 @@ def test_sample_of_a_run_on_ids_decodes_with_its_tokenizer(corpus, trained, tmp_
     with pytest.raises(ValueError, match=r"--tokenizer .*big: its 257 ids do not fit the "
                                          r"model's 256-token vocabulary; pass the run's "):
         sample(ckpt, tokenizer=str(tmp_path / "big"))
+
+
+def test_a_sample_stops_at_its_first_end_of_text_after_the_prompt():
+    """generate pads a sample that ended early with more end-of-text ids: they are cut."""
+    from distllm.train.sample import _until_eos
+
+    assert _until_eos([1, 9, 2, 3, 9, 4, 9, 9], 2, 9) == [1, 9, 2, 3, 9]
+    assert _until_eos([9, 1, 2], 1, 9) == [9, 1, 2]
+    assert _until_eos([1, 9, 9], 1, None) == [1, 9, 9]
 
 
 @pytest.mark.parametrize("command", ["export", "sample"])
