@@ -14,12 +14,15 @@ for text) is ``val.bin``.
 
 With GPT-2's tokenizer (a byte-level pre-tokenizer without a prefix space:
 :func:`cuts_are_exact`) a file is read and tokenized in pieces of at least ``chunk_chars``
-characters, each cut at the first newline past that length with a non-space character on
-either side. The pre-tokenizer splits there in any case (its pieces never cross such a
-newline), so the ids are those of the whole file (tested). A file without such newlines
-(Windows line ends, one line per paragraph) is one piece, held in memory; so is every file
-under another tokenizer, where a cut could change the ids. The ids stream to disk, so a
-corpus of many files larger than memory is tokenized. A ``<|endoftext|>`` written in the
+characters, each cut at the first place past that length where a space, tab, carriage
+return or newline is followed by a non-space character: before that last white-space
+character. The pre-tokenizer splits there in any case (its white-space pre-token stops one
+character short of the next word, which takes that character or stands after it), so the
+ids are those of the whole file (tested on random text cut every few characters). Only a
+file without such a place (no white space past the first ``chunk_chars`` characters) is
+one piece, held in memory; so is every file under another tokenizer, where a cut could
+change the ids. The ids stream to disk, so a file or a corpus larger than memory is
+tokenized. A ``<|endoftext|>`` written in the
 text is tokenized as text (as tiktoken's ``encode_ordinary`` does), not as a document's end.
 The folder is written beside DEST and renamed into place once complete: a failed run leaves
 nothing, and an existing DEST is refused.
@@ -48,7 +51,11 @@ CHUNK_CHARS = 1 << 20
 BATCH_PIECES = 16
 """Pieces tokenized together: a Hugging Face fast tokenizer encodes a batch on every core."""
 
-_CUT = re.compile(r"(?<=\S\n)(?=\S)")  # after "x\n", before "y": no pre-token crosses it
+# before the last white space of a run that a word follows ("x  |" + " y"): GPT-2's regex
+# ends a white-space pre-token there (\s+(?!\S)) and starts the next one there (" ?\p{L}+"
+# or "\s+"). Python's \S is no wider than the tokenizer's (its \s takes every Unicode
+# White_Space and \x1c-\x1f), so a cut here is one there.
+_CUT = re.compile(r"(?=[\t\n\r ]\S)")
 
 BYTE_VOCAB = 256
 """A model with at most this many ids reads bytes (distllm's text, ``ByteTokenizer``)."""
@@ -122,8 +129,8 @@ def load_tokenizer(path: str):
 
 def cuts_are_exact(tok) -> bool:
     """Whether text cut at :data:`_CUT` tokenizes to the whole text's ids under ``tok``:
-    GPT-2's pre-tokenizer (byte-level, its regex, no prefix space, no normalizer), whose
-    pieces never cross such a newline. Another one (a SentencePiece-style ``Metaspace``, a
+    GPT-2's pre-tokenizer (byte-level, its regex, no prefix space, no normalizer), which
+    splits there anyway. Another one (a SentencePiece-style ``Metaspace``, a
     prefix space) would begin each piece as a new text."""
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None:
@@ -142,7 +149,9 @@ def _pieces(f: Path, chunk_chars: int, cut: bool = True) -> Iterator[str]:
     with open(f, "rb") as fh:
         while True:
             block = fh.read(chunk_chars)
-            seen = len(buf)  # no cut before here (and none at the end of a buffer)
+            # no cut before here (and none at the end of a buffer: a cut needs the next two
+            # characters, so the last one is tried again)
+            seen = max(len(buf) - 1, 0)
             buf += dec.decode(block, final=not block)
             while cut and len(buf) > chunk_chars and (
                     m := _CUT.search(buf, max(chunk_chars, seen))):

@@ -78,6 +78,39 @@ def test_the_ids_are_each_whole_files_then_end_of_text(texts, tok_dir, tmp_path)
     assert c.train.tolist() == train.tolist() and c.val.tolist() == val.tolist()
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_pieces_cut_anywhere_they_may_give_the_whole_texts_ids(tok_dir, tmp_path, seed):
+    """Random text of words, numbers, punctuation, contractions and every kind of white space
+    (Unicode's too, and \\x1c, which only Python calls space), read in pieces of 5
+    characters or more: each cut where the pre-tokenizer splits anyway."""
+    import random
+
+    from distllm.train.tokenize_data import _pieces
+
+    rng = random.Random(seed)
+    alphabet = (["word", "é", "中文", "12", ".", "'s", "'t", "(", "x"] * 3
+                + [" ", "  ", "\n", "\n\n", "\t", "\r\n", " \n ", "\u00a0", "\u3000",
+                   "\x0b", "\x0c", "\x1c", "\x85", "\u2028", "\u200b"])
+    text = "".join(rng.choice(alphabet) for _ in range(6000))
+    f = tmp_path / "t.txt"
+    f.write_bytes(text.encode())
+    pieces = list(_pieces(f, 5))
+    assert "".join(pieces) == text and len(pieces) > 500
+    tok = _tokenizer(tok_dir)
+    got = [i for p in pieces for i in tok(p, add_special_tokens=False)["input_ids"]]
+    assert got == tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_file_of_one_line_streams_in_pieces(tok_dir, tmp_path):
+    """Paragraphs separated by blank lines, or no newline at all: cut at the spaces."""
+    from distllm.train.tokenize_data import _pieces
+
+    f = tmp_path / "one.txt"
+    f.write_text("The quick brown fox jumps over the lazy dog. " * 400)
+    pieces = list(_pieces(f, 1000))
+    assert len(pieces) == 18 and all(len(p) < 1100 for p in pieces)
+
+
 def test_a_vocabulary_past_65536_writes_uint32(corpus, tok_dir, tmp_path, capfd):
     tok = _tokenizer(tok_dir)
     tok.add_tokens([f"zz{i}" for i in range(65_000)])
