@@ -139,6 +139,8 @@ def _skip_rank(data: str, out: str, layout: dict) -> list[dict]:
     from distllm import ParallelDims
     from distllm.train.engine import Engine
 
+    layout = dict(layout)
+    replicated = layout.pop("replicated", False)
     cfg = make_cfg(data, out, **layout)
     dims = ParallelDims(tp=layout.get("tp", 1), dp=layout.get("dp", -1))
     eng = Engine(cfg, cfg.model_config(), dims)
@@ -148,10 +150,12 @@ def _skip_rank(data: str, out: str, layout: dict) -> list[dict]:
         tok = torch.randint(eng.mcfg.vocab_size, (8 // dims.dp, 32), generator=g)
         hook = None
         if step == 1 and dims.rank == 1:  # in backward, before any reduction sees it
-            # a TP shard's gradient under TP (a replicated parameter's is the same on every
-            # TP rank, and the norm counts it on TP rank 0)
+            # under TP, a shard's gradient, or (``replicated``) one copy of a parameter every
+            # TP rank holds whole, which the norm counts on TP rank 0 only: the fault is in
+            # rank 1's copy
             first = next(p for c in eng.chunks for p in c.parameters()
-                         if dims.tp == 1 or getattr(p, "tensor_model_parallel", False))
+                         if dims.tp == 1
+                         or getattr(p, "tensor_model_parallel", False) != replicated)
             hook = first.register_hook(lambda grad: grad.index_fill(0, grad.new_zeros(
                 1, dtype=torch.long), float("inf")))
         loss = eng.forward_backward(tok, tok.roll(-1, 1))
@@ -166,8 +170,10 @@ def _skip_rank(data: str, out: str, layout: dict) -> list[dict]:
     return res
 
 
-@pytest.mark.parametrize("layout", [dict(dp=2), dict(tp=2), dict(dp=2, zero=2)],
-                         ids=["dp2-ddp", "tp2-ddp", "dp2-zero2"])
+@pytest.mark.parametrize("layout", [dict(dp=2), dict(tp=2), dict(tp=2, replicated=True),
+                                    dict(dp=2, zero=2), dict(tp=2, zero=1, replicated=True)],
+                         ids=["dp2-ddp", "tp2-ddp", "tp2-ddp-replicated", "dp2-zero2",
+                              "tp2-zero1-replicated"])
 def test_an_inf_gradient_on_one_rank_skips_the_step_everywhere(corpus, tmp_path, layout):
     """DDP as ZeRO: an inf/NaN gradient on any rank skips the optimizer step on every rank
     (DDP reads it in the global norm, which every rank shares); the weights stay finite."""

@@ -4,7 +4,9 @@ The global norm is the norm of the whole model's gradient, one copy of each weig
 
 * a parameter with ``tensor_model_parallel = True`` is split over the TP group: the
   squared norms of its pieces are summed over TP;
-* a parameter without it is replicated over TP: it is counted once (on TP rank 0);
+* a parameter without it is replicated over TP: it is counted once (on TP rank 0); another
+  TP rank's copy adds zero times its norm, which is NaN where that copy is inf/NaN, so a
+  fault in any one copy reaches the norm every rank reads;
 * pipeline stages hold disjoint parameters: the squared norms are summed over PP;
 * ZeRO shards (each DP rank holds a disjoint slice) are summed over DP; full, replicated
   gradients (DDP, ZeRO-0/1 before sharding) are not.
@@ -43,7 +45,8 @@ def local_norm(pieces: Iterable[tuple[Tensor, bool]], *, dims,
     """This rank's share of the global norm of gradient ``pieces`` = ``(tensor,
     tp_sharded)``: the sum of their squares (``norm_type=2``) or their largest magnitude
     (``inf``), a float64 scalar on their device (the mesh's device when this rank holds
-    none). A replicated piece counts on TP rank 0 only. Nothing is communicated.
+    none). A replicated piece counts on TP rank 0 only; on another TP rank it adds zero times
+    its norm, nothing unless it is inf/NaN there (then NaN). Nothing is communicated.
 
     One ``torch._foreach_norm`` per dtype and device, whatever the number of pieces: each
     piece's norm in the gradient's precision (float32 for half types: a float64 reduction
@@ -51,20 +54,22 @@ def local_norm(pieces: Iterable[tuple[Tensor, bool]], *, dims,
     propagate into the result."""
     norm_type = _check_norm_type(norm_type)
     count_replicated = dims is None or dims.tp_rank == 0
-    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    groups: dict[tuple[torch.dtype, torch.device, bool], list[Tensor]] = {}
     for g, tp_sharded in pieces:
-        if g.numel() == 0 or not (tp_sharded or count_replicated):
+        if g.numel() == 0:
             continue
-        groups.setdefault((g.dtype, g.device), []).append(g.detach())
+        groups.setdefault((g.dtype, g.device, tp_sharded or count_replicated), []
+                          ).append(g.detach())
     if not groups:  # nothing here; the collective still needs this rank's zero, on the
         # mesh's device (without a mesh nothing is reduced: one process, on the CPU)
         device = dims.device if dims is not None else torch.device("cpu")
         return torch.zeros((), dtype=torch.float64, device=device)
     parts, dev = [], next(iter(groups))[1]
-    for (dtype, _), gs in groups.items():
+    for (dtype, _, counted), gs in groups.items():
         red = torch.float64 if dtype == torch.float64 else torch.float32
         norms = torch.stack(torch._foreach_norm(gs, norm_type, dtype=red)).to(torch.float64)
-        parts.append((norms.square().sum() if norm_type == 2.0 else norms.max()).to(dev))
+        part = (norms.square().sum() if norm_type == 2.0 else norms.max()).to(dev)
+        parts.append(part if counted else part * 0)  # 0 * inf is NaN
     total = torch.stack(parts)
     return total.sum() if norm_type == 2.0 else total.max()
 
@@ -120,12 +125,13 @@ def clip_grad_norm_and_sum_(parameters: Iterable[Tensor], max_norm: float, *, di
     """:func:`clip_grad_norm_` (2-norm) whose one all-reduce, over the world group, also sums
     ``extra`` (a float64 vector on the mesh's device, e.g. a loss share) over every rank:
     the step's metrics and the norm in one collective. The gradients must be the same on
-    every DP replica (after DDP's all-reduce), so only DP rank 0's squares count. Returns
+    every DP replica (after DDP's all-reduce), so only DP rank 0's squares count (another
+    replica's add zero, or NaN where its copy is inf/NaN, as TP's replicas do). Returns
     (the norm before clipping, the summed ``extra``); no host sync."""
     params = [p for p in parameters if p.grad is not None]
     sq = local_norm(((p.grad, is_tp_sharded(p)) for p in params), dims=dims)
     if dims.dp_rank != 0:
-        sq = torch.zeros_like(sq)
+        sq = sq * 0  # zero, or NaN where this replica's gradient is inf/NaN
     norm, summed = norm_and_sums(sq, [extra], dims.world_group)
     clip_by(norm, max_norm, [p.grad for p in params])
     return norm, summed
