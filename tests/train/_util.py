@@ -22,6 +22,9 @@ def write_corpus(path: Path, n_bytes: int = 200_000) -> str:
     return str(path)
 
 
+SEED = 7  # every test run's (the initial weights: distllm.models.sharding.init_canonical)
+
+
 def make_cfg(data: str, out: str, *, tp=1, pp=1, dp=-1, zero=0, schedule="1f1b", m=0, v=2,
              sp=False, overlap="none", vp="auto", bs=0, steps=3, dtype="float64",
              ogr="auto", **kw) -> TrainConfig:
@@ -38,7 +41,8 @@ def make_cfg(data: str, out: str, *, tp=1, pp=1, dp=-1, zero=0, schedule="1f1b",
     kw.setdefault("eval_batches", 0)
     kw.setdefault("save_final", False)
     return TrainConfig(model="tiny", parallel=par, optim=OptimConfig(),
-                       steps=steps, seed=7, dtype=dtype, data=data, out=out, progress=False, **kw)
+                       steps=steps, seed=SEED, dtype=dtype, data=data, out=out, progress=False,
+                       **kw)
 
 
 def train_many(runs: list[dict], data: str, out: str) -> list[list[float]]:

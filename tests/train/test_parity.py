@@ -4,7 +4,9 @@ All runs use the ``tiny`` GPT, seq 32, global batch 8, the same seed and the tra
 default optimizer settings (AdamW with weight decay on matrices only, global-norm clipping,
 linear warm-up then cosine decay): a parity test that turns a feature off cannot see that
 feature's bugs. The learning-rate schedule is that of a 60-step run stopped after 3 steps
-(``stop_after``), so each layout compares with the first 3 steps of the reference. One spawn
+(``stop_after``), so each layout compares with the first 3 steps of the reference; the
+weights each layout saves after its last step (whole, read back from its sharded checkpoint)
+equal the reference's after 3 steps, so the last update is checked too. One spawn
 per world size trains its layouts one after the other (a module-scoped fixture); each layout
 is its own test. The default selection takes one representative of each pair; ``-m full``
 runs all of them.
@@ -12,14 +14,21 @@ runs all of them.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from distllm.testing import DistributedFailure, run_distributed
-from tests.train._util import train_many
+from tests.train._util import SEED, train_many
 
 STEPS = 3
 TOL = 1e-12  # float64: layouts differ only in summation order (all-reduce, micro-batching)
 TOL_BF16 = 2e-3  # bf16 compute, fp32 masters: both bf16 layouts within 5e-4 of float64 (4x)
+WTOL = 1e-10  # the last weights, absolute (they are about 0.02 to 1; measured: 3e-14)
+# bf16: the last weights' distance from float64's, over the distance float64's moved from
+# the initial weights (2-norms over the model): 0.035 measured for both bf16 layouts; a
+# missing last update would read about 0.4
+WTOL_BF16 = 0.1
 
 
 def _id(kw: dict) -> str:
@@ -33,34 +42,73 @@ def matrix(corpus, tmp_path_factory):
     reported by every test of that spawn rather than re-run)."""
     done: dict[str, list | Exception] = {}
 
-    def get(name: str, world: int, layouts: list[dict], kw: dict) -> list[float]:
+    def get(name: str, world: int, layouts: list[dict], kw: dict) -> tuple[list[float], dict]:
         if name not in done:
-            runs = [dict(steps=60, stop_after=STEPS, **r) for r in layouts]
+            runs = [dict(steps=60, stop_after=STEPS, save_final=True, **r) for r in layouts]
             out = str(tmp_path_factory.mktemp(name))
             try:
-                done[name] = run_distributed(train_many, world, runs, corpus, out, timeout=600)[0]
+                done[name] = (run_distributed(train_many, world, runs, corpus, out,
+                                              timeout=600)[0], out)
             except DistributedFailure as e:
                 done[name] = e
         if isinstance(done[name], Exception):
             raise done[name]
-        return done[name][layouts.index(kw)]
+        losses, out = done[name]
+        i = layouts.index(kw)
+        return losses[i], _weights(Path(out) / f"run{i}")
 
     return get
 
 
+def _weights(run: Path) -> dict:
+    """The whole weights of the checkpoint the run saved after its last step."""
+    from distllm.train.checkpoint import read_layers
+
+    return read_layers(run / "checkpoints" / f"step_{STEPS:08d}")[1]
+
+
+
 @pytest.fixture(scope="module")
-def deep_reference(corpus, tmp_path_factory) -> list[float]:
-    """The single-process losses of the 6-block model (pp4 with interleaving needs 8 chunks)."""
-    out = str(tmp_path_factory.mktemp("deep"))
-    return run_distributed(train_many, 1, [dict(steps=60, stop_after=STEPS, n_layers=6)],
-                           corpus, out, timeout=300)[0][0]
+def deep_reference(corpus, tmp_path_factory) -> tuple[list[float], dict]:
+    """The single-process losses and last weights of the 6-block model (pp4 with
+    interleaving needs 8 chunks)."""
+    out = tmp_path_factory.mktemp("deep")
+    losses = run_distributed(train_many, 1, [dict(steps=60, stop_after=STEPS, n_layers=6,
+                                                  save_final=True)],
+                             corpus, str(out), timeout=300)[0][0]
+    return losses, _weights(out / "run0")
 
 
-def _check(kw: dict, losses: list[float], reference: list[float]) -> None:
-    tol = TOL_BF16 if kw.get("dtype") == "bfloat16" else TOL
+def _check(kw: dict, got: tuple[list[float], dict], reference: list[float],
+           weights: dict) -> None:
+    losses, last = got
+    bf16 = kw.get("dtype") == "bfloat16"
+    tol = TOL_BF16 if bf16 else TOL
     assert len(losses) == STEPS, kw
     for step, (a, b) in enumerate(zip(losses, reference[:STEPS], strict=True)):
         assert abs(a - b) <= tol * max(1.0, abs(b)), f"{kw} step {step + 1}: {a} vs {b}"
+    assert last.keys() == weights.keys(), kw
+    for i, layer in weights.items():
+        assert last[i].keys() == layer.keys(), (kw, i)
+    if bf16:
+        import torch
+
+        from distllm.models import GPTConfig
+        from distllm.models.sharding import init_canonical
+
+        mcfg = GPTConfig.preset("tiny", **{k: v for k, v in kw.items() if k == "n_layers"})
+        off = moved = 0.0
+        for i, layer in weights.items():
+            init = init_canonical(mcfg, i, SEED, torch.float64)
+            for name, want in layer.items():
+                off += float((last[i][name].double() - want).square().sum())
+                moved += float((want - init[name]).square().sum())
+        assert moved > 1.0 and (off / moved) ** 0.5 <= WTOL_BF16, (kw, off, moved)
+        return
+    for i, layer in weights.items():
+        for name, want in layer.items():
+            diff = float((last[i][name] - want).abs().max())
+            assert diff <= WTOL, f"{kw} layer {i} {name}: max difference {diff:.3g}"
 
 
 def test_reference_learns(reference):
@@ -94,13 +142,13 @@ DEFAULT_4 = [
 
 
 @pytest.mark.parametrize("kw", DEFAULT_2, ids=_id)
-def test_parity_two_ranks(matrix, reference, kw):
-    _check(kw, matrix("default2", 2, DEFAULT_2, kw), reference)
+def test_parity_two_ranks(matrix, reference, reference_weights, kw):
+    _check(kw, matrix("default2", 2, DEFAULT_2, kw), reference, reference_weights)
 
 
 @pytest.mark.parametrize("kw", DEFAULT_4, ids=_id)
-def test_parity_four_ranks(matrix, reference, kw):
-    _check(kw, matrix("default4", 4, DEFAULT_4, kw), reference)
+def test_parity_four_ranks(matrix, reference, reference_weights, kw):
+    _check(kw, matrix("default4", 4, DEFAULT_4, kw), reference, reference_weights)
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -125,12 +173,13 @@ FULL_4 = (
 
 @pytest.mark.full
 @pytest.mark.parametrize("kw", FULL_2, ids=_id)
-def test_parity_full_two_ranks(matrix, reference, kw):
-    _check(kw, matrix("full2", 2, FULL_2, kw), reference)
+def test_parity_full_two_ranks(matrix, reference, reference_weights, kw):
+    _check(kw, matrix("full2", 2, FULL_2, kw), reference, reference_weights)
 
 
 @pytest.mark.full
 @pytest.mark.parametrize("kw", FULL_4, ids=_id)
-def test_parity_full_four_ranks(matrix, reference, request, kw):
-    ref = request.getfixturevalue("deep_reference") if kw.get("n_layers") else reference
-    _check(kw, matrix("full4", 4, FULL_4, kw), ref)
+def test_parity_full_four_ranks(matrix, reference, reference_weights, request, kw):
+    ref, weights = (request.getfixturevalue("deep_reference") if kw.get("n_layers")
+                    else (reference, reference_weights))
+    _check(kw, matrix("full4", 4, FULL_4, kw), ref, weights)
