@@ -130,6 +130,8 @@ DEFAULT_2 = [
     dict(pp=2, schedule="interleaved-1f1b", m=2, activation_checkpointing="selective"),
     dict(tp=2, dtype="bfloat16"),
     dict(dp=2, zero=1, dtype="bfloat16"),
+    dict(dp=2, m=2),  # gradient accumulation without a pipeline (DDP's no_sync)
+    dict(tp=2, zero=3, sp=True, activation_checkpointing="selective"),  # ZeRO at dp 1
 ]
 DEFAULT_4 = [
     dict(tp=2, pp=2, schedule="1f1b", m=2, sp=True, overlap="chunked"),
@@ -138,6 +140,8 @@ DEFAULT_4 = [
     dict(pp=2, dp=2, schedule="zb-h1", m=2, zero=1),
     dict(tp=4, overlap="auto"),
     dict(tp=2, dp=2, bs=3),  # batch split under DDP, 4 sequences a rank in 3 parts
+    dict(pp=2, dp=2, schedule="interleaved-1f1b", m=4, zero=3),
+    dict(tp=2, pp=2, schedule="zb-h1", m=2, vp="on"),
 ]
 
 
@@ -158,6 +162,7 @@ FULL_2 = (
     + [dict(pp=2, schedule=s, m=4 if s == "interleaved-1f1b" else 2) for s in SCHEDULES]
     + [dict(pp=2, schedule="gpipe", m=1)]
     + [dict(dp=2, zero=z) for z in (0, 1, 2, 3)]
+    + [dict(dp=2, zero=z, m=2) for z in (1, 2, 3)]
 )
 FULL_4 = (
     [dict(tp=4, sp=sp, overlap=ov) for sp in (False, True) for ov in ("none", "chunked")]
