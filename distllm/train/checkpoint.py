@@ -34,6 +34,7 @@ import functools
 import json
 import os
 import pickle
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -64,17 +65,25 @@ def _ckpt_root(out: str | os.PathLike) -> Path:
     return Path(out) / "checkpoints"
 
 
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
 def _complete(root: Path) -> list[Path]:
-    """The complete checkpoints in ``root`` (each with its ``meta.json``), oldest first."""
+    """The complete checkpoints in ``root`` (folders ``step_N`` with their ``meta.json``: one
+    moved aside as ``step_N.damaged`` is not one), oldest first."""
     if not root.is_dir():
         return []
-    return sorted(d for d in root.iterdir()
-                  if d.is_dir() and d.name.startswith("step_") and (d / "meta.json").is_file())
+    return sorted((d for d in root.iterdir() if _STEP_DIR.fullmatch(d.name) and d.is_dir()
+                   and (d / "meta.json").is_file()), key=step_of)
 
 
 def step_of(path: Path) -> int:
-    """The step of the checkpoint folder ``path`` (``step_00000042`` -> 42)."""
-    return int(path.name.removeprefix("step_"))
+    """The step of the checkpoint folder ``path`` (``step_00000042`` -> 42); ValueError
+    naming a folder of another name."""
+    m = _STEP_DIR.fullmatch(path.name)
+    if m is None:
+        raise ValueError(f"{path} is not a checkpoint's folder (step_N)")
+    return int(m.group(1))
 
 
 def complete(out: str | os.PathLike) -> list[Path]:
@@ -98,9 +107,10 @@ def _model_key(cfg) -> dict:
 def _damaged(path: Path, cause: str) -> ValueError:
     """The one-line error of a checkpoint that cannot be read, naming the previous complete
     one (which ``--resume`` takes once this one is moved aside)."""
-    done = [d for d in _complete(path.parent) if d.name < path.name]
-    then = (f"move it aside to resume from {done[-1].name} (step {step_of(done[-1])}), or "
-            f"pass another --out") if done else \
+    m = _STEP_DIR.fullmatch(path.name)
+    done = [d for d in _complete(path.parent) if m and step_of(d) < int(m.group(1))]
+    then = (f"move it aside (e.g. rename it {path.name}.damaged) to resume from "
+            f"{done[-1].name} (step {step_of(done[-1])}), or pass another --out") if done else \
         "pass another --out (no earlier checkpoint is complete)"
     return ValueError(f"checkpoint {path} is damaged ({cause}): {then}")
 
@@ -128,6 +138,8 @@ def _read_meta(path: Path) -> dict:
         raise _damaged(path, f"meta.json: {_cause(exc)}") from None
     if not isinstance(meta, dict):
         raise _damaged(path, "meta.json holds no object")
+    if meta.get("format") == FORMAT and not isinstance(meta.get("model"), dict):
+        raise _damaged(path, "meta.json: no model")
     return meta
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from distllm.cli import main
 from distllm.testing import run_distributed
+from distllm.train import checkpoint
 from tests.train._util import train_many
 
 
@@ -550,16 +551,26 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_previous_one(capfd, tmp_pat
     step4 = out / "checkpoints" / "step_00000004"
     keep = tmp_path / "step4"
     shutil.copytree(step4, keep)
-    then = "move it aside to resume from step_00000002 (step 2), or pass another --out"
-    for damage, words in ((step4 / "rng" / "rank1.pt", "(rank 1: "),
-                          (step4 / "__1_0.distcp", "(rank "),
-                          (step4 / "meta.json", "(meta.json: ")):
-        damage.write_bytes(damage.read_bytes()[:10] if damage.suffix != ".json" else b"")
+    then = ("move it aside (e.g. rename it step_00000004.damaged) to resume from "
+            "step_00000002 (step 2), or pass another --out")
+    meta = json.loads((step4 / "meta.json").read_text())
+    del meta["model"]
+    for damage, words, text in ((step4 / "rng" / "rank1.pt", "(rank 1: ", None),
+                                (step4 / "__1_0.distcp", "(rank ", None),
+                                (step4 / "meta.json", "(meta.json: ", ""),
+                                (step4 / "meta.json", "(meta.json: no model)", json.dumps(meta))):
+        damage.write_bytes(damage.read_bytes()[:10] if text is None else text.encode())
         line = _one_line(capfd, [*common, "--steps", "6", "--resume"])
         assert line.startswith(f"distllm train: error: checkpoint {step4} is damaged {words}")
         assert line.endswith(then), line
         shutil.rmtree(step4)
         shutil.copytree(keep, step4)
+    # as the line says: renamed, it is no checkpoint, and the run resumes from step 2
+    (step4 / "meta.json").write_text("")
+    step4.rename(step4.with_name("step_00000004.damaged"))
+    assert main(["train", *common, "--steps", "6", "--resume"]) == 0
+    assert "resumed from step 2" in capfd.readouterr().err
+    assert [d.name for d in checkpoint.complete(out)] == ["step_00000002", "step_00000006"]
 
 
 def test_keep_checkpoints_keeps_the_newest(capfd, tmp_path):
