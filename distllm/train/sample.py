@@ -25,8 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step", type=int, default=None,
                    help="the checkpoint of this step of RUN (default: the newest)")
     p.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
-    p.add_argument("--max-new-tokens", type=int, default=200,
-                   help="tokens to generate after the prompt (default 200)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens to generate after the prompt (default: 200, or what the "
+                        "model's context leaves after the prompt where that is fewer)")
     p.add_argument("--temperature", type=float, default=0.8,
                    help="softmax temperature; 0 picks the likeliest token (default 0.8)")
     p.add_argument("--top-k", type=int, default=50,
@@ -74,11 +75,15 @@ def _until_eos(row: list[int], start: int, eos: int | None) -> list[int]:
     return row
 
 
-def sample(ckpt, prompt: str = "\n", *, max_new_tokens: int = 200, temperature: float = 0.8,
-           top_k: int = 50, num_samples: int = 1, seed: int = 0,
+DEFAULT_NEW_TOKENS = 200
+
+
+def sample(ckpt, prompt: str = "\n", *, max_new_tokens: int | None = None,
+           temperature: float = 0.8, top_k: int = 50, num_samples: int = 1, seed: int = 0,
            tokenizer: str | None = None) -> list[str]:
     """``num_samples`` continuations of ``prompt`` (the prompt's text, then the new text) by
-    the model of the checkpoint folder ``ckpt``."""
+    the model of the checkpoint folder ``ckpt``; ``max_new_tokens`` None: 200, or what the
+    model's context leaves after the prompt."""
     from pathlib import Path
 
     from distllm.models.hf import hf_from_layers, quiet_transformers
@@ -86,7 +91,7 @@ def sample(ckpt, prompt: str = "\n", *, max_new_tokens: int = 200, temperature: 
 
     for knob, value, least in (("--max-new-tokens", max_new_tokens, 1),
                                ("--num-samples", num_samples, 1), ("--top-k", top_k, 0)):
-        if value < least:
+        if value is not None and value < least:
             raise ValueError(f"{knob} {value}: it must be at least {least}")
     if temperature < 0:
         raise ValueError(f"--temperature {temperature}: it must be 0 (greedy) or more")
@@ -95,6 +100,11 @@ def sample(ckpt, prompt: str = "\n", *, max_new_tokens: int = 200, temperature: 
     ids = encode(prompt)
     if not ids:
         raise ValueError("--prompt is empty: give the model some text to continue")
+    if len(ids) >= cfg.max_seq_len:
+        raise ValueError(f"--prompt: its {len(ids)} tokens fill the model's context of "
+                         f"{cfg.max_seq_len}; shorten it")
+    if max_new_tokens is None:
+        max_new_tokens = min(DEFAULT_NEW_TOKENS, cfg.max_seq_len - len(ids))
     if len(ids) + max_new_tokens > cfg.max_seq_len:
         raise ValueError(f"--max-new-tokens {max_new_tokens}: with the prompt's {len(ids)} "
                          f"tokens it passes the model's context of {cfg.max_seq_len}; lower "

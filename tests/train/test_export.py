@@ -150,6 +150,8 @@ def test_sample_greedy_is_the_likeliest_token_each_step(trained, capsys):
      "--max-new-tokens 200: with the prompt's 100 tokens it passes the model's context of "
      "128; lower it, or shorten --prompt"),
     (["--prompt", ""], "--prompt is empty: give the model some text to continue"),
+    (["--prompt", "x" * 200, "--max-new-tokens", "5"],
+     "--prompt: its 200 tokens fill the model's context of 128; shorten it"),
     (["--temperature", "-1"], "--temperature -1.0: it must be 0 (greedy) or more"),
     (["--top-k", "-1"], "--top-k -1: it must be at least 0"),
     (["--step", "2"], "--step 2: RUN {out} has checkpoints of steps 3"),
@@ -177,6 +179,22 @@ def _bpe_256(corpus: str, path: Path) -> Path:
                            trainers.BpeTrainer(vocab_size=256, show_progress=False))
     PreTrainedTokenizerFast(tokenizer_object=tk).save_pretrained(path)
     return path
+
+
+def test_sample_writes_what_the_context_leaves_by_default(trained, capsys):
+    """At most 200 new tokens, fewer where the model's context (128 here) ends first: the
+    README's `distllm sample RUN` of `make train`'s run."""
+    from distllm.train.sample import sample
+
+    out, _ = trained
+    ckpt = out / "checkpoints" / "step_00000003"
+    for prompt, new in (("x" * 100, 28), ("\n", 127)):
+        assert sample(ckpt, prompt, temperature=0) == sample(ckpt, prompt, temperature=0,
+                                                             max_new_tokens=new)
+    with pytest.raises(ValueError, match="--max-new-tokens 29: with the prompt's 100 tokens"):
+        sample(ckpt, "x" * 100, max_new_tokens=29)
+    assert main(["sample", str(out)]) == 0
+    assert capsys.readouterr().out.strip()
 
 
 def test_sample_of_a_run_on_ids_decodes_with_its_tokenizer(corpus, trained, tmp_path):
