@@ -337,8 +337,10 @@ def _train(cfg: TrainConfig, dims: ParallelDims | None) -> TrainResult:
             return result
         _log(f"{result.stopped_by} came in the last step: the run is complete", dims)
     if end < cfg.steps:
-        _log(f"stopped after step {end} of {cfg.steps} (--stop-after); continue with --resume",
-             dims)
+        then = ("continue with --resume" if cfg.save_final else
+                "nothing saved there (--no-save): --resume continues from an earlier "
+                "checkpoint only (--save-every)")
+        _log(f"stopped after step {end} of {cfg.steps} (--stop-after); {then}", dims)
         return result
     if result.val_loss is not None:  # validated after the last step
         _log(f"validation loss {result.val_loss:.4f} (uniform baseline ln({mcfg.vocab_size}) = "

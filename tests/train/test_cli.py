@@ -587,6 +587,20 @@ def test_keep_checkpoints_keeps_the_newest(capfd, tmp_path):
     assert checkpoint.latest(out).name == "step_00000004"
 
 
+def test_stop_after_says_whether_it_saved(capfd, tmp_path):
+    """--stop-after saves there and says to resume; with --no-save it says nothing was
+    saved (and the run's checkpoints, from --save-every, are what --resume can take)."""
+    base = [*TINY, "--global-batch", "4", "--steps", "4", "--stop-after", "2"]
+    assert main(["train", *base, "--out", str(tmp_path / "a")]) == 0
+    assert "stopped after step 2 of 4 (--stop-after); continue with --resume" in \
+        capfd.readouterr().err
+    assert main(["train", *base, "--no-save", "--out", str(tmp_path / "b")]) == 0
+    assert ("stopped after step 2 of 4 (--stop-after); nothing saved there (--no-save): "
+            "--resume continues from an earlier checkpoint only (--save-every)"
+            in capfd.readouterr().err)
+    assert not (tmp_path / "b" / "checkpoints").exists()
+
+
 def test_prune_never_removes_the_newest_or_an_incomplete_save(tmp_path):
     from distllm.train import checkpoint
 
