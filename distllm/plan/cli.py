@@ -118,7 +118,7 @@ def shape_from_args(a: argparse.Namespace) -> ModelShape:
         # rule, distllm.train.cli.precheck)
         seq = over.get("seq_len", base.seq_len)
         if base.learned_positions and seq > base.seq_len:
-            raise ValueError(f"seq_len={seq} exceeds the {base.name} context {base.seq_len}: "
+            raise ValueError(f"--seq-len {seq} exceeds the {base.name} context {base.seq_len}: "
                              "lower --seq-len")
         return base.with_(**over)
     missing = [k for k in ("layers", "hidden", "heads", "vocab", "seq_len") if k not in over]

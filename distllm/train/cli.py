@@ -181,7 +181,7 @@ def precheck(cfg: TrainConfig, world: int) -> None:
     mcfg = cfg.model_config()
     seq = cfg.seq_len or mcfg.max_seq_len
     if seq > mcfg.max_seq_len:
-        raise ValueError(f"seq_len={seq} exceeds the {cfg.model} context {mcfg.max_seq_len}: "
+        raise ValueError(f"--seq-len {seq} exceeds the {cfg.model} context {mcfg.max_seq_len}: "
                          f"lower --seq-len")
     check_layout(cfg, world, n_layers=mcfg.n_layers, n_heads=mcfg.n_heads,
                  hidden=mcfg.hidden_size, seq_len=seq)

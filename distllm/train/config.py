@@ -59,14 +59,23 @@ def _check_choices(obj: Any) -> None:
     for f in fields(obj):
         choices = f.metadata.get("choices")
         if choices is not None and getattr(obj, f.name) not in choices:
-            raise ValueError(f"{f.name}={getattr(obj, f.name)!r}: choose one of "
+            flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+            raise ValueError(f"{flag} {getattr(obj, f.name)!r}: choose one of "
                              f"{', '.join(map(str, choices))}")
+
+
+MAX_TIMEOUT_S = 1e8
+"""The longest ``--timeout`` (about three years): a timedelta, and the launcher's integer
+seconds, hold it."""
+
+MAX_SEED = 2**32
+"""Seeds are below this (the data order mixes the seed into a 64-bit integer)."""
 
 
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r}: it must be a positive integer (--"
-                         f"{name.replace('_', '-')})")
+        raise ValueError(f"--{name.replace('_', '-')} {value!r}: it must be a positive "
+                         f"integer")
 
 
 @dataclass
@@ -114,16 +123,18 @@ class ParallelConfig:
         _positive("tp", self.tp)
         _positive("pp", self.pp)
         if not isinstance(self.dp, int) or (self.dp < 1 and self.dp != -1):
-            raise ValueError(f"dp={self.dp!r}: it must be a positive integer, or -1 to infer it")
+            raise ValueError(f"--dp {self.dp!r}: it must be a positive integer, or -1 to infer "
+                             f"it")
         _check_choices(self)
         if self.micro_batches < 0:
-            raise ValueError(f"micro_batches={self.micro_batches}: use 0 (auto) or a count >= 1")
+            raise ValueError(f"--micro-batches {self.micro_batches}: use 0 (auto) or a count "
+                             f">= 1")
         if self.micro_batches == 0:
             self.micro_batches = 2 * self.pp if self.schedule == "interleaved-1f1b" else self.pp
         if self.pp > 1 and self.schedule in ("1f1b", "interleaved-1f1b", "zb-h1"):
             if self.micro_batches < self.pp:
                 raise ValueError(
-                    f"micro_batches={self.micro_batches} < pp={self.pp}: the {self.schedule} "
+                    f"--micro-batches {self.micro_batches} < --pp {self.pp}: the {self.schedule} "
                     f"schedule needs at least pp micro-batches; raise --micro-batches to "
                     f">= {self.pp} or use --schedule gpipe"
                 )
@@ -134,14 +145,15 @@ class ParallelConfig:
                 "--schedule")
         _positive("virtual_stages", self.virtual_stages)
         if not isinstance(self.batch_split, int) or self.batch_split < 0:
-            raise ValueError(f"batch_split={self.batch_split!r} (--batch-split): use 0 (auto), 1 "
+            raise ValueError(f"--batch-split {self.batch_split!r}: use 0 (auto), 1 "
                              "(off) or the number of parts (>= 2)")
         check_vocab_parallel(self.vocab_parallel, self.tp, self.sequence_parallel)
-        if not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb}: it must be > 0 MiB (25 is the "
-                             "default)")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s={self.timeout_s}: it must be positive seconds")
+        if not 0 < self.bucket_cap_mb < math.inf:
+            raise ValueError(f"--bucket-cap-mb {self.bucket_cap_mb}: it must be a finite size "
+                             f"> 0 MiB (25 is the default)")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"--timeout {self.timeout_s}: it must be positive seconds, at most "
+                             f"{MAX_TIMEOUT_S:.0e}")
 
     @property
     def grad_reduce_overlap(self) -> bool | str:
@@ -204,22 +216,24 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr={self.lr}: it must be a positive finite number")
+            raise ValueError(f"--lr {self.lr}: it must be a positive finite number")
         if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio={self.min_lr_ratio}: choose a value in [0, 1]")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay={self.weight_decay}: it must be >= 0")
+            raise ValueError(f"--min-lr-ratio {self.min_lr_ratio}: choose a value in [0, 1]")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"--weight-decay {self.weight_decay}: it must be finite and >= 0")
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: choose a value in [0, 1)")
-        if not self.eps >= 0:
-            raise ValueError(f"eps={self.eps}: it must be >= 0 (1e-8 is the default)")
-        if self.grad_clip < 0:
-            raise ValueError(f"grad_clip={self.grad_clip}: use 0 to disable, or a positive norm")
+                raise ValueError(f"--{name} {getattr(self, name)}: choose a value in [0, 1)")
+        if not 0 < self.eps < math.inf:
+            raise ValueError(f"--eps {self.eps}: it must be finite and > 0 (1e-8 is the "
+                             f"default): 0 divides by zero where a gradient is 0")
+        if not 0 <= self.grad_clip < math.inf:
+            raise ValueError(f"--grad-clip {self.grad_clip}: use 0 to disable, or a positive "
+                             f"finite norm")
         if self.warmup_steps < -1:
-            raise ValueError(f"warmup_steps={self.warmup_steps}: use -1 (auto) or >= 0")
+            raise ValueError(f"--warmup-steps {self.warmup_steps}: use -1 (auto) or >= 0")
         if not 0 < self.decay_fraction <= 1:
-            raise ValueError(f"decay_fraction={self.decay_fraction}: choose a share of the "
+            raise ValueError(f"--decay-fraction {self.decay_fraction}: choose a share of the "
                              f"steps in (0, 1] (--decay-fraction)")
 
 
@@ -293,13 +307,17 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _positive("global_batch", self.global_batch)
         if self.seq_len < 0:
-            raise ValueError(f"seq_len={self.seq_len}: use 0 (the preset's) or a positive length")
+            raise ValueError(f"--seq-len {self.seq_len}: use 0 (the preset's) or a positive "
+                             f"length")
         _positive("steps", self.steps)
         _check_choices(self)
         if self.n_layers < 0:
-            raise ValueError(f"n_layers={self.n_layers}: use 0 (the preset's) or a positive depth")
+            raise ValueError(f"--n-layers {self.n_layers}: use 0 (the preset's) or a positive "
+                             f"depth")
         if self.stop_after < 0:
-            raise ValueError(f"stop_after={self.stop_after}: use 0 (run to --steps) or a step")
+            raise ValueError(f"--stop-after {self.stop_after}: use 0 (run to --steps) or a step")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < MAX_SEED:
+            raise ValueError(f"--seed {self.seed!r}: choose a seed in [0, 2**32)")
         if (self.activation_checkpointing != "none" and self.parallel.pp > 1
                 and self.parallel.schedule == "zb-h1"):
             raise ValueError(
@@ -307,16 +325,17 @@ class TrainConfig:
                 "gradients do not survive recomputation; use --activation-checkpointing none "
                 "or another --schedule")
         if self.keep_checkpoints < 0:
-            raise ValueError(f"keep_checkpoints={self.keep_checkpoints}: use 0 (keep all) or "
-                             f"a count (--keep-checkpoints)")
+            raise ValueError(f"--keep-checkpoints {self.keep_checkpoints}: use 0 (keep all) or "
+                             f"a count")
         if self.save_every < 0:
-            raise ValueError(f"save_every={self.save_every}: use 0 (end only) or a step count")
+            raise ValueError(f"--save-every {self.save_every}: use 0 (end only) or a step "
+                             f"count")
         parse_signals(self.save_on_signal)
         if self.eval_batches < 0:
-            raise ValueError(f"eval_batches={self.eval_batches}: it must be >= 0")
+            raise ValueError(f"--eval-batches {self.eval_batches}: it must be >= 0")
         if self.eval_every < 0:
-            raise ValueError(f"eval_every={self.eval_every}: use 0 (the end only) or a step "
-                             f"count (--eval-every)")
+            raise ValueError(f"--eval-every {self.eval_every}: use 0 (the end only) or a step "
+                             f"count")
         if self.eval_every and not self.eval_batches:
             raise ValueError(f"--eval-every {self.eval_every} with --eval-batches 0: validation "
                              f"is off; raise --eval-batches, or drop --eval-every")
@@ -349,7 +368,8 @@ def check_layout(cfg: TrainConfig, world: int, *, n_layers: int, n_heads: int, h
         )
     if n_heads % p.tp or hidden % p.tp:
         raise ValueError(
-            f"the model has {n_heads} heads and hidden size {hidden}, not divisible by tp={p.tp}: "
+            f"the model has {n_heads} heads and hidden size {hidden}, not divisible by --tp "
+            f"{p.tp}: "
             f"choose --tp dividing {n_heads}"
         )
     chunks = p.pp * p.chunks_per_rank
@@ -362,13 +382,13 @@ def check_layout(cfg: TrainConfig, world: int, *, n_layers: int, n_heads: int, h
     per_rank = cfg.global_batch // dp if cfg.global_batch % dp == 0 else 0
     if per_rank == 0 or per_rank % p.micro_batches:
         raise ValueError(
-            f"global_batch={cfg.global_batch} is not divisible by dp*micro_batches = "
+            f"--global-batch {cfg.global_batch} is not divisible by dp*micro_batches = "
             f"{dp}*{p.micro_batches} = {dp * p.micro_batches}: choose --global-batch a multiple "
             f"of {dp * p.micro_batches}, or change --micro-batches"
         )
     if p.sequence_parallel and seq_len % p.tp:
         raise ValueError(
-            f"seq_len={seq_len} is not divisible by tp={p.tp}, which sequence parallelism "
+            f"--seq-len {seq_len} is not divisible by --tp {p.tp}, which sequence parallelism "
             f"needs: choose --seq-len a multiple of {p.tp} or drop --sequence-parallel"
         )
     return dp

@@ -93,6 +93,8 @@ def sample(ckpt, prompt: str = "\n", *, max_new_tokens: int | None = None,
                                ("--num-samples", num_samples, 1), ("--top-k", top_k, 0)):
         if value is not None and value < least:
             raise ValueError(f"{knob} {value}: it must be at least {least}")
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"--seed {seed}: choose a seed in [0, 2**32)")
     if temperature < 0:
         raise ValueError(f"--temperature {temperature}: it must be 0 (greedy) or more")
     cfg, layers, tokens = read_layers(Path(ckpt))

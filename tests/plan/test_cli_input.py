@@ -85,7 +85,7 @@ def test_pinned_sequence_parallelism_needs_seq_len_divisible_by_tp(capsys):
     cfg = TrainConfig(model="tiny", parallel=ParallelConfig(tp=2, sequence_parallel=True))
     shape = {"n_layers": 4, "n_heads": 4, "hidden": 128}
     check_layout(cfg, 2, seq_len=34, **shape)
-    with pytest.raises(ValueError, match="seq_len=33 is not divisible by tp=2"):
+    with pytest.raises(ValueError, match="--seq-len 33 is not divisible by --tp 2"):
         check_layout(cfg, 2, seq_len=33, **shape)
 
 
@@ -95,7 +95,7 @@ def test_seq_len_beyond_the_presets_positions_is_refused_as_the_trainer_does(cap
     from distllm.train.cli import precheck
     from distllm.train.config import TrainConfig
 
-    why = "seq_len=4096 exceeds the gpt2-small context 1024: lower --seq-len"
+    why = "--seq-len 4096 exceeds the gpt2-small context 1024: lower --seq-len"
     assert main(["plan", "--model", "gpt2-small", "--seq-len", "4096"]) == 2
     assert capsys.readouterr().err == f"distllm plan: error: {why}\n"
     with pytest.raises(ValueError) as e:

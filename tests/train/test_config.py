@@ -4,6 +4,8 @@ ParallelDims (no processes)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -17,13 +19,13 @@ from distllm.train.config import TRAIN_DTYPES, ParallelConfig, TrainConfig, chec
 
 
 @pytest.mark.parametrize("kw, words", [
-    (dict(zero=4), "zero=4: choose one of 0, 1, 2, 3"),
-    (dict(schedule="x"), "schedule='x': choose one of gpipe, 1f1b, interleaved-1f1b, zb-h1"),
-    (dict(tp=0), "tp=0"),
-    (dict(pp=4, micro_batches=2), "micro_batches=2 < pp=4"),
+    (dict(zero=4), "--zero 4: choose one of 0, 1, 2, 3"),
+    (dict(schedule="x"), "--schedule 'x': choose one of gpipe, 1f1b, interleaved-1f1b, zb-h1"),
+    (dict(tp=0), "--tp 0: it must be a positive integer"),
+    (dict(pp=4, micro_batches=2), "--micro-batches 2 < --pp 4"),
     (dict(pp=2, zero=3, schedule="zb-h1"), "zero=3 with the zb-h1 schedule: .*--zero 2 or lower"),
-    (dict(overlap="y"), "overlap='y': choose one of auto, chunked, none"),
-    (dict(vocab_parallel="n"), "vocab_parallel='n': choose one of auto, on, off"),
+    (dict(overlap="y"), "--overlap 'y': choose one of auto, chunked, none"),
+    (dict(vocab_parallel="n"), "--vocab-parallel 'n': choose one of auto, on, off"),
     (dict(tp=2, sequence_parallel=True, vocab_parallel="off"),
      "vocab_parallel='off' .* use --vocab-parallel auto .*--sequence-parallel"),
 ])
@@ -33,13 +35,47 @@ def test_parallel_config_names_the_knob(kw, words):
 
 
 @pytest.mark.parametrize("kw, words", [
-    (dict(dtype="float16"), "dtype='float16': choose one of float32, bfloat16, float64"),
-    (dict(activation_checkpointing="some"), "activation_checkpointing='some': choose one of "
+    (dict(dtype="float16"), "--dtype 'float16': choose one of float32, bfloat16, float64"),
+    (dict(activation_checkpointing="some"), "--activation-checkpointing 'some': choose one of "
                                             "none, selective, full"),
 ])
 def test_train_config_names_the_knob(kw, words):
     with pytest.raises(ValueError, match=words):
         TrainConfig(**kw)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(weight_decay=float("nan")), "--weight-decay nan: it must be finite and >= 0"),
+    (dict(weight_decay=float("inf")), "--weight-decay inf: it must be finite and >= 0"),
+    (dict(eps=0.0), "--eps 0.0: it must be finite and > 0"),
+    (dict(grad_clip=float("nan")), "--grad-clip nan: use 0 to disable, or a positive finite"),
+    (dict(lr=float("inf")), "--lr inf: it must be a positive finite number"),
+    (dict(beta2=1.0), "--beta2 1.0: choose a value in [0, 1)"),
+])
+def test_optim_config_refuses_what_ruins_a_run(kw, words):
+    """Values that would turn the weights to NaN in the first step and save them."""
+    from distllm.train.config import OptimConfig
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        OptimConfig(**kw)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(timeout_s=float("inf")), "--timeout inf: it must be positive seconds, at most 1e+08"),
+    (dict(timeout_s=1e15), "--timeout 1000000000000000.0: it must be positive seconds"),
+    (dict(timeout_s=float("nan")), "--timeout nan: it must be positive seconds"),
+    (dict(bucket_cap_mb=float("inf")), "--bucket-cap-mb inf: it must be a finite size"),
+])
+def test_parallel_config_refuses_what_overflows(kw, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        ParallelConfig(**kw)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 99999999999999])
+def test_a_seed_is_32_bits(seed):
+    with pytest.raises(ValueError, match=rf"--seed {seed}: choose a seed in \[0, 2\*\*32\)"):
+        TrainConfig(seed=seed)
+    assert TrainConfig(seed=2**32 - 1).seed == 2**32 - 1
 
 
 def test_choices_come_from_the_implementing_modules():

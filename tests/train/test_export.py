@@ -154,6 +154,7 @@ def test_sample_greedy_is_the_likeliest_token_each_step(trained, capsys):
      "--prompt: its 200 tokens fill the model's context of 128; shorten it"),
     (["--temperature", "-1"], "--temperature -1.0: it must be 0 (greedy) or more"),
     (["--top-k", "-1"], "--top-k -1: it must be at least 0"),
+    (["--seed", str(10**20)], f"--seed {10**20}: choose a seed in [0, 2**32)"),
     (["--step", "2"], "--step 2: RUN {out} has checkpoints of steps 3"),
     (["--tokenizer", "{tmp}"], "--tokenizer {tmp}: the run trained on text, as bytes; drop "
                                "--tokenizer"),
