@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 COMMANDS = {
@@ -65,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     except USAGE_ERRORS as exc:
         print(f"distllm {name}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `distllm plan ... | head`: the reader has gone, as for any tool
+        # that dies of SIGPIPE; stdout goes nowhere so that flushing it at exit is quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -303,3 +303,16 @@ def test_another_gpu_says_how_to_plan_for_it(gpu_named, monkeypatch, capsys, nam
     # and `distllm train --plan auto` stops there, with that one line
     assert main(["train", "--plan", "auto", "--nproc", "2", "--steps", "1", "--no-save"]) == 2
     assert capsys.readouterr().err == f"distllm train: error: {msg}\n"
+
+
+def test_a_reader_that_goes_away_ends_plan_quietly():
+    """`distllm plan ... | head -1`: the pipe closes under plan's output; it ends as a tool
+    killed by SIGPIPE does (141), without a traceback."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "distllm", "plan", "--model", "tiny", "--gpus",
+                          "8", "--explain"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # before it writes anything
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and err == "", err
