@@ -106,8 +106,15 @@ def _check(args: argparse.Namespace) -> None:
                          "float16") from None
     if args.shapes:
         from distllm.bench.harness import parse_shapes
+        from distllm.bench.suite import SUITES, parse_suites
 
-        parse_shapes(args.shapes)
+        given = parse_shapes(args.shapes)
+        takers = [SUITES[n] for n in parse_suites(args.suite) if SUITES[n].shape_dims]
+        if not takers and not args.doctor:
+            raise ValueError(f"--shapes: --suite {args.suite} measures its own presets and "
+                             f"takes no shapes; drop --shapes")
+        for suite in takers:
+            suite.check_shapes(given, args.shapes)
     if args.model is not None:
         _check_model(args)
     if args.net:

@@ -44,22 +44,38 @@ class Suite:
     module: str  # importable module with SUITE, cases(cfg), setup(cfg, case), rows(...)
     title: str
     overlap: bool = False  # an overlap suite: its rows may carry a timeline to draw
+    shape: str = ""  # the form of a shape --shapes gives it ("M,K,N"); "": it takes none
+    shape_dims: tuple[int, ...] = ()  # the integers a shape may have
+
+    def check_shapes(self, shapes: list[tuple[int, ...]], spec: str) -> None:
+        """ValueError naming ``--shapes`` where one of ``shapes`` is not of this suite's
+        form."""
+        bad = [s for s in shapes if len(s) not in self.shape_dims]
+        if bad:
+            raise ValueError(f"--shapes {spec!r}: {self.name} takes shapes '{self.shape}' "
+                             f"({' or '.join(map(str, self.shape_dims))} integers), not "
+                             f"{','.join(map(str, bad[0]))}")
 
 
 SUITES: dict[str, Suite] = {s.name: s for s in [
-    Suite("linear_gelu", "distllm.bench.linear_gelu", "Fused GEMM + bias + GeLU"),
+    Suite("linear_gelu", "distllm.bench.linear_gelu", "Fused GEMM + bias + GeLU",
+          shape="M,K,N", shape_dims=(3,)),
     Suite("parallel_mlp", "distllm.bench.parallel_mlp",
-          "Tensor-parallel MLP: fused against unfused against DTensor"),
+          "Tensor-parallel MLP: fused against unfused against DTensor",
+          shape="tokens,hidden,ffn", shape_dims=(3,)),
     Suite("row_overlap", "distllm.bench.row_parallel_overlap",
-          "Row-parallel GEMM overlapped with its all-reduce", overlap=True),
+          "Row-parallel GEMM overlapped with its all-reduce", overlap=True, shape="M,K,N",
+          shape_dims=(3,)),
     Suite("sp_overlap", "distllm.bench.sp_overlap",
-          "Sequence-parallel all-gather / reduce-scatter overlap", overlap=True),
+          "Sequence-parallel all-gather / reduce-scatter overlap", overlap=True, shape="M,K,N",
+          shape_dims=(3,)),
     Suite("ddp", "distllm.bench.ddp_overlap", "DDP gradient all-reduce overlapped with backward",
           overlap=True),
     Suite("zero", "distllm.bench.ddp_overlap", "ZeRO-1/2/3 reduce-scatter overlapped with backward",
           overlap=True),
     Suite("pipeline", "distllm.bench.pipeline", "Pipeline schedules: bubble and step time"),
-    Suite("train_e2e", "distllm.bench.train_e2e", "End-to-end training step against PyTorch"),
+    Suite("train_e2e", "distllm.bench.train_e2e", "End-to-end training step against PyTorch",
+          shape="L,H,B,S[,M]", shape_dims=(4, 5)),
     Suite("plan_validation", "distllm.bench.plan_validation",
           "Planner predictions against measured training steps"),
 ]}
@@ -68,9 +84,12 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
 def parse_suites(spec: str | None, registry: dict[str, Suite] | None = None) -> list[str]:
     """``"a,b"`` or ``"all"`` -> suite names, in registry order; unknown names raise."""
     registry = SUITES if registry is None else registry
-    if not spec or spec.strip() == "all":
+    if spec is None or spec.strip() == "all":
         return list(registry)
     wanted = [s.strip() for s in spec.split(",") if s.strip()]
+    if not wanted:
+        raise ValueError(f"--suite {spec!r} names no suite; choose from {', '.join(registry)} "
+                         f"or 'all'")
     bad = [s for s in wanted if s not in registry]
     if bad:
         raise ValueError(f"--suite: unknown suite(s) {', '.join(bad)}; choose from "

@@ -148,6 +148,18 @@ def test_out_that_is_a_file_or_cannot_be_created_is_refused(doctor, tmp_path, ca
     (["--suite", "train_e2e", "--shapes", "6,768,0,64"], "'6,768,0,64' has a dimension of 0"),
     (["--suite", "train_e2e", "--shapes", "2,256,4,32,0"], "'2,256,4,32,0' has a dimension of 0"),
     (["--suite", "linear_gelu", "--shapes", ";"], "--shapes ';': no shape given"),
+    (["--suite", "linear_gelu", "--shapes", "1,2"],
+     "--shapes '1,2': linear_gelu takes shapes 'M,K,N' (3 integers), not 1,2"),
+    (["--suite", "row_overlap", "--shapes", "64,64,64;64,64"],
+     "--shapes '64,64,64;64,64': row_overlap takes shapes 'M,K,N' (3 integers), not 64,64"),
+    (["--suite", "train_e2e", "--shapes", "2,64,2"],
+     "--shapes '2,64,2': train_e2e takes shapes 'L,H,B,S[,M]' (4 or 5 integers), not 2,64,2"),
+    (["--suite", "linear_gelu,train_e2e", "--shapes", "64,64,64"],
+     "train_e2e takes shapes 'L,H,B,S[,M]'"),
+    (["--suite", "ddp,pipeline", "--shapes", "1,2"],
+     "--shapes: --suite ddp,pipeline measures its own presets and takes no shapes; drop "
+     "--shapes"),
+    (["--suite", "", "--shapes", "1,2,3"], "--suite '' names no suite; choose from"),
 ])
 def test_shapes_with_a_dimension_below_one_are_refused(args, says, tmp_path, capsys,
                                                       nothing_runs):

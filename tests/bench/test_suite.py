@@ -39,7 +39,8 @@ def registry(monkeypatch):
     broken = _suite_module("fake_broken_suite", _broken_setup, lambda cfg, case, res: [])
     monkeypatch.setitem(sys.modules, "fake_broken_suite", broken)
     reg = {
-        "fake": suite.Suite("fake", "tests.bench.fake_suites", "synthetic", overlap=True),
+        "fake": suite.Suite("fake", "tests.bench.fake_suites", "synthetic", overlap=True,
+                            shape="M,K,N", shape_dims=(3,)),
         "broken": suite.Suite("broken", "fake_broken_suite", "raises"),
         "missing": suite.Suite("missing", "distllm.bench.no_such_suite", "absent"),
         "linear_gelu": suite.SUITES["linear_gelu"],
@@ -129,7 +130,7 @@ def test_a_second_run_into_the_same_out_is_refused(registry, tmp_path, capsys):
     first = {p.name: p.read_bytes() for p in out.iterdir()}
     assert {"results.json", "REPORT.md", "fake_speedup.png"} <= set(first)
     capsys.readouterr()
-    assert main(["bench", "--suite", "broken", *args]) == 2
+    assert main(["bench", "--suite", "fake", *args]) == 2
     err = capsys.readouterr().err
     assert err == (f"distllm bench: error: --out {out} holds the results of an earlier run "
                    "(results.json, results.csv, REPORT.md): pass another --out\n")
