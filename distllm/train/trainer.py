@@ -176,13 +176,24 @@ def _validate(engine, corpus, cfg: TrainConfig, seq: int, dims: ParallelDims,
 
 
 def _truncate_metrics(path: str, after_step: int) -> None:
-    """Drop lines of steps after ``after_step`` (left by a run killed after its checkpoint)."""
+    """Drop lines of steps after ``after_step`` (left by a run killed after its checkpoint),
+    and any line that is not a record (one cut short by a kill or a full disk). The file is
+    rewritten beside and renamed over, so a failure here leaves it as it was."""
     if not os.path.isfile(path):
         return
+    keep = []
     with open(path) as f:
-        keep = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= after_step]
-    with open(path, "w") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and rec.get("step", 0) <= after_step:
+                keep.append(line.rstrip("\n") + "\n")
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
         f.writelines(keep)
+    os.replace(tmp, path)
 
 
 def _banner(cfg: TrainConfig, mcfg, dims: ParallelDims, corpus) -> None:

@@ -46,3 +46,21 @@ def test_an_unknown_gpu_and_the_cpu_are_measured(gpu_named):
     gpu_named("Tesla T4")
     assert trainer.peak_flops(torch.float32, CUDA) == (1.0, "measured")
     assert trainer.peak_flops(torch.float32, torch.device("cpu")) == (1.0, "measured")
+
+
+def test_resume_drops_later_steps_and_a_torn_line_of_the_metrics(tmp_path):
+    """A run killed after its checkpoint, or while writing a line (a full disk): the lines
+    after the checkpoint's step go, and so does one cut short, which --resume choked on."""
+    import json
+
+    from distllm.train.trainer import _truncate_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3, 4)]
+    path.write_text("\n".join(lines[:3]) + '\n{"step": 4, "lo\n\n' + lines[3])
+    _truncate_metrics(str(path), 3)
+    assert path.read_text() == "\n".join(lines[:3]) + "\n"
+    path.write_text(lines[0] + "\n" + lines[1])  # the last line whole, its newline lost
+    _truncate_metrics(str(path), 3)
+    assert path.read_text() == lines[0] + "\n" + lines[1] + "\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
