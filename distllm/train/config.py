@@ -316,6 +316,8 @@ class TrainConfig:
                              f"depth")
         if self.stop_after < 0:
             raise ValueError(f"--stop-after {self.stop_after}: use 0 (run to --steps) or a step")
+        if not str(self.out).strip():
+            raise ValueError(f"--out {self.out!r}: name the run's folder")
         if not isinstance(self.seed, int) or not 0 <= self.seed < MAX_SEED:
             raise ValueError(f"--seed {self.seed!r}: choose a seed in [0, 2**32)")
         if (self.activation_checkpointing != "none" and self.parallel.pp > 1

@@ -16,13 +16,18 @@ __all__ = ["new_folder"]
 def new_folder(dest: str | os.PathLike) -> Iterator[Path]:
     """A temporary folder beside ``dest`` to write into, renamed to ``dest`` when the block
     ends, removed when it raises: a failed command leaves nothing. ``dest`` must not exist
-    or be an empty folder (ValueError naming DEST). The folder has the permissions of one
-    made with ``mkdir`` under the umask (``mkdtemp``'s are the owner's alone)."""
+    or be an empty folder, and must be creatable (ValueError naming DEST). The folder has
+    the permissions of one made with ``mkdir`` under the umask (``mkdtemp``'s are the
+    owner's alone)."""
     dest = Path(dest)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ValueError(f"DEST {dest} exists; pass a new folder")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    except OSError as exc:  # a file on the way, a folder that cannot be written
+        raise ValueError(f"DEST {dest}: cannot create a folder there "
+                         f"({exc.strerror or exc}); pass another DEST") from None
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)

@@ -71,6 +71,11 @@ def test_parallel_config_refuses_what_overflows(kw, words):
         ParallelConfig(**kw)
 
 
+def test_an_empty_out_is_refused():
+    with pytest.raises(ValueError, match="--out '': name the run's folder"):
+        TrainConfig(out="")
+
+
 @pytest.mark.parametrize("seed", [-1, 2**32, 99999999999999])
 def test_a_seed_is_32_bits(seed):
     with pytest.raises(ValueError, match=rf"--seed {seed}: choose a seed in \[0, 2\*\*32\)"):

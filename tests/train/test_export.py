@@ -79,6 +79,8 @@ def test_a_checkpoint_folder_and_its_step(trained, tmp_path, capsys):
                            "training run's --out folder"),
     (["{out}", "{tmp}/d", "--step", "2"], "--step 2: RUN {out} has checkpoints of steps 3"),
     (["{out}", "{tmp}/full"], "DEST {tmp}/full exists; pass a new folder"),
+    (["{out}", "{tmp}/full/keep.txt/d"], "DEST {tmp}/full/keep.txt/d: cannot create a folder "
+                                         "there (File exists); pass another DEST"),
 ])
 def test_bad_input_is_one_line(trained, tmp_path, capsys, args, says):
     out, _ = trained
