@@ -58,6 +58,11 @@ def _err(capsys, argv: list[str]) -> str:
     (["--nproc", "0"], "--nproc 0"),
     (["--global-batch", "0"], "--global-batch"),
     (["--nproc", "2", "--plan", "auto", "--virtual-stages", "2"], "drop --virtual-stages"),
+    # the planner's --gpus is this run's --nproc
+    (["--nproc", "2", "--plan", "auto", "--tp", "3"],
+     "--tp 3 does not divide --nproc 2: choose --tp from"),
+    (["--nproc", "2", "--plan", "auto", "--dp", "2", "--global-batch", "3"],
+     "add ranks (--nproc), or shrink --global-batch/--seq-len"),
     (["--nproc", "2", "--eval-every", "5", "--eval-batches", "0"],
      "--eval-every 5 with --eval-batches 0: validation is off; raise --eval-batches"),
     (["--eval-every", "-1"], "--eval-every -1: use 0 (the end only) or a step count"),
