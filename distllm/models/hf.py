@@ -147,18 +147,29 @@ def pretrained_config(path: str) -> GPTConfig:
 def check_pretrained_shape(theirs: GPTConfig, ours: GPTConfig, model: str, path: str) -> None:
     """ValueError naming ``--model`` (and a preset of the right shape, if one is) when the
     pretrained model ``theirs`` is not the model ``ours`` that ``--model model`` builds."""
-    diff = [f"{f}={getattr(theirs, f)} (--model {model}: {getattr(ours, f)})" for f in _SHAPE
+    from distllm.models.gpt import PRESETS
+
+    base = PRESETS.get(model)
+    deepened = base is not None and ours.n_layers != base.n_layers  # --n-layers given
+
+    def ours_of(f: str) -> str:
+        return f"--n-layers: {ours.n_layers}" if f == "n_layers" and deepened else \
+            f"--model {model}: {getattr(ours, f)}"
+
+    diff = [f"{f}={getattr(theirs, f)} ({ours_of(f)})" for f in _SHAPE
             if getattr(theirs, f) != getattr(ours, f)]
     if not diff:
         return
-    from distllm.models.gpt import PRESETS
 
     def fits(c: GPTConfig, but: tuple[str, ...] = ()) -> bool:
         return all(getattr(c, f) == getattr(theirs, f) for f in _SHAPE if f not in but)
 
     same = [n for n, c in PRESETS.items() if fits(c)]
     deeper = [n for n, c in PRESETS.items() if fits(c, but=("n_layers",))]  # distilgpt2...
-    if same:
+    if deepened and fits(base, but=("n_layers",)):  # only --n-layers is wrong
+        hint = ("drop --n-layers" if theirs.n_layers == base.n_layers
+                else f"pass --n-layers {theirs.n_layers}")
+    elif same:
         hint = f"pass --model {same[0]}"
     elif deeper:
         hint = f"pass --model {deeper[0]} --n-layers {theirs.n_layers}"

@@ -157,10 +157,13 @@ def check_compatible(out: str | os.PathLike, mcfg) -> Path:
     theirs, ours = meta["model"], _model_key(mcfg)
     if theirs != ours:
         diff = {k: (theirs.get(k), ours.get(k)) for k in ours if theirs.get(k) != ours.get(k)}
+        same_preset = meta.get("model_name") == mcfg.name
+        fix = (f"pass --n-layers {diff['n_layers'][0]}" if same_preset and set(diff) ==
+               {"n_layers"} else "pass the checkpoint's --model (and --n-layers)")
         raise ValueError(
             f"{path} holds a different model ({meta.get('model_name')!r}; differing "
             + ", ".join(f"{k}: checkpoint {a} vs run {b}" for k, (a, b) in diff.items())
-            + "): pass the checkpoint's --model, or another --out")
+            + f"): {fix}, or another --out")
     return path
 
 

@@ -90,6 +90,9 @@ def test_resume_refuses_another_model(capsys, corpus, tmp_path):
                     corpus, str(tmp_path), timeout=300)
     line = _err(capsys, ["--resume", "--out", str(out), "--data", corpus, "--seq-len", "32"])
     assert "different model" in line and "n_layers: checkpoint 2 vs run 4" in line
+    assert line.endswith("): pass --n-layers 2, or another --out"), line
+    line = _err(capsys, ["--resume", "--out", str(out), "--model", "gpt2-small"])
+    assert line.endswith("): pass the checkpoint's --model (and --n-layers), or another --out")
     assert "no complete checkpoint" in _err(capsys, ["--resume", "--out", str(tmp_path / "x")])
 
 
@@ -210,6 +213,23 @@ def test_init_from_refuses_another_shape_or_no_model(capsys, tmp_path):
                          "(--model gpt2-small: 768), n_heads=4 (--model gpt2-small: 12), "
                          "ffn_hidden_size=512 (--model gpt2-small: 3072), max_seq_len=128 "
                          "(--model gpt2-small: 1024): pass --model tiny"), line
+    # the preset fits; --n-layers does not
+    for n_layers in ("2", "6"):
+        line = _err(capsys, ["--model", "tiny", "--n-layers", n_layers, "--init-from",
+                             str(tmp_path / "hf")])
+        assert line.endswith(f"its model has n_layers=4 (--n-layers: {n_layers}): drop "
+                             f"--n-layers"), line
+    import shutil
+
+    shutil.copytree(tmp_path / "hf", tmp_path / "hf3")
+    conf = json.loads((tmp_path / "hf3" / "config.json").read_text())
+    (tmp_path / "hf3" / "config.json").write_text(json.dumps({**conf, "n_layer": 3}))
+    line = _err(capsys, ["--model", "tiny", "--n-layers", "2", "--init-from",
+                         str(tmp_path / "hf3")])
+    assert line.endswith("its model has n_layers=3 (--n-layers: 2): pass --n-layers 3"), line
+    line = _err(capsys, ["--model", "tiny", "--init-from", str(tmp_path / "hf3")])
+    assert line.endswith("its model has n_layers=3 (--model tiny: 4): pass --model tiny "
+                         "--n-layers 3"), line
     line = _err(capsys, ["--init-from", str(tmp_path / "nothing")])
     assert line.endswith(f"--init-from {tmp_path / 'nothing'}: it is not a folder; pass a folder "
                          "written by a Hugging Face model's save_pretrained"), line
