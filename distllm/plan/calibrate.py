@@ -370,6 +370,13 @@ def calibrate_cli(args: argparse.Namespace) -> int:
         raise ValueError(f"--gpus={ranks}: give --calibrate a positive rank count "
                          f"(default {CALIBRATE_RANKS})")
     out = output_path(args.out)
+    if args.net:  # before anything is measured
+        from distllm.testing.netem import parse_rate
+
+        try:
+            parse_rate(args.net)
+        except ValueError as exc:
+            raise ValueError(f"--net {args.net!r}: {exc}") from None
     prof = calibrate(args.net or None, ranks=ranks)
     write_profile(prof, out)
     p = prof

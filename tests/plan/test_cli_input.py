@@ -203,6 +203,14 @@ def test_calibrate_refuses_an_out_it_cannot_or_must_not_write(monkeypatch, tmp_p
     assert {f.name: f.read_bytes() for f in PROFILE_DIR.iterdir()} == packaged
 
 
+def test_calibrate_refuses_a_bad_net_before_measuring(monkeypatch, tmp_path, capsys):
+    asked = _fake_calibration(monkeypatch)
+    assert main(["plan", "--calibrate", "--net", "abc", "--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("distllm plan: error: --net 'abc': ") and err.count("\n") == 1, err
+    assert asked == [] and not (tmp_path / "p.json").exists()
+
+
 def test_an_interrupted_profile_write_leaves_the_old_file(monkeypatch, tmp_path):
     """The profile is written to a temporary file renamed over --out when complete: an
     interrupted write keeps the earlier file and leaves nothing behind."""
