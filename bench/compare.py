@@ -60,7 +60,11 @@ def load_results(path: str | Path) -> tuple[list[dict], dict]:
     if not p.is_file():
         raise FileNotFoundError(f"--compare: no results.json at {p} (give the --out folder of "
                                 "an earlier `distllm bench` run)")
-    data = json.loads(p.read_text())
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as exc:  # not JSON, not UTF-8, cut short
+        raise ValueError(f"--compare: {p} cannot be read as JSON ({exc}); give the --out "
+                         f"folder of an earlier `distllm bench` run") from None
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         raise ValueError(f"--compare: {p} is not a distllm bench results.json (no 'rows')")
     run = data.get("run") if isinstance(data.get("run"), dict) else {}

@@ -84,7 +84,8 @@ def test_cli_fail_on_regression(tmp_path, monkeypatch, capsys):
     """The synthetic suite's fused variant sleeps 2 ms: against an old run that recorded
     0.5 ms it is a regression (exit 1); against a 2 ms old run with a wide band it is not."""
     monkeypatch.setattr(suite, "SUITES", {
-        "fake": suite.Suite("fake", "tests.bench.fake_suites", "synthetic")})
+        "fake": suite.Suite("fake", "tests.bench.fake_suites", "synthetic", shape="M,K,N",
+                            shape_dims=(3,))})
     case = "1,2,3"
     fast = _write(tmp_path / "fast", [_r("unfused", 20.0, 0.3, case, "fake"),
                                       _r("fused", 0.5, 0.1, case, "fake")])
@@ -193,3 +194,16 @@ def test_winners_list_cases_of_one_run():
         ("s", "gone", "fused", "-", "only in the old run"),
         ("s", "new", "-", "torch", "only in the new run")]
     assert "1 of 1 cases agree" in compare.winners_table(compare.winners(old, new))
+
+
+def test_an_unreadable_results_file_is_one_line_naming_compare(tmp_path):
+    from distllm.bench.compare import load_results
+
+    (tmp_path / "results.json").write_text("not json")
+    with pytest.raises(ValueError, match=r"^--compare: .*results.json cannot be read as JSON "
+                                         r"\(Expecting value: line 1 column 1 \(char 0\)\); "
+                                         r"give the --out folder"):
+        load_results(tmp_path)
+    (tmp_path / "results.json").write_text("[]")
+    with pytest.raises(ValueError, match="is not a distllm bench results.json"):
+        load_results(tmp_path)
