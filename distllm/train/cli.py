@@ -369,7 +369,9 @@ def _in_train_words(msg: str) -> str:
     are this run's ranks (``--nproc``), of the kind the run is on."""
     msg = msg.replace("add devices (--gpus), use a bigger device (--gpu), or", "add ranks "
                       "(--nproc), or")
-    return msg.replace("--gpus", "--nproc").replace("= gpus", "= --nproc")
+    parts = msg.split("`")  # a quoted `distllm plan ...` command keeps its flags
+    return "`".join(p if i % 2 else p.replace("--gpus", "--nproc").replace("= gpus", "= --nproc")
+                    for i, p in enumerate(parts))
 
 
 def _check_nproc(nproc: int) -> None:

@@ -46,5 +46,18 @@ def test_local_norm_propagates_non_finite(norm_type, bad):
 
 def test_local_norm_of_nothing_is_a_zero_on_the_mesh_device():
     dims = types.SimpleNamespace(tp_rank=1, device=torch.device("cpu"))
-    got = local_norm([(torch.ones(3), False)], dims=dims)  # replicated: not counted here
+    got = local_norm([(torch.zeros(0), False), (torch.zeros(0), True)], dims=dims)
     assert got.item() == 0.0 and got.dtype == torch.float64
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_replicated_piece_another_tp_rank_counts_still_carries_a_fault(norm_type, bad):
+    """On TP rank 1 a replicated piece adds nothing to the norm, unless it is inf/NaN here:
+    then the norm is NaN (a fault in one rank's copy reaches the norm every rank reads)."""
+    dims = types.SimpleNamespace(tp_rank=1, device=torch.device("cpu"))
+    ones = torch.ones(3, dtype=torch.float64)
+    assert local_norm([(ones, False)], dims=dims, norm_type=norm_type).item() == 0.0
+    ones[1] = bad
+    assert torch.isnan(local_norm([(ones, False), (torch.ones(2), True)], dims=dims,
+                                  norm_type=norm_type))

@@ -216,5 +216,5 @@ def test_batch_split_values():
     for bad in (0, -1, True, "two", 1.5):
         with pytest.raises(ValueError, match="batch_split"):
             check_batch_split(bad, 2, False, "auto")
-    with pytest.raises(ValueError, match="batch_split"):
+    with pytest.raises(ValueError, match="--batch-split -1"):
         ParallelConfig(tp=2, batch_split=-1)
