@@ -106,12 +106,12 @@ def _model_key(cfg) -> dict:
 
 def _damaged(path: Path, cause: str) -> ValueError:
     """The one-line error of a checkpoint that cannot be read, naming the previous complete
-    one (which ``--resume`` takes once this one is moved aside)."""
+    one (which ``--resume``, ``export`` and ``sample`` take once this one is moved aside)."""
     m = _STEP_DIR.fullmatch(path.name)
     done = [d for d in _complete(path.parent) if m and step_of(d) < int(m.group(1))]
-    then = (f"move it aside (e.g. rename it {path.name}.damaged) to resume from "
-            f"{done[-1].name} (step {step_of(done[-1])}), or pass another --out") if done else \
-        "pass another --out (no earlier checkpoint is complete)"
+    then = (f"move it aside (e.g. rename it {path.name}.damaged) to go back to "
+            f"{done[-1].name} (step {step_of(done[-1])})") if done else \
+        "no earlier checkpoint is complete: pass another --out"
     return ValueError(f"checkpoint {path} is damaged ({cause}): {then}")
 
 

@@ -580,8 +580,8 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_previous_one(capfd, tmp_pat
     step4 = out / "checkpoints" / "step_00000004"
     keep = tmp_path / "step4"
     shutil.copytree(step4, keep)
-    then = ("move it aside (e.g. rename it step_00000004.damaged) to resume from "
-            "step_00000002 (step 2), or pass another --out")
+    then = ("move it aside (e.g. rename it step_00000004.damaged) to go back to "
+            "step_00000002 (step 2)")
     meta = json.loads((step4 / "meta.json").read_text())
     del meta["model"]
     for damage, words, text in ((step4 / "rng" / "rank1.pt", "(rank 1: ", None),
