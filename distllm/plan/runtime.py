@@ -116,7 +116,8 @@ RUNTIMES: dict[str, Runtime] = {
             "keeps_stage_output": "distllm.parallel.pipeline.executor holds each micro-batch's "
             "stage output until its backward (_StepRun.outputs)",
             "keeps_sends": "distllm.parallel.pipeline.pp_comm.StageComm drops each send once "
-            "it has completed (_drop_sent, at every flush)",
+            "it has completed (_drop_sent, at every flush; on gloo an activation's when its "
+            "gradient returns, _release)",
             "keeps_gathered_input": "distllm.parallel.tensor.layers._ColumnParallelMatmul and "
             "fused_mlp save x_full, the all-gathered input, for the weight gradient",
             "causal_skip": "torch scaled_dot_product_attention(is_causal=True)",

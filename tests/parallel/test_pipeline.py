@@ -351,19 +351,20 @@ def _drops_completed_sends() -> None:
 
     comm = StageComm(0, None, torch.device("cpu"), 2)
     done, busy = _Work(True), _Work(False)
-    sends = [(done, torch.ones(3)), (busy, torch.ones(4)), (done, torch.ones(5))]
+    sends = [(done, torch.ones(3), None), (busy, torch.ones(4), None),
+             (done, torch.ones(5), None)]
     comm._sends = list(sends)
     comm.flush()  # gloo (this world's): its works are not asked, only waited for in finish
     assert comm._sends == sends and not done.waited
     comm._drops = True  # as on NCCL, or the dry run's fake backend
     comm.flush()
-    assert [(w, t.numel()) for w, t in comm._sends] == [(busy, 4)] and done.waited
+    assert [(w, t.numel()) for w, t, _ in comm._sends] == [(busy, 4)] and done.waited
     assert not busy.waited
-    comm._sends.append((_Work(True, "send failed"), torch.ones(1)))
+    comm._sends.append((_Work(True, "send failed"), torch.ones(1), None))
     with pytest.raises(RuntimeError, match="send failed"):
         comm.flush()
     busy.done = True
-    comm._sends = [(busy, torch.ones(4))]
+    comm._sends = [(busy, torch.ones(4), None)]
     comm.finish()
     assert comm._sends == [] and busy.waited
 
@@ -374,3 +375,42 @@ def test_a_stage_drops_its_completed_sends_at_each_flush():
     waited for then, so that a failed send raises. gloo's send works report completion only
     from ``wait``: there they are not asked at each flush, and stay until ``finish``."""
     run_distributed(_drops_completed_sends, 1)
+
+
+def _held_at_step_end(schedule: str, m: int, v: int) -> list:
+    """Rank function: the messages whose sends this rank still holds when a training step
+    ends (before they are waited for)."""
+    from distllm import ParallelDims
+    from distllm.parallel.pipeline import PipelineParallel
+    from distllm.parallel.pipeline.pp_comm import StageComm
+
+    dims = ParallelDims(tp=1, pp=2, dp=1)
+    pp = PipelineParallel(make_layers(6), dims, schedule, m, v, None, num_layers=8)
+    held: list = []
+    finish = StageComm.finish
+
+    def spy(self):
+        self.flush()  # as finish does first
+        held.extend(sorted(k for _, _, k in self._sends if k is not None))
+        return finish(self)
+
+    x, y = make_batch(8, 0)
+    StageComm.finish = spy
+    try:
+        pp.train_step(x if pp.is_first else None, y if pp.is_last else None, loss_fn)
+    finally:
+        StageComm.finish = finish
+    return held
+
+
+@pytest.mark.parametrize("schedule,m,v", [("1f1b", 4, 1), ("interleaved-1f1b", 4, 2)])
+def test_gloo_drops_an_activations_send_when_its_gradient_returns(schedule, m, v):
+    """gloo's send works report completion only through wait: an activation's send is
+    dropped when the stage it went to sends back that micro-batch's gradient (it consumed
+    the activation), not held to the step's end; the gradients' sends are."""
+    held = run_distributed(_held_at_step_end, 2, schedule, m, v, timeout=240)
+    # what stays: the gradients each rank sent, to the chunks before its own (rank 0 holds
+    # chunks 0 and 2 when interleaved, rank 1 chunks 1 and 3)
+    to = [[], [0]] if v == 1 else [[1], [0, 2]]
+    assert held == [sorted(("B", mb, c) for c in cs for mb in range(m)) for cs in to], held
+

@@ -6,8 +6,10 @@ stage ``dst_stage``) or ``"B"`` (the gradient of stage ``dst_stage``'s output). 
 ``dist.batch_isend_irecv`` at the next :meth:`StageComm.flush`; a receive is waited for only
 by the compute that consumes it; a send's tensor is dropped at the first flush after its work
 reports completion (``is_completed``: NCCL, the dry run's fake backend), and the sends still
-held are waited for at the end of the step (all of them on gloo, whose send works report
-completion only through ``wait``).
+held are waited for at the end of the step. gloo's send works report completion only through
+``wait``: there an activation's send is waited for (without blocking: it is done) and dropped
+when the gradient of that micro-batch comes back from the stage it went to, which consumed
+it; its other sends (gradients, evaluation's activations) are kept to the step's end.
 
 Shapes without round trips: a gradient has the shape of the output its receiver computed
 (known locally); an activation's shape and dtype travel once, as a small header sent in the
@@ -113,9 +115,11 @@ class StageComm:
         # then); those seen complete are dropped at each flush, so that a rank holds the
         # sends in flight, not every message of the step. gloo's send works report
         # completion only through wait: there they are not asked at each flush (the
-        # step's hot path), only waited for in finish()
-        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        # step's hot path); an activation's is dropped when its gradient comes back
+        # (_release), the others waited for in finish()
+        self._sends: list[tuple[dist.Work, torch.Tensor, Key | None]] = []
         self._drops = backend != "gloo"
+        self._send_keys: dict[int, Key] = {}  # id(posted tensor) -> its message, to flush
 
     def _tag(self, key: Key, header: bool) -> int:
         kind, mb, stage = key
@@ -150,6 +154,7 @@ class StageComm:
                     "length) for the executor's life; build a new executor for another shape")
         tag = self._tag(key, False)
         self._ops.append(dist.P2POp(dist.isend, t, peer, self._g(peer, True), tag))
+        self._send_keys[id(t)] = key
 
     def recv(self, key: Key, peer: int) -> None:
         """Post the receive of message ``key`` from ``peer`` (deferred while its shape is
@@ -205,7 +210,8 @@ class StageComm:
                 pairs += list(zip(batch, works, strict=True))
             elif works:  # one coalesced work for the whole batch (NCCL)
                 pairs += [(op, works[0]) for op in batch]
-        self._sends += [(w, op.tensor) for op, w in pairs if op.op is dist.isend]
+        self._sends += [(w, op.tensor, self._send_keys.pop(id(op.tensor), None))
+                        for op, w in pairs if op.op is dist.isend]
         for _key, (buf, ws) in self._recv.items():
             if not ws:
                 ws.extend(w for op, w in pairs if op.tensor is buf)
@@ -221,24 +227,38 @@ class StageComm:
         buf, works = self._recv.pop(key)
         for w in works:
             w.wait()
+        if key[0] == "B" and not self._drops:
+            self._release(("F", key[1], key[2] + 1))
         return buf
+
+    def _release(self, sent: Key) -> None:
+        """Wait for and drop the send of message ``sent``, which its receiver has consumed
+        (it sent back what it computed from it): gloo's sends, which do not report
+        completion otherwise."""
+        live = []
+        for w, t, k in self._sends:
+            if k == sent:
+                w.wait()
+            else:
+                live.append((w, t, k))
+        self._sends = live
 
     def _drop_sent(self) -> None:
         """Forget the sends that have completed (``is_completed`` does not block; a failed
         send raises its error here, from its ``wait``): their tensors may be freed."""
         if self._drops and self._sends:
             live = []
-            for w, t in self._sends:
+            for w, t, k in self._sends:
                 if w.is_completed():
                     w.wait()
                 else:
-                    live.append((w, t))
+                    live.append((w, t, k))
             self._sends = live
 
     def finish(self) -> None:
         """Wait for every send of the step (their buffers may then be freed)."""
         self.flush()
-        for w, _ in self._sends:
+        for w, _, _ in self._sends:
             w.wait()
         self._sends.clear()
         if self._recv or any(self._deferred.values()) or self._local:
