@@ -139,6 +139,43 @@ def _backward(ctx, grad_y, _grad_pre):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _bwd_setup_context(ctx, inputs, output):
+    grad, x, weight, _pre, bias, approximate, _backend, need_dx, need_dw = inputs
+    ctx.save_for_backward(grad, x, weight, bias)
+    ctx.approximate, ctx.need = approximate, (need_dx, need_dw)
+
+
+def _double_backward(ctx, g_dx, g_dw, g_db):
+    """The backward of the backward (a second derivative: a Hessian-vector product, a
+    gradient penalty), whatever backend ran the first: the first backward's outputs
+    recomputed from (grad, x, weight, bias) in plain torch ops, differentiated once."""
+    grad, x, weight, bias = ctx.saved_tensors
+    need_dx, need_dw = ctx.need
+    with torch.enable_grad():
+        ins = [t if t is None else t.detach().requires_grad_() for t in (grad, x, weight, bias)]
+        gr, xx, ww, bb = ins
+        pre = F.linear(xx, ww, bb)
+        gu = torch.autograd.grad(F.gelu(pre, approximate=ctx.approximate), pre, gr,
+                                 create_graph=True)[0]
+        outs, cots = [], []
+        for needed, out, cot in ((need_dx, lambda: gu @ ww, g_dx),
+                                 (need_dw, lambda: gu.t() @ xx, g_dw),
+                                 (bb is not None, lambda: gu.sum(0), g_db)):
+            if needed and cot is not None and cot.numel():
+                outs.append(out())
+                cots.append(cot)
+        leaves = [t for t in ins if t is not None]
+        got = (torch.autograd.grad(outs, leaves, cots, allow_unused=True) if outs
+               else [None] * len(leaves))
+    it = iter(got)
+    d_grad, d_x, d_w = next(it), next(it), next(it)
+    d_b = next(it) if bias is not None else None
+    return d_grad, d_x, d_w, None, d_b, None, None, None, None
+
+
+_bwd_op.register_autograd(_double_backward, setup_context=_bwd_setup_context)
+
+
 # ----------------------------------------------------------------------------- 4. public
 def linear_gelu_reference(
     x: torch.Tensor,
@@ -165,9 +202,10 @@ def linear_gelu(
 ) -> torch.Tensor:
     """gelu(x @ weight.T + bias) for ``x`` (..., in), ``weight`` (out, in), ``bias`` (out,).
 
-    Differentiable in x, weight and bias. ``approximate`` as in ``F.gelu``. ``backend``:
-    "auto" (measured per shape and device), "cuda", "triton", "cpu" or "reference"; an explicit
-    backend that cannot serve the inputs raises ValueError naming those that can.
+    Differentiable in x, weight and bias, twice (the second derivative in plain torch ops).
+    ``approximate`` as in ``F.gelu``. ``backend``: "auto" (measured per shape and device),
+    "cuda", "triton", "cpu" or "reference"; an explicit backend that cannot serve the inputs
+    raises ValueError naming those that can.
 
     Under ``torch.autocast`` it follows ``F.linear``: floating operands other than float64 are
     cast to the autocast dtype (gradients flow back to the original dtypes).

@@ -217,6 +217,29 @@ def test_opcheck(backend):
     )
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_second_derivatives(backend, approximate, bias):
+    """Differentiable twice on every backend (a Hessian-vector product, a gradient penalty):
+    gradgradcheck, float64."""
+    x, w, b = _data(5, 6, 4, torch.float64)
+    args = [t.requires_grad_() for t in ((x, w, b) if bias else (x, w))]
+
+    def f(x, w, b=None):
+        return linear_gelu(x, w, b, approximate=approximate, backend=backend)
+
+    assert torch.autograd.gradgradcheck(f, args)
+    # only some first derivatives asked for: x's alone
+    y = f(*args)
+    (gx,) = torch.autograd.grad(y.square().sum(), args[0], create_graph=True)
+    (hw,) = torch.autograd.grad(gx.sum(), args[1])
+    y = linear_gelu_reference(*args, approximate=approximate)
+    (rx,) = torch.autograd.grad(y.square().sum(), args[0], create_graph=True)
+    (rw,) = torch.autograd.grad(rx.sum(), args[1])
+    assert torch.allclose(hw, rw, rtol=1e-10, atol=1e-12)
+
+
 def test_torch_compile_fullgraph():
     x, w, b = _data(5, 32, 16, torch.float64)
     for t in (x, w, b):
