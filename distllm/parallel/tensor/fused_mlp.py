@@ -55,9 +55,16 @@ def resolve_backend(backend: str, x2: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None, approximate: str, needs_grad: bool) -> str:
     """The concrete backend of a fused layer for this local problem (``x2`` (M, K) on
     ``weight`` (N, K)); an explicit one that cannot serve the inputs is a ValueError naming
-    the ``backend`` argument and the backends that can."""
+    the ``backend`` argument and the backends that can. Inputs of another dtype than the
+    weight (outside autocast) are a ValueError saying so, before anything is timed."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: use one of {', '.join(BACKENDS)}")
+    dtypes = {x2.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
+    if len(dtypes) > 1 and not torch.is_autocast_enabled(x2.device.type):
+        raise ValueError(f"the input is {x2.dtype} and the layer's weight {weight.dtype}"
+                         + (f", its bias {bias.dtype}" if bias is not None else "")
+                         + f": cast the input (x.to({weight.dtype})) or the layer "
+                         f"(layer.to({x2.dtype}))")
     op = importlib.import_module("distllm.ops.linear_gelu")  # the module (the package's
     # attribute of that name is the function)
     if backend == "auto":

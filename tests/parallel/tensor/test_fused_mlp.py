@@ -220,6 +220,21 @@ def test_explicit_backend_that_cannot_run_names_the_alternatives():
         mlp(torch.randn(2, 3, 8))
 
 
+@pytest.mark.parametrize("backend", ["auto", "cpu", "reference"])
+def test_an_input_of_another_dtype_is_one_error_before_anything_is_timed(backend):
+    """Not the backend choice's "every candidate raised", nor a GEMM's dtype error; under
+    autocast the layer takes it."""
+    mlp = ParallelMLP(8, 16, _Dims1(), backend=backend)
+    col = ColumnParallelLinear(8, 16, _Dims1(), activation="gelu", backend=backend)
+    for layer in (mlp, col):
+        with pytest.raises(ValueError, match=r"^the input is torch.float64 and the layer's "
+                                             r"weight torch.float32, its bias torch.float32: "
+                                             r"cast the input \(x.to\(torch.float32\)\)"):
+            layer(torch.randn(2, 3, 8, dtype=torch.float64))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert col(torch.randn(2, 3, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
 class _Dims1:
     """tp=1 without a process group (nothing here communicates)."""
 
