@@ -258,6 +258,9 @@ def gemm_dgelu(
     if dy.shape[1] != weight.shape[0] or pre.shape != (dy.shape[0], weight.shape[1]):
         raise ValueError(f"gemm_dgelu: dy {tuple(dy.shape)} @ weight {tuple(weight.shape)} "
                          f"must match pre {tuple(pre.shape)}")
+    if not dy.dtype == weight.dtype == pre.dtype:
+        raise ValueError(f"gemm_dgelu: dy, weight and pre must share one dtype, got "
+                         f"dy={dy.dtype}, weight={weight.dtype}, pre={pre.dtype}")
     _require(backend, pre, weight.t(), approximate)
     gu, db = torch.ops.distllm.gemm_dgelu(dy, weight, pre, bias_grad, approximate, backend)
     return gu, (db if bias_grad else None)

@@ -13,7 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distllm.ops import backend_choice, backends, extensions, linear_gelu, linear_gelu_reference
+from distllm.ops import (
+    backend_choice,
+    backends,
+    extensions,
+    gemm_dgelu,
+    linear_gelu,
+    linear_gelu_reference,
+)
 
 # Relative tolerance per dtype, as a fraction of the reference's largest magnitude:
 TOL = {
@@ -322,6 +329,10 @@ def test_gpu_backends_report():
         (lambda x, w, b: linear_gelu(x, w, b, backend="fastest"), "backend"),
         (lambda x, w, b: linear_gelu(x.long(), w.long(), None), "floating"),
         (lambda x, w, b: linear_gelu(x.double(), w.double(), None, backend="triton"), "float32"),
+        # gemm_dgelu: dy (4, 16) @ w (16, 32) into pre (4, 32)
+        (lambda x, w, b: gemm_dgelu(torch.randn(4, 16), w.double(), x, backend="cpu"),
+         r"gemm_dgelu: dy, weight and pre must share one dtype, got dy=torch.float32, "
+         r"weight=torch.float64, pre=torch.float32"),
     ],
 )
 def test_bad_input(make, match):
