@@ -30,8 +30,9 @@ class DistributedFailure(AssertionError):
 
 
 class _RendezvousFailure(DistributedFailure):
-    """Gloo's TCP full mesh did not form when the ranks started (a peer's connection closed
-    while the ranks connected, seen on 2 loaded cores); nothing of ``fn`` ran yet."""
+    """Gloo's TCP full mesh did not form (a peer's connection closed while the ranks
+    connected, seen on 2 loaded cores): when the ranks started, before ``fn`` ran, or when
+    ``fn`` created a process group (a mesh of its own), with no other error first."""
 
 
 _RENDEZVOUS_RACE = "Gloo connectFullMesh failed"
@@ -98,9 +99,16 @@ _SECONDARY = (
 )
 
 
+def _order(errors: dict[int, str]) -> list[int]:
+    """The failed ranks, the root cause first (not a peer's connection error)."""
+    return sorted(errors, key=lambda r: (any(m in errors[r] for m in _SECONDARY), r))
+
+
 def _failure(name: str, world_size: int, errors: dict[int, str]) -> DistributedFailure:
-    """One report with the root-cause rank first (not a peer's connection error)."""
-    order = sorted(errors, key=lambda r: (any(m in errors[r] for m in _SECONDARY), r))
+    """One report with the root-cause rank first (not a peer's connection error); a
+    :class:`_RendezvousFailure` where that is gloo's full mesh not forming when ``fn``
+    created a process group (the run may start again)."""
+    order = _order(errors)
     first = order[0]
     msg = f"{name}: rank {first} of {world_size} failed:\n{errors[first]}"
     others = [r for r in order[1:]]
@@ -110,7 +118,7 @@ def _failure(name: str, world_size: int, errors: dict[int, str]) -> DistributedF
             + "; ".join(f"rank {r}: {errors[r].strip().splitlines()[-1][:200]}" for r in others)
             + ")"
         )
-    return DistributedFailure(msg)
+    return (_RendezvousFailure if _RENDEZVOUS_RACE in errors[first] else DistributedFailure)(msg)
 
 
 def _drain_errors(results, errors: dict[int, str], grace: float) -> None:
@@ -146,7 +154,8 @@ def run_distributed(
         env: extra environment variables for the ranks.
 
     A run whose ranks cannot form gloo's connections (``connectFullMesh`` failed, before
-    ``fn`` ran) starts again once from a fresh rendezvous; a second such failure is raised.
+    ``fn`` ran or in a process group it created, as the first error) starts again once from
+    a fresh rendezvous, ``fn`` from its start; a second such failure is raised.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: it must be at least 1")

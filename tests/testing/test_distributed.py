@@ -70,6 +70,29 @@ def _mesh_fails(marker_dir: str, rank: int, world: int) -> None:
     raise RuntimeError("Gloo connectFullMesh failed with [pair.cc] Connection closed by peer")
 
 
+def _group_mesh_fails(marker_dir: str) -> int:
+    """Rank function: rank 1's process group of its own fails as gloo's full-mesh connect
+    does, on the first start only (or, ``marker_dir`` empty, always); rank 0 returns."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    marker = os.path.join(marker_dir, "grouped") if marker_dir else ""
+    if rank == 1 and not (marker and os.path.exists(marker)):
+        if marker:
+            open(marker, "w").close()
+        raise RuntimeError("Gloo connectFullMesh failed with [pair.cc] Connection closed by "
+                           "peer")
+    return rank
+
+
+def test_a_group_whose_mesh_does_not_form_starts_the_run_again_once(tmp_path):
+    """The same race when ``fn`` creates a process group (a mesh of its own), seen once in
+    CI under two test suites' load: the run starts again, ``fn`` from its start."""
+    assert run_distributed(_group_mesh_fails, 2, str(tmp_path), timeout=60) == [0, 1]
+    with pytest.raises(DistributedFailure, match="connectFullMesh"):
+        run_distributed(_group_mesh_fails, 2, "", timeout=60)
+
+
 def test_a_failed_connection_mesh_starts_the_run_again_once(tmp_path):
     once = functools.partial(_mesh_fails, str(tmp_path))
     out = run_distributed(_sum_ranks, 2, setup=once, timeout=60)
