@@ -145,6 +145,12 @@ def _bwd_setup_context(ctx, inputs, output):
     ctx.approximate, ctx.need = approximate, (need_dx, need_dw)
 
 
+def _used(cot) -> bool:
+    """Whether the gradient ``cot`` of a backward output carries anything (an output not
+    computed is an empty tensor; one not used, None)."""
+    return cot is not None and cot.numel() > 0
+
+
 def _double_backward(ctx, g_dx, g_dw, g_db):
     """The backward of the backward (a second derivative: a Hessian-vector product, a
     gradient penalty), whatever backend ran the first: the first backward's outputs
@@ -157,20 +163,21 @@ def _double_backward(ctx, g_dx, g_dw, g_db):
         pre = F.linear(xx, ww, bb)
         gu = torch.autograd.grad(F.gelu(pre, approximate=ctx.approximate), pre, gr,
                                  create_graph=True)[0]
-        outs, cots = [], []
-        for needed, out, cot in ((need_dx, lambda: gu @ ww, g_dx),
-                                 (need_dw, lambda: gu.t() @ xx, g_dw),
-                                 (bb is not None, lambda: gu.sum(0), g_db)):
-            if needed and cot is not None and cot.numel():
-                outs.append(out())
-                cots.append(cot)
+        outs, cots = [], []  # the first backward's outputs that were computed and are used
+        if need_dx and _used(g_dx):
+            outs.append(gu @ ww)
+            cots.append(g_dx)
+        if need_dw and _used(g_dw):
+            outs.append(gu.t() @ xx)
+            cots.append(g_dw)
+        if bb is not None and _used(g_db):
+            outs.append(gu.sum(0))
+            cots.append(g_db)
         leaves = [t for t in ins if t is not None]
         got = (torch.autograd.grad(outs, leaves, cots, allow_unused=True) if outs
                else [None] * len(leaves))
-    it = iter(got)
-    d_grad, d_x, d_w = next(it), next(it), next(it)
-    d_b = next(it) if bias is not None else None
-    return d_grad, d_x, d_w, None, d_b, None, None, None, None
+    d_grad, d_x, d_w, *d_b = got  # d_b: [bias's] where there is a bias
+    return d_grad, d_x, d_w, None, (d_b or [None])[0], None, None, None, None
 
 
 _bwd_op.register_autograd(_double_backward, setup_context=_bwd_setup_context)

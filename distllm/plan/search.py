@@ -38,15 +38,16 @@ class SearchResult:
     rejected: list[Estimate] = field(default_factory=list)
     seconds: float = 0.0
     simulator: bool = False
+    world_flag: str = "--gpus"  # the flag that sets the device count, for the messages
 
     @property
     def best(self) -> Estimate:
         if not self.ranked:
-            raise ValueError(_nothing_fits(self.rejected))
+            raise ValueError(_nothing_fits(self.rejected, self.world_flag))
         return self.ranked[0]
 
 
-def _nothing_fits(rejected: list[Estimate]) -> str:
+def _nothing_fits(rejected: list[Estimate], world_flag: str = "--gpus") -> str:
     mem = [e for e in rejected if e.memory and "GB" in (e.rejected_reason or "")]
     if mem:
         low = min(mem, key=lambda e: e.memory["total"])
@@ -54,9 +55,11 @@ def _nothing_fits(rejected: list[Estimate]) -> str:
     else:
         reasons = list(dict.fromkeys(e.rejected_reason for e in rejected))
         why = "; ".join(r for r in reasons[:3] if r) or "nothing to search"
+    grow = ("add devices (--gpus), use a bigger device (--gpu)" if world_flag == "--gpus"
+            else f"add ranks ({world_flag})")
     return (
         f"no layout fits ({len(rejected)} rejected; {why}): change the pinned dimensions, "
-        "add devices (--gpus), use a bigger device (--gpu), or shrink --global-batch/--seq-len"
+        f"{grow}, or shrink --global-batch/--seq-len"
     )
 
 
@@ -193,15 +196,18 @@ def search(
     keep_rejected: bool = True,
     ranks_per_host: int | None = None,
     runtime_name: str = "distllm",
+    world_flag: str = "--gpus",
 ) -> SearchResult:
     """Every layout of ``shape`` on ``world`` devices, ranked by predicted step time, as
-    the training code ``runtime_name`` (:mod:`distllm.plan.runtime`) would run them."""
+    the training code ``runtime_name`` (:mod:`distllm.plan.runtime`) would run them.
+    ``world_flag``: the flag the messages name for the device count (``distllm train
+    --plan auto``: ``--nproc``)."""
     t0 = time.perf_counter()
     prof = load_profile(profile)
     gpn = gpus_per_node or min(prof.gpus_per_node, world)
     _check_cluster(world, gpn)
     pins = dict(pins or {})
-    _check_pins(world, pins)
+    _check_pins(world, pins, world_flag)
     dtype = dtype or ("float32" if prof.cores else "bfloat16")
     cm = CostModel(
         shape,
@@ -234,7 +240,8 @@ def search(
         cm.simulator = sim
         head = [cm.evaluate(e.layout) for e in ranked[:RESCORE]]
         ranked[:RESCORE] = sorted(head, key=lambda e: (e.step_time_s, e.memory["total"]))
-    return SearchResult(ranked, rejected, time.perf_counter() - t0, sim is not None)
+    return SearchResult(ranked, rejected, time.perf_counter() - t0, sim is not None,
+                        world_flag)
 
 
 def _too_big(mem: dict[str, float], prof: Profile) -> str:
@@ -256,7 +263,7 @@ def _check_cluster(world: int, gpn: int) -> None:
         )
 
 
-def _check_pins(world: int, pins: dict) -> None:
+def _check_pins(world: int, pins: dict, world_flag: str = "--gpus") -> None:
     """The pinned tp/pp/dp must split ``world`` devices: name the flag that does not (else
     the search has no layout to reject and cannot say why)."""
     pinned = {k: pins[k] for k in ("tp", "pp", "dp") if pins.get(k)}
@@ -264,15 +271,17 @@ def _check_pins(world: int, pins: dict) -> None:
         if world % v:
             choose = ", ".join(map(str, divisors(world)))
             raise ValueError(
-                f"--{k} {v} does not divide --gpus {world}: choose --{k} from {choose}"
+                f"--{k} {v} does not divide {world_flag} {world}: choose --{k} from {choose}"
             )
     prod = math.prod(pinned.values())
     flags = " x ".join(f"--{k} {v}" for k, v in pinned.items())
     if len(pinned) > 1 and world % prod:
-        raise ValueError(f"{flags} = {prod} does not divide --gpus {world}: change one of them")
+        raise ValueError(f"{flags} = {prod} does not divide {world_flag} {world}: change one of "
+                         f"them")
     if len(pinned) == 3 and prod != world:
         raise ValueError(
-            f"{flags} = {prod} is not --gpus {world}: drop --dp or make tp*pp*dp = gpus"
+            f"{flags} = {prod} is not {world_flag} {world}: drop --dp or make tp*pp*dp = "
+            f"{world_flag.lstrip('-')}"
         )
 
 

@@ -353,25 +353,13 @@ def apply_plan(cfg: TrainConfig, world: int,
     mcfg = cfg.model_config()
     shape = preset(cfg.model).with_(layers=mcfg.n_layers)
     per_node = torch.cuda.device_count() or world
-    try:
-        layout, why = best_layout(shape, world, min(per_node, world), detect_profile(),
-                                  dtype=cfg.dtype, global_batch=cfg.global_batch,
-                                  seq_len=cfg.seq_len or mcfg.max_seq_len, pins=pins)
-    except ValueError as exc:  # in the planner's words: its --gpus is this run's --nproc
-        raise UsageError(_in_train_words(str(exc))) from None
+    layout, why = best_layout(shape, world, min(per_node, world), detect_profile(),
+                              dtype=cfg.dtype, global_batch=cfg.global_batch,
+                              seq_len=cfg.seq_len or mcfg.max_seq_len, pins=pins,
+                              world_flag="--nproc")  # the planner's --gpus is this run's
     cfg = dataclasses.replace(cfg, parallel=ParallelConfig.from_layout(layout, cfg.parallel),
                               activation_checkpointing=layout.checkpointing)
     return cfg, f"--plan auto chose {layout.name()} for {world} ranks:\n{why}"
-
-
-def _in_train_words(msg: str) -> str:
-    """A planner's message as ``distllm train --plan auto`` says it: the devices it counts
-    are this run's ranks (``--nproc``), of the kind the run is on."""
-    msg = msg.replace("add devices (--gpus), use a bigger device (--gpu), or", "add ranks "
-                      "(--nproc), or")
-    parts = msg.split("`")  # a quoted `distllm plan ...` command keeps its flags
-    return "`".join(p if i % 2 else p.replace("--gpus", "--nproc").replace("= gpus", "= --nproc")
-                    for i, p in enumerate(parts))
 
 
 def _check_nproc(nproc: int) -> None:

@@ -234,7 +234,7 @@ class OptimConfig:
             raise ValueError(f"--warmup-steps {self.warmup_steps}: use -1 (auto) or >= 0")
         if not 0 < self.decay_fraction <= 1:
             raise ValueError(f"--decay-fraction {self.decay_fraction}: choose a share of the "
-                             f"steps in (0, 1] (--decay-fraction)")
+                             f"steps in (0, 1]")
 
 
 @dataclass
@@ -371,8 +371,7 @@ def check_layout(cfg: TrainConfig, world: int, *, n_layers: int, n_heads: int, h
     if n_heads % p.tp or hidden % p.tp:
         raise ValueError(
             f"the model has {n_heads} heads and hidden size {hidden}, not divisible by --tp "
-            f"{p.tp}: "
-            f"choose --tp dividing {n_heads}"
+            f"{p.tp}: choose --tp dividing {n_heads}"
         )
     chunks = p.pp * p.chunks_per_rank
     if n_layers + 2 < chunks:  # the pipeline splits [embedding, blocks..., head]

@@ -88,12 +88,13 @@ def sample(ckpt, prompt: str = "\n", *, max_new_tokens: int | None = None,
 
     from distllm.models.hf import hf_from_layers, quiet_transformers
     from distllm.train.checkpoint import read_layers
+    from distllm.train.config import MAX_SEED
 
     for knob, value, least in (("--max-new-tokens", max_new_tokens, 1),
                                ("--num-samples", num_samples, 1), ("--top-k", top_k, 0)):
         if value is not None and value < least:
             raise ValueError(f"{knob} {value}: it must be at least {least}")
-    if not 0 <= seed < 2**32:
+    if not 0 <= seed < MAX_SEED:
         raise ValueError(f"--seed {seed}: choose a seed in [0, 2**32)")
     if temperature < 0:
         raise ValueError(f"--temperature {temperature}: it must be 0 (greedy) or more")

@@ -107,7 +107,8 @@ class StageComm:
         self.use_tags = backend != "nccl"
         self.shapes: dict[tuple[str, int], tuple[torch.Size, torch.dtype]] = {}
         self._sent_shape: dict[tuple[str, int], tuple[torch.Size, torch.dtype]] = {}
-        self._ops: list[dist.P2POp] = []
+        # posted operations, each with the message it sends (None: a header, a receive)
+        self._ops: list[tuple[dist.P2POp, Key | None]] = []
         self._recv: dict[Key, tuple[torch.Tensor, list]] = {}
         self._deferred: dict[int, deque[Key]] = {}
         self._local: dict[Key, torch.Tensor] = {}
@@ -119,7 +120,6 @@ class StageComm:
         # (_release), the others waited for in finish()
         self._sends: list[tuple[dist.Work, torch.Tensor, Key | None]] = []
         self._drops = backend != "gloo"
-        self._send_keys: dict[int, Key] = {}  # id(posted tensor) -> its message, to flush
 
     def _tag(self, key: Key, header: bool) -> int:
         kind, mb, stage = key
@@ -145,7 +145,8 @@ class StageComm:
                 self._sent_shape[edge] = sig
                 hdr = _encode(t.shape, t.dtype, t.device)
                 tag = self._tag(key, True)
-                self._ops.append(dist.P2POp(dist.isend, hdr, peer, self._g(peer, True), tag))
+                self._ops.append((dist.P2POp(dist.isend, hdr, peer, self._g(peer, True), tag),
+                                  None))
             elif self._sent_shape[edge] != sig:
                 raise ValueError(
                     f"stage {key[2] - 1} output changed from {tuple(self._sent_shape[edge][0])} "
@@ -153,8 +154,7 @@ class StageComm:
                     "needs one micro-batch shape (batch size / --micro-batches and sequence "
                     "length) for the executor's life; build a new executor for another shape")
         tag = self._tag(key, False)
-        self._ops.append(dist.P2POp(dist.isend, t, peer, self._g(peer, True), tag))
-        self._send_keys[id(t)] = key
+        self._ops.append((dist.P2POp(dist.isend, t, peer, self._g(peer, True), tag), key))
 
     def recv(self, key: Key, peer: int) -> None:
         """Post the receive of message ``key`` from ``peer`` (deferred while its shape is
@@ -180,7 +180,8 @@ class StageComm:
             shape, dtype = self.shapes.pop(edge) if self.every_header else self.shapes[edge]
             buf = torch.empty(shape, dtype=dtype, device=self.device)
             tag = self._tag(key, False)
-            self._ops.append(dist.P2POp(dist.irecv, buf, peer, self._g(peer, False), tag))
+            self._ops.append((dist.P2POp(dist.irecv, buf, peer, self._g(peer, False), tag),
+                              None))
             self._recv[key] = (buf, [])
             if key == upto:
                 return
@@ -200,21 +201,20 @@ class StageComm:
         if not self._ops:
             return
         ops, self._ops = self._ops, []
-        by_group: dict[int, list[dist.P2POp]] = {}
-        for op in ops:  # one batch per group (per channel)
-            by_group.setdefault(id(op.group), []).append(op)
-        pairs = []
+        by_group: dict[int, list[tuple[dist.P2POp, Key | None]]] = {}
+        for op, key in ops:  # one batch per group (per channel)
+            by_group.setdefault(id(op.group), []).append((op, key))
+        done = []  # (op, its message or None, its work)
         for batch in by_group.values():
-            works = dist.batch_isend_irecv(batch)
+            works = dist.batch_isend_irecv([op for op, _ in batch])
             if len(works) == len(batch):
-                pairs += list(zip(batch, works, strict=True))
+                done += [(op, key, w) for (op, key), w in zip(batch, works, strict=True)]
             elif works:  # one coalesced work for the whole batch (NCCL)
-                pairs += [(op, works[0]) for op in batch]
-        self._sends += [(w, op.tensor, self._send_keys.pop(id(op.tensor), None))
-                        for op, w in pairs if op.op is dist.isend]
+                done += [(op, key, works[0]) for op, key in batch]
+        self._sends += [(w, op.tensor, key) for op, key, w in done if op.op is dist.isend]
         for _key, (buf, ws) in self._recv.items():
             if not ws:
-                ws.extend(w for op, w in pairs if op.tensor is buf)
+                ws.extend(w for op, _, w in done if op.tensor is buf)
 
     # --- waiting -------------------------------------------------------------------
     def wait(self, key: Key, peer: int) -> torch.Tensor:

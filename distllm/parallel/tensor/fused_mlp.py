@@ -59,8 +59,8 @@ def resolve_backend(backend: str, x2: torch.Tensor, weight: torch.Tensor,
     weight (outside autocast) are a ValueError saying so, before anything is timed."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: use one of {', '.join(BACKENDS)}")
-    dtypes = {x2.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
-    if len(dtypes) > 1 and not torch.is_autocast_enabled(x2.device.type):
+    mixed = x2.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype)
+    if mixed and not torch.is_autocast_enabled(x2.device.type):
         raise ValueError(f"the input is {x2.dtype} and the layer's weight {weight.dtype}"
                          + (f", its bias {bias.dtype}" if bias is not None else "")
                          + f": cast the input (x.to({weight.dtype})) or the layer "
