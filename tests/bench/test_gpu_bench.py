@@ -229,7 +229,7 @@ def test_gpu_check_starts_from_an_empty_out_dir_and_interrupts_its_steps(tmp_pat
     left = {f.name: f.read_text(errors="replace") for f in out.iterdir()}
     assert "from an earlier run" not in left.values(), left
     assert set(left) <= set(stale) and "summary.log" in left
-    assert "build rc=0, distllm._cuda built now: no" in left["summary.log"]
+    assert "build rc=0, distllm._cuda up to date: no" in left["summary.log"]
     text = script.read_text()
     assert "timeout -s INT -k 20 \"$t\" $PY -m pytest" in text
     assert "timeout -s INT -k 20 \"$t\" $PY -m distllm.bench.gpu_bench" in text
