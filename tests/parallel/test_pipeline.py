@@ -251,6 +251,37 @@ def test_pipeline_bad_input():
     assert "'pipedream'" in msgs[5]
 
 
+class _Checkpointed(nn.Module):
+    def __init__(self, inner: nn.Module, reentrant: bool):
+        super().__init__()
+        self.inner, self.reentrant = inner, reentrant
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
+def _checkpointed_stages(schedule: str, reentrant: bool) -> float:
+    from distllm import ParallelDims
+    from distllm.parallel.pipeline import PipelineParallel
+
+    dims, x, y = ParallelDims(tp=1, pp=2, dp=1), *make_batch(4, 0)
+    layers = [_Checkpointed(m, reentrant) if isinstance(m, Block) else m for m in make_layers(2)]
+    return PipelineParallel(layers, dims, schedule, 2).train_step(x, y, loss_fn)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_zero_bubble_names_checkpointing_inside_a_stage(reentrant):
+    """zb-h1's B (one autograd.grad) cannot recompute a checkpointed layer's deferred linears:
+    either of torch's checkpoint modes ends the job with one error naming the schedule; 1f1b
+    runs the same stages."""
+    from distllm.testing import DistributedFailure
+
+    with pytest.raises(DistributedFailure, match="schedule='zb-h1' splits each backward"):
+        run_distributed(_checkpointed_stages, 2, "zb-h1", reentrant, timeout=120)
+    loss = run_distributed(_checkpointed_stages, 2, "1f1b", reentrant, timeout=120)[1]
+    assert abs(loss - reference(2, *make_batch(4, 0))[0]) < TOL
+
+
 @pytest.mark.parametrize("n_layers", [1])
 def test_fewer_layers_than_stages(n_layers):
     from distllm.parallel.pipeline import split_layers

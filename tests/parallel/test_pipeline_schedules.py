@@ -25,7 +25,7 @@ def grid():
     for name, p, m, v in itertools.product(SCHEDULES, PPS, MS, VS):
         if v > 1 and name != "interleaved-1f1b":
             continue
-        if name == "interleaved-1f1b" and m % p:
+        if name == "interleaved-1f1b" and (m % p or (p > 1 and v == 1)):
             continue
         yield name, p, m, v
 
@@ -137,6 +137,9 @@ def test_bad_schedule_arguments():
         build_schedule("pipedream", 2, 4)
     with pytest.raises(ValueError, match="--micro-batches to be a multiple of pp=4"):
         build_schedule("interleaved-1f1b", 4, 6, 2)
+    with pytest.raises(ValueError, match="interleaved-1f1b with virtual_stages=1"):
+        build_schedule("interleaved-1f1b", 2, 4, 1)
+    assert build_schedule("interleaved-1f1b", 1, 3, 1).pp == 1  # no pipeline: nothing to interleave
     with pytest.raises(ValueError, match="needs schedule='interleaved-1f1b'"):
         build_schedule("zb-h1", 2, 4, 2)
     with pytest.raises(ValueError, match="micro_batches=0"):
@@ -199,3 +202,26 @@ def test_deferred_weight_grads_equal_plain_backward():
         for p, r in zip(params, ref, strict=True):
             assert (p.grad - r).abs().max() < 1e-12
         assert sorted(map(id, fired)) == sorted(map(id, params))
+
+
+def test_deferred_weight_grads_leave_a_frozen_bias_alone():
+    """A linear whose weight trains and whose bias is frozen (partial fine-tuning) defers its
+    weight's gradient; W gives the bias none, and the weight's equals the plain backward's."""
+    import torch
+    from torch import nn
+
+    from distllm.parallel.pipeline.weight_grad import DeferLinearWeightGrads, WeightGradStore
+
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 3).double()
+    lin.bias.requires_grad_(False)
+    x, gy = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    torch.autograd.backward(lin(x), gy)
+    ref, lin.weight.grad = lin.weight.grad, None
+    store = WeightGradStore()
+    with DeferLinearWeightGrads(store):
+        y = lin(x)
+    torch.autograd.grad(y, [lin.weight], gy, allow_unused=True)
+    assert len(store.deferred) == 1 and store.deferred[0][3] is None
+    torch.autograd.backward(*store.weight_grads())
+    assert lin.bias.grad is None and (lin.weight.grad - ref).abs().max() < 1e-12

@@ -336,7 +336,16 @@ class _StepRun:
         inputs = ([x] if want_x else []) + params
         if not inputs:
             return None
-        grads = torch.autograd.grad(y, inputs, grad, allow_unused=True)
+        try:
+            grads = torch.autograd.grad(y, inputs, grad, allow_unused=True)
+        except RuntimeError as e:  # CheckpointError is one; reentrant checkpoint raises another
+            if "checkpoint" not in f"{type(e).__name__} {e}".lower():
+                raise
+            raise ValueError(
+                f"schedule={self.sched.name!r} splits each backward into B and W, which "
+                f"activation checkpointing inside a stage (torch.utils.checkpoint) does not "
+                f"allow: use another schedule (e.g. '1f1b'), or run the stage's layers "
+                f"without checkpointing") from e
         for q, gq in zip(params, grads[int(want_x):], strict=True):
             if gq is not None:
                 store.params.append(q)

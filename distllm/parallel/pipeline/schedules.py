@@ -81,6 +81,11 @@ def _check_args(name: str, pp: int, m: int, v: int) -> None:
     if v > 1 and name != "interleaved-1f1b":
         raise ValueError(f"virtual_stages={v} needs schedule='interleaved-1f1b'; "
                          f"{name!r} runs one model chunk per rank (virtual_stages=1)")
+    if name == "interleaved-1f1b" and pp > 1 and v < 2:
+        raise ValueError(
+            f"interleaved-1f1b with virtual_stages={v}: interleaving needs at least 2 model "
+            f"chunks per rank (with one it is 1F1B holding up to twice the activations); "
+            f"raise --virtual-stages to >= 2, or use schedule '1f1b'")
     if name == "interleaved-1f1b" and m % pp:
         ok = [pp * k for k in range(1, 5)]
         raise ValueError(

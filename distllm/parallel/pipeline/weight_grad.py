@@ -55,7 +55,9 @@ class _DeferredLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, store: WeightGradStore):
         ctx.save_for_backward(x)
         # the parameters themselves (not saved-tensor copies): W accumulates into their .grad
-        ctx.store, ctx.weight, ctx.bias = store, weight, bias
+        # a frozen bias (a leaf that needs no grad) gets no gradient from W
+        train_bias = bias is not None and bias.requires_grad
+        ctx.store, ctx.weight, ctx.bias = store, weight, bias if train_bias else None
         return F.linear(x, weight, bias)  # (..., in) @ (in, out) + (out,)
 
     @staticmethod
@@ -67,7 +69,8 @@ class _DeferredLinear(torch.autograd.Function):
 
 
 class DeferLinearWeightGrads(TorchFunctionMode):
-    """Inside it, linears with a leaf weight record their weight gradient into ``store``."""
+    """Inside it, linears with a leaf weight that requires grad record their weight gradient
+    (and their bias's, where it requires grad) into ``store``."""
 
     def __init__(self, store: WeightGradStore) -> None:
         super().__init__()
