@@ -142,17 +142,26 @@ class _Both:
 
 
 def _check_hooks(pp, sync, m):
-    """Weight grads accumulate (hooks fire) only inside B, or W with a split backward; once
-    per parameter and micro-batch; only the rank's last such pass is outside no_sync."""
-    kind = "W" if pp.schedule.split_backward else "B"
-    spans = [(t0, t1) for a, t0, t1 in pp.last_stats.timeline if a.kind == kind]
+    """Weight grads accumulate (hooks fire) only inside B, and W with a split backward (the
+    deferred linears' in W, the others' in B: none waits there); once per parameter and
+    micro-batch; outside no_sync only in the rank's last pass of each kind (its last
+    micro-batch's)."""
+    split = pp.schedule.split_backward
+    kinds = ("B", "W") if split else ("B",)
+    spans = {k: [(t0, t1) for a, t0, t1 in pp.last_stats.timeline if a.kind == k]
+             for k in kinds}
     n_params = sum(1 for _ in pp.parameters())
     assert sync.calls == 1
     assert len(sync.fired) == m * n_params, (len(sync.fired), m, n_params)
-    assert all(any(t0 <= t <= t1 for t0, t1 in spans) for t, _ in sync.fired)
-    last = spans[-1]
+    in_w = [t for t, _ in sync.fired if any(t0 <= t <= t1 for t0, t1 in spans.get("W", []))]
+    in_b = [t for t, _ in sync.fired if any(t0 <= t <= t1 for t0, t1 in spans["B"])]
+    assert len(in_b) + len(in_w) == len(sync.fired)
+    if split:  # every linear here is plain: W accumulates its weight and bias
+        n_linear = sum(2 for mod in pp.modules() if type(mod) is nn.Linear)
+        assert len(in_w) == m * n_linear and len(in_b) == m * (n_params - n_linear)
     outside = [t for t, syncing in sync.fired if syncing]
-    assert outside and all(last[0] <= t <= last[1] for t in outside)
+    last = [spans[k][-1] for k in kinds]
+    assert outside and all(any(t0 <= t <= t1 for t0, t1 in last) for t in outside)
 
 
 def _parity(cases, pp_size, dp=1):

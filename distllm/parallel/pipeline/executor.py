@@ -314,7 +314,7 @@ class _StepRun:
         t0 = time.perf_counter()
         x, y = self.inputs[mbc], self.outputs[mbc]
         if self.sched.split_backward:  # input gradient now, weight gradients left for W
-            dx = self._input_grad(a.chunk, x, y, grad, self.wstores[mbc])
+            dx = self._input_grad(a, x, y, grad, self.wstores[mbc])
             if dx is not None and s > 0:
                 self.to_send[mbc] = dx
             elif dx is not None:  # a batch that requires grad gets it, as on one process
@@ -328,10 +328,13 @@ class _StepRun:
             self._free(mbc)
         self.stats.timeline.append((a, t0, time.perf_counter()))
 
-    def _input_grad(self, chunk: int, x, y, grad, store: WeightGradStore):
-        """B of a split backward: one autograd pass for dX and the non-deferred parameter
-        grads (kept in ``store``); deferred linears record ``(X, dY)``. Frees the graph."""
-        params = [q for q in self.pp.chunks[chunk].parameters() if q.requires_grad]
+    def _input_grad(self, a: Action, x, y, grad, store: WeightGradStore):
+        """B of a split backward: one autograd pass for dX and the gradients of the parameters
+        whose weight gradient is not deferred (layers other than plain linears: norms,
+        embeddings, tensor-parallel and fused kernels), accumulated at once, as W would
+        (hooks fire under W's gradient-sync context), so that no copy of them waits for W;
+        deferred linears record ``(X, dY)`` in ``store``. Frees the graph."""
+        params = [q for q in self.pp.chunks[a.chunk].parameters() if q.requires_grad]
         want_x = x.requires_grad
         inputs = ([x] if want_x else []) + params
         if not inputs:
@@ -346,10 +349,11 @@ class _StepRun:
                 f"activation checkpointing inside a stage (torch.utils.checkpoint) does not "
                 f"allow: use another schedule (e.g. '1f1b'), or run the stage's layers "
                 f"without checkpointing") from e
-        for q, gq in zip(params, grads[int(want_x):], strict=True):
-            if gq is not None:
-                store.params.append(q)
-                store.grads.append(gq)
+        done = [(q, gq) for q, gq in zip(params, grads[int(want_x):], strict=True)
+                if gq is not None]
+        if done:
+            with self._grad_ctx(Action(W, a.mb, a.chunk)):
+                torch.autograd.backward([q for q, _ in done], [gq for _, gq in done])
         return grads[0] if want_x else None
 
     def _weight(self, a: Action) -> None:

@@ -6,12 +6,20 @@ requires grad (so every ``nn.Linear``) runs as :class:`_DeferredLinear`, whose b
 
 - **B** is one ``torch.autograd.grad`` of the chunk output w.r.t. the stage input and all the
   chunk's parameters: it yields ``dX`` (sent upstream), the gradients of the parameters that
-  are not deferred (norms, embeddings, biases of other ops, tensor-parallel layers' own
-  kernels), and the ``(X, dY)`` records of the deferred linears; the graph is freed here;
-- **W** computes the deferred ``dW = dY^T X`` and ``db = sum(dY)`` and accumulates every
-  parameter's gradient with one ``torch.autograd.backward(params, grads)`` on the leaves,
-  so ``AccumulateGrad`` runs and post-accumulate-grad hooks fire (DDP / ZeRO buckets are
-  filled by W, not bypassed).
+  are not deferred (norms, embeddings, biases of other ops, tensor-parallel layers' and
+  fused GEMM + GeLU kernels, which compute their weight gradient inside their own
+  backward), and the ``(X, dY)`` records of the deferred linears; the graph is freed here.
+  The pipeline executor accumulates the non-deferred gradients on their leaves at once
+  (``torch.autograd.backward(params, grads)``, under W's gradient-sync context), so that no
+  copy of them waits for W; :class:`WeightGradStore` can also carry them to W
+  (``params``, ``grads``);
+- **W** computes the deferred ``dW = dY^T X`` and ``db = sum(dY)`` and accumulates them
+  with one ``torch.autograd.backward(params, grads)`` on the leaves, so ``AccumulateGrad``
+  runs and post-accumulate-grad hooks fire (DDP / ZeRO buckets are filled, not bypassed).
+
+Only plain linears (``torch.nn.functional.linear``) defer: a tensor-parallel layer at
+tp > 1 and the fused GEMM + GeLU compute their weight gradients in B, where their backward
+overlaps its collective with that GEMM.
 
 In float64 the result equals the plain backward to rounding (the same products, summed in
 one GEMM instead of autograd's).
