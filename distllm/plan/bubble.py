@@ -37,7 +37,7 @@ def in_flight(schedule: str, p: int, m: int, v: int = 1) -> list[float]:
     cool-down defers: every rank, the last included, holds up to ``p`` (the schedule's
     replay, :func:`distllm.parallel.pipeline.simulate`, counts the same). Between B and W
     only the deferred linears' inputs and output gradients stay, so counting a whole
-    micro-batch there is an upper bound."""
+    micro-batch there is an upper bound (:func:`memory_states` tells the two apart)."""
     if p == 1 or schedule == "none":
         return [1.0]
     if schedule == "gpipe":
@@ -124,6 +124,9 @@ class MemoryState(NamedTuple):
 
     held: tuple[int, ...]
     """Micro-batches whose activations are held, per group of local chunks."""
+    deferred: tuple[int, ...]
+    """Micro-batches past B whose W has not run (zb-h1), per group of local chunks: only the
+    deferred weight gradients' inputs (and the stage input) are held for them."""
     sent: int
     """Messages sent so far in the step (activations forward, input gradients backward)."""
     running: int
@@ -135,7 +138,9 @@ class MemoryState(NamedTuple):
 def _dominates(a: MemoryState, b: MemoryState) -> bool:
     """Every byte ``b`` counts, ``a`` counts too (all byte figures are non-negative)."""
     return (a != b and (b.running == -1 or a.running == b.running) and a.sent >= b.sent
-            and a.posted >= b.posted and all(x >= y for x, y in zip(a.held, b.held, strict=True)))
+            and a.posted >= b.posted
+            and all(x >= y for x, y in zip(a.held, b.held, strict=True))
+            and all(x >= y for x, y in zip(a.deferred, b.deferred, strict=True)))
 
 
 def _between(a: MemoryState, b: MemoryState, c: MemoryState) -> bool:
@@ -143,8 +148,10 @@ def _between(a: MemoryState, b: MemoryState, c: MemoryState) -> bool:
     a sum of byte figures weighted by its counts is at most the larger of theirs."""
     if not (a.running == b.running == c.running and a.posted == b.posted == c.posted):
         return False
-    u = [y - x for x, y in zip((*a.held, a.sent), (*b.held, b.sent), strict=True)]
-    w = [y - x for x, y in zip((*b.held, b.sent), (*c.held, c.sent), strict=True)]
+    u = [y - x for x, y in zip((*a.held, *a.deferred, a.sent), (*b.held, *b.deferred, b.sent),
+                               strict=True)]
+    w = [y - x for x, y in zip((*b.held, *b.deferred, b.sent), (*c.held, *c.deferred, c.sent),
+                               strict=True)]
     parallel = all(u[i] * w[j] == u[j] * w[i] for i in range(len(u)) for j in range(i))
     return parallel and sum(x * y for x, y in zip(u, w, strict=True)) > 0
 
@@ -155,10 +162,10 @@ def memory_states(schedule: str, p: int, m: int, v: int, r: int,
     """The moments of rank ``r``'s step at which its memory can peak, by replaying
     :func:`compute_order`: the end of every forward (its chunk's activations all held) and
     every backward pass (B and W: the chunk's activations still held, its gradients being
-    made). A forward adds one micro-batch to its chunk; the backward that frees it (B, or W
-    in a schedule that splits the backward) removes it. ``sent`` counts the forward outputs
-    sent on (every stage but the last) and the input gradients sent back (every stage but
-    the first); ``posted``, the receive for the next action, posted before this one runs.
+    made). A forward adds one micro-batch to its chunk; its backward removes it (in a
+    schedule that splits the backward, B moves it to ``deferred``, and W removes it there).
+    ``sent`` counts the forward outputs sent on (every stage but the last) and the input
+    gradients sent back (every stage but the first); ``posted``, the receive for the next action, posted before this one runs.
 
     ``groups[c]``: the group of local chunk ``c`` (chunks of equal bytes share one; None:
     a group per chunk); ``held`` and ``running`` count by group. Of the moments with the same
@@ -167,7 +174,7 @@ def memory_states(schedule: str, p: int, m: int, v: int, r: int,
     groups = tuple(range(v)) if groups is None else groups
     n = max(groups) + 1
     if p == 1 or schedule == "none":
-        return (MemoryState((1,) * n, 0, 0, 0),)
+        return (MemoryState((1,) * n, (0,) * n, 0, 0, 0),)
     order = compute_order(schedule, p, m, v, r)
     split = schedule == "zb-h1"  # B makes the input gradient, W the weight gradients
     stages = p * v
@@ -177,28 +184,32 @@ def memory_states(schedule: str, p: int, m: int, v: int, r: int,
         kind, _, c = a
         return int(kind == "F" and stage[c] > 0 or kind == "B" and stage[c] < stages - 1)
 
-    held, sent = [0] * n, 0
-    last: dict[tuple, tuple[int, int]] = {}  # (held, running, posted): (position, sent)
+    held, deferred, sent = [0] * n, [0] * n, 0
+    # (held, deferred, running, posted): (position, sent)
+    last: dict[tuple, tuple[int, int]] = {}
     for k, (kind, _mb, c) in enumerate(order):
         posted = needs_recv(order[k + 1]) if k + 1 < len(order) else 0
         g = groups[c]
         if kind == "F":
             held[g] += 1
             sent += stage[c] < stages - 1
-            last[(tuple(held), -1, posted)] = (k, sent)
+            last[(tuple(held), tuple(deferred), -1, posted)] = (k, sent)
         else:
-            last[(tuple(held), g, posted)] = (k, sent)
+            last[(tuple(held), tuple(deferred), g, posted)] = (k, sent)
             if kind == "B":
                 sent += stage[c] > 0
-            if kind == "W" or not split:
                 held[g] -= 1
-    moments = sorted((k, MemoryState(h, sent, run, posted))
-                     for (h, run, posted), (k, sent) in last.items())
+                deferred[g] += split
+            else:  # W
+                deferred[g] -= 1
+    moments = sorted((k, MemoryState(h, d, sent, run, posted))
+                     for (h, d, run, posted), (k, sent) in last.items())
     # a moment can only be counted in full by one with as many held and sent: one sorted
     # earlier (a backward before a forward that holds the same)
     kept: list[tuple[int, MemoryState]] = []
     for k, st in sorted(_inner(moments), reverse=True,
-                        key=lambda e: (sum(e[1].held), e[1].sent, e[1].posted, e[1].running)):
+                        key=lambda e: (sum(e[1].held), sum(e[1].deferred), e[1].sent,
+                                       e[1].posted, e[1].running)):
         if not any(_dominates(o, st) for _, o in kept):
             kept.append((k, st))
     return tuple(st for _, st in _inner(sorted(kept)))

@@ -316,9 +316,14 @@ class CostModel(TimeModel):
         # chunks of the same contents hold the same bytes: one group each
         kinds: dict[tuple[int, bool, bool], int] = {}
         groups = tuple(kinds.setdefault(c, len(kinds)) for c in chunks)
-        held, transient = [], []
+        # zb-h1, between B and W: the deferred weight gradients' inputs and output gradients,
+        # and the stage input (freed by W)
+        wait_w = self._deferred_bytes(lay, b) if lay.schedule == "zb-h1" else (0.0, 0.0)
+        held, transient, deferred = [], [], []
         for blocks, has_e, has_h in kinds:
             held.append(blocks * per + (emb if has_e else 0.0) + (logits if has_h else 0.0) + out)
+            deferred.append(blocks * wait_w[0] + (wait_w[1] if has_h else 0.0)
+                            + (0.0 if has_e else msg))
             # one of these transients at a time: a block's backward, the head's, or a layer's
             # gradients landing (the saved tensors of the layer before are freed by then)
             transient.append(max(work if blocks else 0.0, head if has_h else 0.0, landing)
@@ -327,10 +332,33 @@ class CostModel(TimeModel):
         posted = msg if pipelined and rt.p2p_async else 0.0
         states = memory_states(lay.schedule, lay.pp, lay.micro_batches, v, r, groups)
         return max(
-            sum(n * a for n, a in zip(st.held, held, strict=True)) + st.sent * sent
+            sum(n * a for n, a in zip(st.held, held, strict=True))
+            + sum(n * a for n, a in zip(st.deferred, deferred, strict=True)) + st.sent * sent
             + st.posted * posted + (transient[st.running] if st.running >= 0 else 0.0)
             for st in states
         )
+
+    def _deferred_bytes(self, lay: Layout, b: int) -> tuple[float, float]:
+        """(one block's, the head's) bytes that zb-h1 keeps from B to W for one micro-batch of
+        ``b`` sequences: each deferred linear's input and output gradient. With
+        :attr:`Runtime.zb_defers_tp_layers` False, the attention's projections defer only at
+        tp = 1 and the MLP (the fused GEMM + GeLU) never, the head at tp = 1 or when held
+        whole."""
+        s, rt, t = self.shape, self.runtime, lay.tp
+        bs = b * s.seq_len
+        sp = t if lay.sequence_parallel else 1
+        gates = 2 if s.gated_mlp else 1
+        h, f, kv = s.hidden, s.ffn, s.kv_dim
+        block = head = 0.0
+        if rt.zb_defers_tp_layers or t == 1:
+            block = self.e * bs * (h + (h + 2 * kv) / t  # QKV: its input, its output's grad
+                                   + h / t + h / sp)  # output projection
+        if rt.zb_defers_tp_layers:
+            block += self.e * bs * (h + gates * f / t  # MLP input
+                                    + f / t + h / sp)  # MLP output
+        if rt.zb_defers_tp_layers or t == 1 or not s.splits_vocab(t, lay.sequence_parallel):
+            head = self.e * bs * (s.hidden / sp + s.vocab_rows(t, lay.sequence_parallel))
+        return block, head
 
     def evaluate(self, lay: Layout) -> Estimate:
         est = Estimate(lay, memory=self.memory(lay))

@@ -54,6 +54,12 @@ class Runtime:
     """zb-h1's deferred weight-gradient pass needs the parameters and the forward's tensors
     still in memory: the runtime refuses zb-h1 with ZeRO-3 (which releases the parameters
     after use) and with activation checkpointing (whose recomputation frees them)."""
+    zb_defers_tp_layers: bool = True
+    """zb-h1's W runs the weight-gradient GEMMs of every linear layer (Qi et al. 2024); False:
+    only of the layers that run as plain linears (at tp = 1 the attention's projections and
+    the head; a head held whole at tp > 1), while the tensor-parallel layers at tp > 1 and
+    the MLP's fused GEMM + GeLU compute theirs in B (where a tensor-parallel backward
+    overlaps its collective with that GEMM)."""
     keeps_sends: bool = False
     """Every activation and input gradient a pipeline rank sends stays in memory until the end
     of the step, where the sends are waited for (False: freed as each send completes)."""
@@ -96,6 +102,7 @@ RUNTIMES: dict[str, Runtime] = {
         keeps_gathered_input=True,
         step_syncs=True,
         zb_h1_resident=True,
+        zb_defers_tp_layers=False,
         dtypes=("float32", "bfloat16", "float64"),
         source={
             "stage_split": "distllm.train.engine: _all_chunk_ids over mcfg.n_pipeline_layers",
@@ -125,6 +132,10 @@ RUNTIMES: dict[str, Runtime] = {
             "buffers filled under no_sync() until the last micro-batch",
             "zb_h1_resident": "distllm.train.config.TrainConfig refuses zb-h1 with zero=3 "
             "and with activation checkpointing",
+            "zb_defers_tp_layers": "distllm.parallel.pipeline.weight_grad: W defers the "
+            "weight GEMMs of torch.nn.functional.linear calls only (a tensor-parallel layer "
+            "at tp > 1 and the fused MLP run their own autograd functions); B accumulates "
+            "the other gradients",
             "dtypes": "distllm.train.config.TRAIN_DTYPES (no float16 training)",
         },
     ),

@@ -71,6 +71,17 @@ def test_gpt3_175b_dry_run():
     assert v.measured.states["params"] == pytest.approx(v.predicted["params"], rel=1e-3)
 
 
+@pytest.mark.parametrize("pp_rank", [0, 3])
+def test_zero_bubble_dry_run_agrees_with_the_planner(pp_rank):
+    """zb-h1 holds a micro-batch whole until B and then, until W, only what W needs: the
+    deferred linears' inputs and output gradients (at tp = 1 the attention's projections and
+    the head; the fused MLP computes its weight gradient in B) and the stage input. The last
+    rank defers up to p micro-batches; counted whole there, the planner read +21%."""
+    shape = preset("gpt2-xl").with_(global_batch=64)
+    v = verify(shape, Layout(1, 4, 16, 1, "zb-h1", 4, "none", False, 1), pp_rank=pp_rank)
+    assert abs(v.error) < TOLERANCE, v.report()
+
+
 def test_interleaved_sequence_parallel_dry_run_agrees_with_the_planner():
     """GPT-3 175B's pick (tp8.pp4, interleaved, sequence parallelism) in miniature: tp=4,
     pp=4, two chunks per rank, 16 micro-batches, 8 blocks, so that rank 1 holds a 2-block

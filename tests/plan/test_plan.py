@@ -230,8 +230,10 @@ def test_memory_states_hold_and_send_what_the_schedule_does():
                 for v in (2, 8) if sch == "interleaved-1f1b" else (1,):
                     for r in range(p):
                         states = memory_states(sch, p, m, v, r)
-                        peak = max(sum(st.held) for st in states)
+                        # zb-h1: a micro-batch is held whole until B, its deferred part to W
+                        peak = max(sum(st.held) + sum(st.deferred) for st in states)
                         assert peak == pytest.approx(in_flight(sch, p, m, v)[r] * v)
+                        assert (max(sum(st.deferred) for st in states) > 0) == (sch == "zb-h1")
                         sends = sum(m * ((c * p + r < p * v - 1) + (c * p + r > 0))
                                     for c in range(v))
                         # the last backward's gradient goes after its moment
