@@ -165,7 +165,8 @@ def memory_states(schedule: str, p: int, m: int, v: int, r: int,
     made). A forward adds one micro-batch to its chunk; its backward removes it (in a
     schedule that splits the backward, B moves it to ``deferred``, and W removes it there).
     ``sent`` counts the forward outputs sent on (every stage but the last) and the input
-    gradients sent back (every stage but the first); ``posted``, the receive for the next action, posted before this one runs.
+    gradients sent back (every stage but the first); ``posted``, the receive for the next
+    action, posted before this one runs.
 
     ``groups[c]``: the group of local chunk ``c`` (chunks of equal bytes share one; None:
     a group per chunk); ``held`` and ``running`` count by group. Of the moments with the same
