@@ -33,11 +33,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_t = targets - start
         inside = (local_t >= 0) & (local_t < vl)
         idx = local_t.clamp(0, vl - 1).unsqueeze(-1)
-        picked = (z.gather(-1, idx).squeeze(-1) - m) * inside  # target logit - m, or 0
+        # target logit - m, or 0 (where, not a product: the clamped index may point at a -inf
+        # logit, the vocabulary's padding or a masked token, and -inf * 0 is NaN)
+        picked = torch.where(inside, z.gather(-1, idx).squeeze(-1) - m, 0.0)
         sums = torch.stack([e.sum(-1), picked])  # (2, ...)
         all_reduce(sums, group=group)
         valid = targets != ignore_index
-        loss = (sums[0].log() - sums[1]) * valid
+        loss = torch.where(valid, sums[0].log() - sums[1], 0.0)
         e.div_(sums[0].unsqueeze(-1))  # softmax of this shard
         ctx.save_for_backward(e, idx, inside, valid)
         ctx.in_dtype = logits.dtype

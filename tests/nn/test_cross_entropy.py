@@ -60,6 +60,28 @@ def _ignore_index(dims) -> dict[str, float]:
     return {"loss": _err(vocab_parallel_cross_entropy(lp, tgt, dims, ignore_index=1), ref)}
 
 
+def _masked(dims) -> dict[str, float]:
+    """-inf logits (a vocabulary's padding, a banned token): a whole shard of them, and one
+    at the first column of a shard that the clamped index of another shard's target reads;
+    an ignored token among them. Loss and gradient equal F.cross_entropy's (no NaN)."""
+    tp, r = dims.tp, dims.tp_rank
+    torch.manual_seed(3)
+    v = 4 * tp
+    logits = torch.randn(2, 3, v, dtype=DT)
+    logits[..., v - 4:] = -torch.inf  # the last shard is all padding
+    logits[..., 4] = -torch.inf  # the first column of shard 1
+    tgt = torch.randint(0, v - 4, (2, 3)).masked_fill(torch.tensor([[1, 0, 0], [0, 0, 0]]) > 0,
+                                                      -100)
+    tgt[tgt == 4] = 5
+    ld = logits.clone().requires_grad_()
+    ref = F.cross_entropy(ld.view(-1, v), tgt.view(-1))
+    ref.backward()
+    lp = logits.chunk(tp, -1)[r].clone().requires_grad_()
+    got = vocab_parallel_cross_entropy(lp, tgt, dims)
+    got.backward()
+    return {"loss": _err(got, ref), "grad": _err(lp.grad, ld.grad.chunk(tp, -1)[r])}
+
+
 def _chain(dims) -> dict[str, float]:
     """embedding -> sequence-parallel MLP -> column-parallel head -> cross-entropy."""
     tp, r = dims.tp, dims.tp_rank
@@ -86,6 +108,7 @@ def cross_entropy_main() -> dict:
     dims = ParallelDims(tp=dist.get_world_size())
     cases = {red: (lambda red=red: _reduction(dims, red)) for red in REDUCTIONS}
     cases["ignore_index=1"] = lambda: _ignore_index(dims)
+    cases["-inf logits"] = lambda: _masked(dims)
     cases["sequence-parallel chain"] = lambda: _chain(dims)
     return run_cases(cases)
 
@@ -95,7 +118,8 @@ def spawned():
     return SpawnCache(timeout=180)
 
 
-@pytest.mark.parametrize("case", [*REDUCTIONS, "ignore_index=1", "sequence-parallel chain"])
+@pytest.mark.parametrize("case", [*REDUCTIONS, "ignore_index=1", "-inf logits",
+                                  "sequence-parallel chain"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_cross_entropy_parity(spawned, tp, case):
     for rank, errs in enumerate(case_of(spawned(cross_entropy_main, tp), case)):
