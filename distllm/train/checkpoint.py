@@ -143,6 +143,13 @@ def _read_meta(path: Path) -> dict:
     return meta
 
 
+def optim_settings(path: Path) -> dict | None:
+    """The optimizer and learning-rate settings the checkpoint at ``path`` was trained with
+    (:meth:`OptimConfig.schedule`), or None for a checkpoint saved before they were kept."""
+    saved = _read_meta(path).get("optim")
+    return saved if isinstance(saved, dict) else None
+
+
 def check_compatible(out: str | os.PathLike, mcfg) -> Path:
     """Raise a one-line error when ``out`` has no complete checkpoint or one of another
     model; return the checkpoint's path otherwise."""
@@ -217,7 +224,8 @@ def save(out: str | os.PathLike, engine, loader, *, step: int) -> Path:
                 "layout": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "zero": p.zero,
                            "v": engine.v, "world": dims.world_size},
                 "data": loader.state_dict(), "dtype": engine.cfg.dtype,
-                "tokens": tokens_of(engine.cfg.data)}
+                "tokens": tokens_of(engine.cfg.data),
+                "optim": engine.cfg.optim.schedule(engine.cfg.steps)}
         with open(tmp / "meta.json", "w") as f:
             json.dump(meta, f, indent=1)
             f.flush()

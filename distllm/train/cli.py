@@ -44,7 +44,7 @@ from distllm.train.config import (
 )
 
 __all__ = ["add_arguments", "run", "config_from_args", "config_to_argv", "apply_plan",
-           "precheck", "check_out", "field_docs"]
+           "precheck", "check_out", "resume_optim", "field_docs"]
 
 # (argument group, config class, attribute of TrainConfig holding it; None: TrainConfig itself)
 SECTIONS = (("layout", ParallelConfig, "parallel"), ("run", TrainConfig, None),
@@ -205,10 +205,12 @@ def check_out(cfg: TrainConfig) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {cfg.out}: it is a file, not a folder; pass another --out")
     if cfg.resume:
-        step = checkpoint.step_of(checkpoint.check_compatible(out, cfg.model_config()))
+        path = checkpoint.check_compatible(out, cfg.model_config())
+        step = checkpoint.step_of(path)
         if step >= cfg.steps:
             raise ValueError(f"--resume: the checkpoint in --out {cfg.out} is at step {step}, "
                              f"where --steps {cfg.steps} ends: raise --steps to train on")
+        resume_optim(cfg, checkpoint.optim_settings(path))
         if cfg.stop_after and cfg.stop_after <= step:
             raise ValueError(f"--stop-after {cfg.stop_after}: the run resumes after step "
                              f"{step}; raise --stop-after, or drop it")
@@ -226,6 +228,26 @@ def check_out(cfg: TrainConfig) -> None:
                          f"another --out") from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise ValueError(f"--out {cfg.out}: the folder is not writable; pass another --out")
+
+
+def resume_optim(cfg: TrainConfig, saved: dict | None) -> None:
+    """On ``--resume``: the optimizer and learning-rate settings must be the checkpoint's
+    ``saved`` ones (as :meth:`OptimConfig.schedule` resolves them), else a ValueError names
+    each flag that differs, unless ``--override-optim``. The schedule keeps the checkpoint's
+    length (``--lr-decay-steps`` 0 takes it), so that raising ``--steps`` trains on at the
+    schedule's end instead of stretching it under the steps already run."""
+    if saved is None or cfg.override_optim:
+        return
+    if cfg.optim.lr_decay_steps == 0 and "lr_decay_steps" in saved:
+        cfg.optim.lr_decay_steps = int(saved["lr_decay_steps"])
+    ours = cfg.optim.schedule(cfg.steps)
+    differ = [f"--{k.replace('_', '-')} {ours[k]} (the checkpoint's: {saved[k]})"
+              for k in ours if k in saved and ours[k] != saved[k]]
+    if differ:
+        raise ValueError(
+            f"--resume: this command's optimizer settings differ from those the checkpoint in "
+            f"--out {cfg.out} was trained with: {', '.join(differ)}; pass the checkpoint's, or "
+            f"add --override-optim to train on with this command's")
 
 
 STOPPED_FILE = "stopped-by-signal.txt"

@@ -213,7 +213,10 @@ class OptimConfig:
     decay_fraction: float = 0.2
     """wsd: the share of the steps, at the end, over which the learning rate decays."""
     warmup_steps: int = -1
-    """Linear warm-up steps; -1 uses 5% of the steps (at least 1)."""
+    """Linear warm-up steps; -1 uses 5% of the schedule's steps (at least 1)."""
+    lr_decay_steps: int = 0
+    """Steps the learning-rate schedule spans (warm-up and decay; after them it stays at its
+    end value); 0: --steps, or on --resume the checkpoint's."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay on matrices (not on biases, norms)."""
     beta1: float = 0.9
@@ -224,6 +227,17 @@ class OptimConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm (across TP, PP and DP) to this; 0 disables clipping."""
+
+    def schedule(self, steps: int) -> dict[str, float | int | str]:
+        """These settings with the schedule's length resolved for a run of ``steps``:
+        ``lr_decay_steps`` (0 -> ``steps``) and ``warmup_steps`` (-1 -> 5% of them, at least
+        1): what a checkpoint records, and what a resume compares."""
+        out = asdict(self)
+        horizon = self.lr_decay_steps or steps
+        out["lr_decay_steps"] = horizon
+        if self.warmup_steps == -1:
+            out["warmup_steps"] = max(1, round(0.05 * horizon))
+        return out
 
     def __post_init__(self) -> None:
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -241,6 +255,9 @@ class OptimConfig:
         if not 0 <= self.grad_clip < math.inf:
             raise ValueError(f"--grad-clip {self.grad_clip}: use 0 to disable, or a positive "
                              f"finite norm")
+        if not isinstance(self.lr_decay_steps, int) or self.lr_decay_steps < 0:
+            raise ValueError(f"--lr-decay-steps {self.lr_decay_steps}: use 0 (--steps) or a "
+                             f"positive step count")
         if self.warmup_steps < -1:
             raise ValueError(f"--warmup-steps {self.warmup_steps}: use -1 (auto) or >= 0")
         if not 0 < self.decay_fraction <= 1:
@@ -310,6 +327,10 @@ class TrainConfig:
     """Ask torch for deterministic kernels, and pick each ``auto`` GEMM backend by a fixed
     rule instead of timing (the same kernels in every run and after --resume: exact resume
     in float32)."""
+    override_optim: bool = False
+    """On --resume, train on with this command's optimizer and learning-rate settings where
+    they differ from the checkpoint's (without it such a resume is refused), and with the
+    schedule spanning --steps unless --lr-decay-steps says otherwise."""
     keep_freed_memory: bool = True
     """On CPU, have glibc keep freed memory instead of returning it to the kernel, so that a
     step does not page-fault in what the last one freed (ZeRO-2's gradient buckets, the

@@ -36,21 +36,22 @@ __all__ = ["train", "lr_at", "TrainResult", "peak_flops"]
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """The learning rate of ``step`` (0-based): linear warm-up to ``lr``, then the
     ``lr_schedule`` (:data:`~distllm.train.config.LR_SCHEDULES`) down to ``lr *
-    min_lr_ratio`` at the last step."""
-    o = cfg.optim
-    warm = max(1, round(0.05 * cfg.steps)) if o.warmup_steps == -1 else o.warmup_steps
+    min_lr_ratio`` at the schedule's last step (``--lr-decay-steps``, else ``--steps``), and
+    that value after it."""
+    o, sch = cfg.optim, cfg.optim.schedule(cfg.steps)
+    warm, steps = sch["warmup_steps"], sch["lr_decay_steps"]
     if step < warm:
         return o.lr * (step + 1) / warm
     lo = o.lr * o.min_lr_ratio
     if o.lr_schedule == "constant":
         return o.lr
     if o.lr_schedule == "wsd":  # stable to the decay's start, then linear
-        start = max(warm, cfg.steps - max(1, round(o.decay_fraction * cfg.steps)))
+        start = max(warm, steps - max(1, round(o.decay_fraction * steps)))
         if step < start:
             return o.lr
-        frac = (step - start) / max(1, cfg.steps - 1 - start)  # as linear's, from ``start``
+        frac = (step - start) / max(1, steps - 1 - start)  # as linear's, from ``start``
         return o.lr - (o.lr - lo) * min(1.0, frac)
-    frac = min(1.0, (step - warm) / max(1, cfg.steps - 1 - warm))
+    frac = min(1.0, (step - warm) / max(1, steps - 1 - warm))
     if o.lr_schedule == "linear":
         return o.lr - (o.lr - lo) * frac
     return lo + 0.5 * (o.lr - lo) * (1 + math.cos(math.pi * frac))

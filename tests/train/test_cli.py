@@ -479,7 +479,7 @@ def test_help_comes_from_the_field_docstrings(capsys):
     out = " ".join(capsys.readouterr().out.split())
     for words in ("Collective timeout in seconds: a dead rank ends the job after at most this "
                   "long. (default: 300.0)",
-                  "-1 uses 5% of the steps (at least 1)",  # a literal % survives argparse
+                  "-1 uses 5% of the schedule's steps (at least 1)",  # a literal % survives
                   "--schedule {gpipe,1f1b,interleaved-1f1b,zb-h1}",
                   "--no-save Save a checkpoint after the last step. On by default: this flag "
                   "turns it off.",
@@ -646,3 +646,37 @@ def test_prune_never_removes_the_newest_or_an_incomplete_save(tmp_path):
     assert [d.name for d in gone] == ["step_00000001", "step_00000002"]
     left = sorted(d.name for d in (tmp_path / "checkpoints").iterdir())
     assert left == [".tmp-step_00000004", "step_00000003", "step_00000005"], left
+
+
+def test_resume_keeps_the_checkpoints_optimizer_settings(capsys, tmp_path):
+    """A resume with other optimizer or schedule settings than the checkpoint's is refused,
+    naming each flag (it silently changed them: a learning rate 5.7x higher the step after
+    the resume); raising --steps trains on at the schedule's end instead of stretching the
+    schedule under the steps already run; --override-optim takes this command's."""
+    from distllm.train.config import OptimConfig, TrainConfig
+    from distllm.train.trainer import lr_at
+
+    out = tmp_path / "run"
+    common = ["--model", "tiny", "--eval-batches", "0", "--seq-len", "32", "--global-batch",
+              "2", "--no-progress", "--out", str(out)]
+    assert main(["train", *common, "--steps", "4"]) == 0
+    capsys.readouterr()
+    saved = checkpoint.optim_settings(checkpoint.latest(out))
+    assert saved == OptimConfig().schedule(4) and saved["lr_decay_steps"] == 4
+    line = _err(capsys, [*common, "--steps", "8", "--resume", "--lr", "0.01",
+                         "--weight-decay", "0"])
+    assert line.endswith(
+        "optimizer settings differ from those the checkpoint in --out " + str(out) + " was "
+        "trained with: --lr 0.01 (the checkpoint's: 0.003), --weight-decay 0.0 (the "
+        "checkpoint's: 0.1); pass the checkpoint's, or add --override-optim to train on with "
+        "this command's"), line
+    assert "--lr-decay-steps 6 (the checkpoint's: 4)" in _err(
+        capsys, [*common, "--steps", "8", "--resume", "--lr-decay-steps", "6"])
+    assert main(["train", *common, "--steps", "6", "--resume"]) == 0
+    lrs = [json.loads(x)["lr"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    end = OptimConfig().lr * OptimConfig().min_lr_ratio
+    assert lrs[3:] == pytest.approx([end] * 3), lrs  # the 4-step schedule's end, held
+    assert main(["train", *common, "--steps", "8", "--resume", "--override-optim"]) == 0
+    lrs = [json.loads(x)["lr"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    stretched = [lr_at(s, TrainConfig(steps=8)) for s in range(6, 8)]
+    assert lrs[6:] == pytest.approx(stretched) and stretched[0] > end * 1.5, lrs
