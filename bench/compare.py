@@ -79,19 +79,25 @@ def _ok(r: dict | None) -> bool:
 def _speedups(rows: list[dict]) -> dict[tuple, tuple[float, float, float]]:
     """(suite, case, variant) -> speed-up band over the case's fastest unfused variant."""
     out = {}
-    for (suite, case), crows in by_case(rows).items():
+    for crows in by_case(rows).values():
         base = [r for r in crows if _ok(r) and role_of(r) == "unfused"]
         if not base:
             continue
         b = min(base, key=lambda r: r["ms"])
         for r in crows:
             if _ok(r) and role_of(r) == "fused":
-                out[(suite, case, str(r["variant"]))] = speedup_band(b, r)
+                out[_key(r)] = speedup_band(b, r)
     return out
 
 
 def _key(r: dict) -> tuple[str, str, str]:
-    return (str(r.get("suite")), str(r.get("case")), str(r.get("variant")))
+    """(suite, case, variant): the case with the row's ``shape`` beside it where its name
+    does not carry it (a pipeline stage's length, the overhead step's batch), so that rows of
+    other shapes under one case name are not compared."""
+    case, shape = str(r.get("case")), r.get("shape")
+    if shape and str(shape) not in case and str(shape).replace("x", ",") not in case:
+        case = f"{case} [{shape}]"
+    return (str(r.get("suite")), case, str(r.get("variant")))
 
 
 def _label_match(failure: dict, r: dict) -> bool:
@@ -114,6 +120,12 @@ def _label_match(failure: dict, r: dict) -> bool:
 def _failures(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r.get("status") in ("error", "unavailable")
             and str(r.get("variant")) == "-"]
+
+
+def _timed(r: dict) -> bool:
+    """Whether a row's time was measured (it has repetitions and their p10..p90), not
+    computed from other rows' medians (an ``ideal`` bound)."""
+    return r.get("ms_p10") is not None and r.get("ms_p90") is not None
 
 
 def _time_kind(o: dict, n: dict, tol: float) -> str:
@@ -163,6 +175,8 @@ def compare_rows(old: list[dict], new: list[dict], tolerance: float = 0.0) -> li
                 c.kind, c.note = "lost", _lost_note(n, stands_in)
         elif _ok(n) and not _ok(o):
             c.kind, c.note = "new", "" if not o else f"was {o.get('status')}"
+        elif _ok(o) and _ok(n) and not (_timed(o) and _timed(n)):
+            c.note = "not timed (a bound computed from medians): no spread to judge it by"
         elif _ok(o) and _ok(n):
             c.kind = _time_kind(o, n, tolerance)
             if k in osp and k in nsp and c.kind != "slower":
@@ -181,7 +195,7 @@ def _contenders(rows: list[dict]) -> dict[tuple[str, str], dict[str, dict]]:
     out: dict[tuple[str, str], dict[str, dict]] = {}
     for r in rows:
         if _ok(r) and role_of(r) in ("fused", "unfused", "peer"):
-            out.setdefault((str(r.get("suite")), str(r.get("case"))), {})[str(r["variant"])] = r
+            out.setdefault(_key(r)[:2], {})[str(r["variant"])] = r
     return out
 
 

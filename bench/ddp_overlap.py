@@ -39,8 +39,8 @@ report flags; ``extra.hidden_band`` is its p10..p90 taken round by round
 (:func:`_hidden_band`). Where what can hide is no larger than the p10..p90 width of a part,
 the share is not reported (``extra.hidden_unresolved``, as in the row suite). torch DDP's
 rows use the same parts (its first bucket is smaller: an approximation). ``peak_mem_mb``:
-bytes of parameters + gradients + optimizer state held per rank after a step, measured from
-the tensors (:func:`distllm.parallel.memory_report`; activations and transient buffers
+MiB (2**20 bytes) of parameters + gradients + optimizer state held per rank after a step,
+measured from the tensors (:func:`distllm.parallel.memory_report`; activations and transient buffers
 excluded; torch DDP's internal buckets are not visible and not counted).
 ``extra.grad_opt_mb``: the gradient + optimizer part alone. Rows of ``TIMELINES`` carry one
 profiled step of rank 0 (``timeline``, from :mod:`distllm.diagnostics.timeline`) and

@@ -185,7 +185,10 @@ def _summary(st) -> dict:
     return d
 
 
-def _case_rows(kind: str, p: int, m: int, per_rank: list[dict], lat: float) -> list[dict]:
+def _case_rows(kind: str, p: int, m: int, per_rank: list[dict], lat: float,
+               stage_shape: str | None = None) -> list[dict]:
+    """``stage_shape``: what a stage runs (a sleep's length, a compute stage's width), the
+    rows' ``shape``, so that runs of other stages are not compared as one case."""
     from distllm.parallel.pipeline import build_schedule, simulate
 
     rows, bubbles = [], {}
@@ -219,7 +222,7 @@ def _case_rows(kind: str, p: int, m: int, per_rank: list[dict], lat: float) -> l
             op_ms={k: [round(x * 1e3, 3) for x in med[k]] for k in med},
             overhead_ms=[round(x * 1e3, 3) for x in ovh],
             p2p_latency_ms=round(lat * 1e3, 4), virtual_stages=v, stage=STAGES[kind],
-            synthetic=kind == "sleep"))
+            synthetic=kind == "sleep", shape=stage_shape))
     base = bubbles.get("1f1b")
     for r in rows:
         if base:
@@ -256,5 +259,7 @@ def rows(cfg: BenchConfig, case: Case, result: Result) -> list[dict]:
     """The schedules' rows from every rank's executor records (the runner's own timings,
     each a whole step, are not what the bubbles are read from)."""
     kind, p, m = case.params["kind"], case.params["p"], case.params["m"]
+    stage = (f"{case.params['t_ms']:g} ms x{case.params['blocks']}" if kind == "sleep" else
+             f"hidden {case.params['hidden']} x{case.params['blocks']}")
     return _case_rows(kind, p, m, [info["rec"] for info in result.info],
-                      result.info[0]["latency_s"])
+                      result.info[0]["latency_s"], stage)

@@ -248,7 +248,7 @@ def _verdict(rows: list[dict]) -> str:
 
 
 _COLS = ["case", "variant", "role", "ms", "p10..p90", "TFLOP/s", "GB/s", "hidden",
-         "peak MB", "vs unfused", "vs peer", "status"]
+         "peak MiB", "vs unfused", "vs peer", "status"]
 
 
 def _cells(r: dict) -> list[str]:

@@ -14,8 +14,9 @@ Case ``fwd M,K,N``: per rank ``Y_partial = X (M, K) @ W^T (K, N)`` then all-redu
 - ``auto``: ``RowParallelLinear(overlap="auto")``'s forward (its first call measures and
   picks chunks or none; that call is warm-up), with the choice in ``extra``;
 - ``ideal``: ``max(gemm, allreduce)`` from the medians (a bound, not timed);
-- ``sequential_again`` (role ``control``): the sequential schedule once more, last in the
-  round, where its neighbours are others than ``sequential``'s: an A/A control. Its ratio
+- ``sequential_again`` (role ``control``): the sequential schedule once more, declared
+  last (the rounds alternate the order, so it runs last in one round and first in the
+  next), where its neighbours are others than ``sequential``'s: an A/A control. Its ratio
   to ``sequential`` is how far one schedule reads from itself in this run
   (``extra.same_schedule_ratio`` on ``auto``'s row too), the resolution any verdict between
   two schedules of the case has (on 2 loopback ranks at (2048, 512, 2048) it read from 0.76x
@@ -194,7 +195,7 @@ def _variants(kind: str, shape, dims, comm, dtype) -> tuple[dict, object]:
     counter = stats_of.backward if kind == "bwd" else stats_of.forward
     _schedule_parts(v, (ekind, a, mm, n_out, then), comm, (0, 1) if kind == "bwd" else (0,),
                     auto=(counter.chunks, counter.growth))
-    v["sequential_again"] = v["sequential"]  # the A/A control: last in the round
+    v["sequential_again"] = v["sequential"]  # the A/A control: declared last
     return v, stats_of, (ekind, a, mm, n_out, then)
 
 
@@ -365,7 +366,10 @@ def case_rows(suite: str, kind: str, shape, res: dict[str, Stats], info: dict, n
                 extra.update(beside_share=beside_sh,
                              of_beside_share=hid / beside_sh if beside_sh > 0 else None)
         extra["ms_min"] = st.min_ms
-        rows.append(row(suite, case, name, st, flops=2.0 * m * k * n, hidden_frac=hid,
+        # a backward's variants run the dX and the dW GEMMs; the collective alone runs none
+        comm_only = name == comm_name or name.startswith("comm_alone")
+        flops = None if comm_only else (4.0 if kind == "bwd" else 2.0) * m * k * n
+        rows.append(row(suite, case, name, st, flops=flops, hidden_frac=hid,
                         speedup_vs_unfused=t_seq / st.median_ms, **common, **extra))
     ideal = max(t_gemm, t_comm)
     r = row(suite, case, "ideal", None, role="ideal", **common,

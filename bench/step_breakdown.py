@@ -13,7 +13,7 @@ count by count, and a regression shows where it came from.
   autograd bookkeeping, hooks, the optimizer's loop);
 - ``collectives`` / ``collective_mb``: collective and point-to-point calls (``c10d::``)
   and the bytes of their tensors, with ``by_collective`` (name -> calls) and
-  ``by_transfer_mb`` (the backend's transfer -> MB); a send and its receive count each, so
+  ``by_transfer_mb`` (the backend's transfer -> MiB); a send and its receive count each, so
   the 2-rank exchange all-reduce counts twice its tensor where gloo's all-reduce counts it
   once (the bytes each rank sends are the same);
 - ``copies``: tensor copies at any depth (``copy_``, which ``clone``, ``_to_copy`` and
@@ -95,7 +95,7 @@ def _count(calls: list) -> dict[str, int]:
 
 
 def _transfers(transfers: list) -> dict[str, float]:
-    """name -> MB the backend's own events record (gloo names its tensors' shapes; 4 bytes an
+    """name -> MiB the backend's own events record (gloo names its tensors' shapes; 4 bytes an
     element assumed, the float32 of these benchmarks)."""
     by: dict[str, float] = {}
     for e in transfers:

@@ -156,12 +156,14 @@ def _run_case(mod: Any, names: list[str], cfg: BenchConfig, case: Case,
     """The rows of one case; each carries the case's label (``extra.case_label``), which its
     own case name may extend (with the network, say), so that a later run whose case failed
     (one error row, case = the label) can be matched to these rows."""
+    # a case of one suite of a shared module fails that suite only
+    owners = [case.suite] if case.suite in names else names
     try:
         rows = run_case(mod, cfg, case)
     except Exception as exc:  # noqa: BLE001 - a failing case is a row, not a crash
-        return _error(names, exc, case.label)
+        return _error(owners, exc, case.label)
     if not rows:
-        return [_failure_row(n, "error", "rows() returned no rows", case.label) for n in names]
+        return [_failure_row(n, "error", "rows() returned no rows", case.label) for n in owners]
     out = []
     for r in rows:
         own = r.get("suite")

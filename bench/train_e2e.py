@@ -278,9 +278,10 @@ def rows(cfg: BenchConfig, case: Case, result: Result) -> list[dict]:
         frac = _overhead(wall.median_ms, op)
         # round by round: each plain step against the profiled step of its round
         band = paired_band(_overhead, wall.samples_ms, result.info[0].get("op_ms_rounds") or [])
+        _, _, batch, seq, _ = _PRESETS[cfg.quick][0]
         return [row(SUITE_OVH, case.label, "distllm", wall, op_ms=op, overhead_frac=frac,
                     overhead_band=band, target="<= 0.05", met=frac <= 0.05, device="cpu",
-                    dtype="float32")]
+                    dtype="float32", shape=f"batch {batch}x{seq}")]
     info = result.info[0]
     res = {"stats": result.stats, "missing": result.unavailable, **info}
     out = _layout_rows(case.params["layout"], res, result.net, result.net_reason)

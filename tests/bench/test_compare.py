@@ -45,6 +45,40 @@ def test_compare_flags_only_beyond_spread():
     assert _kinds([_r("fused", 10.0)], [_r("fused", 7.0)]) == {"fused": "faster"}
 
 
+def test_a_computed_bound_is_not_judged():
+    """An ``ideal`` row (max of two medians, no repetitions of its own) has no spread: any
+    change of it was flagged a regression, though the rows it comes from were not."""
+    def ideal(ms):
+        r = row("s", "1,2,3", "ideal", None, role="ideal")
+        r.update(ms=ms)
+        return r
+
+    old, new = [_r("gemm", 10.0, 0.3), ideal(10.0)], [_r("gemm", 12.0, 0.3), ideal(12.0)]
+    changes = {c.variant: c for c in compare.compare_rows(old, new)}
+    assert changes["gemm"].kind == "same" and changes["ideal"].kind == "same"
+    assert "not timed" in changes["ideal"].note and not compare.regressions(changes.values())
+
+
+def test_rows_of_other_shapes_under_one_case_name_are_not_compared():
+    """The pipeline suite's case names leave out the stage (a quick run's 4 ms sleeps, a full
+    run's 10 ms) and the overhead case its batch: their rows' shape tells them apart, so a
+    quick run against a full one reads as other cases, not as a speed-up."""
+    def at(ms, shape):
+        r = _r("1f1b", ms, case="sleep p=4 m=4")
+        r["shape"] = shape
+        return r
+
+    changes = compare.compare_rows([at(100.0, "10 ms x4")], [at(40.0, "4 ms x4")])
+    assert sorted((c.case, c.kind, c.note) for c in changes) == [
+        ("sleep p=4 m=4 [10 ms x4]", "lost", "not in the new run"),
+        ("sleep p=4 m=4 [4 ms x4]", "new", "")]
+    assert _kinds([at(100.0, "10 ms x4")], [at(40.0, "10 ms x4")]) == {"1f1b": "faster"}
+    # a shape the case name already carries changes nothing
+    r = _r("gemm", 10.0, case="fwd 8,4,2 loopback")
+    r["shape"] = "8x4x2"
+    assert compare._key(r) == ("s", "fwd 8,4,2 loopback", "gemm")
+
+
 def test_compare_flags_lost_speedup_across_machines():
     # every time halved (a faster machine) but the fused path lost its edge over unfused
     old = [_r("unfused", 20.0), _r("fused", 10.0)]

@@ -237,3 +237,18 @@ def test_every_variant_times_the_gemm_the_layer_runs(monkeypatch, kind, fn):
     assert calls == [fn]
     want = a @ w if kind == "bwd" else a @ w.T
     torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind, gemms", [("fwd", 1), ("bwd", 2)])
+def test_tflops_count_the_gemms_a_variant_runs(kind, gemms):
+    """A backward's variants run the dX and the dW GEMMs (4 M K N FLOPs; it read half its
+    rate); the collective alone runs no GEMM and has no FLOP rate."""
+    res = {name: _st(ms) for name, ms in {
+        "allreduce": 20.0, "gemm": 10.0, "sequential": 30.0, "chunked4": 25.0,
+        "compute_alone_c4": 12.0, "comm_alone_c4": 24.0}.items()}
+    rows = {r["variant"]: r for r in row_parallel_overlap.case_rows(
+        "row_overlap", kind, (64, 32, 16), res, {}, "loopback", "float32")}
+    for name in ("gemm", "sequential", "chunked4", "compute_alone_c4"):
+        want = 2 * gemms * 64 * 32 * 16 / (res[name].median_ms * 1e-3) / 1e12
+        assert rows[name]["tflops"] == pytest.approx(want), name
+    assert rows["allreduce"]["tflops"] is None and rows["comm_alone_c4"]["tflops"] is None

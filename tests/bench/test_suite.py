@@ -338,6 +338,27 @@ def test_a_failed_case_is_named_and_has_a_summary_line():
     assert lines[3].endswith("| measured: gpipe only (no unfused baseline in this case) |")
 
 
+def test_a_failed_case_of_a_shared_module_fails_its_own_suite(monkeypatch):
+    """ddp and zero share a module: the zero case raising gave an error row to both suites,
+    and the ddp section listed it among what it did not measure."""
+    def setup(cfg, case):
+        if case.params["boom"]:
+            raise RuntimeError("zero phase failed")
+        return Setup({"a": lambda: None}, warmup=0, reps=3)
+
+    mod = _suite_module("fake_shared", setup, lambda cfg, case, res: [
+        row("ddp", case.label, n, s) for n, s in res.stats.items()])
+    mod.cases = lambda cfg: [Case("ddp", {"boom": False}, suite="ddp"),
+                             Case("zero", {"boom": True}, suite="zero")]
+    monkeypatch.setitem(sys.modules, "fake_shared", mod)
+    reg = {"ddp": suite.Suite("ddp", "fake_shared", "t"),
+           "zero": suite.Suite("zero", "fake_shared", "t")}
+    res = suite.run_suites(["ddp", "zero"], BenchConfig(), progress=False, registry=reg)
+    errors = [(r["suite"], r["case"]) for r in res.rows if r["status"] == "error"]
+    assert errors == [("zero", "zero")], res.rows
+    assert [r["variant"] for r in res.rows if r["suite"] == "ddp"] == ["a"]
+
+
 def test_suites_sharing_a_module_get_the_time_of_their_own_cases(monkeypatch):
     """Two suites of one module (as ddp and zero): each suite's seconds are those of its own
     cases (on a clock that setup() advances), not the module's total split evenly; a case
