@@ -324,9 +324,10 @@ class TrainConfig:
     progress: bool = True
     """Show a progress bar on rank 0."""
     deterministic: bool = False
-    """Ask torch for deterministic kernels, and pick each ``auto`` GEMM backend by a fixed
-    rule instead of timing (the same kernels in every run and after --resume: exact resume
-    in float32)."""
+    """Ask torch for deterministic kernels, pick each ``auto`` GEMM backend by a fixed rule
+    and run ``--overlap auto`` as none, instead of timing (the same kernels and schedules in
+    every run and after --resume: exact resume in float32; --overlap chunked stays a fixed
+    overlap)."""
     override_optim: bool = False
     """On --resume, train on with this command's optimizer and learning-rate settings where
     they differ from the checkpoint's (without it such a resume is refused), and with the

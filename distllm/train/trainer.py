@@ -314,7 +314,10 @@ def _train(cfg: TrainConfig, dims: ParallelDims | None) -> TrainResult:
         from distllm.ops import backend_choice
 
         torch.use_deterministic_algorithms(True)
+        from distllm.parallel.tensor import overlap_tuner
+
         backend_choice.pin()  # the kernels by a fixed rule, not by this machine's timing
+        overlap_tuner.pin()  # and overlap "auto" sequential, not timed
     if cfg.keep_freed_memory and dims.device.type == "cpu":
         keep_freed_memory()
     mcfg = cfg.model_config()

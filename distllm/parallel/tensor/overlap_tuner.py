@@ -133,6 +133,24 @@ def clear_cache() -> None:
     _generation += 1
 
 
+_pinned = False
+
+
+def pin() -> None:
+    """From now on ``overlap="auto"`` runs the sequential schedule, without timing
+    (``distllm train --deterministic``: the timing picks by the machine's load, and schedules
+    that split a collective differently need not give the same bits); ``overlap="chunked"``
+    stays a fixed overlap. Choices made before are dropped."""
+    global _pinned
+    _pinned = True
+    clear_cache()
+
+
+def pinned() -> bool:
+    """Whether :func:`pin` fixed the choices."""
+    return _pinned
+
+
 MAX_PIECE_RATIO = 16.0  # largest over smallest piece of a geometric schedule
 
 
@@ -231,6 +249,8 @@ def choose(key: tuple, run: Callable[..., object], comm: CommContext, rows: int,
         return _CACHE[full_key]
     if comm.world == 1:
         ch = Choice(0, 0.0, 0.0, 0.0, "tp=1: nothing to communicate")
+    elif _pinned:
+        ch = Choice(0, 0.0, 0.0, 0.0, "no overlap: pinned (deterministic), not timed")
     else:
         ch = _measure_and_choose(key, run, comm, rows, device, what, chunks_hint, reps, margin,
                                  comm_first, one_piece)
