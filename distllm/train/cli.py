@@ -254,6 +254,10 @@ STOPPED_FILE = "stopped-by-signal.txt"
 """Written into :data:`USAGE_ERRORS_ENV`'s folder by a rank that stopped on a signal of
 ``--save-on-signal`` (after its checkpoint): the signal's name."""
 
+LAUNCHER_PID_ENV = "DISTLLM_TRAIN_LAUNCHER_PID"
+"""Set by ``--nproc``'s launcher for its ranks: its process id. A rank ends with it
+(:func:`_end_with_launcher`), also when it is killed with SIGKILL, which it cannot pass on."""
+
 USAGE_ERRORS_ENV = "DISTLLM_TRAIN_USAGE_ERRORS"
 """Set by ``--nproc``'s launcher for its ranks: a folder into which a rank writes its bad-input
 message (``rank<R>.txt``) instead of printing it; the launcher prints each distinct one once.
@@ -313,6 +317,7 @@ def _launch(nproc: int, cfg: TrainConfig) -> int:
         errors = os.path.join(tmp, "usage-errors")
         os.mkdir(errors)
         os.environ[USAGE_ERRORS_ENV] = errors
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores() // nproc)))
         config = elastic_launch_config(
             min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
@@ -392,10 +397,31 @@ def _check_nproc(nproc: int) -> None:
                          f"1..{_cores() * 4} ranks")
 
 
+def _end_with_launcher() -> None:
+    """Under ``--nproc``'s launcher (its pid in :data:`LAUNCHER_PID_ENV`): have Linux send this
+    rank SIGTERM when the launcher dies (``prctl(PR_SET_PDEATHSIG)``), so that a launcher
+    killed with SIGKILL (or by the OOM killer) does not leave its ranks training and writing
+    into ``--out``; SIGTERM then stops them as a scheduler's would (with a checkpoint under
+    ``--save-on-signal``). Elsewhere, or on another OS, nothing."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(launcher):  # it died before the request: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _rank(cfg: TrainConfig, world: int) -> int:
     """Train ``cfg`` as one rank of ``world`` (under a launcher, or alone). Under ``--nproc``'s
     launcher, bad input goes to the launcher's folder (:data:`USAGE_ERRORS_ENV`), exit code 2."""
     errors = os.environ.get(USAGE_ERRORS_ENV)
+    _end_with_launcher()
     try:
         precheck(cfg, world)
         check_out(cfg)

@@ -343,6 +343,35 @@ def test_a_signal_stops_the_ranks(tmp_path, sig, save_on):
             f"saved in {out}; continue with --resume") in err.splitlines(), err[-2000:]
 
 
+def test_ranks_end_with_a_launcher_killed_by_sigkill(tmp_path):
+    """SIGKILL cannot be passed on: the ranks of a launcher killed so (kill -9, the OOM
+    killer) trained on to the end and kept writing checkpoints into --out. They get SIGTERM
+    when it dies and stop after a step, saving a checkpoint there (--save-on-signal)."""
+    out, log = tmp_path / "run", tmp_path / "stderr.txt"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "distllm", "train", "--nproc", "2",
+                                 *TINY, "--steps", "100000", "--global-batch", "4", "--out",
+                                 str(out)], stderr=err, start_new_session=True)
+    ranks: list[int] = []
+    try:
+        _until_a_step(proc, out, log)
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2, ranks
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.time() + 60
+        while any(map(_alive, ranks)) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_alive, ranks)), "a rank outlived its launcher killed by SIGKILL"
+    finally:
+        for pid in [proc.pid, *ranks]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert sorted(p.name for p in (out / "checkpoints").glob("*")) == [f"step_{last:08d}"]
+
+
 def _until_a_step(proc, out: Path, log: Path) -> None:
     deadline = time.time() + 120
     while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").stat().st_size:
