@@ -208,7 +208,9 @@ def save(out: str | os.PathLike, engine, loader, *, step: int) -> Path:
     root = _ckpt_root(out)
     final, tmp = root / f"step_{step:08d}", root / f".tmp-step_{step:08d}"
     if dims.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        # this save's folder, and any an interrupted save left (one writer: this job)
+        for stale in root.glob(".tmp-step_*"):
+            shutil.rmtree(stale, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
     dist.barrier()
     state, opt_step = _canonical(engine)

@@ -48,6 +48,8 @@ def test_cross_layout_resume(corpus, reference, tmp_path):
     assert [len(r) for r in res] == [2, 2, 2]
     _close(res[0] + res[1] + res[2], reference)
     assert checkpoint.latest(out).name == "step_00000006"
+    # the crashed save's folder went with the next save (it stayed on disk for good)
+    assert not (out / "checkpoints" / ".tmp-step_00000010").exists()
     meta = json.loads((checkpoint.latest(out) / "meta.json").read_text())
     assert meta["layout"]["tp"] == 4 and meta["data"]["index"] == 6 * 8
 
