@@ -212,7 +212,8 @@ class Embedding(nn.Module):
         self.cfg, self.dims, self.sp = cfg, dims, sequence_parallel and dims.tp > 1
         if vocab_parallel:
             self.wte = VocabParallelEmbedding(cfg.padded_vocab(dims.tp), cfg.hidden_size, dims,
-                                              sequence_parallel=self.sp, dtype=dtype)
+                                              sequence_parallel=self.sp, dtype=dtype,
+                                              num_ids=cfg.vocab_size)
         elif self.sp:
             raise ValueError("Embedding(vocab_parallel=False) does not support sequence "
                              "parallelism")
@@ -222,6 +223,10 @@ class Embedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.shape[1]
+        if s > self.cfg.max_seq_len:  # (sequence parallelism would reuse the last position)
+            raise ValueError(f"GPT: a sequence of {s} tokens is longer than max_seq_len="
+                             f"{self.cfg.max_seq_len} positions: shorten the input, or build "
+                             f"the model with a larger max_seq_len")
         x = self.wte(tokens)  # (b, s, h), or (b, s/tp, h) under sequence parallelism
         if not self.sp:
             return x + self.wpe[:s]  # (b, s, h) + (s, h)
@@ -336,11 +341,17 @@ class Head(nn.Module):
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor, dims: ParallelDims,
-             vocab_parallel: bool = True) -> torch.Tensor:
+             vocab_parallel: bool = True, vocab: int | None = None) -> torch.Tensor:
     """Mean token cross-entropy of vocab-parallel logits (all-reduces of max, sum-exp and the
     target logit over TP in forward; none in backward). With tp=1, or the full logits of a
     head that does not split the vocabulary (``vocab_parallel=False``), it is the plain
-    ``F.cross_entropy`` (no collective)."""
+    ``F.cross_entropy`` (no collective). ``vocab``: the real vocabulary, where the logits'
+    is padded past it: a target in the padding is an error (its logit is -inf), as one past
+    the logits is."""
+    if vocab is not None and vocab < logits.shape[-1] * (dims.tp if vocab_parallel else 1):
+        from distllm.nn.embedding import check_ids_in_vocab
+
+        check_ids_in_vocab(targets, vocab, "GPT: targets", ignore_index=-100)
     if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()  # the softmax in fp32
     if dims.tp == 1 or not vocab_parallel:
@@ -439,7 +450,7 @@ class GPT(nn.Module):
         return x
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return gpt_loss(logits, targets, self.dims, self.vocab_parallel)
+        return gpt_loss(logits, targets, self.dims, self.vocab_parallel, self.cfg.vocab_size)
 
 
 def check_batch_split(batch_split: int | str, tp: int, sequence_parallel: bool,

@@ -48,7 +48,8 @@ class VocabParallelEmbedding(nn.Module):
     ids outside ``[0, vocab)`` are an error, as in ``nn.Embedding``.
 
     ``padding_idx`` as in ``nn.Embedding``: that row starts at zero and gets no gradient
-    (the rank holding it passes its local index to ``F.embedding``).
+    (the rank holding it passes its local index to ``F.embedding``). ``num_ids``: ids must
+    be below it, for a table padded past the real vocabulary (default ``vocab``).
 
     Collectives: forward all-reduce of the ``(batch, seq, hidden)`` output over tp
     (``sequence_parallel``: reduce-scatter along the sequence, leaving ``(batch, seq/tp,
@@ -60,7 +61,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab: int, hidden: int, dims, sequence_parallel: bool = False,
                  dtype=None, device=None,
                  init_method: Callable[[torch.Tensor], None] | None = None,
-                 padding_idx: int | None = None):
+                 padding_idx: int | None = None, num_ids: int | None = None):
         super().__init__()
         if vocab % dims.tp:
             pad = -vocab % dims.tp
@@ -69,7 +70,11 @@ class VocabParallelEmbedding(nn.Module):
         if padding_idx is not None and not -vocab <= padding_idx < vocab:
             raise ValueError(f"padding_idx={padding_idx} is outside the vocabulary of size "
                              f"{vocab}")
+        if num_ids is not None and not 0 < num_ids <= vocab:
+            raise ValueError(f"num_ids={num_ids}: the ids a padded table of {vocab} rows takes "
+                             f"are in (0, {vocab}]")
         self.vocab, self.hidden, self.dims = vocab, hidden, dims
+        self.num_ids = vocab if num_ids is None else num_ids
         self.padding_idx = padding_idx % vocab if padding_idx is not None else None
         self.sequence_parallel = sequence_parallel and dims.tp > 1
         self.per_rank = vocab // dims.tp
@@ -106,7 +111,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         tp, group = self.dims.tp, self.dims.tp_group
-        check_ids_in_vocab(ids, self.vocab, "VocabParallelEmbedding: token ids")
+        check_ids_in_vocab(ids, self.num_ids, "VocabParallelEmbedding: token ids")
         if tp == 1:
             return embedding(ids, self.weight, self.padding_idx)
         if self.sequence_parallel and (ids.dim() != 2 or ids.shape[1] % tp):

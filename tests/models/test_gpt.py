@@ -77,3 +77,27 @@ def test_loss_of_half_logits_is_an_fp32_softmax(dtype):
     loss = gpt_loss(logits, tgt, dims)
     ref = torch.nn.functional.cross_entropy(logits.double().reshape(-1, 300), tgt.reshape(-1))
     assert loss.dtype == torch.float32 and abs(loss.item() - ref.item()) < 1e-5 * ref.item()
+
+
+def test_ids_in_the_vocabulary_padding_and_overlong_sequences_are_refused():
+    """vocab 123 is padded to 128 rows: an input id or a target in [123, 128) was taken (the
+    target's loss read inf) where the unpadded table raised; a sequence longer than
+    max_seq_len gave a broadcast error, or under sequence parallelism reused the last
+    position's row."""
+    from distllm import ParallelDims
+    from distllm.models.gpt import GPT
+
+    cfg = GPTConfig(vocab_size=123, n_layers=1, hidden_size=32, n_heads=2,
+                    ffn_hidden_size=64, max_seq_len=8)
+    model = GPT(cfg, ParallelDims(tp=1, pp=1, dp=1))
+    ids = torch.randint(123, (2, 8))
+    loss = model.loss(model(ids), ids)
+    assert torch.isfinite(loss)
+    bad = ids.clone()
+    bad[1, 3] = 125
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 123\)"):
+        model(bad)
+    with pytest.raises(ValueError, match=r"GPT: targets must be in \[0, 123\)"):
+        model.loss(model(ids), bad)
+    with pytest.raises(ValueError, match="a sequence of 9 tokens is longer than max_seq_len=8"):
+        model(torch.randint(123, (2, 9)))
