@@ -373,7 +373,14 @@ class ZeroOptimizer(ZeroGradChecks):
 
         ``found_inf``: the value of :meth:`found_inf` when the caller has read it back
         already (e.g. with the loss, in its one host sync of the step); by default it is
-        computed and read here (one host sync)."""
+        computed and read here (one host sync).
+
+        Where the gradients are no parameter's ``.grad`` (stages 2-3's shards, a
+        mixed-precision run's fp32 buckets) the step consumes them, as DeepSpeed's
+        ``engine.step`` does: the next backward starts them afresh, whether or not
+        :meth:`zero_grad` is called. A ``model.zero_grad()`` (what a torch DDP script calls)
+        cannot clear them, and they added up silently. Stages 0-1's ``.grad`` views carry
+        over until cleared, as torch's do."""
         if closure is not None:
             raise ValueError("closure is not supported: compute the loss before step()")
         self._prepare_grads()
@@ -390,6 +397,9 @@ class ZeroOptimizer(ZeroGradChecks):
             self.publish_params()
         else:
             self._step_first_needed_ahead()
+        if not self.reducer.as_view:  # consumed: the next reduction overwrites
+            for b in self.reducer.buckets:
+                b.fresh = b.shard_fresh = True
         return True
 
     def _step_first_needed_ahead(self) -> None:

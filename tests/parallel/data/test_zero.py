@@ -296,13 +296,39 @@ def _groups_after_shard(dims) -> str:
     return "no error"
 
 
+def _module_zero_grad(dims) -> dict:
+    """Two steps cleared with ``model.zero_grad()`` (as a torch DDP script does), not the
+    optimizer's: at stages 2-3 the shards are no parameter's .grad, and the second step
+    stepped on the sum of both steps' gradients. AdamW with the default settings against
+    the single process."""
+    from distllm.parallel import ZeroOptimizer
+
+    out = {}
+    for stage in (0, 1, 2, 3):
+        model, ref = make(), make()
+        z = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, dims=dims,
+                          param_groups=groups_of(model), **adamw())
+        ropt = torch.optim.AdamW(groups_of(ref), **adamw())
+        for step in range(2):
+            x, y = batch(step)
+            loss_fn(model, local(x, dims), local(y, dims)).backward()
+            z.step()
+            model.zero_grad()
+            loss_fn(ref, x, y).backward()
+            ropt.step()
+            ref.zero_grad()
+        out[stage] = max_err(z.full_state_dict(), dict(ref.named_parameters()))
+    return out
+
+
 def zero_extras() -> dict:
     from distllm import ParallelDims
 
     dims = ParallelDims()
     return {"memory": _memory(dims), "accum": _accumulation(dims),
             "skip": _skip_and_reload(dims), "overlap": _overlap(dims),
-            "scale": _loss_scale(dims), "groups": _groups_after_shard(dims)}
+            "scale": _loss_scale(dims), "groups": _groups_after_shard(dims),
+            "module_zero_grad": _module_zero_grad(dims)}
 
 
 @pytest.mark.parametrize("grad_bytes", [2, 4])
@@ -319,6 +345,13 @@ def test_no_sync_accumulation_with_unused_params(spawned, stage):
     for r in spawned(zero_extras, 2):
         e = r["accum"][stage]
         assert e < TOL, f"stage {stage}: no_sync accumulation + unused params off by {e:.3g}"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_step_consumes_the_sharded_gradients(spawned, stage):
+    for r in spawned(zero_extras, 2):
+        e = r["module_zero_grad"][stage]
+        assert e < TOL, f"stage {stage}, cleared by model.zero_grad(): off by {e:.3g}"
 
 
 def test_nan_on_one_rank_skips_the_step_everywhere(spawned):

@@ -1,7 +1,9 @@
-"""ZeRO clipping when gradients carry over between steps (no ``zero_grad``, so the next
-backward adds to the clipped gradient, as with torch and DDP): stages 0-3 on 2 gloo ranks
-against a float64 single process, with the replicated buckets of stages 0-1 clipped whole
-(the ``.grad`` views read the clipped gradient, every rank's bucket the same)."""
+"""ZeRO clipping without ``zero_grad`` between steps: stages 0-3 on 2 gloo ranks against a
+float64 single process. At stages 0-1 the gradients carry over (the next backward adds to the
+clipped gradient, as with torch and DDP), with the replicated buckets clipped whole (the
+``.grad`` views read the clipped gradient, every rank's bucket the same); at stages 2-3 the
+step consumes its gradient shards (no ``.grad`` holds them), as the reference's cleared
+gradients do."""
 
 from __future__ import annotations
 
@@ -45,6 +47,8 @@ def _carry_over(dims, stage: int, loss_scale: float | None = None,
                              for p, q in zip(model.parameters(), ref.parameters(), strict=True)))
         z.step()
         ropt.step()
+        if stage >= 2:
+            ref.zero_grad()
     sd = z.state_dict()["master"]
     return {"master": max((sd[k] - p).abs().max().item() for k, p in ref.named_parameters()),
             "norm": max(abs(a - b) for a, b in zip(norms, ref_norms, strict=True)),
