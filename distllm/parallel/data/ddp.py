@@ -16,8 +16,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from distllm.comm.collectives import all_reduce
 from distllm.parallel.data.buckets import FIRST_BUCKET_BYTES, GradBuckets, assign_buckets
 from distllm.parallel.data.grad_norm import clip_grad_norm_, clip_grad_norm_and_sum_
 from distllm.parallel.data.replicas import broadcast_from_dp0, dp_group_of
@@ -55,8 +57,12 @@ class DistributedDataParallel(nn.Module):
         broadcast_buffers: also broadcast module buffers from DP rank 0 at wrap time.
         find_unused_parameters: after each forward, walk the autograd graph from the outputs
             and mark the parameters it does not reach as ready (zeros), so that their buckets
-            are reduced during backward instead of at its end. Without it unused parameters
-            are still handled (at the end of backward), just without overlap for their bucket.
+            are reduced during backward instead of at its end; and, as torch DDP does, leave
+            ``.grad`` None on a parameter that no rank used in the step (one small all-reduce
+            of the use flags, read back at the end of backward), so that an optimizer skips
+            it (no weight decay, no moment update). Without it unused parameters are still
+            handled (at the end of backward), just without overlap for their bucket, and one
+            that no rank used gets zeros.
         overlap_grad_reduce: launch each bucket's all-reduce as soon as it is full, during
             backward (``True``, the default, as torch DDP). ``False``: the same buckets,
             copies and all-reduces, all launched at the end of backward (Megatron-LM's
@@ -74,7 +80,8 @@ class DistributedDataParallel(nn.Module):
 
     Unused parameters: a parameter that gets no gradient contributes zeros when its bucket
     is launched at the end of backward (or by :meth:`finish_grad_sync`), so no step hangs;
-    its ``.grad`` afterwards is the average over the ranks where it was used.
+    its ``.grad`` afterwards is the average over the ranks where it was used (None where no
+    rank used it, with ``find_unused_parameters``).
     """
 
     def __init__(self, module: nn.Module, *, dims: ParallelDims, bucket_cap_mb: float = 25.0,
@@ -102,18 +109,49 @@ class DistributedDataParallel(nn.Module):
         buckets = assign_buckets(params, int(bucket_cap_mb * 2**20), int(first_bucket_mb * 2**20))
         self.find_unused_parameters = find_unused_parameters
         self.reducer: GradBuckets | None = None
+        # find_unused_parameters: this step's use flags (1 where a forward reached the
+        # parameter, OR-ed over the micro-batches), all-reduced (MAX) from the synchronised one
+        self._used: torch.Tensor | None = None
+        self._used_work: Any = None
         if group is not None:
             self.reducer = GradBuckets(
                 buckets, group=group, mode="all_reduce", dtype=params[0].dtype,
                 as_view=True, persistent=True,
-                finish_on_backward_end=finish_on_backward_end, overlap=overlap_grad_reduce)
+                finish_on_backward_end=finish_on_backward_end, overlap=overlap_grad_reduce,
+                on_finish=self._none_where_unused if find_unused_parameters else None)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.module(*args, **kwargs)
         if self.find_unused_parameters and self.reducer is not None and torch.is_grad_enabled():
             used = _reachable_params(out)
-            self.reducer.mark_unused(p for p in self.reducer.params() if p not in used)
+            params = list(self.reducer.params())
+            self.reducer.mark_unused(p for p in params if p not in used)
+            self._flag_used([p in used for p in params], params[0].device)
         return out
+
+    def _flag_used(self, flags: list[bool], device: torch.device) -> None:
+        """OR this forward's use flags into the step's; the synchronised forward (outside
+        ``no_sync``) launches their all-reduce, waited for at the end of backward."""
+        mask = torch.tensor(flags, dtype=torch.int32, device=device)
+        if self._used_work is not None:  # a forward whose backward never ran: done with it
+            self._used_work.wait()
+            self._used, self._used_work = None, None
+        self._used = mask if self._used is None else self._used.bitwise_or_(mask)
+        if self.reducer.sync_enabled:
+            self._used_work = all_reduce(self._used, group=self.group, async_op=True,
+                                         op=dist.ReduceOp.MAX)
+
+    def _none_where_unused(self) -> None:
+        """At the end of a synchronised backward: ``.grad = None`` on the parameters no rank
+        used (their bucket slices hold zeros), as torch DDP leaves them."""
+        if self._used_work is None:
+            return
+        self._used_work.wait()
+        flags = self._used.tolist()  # the one host read of the mode, as torch DDP's
+        self._used, self._used_work = None, None
+        for p, used in zip(self.reducer.params(), flags, strict=True):
+            if not used:
+                p.grad = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -105,19 +105,34 @@ def _unused_and_overlap(dims, overlap: bool = True) -> dict:
     use = dims.dp_rank == 0
     d.reducer.start_cycle_log()
     loss_fn(d, xl, yl, use_extra=use).backward()  # `extra` used on rank 0, `never` nowhere
-    log = d.reducer.launch_log
+    log, in_backward = list(d.reducer.launch_log), d.reducer.launches_in_backward
+    before_end = sum(t < last["t"] for _, t, _ in log)
     d.finish_grad_sync()  # idempotent
-    # expected: the DP average of every rank's local gradient (zeros where unused)
+    # expected: the DP average of every rank's local gradient (zeros where a rank did not
+    # use it), and None where no rank did (`never`), as torch DDP leaves it
     loss_fn(ref, xl, yl, use_extra=use).backward()
     err = 0.0
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        if p is model.never:
+            err = max(err, 0.0 if p.grad is None else float("inf"))
+            continue
         g = q.grad.clone() if q.grad is not None else torch.zeros_like(q)
         dist.all_reduce(g, group=dims.dp_group)
         err = max(err, (p.grad - g / dims.dp).abs().max().item())
+    # AdamW with weight decay leaves the parameter no rank used alone, step after step (a
+    # zero gradient would decay it)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    before = model.never.detach().clone()
+    for _ in range(2):
+        opt.step()
+        d.zero_grad()
+        loss_fn(d, xl, yl, use_extra=use).backward()
+    err = max(err, (model.never - before).abs().max().item(),
+              0.0 if model.never.grad is None else float("inf"))
     return {"unused_err": err, "buckets": len(d.bucket_sizes), "first_hooks": log[0][2],
             "nparams": len(list(model.parameters())) - 1,
-            "before_end": sum(t < last["t"] for _, t, _ in log),
-            "in_backward": d.reducer.launches_in_backward}
+            "before_end": before_end,
+            "in_backward": in_backward}
 
 
 def _auto(dims) -> dict:
