@@ -340,23 +340,22 @@ class CostModel(TimeModel):
 
     def _deferred_bytes(self, lay: Layout, b: int) -> tuple[float, float]:
         """(one block's, the head's) bytes that zb-h1 keeps from B to W for one micro-batch of
-        ``b`` sequences: each deferred linear's input and output gradient. With
-        :attr:`Runtime.zb_defers_tp_layers` False, the attention's projections defer only at
-        tp = 1 and the MLP (the fused GEMM + GeLU) never, the head at tp = 1 or when held
-        whole."""
-        s, rt, t = self.shape, self.runtime, lay.tp
+        ``b`` sequences: each deferred linear's input and output gradient, for the parts
+        :meth:`Runtime.zb_deferred` names."""
+        s, t = self.shape, lay.tp
         bs = b * s.seq_len
         sp = t if lay.sequence_parallel else 1
         gates = 2 if s.gated_mlp else 1
         h, f, kv = s.hidden, s.ffn, s.kv_dim
+        parts = self.runtime.zb_deferred(t, s.splits_vocab(t, lay.sequence_parallel))
         block = head = 0.0
-        if rt.zb_defers_tp_layers or t == 1:
-            block = self.e * bs * (h + (h + 2 * kv) / t  # QKV: its input, its output's grad
-                                   + h / t + h / sp)  # output projection
-        if rt.zb_defers_tp_layers:
+        if "attention" in parts:
+            block += self.e * bs * (h + (h + 2 * kv) / t  # QKV: its input, its output's grad
+                                    + h / t + h / sp)  # output projection
+        if "mlp" in parts:
             block += self.e * bs * (h + gates * f / t  # MLP input
                                     + f / t + h / sp)  # MLP output
-        if rt.zb_defers_tp_layers or t == 1 or not s.splits_vocab(t, lay.sequence_parallel):
+        if "head" in parts:
             head = self.e * bs * (s.hidden / sp + s.vocab_rows(t, lay.sequence_parallel))
         return block, head
 

@@ -75,6 +75,16 @@ class Runtime:
     one the planner models."""
     source: dict[str, str] = field(default_factory=dict)
 
+    def zb_deferred(self, tp: int, vocab_split: bool) -> frozenset[str]:
+        """The parts (``attention``, ``mlp``, ``head``) whose weight GEMMs zb-h1's W runs at
+        ``tp``, the head's vocabulary split over it or not (see :attr:`zb_defers_tp_layers`):
+        the planner's one rule for W's memory and time."""
+        if self.zb_defers_tp_layers:
+            return frozenset({"attention", "mlp", "head"})
+        if tp == 1:
+            return frozenset({"attention", "head"})
+        return frozenset() if vocab_split else frozenset({"head"})
+
     def check_dtype(self, dtype: str) -> None:
         """Raise, naming ``--dtype`` and ``--runtime``, when this runtime does not train in
         ``dtype`` (a canonical name)."""

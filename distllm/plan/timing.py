@@ -122,7 +122,7 @@ class TimeModel:
             gemm=lin_f + lin_dg + lin_wg,
             attention=att_f + att_b,
             elementwise=3 * elem + gelu_f + gelu_b,
-            w=self._deferred_wgrad(tokens, t, lin_wg),
+            w=self._deferred_wgrad(tokens, lay),
             tp_f=tp_f,
             tp_b=tp_b,
             z3_f=z3_f,
@@ -132,16 +132,15 @@ class TimeModel:
         self._cache[key] = out
         return out
 
-    def _deferred_wgrad(self, tokens: int, t: int, lin_wg: float) -> float:
-        """Seconds of a block's weight-gradient GEMMs that zb-h1's W runs (the rest run in B):
-        all of them, or with :attr:`Runtime.zb_defers_tp_layers` False the attention's
-        projections at tp = 1 only (see :meth:`CostModel._deferred_bytes`)."""
-        if self.runtime.zb_defers_tp_layers:
-            return lin_wg
-        if t > 1:
-            return 0.0
+    def _deferred_wgrad(self, tokens: int, lay: Layout) -> float:
+        """Seconds of a block's weight-gradient GEMMs that zb-h1's W runs (the rest run in B),
+        for the parts :meth:`Runtime.zb_deferred` names."""
+        s, t = self.shape, lay.tp
+        parts = self.runtime.zb_deferred(t, s.splits_vocab(t, lay.sequence_parallel))
+        gemms = linear_gemms(s, tokens, t)  # QKV, projection, MLP input, MLP output
+        wanted = gemms[:2] * ("attention" in parts) + gemms[2:] * ("mlp" in parts)
         return sum(gemm_time(self.profile, self.peak, k, n, m, elem=self.e)
-                   for m, n, k in linear_gemms(self.shape, tokens, t)[:2])  # QKV, projection
+                   for m, n, k in wanted)
 
     def _ends(self, b: int, lay: Layout) -> tuple[float, ...]:
         """(embedding forward, head forward, head backward, head weight-gradient) seconds,
@@ -168,8 +167,8 @@ class TimeModel:
         emb = mem_time(p, 4 * self.e * n) + 2 * p.op_overhead_s + emb_c
         head_fwd = head_f + ce / 2 + norm + ce_c
         head_bwd = head_dg + head_w + ce / 2 + 2 * norm + emb_c
-        if not (self.runtime.zb_defers_tp_layers or t == 1 or not split):
-            head_w = 0.0  # a vocabulary-parallel head at tp > 1: its weight GEMM runs in B
+        if "head" not in self.runtime.zb_deferred(t, split):
+            head_w = 0.0  # its weight GEMM runs in B
         return emb, head_fwd, head_bwd, head_w, emb_c, ce_c + emb_c
 
     def rank_times(self, lay: Layout) -> tuple[list[float], ...]:

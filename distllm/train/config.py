@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from distllm.models.gpt import CHECKPOINTING, VOCAB_PARALLEL, GPTConfig, check_vocab_parallel
-from distllm.parallel.pipeline.schedules import SCHEDULES
+from distllm.parallel.pipeline.schedules import SCHEDULES, check_args
 from distllm.parallel.tensor.layers import OVERLAP_MODES
 from distllm.train.data import TOKEN_DTYPES
 from distllm.train.stop_signal import parse_signals
@@ -138,17 +138,10 @@ class ParallelConfig:
                     f"schedule needs at least pp micro-batches; raise --micro-batches to "
                     f">= {self.pp} or use --schedule gpipe"
                 )
-        if self.pp > 1 and self.schedule == "interleaved-1f1b":
-            if self.virtual_stages == 1:
-                raise ValueError(
-                    "--virtual-stages 1 with --schedule interleaved-1f1b: interleaving needs "
-                    "at least 2 model chunks per rank (with one it is 1F1B holding up to twice "
-                    "the activations); raise --virtual-stages to >= 2, or use --schedule 1f1b")
-            if self.micro_batches % self.pp:
-                ok = ", ".join(str(self.pp * k) for k in range(1, 5))
-                raise ValueError(
-                    f"--micro-batches {self.micro_batches} with --schedule interleaved-1f1b: it "
-                    f"needs a multiple of --pp {self.pp} ({ok}, ...), or use --schedule 1f1b")
+        if self.pp > 1 and self.schedule == "interleaved-1f1b" and self.virtual_stages >= 1:
+            # before the ranks start: the schedule's own check (one chunk per rank,
+            # micro-batches not a multiple of pp), naming the flags
+            check_args(self.schedule, self.pp, self.micro_batches, self.virtual_stages)
         if self.zero == 3 and self.pp > 1 and self.schedule == "zb-h1":
             raise ValueError(
                 "zero=3 with the zb-h1 schedule: its deferred weight gradients arrive after "

@@ -487,13 +487,18 @@ class GradBuckets:
         finally:
             self.sync_enabled = prev
 
+    def mark_consumed(self) -> None:
+        """The next cycle's first gradients rewrite the buffers and shards instead of adding
+        to them; what they hold now stays readable until then."""
+        for b in self.buckets:
+            b.fresh = True
+            b.shard_fresh = True
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget this cycle's gradients: buffers and shards are rewritten on next use.
         ``as_view``: ``param.grad`` becomes ``None`` (the next gradient is divided into its
         slice), or with ``set_to_none=False`` stays the bucket's view, zeroed in place."""
-        for b in self.buckets:
-            b.fresh = True
-            b.shard_fresh = True
+        self.mark_consumed()
         if self.as_view:
             if set_to_none:
                 for p in self.where:

@@ -397,9 +397,8 @@ class ZeroOptimizer(ZeroGradChecks):
             self.publish_params()
         else:
             self._step_first_needed_ahead()
-        if not self.reducer.as_view:  # consumed: the next reduction overwrites
-            for b in self.reducer.buckets:
-                b.fresh = b.shard_fresh = True
+        if not self.reducer.as_view:
+            self.reducer.mark_consumed()
         return True
 
     def _step_first_needed_ahead(self) -> None:

@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-__all__ = ["Action", "Schedule", "SCHEDULES", "build_schedule", "forward_only_schedule",
-           "with_comms", "validate"]
+__all__ = ["Action", "Schedule", "SCHEDULES", "build_schedule", "check_args",
+           "forward_only_schedule", "with_comms", "validate"]
 
 F, B, W = "F", "B", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
@@ -72,7 +72,9 @@ class Schedule:
                          for r in range(self.pp))
 
 
-def _check_args(name: str, pp: int, m: int, v: int) -> None:
+def check_args(name: str, pp: int, m: int, v: int) -> None:
+    """A ValueError naming the knob when :func:`build_schedule` cannot build ``name`` for
+    ``pp`` ranks, ``m`` micro-batches and ``v`` chunks per rank."""
     if name not in SCHEDULES:
         raise ValueError(f"schedule={name!r} is unknown: choose one of {list(SCHEDULES)}")
     for knob, val in (("pp", pp), ("micro_batches", m), ("virtual_stages", v)):
@@ -221,7 +223,7 @@ def build_schedule(name: str, pp: int, micro_batches: int, virtual_stages: int =
     ``zb-h1``: backward split into B (input grad) and W (weight grad), W's deferred into
     what would be bubbles; at most ``pp`` micro-batches' activations per rank (1F1B's peak).
     """
-    _check_args(name, pp, micro_batches, virtual_stages)
+    check_args(name, pp, micro_batches, virtual_stages)
     m, v = micro_batches, virtual_stages
     if name == "gpipe":
         orders = _gpipe(pp, m)
