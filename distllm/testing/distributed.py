@@ -79,6 +79,11 @@ def _rank_main(
             raise
         try:
             out = fn(rank, *args, **kwargs) if pass_rank else fn(*args, **kwargs)
+            if dist.is_initialized():
+                # A rank whose fn ran no collective could otherwise close its group while a
+                # peer is still forming gloo's connections to it ("Connection closed by peer")
+                results.put((rank, "returned", None))
+                dist.barrier()
         except BaseException:  # noqa: BLE001 - report before peers see the group close
             results.put((rank, "error", traceback.format_exc()))
             return
@@ -100,8 +105,15 @@ _SECONDARY = (
 
 
 def _order(errors: dict[int, str]) -> list[int]:
-    """The failed ranks, the root cause first (not a peer's connection error)."""
-    return sorted(errors, key=lambda r: (any(m in errors[r] for m in _SECONDARY), r))
+    """The failed ranks, the root cause first: an error of the rank's own, then gloo's mesh
+    not forming (it names the peer that closed), then a peer's connection error."""
+
+    def rank(r: int) -> tuple[int, int]:
+        if _RENDEZVOUS_RACE in errors[r]:
+            return (1, r)
+        return (2 if any(m in errors[r] for m in _SECONDARY) else 0, r)
+
+    return sorted(errors, key=rank)
 
 
 def _failure(name: str, world_size: int, errors: dict[int, str]) -> DistributedFailure:
@@ -209,13 +221,16 @@ def _run_once(fn, world_size, args, kwargs, timeout, threads, setup, pass_rank, 
 def _collect(procs, results, world_size, timeout, name) -> list[Any]:
     deadline = time.monotonic() + timeout
     out: dict[int, Any] = {}
+    returned: set[int] = set()  # fn returned; the rank waits for the others at the end
     while len(out) < world_size:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            missing = sorted(set(range(world_size)) - set(out))
+            missing = sorted(set(range(world_size)) - set(out) - returned)
+            waiting = sorted(returned - set(out))
             raise DistributedFailure(
                 f"{name}: timed out after {timeout:.0f}s; ranks {missing} never finished "
                 "(a hang in a collective, or a rank waiting on a message never sent)"
+                + (f"; ranks {waiting} returned and waited for them" if waiting else "")
             )
         try:
             rank, kind, payload = results.get(timeout=min(remaining, 0.5))
@@ -233,6 +248,9 @@ def _collect(procs, results, world_size, timeout, name) -> list[Any]:
                     ) from None
             else:
                 continue
+        if kind == "returned":
+            returned.add(rank)
+            continue
         if kind == "rendezvous":
             raise _RendezvousFailure(f"{name}: rank {rank} could not connect:\n{payload}")
         if kind == "error":
