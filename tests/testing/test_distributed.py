@@ -47,7 +47,8 @@ def test_failing_rank_traceback():
 
 def test_hang_times_out_and_leaves_no_process(tmp_path):
     t0 = time.monotonic()
-    with pytest.raises(DistributedFailure, match=r"timed out.*ranks \[0\] never finished.*ranks \[1\] returned"):
+    hung = r"timed out.*ranks \[0\] never finished.*ranks \[1\] returned"
+    with pytest.raises(DistributedFailure, match=hung):
         run_distributed(_hang_on_rank0, 2, str(tmp_path), timeout=8)
     assert time.monotonic() - t0 < 30
     pids = [int((tmp_path / str(r)).read_text()) for r in range(2)]
