@@ -11,6 +11,8 @@ one order: custom op, fake (for ``torch.compile``), autograd, public function.
 - :mod:`distllm.ops.backend_choice`: how ``backend="auto"`` measures and caches its choice;
 - :mod:`distllm.ops.cpu_gemm`: the CPU GEMMs of distllm's own autograd functions (the cpu
   backend above, the tensor-parallel layers), oneDNN's or torch's, measured per shape.
+- :mod:`distllm.ops.weight_grad`: zb-h1's split backward, where linears, these ops and the
+  tensor-parallel layers leave their weight-gradient GEMMs to a later pass (W).
 
 The compiled extensions load on first use (:mod:`distllm.ops.extensions`); a missing one is
 a one-line warning and the next backend.

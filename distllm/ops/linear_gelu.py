@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from distllm.ops import backend_choice
 from distllm.ops import linear_gelu_backends as impl
+from distllm.ops.weight_grad import weight_grad_store
 
 __all__ = ["linear_gelu", "linear_gelu_reference", "gemm_dgelu", "backends"]
 
@@ -118,17 +119,23 @@ def _setup_context(ctx, inputs, output):
     ctx.approximate = approximate
     ctx.backend = backend
     ctx.mark_non_differentiable(output[1])
+    ctx.store, ctx.weight = weight_grad_store(weight), weight  # zb-h1's W, or None
 
 
 def _backward(ctx, grad_y, _grad_pre):
     x, weight, bias, pre = ctx.saved_tensors
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    later = need_dw and ctx.store is not None  # zb-h1: the weight's GEMM left to W
     dx, dw, db = torch.ops.distllm.linear_gelu_bwd(
-        grad_y, x, weight, pre, bias, ctx.approximate, ctx.backend, need_dx, need_dw
+        grad_y, x, weight, pre, bias, ctx.approximate, ctx.backend, need_dx,
+        need_dw and not later
     )
+    if later:  # W runs the backward's weight half (gelu'(pre) again, elementwise)
+        ctx.store.defer((ctx.weight,), lambda: torch.ops.distllm.linear_gelu_bwd(
+            grad_y, x, weight, pre, bias, ctx.approximate, ctx.backend, False, True)[1:2])
     return (
         dx if need_dx else None,
-        dw if need_dw else None,
+        dw if need_dw and not later else None,
         db if (need_db and bias is not None) else None,
         None,
         None,

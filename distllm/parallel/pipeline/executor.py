@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distllm.comm.collectives import backend_for
+from distllm.ops.weight_grad import DeferLinearWeightGrads, WeightGradStore
 from distllm.parallel.pipeline.pp_comm import StageComm, p2p_channel_groups
 from distllm.parallel.pipeline.schedules import (
     RECV_B,
@@ -35,7 +36,6 @@ from distllm.parallel.pipeline.schedules import (
 )
 from distllm.parallel.pipeline.simulate import message_of
 from distllm.parallel.pipeline.stage import split_layers
-from distllm.parallel.pipeline.weight_grad import DeferLinearWeightGrads, WeightGradStore
 
 __all__ = ["PipelineParallel", "StepStats", "split_micro_batches"]
 

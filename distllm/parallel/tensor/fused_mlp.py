@@ -29,6 +29,10 @@ GEMM, then GeLU (its derivative in backward) as separate passes.
 
 Saved for backward: the (gathered) input, the pre-activation and, in the MLP, the GeLU
 output (fc2's weight gradient needs it), as the unfused layers save them.
+
+In zb-h1's forward (:mod:`distllm.ops.weight_grad`) the weight-gradient GEMMs (fc1's
+with its bias sum where B's kernel did not fuse it) are left to the W pass; B runs the
+input-gradient GEMMs and their collectives alone.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from torch._subclasses.fake_tensor import is_fake
 from distllm.comm.collectives import all_reduce
 from distllm.ops import backend_choice, cpu_gemm
 from distllm.ops import linear_gelu_backends as impl
+from distllm.ops.weight_grad import trained, weight_grad_store
 from distllm.parallel.tensor.batch_split import deferring
 from distllm.parallel.tensor.layers import OverlapPlan, _mm, _mm_t
 
@@ -170,35 +175,48 @@ def _fc1_forward(plan: OverlapPlan, x, w, b, sp, approximate, backend, keep):
 
 
 def _fc1_backward(ctx_plan: OverlapPlan, sp, gu, db, x_full, w, has_bias, needs, x_shape,
-                  backend):
+                  backend, store=None, params=(None, None)):
     """``(dx, dw, db)`` of the column-parallel layer from ``gu`` (M, N/tp), the gradient of
     its pre-activation (``db``: its column sum if already computed): dX's all-reduce (or
-    reduce-scatter) overlapped with the weight-gradient GEMM."""
+    reduce-scatter) overlapped with the weight-gradient GEMM, or, with a zb-h1 ``store``
+    (:mod:`distllm.ops.weight_grad`), that GEMM left to W for ``params`` (the weight
+    and bias leaves) and the collective alone."""
     need_x, need_w, need_b = needs
     n, k = w.shape
     x2 = x_full.reshape(-1, k)
     bias_now = need_b and has_bias and db is None
 
-    def wgrad():  # (N/tp, M) @ (M, K), with the bias gradient where the backend fuses it
+    def wgrad(need_w=need_w, bias_now=bias_now):  # (N/tp, M) @ (M, K), with the bias
+        # gradient where the backend fuses it
         dw, db_w = impl.wgrad(backend, gu, x2, bias_now) if need_w else (None, None)
         if bias_now and db_w is None:
             db_w = gu.sum(0)
         return dw, (db if db is not None else db_w)
 
+    then, later = wgrad, None
+    if store is not None and need_w:  # a bias that is no leaf (a cast) gets its grad here
+        b_later = bias_now and params[1] is not None
+        store.defer((params[0], params[1] if b_later else None),
+                    lambda: wgrad(True, b_later))
+        then = None
+        later = (None, db if db is not None else
+                 gu.sum(0) if bias_now and not b_later else None)
     if not need_x:
         ctx_plan.ran("backward", "none")
-        dw, db = wgrad()
+        dw, db = later or wgrad()
         return None, dw, db
     if ctx_plan.tp == 1:
         ctx_plan.ran("backward", "none")
         dx = impl.dgrad(backend, gu, w).view(x_shape)
-        dw, db = wgrad()
+        dw, db = later or wgrad()
         return dx, dw, db
     if sp:  # dX partial (b, s, K) -> reduce-scatter -> (b, s/tp, K), overlapped with dW
-        dx, (dw, db) = ctx_plan.run("backward", "reduce_scatter",
-                                    gu.view(x_full.shape[0], -1, n), _mm(w), k, wgrad)
+        dx, wg = ctx_plan.run("backward", "reduce_scatter",
+                              gu.view(x_full.shape[0], -1, n), _mm(w), k, then)
+        dw, db = later or wg
         return dx, dw, db
-    dx, (dw, db) = ctx_plan.run("backward", "all_reduce", gu, _mm(w), k, wgrad)
+    dx, wg = ctx_plan.run("backward", "all_reduce", gu, _mm(w), k, then)
+    dw, db = later or wg
     return dx.view(x_shape), dw, db
 
 
@@ -217,6 +235,7 @@ class _ColumnParallelLinearGeLU(torch.autograd.Function):
         ctx.save_for_backward(x_full, weight, pre)
         ctx.plan, ctx.sp, ctx.approximate, ctx.backend = plan, sp, approximate, backend
         ctx.has_bias, ctx.x_shape = bias is not None, x.shape
+        ctx.store, ctx.params = weight_grad_store(weight), (weight, trained(bias))
         return y
 
     @staticmethod
@@ -228,7 +247,8 @@ class _ColumnParallelLinearGeLU(torch.autograd.Function):
         gu, db = impl.gelu_grad(ctx.backend, gy.reshape(-1, n), pre.reshape(-1, n), need_b,
                                 ctx.approximate)
         dx, dw, db = _fc1_backward(ctx.plan, ctx.sp, gu, db, x_full, w, ctx.has_bias,
-                                   ctx.needs_input_grad[:3], ctx.x_shape, ctx.backend)
+                                   ctx.needs_input_grad[:3], ctx.x_shape, ctx.backend,
+                                   ctx.store, ctx.params)
         return dx, dw, (db if need_b else None), None, None, None, None, None
 
 
@@ -260,6 +280,8 @@ class _ParallelMLP(torch.autograd.Function):
         ctx.save_for_backward(x_full, w1, pre, y, w2)
         ctx.plans, ctx.sp, ctx.approximate, ctx.backend = (plan1, plan2), sp, approximate, backend
         ctx.has_b1, ctx.has_b2, ctx.x_shape = b1 is not None, b2 is not None, x.shape
+        ctx.stores = weight_grad_store(w1), weight_grad_store(w2)
+        ctx.params = (w1, trained(b1), w2)
         return z
 
     @staticmethod
@@ -293,11 +315,16 @@ class _ParallelMLP(torch.autograd.Function):
                 gu, db1 = torch.ops.distllm.gemm_dgelu(gz2, w2, pre.reshape(-1, n), need_b1,
                                                        ctx.approximate, ctx.backend)
                 db1 = db1 if need_b1 else None
-        gw2 = gz2.t() @ y.reshape(-1, n) if need_w2 else None  # (H, M) @ (M, N/tp)
+        gw2 = None
+        if need_w2 and ctx.stores[1] is not None:  # zb-h1: left to W (the bias's stays here)
+            ctx.stores[1].defer(ctx.params[2:], lambda: (gz2.t() @ y.reshape(-1, n),))
+        elif need_w2:
+            gw2 = gz2.t() @ y.reshape(-1, n)  # (H, M) @ (M, N/tp)
         dx = dw1 = None
         if grads_into_fc1:
             dx, dw1, db1 = _fc1_backward(plan1, ctx.sp, gu, db1, x_full, w1, ctx.has_b1,
-                                         (need_x, need_w1, need_b1), ctx.x_shape, ctx.backend)
+                                         (need_x, need_w1, need_b1), ctx.x_shape, ctx.backend,
+                                         ctx.stores[0], ctx.params[:2])
         if bias_work is not None:
             bias_work.wait()
         return (dx, dw1, (db1 if need_b1 else None), gw2, gb2,

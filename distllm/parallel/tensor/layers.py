@@ -18,6 +18,10 @@ row, sp               reduce-scatter of Y along seq, chunked and  all-gather of 
                       overlapped with the GEMM                    overlapped with the dX GEMM
 ====================  ==========================================  ================================
 
+In zb-h1's forward (:mod:`distllm.ops.weight_grad`) both leave their weight-gradient
+GEMM to the W pass: the column-parallel backward then runs dX's collective alone, and W
+needs no collective (a row-parallel bias's gradient, all-reduced under sp, stays in B).
+
 Each direction's :class:`OverlapCounter` records the collective that actually ran
 (``collective``), set by the code path that ran it, which the overlap doctor
 (:mod:`distllm.diagnostics`) reports.
@@ -33,6 +37,7 @@ import torch
 from distllm.comm.collectives import all_reduce
 from distllm.diagnostics.timing import max_over_ranks
 from distllm.ops import cpu_gemm
+from distllm.ops.weight_grad import trained, weight_grad_store
 from distllm.parallel.tensor import overlap_tuner
 from distllm.parallel.tensor.batch_split import deferring
 from distllm.parallel.tensor.overlap import CommContext, run_engine
@@ -303,6 +308,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
             out = out.add_(bias)
         ctx.save_for_backward(x_full, weight)
         ctx.plan, ctx.sp, ctx.has_bias, ctx.x_shape = plan, sp, bias is not None, x.shape
+        ctx.store, ctx.params = weight_grad_store(weight), (weight, trained(bias))
         return out
 
     @staticmethod
@@ -314,19 +320,27 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         g2, x2 = gy.reshape(-1, n), x_full.reshape(-1, k)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
 
-        def wgrad():  # (N/tp, M) @ (M, K) and the bias row-sum
+        def wgrad(need_w=need_w, need_b=need_b):  # (N/tp, M) @ (M, K), the bias row-sum
             gw = g2.t() @ x2 if need_w else None
             return gw, (g2.sum(0) if need_b else None)
 
+        then, later = wgrad, None
+        if ctx.store is not None and need_w:  # zb-h1: left to W, dX's collective alone
+            w_param, b_param = ctx.params  # a bias that is no leaf (a cast) gets its grad here
+            b_later = need_b and b_param is not None
+            ctx.store.defer((w_param, b_param if b_later else None),
+                            lambda: wgrad(True, b_later))
+            then, later = None, (None, g2.sum(0) if need_b and not b_later else None)
         if not need_x:
-            gw, gb = wgrad()
             ctx.plan.ran("backward", "none")
+            gw, gb = later or wgrad()
             return None, gw, gb, None, None
         if ctx.sp:  # dX partial (b, s, K) -> reduce-scatter -> (b, s/tp, K)
-            gx, (gw, gb) = ctx.plan.run("backward", "reduce_scatter", gy, _mm(w), k, wgrad)
+            gx, wg = ctx.plan.run("backward", "reduce_scatter", gy, _mm(w), k, then)
         else:  # dX partial (M, K) -> all-reduce, overlapped with dW
-            gx, (gw, gb) = ctx.plan.run("backward", "all_reduce", g2, _mm(w), k, wgrad)
+            gx, wg = ctx.plan.run("backward", "all_reduce", g2, _mm(w), k, then)
             gx = gx.view(ctx.x_shape)
+        gw, gb = later or wg
         return gx, gw, gb, None, None
 
 
@@ -354,6 +368,7 @@ class _RowParallelMatmul(torch.autograd.Function):
             out = out.add_(bias)
         ctx.save_for_backward(x, weight)
         ctx.plan, ctx.sp, ctx.has_bias = plan, sp, bias is not None
+        ctx.store, ctx.weight = weight_grad_store(weight), weight
         return out
 
     @staticmethod
@@ -375,7 +390,11 @@ class _RowParallelMatmul(torch.autograd.Function):
             ctx.plan.ran("backward", "none")
             gy2 = gy.reshape(-1, n)
             gx = cpu_gemm.mm(gy2, w).view(x.shape) if need_x else None  # (M, N) @ (N, K/tp)
-        gw = gy2.t() @ x.reshape(-1, k) if need_w else None  # (N, M) @ (M, K/tp)
+        gw = None
+        if need_w and ctx.store is not None:  # zb-h1: left to W (the bias's stays here)
+            ctx.store.defer((ctx.weight,), lambda: (gy2.t() @ x.reshape(-1, k),))
+        elif need_w:
+            gw = gy2.t() @ x.reshape(-1, k)  # (N, M) @ (M, K/tp)
         if bias_work is not None:
             bias_work.wait()
         return (gx if need_x else None), gw, gb, None, None

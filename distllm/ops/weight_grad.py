@@ -1,0 +1,144 @@
+"""The zero-bubble split of a backward into B (input gradients) and W (weight gradients).
+
+Under :class:`DeferLinearWeightGrads` (a pipeline chunk's forward in a split schedule), every
+layer whose weight-gradient GEMM can wait leaves it to W:
+
+- ``torch.nn.functional.linear`` (so every ``nn.Linear``) with a leaf weight that requires
+  grad runs as :class:`_DeferredLinear`, whose backward returns ``dX = dY W`` and records
+  ``dW = dY^T X`` (and ``db = sum(dY)``) for W;
+- the fused GEMM + GeLU op (:mod:`distllm.ops.linear_gelu`), the tensor-parallel layers
+  (:mod:`distllm.parallel.tensor.layers`) and the fused column-parallel GEMM + GeLU and MLP
+  (:mod:`distllm.parallel.tensor.fused_mlp`) ask :func:`weight_grad_store` in their
+  forward; their backward then runs the input-gradient GEMM with its collective (all-reduce,
+  reduce-scatter or all-gather) and records the weight-gradient GEMM, with the bias's where
+  that needs no collective and no kernel of B computed it (a row-parallel bias, all-reduced
+  under sequence parallelism, and a bias sum fused into B's kernel stay in B).
+
+Then
+
+- **B** is one ``torch.autograd.grad`` of the chunk output w.r.t. the stage input and all the
+  chunk's parameters: it yields ``dX`` (sent upstream), the gradients of the parameters that
+  are not deferred (norms, embeddings, the biases above), and the records of the deferred
+  GEMMs; the graph is freed here. The pipeline executor accumulates the non-deferred
+  gradients on their leaves at once (``torch.autograd.backward(params, grads)``, under W's
+  gradient-sync context), so that no copy of them waits for W; :class:`WeightGradStore` can
+  also carry them to W (``params``, ``grads``);
+- **W** runs the deferred GEMMs and accumulates them with one
+  ``torch.autograd.backward(params, grads)`` on the leaves, so ``AccumulateGrad`` runs and
+  post-accumulate-grad hooks fire (DDP / ZeRO buckets are filled, not bypassed).
+
+A tensor-parallel backward whose weight GEMM is deferred runs its collective alone (it
+overlaps it with that GEMM otherwise): B gets shorter, and W, which has no collective,
+fills the pipeline's bubbles (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024).
+
+In float64 the result equals the plain backward to rounding (the same products).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["WeightGradStore", "DeferLinearWeightGrads", "weight_grad_store"]
+
+Grads = Callable[[], Sequence[torch.Tensor | None]]
+
+
+class WeightGradStore:
+    """What B left for W of one (micro-batch, chunk)."""
+
+    def __init__(self) -> None:
+        # (parameters, the function giving their gradients in order); None: no gradient
+        self.deferred: list[tuple[tuple[torch.Tensor | None, ...], Grads]] = []
+        self.params: list[torch.Tensor] = []  # other parameters' grads, computed in B
+        self.grads: list[torch.Tensor] = []
+
+    def defer(self, params: Sequence[torch.Tensor | None], grads: Grads) -> None:
+        """Leave to W the gradients of ``params`` (leaves; None entries get none), which
+        ``grads()`` computes, in the same order, from what it holds."""
+        self.deferred.append((tuple(params), grads))
+
+    @torch.no_grad()
+    def weight_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``(params, grads)`` for W: the deferred GEMMs done now, plus B's other grads."""
+        params, grads = list(self.params), list(self.grads)
+        for ps, fn in self.deferred:
+            for p, g in zip(ps, fn(), strict=True):
+                if p is not None:
+                    params.append(p)
+                    grads.append(g)
+        self.deferred.clear()
+        return params, grads
+
+
+_ACTIVE: list[WeightGradStore] = []  # the stores of the entered DeferLinearWeightGrads
+
+
+def weight_grad_store(weight: torch.Tensor) -> WeightGradStore | None:
+    """For an autograd Function's forward: the store its backward leaves ``weight``'s
+    gradient GEMM to, or None (compute it in the backward). A store only inside
+    :class:`DeferLinearWeightGrads`, for a leaf weight that requires grad (not autocast's
+    copy); the backward defers only where it computes that gradient."""
+    if not _ACTIVE or not (weight.is_leaf and weight.requires_grad):
+        return None
+    return _ACTIVE[-1]
+
+
+def trained(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` where it is a leaf that requires grad (a bias W accumulates into), else None."""
+    return t if t is not None and t.is_leaf and t.requires_grad else None
+
+
+def _linear_grads(x: torch.Tensor, g: torch.Tensor, bias: bool) -> Grads:
+    def grads():
+        g2 = g.reshape(-1, g.shape[-1])  # (tokens, out)
+        return g2.t() @ x.reshape(-1, x.shape[-1]), (g2.sum(0) if bias else None)
+    return grads
+
+
+class _DeferredLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, store: WeightGradStore):
+        ctx.save_for_backward(x)
+        # the parameters themselves (not saved-tensor copies): W accumulates into their .grad
+        # a frozen bias (a leaf that needs no grad) gets no gradient from W
+        ctx.store, ctx.weight, ctx.bias = store, weight, trained(bias)
+        return F.linear(x, weight, bias)  # (..., in) @ (in, out) + (out,)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,), w = ctx.saved_tensors, ctx.weight
+        dx = g @ w if ctx.needs_input_grad[0] else None  # (..., out) @ (out, in)
+        ctx.store.defer((w, ctx.bias), _linear_grads(x, g, ctx.bias is not None))
+        return dx, None, None, None
+
+
+class DeferLinearWeightGrads(TorchFunctionMode):
+    """Inside it, linears with a leaf weight that requires grad record their weight gradient
+    (and their bias's, where it requires grad) into ``store``; so do the tensor-parallel and
+    fused layers (:func:`weight_grad_store`)."""
+
+    def __init__(self, store: WeightGradStore) -> None:
+        super().__init__()
+        self.store = store
+
+    def __enter__(self):
+        out = super().__enter__()
+        _ACTIVE.append(self.store)
+        return out
+
+    def __exit__(self, *exc):
+        _ACTIVE.pop()
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and torch.is_grad_enabled():
+            x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            if w.is_leaf and w.requires_grad and (b is None or b.is_leaf):
+                return _DeferredLinear.apply(x, w, b, self.store)
+        return func(*args, **kwargs)

@@ -1,0 +1,105 @@
+"""zb-h1's split backward through the tensor-parallel layers and the fused GEMM + GeLU / MLP
+(``distllm.ops.weight_grad``): under ``DeferLinearWeightGrads`` their backward (B) gives
+the input gradient and leaves every weight-gradient GEMM to W; B then W equals one plain
+backward in float64, on 2 gloo ranks with and without sequence parallelism, in each overlap
+mode, and on one process (the fused MLP at tp 1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from distllm.ops.weight_grad import DeferLinearWeightGrads, WeightGradStore
+from distllm.testing import run_distributed
+
+TOL = 1e-12
+
+
+class _Block(nn.Module):
+    """column -> row -> fused MLP -> fused column + GeLU, as the model's blocks chain them."""
+
+    def __init__(self, dims, sp: bool, overlap: str, backend: str):
+        from distllm.nn import ColumnParallelLinear, ParallelMLP, RowParallelLinear
+
+        super().__init__()
+        tp, h = dims.tp, 6
+        kw = dict(dims=dims, sequence_parallel=sp, overlap=overlap, dtype=torch.float64)
+        self.col = ColumnParallelLinear(h, 4 * tp, **kw)
+        self.row = RowParallelLinear(4 * tp, h, **kw)
+        self.mlp = ParallelMLP(h, 4 * tp, backend=backend, **kw)
+        self.head = ColumnParallelLinear(h, 2 * tp, activation="gelu_tanh", backend=backend,
+                                         **kw)
+
+    def forward(self, x):
+        return self.head(self.mlp(self.row(torch.tanh(self.col(x)))))
+
+
+def _split_equals_plain(dims, sp: bool, overlap: str, backend: str) -> dict:
+    torch.manual_seed(0)
+    block = _Block(dims, sp, overlap, backend)
+    s = 4 // dims.tp if sp else 4
+    x = torch.randn(2, s, 6, dtype=torch.float64)
+    torch.manual_seed(1 + dims.tp_rank)
+    gy = torch.randn(2, 4, 2, dtype=torch.float64)
+    params = list(block.parameters())
+    xr = x.clone().requires_grad_()
+    torch.autograd.backward(block(xr), gy)
+    ref = [p.grad.clone() for p in params]
+    block.zero_grad(set_to_none=True)
+
+    store, xi = WeightGradStore(), x.clone().requires_grad_()
+    with DeferLinearWeightGrads(store):
+        y = block(xi)
+    grads = torch.autograd.grad(y, [xi] + params, gy, allow_unused=True)  # B
+    in_b = [n for (n, _), g in zip(block.named_parameters(), grads[1:], strict=True)
+            if g is not None]
+    store.params += [p for p, g in zip(params, grads[1:], strict=True) if g is not None]
+    store.grads += [g for g in grads[1:] if g is not None]
+    assert all(p.grad is None for p in params)
+    torch.autograd.backward(*store.weight_grads())  # W
+    return {"dx": float((grads[0] - xr.grad).abs().max()), "in_b": in_b,
+            "dw": max(float((p.grad - r).abs().max()) for p, r in zip(params, ref, strict=True)),
+            "deferred_left": len(store.deferred)}
+
+
+def _tp2(cases):
+    from distllm import ParallelDims
+
+    dims = ParallelDims(tp=2)
+    return [_split_equals_plain(dims, *c) for c in cases]
+
+
+CASES = [(sp, ov, be) for sp in (False, True) for ov in ("none", "chunked")
+         for be in ("cpu", "reference")]
+
+
+@pytest.fixture(scope="module")
+def tp2_results():
+    out = run_distributed(_tp2, 2, CASES, timeout=180)
+    return {c: [rank[i] for rank in out] for i, c in enumerate(CASES)}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{'sp' if c[0] else 'nosp'}-{c[1]}-{c[2]}")
+def test_tensor_parallel_weight_grads_wait_for_w(tp2_results, case):
+    sp = case[0]
+    for r in tp2_results[case]:
+        assert r["dx"] < TOL and r["dw"] < TOL, r
+        assert r["deferred_left"] == 0
+        # B: only the biases whose gradient it must reduce (row-parallel, replicated: an
+        # all-reduce under sp) or that its fused kernel summed; every weight waits for W
+        assert not [n for n in r["in_b"] if n.endswith("weight")], r["in_b"]
+        assert {"row.bias", "mlp.fc2.bias"} <= set(r["in_b"]) or not sp, r["in_b"]
+        assert "col.bias" not in r["in_b"], r["in_b"]
+
+
+def test_fused_mlp_at_tp1_weight_grads_wait_for_w():
+    from distllm import ParallelDims
+
+    class _One:
+        tp, tp_rank, tp_group = 1, 0, None
+
+    r = _split_equals_plain(_One(), False, "none", "cpu")
+    assert r["dx"] < TOL and r["dw"] < TOL, r
+    assert not [n for n in r["in_b"] if n.endswith("weight")], r["in_b"]
+    del ParallelDims
