@@ -23,9 +23,10 @@ Then
   gradients on their leaves at once (``torch.autograd.backward(params, grads)``, under W's
   gradient-sync context), so that no copy of them waits for W; :class:`WeightGradStore` can
   also carry them to W (``params``, ``grads``);
-- **W** runs the deferred GEMMs and accumulates them with one
-  ``torch.autograd.backward(params, grads)`` on the leaves, so ``AccumulateGrad`` runs and
-  post-accumulate-grad hooks fire (DDP / ZeRO buckets are filled, not bypassed).
+- **W** (:meth:`WeightGradStore.accumulate`) runs the deferred GEMMs one layer at a time,
+  each accumulated at once with ``torch.autograd.backward(params, grads)`` on the leaves, so
+  ``AccumulateGrad`` runs and post-accumulate-grad hooks fire (DDP / ZeRO buckets are
+  filled, not bypassed), and each layer's record freed.
 
 A tensor-parallel backward whose weight GEMM is deferred runs its collective alone (it
 overlaps it with that GEMM otherwise): B gets shorter, and W, which has no collective,
@@ -36,6 +37,7 @@ In float64 the result equals the plain backward to rounding (the same products).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -52,7 +54,7 @@ class WeightGradStore:
 
     def __init__(self) -> None:
         # (parameters, the function giving their gradients in order); None: no gradient
-        self.deferred: list[tuple[tuple[torch.Tensor | None, ...], Grads]] = []
+        self.deferred: deque[tuple[tuple[torch.Tensor | None, ...], Grads]] = deque()
         self.params: list[torch.Tensor] = []  # other parameters' grads, computed in B
         self.grads: list[torch.Tensor] = []
 
@@ -61,17 +63,22 @@ class WeightGradStore:
         ``grads()`` computes, in the same order, from what it holds."""
         self.deferred.append((tuple(params), grads))
 
-    @torch.no_grad()
-    def weight_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """``(params, grads)`` for W: the deferred GEMMs done now, plus B's other grads."""
-        params, grads = list(self.params), list(self.grads)
-        for ps, fn in self.deferred:
-            for p, g in zip(ps, fn(), strict=True):
-                if p is not None:
-                    params.append(p)
-                    grads.append(g)
-        self.deferred.clear()
-        return params, grads
+    def accumulate(self) -> None:
+        """W: B's other gradients (if it left any here), then each deferred GEMM in turn, its
+        result accumulated on the leaves at once (``torch.autograd.backward``, so hooks fire)
+        and its record dropped: W holds one layer's weight gradient at a time and frees each
+        layer's ``X`` and ``dY`` as it goes, not the chunk's all together."""
+        if self.params:
+            params, grads, self.params, self.grads = self.params, self.grads, [], []
+            torch.autograd.backward(params, grads)
+        while self.deferred:
+            ps, fn = self.deferred.popleft()
+            with torch.no_grad():
+                pairs = [(p, g) for p, g in zip(ps, fn(), strict=True) if p is not None]
+            del fn
+            if pairs:
+                torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
+            del pairs
 
 
 _ACTIVE: list[WeightGradStore] = []  # the stores of the entered DeferLinearWeightGrads

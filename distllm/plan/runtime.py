@@ -112,7 +112,6 @@ RUNTIMES: dict[str, Runtime] = {
         keeps_gathered_input=True,
         step_syncs=True,
         zb_h1_resident=True,
-        zb_defers_tp_layers=False,
         dtypes=("float32", "bfloat16", "float64"),
         source={
             "stage_split": "distllm.train.engine: _all_chunk_ids over mcfg.n_pipeline_layers",
@@ -142,10 +141,9 @@ RUNTIMES: dict[str, Runtime] = {
             "buffers filled under no_sync() until the last micro-batch",
             "zb_h1_resident": "distllm.train.config.TrainConfig refuses zb-h1 with zero=3 "
             "and with activation checkpointing",
-            "zb_defers_tp_layers": "distllm.parallel.pipeline.weight_grad: W defers the "
-            "weight GEMMs of torch.nn.functional.linear calls only (a tensor-parallel layer "
-            "at tp > 1 and the fused MLP run their own autograd functions); B accumulates "
-            "the other gradients",
+            "zb_defers_tp_layers": "distllm.ops.weight_grad: W runs the weight GEMMs of "
+            "plain linears, of the tensor-parallel layers and of the fused GEMM + GeLU and "
+            "MLP (their backward asks weight_grad_store); B accumulates the other gradients",
             "dtypes": "distllm.train.config.TRAIN_DTYPES (no float16 training)",
         },
     ),

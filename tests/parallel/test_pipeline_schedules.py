@@ -197,8 +197,7 @@ def test_deferred_weight_grads_equal_plain_backward():
         assert all(p.grad is None for p in params) and not fired
         store.params += [p for p, g in zip(params, grads[1:], strict=True) if g is not None]
         store.grads += [g for g in grads[1:] if g is not None]
-        ps, gs = store.weight_grads()
-        torch.autograd.backward(ps, gs)
+        store.accumulate()
         for p, r in zip(params, ref, strict=True):
             assert (p.grad - r).abs().max() < 1e-12
         assert sorted(map(id, fired)) == sorted(map(id, params))
@@ -223,5 +222,32 @@ def test_deferred_weight_grads_leave_a_frozen_bias_alone():
         y = lin(x)
     torch.autograd.grad(y, [lin.weight], gy, allow_unused=True)
     assert len(store.deferred) == 1 and store.deferred[0][0][1] is None  # (weight, None)
-    torch.autograd.backward(*store.weight_grads())
+    store.accumulate()
     assert lin.bias.grad is None and (lin.weight.grad - ref).abs().max() < 1e-12
+
+
+def test_w_runs_one_layer_at_a_time_and_frees_each_as_it_goes():
+    """W accumulates each deferred GEMM's result at once and drops its record, so that the
+    tensors it kept (a layer's X and dY) are freed before the next layer's GEMM runs: the
+    chunk's records and weight gradients are never all held together."""
+    import weakref
+
+    import torch
+
+    from distllm.ops.weight_grad import WeightGradStore
+
+    store = WeightGradStore()
+    params = [torch.zeros(2, requires_grad=True) for _ in range(3)]
+    kept = [torch.ones(2) for _ in range(3)]
+    refs = [weakref.ref(t) for t in kept]
+    alive = []
+    for i in range(3):
+        def grads(t=kept[i], i=i):
+            alive.append([r() is not None for r in refs])
+            return (t * (i + 1),)
+        store.defer((params[i],), grads)
+    del kept, grads
+    store.accumulate()
+    assert alive == [[True, True, True], [False, True, True], [False, False, True]]
+    assert [q.grad.tolist() for q in params] == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+    assert not store.deferred

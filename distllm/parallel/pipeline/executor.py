@@ -359,10 +359,8 @@ class _StepRun:
     def _weight(self, a: Action) -> None:
         mbc = (a.mb, a.chunk)
         t0 = time.perf_counter()
-        params, grads = self.wstores.pop(mbc).weight_grads()
-        if params:
-            with self._grad_ctx(a):  # AccumulateGrad on the leaves: post-accumulate hooks fire
-                torch.autograd.backward(params, grads)
+        with self._grad_ctx(a):  # AccumulateGrad on the leaves: post-accumulate hooks fire
+            self.wstores.pop(mbc).accumulate()
         self._free(mbc)
         self.stats.timeline.append((a, t0, time.perf_counter()))
 
