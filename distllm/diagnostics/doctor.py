@@ -101,7 +101,12 @@ class LayerDirection:
         elif self.comm_ms and self.wait_ms is not None:
             self.hidden_frac = min(1.0, max(0.0, (self.comm_ms - self.wait_ms) / self.comm_ms))
             self.hidden_source = "timers"
-        if self.layer_ms is not None and self.wait_ms is not None:
+        if self.layer_ms is not None and self.wait_ms is not None and self.mode == "deferred":
+            # batch split: the layer's window holds its GEMM only; its all-reduce is waited
+            # for later, behind the next part's compute, which can hide all of it
+            self.compute_ms = self.ideal_ms = self.layer_ms
+            self.gap_ms = self.wait_ms
+        elif self.layer_ms is not None and self.wait_ms is not None:
             self.compute_ms = max(0.0, self.layer_ms - self.wait_ms)
             if self.comm_ms is not None:
                 self.ideal_ms = max(self.compute_ms, self.comm_ms)

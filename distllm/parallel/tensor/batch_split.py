@@ -78,7 +78,7 @@ class DeferredReductions:
         sublayer must return its row-parallel layer's output itself, since anything computed
         from a partial sum before its all-reduce finished is wrong."""
         launched = [o for _, _, o in self._pending]
-        if launched and (len(launched) != 1 or launched[0] is not out):
+        if launched and (len(launched) != 1 or not _same(launched[0], out)):
             got = "another tensor" if len(launched) == 1 else "a tensor"
             raise RuntimeError(
                 "batch split: a sublayer must return its one row-parallel layer's output "
@@ -99,12 +99,22 @@ class DeferredReductions:
         """Wait for every recorded all-reduce and return ``out`` (now the sum over the TP
         group) plus its bias, if one was recorded for it; :meth:`check`'s RuntimeError (after
         the waits, on every rank alike) if ``out`` is not the partial sum launched."""
+        key = self._pending[0][2] if self._pending else out  # (``out`` may alias it)
         try:
             self.check(out)
         finally:
             self.drain()
-        hit = self._bias.pop(id(out), None)  # (the dict holds ``out``: its id is its own)
+        hit = self._bias.pop(id(key), None)  # (the dict holds ``key``: its id is its own)
         return out if hit is None else out + hit[1]
+
+
+def _same(launched: torch.Tensor, out: torch.Tensor) -> bool:
+    """``out`` is ``launched`` itself, or the same elements under another tensor object (a
+    module's full backward hook returns its output through an identity autograd Function,
+    as a view of it)."""
+    return out is launched or (out._base is launched and out.shape == launched.shape
+                               and out.stride() == launched.stride()
+                               and out.storage_offset() == launched.storage_offset())
 
 
 def deferring() -> DeferredReductions | None:

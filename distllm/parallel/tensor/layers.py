@@ -81,9 +81,13 @@ class OverlapCounter:
 
     @property
     def hidden_ms(self) -> float | None:
-        """Estimated communication time hidden behind compute (``comm_ms_est - wait_ms``)."""
+        """Estimated communication time hidden behind compute (``comm_ms_est - wait_ms``; 0
+        when no call overlapped: a blocking collective hides nothing, whatever the timers say
+        when a peer arrives late)."""
         if not self.comm_ms_est:
             return None
+        if not self.overlapped:
+            return 0.0
         return max(0.0, self.comm_ms_est - self.wait_ms)
 
     @property
@@ -217,7 +221,9 @@ class OverlapPlan:
         ``deferred.finish`` waits, which autograd forbids on a custom Function's view)."""
         out = a.new_empty(*lead, n_out)
         mm(a, out.view(-1, n_out))
-        deferred.launched(self, self.comm.launch("all_reduce", out), out)
+        # the sum lands through ``.data``: no version bump, so that an alias of ``out`` made
+        # before the wait (a full backward hook's view of the module output) stays usable
+        deferred.launched(self, self.comm.launch("all_reduce", out.data), out)
         c = self.stats.forward
         c.record("deferred", 0, "all_reduce", 0.0)
         c.reason, c.growth = ("batch split: the all-reduce runs while the batch's next part "

@@ -279,7 +279,8 @@ def allgather_matmul(a_local: torch.Tensor, mm: MatMul, n_out: int, comm: CommCo
     if chunks <= 0:  # sequential: all-gather, then one GEMM
         buf = a_local.new_empty(tp * b * sl, k)
         comm.run("all_gather", buf, a_local.reshape(b * sl, k))
-        a_full = buf.view(tp, b, sl, k).transpose(0, 1).reshape(b, tp * sl, k)
+        # contiguous, so that it views as rows: (b, tp, 1, K) transposed is not, at s/tp = 1
+        a_full = buf.view(tp, b, sl, k).transpose(0, 1).contiguous().view(b, tp * sl, k)
         if getattr(mm, "at", None) is None and getattr(mm, "produce", None) is None:
             out = a_local.new_empty(b * tp * sl, n_out)
             mm(a_full.view(-1, k), out)

@@ -1,0 +1,106 @@
+"""Edge cases of the tensor-parallel layers and their records: one token per rank under
+sequence parallelism with a batch of several sequences (the sequential all-gather viewed a
+non-contiguous gather as rows); batch-split overlap under a module's full backward hook
+(the overlap doctor's); a blocking collective's hidden time; a deferred layer's doctor
+row."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from distllm.testing import run_distributed
+
+TOL = 1e-10
+
+
+def _one_token_per_rank():
+    from distllm import ParallelDims
+    from distllm.nn.parallel_linear import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        gather_sequence,
+        scatter_sequence,
+    )
+
+    dims = ParallelDims(tp=2)
+    errs = {}
+    for overlap in ("none", "chunked"):
+        torch.manual_seed(0)
+        d1, d2 = nn.Linear(4, 6, dtype=torch.float64), nn.Linear(6, 4, dtype=torch.float64)
+        x = torch.randn(3, 2, 4, dtype=torch.float64)  # batch 3, seq 2: one token a rank
+        xr = x.clone().requires_grad_()
+        ref = d2(torch.tanh(d1(xr)))
+        ref.sum().backward()
+        c = ColumnParallelLinear.from_dense(d1, dims, sequence_parallel=True, overlap=overlap)
+        r = RowParallelLinear.from_dense(d2, dims, sequence_parallel=True, overlap=overlap)
+        xp = x.clone().requires_grad_()
+        y = gather_sequence(r(torch.tanh(c(scatter_sequence(xp, dims)))), dims)
+        y.sum().backward()
+        errs[overlap] = max(float((y - ref).abs().max()), float((xp.grad - xr.grad).abs().max()))
+    return errs
+
+
+def test_one_token_per_rank_with_several_sequences_under_sequence_parallelism():
+    for errs in run_distributed(_one_token_per_rank, 2, timeout=120):
+        assert errs["none"] < TOL and errs["chunked"] < TOL, errs
+
+
+def _batch_split_under_a_full_backward_hook():
+    from distllm import ParallelDims
+    from distllm.nn.parallel_linear import ColumnParallelLinear, RowParallelLinear
+    from distllm.parallel.tensor.batch_split import split_residual
+
+    dims = ParallelDims(tp=2)
+    torch.manual_seed(0)
+    d1, d2 = nn.Linear(4, 6, dtype=torch.float64), nn.Linear(6, 4, dtype=torch.float64)
+    x = torch.randn(4, 3, 4, dtype=torch.float64)
+    xr = x.clone().requires_grad_()
+    ref = xr + d2(torch.tanh(d1(xr)))
+    ref.sum().backward()
+    c = ColumnParallelLinear.from_dense(d1, dims, overlap="chunked")
+    r = RowParallelLinear.from_dense(d2, dims, overlap="chunked")
+    fired = []
+    r.register_full_backward_hook(lambda *a: fired.append(1))
+    xp = x.clone().requires_grad_()
+    y = split_residual([lambda t: r(torch.tanh(c(t)))], xp, 2)  # the bias after the sum
+    y.sum().backward()
+    grads = [(r.bias.grad, d2.bias.grad), (c.weight.grad, d1.weight.grad.chunk(2)[dims.tp_rank])]
+    return {"y": float((y - ref).abs().max()), "dx": float((xp.grad - xr.grad).abs().max()),
+            "dparams": max(float((a - b).abs().max()) for a, b in grads),
+            "deferred": r.overlap_stats.forward.mode, "hooks": len(fired)}
+
+
+def test_batch_split_under_a_full_backward_hook():
+    """The doctor's full backward hooks return a layer's output as a view of it: the split
+    refused that view as "another tensor", and the in-place landing of the sum then broke
+    it; now it is the same output, summed, with its bias, and the hook fires per part."""
+    for r in run_distributed(_batch_split_under_a_full_backward_hook, 2, timeout=120):
+        assert r["deferred"] == "deferred" and r["hooks"] == 2, r
+        assert r["y"] < TOL and r["dx"] < TOL and r["dparams"] < TOL, r
+
+
+def test_a_blocking_collective_hides_nothing():
+    """A peer arriving late makes a blocking collective's wait shorter than the collective:
+    ``comm_ms_est - wait_ms`` read as hidden time though nothing overlapped."""
+    from distllm.parallel.tensor.layers import OverlapCounter
+
+    c = OverlapCounter()
+    c.record("none", 0, "all_reduce", 1.0, 5.0)
+    assert c.overlapped == 0 and c.hidden_ms == 0.0 and c.hidden_frac == 0.0
+    c.record("chunked", 4, "all_reduce", 1.0, 5.0)
+    assert c.hidden_ms == 8.0
+
+
+def test_a_deferred_layers_doctor_row_is_never_below_its_ideal():
+    """Batch split waits for a layer's all-reduce outside the layer's window: its wait can be
+    longer than the window. The row's gap is that wait (0 when the next part's compute hid
+    it all), never negative, and its compute is the window, not the window minus the wait."""
+    from distllm.diagnostics.doctor import LayerDirection
+
+    row = LayerDirection(layer="attn.o", kind="RowParallelLinear", direction="forward",
+                         collective="all_reduce", requested="auto", mode="deferred", calls=2,
+                         overlapped=2, chunks=0, reason="", wait_ms=1.99, comm_ms=1.5,
+                         comm_source="auto", layer_ms=0.26)
+    row.finish()
+    assert row.compute_ms == 0.26 and row.ideal_ms == 0.26 and row.gap_ms == 1.99
