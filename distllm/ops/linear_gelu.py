@@ -36,7 +36,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from distllm.ops import backend_choice
+from distllm.ops import backend_choice, weight_grad
 from distllm.ops import linear_gelu_backends as impl
 from distllm.ops.weight_grad import weight_grad_store
 
@@ -380,8 +380,9 @@ def _choose_end_to_end(x, w, b, approximate: str, needs_grad: bool) -> str:
         def call():
             # identity hooks: the timing runs must not register saved tensors with an outer
             # context (activation checkpointing counts them, and its recomputation hits the
-            # cached choice and saves fewer)
-            with _plain_saved_tensors(), torch.enable_grad() if needs_grad else torch.no_grad():
+            # cached choice and saves fewer), nor leave weight GEMMs to a zb-h1 W pass
+            with _plain_saved_tensors(), weight_grad.paused(), \
+                    torch.enable_grad() if needs_grad else torch.no_grad():
                 xs = x.detach().requires_grad_(needs_grad)
                 ws = w.detach().requires_grad_(needs_grad)
                 bs = None if b is None else b.detach().requires_grad_(needs_grad)

@@ -37,7 +37,8 @@ In float64 the result equals the plain backward to rounding (the same products).
 
 from __future__ import annotations
 
-from collections import deque
+import contextlib
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -63,35 +64,73 @@ class WeightGradStore:
         ``grads()`` computes, in the same order, from what it holds."""
         self.deferred.append((tuple(params), grads))
 
+    def deferred_params(self) -> set[int]:
+        """``id`` of every parameter with a deferred gradient (B leaves the rest of such a
+        parameter's gradient here, in ``params`` / ``grads``, for W to sum)."""
+        return {id(p) for ps, _ in self.deferred for p in ps if p is not None}
+
     def accumulate(self) -> None:
-        """W: B's other gradients (if it left any here), then each deferred GEMM in turn, its
-        result accumulated on the leaves at once (``torch.autograd.backward``, so hooks fire)
-        and its record dropped: W holds one layer's weight gradient at a time and frees each
-        layer's ``X`` and ``dY`` as it goes, not the chunk's all together."""
-        if self.params:
-            params, grads, self.params, self.grads = self.params, self.grads, [], []
-            torch.autograd.backward(params, grads)
+        """W: each deferred GEMM in turn, its result accumulated on the leaves at once
+        (``torch.autograd.backward``, so hooks fire) and its record dropped: W holds one
+        layer's weight gradient at a time and frees each layer's ``X`` and ``dY`` as it goes,
+        not the chunk's all together. A parameter with several parts (a layer called twice,
+        or a part B left in ``params``) is summed until its last and accumulated once, so
+        that its post-accumulate hook fires once, as in a plain backward."""
+        left = Counter(id(p) for ps, _ in self.deferred for p in ps if p is not None)
+        partial: dict[int, torch.Tensor] = {}
+
+        def take(pairs) -> None:  # sum each parameter's parts; accumulate the complete ones
+            ready = []
+            for p, g in pairs:
+                if p is None:
+                    continue
+                if g.dtype != p.dtype:  # an autocast GEMM's gradient of a wider weight
+                    g = g.to(p.dtype)
+                if id(p) in partial:
+                    g = partial.pop(id(p)) + g
+                left[id(p)] -= 1
+                if left[id(p)] > 0:
+                    partial[id(p)] = g
+                else:
+                    ready.append((p, g))
+            if ready:
+                torch.autograd.backward([p for p, _ in ready], [g for _, g in ready])
+
+        params, grads, self.params, self.grads = self.params, self.grads, [], []
+        left.update(id(p) for p in params)
+        take(zip(params, grads, strict=True))
+        del params, grads
         while self.deferred:
             ps, fn = self.deferred.popleft()
             with torch.no_grad():
-                pairs = [(p, g) for p, g in zip(ps, fn(), strict=True) if p is not None]
+                gs = fn()
             del fn
-            if pairs:
-                torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
-            del pairs
+            take(zip(ps, gs, strict=True))
+            del gs
 
 
-_ACTIVE: list[WeightGradStore] = []  # the stores of the entered DeferLinearWeightGrads
+_ACTIVE: list[WeightGradStore | None] = []  # entered DeferLinearWeightGrads / paused()
 
 
 def weight_grad_store(weight: torch.Tensor) -> WeightGradStore | None:
     """For an autograd Function's forward: the store its backward leaves ``weight``'s
     gradient GEMM to, or None (compute it in the backward). A store only inside
-    :class:`DeferLinearWeightGrads`, for a leaf weight that requires grad (not autocast's
-    copy); the backward defers only where it computes that gradient."""
+    :class:`DeferLinearWeightGrads` (and not :func:`paused`), for a leaf weight that requires
+    grad (not autocast's copy); the backward defers only where it computes that gradient."""
     if not _ACTIVE or not (weight.is_leaf and weight.requires_grad):
         return None
     return _ACTIVE[-1]
+
+
+@contextlib.contextmanager
+def paused():
+    """Inside it nothing defers, even within :class:`DeferLinearWeightGrads`: for work that
+    is not the step's (a backend's timing runs on copies of the weights)."""
+    _ACTIVE.append(None)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
 
 
 def trained(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -109,17 +148,26 @@ def _linear_grads(x: torch.Tensor, g: torch.Tensor, bias: bool) -> Grads:
 class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, store: WeightGradStore):
-        ctx.save_for_backward(x)
+        dev = x.device.type
+        cast = torch.is_autocast_enabled(dev)
+        if cast:  # as autocast runs F.linear: in its dtype (the weight's gradient is cast back)
+            dt = torch.get_autocast_dtype(dev)
+            x, w, b = x.to(dt), weight.to(dt), None if bias is None else bias.to(dt)
+        else:
+            w, b = weight, bias
+        ctx.save_for_backward(x, w if cast else None)
         # the parameters themselves (not saved-tensor copies): W accumulates into their .grad
         # a frozen bias (a leaf that needs no grad) gets no gradient from W
         ctx.store, ctx.weight, ctx.bias = store, weight, trained(bias)
-        return F.linear(x, weight, bias)  # (..., in) @ (in, out) + (out,)
+        with torch.autocast(dev, enabled=False):
+            return F.linear(x, w, b)  # (..., in) @ (in, out) + (out,)
 
     @staticmethod
     def backward(ctx, g):
-        (x,), w = ctx.saved_tensors, ctx.weight
+        x, w = ctx.saved_tensors
+        w = ctx.weight if w is None else w  # autocast's copy, or the parameter
         dx = g @ w if ctx.needs_input_grad[0] else None  # (..., out) @ (out, in)
-        ctx.store.defer((w, ctx.bias), _linear_grads(x, g, ctx.bias is not None))
+        ctx.store.defer((ctx.weight, ctx.bias), _linear_grads(x, g, ctx.bias is not None))
         return dx, None, None, None
 
 
@@ -134,7 +182,7 @@ class DeferLinearWeightGrads(TorchFunctionMode):
 
     def __enter__(self):
         out = super().__enter__()
-        _ACTIVE.append(self.store)
+        _ACTIVE.append(self.store)  # (a store of its own: ``is`` tells it from a paused one)
         return out
 
     def __exit__(self, *exc):
@@ -143,7 +191,7 @@ class DeferLinearWeightGrads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear and torch.is_grad_enabled():
+        if func is F.linear and torch.is_grad_enabled() and _ACTIVE[-1] is self.store:
             x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             b = args[2] if len(args) > 2 else kwargs.get("bias")
             if w.is_leaf and w.requires_grad and (b is None or b.is_leaf):

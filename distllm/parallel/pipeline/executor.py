@@ -351,6 +351,10 @@ class _StepRun:
                 f"without checkpointing") from e
         done = [(q, gq) for q, gq in zip(params, grads[int(want_x):], strict=True)
                 if gq is not None]
+        waits = store.deferred_params()  # its other part is W's: W sums them, hooks once
+        store.params += [q for q, _ in done if id(q) in waits]
+        store.grads += [gq for q, gq in done if id(q) in waits]
+        done = [(q, gq) for q, gq in done if id(q) not in waits]
         if done:
             with self._grad_ctx(Action(W, a.mb, a.chunk)):
                 torch.autograd.backward([q for q, _ in done], [gq for _, gq in done])

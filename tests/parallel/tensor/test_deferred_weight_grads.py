@@ -103,3 +103,53 @@ def test_fused_mlp_at_tp1_weight_grads_wait_for_w():
     assert r["dx"] < TOL and r["dw"] < TOL, r
     assert not [n for n in r["in_b"] if n.endswith("weight")], r["in_b"]
     del ParallelDims
+
+
+def test_backend_auto_timing_runs_leave_nothing_to_w():
+    """``backend="auto"`` times each candidate, forward and backward, on copies of the
+    weights the first time it meets a shape: inside zb-h1's forward those runs left their
+    weight GEMMs (and the tensors they hold) to W, 12 records beside the layer's one."""
+    from distllm import ParallelDims
+    from distllm.nn import ColumnParallelLinear
+
+    class _One:
+        tp, tp_rank, tp_group = 1, 0, None
+
+    del ParallelDims
+    torch.manual_seed(0)
+    col = ColumnParallelLinear(13, 7, _One(), activation="gelu", backend="auto",
+                               dtype=torch.float64)  # a shape no other test times
+    x = torch.randn(3, 5, 13, dtype=torch.float64)
+    for _ in range(2):  # the first call times the candidates; the second reuses the choice
+        store = WeightGradStore()
+        with DeferLinearWeightGrads(store):
+            y = col(x)
+        torch.autograd.grad(y, list(col.parameters()), torch.ones_like(y), allow_unused=True)
+        recorded = [[id(p) for p in ps if p is not None] for ps, _ in store.deferred]
+        assert len(recorded) == 1 and id(col.weight) in recorded[0], recorded
+        assert set(recorded[0]) <= {id(p) for p in col.parameters()}
+        store.accumulate()
+
+
+def test_a_linear_under_autocast_defers_as_autocast_runs_it():
+    """``nn.Linear`` with float32 parameters under bfloat16 autocast: B's input gradient and
+    W's weight gradient are autocast's (the GEMMs in bfloat16, the gradients cast back to the
+    parameters' dtype); the bfloat16 output gradient met the float32 weight before."""
+    torch.manual_seed(0)
+    lin, x = nn.Linear(8, 6), torch.randn(4, 8)
+    gy = torch.randn(4, 6)
+    xr = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(xr)
+    y.backward(gy.to(y.dtype))
+    ref = [p.grad.clone() for p in lin.parameters()]
+    lin.zero_grad(set_to_none=True)
+    store, xi = WeightGradStore(), x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16), DeferLinearWeightGrads(store):
+        y2 = lin(xi)
+    assert y2.dtype == torch.bfloat16 and torch.equal(y2, y)
+    (dx,) = torch.autograd.grad(y2, [xi], gy.to(y2.dtype))
+    store.accumulate()
+    assert dx.dtype == torch.float32 and torch.equal(dx, xr.grad)
+    for p, r in zip(lin.parameters(), ref, strict=True):
+        assert p.grad.dtype == torch.float32 and (p.grad - r).abs().max() < 1e-6, (p.grad, r)
