@@ -238,6 +238,10 @@ def load_profile(name_or_path: str | Path | Profile) -> Profile:
     s = str(name_or_path)
     path = Path(s) if s.endswith(".json") else PROFILE_DIR / f"{s.lower()}.json"
     if not path.is_file():
+        if s.endswith(".json"):
+            raise ValueError(f"--gpu {s}: no such file; give the path of a profile .json "
+                             f"(distllm plan --calibrate writes one), or one of "
+                             f"{', '.join(profile_names())}")
         raise ValueError(
             f"unknown hardware profile {s!r}: choose --gpu from "
             f"{', '.join(profile_names())} or give a profile .json path"

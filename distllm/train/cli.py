@@ -24,6 +24,7 @@ import inspect
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -122,7 +123,7 @@ _PIN_NAMES = {"activation_checkpointing": "checkpointing"}  # the planner's name
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    groups = {name: p.add_argument_group(name, cls.__doc__.splitlines()[0].replace("``", ""))
+    groups = {name: p.add_argument_group(name, _summary(cls.__doc__))
               for name, cls, _ in SECTIONS}
     g = groups["layout"]
     g.add_argument("--nproc", type=int, default=None,
@@ -258,6 +259,11 @@ LAUNCHER_PID_ENV = "DISTLLM_TRAIN_LAUNCHER_PID"
 """Set by ``--nproc``'s launcher for its ranks: its process id. A rank ends with it
 (:func:`_end_with_launcher`), also when it is killed with SIGKILL, which it cannot pass on."""
 
+TIMEOUT_PREFIX = "timeout-rank"
+"""A rank whose collective timed out writes ``timeout-rank<R>.txt`` into
+:data:`USAGE_ERRORS_ENV`'s folder: one line, which the launcher prints instead of its
+traceback."""
+
 USAGE_ERRORS_ENV = "DISTLLM_TRAIN_USAGE_ERRORS"
 """Set by ``--nproc``'s launcher for its ranks: a folder into which a rank writes its bad-input
 message (``rank<R>.txt``) instead of printing it; the launcher prints each distinct one once.
@@ -329,16 +335,18 @@ def _launch(nproc: int, cfg: TrainConfig) -> int:
             elastic_launch(config, sys.executable)("-m", "distllm", "train",
                                                    *config_to_argv(cfg))
         except ChildFailedError as exc:
-            return _report_failure(exc, Path(errors))
+            return _report_failure(exc, Path(errors), nproc)
         except SignalException as exc:
             print(f"distllm train: stopped by {exc.sigval.name}", file=sys.stderr)
             return 128 + int(exc.sigval)
     return 0
 
 
-def _report_failure(exc, errors: Path) -> int:
-    """One line per distinct bad-input message the ranks left in ``errors`` (exit code 2),
-    else one line naming the first failed rank of ``exc`` (a ``ChildFailedError``)."""
+def _report_failure(exc, errors: Path, nproc: int) -> int:
+    """One line per distinct bad-input message the ranks left in ``errors`` (exit code 2);
+    else, where ranks timed out in a collective, one line naming them and the ranks that
+    did not answer; else one line naming the first failed rank of ``exc`` (a
+    ``ChildFailedError``)."""
     if (stopped := errors / STOPPED_FILE).is_file():  # the ranks stopped on a signal, saved
         name = stopped.read_text().strip()
         print(f"distllm train: stopped by {name}", file=sys.stderr)
@@ -352,6 +360,15 @@ def _report_failure(exc, errors: Path) -> int:
         print(f"distllm train: error: {msg}", file=sys.stderr)
     if messages:
         return 2
+    timed_out = sorted(int(f.stem.removeprefix(TIMEOUT_PREFIX))
+                       for f in errors.glob(f"{TIMEOUT_PREFIX}*.txt"))
+    if timed_out:
+        first = (errors / f"{TIMEOUT_PREFIX}{timed_out[0]}.txt").read_text().strip()
+        silent = [r for r in range(nproc) if r not in timed_out]
+        print(f"distllm train: error: rank {timed_out[0]} {first}"
+              + (f"; ranks {silent} did not answer (stalled, or died)" if silent else ""),
+              file=sys.stderr)
+        return 1
     rank, failure = exc.get_first_failure()
     if failure.exitcode < 0:
         what = f"was killed by {failure.signal_name()}"
@@ -441,7 +458,31 @@ def _rank(cfg: TrainConfig, world: int) -> int:
             raise
         Path(errors, f"rank{os.environ.get('RANK', '0')}.txt").write_text(str(exc))
         return 2
+    except RuntimeError as exc:  # (torch.distributed's errors are RuntimeErrors)
+        if errors is None or not _timed_out(exc):
+            raise
+        Path(errors, f"{TIMEOUT_PREFIX}{os.environ.get('RANK', '0')}.txt").write_text(
+            f"waited longer than --timeout {cfg.parallel.timeout_s:g} s for a collective "
+            f"({_first_line(exc)})")
+        return 1
     return 0
+
+
+def _summary(doc: str) -> str:
+    """A config class's description for ``--help``: its docstring's first paragraph, joined
+    into one line (a sentence wrapped over lines is not cut at the first)."""
+    return " ".join(doc.strip().split("\n\n")[0].split()).replace("``", "")
+
+
+def _first_line(exc: BaseException) -> str:
+    """The error's first line without the C++ source location gloo prefixes (``[file:N]``)."""
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return re.sub(r"^\[[^\]]*\]\s*", "", line)[:160]
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective's timeout (gloo's "Timed out waiting ... ms")."""
+    return "timed out" in str(exc).lower()
 
 
 def run(args: argparse.Namespace) -> int:

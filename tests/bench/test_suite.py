@@ -148,6 +148,7 @@ def test_list_and_bad_input(registry, capsys, tmp_path):
         assert main(["bench", "--out", str(tmp_path / "bad"), "--no-progress", *args]) == 2, args
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "error:" in err, (args, err)
+        assert err.count("--net") <= 1, err  # the flag named once, not twice over
 
 
 def _r(variant, ms, spread=0.05, case="c", **kw):

@@ -54,6 +54,15 @@ def test_bad_cluster_or_pin_names_the_flag(argv, err, capsys):
     assert capsys.readouterr().err == f"distllm plan: error: {err}\n"
 
 
+def test_a_missing_profile_file_is_named_as_such(capsys, tmp_path):
+    """``--gpu PATH.json`` that does not exist: not an "unknown hardware profile"."""
+    path = tmp_path / "mine.json"
+    assert main(["plan", "--model", "tiny", "--gpus", "8", "--gpu", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"distllm plan: error: --gpu {path}: no such file; give the path "
+                          "of a profile .json (distllm plan --calibrate writes one)"), err
+
+
 def test_pinned_sequence_parallelism_needs_seq_len_divisible_by_tp(capsys):
     from distllm.train.config import ParallelConfig, TrainConfig, check_layout
 

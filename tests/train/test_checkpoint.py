@@ -123,6 +123,40 @@ def test_kill_and_resume(corpus, reference, tmp_path):
     _close([x["loss"] for x in lines], ref)
 
 
+def test_a_stalled_rank_ends_the_job_with_one_line_naming_it(corpus, tmp_path):
+    """A rank that stops answering (SIGSTOP) makes its peer's collective time out after
+    ``--timeout``: the job ends with one line naming the rank that timed out, the flag, and
+    the rank that did not answer (it printed the peer's traceback, naming only the peer)."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_train_cmd(corpus, out, "--save-every", "3", "--no-save",
+                                       "--timeout", "8"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while checkpoint.latest(out) is None:
+            assert proc.poll() is None, proc.communicate()
+            assert time.time() < deadline, "no checkpoint appeared"
+            time.sleep(0.02)
+        workers = _workers(proc.pid)
+        assert len(workers) == 2, workers
+        t_stop = time.time()
+        os.kill(workers[-1], signal.SIGSTOP)
+        _, err = proc.communicate(timeout=120)
+        took = time.time() - t_stop
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 1, err[-2000:]
+    assert took < 60, f"the job took {took:.0f} s to end after a rank stalled"
+    last = err.splitlines()[-1]
+    assert last.startswith("distllm train: error: rank 0 waited longer than --timeout 8 s "
+                           "for a collective ("), err[-2000:]
+    assert last.endswith("; ranks [1] did not answer (stalled, or died)"), last
+    assert "Traceback" not in err, err[-3000:]
+
+
 def _signalled_at_step_3(corpus: str, out: str) -> list[tuple[list[float], str | None]]:
     """Rank function: a dp2 ZeRO-1 run of the 60-step schedule in which rank 1 alone gets
     SIGUSR1 during step 4, then its resume for one more step; each run's losses and

@@ -99,6 +99,12 @@ def test_resume_refuses_another_model(capsys, corpus, tmp_path):
     line = _err(capsys, ["--resume", "--out", str(out), "--model", "gpt2-small"])
     assert line.endswith("): pass the checkpoint's --model (and --n-layers), or another --out")
     assert "no complete checkpoint" in _err(capsys, ["--resume", "--out", str(tmp_path / "x")])
+    # a folder holding a run that saved no checkpoint: no advice that leads back here
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "metrics.jsonl").write_text('{"step": 1}\n')
+    line = _err(capsys, ["--resume", "--out", str(tmp_path / "m")])
+    assert line.endswith("only a previous run's metrics.jsonl (a run without checkpoints): "
+                         "pass another --out"), line
 
 
 def test_out_must_be_a_folder_it_can_create(capsys, tmp_path):
@@ -263,14 +269,14 @@ def test_a_failed_rank_is_named_once(capsys, tmp_path):
     none = str(tmp_path / "no-error-file")
     crashed = ChildFailedError("distllm", {1: ProcessFailure(1, 10, 1, none)})
     killed = ChildFailedError("distllm", {0: ProcessFailure(0, 11, -9, none)})
-    assert _report_failure(crashed, tmp_path) == 1
-    assert _report_failure(killed, tmp_path) == 1
+    assert _report_failure(crashed, tmp_path, 2) == 1
+    assert _report_failure(killed, tmp_path, 2) == 1
     assert capsys.readouterr().err.splitlines() == [
         "distllm train: error: rank 1 failed (exit code 1); its traceback is above",
         "distllm train: error: rank 0 was killed by SIGKILL"]
     for rank, msg in ((2, "b"), (0, "a"), (1, "a")):
         (tmp_path / f"rank{rank}.txt").write_text(msg)
-    assert _report_failure(crashed, tmp_path) == 2
+    assert _report_failure(crashed, tmp_path, 2) == 2
     assert capsys.readouterr().err.splitlines() == ["distllm train: error: a",
                                                     "distllm train: error: b"]
 
@@ -511,6 +517,9 @@ def test_help_comes_from_the_field_docstrings(capsys):
                   "long. (default: 300.0)",
                   "-1 uses 5% of the schedule's steps (at least 1)",  # a literal % survives
                   "--schedule {gpipe,1f1b,interleaved-1f1b,zb-h1}",
+                  # a group's description whole, not its docstring's first line
+                  "optimizer: AdamW with linear warm-up then a decay (cosine by default), and",
+                  "norm gradient clipping. --lr",
                   "--no-save Save a checkpoint after the last step. On by default: this flag "
                   "turns it off.",
                   "--timeout TIMEOUT Collective timeout",
