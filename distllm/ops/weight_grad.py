@@ -38,6 +38,7 @@ In float64 the result equals the plain backward to rounding (the same products).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
@@ -109,7 +110,15 @@ class WeightGradStore:
             del gs
 
 
-_ACTIVE: list[WeightGradStore | None] = []  # entered DeferLinearWeightGrads / paused()
+class _Active(threading.local):
+    """Per thread, as torch's function modes are: the stores of the entered
+    :class:`DeferLinearWeightGrads` and :func:`paused` (None), innermost last."""
+
+    def __init__(self) -> None:
+        self.stack: list[WeightGradStore | None] = []
+
+
+_ACTIVE = _Active()
 
 
 def weight_grad_store(weight: torch.Tensor) -> WeightGradStore | None:
@@ -117,20 +126,20 @@ def weight_grad_store(weight: torch.Tensor) -> WeightGradStore | None:
     gradient GEMM to, or None (compute it in the backward). A store only inside
     :class:`DeferLinearWeightGrads` (and not :func:`paused`), for a leaf weight that requires
     grad (not autocast's copy); the backward defers only where it computes that gradient."""
-    if not _ACTIVE or not (weight.is_leaf and weight.requires_grad):
+    if not _ACTIVE.stack or not (weight.is_leaf and weight.requires_grad):
         return None
-    return _ACTIVE[-1]
+    return _ACTIVE.stack[-1]
 
 
 @contextlib.contextmanager
 def paused():
     """Inside it nothing defers, even within :class:`DeferLinearWeightGrads`: for work that
     is not the step's (a backend's timing runs on copies of the weights)."""
-    _ACTIVE.append(None)
+    _ACTIVE.stack.append(None)
     try:
         yield
     finally:
-        _ACTIVE.pop()
+        _ACTIVE.stack.pop()
 
 
 def trained(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -182,16 +191,16 @@ class DeferLinearWeightGrads(TorchFunctionMode):
 
     def __enter__(self):
         out = super().__enter__()
-        _ACTIVE.append(self.store)  # (a store of its own: ``is`` tells it from a paused one)
+        _ACTIVE.stack.append(self.store)  # (a store of its own: ``is`` tells it from a paused one)
         return out
 
     def __exit__(self, *exc):
-        _ACTIVE.pop()
+        _ACTIVE.stack.pop()
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear and torch.is_grad_enabled() and _ACTIVE[-1] is self.store:
+        if func is F.linear and torch.is_grad_enabled() and _ACTIVE.stack[-1] is self.store:
             x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             b = args[2] if len(args) > 2 else kwargs.get("bias")
             if w.is_leaf and w.requires_grad and (b is None or b.is_leaf):

@@ -153,3 +153,22 @@ def test_a_linear_under_autocast_defers_as_autocast_runs_it():
     assert dx.dtype == torch.float32 and torch.equal(dx, xr.grad)
     for p, r in zip(lin.parameters(), ref, strict=True):
         assert p.grad.dtype == torch.float32 and (p.grad - r).abs().max() < 1e-6, (p.grad, r)
+
+
+def test_another_thread_does_not_defer_into_this_threads_store():
+    """The deferral is per thread, as torch's function modes are: a backward in another
+    thread while this one is inside ``DeferLinearWeightGrads`` computes its own weight
+    gradient."""
+    import threading
+
+    from distllm.ops import linear_gelu
+
+    w = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    store = WeightGradStore()
+    with DeferLinearWeightGrads(store):
+        t = threading.Thread(
+            target=lambda: linear_gelu(x, w, None, backend="cpu").sum().backward())
+        t.start()
+        t.join()
+    assert not store.deferred and w.grad is not None
