@@ -349,14 +349,16 @@ class CostModel(TimeModel):
         h, f, kv = s.hidden, s.ffn, s.kv_dim
         parts = self.runtime.zb_deferred(t, s.splits_vocab(t, lay.sequence_parallel))
         block = head = 0.0
+        # under sequence parallelism the column-parallel GEMMs keep the all-gathered input
+        # and the row-parallel ones the all-gathered output gradient: full-sequence rows
         if "attention" in parts:
             block += self.e * bs * (h + (h + 2 * kv) / t  # QKV: its input, its output's grad
-                                    + h / t + h / sp)  # output projection
+                                    + h / t + h)  # output projection
         if "mlp" in parts:
             block += self.e * bs * (h + gates * f / t  # MLP input
-                                    + f / t + h / sp)  # MLP output
+                                    + f / t + h)  # MLP output
         if "head" in parts:
-            head = self.e * bs * (s.hidden / sp + s.vocab_rows(t, lay.sequence_parallel))
+            head = self.e * bs * (s.hidden + s.vocab_rows(t, lay.sequence_parallel))
         return block, head
 
     def evaluate(self, lay: Layout) -> Estimate:
