@@ -344,7 +344,6 @@ class CostModel(TimeModel):
         :meth:`Runtime.zb_deferred` names."""
         s, t = self.shape, lay.tp
         bs = b * s.seq_len
-        sp = t if lay.sequence_parallel else 1
         gates = 2 if s.gated_mlp else 1
         h, f, kv = s.hidden, s.ffn, s.kv_dim
         parts = self.runtime.zb_deferred(t, s.splits_vocab(t, lay.sequence_parallel))
