@@ -120,14 +120,17 @@ class Probe:
         self.handles.clear()
 
     def ms(self, name: str, d: str) -> float | None:
-        """Median time per call (ms) of one layer in one direction."""
+        """Mean time per call (ms) of one layer in one direction: the mean, as the layer's
+        wait and communication times per call are (sums over its calls), so that compute =
+        layer - wait is of one statistic (a median layer time under a mean wait read a
+        wait longer than the layer)."""
         pairs = self.marks.get((name, d)) or []
         if not pairs:
             return None
         if self.cuda:
             torch.cuda.synchronize()
-            return statistics.median(a.elapsed_time(b) for a, b in pairs)
-        return statistics.median((b - a) * 1e3 for a, b in pairs)
+            return statistics.fmean(a.elapsed_time(b) for a, b in pairs)
+        return statistics.fmean((b - a) * 1e3 for a, b in pairs)
 
 
 def snapshot(layers) -> dict[tuple[str, str], dict]:

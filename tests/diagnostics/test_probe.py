@@ -20,3 +20,15 @@ IN_N, OUT_N, TP = 12, 40, 4  # elements of the layer's input and output on this 
 ])
 def test_full_numel(coll, direction, want):
     assert full_numel(coll, direction, IN_N, OUT_N, TP) == want
+
+
+def test_a_layers_time_is_the_mean_of_its_calls_as_its_wait_is():
+    """The row's wait is a mean per call (a sum over calls); the layer's time must be the
+    same statistic, or compute = layer - wait mixes them (one slow call of three made a
+    median layer time shorter than the mean wait)."""
+    from distllm.diagnostics.probe import Probe
+
+    probe = Probe([], cuda=False)
+    probe.marks[("attn.o", "forward")] = [[0.0, 0.001], [1.0, 1.001], [2.0, 2.010]]
+    assert abs(probe.ms("attn.o", "forward") - 4.0) < 1e-9
+    assert probe.ms("mlp", "forward") is None
