@@ -79,19 +79,26 @@ def _rank_main(
             raise
         try:
             out = fn(rank, *args, **kwargs) if pass_rank else fn(*args, **kwargs)
-            if dist.is_initialized():
-                # A rank whose fn ran no collective could otherwise close its group while a
-                # peer is still forming gloo's connections to it ("Connection closed by peer")
-                results.put((rank, "returned", None))
-                dist.barrier()
         except BaseException:  # noqa: BLE001 - report before peers see the group close
             results.put((rank, "error", traceback.format_exc()))
             return
+        if dist.is_initialized():
+            # A rank whose fn ran no collective could otherwise close its group while a
+            # peer is still forming gloo's connections to it ("Connection closed by peer")
+            results.put((rank, "returned", None))
+            try:
+                dist.barrier()
+            except BaseException:  # noqa: BLE001 - a peer's failure seen here: reported last
+                results.put((rank, "error", _AT_END + traceback.format_exc()))
+                return
         results.put((rank, "ok", out))
-        dist.destroy_process_group()
+        if dist.is_initialized():  # (fn may have destroyed it)
+            dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit
         results.put((rank, "error", traceback.format_exc()))
 
+
+_AT_END = "(fn returned; waiting for the other ranks at the end, this rank got:)\n"
 
 # Errors a rank gets because a peer went away: reported after the peer's own error.
 _SECONDARY = (
@@ -109,6 +116,8 @@ def _order(errors: dict[int, str]) -> list[int]:
     not forming (it names the peer that closed), then a peer's connection error."""
 
     def rank(r: int) -> tuple[int, int]:
+        if errors[r].startswith(_AT_END):  # its fn returned: a peer's failure, surely
+            return (3, r)
         if _RENDEZVOUS_RACE in errors[r]:
             return (1, r)
         return (2 if any(m in errors[r] for m in _SECONDARY) else 0, r)

@@ -158,8 +158,8 @@ def check_compatible(out: str | os.PathLike, mcfg) -> Path:
         metrics = Path(out) / "metrics.jsonl"
         if metrics.is_file() and metrics.stat().st_size > 0:  # a run that saved none
             raise FileNotFoundError(f"--resume: no complete checkpoint under "
-                                    f"{_ckpt_root(out)}, only a previous run's metrics.jsonl "
-                                    f"(a run without checkpoints): pass another --out")
+                                    f"{_ckpt_root(out)}, only a previous run's metrics.jsonl: "
+                                    f"pass another --out")
         raise FileNotFoundError(f"--resume: no complete checkpoint under {_ckpt_root(out)}; "
                                 f"drop --resume to start afresh")
     meta = _read_meta(path)

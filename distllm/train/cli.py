@@ -362,7 +362,8 @@ def _report_failure(exc, errors: Path, nproc: int) -> int:
         return 2
     timed_out = sorted(int(f.stem.removeprefix(TIMEOUT_PREFIX))
                        for f in errors.glob(f"{TIMEOUT_PREFIX}*.txt"))
-    if timed_out:
+    crashed = [r for r, f in exc.failures.items() if r not in timed_out and f.exitcode > 0]
+    if timed_out and not crashed:  # (a rank that failed on its own is the one to name)
         first = (errors / f"{TIMEOUT_PREFIX}{timed_out[0]}.txt").read_text().strip()
         silent = [r for r in range(nproc) if r not in timed_out]
         print(f"distllm train: error: rank {timed_out[0]} {first}"

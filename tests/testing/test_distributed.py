@@ -88,6 +88,21 @@ def test_no_rank_leaves_its_group_before_every_rank_has_run_fn(tmp_path):
     assert out[1] in ("R", "S", "D"), f"rank 0's process after it returned: {out[1]}"
 
 
+def _own_error_says_timed_out():
+    if dist.get_rank() == 1:
+        raise RuntimeError("the request timed out (this rank's own error)")
+    return "returned"
+
+
+def test_the_rank_that_failed_is_named_before_a_peer_waiting_at_the_end():
+    """Rank 1 fails with an error of its own that reads like a peer's ("timed out"); rank 0
+    returned and, waiting for the others at the end, loses its connection: rank 1 is the
+    one named (it was rank 0, with the end's barrier in its traceback)."""
+    with pytest.raises(DistributedFailure, match=r"(?s)^_own_error_says_timed_out: rank 1 of 2 "
+                                                 r"failed:.*this rank's own error"):
+        run_distributed(_own_error_says_timed_out, 2, timeout=60)
+
+
 def _mesh_fails(marker_dir: str, rank: int, world: int) -> None:
     """``setup``: rank 1 fails the way gloo's full-mesh connect does, on the first start only
     (a marker file remembers it) or, with ``marker_dir`` empty, on every start."""

@@ -103,8 +103,7 @@ def test_resume_refuses_another_model(capsys, corpus, tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "metrics.jsonl").write_text('{"step": 1}\n')
     line = _err(capsys, ["--resume", "--out", str(tmp_path / "m")])
-    assert line.endswith("only a previous run's metrics.jsonl (a run without checkpoints): "
-                         "pass another --out"), line
+    assert line.endswith("only a previous run's metrics.jsonl: pass another --out"), line
 
 
 def test_out_must_be_a_folder_it_can_create(capsys, tmp_path):
@@ -274,6 +273,17 @@ def test_a_failed_rank_is_named_once(capsys, tmp_path):
     assert capsys.readouterr().err.splitlines() == [
         "distllm train: error: rank 1 failed (exit code 1); its traceback is above",
         "distllm train: error: rank 0 was killed by SIGKILL"]
+    # a rank that timed out in a collective: one line naming it and the silent ranks, unless
+    # another rank failed on its own (that one is the cause)
+    (tmp_path / "timeout-rank0.txt").write_text("waited longer than --timeout 5 s for a "
+                                                "collective (Timed out waiting 5000ms)")
+    assert _report_failure(killed, tmp_path, 2) == 1
+    assert _report_failure(crashed, tmp_path, 2) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "distllm train: error: rank 0 waited longer than --timeout 5 s for a collective (Timed "
+        "out waiting 5000ms); ranks [1] did not answer (stalled, or died)",
+        "distllm train: error: rank 1 failed (exit code 1); its traceback is above"]
+    (tmp_path / "timeout-rank0.txt").unlink()
     for rank, msg in ((2, "b"), (0, "a"), (1, "a")):
         (tmp_path / f"rank{rank}.txt").write_text(msg)
     assert _report_failure(crashed, tmp_path, 2) == 2

@@ -56,12 +56,14 @@ class DeferredReductions:
 
     def __init__(self) -> None:
         self._pending: list[tuple[object, object, torch.Tensor]] = []  # (plan, handle, out)
+        self._versions: list[int] = []  # each ``out``'s version when its all-reduce launched
         self._bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(out): (out, bias)
 
     def launched(self, plan, handle, out: torch.Tensor) -> None:
         """Record ``plan``'s all-reduce ``handle`` of the partial sum ``out`` (waited for by
         :meth:`finish`)."""
         self._pending.append((plan, handle, out))
+        self._versions.append(out._version)  # the sum lands without bumping it
 
     def add_bias_later(self, out: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Have :meth:`finish` return ``out + bias`` for ``out`` (a replicated bias goes on
@@ -78,6 +80,13 @@ class DeferredReductions:
         sublayer must return its row-parallel layer's output itself, since anything computed
         from a partial sum before its all-reduce finished is wrong."""
         launched = [o for _, _, o in self._pending]
+        changed = [o for o, v in zip(launched, self._versions, strict=True) if o._version != v]
+        if changed:
+            raise RuntimeError(
+                "batch split: a sublayer changed its row-parallel layer's output in place "
+                "while that partial sum's all-reduce was in flight (e.g. y.mul_(2) after the "
+                "row-parallel layer); make it out of place, or run the block unsplit "
+                "(split_residual parts=1, GPT batch_split=1)")
         if launched and (len(launched) != 1 or not _same(launched[0], out)):
             got = "another tensor" if len(launched) == 1 else "a tensor"
             raise RuntimeError(
@@ -93,7 +102,7 @@ class DeferredReductions:
         with torch.no_grad():  # the sum lands in ``out`` in place, outside autograd's view
             for plan, handle, _ in self._pending:
                 plan.wait_deferred(handle)
-        self._pending = []
+        self._pending, self._versions = [], []
 
     def finish(self, out: torch.Tensor) -> torch.Tensor:
         """Wait for every recorded all-reduce and return ``out`` (now the sum over the TP

@@ -6,10 +6,11 @@ row."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from distllm.testing import run_distributed
+from distllm.testing import DistributedFailure, run_distributed
 
 TOL = 1e-10
 
@@ -78,6 +79,27 @@ def test_batch_split_under_a_full_backward_hook():
     for r in run_distributed(_batch_split_under_a_full_backward_hook, 2, timeout=120):
         assert r["deferred"] == "deferred" and r["hooks"] == 2, r
         assert r["y"] < TOL and r["dx"] < TOL and r["dparams"] < TOL, r
+
+
+def _in_place_on_a_partial_sum():
+    from distllm import ParallelDims
+    from distllm.nn.parallel_linear import ColumnParallelLinear, RowParallelLinear
+    from distllm.parallel.tensor.batch_split import split_residual
+
+    dims = ParallelDims(tp=2)
+    torch.manual_seed(0)
+    c = ColumnParallelLinear(4, 6, dims, overlap="chunked", dtype=torch.float64)
+    r = RowParallelLinear(6, 4, dims, overlap="chunked", dtype=torch.float64)
+    x = torch.randn(4, 3, 4, dtype=torch.float64)
+    return split_residual([lambda t: r(c(t)).view_as(t).mul_(2.0)], x, 2)
+
+
+def test_an_in_place_op_on_a_partial_sum_in_flight_is_refused():
+    """``y.mul_(2)`` on the row-parallel output (or a view of it) while its all-reduce is in
+    flight: the sum landed on top, silently wrong (1.5 off, ranks disagreeing)."""
+    with pytest.raises(DistributedFailure, match="changed its row-parallel layer's output in "
+                                                 "place"):
+        run_distributed(_in_place_on_a_partial_sum, 2, timeout=60)
 
 
 def test_a_blocking_collective_hides_nothing():
