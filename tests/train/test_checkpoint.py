@@ -80,15 +80,11 @@ def _workers(launcher: int) -> list[int]:
     return _children(launcher)
 
 
-def test_kill_and_resume(corpus, reference, tmp_path):
-    """A rank killed mid-run ends the job quickly with a clear message; resuming from the
-    last checkpoint reproduces the uninterrupted losses exactly (float64)."""
-    ref = reference
-    out = tmp_path / "run"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(_train_cmd(corpus, out, "--save-every", "3", "--no-save"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+def _signal_the_last_rank(cmd: list[str], out: Path, sig: int) -> tuple[int, str, float]:
+    """Start ``distllm train --nproc 2`` (``cmd``), send ``sig`` to its last rank once a
+    checkpoint exists; ``(exit code, stderr, seconds from the signal to the job's end)``."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
     try:
         deadline = time.time() + 240
         while checkpoint.latest(out) is None:
@@ -96,16 +92,25 @@ def test_kill_and_resume(corpus, reference, tmp_path):
             assert time.time() < deadline, "no checkpoint appeared"
             time.sleep(0.02)
         workers = _workers(proc.pid)
-        assert workers, "no rank processes found"
-        t_kill = time.time()
-        os.kill(workers[-1], signal.SIGKILL)
+        assert len(workers) == 2, workers
+        t_sig = time.time()
+        os.kill(workers[-1], sig)
         _, err = proc.communicate(timeout=120)
-        took = time.time() - t_kill
+        return proc.returncode, err, time.time() - t_sig
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode != 0
+
+
+def test_kill_and_resume(corpus, reference, tmp_path):
+    """A rank killed mid-run ends the job quickly with a clear message; resuming from the
+    last checkpoint reproduces the uninterrupted losses exactly (float64)."""
+    ref = reference
+    out = tmp_path / "run"
+    code, err, took = _signal_the_last_rank(
+        _train_cmd(corpus, out, "--save-every", "3", "--no-save"), out, signal.SIGKILL)
+    assert code != 0
     assert took < 60, f"the job took {took:.0f} s to end after a rank died"
     assert err.splitlines()[-1].startswith("distllm train: error: rank "), err[-2000:]
     assert err.splitlines()[-1].endswith(" was killed by SIGKILL"), err[-2000:]
@@ -128,27 +133,10 @@ def test_a_stalled_rank_ends_the_job_with_one_line_naming_it(corpus, tmp_path):
     ``--timeout``: the job ends with one line naming the rank that timed out, the flag, and
     the rank that did not answer (it printed the peer's traceback, naming only the peer)."""
     out = tmp_path / "run"
-    proc = subprocess.Popen(_train_cmd(corpus, out, "--save-every", "3", "--no-save",
-                                       "--timeout", "8"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
-    try:
-        deadline = time.time() + 240
-        while checkpoint.latest(out) is None:
-            assert proc.poll() is None, proc.communicate()
-            assert time.time() < deadline, "no checkpoint appeared"
-            time.sleep(0.02)
-        workers = _workers(proc.pid)
-        assert len(workers) == 2, workers
-        t_stop = time.time()
-        os.kill(workers[-1], signal.SIGSTOP)
-        _, err = proc.communicate(timeout=120)
-        took = time.time() - t_stop
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 1, err[-2000:]
+    code, err, took = _signal_the_last_rank(
+        _train_cmd(corpus, out, "--save-every", "3", "--no-save", "--timeout", "8"), out,
+        signal.SIGSTOP)
+    assert code == 1, err[-2000:]
     assert took < 60, f"the job took {took:.0f} s to end after a rank stalled"
     last = err.splitlines()[-1]
     assert last.startswith("distllm train: error: rank 0 waited longer than --timeout 8 s "
