@@ -55,7 +55,8 @@ class Runtime:
     still in memory: the runtime refuses zb-h1 with ZeRO-3 (which releases the parameters
     after use) and with activation checkpointing (whose recomputation frees them)."""
     zb_defers_tp_layers: bool = True
-    """zb-h1's W runs the weight-gradient GEMMs of every linear layer (Qi et al. 2024); False:
+    """zb-h1's W runs the weight-gradient GEMMs of every linear layer (Qi et al. 2024; so does
+    distllm's, :mod:`distllm.ops.weight_grad`); False:
     only of the layers that run as plain linears (at tp = 1 the attention's projections and
     the head; a head held whole at tp > 1), while the tensor-parallel layers at tp > 1 and
     the MLP's fused GEMM + GeLU compute theirs in B (where a tensor-parallel backward

@@ -90,8 +90,8 @@ class PipelineParallel(nn.Module):
             but the rank's last runs under ``no_sync()``; ``finish_grad_sync()`` is called at
             the end of every training step (so buckets of other chunks, with interleaving,
             are reduced there). W accumulates with ``autograd.backward(params, grads)`` on the
-            leaves, so post-accumulate-grad hooks (DDP / ZeRO buckets) fire from W; see
-            ``weight_grad`` for how B and W split the work.
+            leaves, one layer at a time, so post-accumulate-grad hooks (DDP / ZeRO buckets)
+            fire from W; see :mod:`distllm.ops.weight_grad` for how B and W split the work.
         track_memory: measure bytes saved for backward per micro-batch (small overhead).
         p2p_channels: one process group per direction between neighbouring stages (default:
             on NCCL, whose in-order streams need it; see ``pp_comm``), else one group.
@@ -330,10 +330,11 @@ class _StepRun:
 
     def _input_grad(self, a: Action, x, y, grad, store: WeightGradStore):
         """B of a split backward: one autograd pass for dX and the gradients of the parameters
-        whose weight gradient is not deferred (layers other than plain linears: norms,
-        embeddings, tensor-parallel and fused kernels), accumulated at once, as W would
+        whose weight gradient is not deferred (norms, embeddings, the biases whose gradient
+        needs a collective or that a fused kernel computed), accumulated at once, as W would
         (hooks fire under W's gradient-sync context), so that no copy of them waits for W;
-        deferred linears record ``(X, dY)`` in ``store``. Frees the graph."""
+        a parameter with a deferred part too leaves this part to W, which sums them. The
+        deferred weight GEMMs record what they need in ``store``. Frees the graph."""
         params = [q for q in self.pp.chunks[a.chunk].parameters() if q.requires_grad]
         want_x = x.requires_grad
         inputs = ([x] if want_x else []) + params
