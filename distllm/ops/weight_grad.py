@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["WeightGradStore", "DeferLinearWeightGrads", "weight_grad_store"]
+__all__ = ["WeightGradStore", "DeferLinearWeightGrads", "weight_grad_store", "leave_to_w", "paused",
+           "trained"]
 
 Grads = Callable[[], Sequence[torch.Tensor | None]]
 
@@ -140,6 +141,16 @@ def paused():
         yield
     finally:
         _ACTIVE.stack.pop()
+
+
+def leave_to_w(store: WeightGradStore, weight: torch.Tensor, bias: torch.Tensor | None,
+               need_b: bool, grads: Callable[[bool], Sequence[torch.Tensor | None]]) -> bool:
+    """Record for W the gradient of ``weight`` and, where ``need_b`` and ``bias`` is a leaf
+    (:func:`trained`), of ``bias``: ``grads(with_bias)`` gives ``(dW, db or None)``. Returns
+    whether the bias's went to W (False: B computes it, e.g. for a cast bias)."""
+    b_later = need_b and bias is not None
+    store.defer((weight, bias if b_later else None), lambda: grads(b_later))
+    return b_later
 
 
 def trained(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -45,7 +45,7 @@ from torch._subclasses.fake_tensor import is_fake
 from distllm.comm.collectives import all_reduce
 from distllm.ops import backend_choice, cpu_gemm
 from distllm.ops import linear_gelu_backends as impl
-from distllm.ops.weight_grad import trained, weight_grad_store
+from distllm.ops.weight_grad import leave_to_w, trained, weight_grad_store
 from distllm.parallel.tensor.batch_split import deferring
 from distllm.parallel.tensor.layers import OverlapPlan, _mm, _mm_t
 
@@ -195,9 +195,7 @@ def _fc1_backward(ctx_plan: OverlapPlan, sp, gu, db, x_full, w, has_bias, needs,
 
     then, later = wgrad, None
     if store is not None and need_w:  # a bias that is no leaf (a cast) gets its grad here
-        b_later = bias_now and params[1] is not None
-        store.defer((params[0], params[1] if b_later else None),
-                    lambda: wgrad(True, b_later))
+        b_later = leave_to_w(store, *params, bias_now, lambda b: wgrad(True, b))
         then = None
         later = (None, db if db is not None else
                  gu.sum(0) if bias_now and not b_later else None)

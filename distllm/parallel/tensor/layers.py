@@ -37,7 +37,7 @@ import torch
 from distllm.comm.collectives import all_reduce
 from distllm.diagnostics.timing import max_over_ranks
 from distllm.ops import cpu_gemm
-from distllm.ops.weight_grad import trained, weight_grad_store
+from distllm.ops.weight_grad import leave_to_w, trained, weight_grad_store
 from distllm.parallel.tensor import overlap_tuner
 from distllm.parallel.tensor.batch_split import deferring
 from distllm.parallel.tensor.overlap import CommContext, run_engine
@@ -332,10 +332,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
 
         then, later = wgrad, None
         if ctx.store is not None and need_w:  # zb-h1: left to W, dX's collective alone
-            w_param, b_param = ctx.params  # a bias that is no leaf (a cast) gets its grad here
-            b_later = need_b and b_param is not None
-            ctx.store.defer((w_param, b_param if b_later else None),
-                            lambda: wgrad(True, b_later))
+            b_later = leave_to_w(ctx.store, *ctx.params, need_b, lambda b: wgrad(True, b))
             then, later = None, (None, g2.sum(0) if need_b and not b_later else None)
         if not need_x:
             ctx.plan.ran("backward", "none")
