@@ -212,7 +212,8 @@ class DeferLinearWeightGrads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear and torch.is_grad_enabled() and _ACTIVE.stack[-1] is self.store:
-            x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            x = args[0] if args else kwargs["input"]  # F.linear(input, weight, bias=None)
+            w = args[1] if len(args) > 1 else kwargs["weight"]
             b = args[2] if len(args) > 2 else kwargs.get("bias")
             if w.is_leaf and w.requires_grad and (b is None or b.is_leaf):
                 return _DeferredLinear.apply(x, w, b, self.store)

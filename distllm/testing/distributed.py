@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -91,7 +92,9 @@ def _rank_main(
             except BaseException:  # noqa: BLE001 - a peer's failure seen here: reported last
                 results.put((rank, "error", _AT_END + traceback.format_exc()))
                 return
-        results.put((rank, "ok", out))
+        # by value: the queue's own pickler would send a tensor's storage as a file
+        # descriptor that the parent fetches from this process later, which may have exited
+        results.put((rank, "ok", pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)))
         if dist.is_initialized():  # (fn may have destroyed it)
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit
@@ -266,5 +269,5 @@ def _collect(procs, results, world_size, timeout, name) -> list[Any]:
             errors = {rank: payload}
             _drain_errors(results, errors, grace=1.0)
             raise _failure(name, world_size, errors)
-        out[rank] = payload
+        out[rank] = pickle.loads(payload)
     return [out[r] for r in range(world_size)]

@@ -225,6 +225,32 @@ def test_deferred_weight_grads_leave_a_frozen_bias_alone():
     store.accumulate()
     assert lin.bias.grad is None and (lin.weight.grad - ref).abs().max() < 1e-12
 
+def test_deferred_weight_grads_take_linear_called_with_keywords():
+    """``F.linear(input=x, weight=w, bias=b)``, every argument by keyword, defers as the
+    positional call does: B gives dX alone, W the weight's and the bias's gradients."""
+    import torch
+    import torch.nn.functional as F
+
+    from distllm.ops.weight_grad import DeferLinearWeightGrads, WeightGradStore
+
+    torch.manual_seed(0)
+    w = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    gy = torch.randn(5, 3, dtype=torch.float64)
+    torch.autograd.backward(F.linear(x, w, b), gy)
+    ref = [t.grad for t in (x, w, b)]
+    x.grad = w.grad = b.grad = None
+    store = WeightGradStore()
+    with DeferLinearWeightGrads(store):
+        y = F.linear(input=x, weight=w, bias=b)
+    dx, dw, db = torch.autograd.grad(y, [x, w, b], gy, allow_unused=True)
+    assert dw is None and db is None and len(store.deferred) == 1
+    store.accumulate()
+    assert (dx - ref[0]).abs().max() < 1e-12
+    assert (w.grad - ref[1]).abs().max() < 1e-12 and (b.grad - ref[2]).abs().max() < 1e-12
+
+
 
 def test_w_runs_one_layer_at_a_time_and_frees_each_as_it_goes():
     """W accumulates each deferred GEMM's result at once and drops its record, so that the

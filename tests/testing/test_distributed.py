@@ -40,6 +40,28 @@ def test_results_in_rank_order(world):
     assert all(s == world * (world + 1) / 2 for _, s, _ in out)
 
 
+def _a_tensor():
+    return torch.arange(4096, dtype=torch.float64) + dist.get_rank()
+
+
+def test_a_returned_tensor_outlives_its_rank(monkeypatch):
+    """A rank's result reaches the caller by value: a tensor sent as a shared file
+    descriptor would be fetched from the rank's process when the caller reads the queue,
+    and a rank that had exited by then (a busy caller) made the read fail."""
+    import multiprocessing.queues
+
+    get, first = multiprocessing.queues.Queue.get, []
+
+    def late_get(self, *args, **kwargs):  # the caller busy while the ranks return and exit
+        if not first:
+            first.append(time.sleep(3.0))
+        return get(self, *args, **kwargs)
+
+    monkeypatch.setattr(multiprocessing.queues.Queue, "get", late_get)
+    out = run_distributed(_a_tensor, 2, timeout=60)
+    assert [float(t.sum()) for t in out] == [4096 * 4095 / 2, 4096 * 4095 / 2 + 4096]
+
+
 def test_failing_rank_traceback():
     with pytest.raises(DistributedFailure, match=r"(?s)rank 1 of 2 failed.*boom on rank one"):
         run_distributed(_fail_on_rank1, 2, timeout=60)

@@ -73,6 +73,24 @@ def split_micro_batches(t: torch.Tensor, m: int, what: str) -> list[torch.Tensor
     return list(t.split(n // m))
 
 
+def _refuse_weights_across_ranks(layers: Sequence[nn.Module], ranges, pp: int) -> None:
+    """A parameter in layers that land on different pipeline ranks (a weight tied between
+    the embedding and the head, say) would get each rank's part of its gradient only, and
+    its copies would drift apart from the first step on: refused, naming the layers."""
+    rank_of = {i: s % pp for s, r in enumerate(ranges) for i in r}
+    seen: dict[int, tuple[int, str]] = {}  # id(param) -> (its first layer, its name there)
+    for i, layer in enumerate(layers):
+        for name, q in layer.named_parameters(remove_duplicate=False):
+            first = seen.setdefault(id(q), (i, name))
+            if rank_of[first[0]] != rank_of[i]:
+                raise ValueError(
+                    f"layers {first[0]} ({first[1]}) and {i} ({name}) share a parameter, and "
+                    f"the pipeline puts them on pipeline ranks {rank_of[first[0]]} and "
+                    f"{rank_of[i]}: the pipeline does not sum a weight's gradient across "
+                    f"ranks; untie the weight, or place both layers on one rank "
+                    f"(layers_per_stage)")
+
+
 class PipelineParallel(nn.Module):
     """The local pipeline stages of a model given as a sequence of layers, and its executor.
 
@@ -116,6 +134,8 @@ class PipelineParallel(nn.Module):
         self.v = virtual_stages
         ranges = split_layers(n, dims.pp, virtual_stages, layers_per_stage)
         self.layer_ids = [list(ranges[c * self.pp + self.pp_rank]) for c in range(self.v)]
+        if not callable(layers):
+            _refuse_weights_across_ranks(layers, ranges, self.pp)
         self.chunks = nn.ModuleList(nn.Sequential(*map(build, ids)) for ids in self.layer_ids)
         self.grad_sync, self.track_memory = grad_sync, track_memory
         self.pp_ranks = dims.group_ranks("pp")
@@ -203,6 +223,25 @@ class PipelineParallel(nn.Module):
         return loss[0]
 
 
+def _leaves_besides(y: torch.Tensor, known: set[int]) -> list[torch.Tensor]:
+    """The leaf tensors that ``y``'s graph accumulates a gradient into, but those whose
+    ``id`` is in ``known``: one walk of the graph's nodes."""
+    found, seen, todo = [], set(), [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # AccumulateGrad's
+        if leaf is not None:
+            if id(leaf) not in known:
+                known.add(id(leaf))
+                found.append(leaf)
+            continue
+        todo.extend(n for n, _ in node.next_functions)
+    return found
+
+
 class _StepRun:
     """State of one step on one rank: stage inputs/outputs per (mb, chunk), losses, stats."""
 
@@ -219,6 +258,7 @@ class _StepRun:
         self.held, self.held_bytes = 0, 0
         self.saved_bytes: dict[tuple[int, int], int] = {}
         self.wstores: dict[tuple[int, int], WeightGradStore] = {}
+        self.outside: dict[int, list[torch.Tensor]] = {}  # per chunk: see _input_grad
         grad_kind = W if sched.split_backward else B
         self.last_grad = [a for a in sched.actions[self.rank] if a.kind == grad_kind][-1:]
         if pp.track_memory:
@@ -334,10 +374,15 @@ class _StepRun:
         needs a collective or that a fused kernel computed), accumulated at once, as W would
         (hooks fire under W's gradient-sync context), so that no copy of them waits for W;
         a parameter with a deferred part too leaves this part to W, which sums them. The
-        deferred weight GEMMs record what they need in ``store``. Frees the graph."""
+        deferred weight GEMMs record what they need in ``store``. Other leaves of the graph
+        that require grad (a tensor ``loss_fn`` or a layer reads that is not a parameter of
+        the stage) get theirs here too, as a plain backward gives them. Frees the graph."""
         params = [q for q in self.pp.chunks[a.chunk].parameters() if q.requires_grad]
         want_x = x.requires_grad
-        inputs = ([x] if want_x else []) + params
+        if a.chunk not in self.outside:  # found once a step: the graph's other leaves
+            self.outside[a.chunk] = _leaves_besides(y, {id(x)} | {id(q) for q in params})
+        others = self.outside[a.chunk]
+        inputs = ([x] if want_x else []) + params + others
         if not inputs:
             return None
         try:
@@ -350,8 +395,13 @@ class _StepRun:
                 f"activation checkpointing inside a stage (torch.utils.checkpoint) does not "
                 f"allow: use another schedule (e.g. '1f1b'), or run the stage's layers "
                 f"without checkpointing") from e
-        done = [(q, gq) for q, gq in zip(params, grads[int(want_x):], strict=True)
-                if gq is not None]
+        grads_of_others = grads[len(inputs) - len(others):]
+        done = [(q, gq) for q, gq in zip(params, grads[int(want_x):len(inputs) - len(others)],
+                                         strict=True) if gq is not None]
+        if any(g is not None for g in grads_of_others):
+            torch.autograd.backward([t for t, g in zip(others, grads_of_others, strict=True)
+                                     if g is not None],
+                                    [g for g in grads_of_others if g is not None])
         waits = store.deferred_params()  # its other part is W's: W sums them, hooks once
         store.params += [q for q, _ in done if id(q) in waits]
         store.grads += [gq for q, gq in done if id(q) in waits]
