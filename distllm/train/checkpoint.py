@@ -52,7 +52,7 @@ from distllm.models.sharding import (
     param_table,
     shard_full,
 )
-from distllm.train.data import tokens_of
+from distllm.train.data import data_source, tokens_of
 from distllm.train.optim_state import MOMENTS, collect, install
 
 __all__ = ["save", "load_latest", "latest", "check_compatible", "prune", "step_of",
@@ -141,6 +141,11 @@ def _read_meta(path: Path) -> dict:
     if meta.get("format") == FORMAT and not isinstance(meta.get("model"), dict):
         raise _damaged(path, "meta.json: no model")
     return meta
+
+
+def meta_of(path: Path) -> dict:
+    """The meta.json of the checkpoint folder ``path`` (a one-line error if damaged)."""
+    return _read_meta(path)
 
 
 def optim_settings(path: Path) -> dict | None:
@@ -232,6 +237,7 @@ def save(out: str | os.PathLike, engine, loader, *, step: int) -> Path:
                            "v": engine.v, "world": dims.world_size},
                 "data": loader.state_dict(), "dtype": engine.cfg.dtype,
                 "tokens": tokens_of(engine.cfg.data),
+                "data_source": data_source(engine.cfg.data),
                 "optim": engine.cfg.optim.schedule(engine.cfg.steps)}
         with open(tmp / "meta.json", "w") as f:
             json.dump(meta, f, indent=1)
@@ -422,6 +428,8 @@ def _install(path: Path, engine, loader, meta: dict, state: dict, with_optim: bo
                     ("weight", *MOMENTS) if with_optim else ("weight",))
     install(engine, local, meta["optimizer_step"])
     loader.load_state_dict(meta["data"])
+    if "data_source" in meta and meta["data_source"] != data_source(engine.cfg.data):
+        loader.restart()  # other data (--override-data): from its start
     _load_rng(path, engine, meta)
 
 

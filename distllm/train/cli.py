@@ -212,6 +212,7 @@ def check_out(cfg: TrainConfig) -> None:
             raise ValueError(f"--resume: the checkpoint in --out {cfg.out} is at step {step}, "
                              f"where --steps {cfg.steps} ends: raise --steps to train on")
         resume_optim(cfg, checkpoint.optim_settings(path))
+        resume_data(cfg, checkpoint.meta_of(path))
         if cfg.stop_after and cfg.stop_after <= step:
             raise ValueError(f"--stop-after {cfg.stop_after}: the run resumes after step "
                              f"{step}; raise --stop-after, or drop it")
@@ -249,6 +250,33 @@ def resume_optim(cfg: TrainConfig, saved: dict | None) -> None:
             f"--resume: this command's optimizer settings differ from those the checkpoint in "
             f"--out {cfg.out} was trained with: {', '.join(differ)}; pass the checkpoint's, or "
             f"add --override-optim to train on with this command's")
+
+
+def resume_data(cfg: TrainConfig, meta: dict) -> None:
+    """On ``--resume``: the data must be what the checkpoint trained on (its ``--data``, and
+    the kind of tokens: a tokenizer's ids or text's bytes), else a ValueError names
+    ``--data``, unless ``--override-data``. A checkpoint saved before the data was recorded
+    is checked on its kind of tokens alone."""
+    from distllm.train.data import data_source, tokens_of
+
+    if cfg.override_data:
+        return
+    kinds = {"ids": "a tokenizer's ids", "bytes": "text, as bytes"}
+    theirs, their_kind = meta.get("data_source"), meta.get("tokens")
+    ours, kind = data_source(cfg.data), tokens_of(cfg.data)
+    if theirs in (None, ours) and their_kind in (None, kind):
+        return
+    if theirs is None:
+        was, fix = kinds.get(their_kind, their_kind), "pass the --data it trained on"
+    elif theirs == "python-stdlib":
+        was, fix = "the default corpus", "drop --data"
+    else:
+        was, fix = f"--data {theirs}", f"pass --data {theirs}"
+    now = "the default corpus" if cfg.data is None else f"--data {cfg.data}"
+    raise ValueError(
+        f"--resume: the checkpoint in --out {cfg.out} trained on {was}, this command reads "
+        f"{now} ({kinds[kind]}): {fix}, or add --override-data to train on with this "
+        f"command's data, from its start")
 
 
 STOPPED_FILE = "stopped-by-signal.txt"

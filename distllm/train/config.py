@@ -325,6 +325,9 @@ class TrainConfig:
     """On --resume, train on with this command's optimizer and learning-rate settings where
     they differ from the checkpoint's (without it such a resume is refused), and with the
     schedule spanning --steps unless --lr-decay-steps says otherwise."""
+    override_data: bool = False
+    """On --resume, train on with this command's --data where it differs from the data the
+    checkpoint trained on (without it such a resume is refused), from that data's start."""
     keep_freed_memory: bool = True
     """On CPU, have glibc keep freed memory instead of returning it to the kernel, so that a
     step does not page-fault in what the last one freed (ZeRO-2's gradient buckets, the

@@ -39,6 +39,7 @@ __all__ = [
     "default_corpus_files",
     "TOKEN_DTYPES",
     "check_vocab",
+    "data_source",
     "tokens_of",
 ]
 
@@ -114,6 +115,12 @@ def _token_files(path: str) -> tuple[Path, Path | None] | None:
         return None
     val = train.with_name("val.bin")
     return train, val if train.name == "train.bin" and val.is_file() else None
+
+
+def data_source(path: str | None) -> str:
+    """Which data ``--data path`` names, as a checkpoint records it: the default corpus's
+    name, or the path made absolute (so that a resume from another folder compares it)."""
+    return "python-stdlib" if path is None else str(Path(path).resolve())
 
 
 def tokens_of(path: str | None) -> str:
@@ -300,3 +307,7 @@ class BatchLoader:
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
         self.seed = int(state["seed"])
         self._order = None
+
+    def restart(self) -> None:
+        """From the data's start (its first epoch's first batch), the seed kept."""
+        self.epoch, self.index, self._order = 0, 0, None

@@ -731,6 +731,49 @@ def test_resume_keeps_the_checkpoints_optimizer_settings(capsys, tmp_path):
     assert lrs[6:] == pytest.approx(stretched) and stretched[0] > end * 1.5, lrs
 
 
+def test_resume_keeps_the_checkpoints_data(capsys, tmp_path):
+    """A resume that reads other data than the checkpoint trained on is refused naming
+    --data (forgetting --data went on silently on the default corpus, or from a tokenizer's
+    ids to bytes); the same file by another path resumes where the loader stood;
+    --override-data trains on with the new data from its start. A checkpoint that did not
+    record its data is checked on the kind of its tokens."""
+    text = "".join(f"def f{i}(x):\n    return x * {i} + {i * 7 % 13}\n" for i in range(600))
+    (tmp_path / "a.txt").write_text(text)
+    (tmp_path / "b.txt").write_text(text.upper())
+    out = tmp_path / "run"
+    common = ["--model", "tiny", "--eval-batches", "0", "--seq-len", "32", "--global-batch",
+              "2", "--no-progress", "--out", str(out)]
+    a = str(tmp_path / "a.txt")
+    assert main(["train", *common, "--steps", "2", "--data", a]) == 0
+    capsys.readouterr()
+    assert checkpoint.meta_of(checkpoint.latest(out))["data_source"] == a
+    assert _err(capsys, [*common, "--steps", "4", "--resume"]).endswith(
+        f"--resume: the checkpoint in --out {out} trained on --data {a}, this command reads "
+        f"the default corpus (text, as bytes): pass --data {a}, or add --override-data to "
+        f"train on with this command's data, from its start")
+    b = str(tmp_path / "b.txt")
+    assert f"this command reads --data {b} (text, as bytes): pass --data {a}," in _err(
+        capsys, [*common, "--steps", "4", "--resume", "--data", b])
+    other_path = str(tmp_path / "." / "a.txt")
+    assert main(["train", *common, "--steps", "3", "--resume", "--data", other_path]) == 0
+    meta = checkpoint.meta_of(checkpoint.latest(out))
+    assert meta["data"]["index"] == 6 and meta["data_source"] == a, meta["data"]
+    assert main(["train", *common, "--steps", "4", "--resume", "--data", b,
+                 "--override-data"]) == 0
+    meta = checkpoint.meta_of(checkpoint.latest(out))
+    assert (meta["data"]["epoch"], meta["data"]["index"]) == (0, 2), meta["data"]
+    assert meta["data_source"] == b
+    capsys.readouterr()
+    # a checkpoint of before the data was recorded: its kind of tokens decides
+    meta_file = checkpoint.latest(out) / "meta.json"
+    del meta["data_source"]
+    meta_file.write_text(json.dumps({**meta, "tokens": "ids"}))
+    assert "trained on a tokenizer's ids, this command reads --data" in _err(
+        capsys, [*common, "--steps", "5", "--resume", "--data", b])
+    meta_file.write_text(json.dumps(meta))
+    assert main(["train", *common, "--steps", "5", "--resume"]) == 0
+
+
 def test_deterministic_resume_is_exact_under_sequence_parallelism(capfd, tmp_path):
     """--deterministic pins overlap "auto" too: its trial in the step ran other schedules
     after a resume (they split the reduce-scatter differently), so a float32 run at tp2 with
