@@ -148,6 +148,14 @@ def meta_of(path: Path) -> dict:
     return _read_meta(path)
 
 
+def record_of(out: str | os.PathLike) -> dict | None:
+    """The metrics line of the step of the newest checkpoint in ``out``, as saved with it
+    (None when there is none, or it was saved without)."""
+    path = latest(out)
+    saved = None if path is None else _read_meta(path).get("metrics")
+    return saved if isinstance(saved, dict) else None
+
+
 def optim_settings(path: Path) -> dict | None:
     """The optimizer and learning-rate settings the checkpoint at ``path`` was trained with
     (:meth:`OptimConfig.schedule`), or None for a checkpoint saved before they were kept."""
@@ -212,8 +220,10 @@ def _canonical(engine) -> tuple[dict[str, torch.Tensor], int]:
     return state, step
 
 
-def save(out: str | os.PathLike, engine, loader, *, step: int) -> Path:
-    """Save a checkpoint of ``engine`` and ``loader`` at ``step`` (collective, every rank)."""
+def save(out: str | os.PathLike, engine, loader, *, step: int,
+         record: dict | None = None) -> Path:
+    """Save a checkpoint of ``engine`` and ``loader`` at ``step`` (collective, every rank);
+    ``record``: the step's line of metrics.jsonl, kept in its meta.json (:func:`record_of`)."""
     dims = engine.dims
     root = _ckpt_root(out)
     final, tmp = root / f"step_{step:08d}", root / f".tmp-step_{step:08d}"
@@ -238,7 +248,8 @@ def save(out: str | os.PathLike, engine, loader, *, step: int) -> Path:
                 "data": loader.state_dict(), "dtype": engine.cfg.dtype,
                 "tokens": tokens_of(engine.cfg.data),
                 "data_source": data_source(engine.cfg.data),
-                "optim": engine.cfg.optim.schedule(engine.cfg.steps)}
+                "optim": engine.cfg.optim.schedule(engine.cfg.steps),
+                **({} if record is None else {"metrics": record})}
         with open(tmp / "meta.json", "w") as f:
             json.dump(meta, f, indent=1)
             f.flush()

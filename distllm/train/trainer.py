@@ -176,14 +176,17 @@ def _validate(engine, corpus, cfg: TrainConfig, seq: int, dims: ParallelDims,
     return total / max(n, 1)
 
 
-def _truncate_metrics(path: str, after_step: int) -> None:
+def _truncate_metrics(path: str, after_step: int, last: dict | None = None) -> None:
     """Drop lines of steps after ``after_step`` (left by a run killed after its checkpoint),
-    and any line that is not a record (one cut short by a kill or a full disk). The file is
-    rewritten beside and renamed over, so a failure here leaves it as it was."""
-    if not os.path.isfile(path):
+    and any line that is not a record (one cut short by a kill or a full disk); add ``last``,
+    the checkpoint's own line of ``after_step``, where a kill between the checkpoint and the
+    line lost it. The file is rewritten beside and renamed over, so a failure here leaves it
+    as it was."""
+    if not os.path.isfile(path) and last is None:
         return
-    keep = []
-    with open(path) as f:
+    keep, have_last = [], False
+    with open(path, "a+") as f:
+        f.seek(0)
         for line in f:
             try:
                 rec = json.loads(line)
@@ -191,6 +194,9 @@ def _truncate_metrics(path: str, after_step: int) -> None:
                 continue
             if isinstance(rec, dict) and rec.get("step", 0) <= after_step:
                 keep.append(line.rstrip("\n") + "\n")
+                have_last = have_last or rec.get("step") == after_step
+    if last is not None and not have_last:
+        keep.append(json.dumps(last) + "\n")
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         f.writelines(keep)
@@ -247,8 +253,13 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
             # a validation that fails must not take the step's weights with it
             saved = bool(cfg.save_every and done % cfg.save_every == 0 and done < end
                          or done == end and cfg.save_final)
-            if saved:
-                checkpoint.save(cfg.out, engine, loader, step=done)
+            record = {"step": done, "loss": loss, "tokens_per_s": tps, "lr": lr,
+                      "grad_norm": norm, "step_time_s": dt, "mfu": mfu,
+                      "tokens": done * tokens_per_step,
+                      "overlap_tuning": tuning or overlap_tuning(plans),
+                      **({"skipped": True} if out.skipped else {})}
+            if saved:  # with the step's line, which a resume writes if a kill lost it
+                checkpoint.save(cfg.out, engine, loader, step=done, record=record)
             val = None
             try:
                 if done == cfg.steps or cfg.eval_every and done % cfg.eval_every == 0:
@@ -259,13 +270,8 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
                         result.val_loss = val if done == cfg.steps else None
             finally:  # the step's line, also when its validation failed
                 if metrics is not None:
-                    metrics.write(json.dumps({
-                        "step": done, "loss": loss, "tokens_per_s": tps, "lr": lr,
-                        "grad_norm": norm, "step_time_s": dt, "mfu": mfu,
-                        "tokens": done * tokens_per_step,
-                        "overlap_tuning": tuning or overlap_tuning(plans),
-                        **({"skipped": True} if out.skipped else {}),
-                        **({} if val is None else {"val_loss": val})}) + "\n")
+                    metrics.write(json.dumps(
+                        {**record, **({} if val is None else {"val_loss": val})}) + "\n")
                     metrics.flush()
             if out.skipped:
                 bar.write(f"step {done}: an inf/NaN gradient (norm {norm}): the optimizer "
@@ -279,7 +285,7 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
             result.stopped_by = stop.poll() if done < end else stop.settle()
             if result.stopped_by is not None:
                 if not saved:
-                    checkpoint.save(cfg.out, engine, loader, step=done)
+                    checkpoint.save(cfg.out, engine, loader, step=done, record=record)
                 break
 
 
@@ -338,7 +344,8 @@ def _train(cfg: TrainConfig, dims: ParallelDims | None) -> TrainResult:
         if cfg.resume:
             _log(f"resumed from step {start} ({cfg.out})", dims)
         # a fresh run starts a fresh metrics file; a resumed one drops steps after its start
-        _truncate_metrics(os.path.join(cfg.out, "metrics.jsonl"), start)
+        _truncate_metrics(os.path.join(cfg.out, "metrics.jsonl"), start,
+                          checkpoint.record_of(cfg.out) if cfg.resume else None)
     planned = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
     _run_steps(cfg, engine, loader, dims, start, planned, seq, result, corpus)
     end = result.steps_done  # before ``planned`` when a signal stopped the run

@@ -774,6 +774,26 @@ def test_resume_keeps_the_checkpoints_data(capsys, tmp_path):
     assert main(["train", *common, "--steps", "5", "--resume"]) == 0
 
 
+def test_a_resume_writes_the_checkpoints_step_line_that_a_kill_lost(capsys, tmp_path):
+    """A kill between a checkpoint and its step's metrics line (during the step's
+    validation, say) lost the line for good: the resume started after it. The checkpoint
+    keeps the line, and a resume writes it where it is missing."""
+    out = tmp_path / "run"
+    common = ["--model", "tiny", "--eval-batches", "0", "--seq-len", "32", "--global-batch",
+              "2", "--no-progress", "--out", str(out), "--steps", "4"]
+    assert main(["train", *common, "--stop-after", "2"]) == 0
+    metrics = out / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2]
+    metrics.write_text(lines[0] + "\n")  # as a kill after the checkpoint leaves it
+    assert main(["train", *common, "--resume"]) == 0
+    again = metrics.read_text().splitlines()
+    assert [json.loads(x)["step"] for x in again] == [1, 2, 3, 4]
+    assert json.loads(again[1]) == json.loads(lines[1])
+    assert main(["train", *common, "--steps", "5", "--resume"]) == 0  # a line there: kept
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [1, 2, 3, 4, 5]
+
+
 def test_deterministic_resume_is_exact_under_sequence_parallelism(capfd, tmp_path):
     """--deterministic pins overlap "auto" too: its trial in the step ran other schedules
     after a resume (they split the reduce-scatter differently), so a float32 run at tp2 with
