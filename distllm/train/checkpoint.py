@@ -223,7 +223,24 @@ def _canonical(engine) -> tuple[dict[str, torch.Tensor], int]:
 def save(out: str | os.PathLike, engine, loader, *, step: int,
          record: dict | None = None) -> Path:
     """Save a checkpoint of ``engine`` and ``loader`` at ``step`` (collective, every rank);
-    ``record``: the step's line of metrics.jsonl, kept in its meta.json (:func:`record_of`)."""
+    ``record``: the step's line of metrics.jsonl, kept in its meta.json (:func:`record_of`).
+    A write that fails (a full disk, a folder gone) is a one-line ValueError naming
+    ``--out``; the checkpoints saved before stay whole."""
+    try:
+        return _save(out, engine, loader, step, record)
+    except (OSError, CheckpointException, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and not isinstance(exc, CheckpointException) and not \
+                any(w in str(exc) for w in ("inline_container", "PytorchStreamWriter")):
+            raise  # not a write's (a collective's, say)
+        newest = latest(out)
+        kept = (f"the newest complete checkpoint, step {step_of(newest)}, is whole" if newest
+                else "no complete checkpoint there")
+        raise ValueError(
+            f"--out {out}: saving the checkpoint of step {step} failed ({_cause(exc)}); "
+            f"{kept}: free space there (then --resume), or pass another --out") from None
+
+
+def _save(out, engine, loader, step: int, record: dict | None) -> Path:
     dims = engine.dims
     root = _ckpt_root(out)
     final, tmp = root / f"step_{step:08d}", root / f".tmp-step_{step:08d}"
@@ -483,7 +500,12 @@ def _load_rng(path: Path, engine, meta: dict) -> None:
     same = (lay["tp"], lay["pp"], lay["dp"], lay["world"]) == (d.tp, d.pp, d.dp, d.world_size)
     f = path / "rng" / f"rank{d.rank}.pt"
     if same and f.is_file():
-        rng = torch.load(f, weights_only=True)
+        try:
+            rng = torch.load(f, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file: the one-line error
+            why = ("not a file of tensors that torch.load reads safely"
+                   if "weights only load failed" in str(exc).lower() else _cause(exc))
+            raise RuntimeError(f"rng/{f.name}: {why}") from None  # named by load_latest
         torch.set_rng_state(rng["cpu"])
         if torch.cuda.is_available() and rng["cuda"]:
             torch.cuda.set_rng_state_all(rng["cuda"])

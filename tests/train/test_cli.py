@@ -637,7 +637,9 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_previous_one(capfd, tmp_pat
             "step_00000002 (step 2)")
     meta = json.loads((step4 / "meta.json").read_text())
     del meta["model"]
-    for damage, words, text in ((step4 / "rng" / "rank1.pt", "(rank 1: ", None),
+    for damage, words, text in ((step4 / "rng" / "rank1.pt", "(rank 1: rng/rank1.pt: ", None),
+                                (step4 / "rng" / "rank1.pt", "(rank 1: rng/rank1.pt: not a file "
+                                 "of tensors that torch.load reads safely)", "not torch's"),
                                 (step4 / "__1_0.distcp", "(rank ", None),
                                 (step4 / "meta.json", "(meta.json: ", ""),
                                 (step4 / "meta.json", "(meta.json: no model)", json.dumps(meta))):
@@ -653,6 +655,34 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_previous_one(capfd, tmp_pat
     assert main(["train", *common, "--steps", "6", "--resume"]) == 0
     assert "resumed from step 2" in capfd.readouterr().err
     assert [d.name for d in checkpoint.complete(out)] == ["step_00000002", "step_00000006"]
+
+
+def test_a_save_that_cannot_write_is_one_line_naming_out(capsys, monkeypatch, tmp_path):
+    """A checkpoint whose write fails (a full disk: torch.save's or DCP's) ended the run with
+    a traceback naming neither the disk nor --out: one line, exit code 2, and the checkpoint
+    before it stays whole and resumes."""
+    import errno
+
+    out = tmp_path / "run"
+    common = ["--model", "tiny", "--eval-batches", "0", "--seq-len", "32", "--global-batch",
+              "2", "--no-progress", "--out", str(out), "--steps", "4", "--save-every", "2"]
+    real = torch.save
+
+    def full(obj, f, *args, **kwargs):
+        if "step_00000004" in str(f):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    assert main(["train", *common]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        f"distllm train: error: --out {out}: saving the checkpoint of step 4 failed ([Errno "
+        f"28] No space left on device); the newest complete checkpoint, step 2, is whole: "
+        f"free space there (then --resume), or pass another --out")
+    monkeypatch.setattr(checkpoint.torch, "save", real)
+    assert main(["train", *common, "--resume"]) == 0
+    assert "resumed from step 2" in capsys.readouterr().err
 
 
 def test_keep_checkpoints_keeps_the_newest(capfd, tmp_path):
