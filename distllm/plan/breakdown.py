@@ -51,14 +51,16 @@ def step_terms(est: Estimate, cm: CostModel) -> dict[str, float]:
     return out
 
 
-def explain_step(est: Estimate, cm: CostModel) -> str:
-    """The step of ``est`` as lines of text, with its MFU worked out."""
+def explain_step(est: Estimate, cm: CostModel, simulated: bool = False) -> str:
+    """The step of ``est`` as lines of text, with its MFU worked out (``simulated``: its
+    pipeline time, and so the bubble, is the simulator's replay)."""
     lay = est.layout
     terms = step_terms(est, cm)
     total = sum(terms[k] for k, _ in _TERMS)
+    how = "; pipeline replayed by the simulator" if simulated and lay.pp > 1 else ""
     lines = [
         f"step of {lay.name()}: {est.step_time_s:.4g} s ({cm.runtime.name} runtime, "
-        f"{cm.profile.name}, {lay.micro_batches} micro-batch(es) per replica)"
+        f"{cm.profile.name}, {lay.micro_batches} micro-batch(es) per replica{how})"
     ]
     for key, what in _TERMS:
         sec = terms[key]

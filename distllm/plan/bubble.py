@@ -26,7 +26,7 @@ from typing import NamedTuple
 from distllm.parallel.pipeline.schedules import SCHEDULES
 
 __all__ = ["in_flight", "pipeline_time", "SCHEDULES", "simulator_or_none", "compute_order",
-           "MemoryState", "memory_states"]
+           "MemoryState", "memory_states", "pipeline_lower_bound"]
 
 
 def in_flight(schedule: str, p: int, m: int, v: int = 1) -> list[float]:
@@ -263,6 +263,33 @@ def pipeline_time(
         idle = [max(f + b - 2 * w, f) + 2 * c for f, b, w in zip(t_f, t_b, t_w, strict=True)]
         return m * slow + (sum(idle) - idle[one.index(slow)])
     raise ValueError(f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
+
+
+def pipeline_lower_bound(
+    schedule: str,
+    p: int,
+    m: int,
+    v: int,
+    t_f: list[float],
+    t_b: list[float],
+    t_w: list[float],
+    t_comm: float,
+) -> float:
+    """A time that neither :func:`pipeline_time`'s closed forms nor the simulator's replay of
+    the same case can beat (the search re-times with the simulator only the layouts that
+    could win by it). Rank ``r`` runs its ``m`` micro-batches one action at a time
+    (``m * (t_f[r] + t_b[r])``); its first forward waits for micro-batch 0 to pass the first
+    chunk of every rank before it, one transfer each; and (GPipe, 1F1B, interleaved: a
+    rank's last action is the backward of its first chunk) that micro-batch's gradient
+    then passes back through the same ranks. ZB-H1 may end a rank on a W: no drain there."""
+    if p == 1 or schedule == "none":
+        return m * (t_f[0] + t_b[0])
+    drain = schedule != "zb-h1"
+    best, fill = 0.0, 0.0
+    for r in range(p):
+        best = max(best, m * (t_f[r] + t_b[r]) + fill)
+        fill += t_f[r] / v + t_comm + (t_b[r] / v + t_comm if drain else 0.0)
+    return best
 
 
 SIM_MAX_ACTIONS = 4096  # larger cases use the closed form (the replay is pure Python)

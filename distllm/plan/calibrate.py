@@ -267,10 +267,13 @@ def calibrate(net_rate: str | None = "1gbit", ranks: int = 4) -> Profile:
     att = measure_attention(g32["peak"])
     gelu = measure_gelu()
     sharing = measure_core_sharing(ranks)
-    intra, _ = measure_link(None)
+    # every rank of the machine in the collective, as in training (a ring needs two)
+    link_ranks = max(2, ranks)
+    intra, _ = measure_link(None, nranks=link_ranks)
     # loopback TCP: the cores move the bytes; gloo runs its ring (the fit's model) at any size
     intra = dataclasses.replace(intra, uses_cpu=True, tree=False)
-    inter, why = measure_link(net_rate) if net_rate else (None, "no --net given")
+    inter, why = (measure_link(net_rate, nranks=link_ranks) if net_rate
+                  else (None, "no --net given"))
     if inter is None:
         inter = dataclasses.replace(intra, source=f"copy of loopback: {why}")
     else:  # a rate-limited link leaves the CPU free: chunked overlap can hide part of it

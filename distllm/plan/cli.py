@@ -264,6 +264,9 @@ def run(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise ValueError(f"--top={args.top}: it must be a positive integer")
     load_profile(args.gpu)  # a bad profile name fails before anything else
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node={args.gpus_per_node}: it must be a positive integer "
+                         "(leave it out for the profile's)")
     if args.params is not None:
         return _params_mode(args)
     shape = shape_from_args(args)
@@ -276,8 +279,9 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         pins=_pins(args),
         flash_attention=not args.no_flash,
-        keep_rejected=args.explain or not args.json,
+        keep_rejected=args.explain or not args.json,  # the reason nothing fits is kept anyway
         runtime_name=args.runtime,
+        exact=max(args.top, 2),  # the rows shown and the runner-up: ranked by one model
     )
     if args.verify:
         return _verify(args, shape, res)
@@ -289,6 +293,8 @@ def run(args: argparse.Namespace) -> int:
             "profile": args.gpu,
             "runtime": args.runtime,
             "search_seconds": res.seconds,
+            # the leading rows timed by the pipeline simulator (the fastest by it, in order)
+            "simulator_ranked": res.exact,
             "ranked": [e.as_dict() for e in res.ranked[: args.top]],
         }
         if args.explain:
@@ -316,19 +322,20 @@ def _cost_model(args: argparse.Namespace, shape: ModelShape, res):
     from .cost import CostModel
 
     prof = load_profile(args.gpu)
-    gpn = args.gpus_per_node or min(prof.gpus_per_node, args.gpus)
+    gpn = min(prof.gpus_per_node, args.gpus) if args.gpus_per_node is None else args.gpus_per_node
     dtype = args.dtype or ("float32" if prof.cores else "bfloat16")
     return CostModel(shape, prof, args.gpus, gpn, dtype=dtype,
                      flash_attention=not args.no_flash, runtime_name=args.runtime)
 
 
 def _explained_steps(args: argparse.Namespace, shape: ModelShape, res):
-    """(terms in seconds, text) of the chosen layout's step."""
+    """(terms in seconds, text) of the chosen layout's step: the headline's estimate (its
+    pipeline replayed by the simulator where the search ranked by it)."""
     from .breakdown import explain_step, step_terms
 
-    cm = _cost_model(args, shape, res)
-    best = cm.evaluate(res.best.layout)  # the closed form, as the terms are
-    return step_terms(best, cm), explain_step(best, cm)
+    cm = _cost_model(args, shape, res)  # per-block terms: no pipeline, no simulator needed
+    best = res.best
+    return step_terms(best, cm), explain_step(best, cm, simulated=res.exact > 0)
 
 
 def _verify(args: argparse.Namespace, shape: ModelShape, res) -> int:
@@ -337,7 +344,9 @@ def _verify(args: argparse.Namespace, shape: ModelShape, res) -> int:
     from .verify import verify
 
     best = res.best  # raises, saying why, when nothing fits
-    dtype = args.dtype or ("float32" if load_profile(args.gpu).cores else "bfloat16")
+    # the canonical name (bf16 -> bfloat16), as the search used it
+    dtype = training_dtype(args.dtype or ("float32" if load_profile(args.gpu).cores
+                                          else "bfloat16"))
     v = verify(shape, best.layout, dtype=dtype, profile=args.gpu)
     if args.json:
         json.dump(v.as_dict(), sys.stdout, indent=1)

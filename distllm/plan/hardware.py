@@ -8,6 +8,7 @@ writes a measured one for the machine it runs on.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -184,47 +185,125 @@ class Profile:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Profile:
-        try:
-            links = {k: Link(**v) for k, v in d["links"].items()}
-            for need in ("intra", "inter"):
-                if need not in links:
-                    raise ValueError(f"profile {d.get('name')!r} lacks the {need!r} link class")
-            kw = {
-                k: d[k]
-                for k in (
-                    "matmul_efficiency",
-                    "usable_memory_fraction",
-                    "gpus_per_node",
-                    "op_overhead_s",
-                    "cores",
-                    "step_overhead_s",
-                    "memory_efficiency",
-                    "flash_efficiency",
-                    "core_sharing",
-                    "description",
-                    "source",
-                )
-                if k in d
-            }
-            if "gelu_s_per_element" in d:
-                fwd, bwd = d["gelu_s_per_element"]
-                kw["gelu_s_per_element"] = (float(fwd), float(bwd))
-            if d.get("gemm"):
-                kw["gemm"] = Gemm(**d["gemm"])
-            peak = {_peak_key(k): float(v) for k, v in d["peak_flops"].items()}
-            return cls(
-                name=d["name"],
-                peak_flops=peak,
-                memory_bytes=float(d["memory_bytes"]),
-                memory_bandwidth=float(d["memory_bandwidth"]),
-                links=links,
-                **kw,
-            )
-        except KeyError as e:
-            raise ValueError(f"profile is missing the field {e.args[0]!r}") from None
-        except TypeError as e:  # an unknown key in a link or in "gemm"
-            raise ValueError(f"profile {d.get('name')!r} has a malformed entry: {e}") from None
+    def from_json(cls, d: Any) -> Profile:
+        """A profile from its JSON object; ValueError naming the field that is missing or
+        malformed (a wrong type, a count below 1, a zero bandwidth or efficiency)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"the file holds a JSON {type(d).__name__}, not an object of "
+                             "profile fields (see distllm/plan/profiles/a100-80gb.json)")
+        for k in ("links", "name", "peak_flops", "memory_bytes", "memory_bandwidth"):
+            if k not in d:
+                raise ValueError(f"profile is missing the field {k!r}")
+        if not isinstance(d["name"], str):
+            raise ValueError(f"field 'name' is {d['name']!r}: give a string")
+        links = {k: Link(**_fields(v, _LINK_FIELDS, f"links.{k}"))
+                 for k, v in _mapping(d["links"], "links").items()}
+        for need in ("intra", "inter"):
+            if need not in links:
+                raise ValueError(f"profile {d['name']!r} lacks the {need!r} link class "
+                                 "(field 'links')")
+        top = {k: v for k, v in d.items() if k in _TOP_FIELDS}
+        kw = _fields(top, _TOP_FIELDS, "")
+        if "gelu_s_per_element" in d:
+            g = d["gelu_s_per_element"]
+            if not isinstance(g, list) or len(g) != 2:
+                raise ValueError(f"field 'gelu_s_per_element' is {g!r}: give [forward, backward] "
+                                 "seconds per element")
+            kw["gelu_s_per_element"] = tuple(
+                _check(x, "nonneg", f"gelu_s_per_element[{i}]") for i, x in enumerate(g))
+        if d.get("gemm"):
+            kw["gemm"] = Gemm(**_fields(d["gemm"], _GEMM_FIELDS, "gemm"))
+        peak = {_peak_key(str(k)): _check(v, "positive", f"peak_flops.{k}")
+                for k, v in _mapping(d["peak_flops"], "peak_flops").items()}
+        if not peak:
+            raise ValueError("field 'peak_flops' is empty: give FLOP/s per dtype")
+        return cls(name=d["name"], peak_flops=peak, links=links, **kw)
+
+
+# what each numeric field may hold: "positive" (> 0), "nonneg" (>= 0), "fraction" (0 < x <= 1),
+# "unit" (0 <= x <= 1), "count" (an integer >= 1); "count?"/"positive?" allow null
+_TOP_FIELDS = {
+    "memory_bytes": "positive",
+    "memory_bandwidth": "positive",
+    "matmul_efficiency": "positive",
+    "usable_memory_fraction": "fraction",
+    "gpus_per_node": "count",
+    "op_overhead_s": "nonneg",
+    "cores": "count?",
+    "step_overhead_s": "nonneg",
+    "memory_efficiency": "positive",
+    "flash_efficiency": "positive?",
+    "core_sharing": "positive",
+    "description": str,
+    "source": dict,
+}
+_LINK_FIELDS = {
+    "bandwidth": "positive",
+    "latency": "nonneg",
+    "efficiency": "fraction",
+    "overlap": "unit",
+    "uses_cpu": bool,
+    "tree": bool,
+    "cpu_latency": "nonneg",
+    "cpu_per_byte": "nonneg",
+    "source": str,
+}
+_GEMM_FIELDS = {
+    "max_efficiency": "fraction",
+    "shape_fraction": "fraction",
+    "tile_m": "count",
+    "tile_n": "count",
+    "sms": "count",
+    "source": str,
+}
+_WANT = {
+    "positive": "a positive number",
+    "nonneg": "a number >= 0",
+    "fraction": "a number in (0, 1]",
+    "unit": "a number in [0, 1]",
+    "count": "an integer >= 1",
+}
+
+
+def _mapping(v: Any, where: str) -> dict:
+    if not isinstance(v, dict):
+        raise ValueError(f"field {where!r} is a JSON {type(v).__name__}: give an object")
+    return v
+
+
+def _fields(d: Any, spec: dict, where: str) -> dict:
+    """``d``'s fields checked against ``spec`` (name: kind or type); an unknown one is an
+    error."""
+    out = {}
+    for k, v in _mapping(d, where or "profile").items():
+        name = f"{where}.{k}" if where else k
+        kind = spec.get(k)
+        if kind is None:
+            raise ValueError(f"field {name!r} is not a profile field: choose from "
+                             f"{', '.join(spec)}")
+        if isinstance(kind, type):
+            if not isinstance(v, kind):
+                raise ValueError(f"field {name!r} is {v!r}: give a JSON {kind.__name__}")
+            out[k] = v
+        elif v is None and kind.endswith("?"):
+            out[k] = None
+        else:
+            out[k] = _check(v, kind.rstrip("?"), name)
+    return out
+
+
+def _check(v: Any, kind: str, name: str) -> float | int:
+    """``v`` as the number ``kind`` asks for, else ValueError naming the field."""
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    if ok and kind == "count":
+        ok = float(v).is_integer() and v >= 1
+        v = int(v) if ok else v
+    elif ok:
+        ok = {"positive": v > 0, "nonneg": v >= 0, "fraction": 0 < v <= 1,
+              "unit": 0 <= v <= 1}[kind]
+    if not ok:
+        raise ValueError(f"field {name!r} is {v!r}: give {_WANT[kind]}")
+    return v if kind == "count" else float(v)
 
 
 def profile_names() -> list[str]:

@@ -1,16 +1,22 @@
 """Enumerate every layout of a model on a cluster, reject the invalid and the too-big, rank.
 
 The search space: tp dividing the GPU count, inside a node, dividing heads/KV heads/FFN; pp
-dividing what is left and at most the layer count (uneven stages allowed except for
-interleaving); dp the rest, dividing the global batch; micro-batch counts dividing the
-per-replica batch; ZeRO 0-3; every schedule (interleaved with every v dividing the layers of
-a stage, up to ``MAX_V``); checkpointing none/selective/full; sequence parallelism when tp>1.
+dividing what is left; dp the rest, dividing the global batch; micro-batch counts dividing
+the per-replica batch; ZeRO 0-3; every schedule (interleaved with every v up to ``MAX_V``);
+checkpointing none/selective/full; sequence parallelism when tp>1. The pp*v pipeline chunks
+are at most the pieces the runtime cuts the model into (distllm: the embedding, each block
+and the head, uneven chunks allowed; a runtime that splits the blocks evenly: the blocks).
 Every layout that fails a check is kept with its reason. The rest are ranked by predicted
-step time; the short list is re-timed with the pipeline simulator when it is available.
+step time: by the closed forms of :mod:`distllm.plan.bubble`, then, when the pipeline
+simulator is available, the leading ``exact`` by the simulator: every layout whose lower bound
+(:meth:`TimeModel.pipeline_bound`) could beat the ``exact``-th simulated time is re-timed, so
+the first ``exact`` of the ranking are the fastest by the simulator, in its order, and more
+memory never makes the pick slower.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from dataclasses import dataclass, field
@@ -25,7 +31,7 @@ from .model import ModelShape
 __all__ = ["SearchResult", "search", "best_layout", "divisors", "MAX_V"]
 
 MAX_V = 8
-RESCORE = 8  # candidates re-timed with the simulator
+RESCORE = 8  # default: the leading layouts ranked by the simulator's step time
 
 
 def divisors(n: int) -> list[int]:
@@ -39,15 +45,47 @@ class SearchResult:
     seconds: float = 0.0
     simulator: bool = False
     world_flag: str = "--gpus"  # the flag that sets the device count, for the messages
+    exact: int = 0
+    """The leading layouts of ``ranked`` timed by the simulator (the fastest by it, in its
+    order); the rest carry the closed form's time. 0 without the simulator: all closed form."""
+    simulated: int = 0
+    """Layouts the simulator re-timed to find them."""
+
+    n_rejected: int | None = None
+    """How many were rejected (``len(rejected)`` unless the search kept only a summary)."""
+    closest: list[Estimate] = field(default_factory=list)
+    """The rejected ones that say why nothing fits: the smallest of those too big, and one
+    per reason (the first few), kept whether or not ``rejected`` is."""
 
     @property
     def best(self) -> Estimate:
         if not self.ranked:
-            raise ValueError(_nothing_fits(self.rejected, self.world_flag))
+            n = len(self.rejected) if self.n_rejected is None else self.n_rejected
+            raise ValueError(_nothing_fits(self.closest or self.rejected, self.world_flag, n))
         return self.ranked[0]
 
 
-def _nothing_fits(rejected: list[Estimate], world_flag: str = "--gpus") -> str:
+class _Closest:
+    """The rejected layouts that say why nothing fits, without keeping every one."""
+
+    def __init__(self) -> None:
+        self.n, self.small, self.by_reason = 0, None, {}
+
+    def add(self, e: Estimate) -> None:
+        self.n += 1
+        if e.memory and "GB" in (e.rejected_reason or ""):
+            if self.small is None or e.memory["total"] < self.small.memory["total"]:
+                self.small = e
+        elif len(self.by_reason) < 3:
+            self.by_reason.setdefault(e.rejected_reason, e)
+
+    def kept(self) -> list[Estimate]:
+        return ([self.small] if self.small else []) + list(self.by_reason.values())
+
+
+def _nothing_fits(rejected: list[Estimate], world_flag: str = "--gpus",
+                  n: int | None = None) -> str:
+    n = len(rejected) if n is None else n
     mem = [e for e in rejected if e.memory and "GB" in (e.rejected_reason or "")]
     if mem:
         low = min(mem, key=lambda e: e.memory["total"])
@@ -58,7 +96,7 @@ def _nothing_fits(rejected: list[Estimate], world_flag: str = "--gpus") -> str:
     grow = ("add devices (--gpus), use a bigger device (--gpu)" if world_flag == "--gpus"
             else f"add ranks ({world_flag})")
     return (
-        f"no layout fits ({len(rejected)} rejected; {why}): change the pinned dimensions, "
+        f"no layout fits ({n} rejected; {why}): change the pinned dimensions, "
         f"{grow}, or shrink --global-batch/--seq-len"
     )
 
@@ -89,13 +127,15 @@ def _schedules(
         if pins.get("schedule") and sch != pins["schedule"]:
             continue
         if sch == "interleaved-1f1b":
+            depth = _depth(shape, even)
             vs = [
                 v
                 for v in range(2, MAX_V + 1)
-                if pp * v <= shape.layers and not (even and shape.layers % (pp * v))
+                if pp * v <= depth and not (even and shape.layers % (pp * v))
             ]
             if not vs:
-                out.append((sch, 2, f"interleaving needs layers={shape.layers} >= pp*v = {2 * pp}"))
+                out.append((sch, 2, f"interleaving needs pp*v = {2 * pp} pipeline chunks, "
+                                    f"more than {_depth_text(shape, even)}"))
             for v in vs:
                 r = None if m % pp == 0 else f"{sch} needs micro_batches={m} divisible by pp={pp}"
                 out.append((sch, v, r))
@@ -103,6 +143,20 @@ def _schedules(
         r = f"{sch} needs micro_batches={m} >= pp={pp}" if sch != "gpipe" and m < pp else None
         out.append((sch, 1, r))
     return out
+
+
+def _depth(shape: ModelShape, even: bool) -> int:
+    """The most pipeline chunks (pp*v) the runtime can cut the model into: the trainer's
+    ``layers + 2`` pieces (embedding, blocks, head: ``distllm.train.config.check_layout``),
+    or the blocks alone for a runtime that splits only those (``even``)."""
+    return shape.layers if even else shape.layers + 2
+
+
+def _depth_text(shape: ModelShape, even: bool) -> str:
+    if even:
+        return f"layers={shape.layers} (this runtime splits the blocks alone)"
+    return (f"the model's {shape.layers + 2} pipeline layers (embedding, {shape.layers} "
+            "blocks, head)")
 
 
 def _zb_h1_reason(schedule: str, zero: int, checkpointing: str) -> str | None:
@@ -135,8 +189,8 @@ def _enumerate(shape: ModelShape, world: int, gpn: int, pins: dict, even: bool =
                 continue
             base = Layout(tp, pp, dp)
             reason = treason
-            if reason is None and pp > shape.layers:
-                reason = f"pp={pp} is more stages than layers={shape.layers}"
+            if reason is None and pp > _depth(shape, even):
+                reason = f"pp={pp} is more stages than {_depth_text(shape, even)}"
             if reason is None and even and shape.layers % pp:
                 reason = f"pp={pp} does not divide layers={shape.layers} (this runtime's split)"
             if reason is None and B % dp:
@@ -197,14 +251,16 @@ def search(
     ranks_per_host: int | None = None,
     runtime_name: str = "distllm",
     world_flag: str = "--gpus",
+    exact: int = RESCORE,
 ) -> SearchResult:
     """Every layout of ``shape`` on ``world`` devices, ranked by predicted step time, as
     the training code ``runtime_name`` (:mod:`distllm.plan.runtime`) would run them.
     ``world_flag``: the flag the messages name for the device count (``distllm train
-    --plan auto``: ``--nproc``)."""
+    --plan auto``: ``--nproc``); ``exact``: how many leading layouts the simulator ranks
+    (where it runs; see the module's docstring)."""
     t0 = time.perf_counter()
     prof = load_profile(profile)
-    gpn = gpus_per_node or min(prof.gpus_per_node, world)
+    gpn = min(prof.gpus_per_node, world) if gpus_per_node is None else gpus_per_node
     _check_cluster(world, gpn)
     pins = dict(pins or {})
     _check_pins(world, pins, world_flag)
@@ -224,24 +280,54 @@ def search(
     cap = prof.usable_bytes
     ranked, rejected = [], []
     even = cm.runtime.stage_split == "blocks"
+    closest = _Closest()  # why nothing fits, whether or not every rejection is kept
     for lay, reason in _enumerate(shape, world, gpn, pins, even, cm.runtime.zb_h1_resident):
+        mem = {} if reason is not None else cm.memory(lay)
+        if reason is None and mem["total"] > cap:
+            reason = _too_big(mem, prof)
         if reason is not None:
+            e = Estimate(lay, memory=mem, rejected_reason=reason)
+            closest.add(e)
             if keep_rejected:
-                rejected.append(Estimate(lay, rejected_reason=reason))
-            continue
-        mem = cm.memory(lay)
-        if mem["total"] > cap:
-            if keep_rejected:
-                rejected.append(Estimate(lay, memory=mem, rejected_reason=_too_big(mem, prof)))
+                rejected.append(e)
             continue
         ranked.append(cm.evaluate(lay))
-    ranked.sort(key=lambda e: (e.step_time_s, e.memory["total"]))
+    ranked.sort(key=_rank_key)
+    n_exact = n_sim = 0
     if sim is not None and ranked:
-        cm.simulator = sim
-        head = [cm.evaluate(e.layout) for e in ranked[:RESCORE]]
-        ranked[:RESCORE] = sorted(head, key=lambda e: (e.step_time_s, e.memory["total"]))
+        ranked, n_sim = _retime(cm, ranked, sim, max(1, exact))
+        n_exact = min(max(1, exact), len(ranked))
     return SearchResult(ranked, rejected, time.perf_counter() - t0, sim is not None,
-                        world_flag)
+                        world_flag, n_exact, n_sim, closest.n, closest.kept())
+
+
+def _rank_key(e: Estimate) -> tuple[float, float]:
+    return e.step_time_s, e.memory["total"]
+
+
+def _retime(cm: CostModel, ranked: list[Estimate], sim, exact: int
+            ) -> tuple[list[Estimate], int]:
+    """``ranked`` (closed-form times) with its ``exact`` fastest by the simulator first, in
+    its order, and how many layouts were simulated. Layouts are simulated in the order of
+    their lower bounds (the step with :meth:`TimeModel.pipeline_bound` for its pipeline)
+    until the next bound exceeds the ``exact``-th simulated time: none left could beat it.
+    The closed form is not a bound either way that this could rely on; the lower bound is."""
+    bounds = sorted(
+        (e.step_time_s - e.time["pipeline"] + cm.pipeline_bound(e.layout), i)
+        for i, e in enumerate(ranked)
+    )
+    cm.simulator = sim
+    times: list[float] = []
+    timed: dict[int, Estimate] = {}
+    for low, i in bounds:
+        if len(times) >= exact and low > times[exact - 1] * (1 + 1e-12):
+            break
+        est = cm.evaluate(ranked[i].layout)
+        timed[i] = est
+        bisect.insort(times, est.step_time_s)
+    cm.simulator = None
+    out = [timed.get(i, e) for i, e in enumerate(ranked)]
+    return sorted(out, key=_rank_key), len(timed)
 
 
 def _too_big(mem: dict[str, float], prof: Profile) -> str:
@@ -298,7 +384,8 @@ def explain(est: Estimate, shape: ModelShape, res: SearchResult) -> str:
         f"optimizer {mem['optimizer'] / GB:.3g}, activations {mem['activations'] / GB:.3g}",
         f"  {len(res.ranked)} layouts fit, {len(res.rejected)} rejected; searched in "
         f"{res.seconds:.2f} s"
-        + (" (short list re-timed by the pipeline simulator)" if res.simulator else ""),
+        + (f" (the first {res.exact} ranked by the pipeline simulator, {res.simulated} "
+           "layouts re-timed by it; the rest by the closed form)" if res.exact else ""),
     ]
     if len(res.ranked) > 1:
         nxt = res.ranked[1]

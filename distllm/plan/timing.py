@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 
-from .bubble import pipeline_time
+from .bubble import pipeline_lower_bound, pipeline_time
 from .collectives import collective_time
 from .comm_cpu import rank_collective_cpu
 from .kernels import (
@@ -50,10 +50,26 @@ class TimeModel:
     the profile, the runtime, the stage split and the per-rank parameter counts)."""
 
     def _link(self, group: str, lay: Layout):
-        if group == "pp":  # neighbours are dp*tp ranks apart
-            return self.profile.link(lay.tp * lay.dp >= self.gpn and lay.pp > 1)
-        span = {"tp": lay.tp, "dp": lay.tp * lay.dp}[group]
-        return self.profile.link(span > self.gpn)
+        """The link class of a group's transfers: ``inter`` where any group of that kind has
+        ranks on two nodes. Ranks are ordered TP fastest, then DP, then PP
+        (:mod:`distllm.parallel.mesh`), ``gpn`` to a node; the slowest group sets the pace."""
+        return self.profile.link(self._crosses(group, lay.tp, lay.dp, lay.pp))
+
+    def _crosses(self, group: str, tp: int, dp: int, pp: int) -> bool:
+        key = ("crosses", group, tp, dp, pp)
+        if key not in self._cache:
+            g = self.gpn
+            if group == "pp":  # rank r's neighbour in the next stage is r + tp*dp
+                out = any(r // g != (r + tp * dp) // g for r in range((pp - 1) * tp * dp))
+            elif group == "dp":  # ranks s*tp*dp + d*tp + t over d: first and last node
+                out = dp > 1 and any(
+                    (s * tp * dp + t) // g != (s * tp * dp + (dp - 1) * tp + t) // g
+                    for s in range(pp) for t in range(tp)
+                )
+            else:
+                out = tp > g
+            self._cache[key] = out
+        return self._cache[key]
 
     def _tp_collective(self, nbytes: float, lay: Layout) -> float:
         """One TP synchronisation point of ``nbytes`` (all-reduce, or AG + RS under SP)."""
@@ -85,7 +101,8 @@ class TimeModel:
 
     def layer_times(self, b: int, lay: Layout) -> dict[str, float]:
         """Seconds of one block per micro-batch on one rank (uncontended)."""
-        key = ("lt", b, lay.tp, lay.sequence_parallel, lay.checkpointing, lay.dp, lay.zero)
+        key = ("lt", b, lay.tp, lay.sequence_parallel, lay.checkpointing, lay.dp, lay.zero,
+               lay.pp)  # pp: whether a DP group straddles a node (_link)
         if key in self._cache:
             return self._cache[key]
         s, p, t, rt = self.shape, self.profile, lay.tp, self.runtime
@@ -208,6 +225,14 @@ class TimeModel:
                 collective_time("all_gather", full, lay.tp, self._link("tp", lay))
             )
         return collective_time("p2p", full, 2, self._link("pp", lay))
+
+    def pipeline_bound(self, lay: Layout) -> float:
+        """Seconds the forward+backward part of ``lay``'s step takes at least, by the closed
+        form or by the simulator (:func:`distllm.plan.bubble.pipeline_lower_bound`): the step
+        of :meth:`step_time` with this in place of its ``pipeline`` term is a lower bound."""
+        tf, tb, tw, _ = self.rank_times(lay)
+        return pipeline_lower_bound(lay.schedule, lay.pp, lay.micro_batches, lay.virtual_stages,
+                                    tf, tb, tw, self.p2p_time(lay))
 
     def _tail(self, lay: Layout, tb: list[float]) -> tuple[float, float, float, float]:
         """After a rank's last backward: the exposed part of the DP gradient reduction (with

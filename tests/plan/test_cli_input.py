@@ -333,3 +333,144 @@ def test_a_reader_that_goes_away_ends_plan_quietly():
     p.stdout.close()  # before it writes anything
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 141 and err == "", err
+
+
+def _edited(path, edit) -> str:
+    """The packaged a100-80gb profile, edited, written to ``path``."""
+    d = json.loads((load_profile.__globals__["PROFILE_DIR"] / "a100-80gb.json").read_text())
+    edit(d)
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+def _set(*keys, to):
+    def edit(d):
+        for k in keys[:-1]:
+            d = d[k]
+        d[keys[-1]] = to
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit,why",
+    [
+        (lambda d: d.clear() or d.update(x=1), "profile is missing the field 'links'"),
+        (_set("links", to=[]), "field 'links' is a JSON list: give an object"),
+        (_set("links", "intra", to=[1]), "field 'links.intra' is a JSON list: give an object"),
+        (_set("peak_flops", to="x"), "field 'peak_flops' is a JSON str: give an object"),
+        (_set("peak_flops", "bfloat16", to="3e14"),
+         "field 'peak_flops.bfloat16' is '3e14': give a positive number"),
+        (_set("peak_flops", "bfloat16", to=0),
+         "field 'peak_flops.bfloat16' is 0: give a positive number"),
+        (_set("gpus_per_node", to="8"), "field 'gpus_per_node' is '8': give an integer >= 1"),
+        (_set("gpus_per_node", to=0), "field 'gpus_per_node' is 0: give an integer >= 1"),
+        (_set("links", "inter", "bandwidth", to=0),
+         "field 'links.inter.bandwidth' is 0: give a positive number"),
+        (_set("links", "intra", "efficiency", to=0),
+         "field 'links.intra.efficiency' is 0: give a number in (0, 1]"),
+        (_set("gemm", "sms", to=0), "field 'gemm.sms' is 0: give an integer >= 1"),
+        (_set("memory_bytes", to=0), "field 'memory_bytes' is 0: give a positive number"),
+        (_set("memory_bytes", to=True), "field 'memory_bytes' is True: give a positive number"),
+        (_set("usable_memory_fraction", to=1.5),
+         "field 'usable_memory_fraction' is 1.5: give a number in (0, 1]"),
+        (_set("cores", to=0), "field 'cores' is 0: give an integer >= 1"),
+        (_set("links", "intra", "speed", to=1),
+         "field 'links.intra.speed' is not a profile field: choose from bandwidth, latency, "
+         "efficiency, overlap, uses_cpu, tree, cpu_latency, cpu_per_byte, source"),
+    ],
+)
+def test_a_malformed_profile_is_one_line_naming_the_field(tmp_path, capsys, edit, why):
+    """Valid JSON that is not a valid profile (a list, a string for a number, a zero
+    bandwidth, efficiency, peak, SM count or memory): exit 2 naming the file and the field,
+    not a traceback, nor a search that divides by zero or blames --gpus-per-node."""
+    path = _edited(tmp_path / "mine.json", edit)
+    assert main(["plan", "--model", "tiny", "--gpus", "8", "--gpu", path]) == 2
+    assert capsys.readouterr().err == (
+        f"distllm plan: error: --gpu {path} is not a valid profile: {why}\n")
+
+
+def test_a_profile_that_is_not_an_object_is_named(tmp_path, capsys):
+    path = tmp_path / "list.json"
+    path.write_text("[1, 2]")
+    assert main(["plan", "--model", "tiny", "--gpu", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"distllm plan: error: --gpu {path} is not a valid profile: the file holds a JSON list, "
+        "not an object of profile fields (see distllm/plan/profiles/a100-80gb.json)\n")
+
+
+@pytest.mark.parametrize("name", ["a100-80gb", "h100", "h200", "cpu"])
+def test_the_packaged_profiles_pass_the_checks(name):
+    prof = load_profile(name)
+    from distllm.plan.hardware import Profile
+
+    assert Profile.from_json(prof.to_json()) == prof
+
+
+def test_why_nothing_fits_does_not_depend_on_json(capsys):
+    """--json used to keep no rejections and say "0 rejected; nothing to search"."""
+    argv = ["plan", "--model", "gpt3-175b", "--gpus", "8"]
+    assert main(argv) == 2
+    plain = capsys.readouterr().err
+    assert main([*argv, "--json"]) == 2
+    assert capsys.readouterr().err == plain
+    assert "(21864 rejected; the smallest, tp8.pp1.dp1.zero0.m1536.ckpt-full.sp, needs " in plain
+
+
+@pytest.mark.parametrize("value", ["0", "-8"])
+@pytest.mark.parametrize("mode", [["--model", "tiny"], ["--params", "7.5e9"]])
+def test_gpus_per_node_must_be_positive(capsys, value, mode):
+    assert main(["plan", *mode, "--gpus", "8", "--gpus-per-node", value]) == 2
+    assert capsys.readouterr().err == (
+        f"distllm plan: error: --gpus-per-node={value}: it must be a positive integer (leave it "
+        "out for the profile's)\n")
+
+
+def test_explain_agrees_with_the_headline(capsys):
+    """The breakdown and its JSON are the headline's estimate (its pipeline replayed by the
+    simulator), not the closed form's."""
+    argv = ["plan", "--model", "gpt2-xl", "--gpus", "16", "--pp", "2", "--zero", "1",
+            "--top", "1", "--explain"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    head = re.search(r"predicted (\S+) s/step, MFU (\S+)%", out)
+    step = re.search(r"step of \S+: (\S+) s \(.*pipeline replayed by the simulator\)", out)
+    mfu = re.search(r"\) = (\S+)%\n", out)
+    assert head and step and mfu, out
+    assert step.group(1) == head.group(1) and mfu.group(1) == head.group(2)
+    assert main([*argv, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    best = d["ranked"][0]
+    assert best["step_terms_s"]["step"] == best["step_time_s"]
+    assert best["step_terms_s"]["bubble"] == best["time_s"]["bubble"]
+
+
+def test_verify_takes_the_dtype_aliases_the_search_takes(capsys):
+    argv = ["plan", "--model", "tiny", "--gpus", "2", "--pp", "2", "--micro-batches", "2",
+            "--zero", "0", "--schedule", "1f1b", "--checkpointing", "none", "--dtype", "bf16",
+            "--gpu", "a100-80gb", "--verify", "--json"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["fits"] is True
+
+
+def test_calibrate_measures_the_links_with_the_ranks_asked(monkeypatch):
+    """--calibrate --gpus N: the links with N ranks in the collective (they were measured with
+    4 whatever N); one rank has no ring: two."""
+    import distllm.plan.calibrate as cal
+
+    seen = []
+
+    def link(net_rate, nranks=4, **kw):
+        seen.append((net_rate, nranks))
+        return load_profile("cpu").links["intra"], ""
+
+    for name in ("measure_gemm", "measure_attention"):
+        monkeypatch.setattr(cal, name, lambda *a, **k: {"peak": 1e10, "efficiency": 0.5,
+                                                        "rates": {}, "ms": 1.0})
+    monkeypatch.setattr(cal, "measure_memory_and_ops", lambda *a, **k: (1e10, 1e-5))
+    monkeypatch.setattr(cal, "measure_gelu", lambda *a, **k: (1e-9, 1e-9))
+    monkeypatch.setattr(cal, "measure_core_sharing", lambda *a, **k: 1.0)
+    monkeypatch.setattr(cal, "measure_link", link)
+    for ranks, want in ((2, 2), (6, 6), (1, 2)):
+        seen.clear()
+        prof = cal.calibrate("1gbit", ranks=ranks)
+        assert seen == [(None, want), ("1gbit", want)] and prof.gpus_per_node == ranks
