@@ -10,6 +10,10 @@ TORCH  ?= torch==2.14.1
 STAMP   = $(VENV)/.distllm-installed
 SRCS   := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cpp csrc/cuda/*.h)
 PYTEST_ARGS ?=
+# pytest processes of `make test` (pytest-xdist, one test file to a process: a file's fixtures
+# are built once). The distributed tests' ranks spend much of their time waiting on each other,
+# so two processes fill cores that one leaves idle; 0 runs the tests in make's own pytest.
+TEST_JOBS ?= 2
 # which venv the in-tree extensions were last compiled for
 EXT_OWNER := build/.extensions-venv
 EXT_STALE  = $(if $(filter-out $(abspath $(VENV)),$(file <$(EXT_OWNER))),FORCE)
@@ -33,7 +37,7 @@ train: $(STAMP)
 
 # CPU tests; tests marked `gpu` run in bench/gpu_check.sh, `full` in `make test-full`.
 test: $(STAMP)
-	$(PY) -m pytest -m "not gpu and not full" $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -m "not gpu and not full" -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 test-full: $(STAMP)
@@ -66,7 +70,7 @@ setup-torch211:
 
 test-torch211: setup-torch211
 	$(MAKE) -C $(OLD_TREE) test VENV=$(abspath $(OLD_VENV)) TORCH=$(OLD_TORCH) PYTHON=$(PYTHON) \
-	  PYTEST_ARGS='$(PYTEST_ARGS)'
+	  PYTEST_ARGS='$(PYTEST_ARGS)' TEST_JOBS=$(TEST_JOBS)
 
 clean:
 	rm -rf build *.egg-info distllm/*.so  # build outputs only: runs/ holds the user's runs
