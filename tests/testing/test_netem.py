@@ -69,6 +69,26 @@ def test_bad_arguments():
     assert not net.available and net.setup is None and net.env == {} and net.reason
 
 
+def _tbf_rates(net: EmulatedNetwork) -> list[int]:
+    """The rate (bits/s) of every tbf qdisc in the network's namespaces, as tc reads it
+    back: the shaping as configured, whatever the load does to a timing."""
+    import re
+
+    rates = []
+    for ns in net.namespaces:
+        shown = subprocess.run(["tc", "-n", ns, "qdisc", "show"], capture_output=True,
+                               text=True, check=True).stdout
+        rates += [parse_rate(r) for r in re.findall(r"qdisc tbf .*? rate (\S+)", shown.lower())]
+    return rates
+
+
+# The time of an all-reduce over the link: no faster than the rate allows (the shaping
+# works), and not slower than a tenth of it. The ranks' copies and TCP run on the CPU, so
+# a loaded machine slows them (4 ranks through the bridge read 0.26 of the rate beside CI's
+# other test processes); the configured rate itself is read back from tc (_tbf_rates).
+SLOWEST = 0.1
+
+
 def test_two_ranks_rate_limited_and_removed():
     """8 MiB all-reduce over a 1 Gbit/s veth pair: gloo binds to the namespace interface and
     the time is bandwidth-bound (each rank sends ~8 MiB): no faster than the rate allows (an
@@ -81,6 +101,7 @@ def test_two_ranks_rate_limited_and_removed():
     names = list(net.namespaces)
     try:
         assert len(names) == 2 and all(n in _list_netns() for n in names)
+        assert _tbf_rates(net) == [rate, rate]  # each rank's egress
         link = measure_allreduce(net, 2, NBYTES, reps=3)
     finally:
         net.__exit__(None, None, None)
@@ -90,7 +111,7 @@ def test_two_ranks_rate_limited_and_removed():
     assert link["local_addrs"] == [[f"{SUBNET}.1"], [f"{SUBNET}.2"]], link  # gloo bound to it
     ideal_ms = NBYTES * 8 / rate * 1e3  # ring all-reduce of 2 ranks: N bytes out per rank
     ratio = ideal_ms / link["median_ms"]  # achieved fraction of the link rate
-    assert 0.3 <= ratio <= 1.2, f"{link['median_ms']:.1f} ms vs ideal {ideal_ms:.1f} ms"
+    assert SLOWEST <= ratio <= 1.2, f"{link['median_ms']:.1f} ms vs ideal {ideal_ms:.1f} ms"
 
 
 def test_one_rank():
@@ -108,6 +129,7 @@ def test_four_ranks_through_a_bridge():
     names = list(net.namespaces)
     try:
         assert len(names) == 5, names  # four ranks and the bridge's
+        assert _tbf_rates(net) == [2 * 10**9] * 8  # each rank's egress, each switch port
         link = measure_allreduce(net, 4, NBYTES, reps=2)
     finally:
         net.__exit__(None, None, None)
@@ -115,7 +137,7 @@ def test_four_ranks_through_a_bridge():
     assert link["correct"], "the 4-rank all-reduce through the bridge summed wrong"
     assert link["local_addrs"] == [[f"{SUBNET}.{r + 1}"] for r in range(4)], link
     ideal_ms = 2 * 3 / 4 * NBYTES * 8 / 2e9 * 1e3  # ring: 2 (n-1)/n N bytes out per rank
-    assert 0.3 <= ideal_ms / link["median_ms"] <= 1.2, (link["median_ms"], ideal_ms)
+    assert SLOWEST <= ideal_ms / link["median_ms"] <= 1.2, (link["median_ms"], ideal_ms)
 
 
 def test_removed_after_exception_and_stale_cleanup():
