@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -72,8 +73,6 @@ def test_bad_arguments():
 def _tbf_rates(net: EmulatedNetwork) -> list[int]:
     """The rate (bits/s) of every tbf qdisc in the network's namespaces, as tc reads it
     back: the shaping as configured, whatever the load does to a timing."""
-    import re
-
     rates = []
     for ns in net.namespaces:
         shown = subprocess.run(["tc", "-n", ns, "qdisc", "show"], capture_output=True,
