@@ -265,23 +265,16 @@ def pipeline_time(
     raise ValueError(f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
 
 
-def pipeline_lower_bound(
-    schedule: str,
-    p: int,
-    m: int,
-    v: int,
-    t_f: list[float],
-    t_b: list[float],
-    t_w: list[float],
-    t_comm: float,
-) -> float:
+def pipeline_lower_bound(schedule: str, p: int, m: int, v: int, t_f: list[float],
+                         t_b: list[float], t_comm: float) -> float:
     """A time that neither :func:`pipeline_time`'s closed forms nor the simulator's replay of
     the same case can beat (the search re-times with the simulator only the layouts that
     could win by it). Rank ``r`` runs its ``m`` micro-batches one action at a time
     (``m * (t_f[r] + t_b[r])``); its first forward waits for micro-batch 0 to pass the first
     chunk of every rank before it, one transfer each; and (GPipe, 1F1B, interleaved: a
-    rank's last action is the backward of its first chunk) that micro-batch's gradient
-    then passes back through the same ranks. ZB-H1 may end a rank on a W: no drain there."""
+    rank's last action is the backward of its first chunk) the last micro-batch's
+    gradient then passes back through the same ranks. ZB-H1 may end a rank on a W: no drain there.
+    Arguments as :func:`pipeline_time`'s (``t_b`` is B + W)."""
     if p == 1 or schedule == "none":
         return m * (t_f[0] + t_b[0])
     drain = schedule != "zb-h1"

@@ -230,9 +230,9 @@ class TimeModel:
         """Seconds the forward+backward part of ``lay``'s step takes at least, by the closed
         form or by the simulator (:func:`distllm.plan.bubble.pipeline_lower_bound`): the step
         of :meth:`step_time` with this in place of its ``pipeline`` term is a lower bound."""
-        tf, tb, tw, _ = self.rank_times(lay)
+        tf, tb, _, _ = self.rank_times(lay)
         return pipeline_lower_bound(lay.schedule, lay.pp, lay.micro_batches, lay.virtual_stages,
-                                    tf, tb, tw, self.p2p_time(lay))
+                                    tf, tb, self.p2p_time(lay))
 
     def _tail(self, lay: Layout, tb: list[float]) -> tuple[float, float, float, float]:
         """After a rank's last backward: the exposed part of the DP gradient reduction (with

@@ -39,7 +39,7 @@ def test_the_lower_bound_bounds_the_simulator_and_the_closed_form(schedule):
         tb = [f * rng.uniform(1.5, 2.5) for f in tf]
         tw = [b * rng.uniform(0.2, 0.5) for b in tb] if schedule == "zb-h1" else [0.0] * p
         c = rng.choice((0.0, 0.01, 0.3))
-        low = pipeline_lower_bound(schedule, p, m, v, tf, tb, tw, c)
+        low = pipeline_lower_bound(schedule, p, m, v, tf, tb, c)
         sim = pipeline_time(schedule, p, m, v, tf, tb, tw, c, SIM)
         closed = pipeline_time(schedule, p, m, v, tf, tb, tw, c)
         assert low <= sim * (1 + 1e-12) and low <= closed * (1 + 1e-12), (p, m, v, c)
