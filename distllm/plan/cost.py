@@ -217,10 +217,13 @@ class CostModel(TimeModel):
 
     def memory(self, lay: Layout) -> dict[str, float]:
         """Bytes per device on the pipeline rank that needs the most."""
-        return max(
-            (self.rank_memory(lay, r) for r in self._heavy_ranks(lay.pp, lay.virtual_stages)),
-            key=lambda m: m["total"],
-        )
+        key = ("memory", lay)  # the search asks once to filter and again to rank
+        if key not in self._cache:
+            self._cache[key] = max(
+                (self.rank_memory(lay, r) for r in self._heavy_ranks(lay.pp, lay.virtual_stages)),
+                key=lambda m: m["total"],
+            )
+        return dict(self._cache[key])
 
     def heaviest_rank(self, lay: Layout) -> int:
         """The pipeline rank whose memory :meth:`memory` reports."""
@@ -286,6 +289,14 @@ class CostModel(TimeModel):
         replays from the rank's schedule: each local chunk's activations times the
         micro-batches it holds then, the messages kept, and during a backward that pass's
         transient."""
+        # the ZeRO stages of one layout differ here only in ``landing``: replay once for both
+        key = ("activations", lay.tp, lay.pp, lay.virtual_stages, lay.schedule,
+               lay.micro_batches, lay.checkpointing, lay.sequence_parallel, b, r, landing)
+        if key not in self._cache:
+            self._cache[key] = self._replay_activations(lay, b, r, landing)
+        return self._cache[key]
+
+    def _replay_activations(self, lay: Layout, b: int, r: int, landing: float) -> float:
         s, rt = self.shape, self.runtime
         per = self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, lay.checkpointing)
         bs = b * s.seq_len

@@ -319,9 +319,12 @@ def test_gpt3_175b_on_1024_a100():
     A100-80GB, batch 1536: tp=8 (inside the node), pp=16, interleaved schedule, no ZeRO,
     140 TFLOP/s per GPU = 45% of peak counting the recomputation's FLOPs."""
     shape = preset("gpt3-175b")
-    t0 = time.perf_counter()
+    # the issue's bound for a 1024-device search, in this process's CPU seconds: the search
+    # is single-threaded Python, and the wall clock would count the neighbours sharing the
+    # cores (11.5 s of wall for 3 s of search was seen with the test suite's other processes)
+    t0 = time.process_time()
     res = search(shape, 1024, 8, "a100-80gb")
-    assert time.perf_counter() - t0 < 10.0  # the issue's bound for a 1024-device search
+    assert time.process_time() - t0 < 10.0
     assert res.best.layout.tp == 8
     # the paper's setting (no ZeRO): tp inside the node, pp across nodes, bubble-reducing schedule
     paper = search(shape, 1024, 8, "a100-80gb", pins={"zero": 0}).best.layout
