@@ -148,6 +148,14 @@ def meta_of(path: Path) -> dict:
     return _read_meta(path)
 
 
+def trained_positions_of(path: Path, max_seq_len: int) -> int:
+    """How many leading positions the run of the checkpoint folder ``path`` trained: its
+    longest ``--seq-len``, or every position of pretrained weights (``max_seq_len``, also
+    for a checkpoint from before this was recorded)."""
+    n = _read_meta(path).get("trained_positions", max_seq_len)
+    return min(int(n), max_seq_len) if isinstance(n, int) and n > 0 else max_seq_len
+
+
 def record_of(out: str | os.PathLike) -> dict | None:
     """The metrics line of the step of the newest checkpoint in ``out``, as saved with it
     (None when there is none, or it was saved without)."""
@@ -265,6 +273,7 @@ def _save(out, engine, loader, step: int, record: dict | None) -> Path:
                 "data": loader.state_dict(), "dtype": engine.cfg.dtype,
                 "tokens": tokens_of(engine.cfg.data),
                 "data_source": data_source(engine.cfg.data),
+                "trained_positions": engine.trained_positions,
                 "optim": engine.cfg.optim.schedule(engine.cfg.steps),
                 **({} if record is None else {"metrics": record})}
         with open(tmp / "meta.json", "w") as f:
@@ -455,6 +464,9 @@ def _install(path: Path, engine, loader, meta: dict, state: dict, with_optim: bo
                                                      else f"optim.layers.{i}.{name}.{k}"],
                     ("weight", *MOMENTS) if with_optim else ("weight",))
     install(engine, local, meta["optimizer_step"])
+    # a checkpoint of before this was recorded: every position, as sample assumes
+    engine.trained_positions = max(engine.trained_positions,
+                                   int(meta.get("trained_positions", engine.mcfg.max_seq_len)))
     loader.load_state_dict(meta["data"])
     if "data_source" in meta and meta["data_source"] != data_source(engine.cfg.data):
         loader.restart()  # other data (--override-data): from its start

@@ -6,12 +6,14 @@ layout saved it, into a Hugging Face GPT-2 model as ``distllm export`` writes it
 run on text reads and writes bytes (:class:`~distllm.train.data.ByteTokenizer`); a run on a
 tokenizer's ids (``.bin`` data) needs that tokenizer, ``--tokenizer DIR``, and a sample ends
 at its end-of-text token, where ``distllm tokenize`` ended each file. The prompt and the new
-tokens must fit the model's context.
+tokens must fit the model's context; by default a sample ends where the positions the run
+trained end (its ``--seq-len``, or every position of ``--init-from`` weights).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -27,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens to generate after the prompt (default: 200, or what the "
-                        "model's context leaves after the prompt where that is fewer)")
+                        "positions the run trained (its --seq-len) leave after the prompt "
+                        "where that is fewer)")
     p.add_argument("--temperature", type=float, default=0.8,
                    help="softmax temperature; 0 picks the likeliest token (default 0.8)")
     p.add_argument("--top-k", type=int, default=50,
@@ -87,7 +90,7 @@ def sample(ckpt, prompt: str = "\n", *, max_new_tokens: int | None = None,
     from pathlib import Path
 
     from distllm.models.hf import hf_from_layers, quiet_transformers
-    from distllm.train.checkpoint import read_layers
+    from distllm.train.checkpoint import read_layers, trained_positions_of
     from distllm.train.config import MAX_SEED
 
     for knob, value, least in (("--max-new-tokens", max_new_tokens, 1),
@@ -99,6 +102,7 @@ def sample(ckpt, prompt: str = "\n", *, max_new_tokens: int | None = None,
     if temperature < 0:
         raise ValueError(f"--temperature {temperature}: it must be 0 (greedy) or more")
     cfg, layers, tokens = read_layers(Path(ckpt))
+    trained = trained_positions_of(Path(ckpt), cfg.max_seq_len)
     encode, decode, eos = _codec(tokens, cfg.vocab_size, tokenizer)
     ids = encode(prompt)
     if not ids:
@@ -106,12 +110,17 @@ def sample(ckpt, prompt: str = "\n", *, max_new_tokens: int | None = None,
     if len(ids) >= cfg.max_seq_len:
         raise ValueError(f"--prompt: its {len(ids)} tokens fill the model's context of "
                          f"{cfg.max_seq_len}; shorten it")
-    if max_new_tokens is None:
-        max_new_tokens = min(DEFAULT_NEW_TOKENS, cfg.max_seq_len - len(ids))
+    if max_new_tokens is None:  # within the trained positions where the prompt leaves room
+        room = trained if len(ids) < trained else cfg.max_seq_len
+        max_new_tokens = min(DEFAULT_NEW_TOKENS, room - len(ids))
     if len(ids) + max_new_tokens > cfg.max_seq_len:
         raise ValueError(f"--max-new-tokens {max_new_tokens}: with the prompt's {len(ids)} "
                          f"tokens it passes the model's context of {cfg.max_seq_len}; lower "
                          f"it, or shorten --prompt")
+    if len(ids) + max_new_tokens > trained:
+        print(f"note: the run trained the first {trained} of the model's {cfg.max_seq_len} "
+              f"positions (its --seq-len); the tokens past them are at positions it never "
+              f"learnt", file=sys.stderr)
     hf = hf_from_layers(cfg, layers)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     hf.to(device)

@@ -209,6 +209,8 @@ def test_init_from_trains_saying_so_once(capfd, tmp_path):
                  "--init-from", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].endswith(f", weights from {tmp_path / 'hf'}"), err
+    # pretrained weights: every position trained (`distllm sample` may use them all)
+    assert checkpoint.meta_of(checkpoint.latest(tmp_path / "run"))["trained_positions"] == 128
 
 
 def test_init_from_refuses_another_shape_or_no_model(capsys, tmp_path):
@@ -822,6 +824,29 @@ def test_a_resume_writes_the_checkpoints_step_line_that_a_kill_lost(capsys, tmp_
     assert json.loads(again[1]) == json.loads(lines[1])
     assert main(["train", *common, "--steps", "5", "--resume"]) == 0  # a line there: kept
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [1, 2, 3, 4, 5]
+
+
+def test_a_checkpoint_records_the_positions_its_run_trained(capsys, tmp_path):
+    """`distllm sample` keeps to the positions a run trained: its --seq-len (a resume keeps
+    it); a checkpoint from before this was recorded counts them all."""
+    out = tmp_path / "run"
+    common = ["--model", "tiny", "--eval-batches", "0", "--global-batch", "2", "--no-progress",
+              "--out", str(out)]
+
+    def trained() -> int:
+        return checkpoint.meta_of(checkpoint.latest(out))["trained_positions"]
+
+    assert main(["train", *common, "--steps", "1", "--seq-len", "16"]) == 0
+    assert trained() == 16
+    assert main(["train", *common, "--steps", "2", "--seq-len", "16", "--resume"]) == 0
+    assert trained() == 16
+    meta_file = checkpoint.latest(out) / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["trained_positions"]
+    meta_file.write_text(json.dumps(meta))
+    assert main(["train", *common, "--steps", "3", "--seq-len", "16", "--resume"]) == 0
+    assert trained() == 128
+    capsys.readouterr()
 
 
 def test_deterministic_resume_is_exact_under_sequence_parallelism(capfd, tmp_path):

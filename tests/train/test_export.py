@@ -184,20 +184,29 @@ def _bpe_256(corpus: str, path: Path) -> Path:
     return path
 
 
-def test_sample_writes_what_the_context_leaves_by_default(trained, capsys):
-    """At most 200 new tokens, fewer where the model's context (128 here) ends first: the
-    README's `distllm sample RUN` of `make train`'s run."""
+def test_sample_writes_what_the_trained_positions_leave_by_default(trained, capsys):
+    """At most 200 new tokens, fewer where the positions the run trained (its --seq-len, 32
+    of the model's 128) end first, or the model's context after a longer prompt: the
+    README's `distllm sample RUN` of `make train`'s run. Past the trained positions, a note."""
+    from distllm.train.checkpoint import meta_of
     from distllm.train.sample import sample
 
     out, _ = trained
     ckpt = out / "checkpoints" / "step_00000003"
-    for prompt, new in (("x" * 100, 28), ("\n", 127)):
+    assert meta_of(ckpt)["trained_positions"] == 32
+    note = ("note: the run trained the first 32 of the model's 128 positions (its --seq-len); "
+            "the tokens past them are at positions it never learnt\n")
+    for prompt, new, said in (("\n", 31, ""), ("x" * 31, 1, ""), ("x" * 100, 28, note * 2)):
         assert sample(ckpt, prompt, temperature=0) == sample(ckpt, prompt, temperature=0,
                                                              max_new_tokens=new)
+        assert capsys.readouterr().err == said
     with pytest.raises(ValueError, match="--max-new-tokens 29: with the prompt's 100 tokens"):
         sample(ckpt, "x" * 100, max_new_tokens=29)
+    assert sample(ckpt, "\n", temperature=0, max_new_tokens=32)  # the model's context allows
+    assert capsys.readouterr().err == note
     assert main(["sample", str(out)]) == 0
-    assert capsys.readouterr().out.strip()
+    said = capsys.readouterr()
+    assert said.out.strip() and not said.err
 
 
 def test_sample_of_a_run_on_ids_decodes_with_its_tokenizer(corpus, trained, tmp_path):
