@@ -19,8 +19,8 @@ Format (``OUT/checkpoints/step_00000300/``):
 
 Loading unpickles three things, none able to run code: the RNG states and DCP's tensor data
 (``torch.load(weights_only=True)``), and DCP's ``.metadata``, which DCP's own reader would
-``pickle.load``: :class:`_RestrictedReader` unpickles it allowing only the classes DCP
-metadata holds (:class:`_MetadataUnpickler`) and refuses entries that are not tensors (DCP
+``pickle.load``: :class:`~distllm.train.dcp_reader.RestrictedReader` unpickles it allowing
+only the classes DCP metadata holds and refuses entries that are not tensors (DCP
 would ``torch.load`` those with ``weights_only=False``). A refused checkpoint is a
 ``pickle.UnpicklingError`` naming the file and what it asked for.
 
@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import pickle
 import re
 import shutil
 import warnings
@@ -42,7 +41,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 
 from distllm.models.sharding import (
@@ -53,6 +51,7 @@ from distllm.models.sharding import (
     shard_full,
 )
 from distllm.train.data import data_source, tokens_of
+from distllm.train.dcp_reader import Refused, RestrictedReader
 from distllm.train.optim_state import MOMENTS, collect, install
 
 __all__ = ["save", "load_latest", "latest", "check_compatible", "prune", "step_of",
@@ -316,94 +315,6 @@ def _empty_targets(engine, with_optim: bool) -> dict[str, torch.Tensor]:
     return state
 
 
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"  # its classes are allowed
-# what else the .metadata of a distllm checkpoint pickles: shapes (torch.Size), the layout
-# (torch.strided pickles as _get_layout("torch.strided")), DCP's file offsets (_StorageInfo)
-# and the checkpoint's path; and torch dtypes (see _MetadataUnpickler.find_class)
-_PICKLED = {("torch", "Size"), ("torch.serialization", "_get_layout"),
-            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-            *((m, c) for m in ("pathlib", "pathlib._local")
-              for c in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath",
-                        "PureWindowsPath"))}
-
-
-class _Refused(pickle.UnpicklingError, ValueError):
-    """Checkpoint metadata that is not loaded; the message names the file and why (a
-    ValueError too: ``distllm train`` reports it in one line, exit code 2)."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata and nothing else: ``find_class`` returns only the classes of
-    ``torch.distributed.checkpoint.metadata``, torch dtypes and :data:`_PICKLED`, so a
-    crafted file cannot name a callable to run."""
-
-    def __init__(self, file, source: Path) -> None:
-        super().__init__(file)
-        self.source = source
-
-    def find_class(self, module: str, name: str):
-        obj = getattr(dcp_metadata, name, None) if module == _DCP_METADATA else None
-        if ((module, name) in _PICKLED
-                or (isinstance(obj, type) and obj.__module__ == _DCP_METADATA)
-                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
-            return super().find_class(module, name)
-        raise _Refused(
-            f"{self.source} asks to unpickle {module}.{name}, which checkpoint metadata never "
-            f"holds: refusing to load it (a damaged or crafted checkpoint: pass another --out)")
-
-
-def _read_metadata(file: Path) -> dcp_metadata.Metadata:
-    """The DCP metadata in ``file``, unpickled by :class:`_MetadataUnpickler`, whose entries
-    must all be tensors."""
-    with open(file, "rb") as f:
-        try:
-            md = _MetadataUnpickler(f, file).load()
-        except _Refused:
-            raise
-        except Exception as e:  # a truncated or garbled file
-            raise _Refused(f"{file} is not checkpoint metadata ({type(e).__name__}: {e}): the "
-                           f"checkpoint is damaged: pass another --out") from e
-    if not isinstance(md, dcp_metadata.Metadata):
-        raise _Refused(f"{file} holds a {type(md).__name__}, not checkpoint metadata: pass "
-                       f"another --out")
-    for fqn, entry in md.state_dict_metadata.items():
-        if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
-            raise _Refused(
-                f"{file}: entry {fqn!r} is a {type(entry).__name__}, not a tensor (distllm "
-                f"saves tensors only, and DCP would unpickle it without restriction): refusing "
-                f"to load it (a damaged or crafted checkpoint: pass another --out)")
-    return md
-
-
-class _RestrictedReader(dcp.FileSystemReader):
-    """DCP's file-system reader with :func:`_read_metadata` as ``read_metadata``: it reads
-    the checkpoint's ``.metadata`` (``__{rank}.metadata`` when DCP asks for a rank's own),
-    each file unpickled once (``load_latest`` reads it before ``dcp.load`` reads it again)."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__(path)
-        self._dir = Path(path)
-        self._read: dict[Path, dcp_metadata.Metadata] = {}
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        super().reset(checkpoint_id)
-        if checkpoint_id:
-            self._dir = Path(checkpoint_id)
-
-    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
-        rank = kwargs.get("rank")
-        file = self._dir / (".metadata" if rank is None else f"__{rank}.metadata")
-        if file not in self._read:
-            self._read[file] = _read_metadata(file)
-        md = self._read[file]
-        load_id = getattr(self, "load_id", None)  # DCP's reader tags the metadata it returns
-        if load_id is not None and hasattr(md, "storage_meta"):
-            if md.storage_meta is None:
-                md.storage_meta = dcp_metadata.StorageMeta()
-            md.storage_meta.load_id = load_id
-        return md
-
-
 def load_latest(out: str | os.PathLike, engine, loader) -> int:
     """Load the newest complete checkpoint under ``out`` into ``engine`` and ``loader`` at
     this run's layout; returns its step."""
@@ -433,15 +344,15 @@ def load_latest(out: str | os.PathLike, engine, loader) -> int:
 
 def _read_dcp(path: Path, targets, no_dist: bool = False) -> dict[str, torch.Tensor]:
     """The tensors of the checkpoint ``path`` that ``targets(metadata)`` asks for (a dict of
-    tensors to fill), read through :class:`_RestrictedReader` (refused metadata raises, on
+    tensors to fill), read through :class:`RestrictedReader` (refused metadata raises, on
     every rank, before DCP runs); any other failure is the one-line damaged error."""
     try:
-        reader = _RestrictedReader(path)
+        reader = RestrictedReader(path)
         state = targets(reader.read_metadata())
         with warnings.catch_warnings():  # no_dist: "assuming the intent is to load in a
             warnings.filterwarnings("ignore", message=".*single process")  # single process"
             dcp.load(state, storage_reader=reader, no_dist=no_dist)
-    except _Refused:
+    except Refused:
         raise
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - named in the error
         raise _damaged(path, _cause(exc)) from None
@@ -476,7 +387,7 @@ def _install(path: Path, engine, loader, meta: dict, state: dict, with_optim: bo
 def read_layers(path: Path):
     """``(GPTConfig, {layer index: {canonical name: full tensor}}, tokens)`` of the
     checkpoint folder ``path``: its weights (the fp32 masters of a mixed-precision run), read
-    in this process alone (no process group) through :class:`_RestrictedReader`, and what
+    in this process alone (no process group) through :class:`RestrictedReader`, and what
     the run trained on (``"bytes"``, ``"ids"``, or None from a checkpoint before that was
     recorded)."""
     from distllm.models.gpt import GPTConfig

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from distllm.models.gpt import GPTConfig
 from distllm.testing import run_distributed
-from distllm.train import checkpoint
+from distllm.train import checkpoint, dcp_reader
 from tests.train._util import train_many
 
 TOL = 1e-9  # float64 (see test_parity)
@@ -222,7 +222,7 @@ def test_non_tensor_entry_runs_nothing(tmp_path):
     mark, ck = tmp_path / "ran", tmp_path / "ck"
     dcp.save({"w": _Payload(mark)}, checkpoint_id=str(ck), no_dist=True)
     assert not mark.exists()
-    reader = checkpoint._RestrictedReader(ck)
+    reader = dcp_reader.RestrictedReader(ck)
     want = (f"{ck}/.metadata: entry 'w' is a BytesStorageMetadata, not a tensor (distllm "
             f"saves tensors only, and DCP would unpickle it without restriction): refusing "
             f"to load it (a damaged or crafted checkpoint: pass another --out)")
