@@ -14,11 +14,14 @@ import json
 import re
 import sys
 
+from distllm.models.gpt import CHECKPOINTING
+
 from .cost import GB, STATE_BYTES, Estimate, training_dtype
 from .hardware import load_profile, profile_names
 from .model import ModelShape, preset, preset_names
 from .runtime import runtime, runtime_names
-from .search import CHECKPOINTING, _check_cluster, explain, model_states_table, search
+from .search import explain, model_states_table, search
+from .space import check_cluster
 
 __all__ = ["add_arguments", "run", "shape_from_args"]
 
@@ -181,7 +184,7 @@ def _rejections(rejected: list[Estimate], examples: int = 2) -> str:
 
 
 def _params_mode(a: argparse.Namespace) -> int:
-    _check_cluster(a.gpus, a.gpus)  # --gpus a positive integer
+    check_cluster(a.gpus, a.gpus)  # --gpus a positive integer
     _pins(a)  # --tp/--pp/--dp positive integers
     if a.dp is not None and a.dp * (a.tp or 1) * (a.pp or 1) != a.gpus:
         raise ValueError(
