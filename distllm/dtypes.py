@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DTYPES", "ALIASES", "canonical_dtype", "dtype_name", "to_torch_dtype"]
+__all__ = ["DTYPES", "ALIASES", "autocast_cast", "canonical_dtype", "dtype_name", "to_torch_dtype"]
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -50,3 +50,14 @@ def dtype_name(dtype: torch.dtype) -> str:
         if d == dtype:
             return name
     raise ValueError(f"{dtype} has no name in distllm.dtypes.DTYPES ({', '.join(DTYPES)})")
+
+
+def autocast_cast(t, device_type: str, dtype: torch.dtype):
+    """``t`` as autocast casts the operands of a lower-precision op (``F.linear``): a
+    floating tensor on the autocast device ``device_type``, float64 excepted, goes to
+    ``dtype``; anything else is returned as it is. The one home of this rule for the fused
+    and parallel layers, whose GEMMs write into buffers autocast cannot cast."""
+    if (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+            and t.device.type == device_type):
+        return t.to(dtype)
+    return t

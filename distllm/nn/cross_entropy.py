@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from distllm.comm.collectives import all_reduce
 from distllm.nn.embedding import check_ids_in_vocab
+from distllm.parallel.tensor.mappings import differentiable_once
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -46,6 +47,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, g):
         p, idx, inside, valid = ctx.saved_tensors
         grad = p.clone()

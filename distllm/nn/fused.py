@@ -205,7 +205,7 @@ def _apply(block: nn.Module, new: dict[str, object]) -> None:
             object.__setattr__(block, name, value)
 
 
-def fuse(model: nn.Module) -> int:
+def fuse(model: nn.Module, *, mlp: bool = True) -> int:
     """Swap every Linear -> GeLU pair of ``model`` in place for one fused layer; returns how
     many were swapped.
 
@@ -226,6 +226,10 @@ def fuse(model: nn.Module) -> int:
     activations, Linear subclasses, outputs used twice, blocks that cannot be traced) is left
     alone; outputs change only by the dtype's rounding. All replacements are built before
     the model changes, so an error leaves it as it was.
+
+    A whole MLP's fused backward is differentiable once: a second derivative through it (a
+    gradient penalty) raises. ``mlp=False`` fuses the pairs alone (each
+    :class:`FusedLinearGeLU` is differentiable twice) and leaves the second Linear as it is.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"fuse needs an nn.Module, got {type(model).__name__}")
@@ -235,6 +239,8 @@ def fuse(model: nn.Module) -> int:
             continue
         if type(m).forward is not nn.Module.forward:
             pairs = block_pairs(m)
+            if not mlp:
+                pairs = [p._replace(fc2=None) for p in pairs]
             if pairs:
                 plans.append((m, pairs, _replacements(m, pairs)))
     for m, _, new in plans:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distllm.dtypes import autocast_cast
 from distllm.parallel.tensor.batch_split import deferring, with_bias
 from distllm.parallel.tensor.fused_mlp import (
     BACKENDS,
@@ -274,12 +275,7 @@ def _autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if not torch.is_autocast_enabled(dev):
         return x, weight, bias, dev
     dtype = torch.get_autocast_dtype(dev)
-
-    def cast(t):
-        ok = t is not None and t.is_floating_point() and t.dtype != torch.float64
-        return t.to(dtype) if ok and t.device.type == dev else t
-
-    return cast(x), cast(weight), cast(bias), dev
+    return (*(autocast_cast(t, dev, dtype) for t in (x, weight, bias)), dev)
 
 
 def gather_sequence(x: torch.Tensor, dims) -> torch.Tensor:

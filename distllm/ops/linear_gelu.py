@@ -36,6 +36,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from distllm.dtypes import autocast_cast
 from distllm.ops import backend_choice, weight_grad
 from distllm.ops import linear_gelu_backends as impl
 from distllm.ops.weight_grad import weight_grad_store
@@ -227,7 +228,7 @@ def linear_gelu(
     device_type = _autocast_device(x)
     if device_type is not None:
         dtype = torch.get_autocast_dtype(device_type)
-        x, weight, bias = (_autocast_cast(t, device_type, dtype) for t in (x, weight, bias))
+        x, weight, bias = (autocast_cast(t, device_type, dtype) for t in (x, weight, bias))
         with torch.autocast(device_type, enabled=False):  # the backends see the cast dtypes
             return linear_gelu(x, weight, bias, approximate=approximate, backend=backend)
     _check(x, weight, bias, approximate, backend)
@@ -285,19 +286,6 @@ def _autocast_device(x) -> str | None:
     if not isinstance(x, torch.Tensor) or x.device.type not in ("cpu", "cuda"):
         return None
     return x.device.type if torch.is_autocast_enabled(x.device.type) else None
-
-
-def _autocast_cast(t, device_type: str, dtype: torch.dtype):
-    """Autocast's rule for a lower-precision op: floating tensors on the autocast device,
-    float64 excepted, go to ``dtype``; anything else is left as it is."""
-    if (
-        isinstance(t, torch.Tensor)
-        and t.is_floating_point()
-        and t.dtype != torch.float64
-        and t.device.type == device_type
-    ):
-        return t.to(dtype)
-    return t
 
 
 def _check(x, weight, bias, approximate: str, backend: str) -> None:

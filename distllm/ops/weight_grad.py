@@ -46,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from distllm.dtypes import autocast_cast
+
 __all__ = ["WeightGradStore", "DeferLinearWeightGrads", "weight_grad_store", "leave_to_w", "paused",
            "trained"]
 
@@ -172,7 +174,7 @@ class _DeferredLinear(torch.autograd.Function):
         cast = torch.is_autocast_enabled(dev)
         if cast:  # as autocast runs F.linear: in its dtype (the weight's gradient is cast back)
             dt = torch.get_autocast_dtype(dev)
-            x, w, b = x.to(dt), weight.to(dt), None if bias is None else bias.to(dt)
+            x, w, b = (autocast_cast(t, dev, dt) for t in (x, weight, bias))
         else:
             w, b = weight, bias
         ctx.save_for_backward(x, w if cast else None)

@@ -179,6 +179,32 @@ def test_fuse_whole_mlp_fuses_its_backward_across_the_two_gemms(backend, approxi
     assert fuse(model) == 0  # idempotent
 
 
+def _penalty_grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """The parameters' gradients of a gradient penalty (a second derivative)."""
+    x = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(model(x).square().sum(), x, create_graph=True)
+    return torch.autograd.grad(g.square().sum(), list(model.parameters()))
+
+
+def test_a_fused_whole_mlp_refuses_a_second_derivative_and_mlp_false_gives_it():
+    """The whole MLP's backward (gemm_dgelu) is differentiable once: a gradient penalty
+    through it raises, in one line (it crashed inside the op); fuse(mlp=False) fuses the
+    pair alone, whose second derivative equals the unfused model's in float64."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 24), nn.GELU(), nn.Linear(24, 8)).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    want = _penalty_grads(ref, x)
+    whole = copy.deepcopy(ref)
+    assert fuse(whole) == 1 and type(whole[2]).__name__ == "_FusedAway"
+    with pytest.raises(RuntimeError, match="ParallelMLP is differentiable once"):
+        _penalty_grads(whole, x)
+    pair = copy.deepcopy(ref)
+    assert fuse(pair, mlp=False) == 1
+    assert isinstance(pair[0], FusedLinearGeLU) and type(pair[2]) is nn.Linear
+    for g, w in zip(_penalty_grads(pair, x), want, strict=True):
+        torch.testing.assert_close(g, w, **TOL[torch.float64])
+
+
 class _Block(nn.Module):  # Hugging Face-style: forward is act(fc(x))
     def __init__(self, act):
         super().__init__()

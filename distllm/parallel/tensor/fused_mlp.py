@@ -48,6 +48,7 @@ from distllm.ops import linear_gelu_backends as impl
 from distllm.ops.weight_grad import leave_to_w, trained, weight_grad_store
 from distllm.parallel.tensor.batch_split import deferring
 from distllm.parallel.tensor.layers import OverlapPlan, _mm, _mm_t
+from distllm.parallel.tensor.mappings import differentiable_once
 
 __all__ = ["BACKENDS", "resolve_backend", "column_parallel_linear_gelu", "parallel_mlp",
            "dense_mlp", "single_device_plans", "describe_kernel"]
@@ -238,6 +239,7 @@ class _ColumnParallelLinearGeLU(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
+    @differentiable_once
     def backward(ctx, gy):
         x_full, w, pre = ctx.saved_tensors
         n = w.shape[0]
@@ -284,6 +286,7 @@ class _ParallelMLP(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
+    @differentiable_once
     def backward(ctx, gz):
         x_full, w1, pre, y, w2 = ctx.saved_tensors
         plan1, plan2 = ctx.plans

@@ -40,6 +40,7 @@ from distllm.ops import cpu_gemm
 from distllm.ops.weight_grad import leave_to_w, trained, weight_grad_store
 from distllm.parallel.tensor import overlap_tuner
 from distllm.parallel.tensor.batch_split import deferring
+from distllm.parallel.tensor.mappings import differentiable_once
 from distllm.parallel.tensor.overlap import CommContext, run_engine
 
 __all__ = ["OVERLAP_MODES", "COLLECTIVES", "OverlapCounter", "OverlapStats", "OverlapPlan",
@@ -319,6 +320,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
+    @differentiable_once
     def backward(ctx, gy):
         x_full, w = ctx.saved_tensors
         n, k = w.shape
@@ -376,6 +378,7 @@ class _RowParallelMatmul(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
+    @differentiable_once
     def backward(ctx, gy):
         x, w = ctx.saved_tensors
         n, k = w.shape

@@ -30,6 +30,8 @@ tensor between two branches, e.g. at a residual add).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -38,6 +40,7 @@ from distllm.comm.collectives import all_reduce, reduce_scatter
 from distllm.comm.compat import all_gather_into
 
 __all__ = [
+    "differentiable_once",
     "all_reduce_copy", "split_dim", "all_gather_dim", "reduce_scatter_dim",
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region",
     "gather_from_tp_region", "scatter_to_sequence_parallel_region",
@@ -92,6 +95,25 @@ def reduce_scatter_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.
 # ---------------------------------------------------------------- 2. autograd functions
 
 
+def differentiable_once(backward):
+    """A custom Function's ``backward`` that refuses to build a graph (``create_graph=True``):
+    the collectives and fused kernels in these backwards are outside autograd's graph, so a
+    second derivative through them (a gradient penalty) would come out wrong, silently. One
+    error instead, as the backward starts (grad mode is on there only under create_graph)."""
+
+    @functools.wraps(backward)
+    def checked(ctx, *grads):
+        if torch.is_grad_enabled():
+            name = type(ctx).__name__.removesuffix("Backward").lstrip("_")
+            raise RuntimeError(
+                f"{name} is differentiable once: a gradient of its gradient (create_graph=True, "
+                f"e.g. a gradient penalty) is not supported, since its backward runs collectives "
+                f"or fused kernels outside autograd's graph")
+        return backward(ctx, *grads)
+
+    return checked
+
+
 class _CopyToTP(torch.autograd.Function):
     """f: forward identity; backward all-reduce of the gradient."""
 
@@ -103,6 +125,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
+    @differentiable_once
     def backward(ctx, g):
         return all_reduce_copy(g, ctx.group), None
 
@@ -117,6 +140,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
+    @differentiable_once
     def backward(ctx, g):
         return g, None
 
@@ -132,6 +156,7 @@ class _Split(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
+    @differentiable_once
     def backward(ctx, g):
         return all_gather_dim(g, ctx.dim, ctx.group), None, None
 
@@ -148,6 +173,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
+    @differentiable_once
     def backward(ctx, g):
         if ctx.reduce_grad:
             return reduce_scatter_dim(g, ctx.dim, ctx.group), None, None, None
@@ -165,6 +191,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
+    @differentiable_once
     def backward(ctx, g):
         return all_gather_dim(g, ctx.dim, ctx.group), None, None
 

@@ -121,13 +121,15 @@ def test_backend_auto_timing_runs_leave_nothing_to_w():
         store.accumulate()
 
 
-def test_a_linear_under_autocast_defers_as_autocast_runs_it():
-    """``nn.Linear`` with float32 parameters under bfloat16 autocast: B's input gradient and
-    W's weight gradient are autocast's (the GEMMs in bfloat16, the gradients cast back to the
-    parameters' dtype); the bfloat16 output gradient met the float32 weight before."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_linear_under_autocast_defers_as_autocast_runs_it(dtype):
+    """``nn.Linear`` under bfloat16 autocast: B's input gradient and W's weight gradient are
+    autocast's. float32 parameters: the GEMMs in bfloat16, the gradients cast back to the
+    parameters' dtype (the bfloat16 output gradient met the float32 weight before); float64
+    ones: autocast leaves them, and so does the deferral."""
     torch.manual_seed(0)
-    lin, x = nn.Linear(8, 6), torch.randn(4, 8)
-    gy = torch.randn(4, 6)
+    lin, x = nn.Linear(8, 6, dtype=dtype), torch.randn(4, 8, dtype=dtype)
+    gy = torch.randn(4, 6, dtype=dtype)
     xr = x.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = lin(xr)
@@ -137,12 +139,13 @@ def test_a_linear_under_autocast_defers_as_autocast_runs_it():
     store, xi = WeightGradStore(), x.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16), DeferLinearWeightGrads(store):
         y2 = lin(xi)
-    assert y2.dtype == torch.bfloat16 and torch.equal(y2, y)
+    want = torch.bfloat16 if dtype == torch.float32 else torch.float64
+    assert y.dtype == want and y2.dtype == want and torch.equal(y2, y)
     (dx,) = torch.autograd.grad(y2, [xi], gy.to(y2.dtype))
     store.accumulate()
-    assert dx.dtype == torch.float32 and torch.equal(dx, xr.grad)
+    assert dx.dtype == dtype and torch.equal(dx, xr.grad)
     for p, r in zip(lin.parameters(), ref, strict=True):
-        assert p.grad.dtype == torch.float32 and torch.equal(p.grad, r), (p.grad, r)
+        assert p.grad.dtype == dtype and torch.equal(p.grad, r), (p.grad, r)
 
 
 def test_another_thread_does_not_defer_into_this_threads_store():

@@ -126,3 +126,59 @@ def test_a_deferred_layers_doctor_row_is_never_below_its_ideal():
                          comm_source="auto", layer_ms=0.26)
     row.finish()
     assert row.compute_ms == 0.26 and row.ideal_ms == 0.26 and row.gap_ms == 1.99
+
+
+def _second_derivatives() -> dict:
+    """A gradient penalty (the gradient of a gradient) through each tensor-parallel path."""
+    from distllm import ParallelDims
+    from distllm.nn import (
+        ColumnParallelLinear,
+        ParallelMLP,
+        RowParallelLinear,
+        vocab_parallel_cross_entropy,
+    )
+    from distllm.nn.parallel_linear import gather_sequence
+
+    dims = ParallelDims(tp=2)
+    torch.manual_seed(0)
+    kw = dict(dims=dims, dtype=torch.float64)
+    paths = {}
+    for overlap in ("none", "chunked"):
+        c = ColumnParallelLinear(4, 6, overlap=overlap, **kw)
+        r = RowParallelLinear(6, 4, overlap=overlap, **kw)
+        paths[f"column ({overlap})"] = c
+        paths[f"column, row ({overlap})"] = lambda t, c=c, r=r: r(torch.tanh(c(t)))
+        sc = ColumnParallelLinear(4, 6, overlap=overlap, sequence_parallel=True, **kw)
+        sr = RowParallelLinear(6, 4, overlap=overlap, sequence_parallel=True, **kw)
+        paths[f"sequence parallel ({overlap})"] = lambda t, c=sc, r=sr: r(torch.tanh(c(t)))
+        paths[f"gathered sequence ({overlap})"] = lambda t, c=sc: gather_sequence(c(t), dims)
+    mlp = ParallelMLP(4, 8, **kw)
+    paths["ParallelMLP"] = mlp
+    head = ColumnParallelLinear(4, 6, **kw)
+    ids = torch.tensor([[0, 5], [3, 1]])
+    paths["vocabulary-parallel loss"] = lambda t: vocab_parallel_cross_entropy(head(t), ids,
+                                                                               dims)
+    said = {}
+    for name, f in paths.items():
+        x = torch.randn(2, 2, 4, dtype=torch.float64, requires_grad=True)
+        try:
+            (g,) = torch.autograd.grad(f(x).square().sum(), x, create_graph=True)
+            g.square().sum().backward()
+            said[name] = "no error"
+        except RuntimeError as e:
+            said[name] = str(e)
+        f(x).sum().backward()  # a first derivative still runs
+        said[name] += f"; x.grad {tuple(x.grad.shape)}"
+    return said
+
+
+def test_a_second_derivative_through_the_layers_is_refused():
+    """The collectives in the layers' backwards are outside autograd's graph: a gradient of
+    a gradient through them came out wrong, silently (off by 0.16 against a dense float64
+    reference). Each backward refuses to build a graph (create_graph=True), in one line."""
+    for said in run_distributed(_second_derivatives, 2, timeout=120):
+        assert len(said) == 10, said
+        for name, err in said.items():
+            assert " is differentiable once: a gradient of its gradient (create_graph=True, " \
+                "e.g. a gradient penalty) is not supported" in err, (name, err)
+            assert err.endswith("; x.grad (2, 2, 4)"), (name, err)
