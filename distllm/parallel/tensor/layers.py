@@ -202,7 +202,7 @@ class OverlapPlan:
         comm.wait_ms = 0.0
         call = lambda: run_engine(kind, a, mm, n_out, comm, chunks, then, growth)  # noqa: E731
         # a call of a trial is timed, and the trial's last call decides (collective)
-        out = call() if trial is None else trial.run(call)
+        out = call() if trial is None else trial.run(call, comm)
         counter = getattr(self.stats, direction)
         counter.record("chunked" if chunks else "none", chunks, kind,
                        comm.wait_ms if not a.is_cuda else 0.0, est)

@@ -375,9 +375,11 @@ class Trial:
         name = self._name_now()
         return (name, *self.plans[name])
 
-    def run(self, fn: Callable[[], object]) -> object:
+    def run(self, fn: Callable[[], object], comm: CommContext) -> object:
         """Run ``fn``, the call of :meth:`schedule`'s schedule, timed; the trial's last call
-        decides."""
+        decides, over ``comm``: the calling layer's group (the one the trial began on may
+        have been destroyed since, and the same ranks' group made again)."""
+        self.comm = comm
         name = self._name_now()
         out, ms = _time_call(fn, name)
         self.samples.setdefault(name, []).append(ms)

@@ -451,3 +451,48 @@ def test_a_backward_may_keep_its_collective_in_one_piece(spawned):
     for got in case_of(spawned(tuner_main, 2), "one_piece"):
         assert got[:2] == ("chunked", 1), got
         assert got[2].startswith("1 piece (the collective runs behind the GEMM that follows)"), got
+
+
+def _trial_across_a_new_group() -> str:
+    """A trial begun on one mesh, the process groups destroyed and made again (a second
+    run in the same process), then the same shape on the new mesh."""
+    import datetime
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    from distllm import ParallelDims
+    from distllm.nn import RowParallelLinear
+
+    overlap_tuner.clear_cache()
+    rank, x = dist.get_rank(), torch.randn(64, 32, dtype=DT)
+    first = RowParallelLinear(64, 64, ParallelDims(tp=2), overlap="auto", dtype=DT)
+    real, overlap_tuner._timed = overlap_tuner._timed, _forced(_SELECTION)  # a trial follows
+    try:
+        with torch.no_grad():
+            first(x)  # measured: the trial in the step begins
+    finally:
+        overlap_tuner._timed = real
+    assert first.plan.tuning
+    where = [os.path.join(tempfile.mkdtemp(), "init") if rank == 0 else None]
+    dist.broadcast_object_list(where)
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{where[0]}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    again = RowParallelLinear(64, 64, ParallelDims(tp=2), overlap="auto", dtype=DT)
+    with torch.no_grad():
+        for _ in range(overlap_tuner.trial_calls() + 1):
+            again(x)
+    assert not again.plan.tuning
+    return again.overlap_stats.forward.reason
+
+
+def test_a_trial_decides_over_the_group_of_its_last_call():
+    """A running trial is cached by ranks and shape, and carried the group it began on: on a
+    mesh made again in the same process it decided over the destroyed group (TypeError in
+    gloo's backend lookup). It decides over the calling layer's group."""
+    from distllm.testing import run_distributed
+
+    reasons = run_distributed(_trial_across_a_new_group, 2, timeout=120)
+    assert reasons[0] == reasons[1] and "rounds of calls in the step" in reasons[0], reasons
