@@ -302,6 +302,11 @@ class ParallelDims:
         self._built()
         return group_device()
 
+    def __deepcopy__(self, memo: dict) -> ParallelDims:
+        """The mesh itself: a handle on the job's process groups, which a copy of a model
+        (an EMA, a reference) shares; they cannot be copied."""
+        return self
+
     def __repr__(self) -> str:
         where = f"rank={self._rank}, coords(pp,dp,tp)={self.coords}" if self.is_built else (
             "not built")

@@ -29,6 +29,7 @@ Each direction's :class:`OverlapCounter` records the collective that actually ra
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -149,6 +150,14 @@ class OverlapPlan:
         self._comm: CommContext | None = None
         self._memo: dict[tuple, tuple[int, tuple]] = {}  # per exact call: (generation, plan)
         self._trials: dict[str, overlap_tuner.Trial] = {}  # direction: its last call's trial
+
+    def __deepcopy__(self, memo: dict) -> OverlapPlan:
+        """A copy for a copied layer: the same group and :class:`CommContext` (process
+        groups cannot be copied), its own record of what ran."""
+        new = copy.copy(self)
+        new.stats = copy.deepcopy(self.stats, memo)
+        new._memo, new._trials = dict(self._memo), dict(self._trials)
+        return new
 
     @property
     def comm(self) -> CommContext:

@@ -182,3 +182,42 @@ def test_a_second_derivative_through_the_layers_is_refused():
             assert " is differentiable once: a gradient of its gradient (create_graph=True, " \
                 "e.g. a gradient penalty) is not supported" in err, (name, err)
             assert err.endswith("; x.grad (2, 2, 4)"), (name, err)
+
+
+def _copied_model() -> dict:
+    """``copy.deepcopy`` of a tp2 GPT with sequence parallelism (an EMA, a reference copy)."""
+    import copy
+
+    from distllm import ParallelDims
+    from distllm.models.gpt import GPT, GPTConfig
+
+    dims = ParallelDims(tp=2)
+    cfg = GPTConfig(vocab_size=64, n_layers=2, hidden_size=16, n_heads=2, ffn_hidden_size=32,
+                    max_seq_len=8)
+    model = GPT(cfg, dims, sequence_parallel=True, overlap="chunked", dtype=torch.float64)
+    twin = copy.deepcopy(model)
+    ids = torch.randint(64, (2, 8), generator=torch.Generator().manual_seed(0))
+    model.loss(model(ids), ids).backward()
+    twin.loss(twin(ids), ids).backward()
+    shared = {n for n, p in model.named_parameters()
+              if any(p is q for q in twin.parameters())}
+    return {
+        "grad err": max((p.grad - q.grad).abs().max().item()
+                        for p, q in zip(model.parameters(), twin.parameters(), strict=True)),
+        "shared params": sorted(shared),
+        "same dims": twin.dims is dims,
+        "own stats": [(a.plan.stats is b.plan.stats, a.plan.stats.forward.calls,
+                       b.plan.stats.forward.calls)
+                      for a, b in zip(model.modules(), twin.modules(), strict=True)
+                      if hasattr(a, "plan")],
+    }
+
+
+def test_a_deep_copy_shares_the_mesh_and_trains_the_same():
+    """A model of the layers could not be deep-copied (the process groups it holds cannot be
+    pickled): the copy now shares the mesh and its groups, has parameters and records of its
+    own, and gives the original's gradients."""
+    for r in run_distributed(_copied_model, 2, timeout=120):
+        assert r["grad err"] == 0.0 and r["shared params"] == [], r
+        assert r["same dims"] and r["own stats"], r
+        assert all(st == (False, 1, 1) for st in r["own stats"]), r
