@@ -36,10 +36,11 @@ def pytest_collection_modifyitems(config, items):
         return  # listing the gpu tests (--collect-only) needs no GPU
     gpu = [it for it in items if it.get_closest_marker("gpu")]
     if gpu and "not gpu" not in (config.getoption("-m") or ""):
-        raise pytest.UsageError(
-            f"{len(gpu)} tests are marked gpu but no CUDA device is visible: "
-            "run with -m 'not gpu' (as `make test` does) or on a GPU (bench/gpu_check.sh)"
-        )
+        msg = (f"{len(gpu)} tests are marked gpu but no CUDA device is visible: run with "
+               "-m 'not gpu' (as `make test` does) or on a GPU (bench/gpu_check.sh)")
+        if hasattr(config, "workerinput"):  # an xdist worker: its error would not be shown
+            print(f"ERROR: {msg}", file=sys.__stderr__, flush=True)
+        raise pytest.UsageError(msg)
 
 
 @pytest.fixture(autouse=True)
