@@ -489,12 +489,14 @@ class ZeroOptimizer(ZeroGradChecks):
         return out
 
     def load_shard_state(self, i: int, state: dict[str, Any]) -> None:
-        """Set the inner optimizer's state of master ``i`` from ``state`` laid out as
+        """Replace the inner optimizer's state of master ``i`` with ``state`` laid out as
         :meth:`shard_state` gives it (entries shaped like the master are split between its
-        segments, copied; others are copied to each)."""
+        segments, copied; others are copied to each; an empty ``state``: none, as before
+        the first step)."""
         m = self.masters[i]
         for s in self.bucket_segments[i]:
             st = self.optimizer.state[s.tensor]
+            st.clear()
             for key, v in state.items():
                 if is_elementwise(v, m):
                     st[key] = v[s.lo:s.hi].clone()

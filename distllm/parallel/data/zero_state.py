@@ -6,7 +6,8 @@
      "loss_scaler": {"dynamic": bool, "scale": float, "good_steps": int},
      "param_groups": [hyper-parameters of each group, without "params"],
      "master": {name: full fp32 (master dtype) tensor shaped like the parameter},
-     "state":  {name: {key: full tensor shaped like the parameter, or the scalar as is}}}
+     "state":  {name: {key: full tensor shaped like the parameter, or the scalar as is}},
+     "elementwise_keys": [the state keys of the first kind]}
 
 identical on every DP rank (collective: one all-gather over DP per bucket and state key),
 so a ``torch.distributed.checkpoint`` save writes each tensor once, and the DP size may
@@ -77,6 +78,7 @@ def place_step(optimizer: torch.optim.Optimizer, param: Tensor, step: Any) -> Te
 def gather_state(z) -> dict[str, Any]:
     master: dict[str, Tensor] = {}
     state: dict[str, dict[str, Any]] = {}
+    elementwise: set[str] = set()
     for i, m in enumerate(z.masters):
         master.update(_split(z, i, _full(z, m)))
         st = z.shard_state(i)
@@ -86,6 +88,7 @@ def gather_state(z) -> dict[str, Any]:
         for key in sorted(st):
             v = st[key]
             if is_elementwise(v, m):
+                elementwise.add(key)
                 for n, t in _split(z, i, _full(z, v)).items():
                     state[n][key] = t
             else:
@@ -94,7 +97,16 @@ def gather_state(z) -> dict[str, Any]:
     groups = [{k: v for k, v in g.items() if k != "params"} for g in z.optimizer.param_groups]
     return {"stage": z.stage, "skipped_steps": z.skipped_steps, "loss_scale": z.loss_scale,
             "loss_scaler": z.scaler.state_dict(), "param_groups": groups, "master": master,
-            "state": state}
+            "state": state, "elementwise_keys": sorted(elementwise)}
+
+
+def _is_elementwise_key(sd: dict[str, Any], key: str, per: dict[str, Any]) -> bool:
+    """Whether state ``key`` holds a value per element (``per``: each parameter's saved
+    value): as :func:`gather_state` recorded it (a scalar parameter's moments are 0-dim,
+    like a step count), or, in a dict without the record, where any value has a dim."""
+    if "elementwise_keys" in sd:
+        return key in sd["elementwise_keys"]
+    return any(isinstance(v, Tensor) and v.dim() > 0 for v in per.values())
 
 
 def _my_slice(z, i: int, per_param: dict[str, Tensor], like: Tensor) -> Tensor:
@@ -115,15 +127,11 @@ def load_state(z, sd: dict[str, Any]) -> None:
     for i, m in enumerate(z.masters):
         m.copy_(_my_slice(z, i, sd["master"], m))
         names = [z.names[p] for p in z.reducer.buckets[i].params]
-        keys = sd["state"].get(names[0], {})
         st: dict[str, Any] = {}
-        for key, v in keys.items():
-            if isinstance(v, Tensor) and v.dim() > 0:
-                per = {n: sd["state"][n][key] for n in names}
-                st[key] = _my_slice(z, i, per, v)
-            else:
-                st[key] = v
-        z.load_shard_state(i, st)
+        for key, v in sd["state"].get(names[0], {}).items():
+            per = {n: sd["state"][n][key] for n in names}
+            st[key] = _my_slice(z, i, per, v) if _is_elementwise_key(sd, key, per) else v
+        z.load_shard_state(i, st)  # replaces the state (none: as before the first step)
     for g, saved in zip(z.optimizer.param_groups, sd["param_groups"], strict=True):
         g.update({k: v for k, v in saved.items() if k != "params"})
     z.skipped_steps = int(sd.get("skipped_steps", 0))

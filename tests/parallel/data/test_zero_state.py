@@ -12,6 +12,7 @@ import torch
 
 from tests._spawn import SpawnCache
 from tests.parallel.data._common import (
+    OPT,
     TOL,
     adamw,
     batch,
@@ -148,13 +149,69 @@ def _scaler_state(dims) -> dict:
     return out
 
 
+class _Scale(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return x * self.s
+
+
+class _Scalars(torch.nn.Module):
+    """Net with learnable scalars (0-dim parameters): a module's after it, which leads the
+    first bucket (the buckets follow the modules backwards), and one on the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = torch.nn.Parameter(torch.tensor(0.25))
+        self.net = make()
+        self.scale = _Scale()
+
+    def forward(self, x):
+        return self.scale(self.net(x)) + self.shift
+
+
+def _optimizer_round_trips(dims) -> dict:
+    """Per stage, against torch's AdamW in float64 with the trainer's settings: the
+    optimizer's own state_dict loaded back between two steps, with 0-dim parameters (their
+    moments are 0-dim, like a step count: the load broadcast them over the shard and the
+    next step crashed); then a state saved before the first step loaded into the optimizer
+    that has stepped (its moments and step counts were kept), and one more step."""
+    from distllm.parallel import ZeroOptimizer
+
+    out = {}
+    for stage in range(4):
+        torch.manual_seed(0)
+        model, ref = _Scalars().double(), _Scalars().double()
+        ref.load_state_dict(model.state_dict())
+        # one group (the trainer's weight decay on every parameter): a scalar leads a bucket
+        kw = adamw(weight_decay=OPT.weight_decay)
+        z = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, dims=dims, **kw)
+        assert any(len(b.shapes[0]) == 0 for b in z.reducer.buckets), stage
+        ropt = torch.optim.AdamW(ref.parameters(), **kw)
+        fresh = {"sd": z.state_dict(), "model": {k: v.clone()
+                                                 for k, v in ref.state_dict().items()}}
+        train_step(z, ropt, model, ref, dims, 0)
+        z.load_state_dict(z.state_dict())
+        train_step(z, ropt, model, ref, dims, 1)
+        between = max_err(model.state_dict(), ref.state_dict())
+        z.load_state_dict(fresh["sd"])
+        ref.load_state_dict(fresh["model"])
+        ropt = torch.optim.AdamW(ref.parameters(), **kw)
+        train_step(z, ropt, model, ref, dims, 2)
+        out[stage] = {"between": between,
+                      "from_before": max_err(model.state_dict(), ref.state_dict())}
+    return out
+
+
 def zero_module_state() -> dict:
     from distllm import ParallelDims
 
     dims = ParallelDims()
     return {"step": _after_one_step(dims), "round_trip": _round_trip(dims),
             "mixed": _mixed_masters(dims), "assign": _assign_refused(dims),
-            "scaler": _scaler_state(dims)}
+            "scaler": _scaler_state(dims), "optimizer": _optimizer_round_trips(dims)}
 
 
 def _results(spawned) -> list[dict]:
@@ -222,3 +279,10 @@ def test_optimizer_state_dict_carries_the_loss_scaler(spawned):
         # no loss scaling: its gradients are not divided by the loaded scale
         assert sc["none_norm"] < TOL, f"gradient norm off by {sc['none_norm']:.3g}"
         assert sc["none_scale"] == 1.0, sc
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_optimizer_state_dict_round_trips_with_scalars_and_before_any_step(spawned, stage):
+    for r in _results(spawned):
+        o = r["optimizer"][stage]
+        assert o["between"] < TOL and o["from_before"] < TOL, f"stage {stage}: {o}"
