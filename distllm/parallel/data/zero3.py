@@ -77,6 +77,11 @@ def _owners(module: nn.Module, units: list[nn.Module]) -> dict[nn.Parameter, nn.
     return owner
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass (a forward now is a recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 @dataclass(eq=False)
 class _Flat:
     params: list[nn.Parameter]
@@ -113,6 +118,9 @@ class ShardedParams:
         self.unit_of = {p: u for u in self.units for f in self.flats[u] for p in f.params}
         self._landed: dict[nn.Module, set] = {u: set() for u in self.units}
         self._landed_pass: dict[nn.Module, int | None] = {u: None for u in self.units}
+        # units recomputed inside a backward whose own backward has not started yet (under
+        # reentrant checkpointing, that backward is a pass nested in the outer one)
+        self._recomputed: set[nn.Module] = set()
         self._order: list[nn.Module] = [u for u in self.units if u is not module]
         self._seen: list[nn.Module] = []
         self._hooks = []
@@ -247,10 +255,18 @@ class ShardedParams:
 
     # --- hooks ---------------------------------------------------------------------------
     def _pre_forward(self, mod: nn.Module, args) -> None:
+        if _in_backward():  # activation checkpointing recomputes the unit: its gather alone
+            self._recomputed.add(mod)
+            if mod is not self.module and self.flats[self.module]:
+                self.unshard(self.module, wait=True)
+            if self.flats.get(mod):
+                self.unshard(mod, wait=True)
+            return  # (the forward order, and the backward's prefetch, stay as they are)
         if mod is self.module or mod in self._seen:  # a new forward (or micro-batch) begins
             if self._seen:
                 self._order = [u for u in self._seen if u is not self.module]
             self._seen = []
+            self._recomputed.clear()
         self._seen.append(mod)
         if mod is not self.module and self.flats[self.module]:
             self.unshard(self.module, wait=True)  # root leftovers, even if root is never called
@@ -267,8 +283,10 @@ class ShardedParams:
             if ts:
                 torch.autograd.graph.register_multi_grad_hook(
                     ts, lambda _g, m=mod: self._pre_backward(m), mode="any")
+        # a recomputation's unit stays gathered: its backward follows, and frees it as its
+        # gradients land
         keep = torch.is_grad_enabled() and (
-            mod is self.module or (self._order and mod is self._order[-1]))
+            mod is self.module or (self._order and mod is self._order[-1]) or _in_backward())
         if not keep:  # the root and the last layer stay gathered: backward starts with them
             self.reshard(mod)
 
@@ -279,7 +297,11 @@ class ShardedParams:
         # (a unit called twice keeps what landed between its two backwards). A pass is an
         # autograd graph task (its id keys torch's own register_multi_grad_hook "any" mode).
         task = torch._C._current_graph_task_id()
-        for u in (self.module, mod):  # the root is gathered with every unit
+        # the root is gathered with every unit; a recomputed unit's pass may be nested in the
+        # outer one (reentrant checkpointing), whose root gradients have landed already
+        nested = mod in self._recomputed
+        self._recomputed.discard(mod)
+        for u in (mod,) if nested else (self.module, mod):
             if self._landed_pass[u] != task:
                 self._landed_pass[u] = task
                 self._landed[u].clear()

@@ -39,7 +39,8 @@ class _Gated(nn.Module):
 
 class _GatedNet(nn.Module):
     """``how``: "plain" (each block once), "twice" (each block twice, its gate only in the
-    second call) or "reentrant" (each block under reentrant activation checkpointing)."""
+    second call), "reentrant" or "nonreentrant" (each block under activation checkpointing
+    of that kind)."""
 
     def __init__(self, how: str, d_in: int = 7, h: int = 13, n: int = 3, out: int = 5) -> None:
         super().__init__()
@@ -53,8 +54,8 @@ class _GatedNet(nn.Module):
         for b in self.blocks:
             if self.how == "twice":
                 x = b(b(x, False), use_gate)
-            elif self.how == "reentrant":
-                x = checkpoint(b, x, use_gate, use_reentrant=True)
+            elif self.how in ("reentrant", "nonreentrant"):
+                x = checkpoint(b, x, use_gate, use_reentrant=self.how == "reentrant")
             else:
                 x = b(x, use_gate)
         return self.head(x)
@@ -98,8 +99,9 @@ def _accumulate(dims, how: str, stage: int = 3, prefetch: bool = True) -> dict:
         ropt.step()
         if stage == 3:
             held.append(z.sharded.full_bytes_held())
+    order = [z.sharded.units.index(u) for u in z.sharded._order] if stage == 3 else []
     return {"master": max_err(z.state_dict()["master"], dict(ref.named_parameters())),
-            "norm": max(norms), "held": held}
+            "norm": max(norms), "held": held, "order": order}
 
 
 def gated_main() -> dict:
@@ -107,7 +109,7 @@ def gated_main() -> dict:
 
     dims = ParallelDims()
     cases = {f"{how}-s3": (lambda how=how: _accumulate(dims, how))
-             for how in ("plain", "twice", "reentrant")}
+             for how in ("plain", "twice", "reentrant", "nonreentrant")}
     cases["plain-s3-no-prefetch"] = lambda: _accumulate(dims, "plain", prefetch=False)
     cases["twice-s3-no-prefetch"] = lambda: _accumulate(dims, "twice", prefetch=False)
     for stage in (1, 2):
@@ -116,7 +118,7 @@ def gated_main() -> dict:
 
 
 CASES = ["plain-s1", "plain-s2", "plain-s3", "plain-s3-no-prefetch", "twice-s3",
-         "twice-s3-no-prefetch", "reentrant-s3"]
+         "twice-s3-no-prefetch", "reentrant-s3", "nonreentrant-s3"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -131,6 +133,19 @@ def test_accumulation_with_parameters_unused_in_some_micro_batches(spawned, case
             assert r["held"][0] > 0, r["held"]  # ... and the gate-less one keeps them
         if "-s3" in case:
             assert r["held"][2] == r["held"][5] == 0, r["held"]  # freed after each step
+
+
+@pytest.mark.parametrize("how", ["reentrant", "nonreentrant"])
+def test_a_recomputed_unit_is_gathered_as_a_forward_one(spawned, how):
+    """Activation checkpointing recomputes each block inside backward; its forward hook
+    took that for a new forward: it prefetched the block after it (whose backward was
+    done), which stayed gathered, and recorded the forward order backwards (the next step
+    prefetched the wrong way). What stays gathered after each micro-batch and the order are
+    the plain model's."""
+    res = spawned(gated_main, 2)
+    for r, plain in zip(case_of(res, f"{how}-s3"), case_of(res, "plain-s3"), strict=True):
+        assert r["order"] == plain["order"] == sorted(plain["order"]), (r, plain)
+        assert r["held"] == plain["held"], (r["held"], plain["held"])
 
 
 # --- a weight tied between two layers ----------------------------------------------------------
