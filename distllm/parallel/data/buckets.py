@@ -30,7 +30,7 @@ fill, a read of the bucket and the separate division pass per step.
 
 A step is a *cycle*: hooks fire (under ``no_sync`` they only accumulate), buckets launch,
 then :meth:`GradBuckets.finish` launches whatever did not launch (parameters that got no
-gradient contribute zeros, so unused parameters never hang a step), waits for every
+gradient contribute zeros, so unused parameters never hang the reduction), waits for every
 collective and leaves the results in place. ``finish`` is idempotent within a cycle.
 
 ``overlap=False`` keeps the hooks (each gradient is still divided into its slice as it

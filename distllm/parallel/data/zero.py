@@ -39,10 +39,16 @@ ZeRO paper, 4 with the default fp32 reduction): ``(2 + G + K)Ψ``, ``(2 + G)Ψ +
 
 Gradient sync (same contract as :class:`~distllm.parallel.DistributedDataParallel`):
 ``no_sync()`` accumulates locally; ``finish_grad_sync()`` launches what was not launched
-(unused parameters count as zeros, so they never hang), waits, and is idempotent;
+(unused parameters count as zeros, so they never hang a reduction), waits, and is idempotent;
 ``step()`` calls it. By default the end of each synchronised backward pass calls it too;
 pass ``finish_on_backward_end=False`` when a step's gradients come from several
 ``autograd.backward`` calls (split weight-gradient passes of a zero-bubble pipeline).
+
+At stage 3, as under FSDP, every DP rank must call the same gathered units in the same
+order: each unit's forward all-gathers its parameters, so a unit that some ranks skip (a
+layer dropped on one rank, a rank-dependent branch) leaves the others' all-gathers
+unmatched, and the job ends at the collective timeout. Stages 0-2 gather nothing in forward:
+a rank may leave any parameters unused.
 
 Checkpoints: :meth:`ZeroOptimizer.state_dict` holds *full, unsharded* tensors keyed by
 parameter name (``sd["master"][name]``, ``sd["state"][name][key]``), identical on every DP
