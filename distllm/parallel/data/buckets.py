@@ -50,9 +50,11 @@ reduce-scatter at stages 2-3).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,7 +65,7 @@ from distllm.comm.compat import reduce_scatter_into
 from distllm.diagnostics.timing import max_over_ranks
 from distllm.parallel.data.reduction_trial import ReductionTrial
 
-__all__ = ["Bucket", "GradBuckets", "assign_buckets", "FIRST_BUCKET_BYTES",
+__all__ = ["Bucket", "GradBuckets", "assign_buckets", "bucket_bytes", "FIRST_BUCKET_BYTES",
            "REDUCE_SCATTER_IMPLS"]
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # same first-bucket size as torch DDP
@@ -76,6 +78,19 @@ REDUCE_SCATTER_IMPLS = {
     "reduce_scatter": reduce_scatter_into,
     "all_reduce": reduce_scatter_by_all_reduce,
 }
+
+def bucket_bytes(name: str, mb: Any, default: float) -> int:
+    """The bytes of a bucket size given in MB by the argument ``name``: a finite number > 0,
+    else a ValueError naming it."""
+    try:
+        ok = math.isfinite(mb) and mb > 0
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name}={mb!r}: give a finite number of MB > 0 ({default:g} is the "
+                         f"default)")
+    return int(mb * 2**20)
+
 
 def assign_buckets(params: list[torch.nn.Parameter], cap_bytes: int,
                    first_cap_bytes: int = FIRST_BUCKET_BYTES,
@@ -219,7 +234,7 @@ class GradBuckets:
 
     def _setup_overlap(self, overlap: bool | str) -> None:
         if overlap not in (True, False, "auto"):
-            raise ValueError(f"overlap={overlap!r}: use True, False or 'auto'")
+            raise ValueError(f"overlap_grad_reduce={overlap!r}: use True, False or 'auto'")
         self.trial: ReductionTrial | None = None
         self._cycle_t0: float | None = None
         self.overlap = overlap is not False

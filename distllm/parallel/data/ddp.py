@@ -20,7 +20,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from distllm.comm.collectives import all_reduce
-from distllm.parallel.data.buckets import FIRST_BUCKET_BYTES, GradBuckets, assign_buckets
+from distllm.parallel.data.buckets import (
+    FIRST_BUCKET_BYTES,
+    GradBuckets,
+    assign_buckets,
+    bucket_bytes,
+)
 from distllm.parallel.data.grad_norm import clip_grad_norm_, clip_grad_norm_and_sum_
 from distllm.parallel.data.replicas import broadcast_from_dp0, dp_group_of
 from distllm.parallel.mesh import ParallelDims
@@ -97,8 +102,8 @@ class DistributedDataParallel(nn.Module):
                 f"module has parameters of several dtypes {dtypes}: DDP reduces each bucket in "
                 "the parameters' dtype, so cast the model to one (module.to(dtype)), or use "
                 "ZeroOptimizer(stage=0, param_dtype=...) for mixed precision with fp32 reduction")
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb}: it must be > 0 (25 is the default)")
+        cap = bucket_bytes("bucket_cap_mb", bucket_cap_mb, 25)
+        first = bucket_bytes("first_bucket_mb", first_bucket_mb, FIRST_BUCKET_BYTES / 2**20)
         group = dp_group_of(dims)
         self.module = module
         self.dims = dims
@@ -106,7 +111,7 @@ class DistributedDataParallel(nn.Module):
         if group is not None:
             bufs = list(module.buffers()) if broadcast_buffers else []
             broadcast_from_dp0([*module.parameters(), *bufs], dims)
-        buckets = assign_buckets(params, int(bucket_cap_mb * 2**20), int(first_bucket_mb * 2**20))
+        buckets = assign_buckets(params, cap, first)
         self.find_unused_parameters = find_unused_parameters
         self.reducer: GradBuckets | None = None
         # find_unused_parameters: this step's use flags (1 where a forward reached the

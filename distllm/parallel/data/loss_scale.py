@@ -3,6 +3,7 @@ on an inf/NaN gradient and doubles after a run of good steps (as ``torch.amp.Gra
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from torch import Tensor
@@ -27,8 +28,9 @@ class LossScaler:
             constant = 1.0 if loss_scale is None or self.dynamic else float(loss_scale)
         except (TypeError, ValueError):
             constant = -1.0
-        if not constant > 0:
-            raise ValueError(f"loss_scale={loss_scale!r}: use None, a positive number or 'dynamic'")
+        if not (constant > 0 and math.isfinite(constant)):
+            raise ValueError(f"loss_scale={loss_scale!r}: use None, a finite positive number "
+                             f"or 'dynamic'")
         self.scale = DYNAMIC_INIT if self.dynamic else constant
         self._good_steps = 0
 

@@ -75,7 +75,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from distllm.parallel.data.buckets import FIRST_BUCKET_BYTES, GradBuckets, assign_buckets
+from distllm.parallel.data.buckets import (
+    FIRST_BUCKET_BYTES,
+    GradBuckets,
+    assign_buckets,
+    bucket_bytes,
+)
 from distllm.parallel.data.loss_scale import LossScaler
 from distllm.parallel.data.memory import MemoryReport, memory_report
 from distllm.parallel.data.replicas import broadcast_from_dp0, dp_group_of
@@ -185,6 +190,7 @@ class ZeroOptimizer(ZeroGradChecks):
                  finish_on_backward_end: bool = True, overlap_grad_reduce: bool | str = True,
                  **optim_kwargs: Any) -> None:
         check_args(stage, optimizer_cls)
+        bucket_bytes("bucket_cap_mb", bucket_cap_mb, 25)  # (before any collective)
         module, groups, self.names = param_groups_of(module_or_params, param_groups)
         if stage == 3 and module is None:
             raise ValueError("stage=3 needs the nn.Module (its layers are gathered by hooks): "
@@ -225,6 +231,7 @@ class ZeroOptimizer(ZeroGradChecks):
 
     # --- construction --------------------------------------------------------------------
     def _build(self, groups, units, cap_mb, prefetch, finish_on_end, overlap_grad) -> None:
+        cap = bucket_bytes("bucket_cap_mb", cap_mb, 25)
         gid = {p: i for i, (ps, _) in enumerate(groups) for p in ps}
         allp = [p for ps, _ in groups for p in ps]
         if self.stage == 3:
@@ -237,7 +244,7 @@ class ZeroOptimizer(ZeroGradChecks):
             esize = self.reduce_dtype.itemsize
             order, key = self._bucket_order(allp, gid)
             plists = [sorted(ps, key=gid.__getitem__) for ps in assign_buckets(
-                order, int(cap_mb * 2**20), FIRST_BUCKET_BYTES, key=key, elem_size=esize)]
+                order, cap, FIRST_BUCKET_BYTES, key=key, elem_size=esize)]
         self.reducer = GradBuckets(
             plists, group=self.group, mode="all_reduce" if self.stage <= 1 else "reduce_scatter",
             dtype=self.reduce_dtype, persistent=self.stage <= 1, pad_to=self.nranks,

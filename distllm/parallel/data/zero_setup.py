@@ -54,7 +54,10 @@ def param_groups_of(module_or_params, param_groups=None
         module, items = None, list(module_or_params)
     groups: list[tuple[list, dict]] = []
     if items and isinstance(items[0], dict):
-        for g in items:
+        for i, g in enumerate(items):
+            if not isinstance(g, dict) or "params" not in g:
+                raise ValueError(f"param group {i} has no 'params': give every group as a "
+                                 f"dict with its parameters under 'params', as torch.optim does")
             opts = {k: v for k, v in g.items() if k != "params"}
             ps = [g["params"]] if isinstance(g["params"], Tensor) else list(g["params"])
             groups.append(([p for p in _unname(ps, names) if p.requires_grad], opts))

@@ -387,8 +387,10 @@ def test_bad_input():
     mixed.head.to(torch.float32)
     with pytest.raises(ValueError, match="several dtypes"):
         DistributedDataParallel(mixed, dims=None)
-    with pytest.raises(ValueError, match="bucket_cap_mb=0"):
-        DistributedDataParallel(make(), dims=None, bucket_cap_mb=0)
+    for name in ("bucket_cap_mb", "first_bucket_mb"):
+        for bad in (0, -2.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match=rf"{name}={bad!r}: give a finite number of MB"):
+                DistributedDataParallel(make(), dims=None, **{name: bad})
     with pytest.raises(ValueError, match="has no dp_group"):
         DistributedDataParallel(make(), dims=object())
     assert not dist.is_initialized()

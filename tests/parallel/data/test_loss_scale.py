@@ -39,9 +39,9 @@ def test_dynamic_halves_on_overflow_and_grows_after_good_steps():
     assert s.scale == 1.0  # never below 1
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, "static"])
+@pytest.mark.parametrize("bad", [0, -1.0, "static", float("inf"), float("nan")])
 def test_bad_loss_scale(bad):
-    with pytest.raises(ValueError, match=f"loss_scale={bad!r}: use None, a positive number"):
+    with pytest.raises(ValueError, match=f"loss_scale={bad!r}: use None, a finite positive number"):
         LossScaler(bad)
 
 

@@ -420,6 +420,13 @@ def test_bad_input():
         ZeroOptimizer(m, torch.optim.AdamW, stage=1, dims=None)
     with pytest.raises(ValueError, match="has no dp_group"):
         ZeroOptimizer(m, torch.optim.AdamW, stage=1, dims=object())
+    for cap in (0, -1.0, float("nan"), float("inf"), None):  # at stage 3 too (it has no use)
+        with pytest.raises(ValueError, match=rf"bucket_cap_mb={cap!r}: give a finite number "
+                                             r"of MB > 0 \(25 is the default\)"):
+            ZeroOptimizer(m, torch.optim.AdamW, stage=3, dims=None, bucket_cap_mb=cap)
+    with pytest.raises(ValueError, match="param group 1 has no 'params': give every group"):
+        ZeroOptimizer([{"params": [m.inp.weight]}, {"lr": 0.1}], torch.optim.AdamW, stage=1,
+                      dims=None)
     assert not dist.is_initialized()
 
 
