@@ -326,11 +326,22 @@ def case_rows(suite: str, kind: str, shape, res: dict[str, Stats], info: dict, n
     beside = res.get("gemm_beside_allreduce")
     beside_sh = hidden_share(beside.median_ms, t_gemm, t_comm) if beside is not None else None
     beside_band = None if beside is None else hidden_band(beside, res["gemm"], res[comm_name])
+    # a hidden share too: the same ceiling (100%), and unreported where its parts' spread
+    # swallows what can hide
+    beside_extra: dict = {}
+    if beside is not None:
+        why = unresolved(min(t_gemm, t_comm), res["gemm"], res[comm_name])
+        if why:
+            beside_extra.update(beside_unresolved=why, beside_share_unresolved=beside_sh)
+            beside_sh = None
+        else:
+            beside_extra["beside_above_ceiling"] = beside_sh > 1.0
     rows = []
     for name, st in res.items():
         extra: dict = {}
         if name == "gemm_beside_allreduce":
-            extra.update(role="part", beside_share=beside_sh, beside_share_band=beside_band)
+            extra.update(role="part", beside_share=beside_sh, beside_share_band=beside_band,
+                         **beside_extra)
         elif name == comm_name or name == "gemm" or name.endswith("_alone") or "_alone_" in name:
             extra["role"] = "part"
         elif name.startswith("gemm_chunked"):

@@ -173,9 +173,31 @@ def test_row_overlap_beside_share_from_the_gemm_beside_its_all_reduce():
     beside = rows["gemm_beside_allreduce"]["extra"]
     assert beside["role"] == "part" and beside["beside_share"] == pytest.approx(0.8)
     assert rows["gemm_beside_allreduce"]["hidden_frac"] is None
+    assert beside["beside_above_ceiling"] is False and "beside_unresolved" not in beside
     e = rows["chunked4"]["extra"]
     assert e["beside_share"] == pytest.approx(0.8)
     assert e["of_beside_share"] == pytest.approx((11 / 12) / 0.8)
+
+
+@pytest.mark.parametrize(("beside_ms", "gemm", "flag"), [
+    (9.0, _st(10.0), "beside_above_ceiling"),  # (10 + 20 - 9) / 10 = 2.1: above 100%
+    (22.0, stats_of([1.0, 5.0, 10.0, 15.0, 19.0]), "beside_unresolved"),  # spread > 10 ms
+])
+def test_the_beside_share_has_the_ceiling_and_the_noise_rule_of_a_hidden_share(
+        beside_ms, gemm, flag):
+    """The GEMM beside its all-reduce is quoted as a hidden share: 203% was reported as is.
+    Above 100% it is flagged; within the spread of its parts, it is not reported."""
+    res = {name: _st(ms) for name, ms in {"allreduce": 20.0, "sequential": 30.0,
+                                           "gemm_beside_allreduce": beside_ms}.items()}
+    res["gemm"] = gemm
+    rows = {r["variant"]: r for r in row_parallel_overlap.case_rows(
+        "row_overlap", "bwd", (8, 8, 8), res, {}, "loopback", "float32")}
+    beside = rows["gemm_beside_allreduce"]["extra"]
+    if flag == "beside_above_ceiling":
+        assert beside["beside_share"] == pytest.approx(2.1) and beside[flag] is True
+    else:
+        assert beside["beside_share"] is None and "within the spread" in beside[flag]
+        assert beside["beside_share_unresolved"] == pytest.approx(0.8)
 
 
 def test_hidden_share_has_a_band_taken_round_by_round():
