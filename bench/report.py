@@ -226,7 +226,8 @@ def _verdict(rows: list[dict]) -> str:
             sure = "" if lo > 1.0 else ", within the spread"
             return f"fastest: {ok[0]['variant']} ({mid:.2f}x over {ok[1]['variant']}{sure})"
         if ok:
-            return f"measured: {ok[0]['variant']} only (no unfused baseline in this case)"
+            return _overhead_verdict(ok[0]) or (
+                f"measured: {ok[0]['variant']} only (no unfused baseline in this case)")
         why = bad[0].get("reason") if bad else "no rows"
         return f"not measured here: {why}"
     if fused is None:
@@ -245,6 +246,23 @@ def _verdict(rows: list[dict]) -> str:
         tag = "ahead of" if plo > 1.0 else "behind" if phi < 1.0 else "level with"
         line += f"; {tag} {peer['variant']} ({pmid:.2f}x)"
     return line + note
+
+
+def _overhead_verdict(r: dict) -> str | None:
+    """The verdict of a row that measures a step's fixed overhead (``extra.overhead_frac``),
+    or None for another row."""
+    extra = r.get("extra") if isinstance(r.get("extra"), dict) else {}
+    if "overhead_frac" not in extra:
+        return None
+    frac, band = extra["overhead_frac"], extra.get("overhead_band")
+    if not isinstance(frac, int | float):
+        return f"fixed overhead not read: {extra.get('overhead_unresolved') or 'no figure'}"
+    spread = (f" (p10..p90 {100 * band[0]:.1f}..{100 * band[1]:.1f}%)"
+              if isinstance(band, list | tuple) and len(band) == 2 else "")
+    target = extra.get("target")
+    met = {True: "met", False: "missed"}.get(extra.get("met"), "")
+    return (f"fixed overhead {100 * frac:.1f}% of the step outside operators{spread}"
+            + (f", target {target}: {met}" if target and met else ""))
 
 
 _COLS = ["case", "variant", "role", "ms", "p10..p90", "TFLOP/s", "GB/s", "hidden",

@@ -268,20 +268,30 @@ def _op_ms(prof) -> float:
 
 
 def _overhead(wall_ms: float, op_ms: float) -> float:
-    """The share of a step's wall time spent outside operators."""
-    return max(0.0, wall_ms - op_ms) / wall_ms
+    """The share of a step's wall time spent outside operators (below 0 where the profiled
+    step's operators took longer than the plain step: a measurement error, not a share)."""
+    return (wall_ms - op_ms) / wall_ms
+
+
+def _overhead_row(cfg: BenchConfig, case: Case, result: Result) -> dict:
+    wall, op = result.stats["wall"], result.info[0]["op_ms"]
+    frac = _overhead(wall.median_ms, op)
+    # round by round: each plain step against the profiled step of its round
+    band = paired_band(_overhead, wall.samples_ms, result.info[0].get("op_ms_rounds") or [])
+    why = {}
+    if frac < 0:  # the profiler slowed the operators past a plain step: nothing to read
+        why = {"overhead_unresolved": f"the profiled step's operators took {op:.3g} ms, more "
+                                      f"than a plain step's {wall.median_ms:.3g} ms"}
+        frac = None
+    _, _, batch, seq, _ = _PRESETS[cfg.quick][0]
+    return row(SUITE_OVH, case.label, "distllm", wall, op_ms=op, overhead_frac=frac,
+               overhead_band=band, target="<= 0.05", met=None if frac is None else frac <= 0.05,
+               device="cpu", dtype="float32", shape=f"batch {batch}x{seq}", **why)
 
 
 def rows(cfg: BenchConfig, case: Case, result: Result) -> list[dict]:
     if case.params.get("overhead"):
-        wall, op = result.stats["wall"], result.info[0]["op_ms"]
-        frac = _overhead(wall.median_ms, op)
-        # round by round: each plain step against the profiled step of its round
-        band = paired_band(_overhead, wall.samples_ms, result.info[0].get("op_ms_rounds") or [])
-        _, _, batch, seq, _ = _PRESETS[cfg.quick][0]
-        return [row(SUITE_OVH, case.label, "distllm", wall, op_ms=op, overhead_frac=frac,
-                    overhead_band=band, target="<= 0.05", met=frac <= 0.05, device="cpu",
-                    dtype="float32", shape=f"batch {batch}x{seq}")]
+        return [_overhead_row(cfg, case, result)]
     info = result.info[0]
     res = {"stats": result.stats, "missing": result.unavailable, **info}
     out = _layout_rows(case.params["layout"], res, result.net, result.net_reason)

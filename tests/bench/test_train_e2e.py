@@ -101,6 +101,26 @@ def test_overhead_row():
     assert r["extra"]["overhead_band"] == pytest.approx((0.0, 0.08))
 
 
+def test_an_overhead_above_its_step_is_not_read_and_the_verdict_says_the_figure():
+    """The profiled step's operators can take longer than a plain step (the profiler slows
+    them): the share was clamped to 0% and marked met. Now it is not read, and the report's
+    verdict says the overhead, or why there is none (it said "distllm only")."""
+    from distllm.bench.report import verdict
+
+    case = train_e2e.cases(BenchConfig())[-1]
+    res = Result({"wall": _st(64.7), "profiled": _st(200.0)}, {}, [{"op_ms": 130.1}])
+    [r] = train_e2e.rows(BenchConfig(), case, res)
+    assert r["extra"]["overhead_frac"] is None and r["extra"]["met"] is None
+    r["status"] = "ok"
+    assert verdict([r]) == ("fixed overhead not read: the profiled step's operators took 130 "
+                            "ms, more than a plain step's 64.7 ms")
+    res = Result({"wall": _st(100.0), "profiled": _st(130.0)}, {}, [{"op_ms": 93.0}])
+    [r] = train_e2e.rows(BenchConfig(), case, res)
+    r["status"] = "ok"
+    assert verdict([r]) == ("fixed overhead 7.0% of the step outside operators, target "
+                            "<= 0.05: missed")
+
+
 def test_overhead_counts_every_operator_namespace():
     """The oneDNN kernels that the cpu backend and torch's CPU linear call run as ``mkldnn::``
     operators: their time is inside operators, not overhead (nor are gloo's transfers);
