@@ -71,9 +71,10 @@ def _speedup_series(rows: list[dict]) -> tuple[list[str], dict[str, list[tuple]]
     return labels, series, over
 
 
-def _bars(ax, series: dict[str, list[tuple]]) -> None:
+def _bars(ax, series: dict[str, list[tuple]], label: str = "{:.2f}x") -> None:
     """Grouped bars, one group per case (cases are unrelated: nothing joins them), one bar
-    per variant, the p10..p90 band as an error bar, the median written on the bar."""
+    per variant, the p10..p90 band as an error bar, the median written on the bar in the
+    format ``label`` (a speed-up's by default)."""
     n = len(series)
     width = 0.8 / max(n, 1)
     for j, (name, pts) in enumerate(series.items()):
@@ -85,7 +86,7 @@ def _bars(ax, series: dict[str, list[tuple]]) -> None:
         bars = ax.bar(xs, mids, width=width * 0.9, yerr=err, capsize=3, label=name,
                       hatch=hatch, color=f"C{j}", alpha=0.85)
         for bar, m, p in zip(bars, mids, pts, strict=True):
-            ax.annotate(f"{m:.2f}x", (bar.get_x() + bar.get_width() / 2, max(m, p[3])),
+            ax.annotate(label.format(m), (bar.get_x() + bar.get_width() / 2, max(m, p[3])),
                         textcoords="offset points", xytext=(0, 2), ha="center", fontsize=6)
 
 
@@ -105,7 +106,7 @@ def plot_speedup(rows: list[dict], suite: str, out_dir: Path) -> Path | None:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(labels) + 3), 4.2))
-    _bars(ax, series)
+    _bars(ax, series, "{:.3g} ms" if timed else "{:.2f}x")
     ax.set_xticks(range(len(labels)))
     ax.set_xlim(-0.6, len(labels) - 0.4)
     ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
