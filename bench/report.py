@@ -45,7 +45,7 @@ from typing import Any
 
 from distllm.bench.rows import fmt
 
-from distllm.diagnostics.timing import paired_band
+from distllm.diagnostics.timing import PAIRED_MIN, paired_band
 
 __all__ = ["role_of", "annotate", "verdict", "suite_table", "write_report", "by_case",
            "speedup_band", "not_measured", "summary_table", "above_ceiling", "below_floor"]
@@ -374,7 +374,9 @@ def summary_table(rows: list[dict]) -> str:
     return "\n".join(lines + _ceiling_note(shown))
 
 
-def _header(machine: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+def _header(machine: dict[str, Any], meta: dict[str, Any], unpaired: bool = False
+            ) -> list[str]:
+    """``unpaired``: some rows ran fewer repetitions than a paired band needs."""
     m = machine
     out = ["# distllm bench report", ""]
     if meta.get("command"):
@@ -387,8 +389,17 @@ def _header(machine: dict[str, Any], meta: dict[str, Any]) -> list[str]:
                    "the machine disturb absolute times; ratios within a run stay comparable)")
     out += ["- speed-ups are ratios of medians from the same run; their band is the 10th-90th "
             "percentile of the ratios of repetitions run in the same round (variants "
-            "interleaved); 'wins' means the whole band is above 1", ""]
+            "interleaved)" + (
+                f"; where a variant ran fewer than {PAIRED_MIN} repetitions (as here: "
+                f"--quick, or a low --reps), the widest ratio of the two p10..p90 bands"
+                if unpaired else "") + "; 'wins' means the whole band is above 1", ""]
     return out
+
+
+def _unpaired(rows: list[dict]) -> bool:
+    """Whether a measured row has too few repetitions for a paired band."""
+    return any(_ok(r) and role_of(r) != "ideal" and len(_samples(r) or ()) < PAIRED_MIN
+               for r in rows)
 
 
 def write_report(rows: list[dict], machine: dict[str, Any], out_dir: Path,
@@ -396,7 +407,8 @@ def write_report(rows: list[dict], machine: dict[str, Any], out_dir: Path,
                  plots: dict[str, list[str]] | None = None) -> Path:
     """Write ``out_dir/REPORT.md`` and return its path. ``plots`` maps suite -> PNG names."""
     meta, titles, plots = meta or {}, titles or {}, plots or {}
-    lines = _header(machine, meta) + ["## Summary", "", summary_table(rows), ""]
+    lines = _header(machine, meta, _unpaired(rows)) + ["## Summary", "", summary_table(rows),
+                                                        ""]
     suites = list(OrderedDict.fromkeys(r["suite"] for r in rows))
     for s in suites:
         srows = [r for r in rows if r["suite"] == s]

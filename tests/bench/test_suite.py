@@ -97,6 +97,9 @@ def test_quick_run_writes_every_file(registry, tmp_path, capsys):
     md = (out / "REPORT.md").read_text()
     for n in names:
         assert f"## {n}" in md
+    # 3 repetitions: too few for paired bands, and the header says which bands those are
+    assert ("; where a variant ran fewer than 5 repetitions (as here: --quick, or a low "
+            "--reps), the widest ratio of the two p10..p90 bands;") in md
     assert "fused wins by" in md and "use it" in md  # 2 ms against 20 ms: beyond any spread
     assert "ahead of torch_peer" in md
     assert "## Summary" in md and "| fake | 16,32,24 | " in md
@@ -381,3 +384,17 @@ def test_suites_sharing_a_module_get_the_time_of_their_own_cases(monkeypatch):
            "slow": suite.Suite("slow", "fake_shared", "t")}
     res = suite.run_suites(["fast", "slow"], BenchConfig(), progress=False, registry=reg)
     assert res.elapsed_s == pytest.approx({"fast": 0.05, "slow": 1.5})
+
+
+def test_the_report_says_its_bands_are_paired_only_where_they_are():
+    """The header called every band paired; with fewer than 5 repetitions a band is the
+    widest ratio of the two rows' p10..p90 (speedup_band)."""
+    from distllm.bench import report
+
+    def r(n: int) -> dict:
+        return {"status": "ok", "ms": 1.0, "extra": {"role": "fused",
+                                                      "samples_ms": [1.0] * n}}
+
+    assert report._unpaired([r(5), r(3)]) and not report._unpaired([r(5), r(7)])
+    assert not any("fewer than" in x for x in report._header({}, {}, False))
+
