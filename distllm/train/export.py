@@ -21,7 +21,7 @@ __all__ = ["add_arguments", "run", "export_hf", "checkpoint_of", "needs_transfor
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", metavar="RUN",
                    help="a training run's --out folder (its newest complete checkpoint), or "
-                        "one checkpoint folder (RUN/checkpoints/step_N)")
+                        "one checkpoint folder (RUN/checkpoints/step_00000300 for step 300)")
     p.add_argument("dest", metavar="DEST",
                    help="a new folder for the Hugging Face GPT-2 model")
     p.add_argument("--step", type=int, default=None,

@@ -23,7 +23,7 @@ __all__ = ["add_arguments", "run", "sample"]
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", metavar="RUN",
                    help="a training run's --out folder (its newest complete checkpoint), or "
-                        "one checkpoint folder (RUN/checkpoints/step_N)")
+                        "one checkpoint folder (RUN/checkpoints/step_00000300 for step 300)")
     p.add_argument("--step", type=int, default=None,
                    help="the checkpoint of this step of RUN (default: the newest)")
     p.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
