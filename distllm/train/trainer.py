@@ -33,6 +33,13 @@ from distllm.train.host_memory import keep_freed_memory
 __all__ = ["train", "lr_at", "TrainResult", "peak_flops"]
 
 
+def _decayed(step: int, start: int, steps: int) -> float:
+    """How far ``step`` is into a decay from ``start`` that ends at step ``steps - 1``: 0 at
+    ``start``, 1 from the last step on (a decay of one step is its last: 1)."""
+    span = steps - 1 - start
+    return 1.0 if span <= 0 else min(1.0, (step - start) / span)
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """The learning rate of ``step`` (0-based): linear warm-up to ``lr``, then the
     ``lr_schedule`` (:data:`~distllm.train.config.LR_SCHEDULES`) down to ``lr *
@@ -49,9 +56,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         start = max(warm, steps - max(1, round(o.decay_fraction * steps)))
         if step < start:
             return o.lr
-        frac = (step - start) / max(1, steps - 1 - start)  # as linear's, from ``start``
-        return o.lr - (o.lr - lo) * min(1.0, frac)
-    frac = min(1.0, (step - warm) / max(1, steps - 1 - warm))
+        return o.lr - (o.lr - lo) * _decayed(step, start, steps)  # as linear's, from start
+    frac = _decayed(step, warm, steps)
     if o.lr_schedule == "linear":
         return o.lr - (o.lr - lo) * frac
     return lo + 0.5 * (o.lr - lo) * (1 + math.cos(math.pi * frac))

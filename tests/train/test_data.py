@@ -171,6 +171,17 @@ def test_other_lr_schedules(schedule):
         assert lrs[80:] == pytest.approx([1.0 - 0.9 * k / 19 for k in range(20)])
 
 
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "wsd"])
+def test_a_decay_of_one_step_ends_at_the_minimum(schedule):
+    """Two steps, one of warm-up: the one step left is the decay's last, at lr x
+    min_lr_ratio (it ran at the peak lr: the decay had no step to reach its end)."""
+    from distllm.train.config import OptimConfig
+
+    o = OptimConfig(lr=1.0, min_lr_ratio=0.1, lr_schedule=schedule, warmup_steps=1)
+    assert [lr_at(s, TrainConfig(steps=2, optim=o)) for s in range(2)] == pytest.approx(
+        [1.0, 0.1])
+
+
 def test_wsd_decaying_all_steps_is_linear():
     from distllm.train.config import OptimConfig
 
