@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import datetime as _dt
 import json
+import math
 import shlex
 import sys
 from pathlib import Path
@@ -95,6 +96,33 @@ def _check_model(args: argparse.Namespace) -> None:
                          "--suite train_e2e")
 
 
+# the flags of a suites run, with their defaults, and those of --doctor alone
+_SUITE_FLAGS = {"suite": "all", "quick": False, "device": "cpu", "dtype": "float32",
+                "shapes": None, "reps": None, "compare": None, "fail_on_regression": False,
+                "tolerance": 0.0}
+_DOCTOR_FLAGS = {"overlap": "chunked", "require_overlap": None, "steps": 3}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_doctor_flags(args: argparse.Namespace) -> None:
+    """A flag of the other mode would be ignored without a word: refuse it, naming it (a
+    CI gate of ``--doctor --compare OLD --fail-on-regression`` could never fail)."""
+    if args.doctor:
+        given = [_flag(k) for k, v in _SUITE_FLAGS.items() if getattr(args, k) != v]
+        if given:
+            raise ValueError(f"{given[0]}: --doctor takes none (it profiles its own small "
+                             f"model on 2 CPU ranks and writes no results.json); drop "
+                             f"{given[0]}, or --doctor")
+    else:
+        given = [_flag(k) for k, v in _DOCTOR_FLAGS.items() if getattr(args, k) != v]
+        if given:
+            raise ValueError(f"{given[0]} only applies with --doctor: add --doctor, or drop "
+                             f"{given[0]}")
+
+
 def _check(args: argparse.Namespace) -> None:
     """Validate the knobs; each error names the option and what works."""
     try:
@@ -121,6 +149,13 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--reps {args.reps}: must be >= 1")
     if args.fail_on_regression and not args.compare:
         raise ValueError("--fail-on-regression needs --compare OLD_DIR")
+    if not (math.isfinite(args.tolerance) and args.tolerance >= 0):
+        raise ValueError(f"--tolerance {args.tolerance}: give a relative margin >= 0 (0.05 "
+                         f"is 5%)")
+    if args.tolerance and not args.compare:
+        raise ValueError("--tolerance is the margin of --compare OLD_DIR: add --compare, or "
+                         "drop --tolerance")
+    _check_doctor_flags(args)
     if args.device == "cuda":
         import torch
 

@@ -207,3 +207,42 @@ def test_the_profiler_is_quiet_without_cuda_unless_the_user_sets_a_level(level, 
     # USDT and ERROR on 2.14)
     loud = re.search(r"^\s*(INFO|WARNING|ERROR|USDT|STAGE):\d{4}-\d\d-\d\d ", p.stderr, re.M)
     assert (loud is None) == quiet, p.stderr
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--doctor", "--compare", "OLD", "--fail-on-regression"],
+     "--compare: --doctor takes none (it profiles its own small model on 2 CPU ranks and "
+     "writes no results.json); drop --compare, or --doctor"),
+    (["--doctor", "--suite", "ddp"], "--suite: --doctor takes none"),
+    (["--doctor", "--dtype", "bf16"], "--dtype: --doctor takes none"),
+    (["--doctor", "--reps", "2"], "--reps: --doctor takes none"),
+    (["--doctor", "--quick"], "--quick: --doctor takes none"),
+    (["--suite", "linear_gelu", "--steps", "9"],
+     "--steps only applies with --doctor: add --doctor, or drop --steps"),
+    (["--overlap", "none"], "--overlap only applies with --doctor"),
+    (["--no-require-overlap"], "--require-overlap only applies with --doctor"),
+    (["--compare", "OLD", "--tolerance", "-1"],
+     "--tolerance -1.0: give a relative margin >= 0 (0.05 is 5%)"),
+    (["--compare", "OLD", "--tolerance", "nan"], "--tolerance nan: give a relative margin"),
+    (["--tolerance", "0.1"], "--tolerance is the margin of --compare OLD_DIR: add --compare, "
+                             "or drop --tolerance"),
+])
+def test_a_flag_of_the_other_mode_is_refused_with_one_line(args, says, tmp_path, capsys,
+                                                            monkeypatch):
+    """--doctor took and ignored the suites' flags (--doctor --compare OLD
+    --fail-on-regression could never fail), and a suites run the doctor's; --tolerance was
+    taken out of range, and without --compare."""
+    from distllm.bench import cli, suite
+
+    from distllm.cli import main
+
+    def ran(*a, **k):
+        raise AssertionError("ran past the checks")
+
+    monkeypatch.setattr(suite, "run_suites", ran)
+    monkeypatch.setattr(cli, "_doctor", ran)
+    assert main(["bench", "--no-progress", "--out", str(tmp_path / "o"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("distllm bench: error: "), err
+    assert says in err, err
+
