@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -87,44 +86,22 @@ from distllm.parallel.data.replicas import broadcast_from_dp0, dp_group_of
 from distllm.parallel.data.zero3 import ShardedParams
 from distllm.parallel.data.zero_checks import ZeroGradChecks
 from distllm.parallel.data.zero_gather import ParamGathers
-from distllm.parallel.data.zero_setup import HALF, check_args, pack_bucket, param_groups_of
+from distllm.parallel.data.zero_setup import (
+    HALF,
+    Segment,
+    check_args,
+    pack_bucket,
+    param_groups_of,
+    runs_of,
+)
 from distllm.parallel.data.zero_state import (
     ModuleStateHooks,
     gather_state,
-    is_elementwise,
     load_state,
-    place_step,
 )
 from distllm.parallel.mesh import ParallelDims
 
 __all__ = ["ZeroOptimizer", "Segment"]
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One tensor the inner optimizer steps: the run ``[lo, hi)`` of master ``bucket``'s
-    shard whose parameters are in param group ``group`` (a view of that master, or the
-    master itself when its whole shard is one group's)."""
-
-    tensor: Tensor
-    bucket: int
-    lo: int
-    hi: int
-    group: int
-
-
-def _runs(b, gid: dict) -> list[tuple[int, int, int]]:
-    """``(group, start, end)``: the runs of bucket ``b``'s layout whose parameters share a
-    param group, tiling ``[0, b.numel)`` (the padding goes with the last run)."""
-    runs: list[list[int]] = []
-    for p, off, shape in zip(b.params, b.offsets, b.shapes, strict=True):
-        g, e = gid[p], off + shape.numel()
-        if runs and runs[-1][0] == g:
-            runs[-1][2] = e
-        else:
-            runs.append([g, off, e])
-    runs[-1][2] = b.numel
-    return [tuple(r) for r in runs]
 
 
 class ZeroOptimizer(ZeroGradChecks):
@@ -279,7 +256,7 @@ class ZeroOptimizer(ZeroGradChecks):
         for b, m in zip(self.reducer.buckets, self.masters, strict=True):
             lo, hi = self.shard_range(b.numel)
             mine = []
-            for g, start, end in _runs(b, gid):
+            for g, start, end in runs_of(b, gid):
                 a, e = max(start, lo) - lo, min(end, hi) - lo
                 if a < e:
                     whole = a == 0 and e == m.numel()
@@ -484,40 +461,6 @@ class ZeroOptimizer(ZeroGradChecks):
         self._gathers.wait_all()
 
     # --- state ---------------------------------------------------------------------------
-    def shard_state(self, i: int) -> dict[str, Any]:
-        """The inner optimizer's state of master ``i`` as if its whole shard were one tensor:
-        each elementwise entry of its segments laid out in a tensor shaped like the master,
-        any other entry (a step count, the same for every segment) as the first segment
-        holds it. Empty before the first step."""
-        m = self.masters[i]
-        out: dict[str, Any] = {}
-        for s in self.bucket_segments[i]:
-            for key, v in self.optimizer.state.get(s.tensor, {}).items():
-                if s.tensor is m or not is_elementwise(v, s.tensor):
-                    out.setdefault(key, v)
-                    continue
-                if key not in out:
-                    out[key] = torch.zeros(m.shape, dtype=v.dtype, device=v.device)
-                out[key][s.lo:s.hi].copy_(v)
-        return out
-
-    def load_shard_state(self, i: int, state: dict[str, Any]) -> None:
-        """Replace the inner optimizer's state of master ``i`` with ``state`` laid out as
-        :meth:`shard_state` gives it (entries shaped like the master are split between its
-        segments, copied; others are copied to each; an empty ``state``: none, as before
-        the first step)."""
-        m = self.masters[i]
-        for s in self.bucket_segments[i]:
-            st = self.optimizer.state[s.tensor]
-            st.clear()
-            for key, v in state.items():
-                if is_elementwise(v, m):
-                    st[key] = v[s.lo:s.hi].clone()
-                elif key == "step":
-                    st[key] = place_step(self.optimizer, s.tensor, v)
-                else:
-                    st[key] = v.clone() if isinstance(v, Tensor) else v
-
     @property
     def param_groups(self) -> list[dict]:
         """The inner optimizer's param groups (set ``lr`` here, or schedule ``.optimizer``)."""

@@ -1,8 +1,10 @@
 """Construction pieces of :class:`~distllm.parallel.ZeroOptimizer`: argument checks, the
-parameters and param groups it is given, and the flat buffers of stages 0-2."""
+parameters and param groups it is given, the flat buffers of stages 0-2, and the segments
+(each param group's run of a shard) that its inner optimizer steps."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -10,7 +12,7 @@ from torch import Tensor, nn
 
 from distllm.parallel.data.buckets import Bucket
 
-__all__ = ["check_args", "param_groups_of", "pack_bucket", "HALF"]
+__all__ = ["check_args", "param_groups_of", "pack_bucket", "HALF", "Segment", "runs_of"]
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -89,3 +91,29 @@ def pack_bucket(b: Bucket, shard: tuple[int, int], param_dtype: torch.dtype,
     lo, hi = shard
     return flat, full[lo:hi].clone() if mixed else flat[lo:hi]
 
+
+@dataclass(frozen=True)
+class Segment:
+    """One tensor the inner optimizer steps: the run ``[lo, hi)`` of master ``bucket``'s
+    shard whose parameters are in param group ``group`` (a view of that master, or the
+    master itself when its whole shard is one group's)."""
+
+    tensor: Tensor
+    bucket: int
+    lo: int
+    hi: int
+    group: int
+
+
+def runs_of(b, gid: dict) -> list[tuple[int, int, int]]:
+    """``(group, start, end)``: the runs of bucket ``b``'s layout whose parameters share a
+    param group, tiling ``[0, b.numel)`` (the padding goes with the last run)."""
+    runs: list[list[int]] = []
+    for p, off, shape in zip(b.params, b.offsets, b.shapes, strict=True):
+        g, e = gid[p], off + shape.numel()
+        if runs and runs[-1][0] == g:
+            runs[-1][2] = e
+        else:
+            runs.append([g, off, e])
+    runs[-1][2] = b.numel
+    return [tuple(r) for r in runs]

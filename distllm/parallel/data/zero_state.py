@@ -75,13 +75,49 @@ def place_step(optimizer: torch.optim.Optimizer, param: Tensor, step: Any) -> Te
     return value.clone()
 
 
+def shard_state(z, i: int) -> dict[str, Any]:
+    """The inner optimizer's state of ``z``'s master ``i`` as if its whole shard were one
+    tensor: each elementwise entry of its segments laid out in a tensor shaped like the
+    master, any other entry (a step count, the same for every segment) as the first segment
+    holds it. Empty before the first step."""
+    m = z.masters[i]
+    out: dict[str, Any] = {}
+    for s in z.bucket_segments[i]:
+        for key, v in z.optimizer.state.get(s.tensor, {}).items():
+            if s.tensor is m or not is_elementwise(v, s.tensor):
+                out.setdefault(key, v)
+                continue
+            if key not in out:
+                out[key] = torch.zeros(m.shape, dtype=v.dtype, device=v.device)
+            out[key][s.lo:s.hi].copy_(v)
+    return out
+
+
+def load_shard_state(z, i: int, state: dict[str, Any]) -> None:
+    """Replace the inner optimizer's state of ``z``'s master ``i`` with ``state`` laid out as
+    :func:`shard_state` gives it (entries shaped like the master are split between its
+    segments, copied; others are copied to each; an empty ``state``: none, as before
+    the first step)."""
+    m = z.masters[i]
+    for s in z.bucket_segments[i]:
+        st = z.optimizer.state[s.tensor]
+        st.clear()
+        for key, v in state.items():
+            if is_elementwise(v, m):
+                st[key] = v[s.lo:s.hi].clone()
+            elif key == "step":
+                st[key] = place_step(z.optimizer, s.tensor, v)
+            else:
+                st[key] = v.clone() if isinstance(v, Tensor) else v
+
+
 def gather_state(z) -> dict[str, Any]:
     master: dict[str, Tensor] = {}
     state: dict[str, dict[str, Any]] = {}
     elementwise: set[str] = set()
     for i, m in enumerate(z.masters):
         master.update(_split(z, i, _full(z, m)))
-        st = z.shard_state(i)
+        st = shard_state(z, i)
         names = [z.names[p] for p in z.reducer.buckets[i].params]
         for n in names:
             state[n] = {}
@@ -100,13 +136,18 @@ def gather_state(z) -> dict[str, Any]:
             "state": state, "elementwise_keys": sorted(elementwise)}
 
 
-def _is_elementwise_key(sd: dict[str, Any], key: str, per: dict[str, Any]) -> bool:
+def _is_elementwise_key(sd: dict[str, Any], key: str, per: dict[str, Any],
+                        shapes: list[torch.Size]) -> bool:
     """Whether state ``key`` holds a value per element (``per``: each parameter's saved
-    value): as :func:`gather_state` recorded it (a scalar parameter's moments are 0-dim,
-    like a step count), or, in a dict without the record, where any value has a dim."""
-    if "elementwise_keys" in sd:
+    value, ``shapes``: the parameters'): as :func:`gather_state` recorded it (a scalar
+    parameter's moments are 0-dim, like a step count); in a dict without that record (one
+    saved before any step, a template filled in by hand as ``optim_state.install`` does, or
+    one from before the record), every value shaped like its parameter, the step count
+    excepted."""
+    if sd.get("elementwise_keys"):
         return key in sd["elementwise_keys"]
-    return any(isinstance(v, Tensor) and v.dim() > 0 for v in per.values())
+    return key != "step" and all(isinstance(v, Tensor) and v.shape == s
+                                 for v, s in zip(per.values(), shapes, strict=True))
 
 
 def _my_slice(z, i: int, per_param: dict[str, Tensor], like: Tensor) -> Tensor:
@@ -126,12 +167,14 @@ def load_state(z, sd: dict[str, Any]) -> None:
         raise KeyError(f"state dict lacks master weights for {missing[:5]} (a different model?)")
     for i, m in enumerate(z.masters):
         m.copy_(_my_slice(z, i, sd["master"], m))
-        names = [z.names[p] for p in z.reducer.buckets[i].params]
+        b = z.reducer.buckets[i]
+        names = [z.names[p] for p in b.params]
         st: dict[str, Any] = {}
         for key, v in sd["state"].get(names[0], {}).items():
             per = {n: sd["state"][n][key] for n in names}
-            st[key] = _my_slice(z, i, per, v) if _is_elementwise_key(sd, key, per) else v
-        z.load_shard_state(i, st)  # replaces the state (none: as before the first step)
+            each = _is_elementwise_key(sd, key, per, list(b.shapes))
+            st[key] = _my_slice(z, i, per, v) if each else v
+        load_shard_state(z, i, st)  # replaces the state (none: as before the first step)
     for g, saved in zip(z.optimizer.param_groups, sd["param_groups"], strict=True):
         g.update({k: v for k, v in saved.items() if k != "params"})
     z.skipped_steps = int(sd.get("skipped_steps", 0))
