@@ -52,6 +52,25 @@ def test_model_goes_to_train_e2e(monkeypatch, tmp_path):
     assert [c.params["shape"] for c in firsts] == [(4, 128, 16, 128, 4), (12, 768, 8, 64, 4)]
 
 
+def _refused_before_running(args, tmp_path, capsys, monkeypatch) -> str:
+    """The one error line of ``distllm bench ARGS``, which must exit 2 before any suite or
+    the doctor runs, and before --out is made."""
+    from distllm.bench import cli, suite
+
+    from distllm.cli import main
+
+    def ran(*a, **k):
+        raise AssertionError("ran past the checks")
+
+    monkeypatch.setattr(suite, "run_suites", ran)
+    monkeypatch.setattr(cli, "_doctor", ran)
+    assert main(["bench", "--no-progress", "--out", str(tmp_path / "o"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("distllm bench: error: "), err
+    assert not (tmp_path / "o").exists()
+    return err
+
+
 @pytest.mark.parametrize(("args", "says"), [
     (["--suite", "train_e2e", "--model", "gpt2-small-6"],
      "--model 'gpt2-small-6': unknown GPT preset(s) gpt2-small-6; choose from tiny, gpt2-small"),
@@ -65,20 +84,8 @@ def test_model_goes_to_train_e2e(monkeypatch, tmp_path):
     (["--doctor", "--suite", "train_e2e", "--model", "tiny"], "--doctor does not take it"),
 ])
 def test_model_refused_with_one_line(args, says, tmp_path, capsys, monkeypatch):
-    from distllm.bench import cli, suite
-
-    from distllm.cli import main
-
-    def ran(*a, **k):
-        raise AssertionError("ran past the checks")
-
-    monkeypatch.setattr(suite, "run_suites", ran)
-    monkeypatch.setattr(cli, "_doctor", ran)
-    assert main(["bench", "--no-progress", "--out", str(tmp_path / "o"), *args]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("distllm bench: error: --model"), err
-    assert says in err, err
-    assert not (tmp_path / "o").exists()  # refused before anything ran
+    err = _refused_before_running(args, tmp_path, capsys, monkeypatch)
+    assert err.startswith("distllm bench: error: --model") and says in err, err
 
 
 def _refused(main, argv, capsys, says):
@@ -232,17 +239,6 @@ def test_a_flag_of_the_other_mode_is_refused_with_one_line(args, says, tmp_path,
     """--doctor took and ignored the suites' flags (--doctor --compare OLD
     --fail-on-regression could never fail), and a suites run the doctor's; --tolerance was
     taken out of range, and without --compare."""
-    from distllm.bench import cli, suite
-
-    from distllm.cli import main
-
-    def ran(*a, **k):
-        raise AssertionError("ran past the checks")
-
-    monkeypatch.setattr(suite, "run_suites", ran)
-    monkeypatch.setattr(cli, "_doctor", ran)
-    assert main(["bench", "--no-progress", "--out", str(tmp_path / "o"), *args]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("distllm bench: error: "), err
+    err = _refused_before_running(args, tmp_path, capsys, monkeypatch)
     assert says in err, err
 
