@@ -86,7 +86,10 @@ class GPTConfig:
             raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
                              f"n_heads={self.n_heads}: choose n_heads dividing it")
         kv = self.kv_heads
-        if kv < 1 or self.n_heads % kv:
+        if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1:
+            raise ValueError(f"GPTConfig.n_kv_heads={self.n_kv_heads!r}: give a positive number "
+                             f"of heads, or None (as many as n_heads)")
+        if self.n_heads % kv:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} does not divide "
                              f"n_heads={self.n_heads}: choose a divisor of {self.n_heads}")
         if self.activation not in ("gelu", "gelu_tanh"):
@@ -94,7 +97,7 @@ class GPTConfig:
 
     @property
     def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     @property
     def head_dim(self) -> int:

@@ -15,6 +15,9 @@ __all__ = ["ParallelAttention", "DenseAttention", "check_heads"]
 
 def check_heads(hidden: int, n_heads: int, n_kv_heads: int, tp: int) -> None:
     """Raise a ValueError naming the knob unless the head counts fit ``tp``."""
+    for name, n in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name}={n!r}: give a positive number of heads")
     if hidden % n_heads:
         raise ValueError(f"hidden={hidden} is not divisible by n_heads={n_heads}: choose n_heads "
                          f"dividing hidden")
@@ -46,7 +49,7 @@ class DenseAttention(nn.Module):
     def __init__(self, hidden: int, n_heads: int, n_kv_heads: int | None = None,
                  bias: bool = True, causal: bool = True, dtype=None, device=None):
         super().__init__()
-        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads or n_heads
+        self.n_heads, self.n_kv_heads = n_heads, (n_heads if n_kv_heads is None else n_kv_heads)
         check_heads(hidden, n_heads, self.n_kv_heads, 1)
         self.head_dim, self.causal = hidden // n_heads, causal
         kv = self.n_kv_heads * self.head_dim
@@ -79,7 +82,7 @@ class ParallelAttention(nn.Module):
                  bias: bool = True, sequence_parallel: bool = False, overlap: str = "auto",
                  chunks: int = 4, causal: bool = True, dtype=None, device=None):
         super().__init__()
-        n_kv = n_kv_heads or n_heads
+        n_kv = n_heads if n_kv_heads is None else n_kv_heads
         check_heads(hidden, n_heads, n_kv, dims.tp)
         self.hidden, self.n_heads, self.n_kv_heads, self.dims = hidden, n_heads, n_kv, dims
         self.head_dim, self.causal = hidden // n_heads, causal

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -101,3 +103,15 @@ def test_ids_in_the_vocabulary_padding_and_overlong_sequences_are_refused():
         model.loss(model(ids), bad)
     with pytest.raises(ValueError, match="a sequence of 9 tokens is longer than max_seq_len=8"):
         model(torch.randint(123, (2, 9)))
+
+
+@pytest.mark.parametrize(("kv", "says"), [
+    (0, "GPTConfig.n_kv_heads=0: give a positive number of heads, or None (as many as "
+        "n_heads)"),
+    (3, "n_kv_heads=3 does not divide n_heads=4"),
+])
+def test_n_kv_heads_must_be_none_or_a_divisor(kv, says):
+    """0 was read as "as many as n_heads", silently."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        GPTConfig(n_kv_heads=kv)
+    assert GPTConfig(n_kv_heads=None).kv_heads == GPTConfig().n_heads

@@ -138,6 +138,9 @@ BAD = {  # name: (what raises, the knob its message must name)
     "hidden": (lambda: ParallelAttention(30, 4, DIMS), "n_heads"),
     "kv_divides": (lambda: ParallelAttention(32, 4, DIMS, n_kv_heads=3), "n_kv_heads"),
     "kv_tp": (lambda: ParallelAttention(32, 4, DIMS, n_kv_heads=1), "n_kv_heads"),
+    # 0 was read as "as many as n_heads", silently
+    "kv_zero": (lambda: ParallelAttention(32, 4, DIMS, n_kv_heads=0),
+                "n_kv_heads=0: give a positive number of heads"),
     "ffn": (lambda: ParallelMLP(8, 7, DIMS), "ffn_hidden"),
 }
 

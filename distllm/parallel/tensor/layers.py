@@ -141,7 +141,7 @@ class OverlapPlan:
     def __init__(self, dims, overlap: str, chunks: int, name: str):
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap={overlap!r}: use one of {OVERLAP_MODES}")
-        if not isinstance(chunks, int) or chunks < 1:
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks={chunks!r}: it must be a positive integer (e.g. 2 or 4)")
         self.group = dims.tp_group
         self.tp = dims.tp

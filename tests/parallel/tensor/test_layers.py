@@ -180,6 +180,7 @@ BAD = {  # name: (what raises, the knob its message must name)
     "in_features": (lambda: RowParallelLinear(7, 8, DIMS), "in_features"),
     "overlap": (lambda: RowParallelLinear(8, 8, DIMS, overlap="always"), "overlap"),
     "chunks": (lambda: RowParallelLinear(8, 8, DIMS, chunks=0), "chunks"),
+    "chunks_bool": (lambda: RowParallelLinear(8, 8, DIMS, chunks=True), "chunks=True"),
     "activation": (lambda: ColumnParallelLinear(8, 8, DIMS, activation="relu"), "activation"),
     "scatter_sequence": (lambda: scatter_sequence(torch.zeros(1, 7, 8), DIMS), "seq_len"),
     "row_sequence": (lambda: RowParallelLinear(8, 8, DIMS, sequence_parallel=True)(
