@@ -149,8 +149,8 @@ def meta_of(path: Path) -> dict:
 
 def trained_positions_of(path: Path, max_seq_len: int) -> int:
     """How many leading positions the run of the checkpoint folder ``path`` trained: its
-    longest ``--seq-len``, or every position of pretrained weights (``max_seq_len``, also
-    for a checkpoint from before this was recorded)."""
+    ``--seq-len`` (a resume keeps it), or every position of pretrained weights
+    (``max_seq_len``, also for a checkpoint from before this was recorded)."""
     n = _read_meta(path).get("trained_positions", max_seq_len)
     return min(int(n), max_seq_len) if isinstance(n, int) and n > 0 else max_seq_len
 

@@ -96,7 +96,8 @@ class Engine:
         self.pipeline = self._build_pipeline() if dims.pp > 1 else None
         # the positions whose embeddings have been trained (a checkpoint records it, so that
         # `distllm sample` keeps to them): this run's sequence, or every position of
-        # pretrained weights; a resume takes the larger of this and its checkpoint's
+        # pretrained weights; a resume takes the larger of this and its checkpoint's (all of
+        # them for a checkpoint from before the record)
         self.trained_positions = (mcfg.max_seq_len if cfg.init_from and not cfg.resume
                                   else cfg.seq_len or mcfg.max_seq_len)
         if cfg.init_from and not cfg.resume:  # a resumed run takes its checkpoint's weights
