@@ -96,11 +96,10 @@ def _check_model(args: argparse.Namespace) -> None:
                          "--suite train_e2e")
 
 
-# the flags of a suites run, with their defaults, and those of --doctor alone
-_SUITE_FLAGS = {"suite": "all", "quick": False, "device": "cpu", "dtype": "float32",
-                "shapes": None, "reps": None, "compare": None, "fail_on_regression": False,
-                "tolerance": 0.0}
-_DOCTOR_FLAGS = {"overlap": "chunked", "require_overlap": None, "steps": 3}
+# the flags of a suites run, and those of --doctor alone
+_SUITE_FLAGS = ("suite", "quick", "device", "dtype", "shapes", "reps", "compare",
+                "fail_on_regression", "tolerance")
+_DOCTOR_FLAGS = ("overlap", "require_overlap", "steps")
 
 
 def _flag(name: str) -> str:
@@ -110,14 +109,17 @@ def _flag(name: str) -> str:
 def _check_doctor_flags(args: argparse.Namespace) -> None:
     """A flag of the other mode would be ignored without a word: refuse it, naming it (a
     CI gate of ``--doctor --compare OLD --fail-on-regression`` could never fail)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    default = vars(parser.parse_args([]))  # the defaults, from the one place that sets them
     if args.doctor:
-        given = [_flag(k) for k, v in _SUITE_FLAGS.items() if getattr(args, k) != v]
+        given = [_flag(k) for k in _SUITE_FLAGS if getattr(args, k) != default[k]]
         if given:
             raise ValueError(f"{given[0]}: --doctor takes none (it profiles its own small "
                              f"model on 2 CPU ranks and writes no results.json); drop "
                              f"{given[0]}, or --doctor")
     else:
-        given = [_flag(k) for k, v in _DOCTOR_FLAGS.items() if getattr(args, k) != v]
+        given = [_flag(k) for k in _DOCTOR_FLAGS if getattr(args, k) != default[k]]
         if given:
             raise ValueError(f"{given[0]} only applies with --doctor: add --doctor, or drop "
                              f"{given[0]}")

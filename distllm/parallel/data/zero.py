@@ -167,7 +167,7 @@ class ZeroOptimizer(ZeroGradChecks):
                  finish_on_backward_end: bool = True, overlap_grad_reduce: bool | str = True,
                  **optim_kwargs: Any) -> None:
         check_args(stage, optimizer_cls)
-        bucket_bytes("bucket_cap_mb", bucket_cap_mb, 25)  # (before any collective)
+        cap = bucket_bytes("bucket_cap_mb", bucket_cap_mb, 25)  # (before any collective)
         module, groups, self.names = param_groups_of(module_or_params, param_groups)
         if stage == 3 and module is None:
             raise ValueError("stage=3 needs the nn.Module (its layers are gathered by hooks): "
@@ -188,7 +188,7 @@ class ZeroOptimizer(ZeroGradChecks):
         self.master_dtype = torch.float32 if self.mixed else self.param_dtype
         self.reduce_dtype = reduce_dtype or self.master_dtype
         self._rs_impl = reduce_scatter_impl
-        self._build(groups, units, bucket_cap_mb, prefetch, finish_on_backward_end,
+        self._build(groups, units, cap, prefetch, finish_on_backward_end,
                     overlap_grad_reduce)
         self._gathers = ParamGathers(
             module, self.reducer.buckets, self.group, units=units,
@@ -207,8 +207,8 @@ class ZeroOptimizer(ZeroGradChecks):
         self._prepared = False
 
     # --- construction --------------------------------------------------------------------
-    def _build(self, groups, units, cap_mb, prefetch, finish_on_end, overlap_grad) -> None:
-        cap = bucket_bytes("bucket_cap_mb", cap_mb, 25)
+    def _build(self, groups, units, cap, prefetch, finish_on_end, overlap_grad) -> None:
+        """``cap``: the bucket cap in bytes (stages 0-2)."""
         gid = {p: i for i, (ps, _) in enumerate(groups) for p in ps}
         allp = [p for ps, _ in groups for p in ps]
         if self.stage == 3:
