@@ -18,19 +18,12 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import dataclasses
 import inspect
-import logging
-import math
 import os
-import re
 import signal
-import sys
-import tempfile
 import textwrap
 import typing
-import uuid
 from functools import cache
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -42,6 +35,16 @@ from distllm.train.config import (
     TrainConfig,
     check_init_from,
     check_layout,
+)
+from distllm.train.launch import (
+    STOPPED_FILE,
+    TIMEOUT_PREFIX,
+    USAGE_ERRORS_ENV,
+    check_nproc,
+    end_with_launcher,
+    first_line,
+    launch,
+    timed_out,
 )
 
 __all__ = ["add_arguments", "run", "config_from_args", "config_to_argv", "apply_plan",
@@ -169,13 +172,6 @@ def config_to_argv(cfg: TrainConfig) -> list[str]:
     return out
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def precheck(cfg: TrainConfig, world: int) -> None:
     """Every check of the command that can run before a rank starts (raises ValueError /
     FileNotFoundError); the output folder's are :func:`check_out`'s."""
@@ -279,134 +275,6 @@ def resume_data(cfg: TrainConfig, meta: dict) -> None:
         f"command's data, from its start")
 
 
-STOPPED_FILE = "stopped-by-signal.txt"
-"""Written into :data:`USAGE_ERRORS_ENV`'s folder by a rank that stopped on a signal of
-``--save-on-signal`` (after its checkpoint): the signal's name."""
-
-LAUNCHER_PID_ENV = "DISTLLM_TRAIN_LAUNCHER_PID"
-"""Set by ``--nproc``'s launcher for its ranks: its process id. A rank ends with it
-(:func:`_end_with_launcher`), also when it is killed with SIGKILL, which it cannot pass on."""
-
-TIMEOUT_PREFIX = "timeout-rank"
-"""A rank whose collective timed out writes ``timeout-rank<R>.txt`` into
-:data:`USAGE_ERRORS_ENV`'s folder: one line, which the launcher prints instead of its
-traceback."""
-
-USAGE_ERRORS_ENV = "DISTLLM_TRAIN_USAGE_ERRORS"
-"""Set by ``--nproc``'s launcher for its ranks: a folder into which a rank writes its bad-input
-message (``rank<R>.txt``) instead of printing it; the launcher prints each distinct one once.
-Ranks of any other launcher print theirs."""
-
-
-@contextlib.contextmanager
-def _launcher_scope():
-    """Restores what launching changes in this process: the environment, the signal handlers
-    torch's elastic agent installs; and keeps its log records (of a failed rank, of the
-    ranks it stops) off stderr unless ``LOGLEVEL`` (the agent's own knob) is set."""
-    env = dict(os.environ)
-    sigs = [s for s in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
-            if hasattr(signal, s)]
-    handlers = {s: signal.getsignal(getattr(signal, s)) for s in sigs}
-    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic",
-                                              "torch.distributed.launcher")]
-    quiet = logging.NullHandler()
-    saved = [lg.propagate for lg in loggers]
-    if "LOGLEVEL" not in os.environ:
-        for lg in loggers:
-            lg.addHandler(quiet)
-            lg.propagate = False
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(env)
-        for s, h in handlers.items():
-            signal.signal(getattr(signal, s), h)
-        for lg, prop in zip(loggers, saved, strict=True):
-            lg.removeHandler(quiet)
-            lg.propagate = prop
-
-
-def _launch(nproc: int, cfg: TrainConfig) -> int:
-    """Run ``cfg`` on ``nproc`` ranks of this machine, as ``torchrun --standalone`` does
-    (torch's elastic agent in this process, a c10d rendezvous on a free port, no restarts).
-    Bad input a rank finds is printed once (exit code 2); another failure names the first
-    failed rank (exit code 1). A signal stops the ranks: the agent passes it on (the signals
-    of ``--save-on-signal`` too, which then save a checkpoint) and waits ``--timeout`` seconds
-    for them (30 s on torch without ``shutdown_timeout``) before it kills them."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
-
-    from distllm.comm.compat import elastic_launch_config
-
-    # the agent's own default, and the user signals (the ranks of --save-on-signal save on
-    # them; without, their default action ends the ranks as it would have ended the
-    # launcher, which must not die of them alone and leave the ranks training)
-    passed_on = ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"]
-    passed_on += [s for s in ("SIGUSR1", "SIGUSR2") if hasattr(signal, s)]
-
-    with tempfile.TemporaryDirectory(prefix="distllm-train-") as tmp, _launcher_scope():
-        errors = os.path.join(tmp, "usage-errors")
-        os.mkdir(errors)
-        os.environ[USAGE_ERRORS_ENV] = errors
-        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores() // nproc)))
-        config = elastic_launch_config(
-            min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-            rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-            monitor_interval=0.1, logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")),
-            signals_to_handle=",".join(passed_on),
-            shutdown_timeout=math.ceil(cfg.parallel.timeout_s))
-        try:
-            elastic_launch(config, sys.executable)("-m", "distllm", "train",
-                                                   *config_to_argv(cfg))
-        except ChildFailedError as exc:
-            return _report_failure(exc, Path(errors), nproc)
-        except SignalException as exc:
-            print(f"distllm train: stopped by {exc.sigval.name}", file=sys.stderr)
-            return 128 + int(exc.sigval)
-    return 0
-
-
-def _report_failure(exc, errors: Path, nproc: int) -> int:
-    """One line per distinct bad-input message the ranks left in ``errors`` (exit code 2);
-    else, where ranks timed out in a collective, one line naming them and the ranks that
-    did not answer; else one line naming the first failed rank of ``exc`` (a
-    ``ChildFailedError``)."""
-    if (stopped := errors / STOPPED_FILE).is_file():  # the ranks stopped on a signal, saved
-        name = stopped.read_text().strip()
-        print(f"distllm train: stopped by {name}", file=sys.stderr)
-        return 128 + int(getattr(signal, name))
-    messages: list[str] = []
-    for f in sorted(errors.glob("rank*.txt"), key=lambda f: int(f.stem.removeprefix("rank"))):
-        msg = f.read_text().strip()
-        if msg and msg not in messages:
-            messages.append(msg)
-    for msg in messages:
-        print(f"distllm train: error: {msg}", file=sys.stderr)
-    if messages:
-        return 2
-    timed_out = sorted(int(f.stem.removeprefix(TIMEOUT_PREFIX))
-                       for f in errors.glob(f"{TIMEOUT_PREFIX}*.txt"))
-    crashed = [r for r, f in exc.failures.items() if r not in timed_out and f.exitcode > 0]
-    if timed_out and not crashed:  # (a rank that failed on its own is the one to name)
-        first = (errors / f"{TIMEOUT_PREFIX}{timed_out[0]}.txt").read_text().strip()
-        silent = [r for r in range(nproc) if r not in timed_out]
-        print(f"distllm train: error: rank {timed_out[0]} {first}"
-              + (f"; ranks {silent} did not answer (stalled, or died)" if silent else ""),
-              file=sys.stderr)
-        return 1
-    rank, failure = exc.get_first_failure()
-    if failure.exitcode < 0:
-        what = f"was killed by {failure.signal_name()}"
-    else:
-        what = f"failed (exit code {failure.exitcode}); its traceback is above"
-    print(f"distllm train: error: rank {rank} {what}", file=sys.stderr)
-    return 1
-
-
 def apply_plan(cfg: TrainConfig, world: int,
                given: dict[str, Any] | None = None) -> tuple[TrainConfig, str]:
     """``cfg`` with the planner's best layout for ``world`` ranks, and why it was chosen: the
@@ -435,39 +303,11 @@ def apply_plan(cfg: TrainConfig, world: int,
     return cfg, f"--plan auto chose {layout.name()} for {world} ranks:\n{why}"
 
 
-def _check_nproc(nproc: int) -> None:
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        raise UsageError("--nproc starts torchrun itself: drop it under an external torchrun")
-    if nproc < 1 or nproc > _cores() * 4:
-        raise UsageError(f"--nproc {nproc}: this machine has {_cores()} cores; choose "
-                         f"1..{_cores() * 4} ranks")
-
-
-def _end_with_launcher() -> None:
-    """Under ``--nproc``'s launcher (its pid in :data:`LAUNCHER_PID_ENV`): have Linux send this
-    rank SIGTERM when the launcher dies (``prctl(PR_SET_PDEATHSIG)``), so that a launcher
-    killed with SIGKILL (or by the OOM killer) does not leave its ranks training and writing
-    into ``--out``; SIGTERM then stops them as a scheduler's would (with a checkpoint under
-    ``--save-on-signal``). Elsewhere, or on another OS, nothing."""
-    launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if launcher is None or not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != int(launcher):  # it died before the request: no signal will come
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
 def _rank(cfg: TrainConfig, world: int) -> int:
     """Train ``cfg`` as one rank of ``world`` (under a launcher, or alone). Under ``--nproc``'s
     launcher, bad input goes to the launcher's folder (:data:`USAGE_ERRORS_ENV`), exit code 2."""
     errors = os.environ.get(USAGE_ERRORS_ENV)
-    _end_with_launcher()
+    end_with_launcher()
     try:
         precheck(cfg, world)
         check_out(cfg)
@@ -488,11 +328,11 @@ def _rank(cfg: TrainConfig, world: int) -> int:
         Path(errors, f"rank{os.environ.get('RANK', '0')}.txt").write_text(str(exc))
         return 2
     except RuntimeError as exc:  # (torch.distributed's errors are RuntimeErrors)
-        if errors is None or not _timed_out(exc):
+        if errors is None or not timed_out(exc):
             raise
         Path(errors, f"{TIMEOUT_PREFIX}{os.environ.get('RANK', '0')}.txt").write_text(
             f"waited longer than --timeout {cfg.parallel.timeout_s:g} s for a collective "
-            f"({_first_line(exc)})")
+            f"({first_line(exc)})")
         return 1
     return 0
 
@@ -503,20 +343,9 @@ def _summary(doc: str) -> str:
     return " ".join(doc.strip().split("\n\n")[0].split()).replace("``", "")
 
 
-def _first_line(exc: BaseException) -> str:
-    """The error's first line without the C++ source location gloo prefixes (``[file:N]``)."""
-    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return re.sub(r"^\[[^\]]*\]\s*", "", line)[:160]
-
-
-def _timed_out(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective's timeout (gloo's "Timed out waiting ... ms")."""
-    return "timed out" in str(exc).lower()
-
-
 def run(args: argparse.Namespace) -> int:
     if args.nproc is not None:
-        _check_nproc(args.nproc)
+        check_nproc(args.nproc)
     cfg = config_from_args(args)
     world = args.nproc or int(os.environ.get("WORLD_SIZE", "1"))
     if args.plan == "auto":
@@ -527,4 +356,4 @@ def run(args: argparse.Namespace) -> int:
         return _rank(cfg, world)
     precheck(cfg, world)
     check_out(cfg)
-    return _launch(args.nproc, cfg)
+    return launch(args.nproc, config_to_argv(cfg), cfg.parallel.timeout_s)

@@ -300,7 +300,7 @@ def test_another_gpu_says_how_to_plan_for_it(gpu_named, monkeypatch, capsys, nam
     def launch(*a):
         raise AssertionError("no layout should have been chosen")
 
-    monkeypatch.setattr(train_cli, "_launch", launch)
+    monkeypatch.setattr(train_cli, "launch", launch)
     gpu_named(name, total)
     with pytest.raises(ValueError) as e:
         detect_profile()

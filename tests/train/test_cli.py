@@ -123,7 +123,7 @@ TINY = ["--model", "tiny", "--steps", "1", "--eval-batches", "0", "--seq-len", "
 def _one_line(capfd, argv: list[str]) -> str:
     """The one stderr line of ``distllm train argv`` (exit code 2); the ranks are processes
     writing to this one's stderr, hence ``capfd``."""
-    from distllm.train.cli import USAGE_ERRORS_ENV
+    from distllm.train.launch import USAGE_ERRORS_ENV
 
     before = signal.getsignal(signal.SIGTERM)
     rc = main(["train", *argv])
@@ -265,13 +265,13 @@ def test_a_fresh_run_refuses_old_checkpoints_and_resume_checks_the_batch(capfd, 
 def test_a_failed_rank_is_named_once(capsys, tmp_path):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from distllm.train.cli import _report_failure
+    from distllm.train.launch import report_failure
 
     none = str(tmp_path / "no-error-file")
     crashed = ChildFailedError("distllm", {1: ProcessFailure(1, 10, 1, none)})
     killed = ChildFailedError("distllm", {0: ProcessFailure(0, 11, -9, none)})
-    assert _report_failure(crashed, tmp_path, 2) == 1
-    assert _report_failure(killed, tmp_path, 2) == 1
+    assert report_failure(crashed, tmp_path, 2) == 1
+    assert report_failure(killed, tmp_path, 2) == 1
     assert capsys.readouterr().err.splitlines() == [
         "distllm train: error: rank 1 failed (exit code 1); its traceback is above",
         "distllm train: error: rank 0 was killed by SIGKILL"]
@@ -279,8 +279,8 @@ def test_a_failed_rank_is_named_once(capsys, tmp_path):
     # another rank failed on its own (that one is the cause)
     (tmp_path / "timeout-rank0.txt").write_text("waited longer than --timeout 5 s for a "
                                                 "collective (Timed out waiting 5000ms)")
-    assert _report_failure(killed, tmp_path, 2) == 1
-    assert _report_failure(crashed, tmp_path, 2) == 1
+    assert report_failure(killed, tmp_path, 2) == 1
+    assert report_failure(crashed, tmp_path, 2) == 1
     assert capsys.readouterr().err.splitlines() == [
         "distllm train: error: rank 0 waited longer than --timeout 5 s for a collective (Timed "
         "out waiting 5000ms); ranks [1] did not answer (stalled, or died)",
@@ -288,7 +288,7 @@ def test_a_failed_rank_is_named_once(capsys, tmp_path):
     (tmp_path / "timeout-rank0.txt").unlink()
     for rank, msg in ((2, "b"), (0, "a"), (1, "a")):
         (tmp_path / f"rank{rank}.txt").write_text(msg)
-    assert _report_failure(crashed, tmp_path, 2) == 2
+    assert report_failure(crashed, tmp_path, 2) == 2
     assert capsys.readouterr().err.splitlines() == ["distllm train: error: a",
                                                     "distllm train: error: b"]
 
