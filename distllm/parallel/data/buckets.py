@@ -50,11 +50,8 @@ reduce-scatter at stages 2-3).
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,12 +60,10 @@ from torch import Tensor
 from distllm.comm.collectives import all_reduce, reduce_scatter, reduce_scatter_by_all_reduce
 from distllm.comm.compat import reduce_scatter_into
 from distllm.diagnostics.timing import max_over_ranks
-from distllm.parallel.data.reduction_trial import ReductionTrial
+from distllm.parallel.data.bucket_layout import Bucket
+from distllm.parallel.data.reduction_trial import reduction_schedule
 
-__all__ = ["Bucket", "GradBuckets", "assign_buckets", "bucket_bytes", "FIRST_BUCKET_BYTES",
-           "REDUCE_SCATTER_IMPLS"]
-
-FIRST_BUCKET_BYTES = 1024 * 1024  # same first-bucket size as torch DDP
+__all__ = ["GradBuckets", "REDUCE_SCATTER_IMPLS"]
 
 # How reduce_scatter mode reduces a bucket: "auto" is the shared reduce-scatter, which
 # works around gloo's slow collective; "reduce_scatter" always the backend's own collective;
@@ -79,89 +74,12 @@ REDUCE_SCATTER_IMPLS = {
     "all_reduce": reduce_scatter_by_all_reduce,
 }
 
-def bucket_bytes(name: str, mb: Any, default: float) -> int:
-    """The bytes of a bucket size given in MB by the argument ``name``: a finite number > 0,
-    else a ValueError naming it."""
-    try:
-        ok = math.isfinite(mb) and mb > 0
-    except TypeError:
-        ok = False
-    if not ok:
-        raise ValueError(f"{name}={mb!r}: give a finite number of MB > 0 ({default:g} is the "
-                         f"default)")
-    return int(mb * 2**20)
-
-
-def assign_buckets(params: list[torch.nn.Parameter], cap_bytes: int,
-                   first_cap_bytes: int = FIRST_BUCKET_BYTES,
-                   key: Callable[[torch.nn.Parameter], object] | None = None,
-                   elem_size: int | None = None) -> list[list[torch.nn.Parameter]]:
-    """Group ``params`` (given in registration order) into buckets, last parameter first.
-
-    A bucket closes when adding the next parameter would pass its cap (``first_cap_bytes``
-    for bucket 0, ``cap_bytes`` after) and it holds at least half of it; a parameter larger
-    than the cap closes the bucket it joins. So a few small parameters ahead of a large one
-    (a bias registered after its weight, when the weight passes the cap) share its bucket
-    instead of making a bucket of their own, a collective for a few bytes: at gpt2-xl's
-    width, whose MLP weights pass the default 25 MiB, the ZeRO buckets of the trainer's
-    groups (which share buckets) were 292, 97 of them under 64 KB, and are 147 with this
-    rule, none under 64 KB. Parameters whose ``key`` differs (dtype, optimizer param group)
-    never share a bucket. ``elem_size`` overrides the bytes per element (e.g. 4 for fp32
-    reduction).
-    """
-    key = key or (lambda p: p.dtype)
-    buckets: list[list[torch.nn.Parameter]] = []
-    open_: dict[object, tuple[list, int]] = {}  # key -> (params, bytes)
-    for p in reversed(params):
-        k = key(p)
-        cur, nbytes = open_.get(k, ([], 0))
-        size = p.numel() * (elem_size or p.element_size())
-        # an open bucket 0 has not reached its own cap, so only the general one closes early
-        if cur and nbytes + size > cap_bytes and 2 * nbytes >= cap_bytes:
-            buckets.append(cur)
-            cur, nbytes = [], 0
-        cur.append(p)
-        nbytes += size
-        if nbytes >= (first_cap_bytes if not buckets else cap_bytes):  # full (or passed)
-            buckets.append(cur)
-            cur, nbytes = [], 0
-        open_[k] = (cur, nbytes)
-    buckets.extend(b for b, _ in open_.values() if b)
-    return buckets
-
-
-@dataclass(eq=False)
-class Bucket:
-    """One flat bucket: ``params`` laid out back to back, padded to ``numel``."""
-
-    index: int
-    params: list[torch.nn.Parameter]
-    offsets: list[int]  # start of each param inside the flat buffer
-    shapes: list[torch.Size]  # each param's shape (kept: ZeRO-3 empties params while sharded)
-    numel: int  # padded length (a multiple of the group size in reduce_scatter mode)
-    buffer: Tensor | None = None  # full bucket (reduce dtype); None while freed
-    shard: Tensor | None = None  # reduce_scatter mode: this rank's reduced slice
-    ready: set[int] = field(default_factory=set)  # indices of params whose grad landed
-    launched: bool = False
-    work: object = None
-    out: Tensor | None = None  # reduce_scatter output, added into ``shard`` on completion
-    fresh: bool = True  # the buffer holds nothing of this cycle yet
-    written: set[int] = field(default_factory=set)  # slices holding this cycle's gradient
-    scaled: set[int] = field(default_factory=set)  # written slices already divided by nranks
-    shard_fresh: bool = True
-    nranks: int = 1  # size of the group the bucket is reduced over
-
-    @property
-    def shard_numel(self) -> int:
-        """Elements of one rank's slice of the (padded) bucket."""
-        return self.numel // self.nranks
-
-
 class GradBuckets:
     """Bucketed, asynchronous gradient reduction driven by post-accumulate-grad hooks.
 
     Args:
-        buckets: parameter lists, bucket 0 first (see :func:`assign_buckets`).
+        buckets: parameter lists, bucket 0 first (see
+            :func:`~distllm.parallel.data.bucket_layout.assign_buckets`).
         group: the data-parallel process group (``None`` or size 1: nothing is sent).
         mode: ``"all_reduce"`` or ``"reduce_scatter"``.
         dtype: dtype of the flat buffers, i.e. of the reduction (fp32 for mixed precision).
@@ -233,29 +151,13 @@ class GradBuckets:
             p.register_post_accumulate_grad_hook(self._hook)
 
     def _setup_overlap(self, overlap: bool | str) -> None:
-        if overlap not in (True, False, "auto"):
-            raise ValueError(f"overlap_grad_reduce={overlap!r}: use True, False or 'auto'")
-        self.trial: ReductionTrial | None = None
-        self._cycle_t0: float | None = None
-        self.overlap = overlap is not False
-        self._reason = "during backward" if overlap is True else "after backward"
-        if overlap != "auto":
-            return
         device = self.buckets[0].params[0].device if self.buckets else torch.device("cpu")
-        if self.mode != "all_reduce":
-            self._reason = ("during backward: reduce-scatter mode frees each bucket once "
-                            "reduced (after backward the whole gradient would be held)")
-        elif self.nranks == 1:
-            self._reason = "nothing to reduce (one rank)"
-        elif device.type != "cpu":
-            self._reason = (f"during backward: on {device.type} the collective runs beside "
-                            "the compute")
-        else:
-            group = self.group
-            self.trial = ReductionTrial(
-                f"gradient all-reduce ({len(self.buckets)} buckets, {self.nranks} ranks)",
-                lambda vals: max_over_ranks(vals, group, device))
-            self.overlap = self.trial.overlap_now()
+        group = self.group
+        self.trial, self.overlap, self._reason = reduction_schedule(
+            overlap, mode=self.mode, nranks=self.nranks, device=device,
+            what=f"gradient all-reduce ({len(self.buckets)} buckets, {self.nranks} ranks)",
+            max_over_ranks=lambda vals: max_over_ranks(vals, group, device))
+        self._cycle_t0: float | None = None
 
     @property
     def tuning(self) -> bool:

@@ -20,12 +20,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from distllm.comm.collectives import all_reduce
-from distllm.parallel.data.buckets import (
-    FIRST_BUCKET_BYTES,
-    GradBuckets,
-    assign_buckets,
-    bucket_bytes,
-)
+from distllm.parallel.data.bucket_layout import FIRST_BUCKET_BYTES, assign_buckets, bucket_bytes
+from distllm.parallel.data.buckets import GradBuckets
 from distllm.parallel.data.grad_norm import clip_grad_norm_, clip_grad_norm_and_sum_
 from distllm.parallel.data.replicas import broadcast_from_dp0, dp_group_of
 from distllm.parallel.mesh import ParallelDims

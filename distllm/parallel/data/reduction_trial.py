@@ -36,7 +36,9 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 
-__all__ = ["MARGIN", "ROUNDS", "WIN_SHARE", "ReductionTrial", "trial_cycles"]
+import torch
+
+__all__ = ["MARGIN", "ROUNDS", "WIN_SHARE", "ReductionTrial", "reduction_schedule", "trial_cycles"]
 
 log = logging.getLogger("distllm")
 
@@ -109,3 +111,26 @@ class ReductionTrial:
             self.reason = (f"during backward (the steps reduced after it took {how}; keeping "
                            f"them needs < {1 - MARGIN:.2f} and {need} of {self.rounds})")
         log.info("%s: the gradient reduction runs %s", self.what, self.reason)
+
+
+def reduction_schedule(overlap: bool | str, *, mode: str, nranks: int, device: torch.device,
+                       what: str, max_over_ranks: Callable[[Sequence[float]], list[float]]
+                       ) -> tuple[ReductionTrial | None, bool, str]:
+    """How a reducer of ``nranks`` ranks in ``mode`` (``"all_reduce"`` or
+    ``"reduce_scatter"``) on ``device`` reduces for ``overlap_grad_reduce=overlap``: its trial
+    (under ``"auto"`` where one runs, else ``None``), whether its first cycle overlaps
+    backward, and why (see the module docstring)."""
+    if overlap not in (True, False, "auto"):
+        raise ValueError(f"overlap_grad_reduce={overlap!r}: use True, False or 'auto'")
+    if overlap != "auto":
+        return None, bool(overlap), "during backward" if overlap else "after backward"
+    if mode != "all_reduce":
+        return None, True, ("during backward: reduce-scatter mode frees each bucket once "
+                            "reduced (after backward the whole gradient would be held)")
+    if nranks == 1:
+        return None, True, "nothing to reduce (one rank)"
+    if device.type != "cpu":
+        return None, True, (f"during backward: on {device.type} the collective runs beside "
+                            "the compute")
+    trial = ReductionTrial(what, max_over_ranks)
+    return trial, trial.overlap_now(), "during backward"

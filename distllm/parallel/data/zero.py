@@ -74,12 +74,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from distllm.parallel.data.buckets import (
-    FIRST_BUCKET_BYTES,
-    GradBuckets,
-    assign_buckets,
-    bucket_bytes,
-)
+from distllm.parallel.data.bucket_layout import FIRST_BUCKET_BYTES, assign_buckets, bucket_bytes
+from distllm.parallel.data.buckets import GradBuckets
 from distllm.parallel.data.loss_scale import LossScaler
 from distllm.parallel.data.memory import MemoryReport, memory_report
 from distllm.parallel.data.replicas import broadcast_from_dp0, dp_group_of

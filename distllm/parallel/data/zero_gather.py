@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.distributed import Work
 
 from distllm.comm.collectives import all_gather
-from distllm.parallel.data.buckets import Bucket
+from distllm.parallel.data.bucket_layout import Bucket
 
 __all__ = ["ParamGathers"]
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from distllm.parallel.data.buckets import Bucket
+from distllm.parallel.data.bucket_layout import Bucket
 
 __all__ = ["check_args", "param_groups_of", "pack_bucket", "HALF", "Segment", "runs_of"]
 

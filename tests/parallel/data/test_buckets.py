@@ -9,12 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distllm.parallel.data.buckets import (
-    FIRST_BUCKET_BYTES,
-    REDUCE_SCATTER_IMPLS,
-    GradBuckets,
-    assign_buckets,
-)
+from distllm.parallel.data.bucket_layout import FIRST_BUCKET_BYTES, assign_buckets
+from distllm.parallel.data.buckets import REDUCE_SCATTER_IMPLS, GradBuckets
 from tests._spawn import SpawnCache
 from tests.parallel.data._common import TOL
 
