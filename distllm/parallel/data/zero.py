@@ -68,7 +68,7 @@ inf/NaN checks), ``loss_scale``, ``zero_state``
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -85,10 +85,11 @@ from distllm.parallel.data.zero_gather import ParamGathers
 from distllm.parallel.data.zero_setup import (
     HALF,
     Segment,
+    bucket_order,
     check_args,
     pack_bucket,
     param_groups_of,
-    runs_of,
+    shard_segments,
 )
 from distllm.parallel.data.zero_state import (
     ModuleStateHooks,
@@ -215,7 +216,7 @@ class ZeroOptimizer(ZeroGradChecks):
         else:
             self.sharded = None
             esize = self.reduce_dtype.itemsize
-            order, key = self._bucket_order(allp, gid)
+            order, key = bucket_order(self.module, allp, gid)
             plists = [sorted(ps, key=gid.__getitem__) for ps in assign_buckets(
                 order, cap, FIRST_BUCKET_BYTES, key=key, elem_size=esize)]
         self.reducer = GradBuckets(
@@ -228,37 +229,12 @@ class ZeroOptimizer(ZeroGradChecks):
         if self.sharded is not None:
             self.sharded.attach(self.reducer)
         self._build_flat_params()
-        self._build_segments(gid)
-
-    def _bucket_order(self, allp: list, gid: dict) -> tuple[list, Callable]:
-        """The parameters in the order buckets are filled (reversed there) and the key that
-        keeps them apart. With the module, its registration order (backward's, reversed)
-        and one stream per dtype: the param groups share buckets (one collective per bucket,
-        not per group and bucket), each group's parameters together inside a bucket, so
-        that a rank's shard holds one run per group (see :class:`Segment`). Without it the
-        groups' order is all there is, and a bucket holding the first group's last
-        parameters and the second group's first would wait for both ends of backward: one
-        stream per group."""
-        if self.module is None:
-            return allp, lambda p: (gid[p], p.dtype)
-        pos = {p: i for i, p in enumerate(self.module.parameters())}
-        return sorted(allp, key=lambda p: pos.get(p, len(pos))), lambda p: p.dtype
-
-    def _build_segments(self, gid: dict) -> None:
-        """:attr:`segments`: what the inner optimizer steps, bucket by bucket; per bucket, the
-        runs of one param group that this rank's shard holds."""
-        self.segments: list[Segment] = []
-        self.bucket_segments: list[list[Segment]] = []
-        for b, m in zip(self.reducer.buckets, self.masters, strict=True):
-            lo, hi = self.shard_range(b.numel)
-            mine = []
-            for g, start, end in runs_of(b, gid):
-                a, e = max(start, lo) - lo, min(end, hi) - lo
-                if a < e:
-                    whole = a == 0 and e == m.numel()
-                    mine.append(Segment(m if whole else m[a:e], b.index, a, e, g))
-            self.bucket_segments.append(mine)
-            self.segments += mine
+        # what the inner optimizer steps, bucket by bucket (per bucket, the runs of one param
+        # group that this rank's shard holds), and all of them
+        self.bucket_segments = [
+            shard_segments(b, m, self.shard_range(b.numel), gid)
+            for b, m in zip(self.reducer.buckets, self.masters, strict=True)]
+        self.segments: list[Segment] = [s for segs in self.bucket_segments for s in segs]
 
     def shard_range(self, numel: int) -> tuple[int, int]:
         """``(lo, hi)``: the slice of a bucket of ``numel`` (padded) elements whose master

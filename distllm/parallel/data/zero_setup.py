@@ -4,6 +4,7 @@ parameters and param groups it is given, the flat buffers of stages 0-2, and the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +13,8 @@ from torch import Tensor, nn
 
 from distllm.parallel.data.bucket_layout import Bucket
 
-__all__ = ["check_args", "param_groups_of", "pack_bucket", "HALF", "Segment", "runs_of"]
+__all__ = ["check_args", "param_groups_of", "pack_bucket", "HALF", "Segment", "runs_of",
+           "bucket_order", "shard_segments"]
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -117,3 +119,32 @@ def runs_of(b, gid: dict) -> list[tuple[int, int, int]]:
             runs.append([g, off, e])
     runs[-1][2] = b.numel
     return [tuple(r) for r in runs]
+
+
+def bucket_order(module: nn.Module | None, allp: list, gid: dict) -> tuple[list, Callable]:
+    """The parameters in the order buckets are filled (reversed there) and the key that
+    keeps them apart. With the ``module``, its registration order (backward's, reversed)
+    and one stream per dtype: the param groups share buckets (one collective per bucket,
+    not per group and bucket), each group's parameters together inside a bucket, so that a
+    rank's shard holds one run per group (see :class:`Segment`). Without it the groups'
+    order is all there is, and a bucket holding the first group's last parameters and the
+    second group's first would wait for both ends of backward: one stream per group."""
+    if module is None:
+        return allp, lambda p: (gid[p], p.dtype)
+    pos = {p: i for i, p in enumerate(module.parameters())}
+    return sorted(allp, key=lambda p: pos.get(p, len(pos))), lambda p: p.dtype
+
+
+def shard_segments(b: Bucket, master: Tensor, shard: tuple[int, int], gid: dict
+                   ) -> list[Segment]:
+    """What the inner optimizer steps of bucket ``b``: the runs of one param group that this
+    rank's slice ``shard`` (``(lo, hi)``) holds, as views of its ``master`` shard (the shard
+    itself where one run covers it)."""
+    lo, hi = shard
+    mine = []
+    for g, start, end in runs_of(b, gid):
+        a, e = max(start, lo) - lo, min(end, hi) - lo
+        if a < e:
+            whole = a == 0 and e == master.numel()
+            mine.append(Segment(master if whole else master[a:e], b.index, a, e, g))
+    return mine
