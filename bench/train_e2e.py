@@ -79,7 +79,7 @@ BREAKDOWN_FILE = "train_e2e_breakdown.json"
 def model_of(shape: tuple[int, ...]):
     """``(GPTConfig, name)`` of a shape ``(blocks, hidden, batch, seq[, micro-batches])``:
     the ``tiny`` preset at (4, 128), else heads of 64 channels and an MLP of 4H."""
-    from distllm.models.gpt import GPTConfig
+    from distllm.models.config import GPTConfig
 
     layers, hidden, _, seq = shape[:4]
     if (layers, hidden) == (4, 128) and seq <= 128:
@@ -91,7 +91,7 @@ def model_of(shape: tuple[int, ...]):
 
 def model_names(spec: str | Sequence[str]) -> list[str]:
     """The GPT preset names of ``--model`` (``"tiny,gpt2-small"`` or a list), checked."""
-    from distllm.models.gpt import GPTConfig
+    from distllm.models.config import GPTConfig
 
     names = spec.split(",") if isinstance(spec, str) else list(spec)
     names = list(dict.fromkeys(n.strip() for n in names if n.strip()))
@@ -108,7 +108,7 @@ def model_shapes(spec: str | Sequence[str], quick: bool = False) -> list[tuple[i
     """One size per GPT preset of ``--model``: the preset's blocks and hidden size at the
     default batch, sequence and micro-batches of its size class (the ``tiny`` row up to
     hidden 128, else the 6x768 row)."""
-    from distllm.models.gpt import GPTConfig
+    from distllm.models.config import GPTConfig
 
     small, wide = _PRESETS[quick][0], _PRESETS[False][-1]
     out = []
@@ -239,7 +239,7 @@ def _overhead_setup(cfg: BenchConfig, reps: int) -> Setup:
 
     from distllm import ParallelDims
     from distllm.diagnostics.profiler import profile
-    from distllm.models.gpt import GPTConfig
+    from distllm.models.config import GPTConfig
 
     _, _, batch, seq, _ = _PRESETS[cfg.quick][0]
     step = distllm_single(GPTConfig.preset("tiny"), batch, seq, ParallelDims())

@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from distllm.models.gpt import GPT, GPTConfig
+from distllm.models.config import GPTConfig
+from distllm.models.gpt import GPT
 from distllm.models.sharding import gather_layer, load_layer
 from distllm.parallel.mesh import ParallelDims
 
@@ -147,7 +148,7 @@ def pretrained_config(path: str) -> GPTConfig:
 def check_pretrained_shape(theirs: GPTConfig, ours: GPTConfig, model: str, path: str) -> None:
     """ValueError naming ``--model`` (and a preset of the right shape, if one is) when the
     pretrained model ``theirs`` is not the model ``ours`` that ``--model model`` builds."""
-    from distllm.models.gpt import PRESETS
+    from distllm.models.config import PRESETS
 
     base = PRESETS.get(model)
     deepened = base is not None and ours.n_layers != base.n_layers  # --n-layers given

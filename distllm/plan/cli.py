@@ -14,7 +14,7 @@ import json
 import re
 import sys
 
-from distllm.models.gpt import CHECKPOINTING
+from distllm.models.config import CHECKPOINTING
 
 from .cost import GB, STATE_BYTES, Estimate, training_dtype
 from .hardware import load_profile, profile_names

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from distllm.models.gpt import CHECKPOINTING
+from distllm.models.config import CHECKPOINTING
 
 from .bubble import SCHEDULES
 from .cost import Layout

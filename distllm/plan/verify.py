@@ -26,7 +26,7 @@ KEYS = ("params", "grads", "optimizer")
 
 def gpt_config_for(shape: ModelShape):
     """distllm's GPT of ``shape`` (GeLU MLP, biases, learned positions, untied head)."""
-    from distllm.models.gpt import GPTConfig
+    from distllm.models.config import GPTConfig
 
     if shape.gated_mlp or not shape.biases or not shape.learned_positions:
         raise ValueError(

@@ -390,7 +390,7 @@ def read_layers(path: Path):
     in this process alone (no process group) through :class:`RestrictedReader`, and what
     the run trained on (``"bytes"``, ``"ids"``, or None from a checkpoint before that was
     recorded)."""
-    from distllm.models.gpt import GPTConfig
+    from distllm.models.config import GPTConfig
 
     meta = _read_meta(path)
     if meta.get("format") != FORMAT:

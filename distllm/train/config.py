@@ -20,7 +20,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from distllm.models.gpt import CHECKPOINTING, VOCAB_PARALLEL, GPTConfig, check_vocab_parallel
+from distllm.models.config import CHECKPOINTING, VOCAB_PARALLEL, GPTConfig
+from distllm.models.gpt import check_vocab_parallel
 from distllm.parallel.pipeline.schedules import SCHEDULES, check_args
 from distllm.parallel.tensor.layers import OVERLAP_MODES
 from distllm.train.data import TOKEN_DTYPES

@@ -20,7 +20,8 @@ from torch import nn
 
 from distllm.comm.collectives import all_reduce
 from distllm.dtypes import DTYPES as DTYPE
-from distllm.models.gpt import GPT, GPTConfig
+from distllm.models.config import GPTConfig
+from distllm.models.gpt import GPT
 from distllm.parallel.mesh import ParallelDims
 from distllm.parallel.pipeline import split_micro_batches
 from distllm.train.config import TrainConfig

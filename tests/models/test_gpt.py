@@ -7,7 +7,8 @@ import re
 import pytest
 import torch
 
-from distllm.models.gpt import GPTConfig, splits_vocab
+from distllm.models.config import GPTConfig
+from distllm.models.gpt import splits_vocab
 
 
 def test_vocabulary_padded_to_64_per_tp_rank():

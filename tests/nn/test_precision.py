@@ -95,7 +95,8 @@ def test_embedding_keeps_padding_idx_without_gradient():
 def test_the_models_layers_go_through_them():
     """The GPT's LayerNorms and whole table, ParallelLayerNorm and VocabParallelEmbedding:
     the fp32 path (their bf16 CPU gradients within TOL of float64)."""
-    from distllm.models.gpt import GPT, GPTConfig
+    from distllm.models.config import GPTConfig
+    from distllm.models.gpt import GPT
 
     dims = ParallelDims(tp=1, pp=1, dp=1)
     cfg = GPTConfig.preset("tiny")

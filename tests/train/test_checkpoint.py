@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from distllm.models.gpt import GPTConfig
+from distllm.models.config import GPTConfig
 from distllm.testing import run_distributed
 from distllm.train import checkpoint, dcp_reader
 from tests.train._util import train_many

@@ -590,7 +590,7 @@ def test_plan_auto_pins_the_layout_flags_given_with_it():
 def _checkpoint_at(out: Path, step: int) -> None:
     import json
 
-    from distllm.models.gpt import GPTConfig
+    from distllm.models.config import GPTConfig
     from distllm.train import checkpoint
 
     d = out / "checkpoints" / f"step_{step:08d}"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distllm.dtypes import DTYPES
-from distllm.models.gpt import CHECKPOINTING, VOCAB_PARALLEL
+from distllm.models.config import CHECKPOINTING, VOCAB_PARALLEL
 from distllm.parallel.mesh import ParallelDims
 from distllm.parallel.pipeline.schedules import SCHEDULES
 from distllm.parallel.tensor.layers import OVERLAP_MODES

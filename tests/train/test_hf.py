@@ -222,7 +222,7 @@ def test_init_from_refuses_weights_under_other_names(tmp_path):
     would load as random weights in transformers (a warning only): refused, naming them."""
     from safetensors.torch import load_file, save_file
 
-    from distllm.models.gpt import GPTConfig
+    from distllm.models.config import GPTConfig
     from distllm.models.hf import pretrained_layers
 
     _save_tiny_hf(tmp_path / "hf")
@@ -281,7 +281,7 @@ def _variant(src, dst, kind: str) -> None:
 def test_init_from_reads_every_way_a_folder_holds_its_weights(tmp_path, kind):
     import torch
 
-    from distllm.models.gpt import GPTConfig
+    from distllm.models.config import GPTConfig
     from distllm.models.hf import pretrained_layers
 
     _save_tiny_hf(tmp_path / "hf")
@@ -298,7 +298,7 @@ def test_init_from_reads_every_way_a_folder_holds_its_weights(tmp_path, kind):
 def test_init_from_reads_a_layer_when_it_is_asked_for(tmp_path, monkeypatch):
     """A pipeline rank reads its own layers' tensors, not the model's."""
     from distllm.models import hf as hf_mod
-    from distllm.models.gpt import GPTConfig
+    from distllm.models.config import GPTConfig
 
     _save_tiny_hf(tmp_path / "hf")
     read, real = [], hf_mod._FolderWeights.__getitem__
@@ -327,7 +327,7 @@ def _untie(hf_dir) -> None:
 def test_init_from_refuses_a_weight_of_another_shape_or_none(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from distllm.models.gpt import GPTConfig
+    from distllm.models.config import GPTConfig
     from distllm.models.hf import pretrained_layers
 
     _save_tiny_hf(tmp_path / "hf")

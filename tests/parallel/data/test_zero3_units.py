@@ -151,7 +151,8 @@ def test_a_recomputed_unit_is_gathered_as_a_forward_one(spawned, how):
 # --- a weight tied between two layers ----------------------------------------------------------
 
 def _gpt(dims):
-    from distllm.models.gpt import GPT, GPTConfig
+    from distllm.models.config import GPTConfig
+    from distllm.models.gpt import GPT
 
     cfg = GPTConfig.preset("tiny", tie_embeddings=True, n_layers=2, hidden_size=32, n_heads=2,
                            ffn_hidden_size=64, vocab_size=61, max_seq_len=16)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distllm.models.gpt import GPT, GPTConfig, check_batch_split
+from distllm.models.config import GPTConfig
+from distllm.models.gpt import GPT, check_batch_split
 from distllm.train.config import ParallelConfig
 from tests._spawn import SpawnCache, case_of, run_cases
 

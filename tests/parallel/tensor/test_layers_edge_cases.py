@@ -189,7 +189,8 @@ def _copied_model() -> dict:
     import copy
 
     from distllm import ParallelDims
-    from distllm.models.gpt import GPT, GPTConfig
+    from distllm.models.config import GPTConfig
+    from distllm.models.gpt import GPT
 
     dims = ParallelDims(tp=2)
     cfg = GPTConfig(vocab_size=64, n_layers=2, hidden_size=16, n_heads=2, ffn_hidden_size=32,
