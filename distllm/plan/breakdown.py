@@ -34,11 +34,7 @@ _TERMS = (
 def step_terms(est: Estimate, cm: CostModel) -> dict[str, float]:
     """Seconds per term of ``est``'s predicted step (keys of ``_TERMS``, plus ``step``)."""
     lay, t = est.layout, est.time
-    m = lay.micro_batches
-    blocks = max(r[0] for r in cm.ranks(lay.pp, lay.virtual_stages))
-    b = cm.shape.global_batch // (lay.dp * m)
-    lt = cm.layer_times(b, lay)
-    z3 = m * blocks * (lt["z3_f"] + lt["z3_b"])
+    z3 = t["zero3_gather"]
     listed = t["gemm"] + t["attention"] + t["elementwise"] + t["recompute"] + t["tp_comm"] + z3
     # what the busiest rank computes beyond its blocks
     ends = max(0.0, t["compute"] - listed) if lay.pp == 1 else max(0.0, t["pipeline"]

@@ -168,15 +168,22 @@ class CostModel(TimeModel):
             h = s.hidden
             repl = (2 * h if s.biases else 0) + (4 * h if s.biases else 2 * h)  # row biases, norms
             per_layer = (s.layer_params() - repl) / t + repl
-            vocab = s.vocab_rows(t, lay.sequence_parallel) * h
-            emb = vocab + (s.seq_len * h if s.learned_positions else 0)
-            head = (2 * h if s.biases else h) + (0 if s.tied_embeddings and lay.pp == 1 else vocab)
+            emb, head = self.end_params(lay)
             out = [
                 blocks * per_layer + (emb if has_e else 0) + (head if has_h else 0)
                 for blocks, has_e, has_h in self.ranks(lay.pp, lay.virtual_stages)
             ]
             self._cache[key] = (out, per_layer)
         return self._cache[key]
+
+    def end_params(self, lay: Layout) -> tuple[float, float]:
+        """Parameters held per device by the embedding layer and by the head (its norm, and
+        its output projection unless tied to the embedding on the same rank)."""
+        s, h = self.shape, self.shape.hidden
+        vocab = s.vocab_rows(lay.tp, lay.sequence_parallel) * h
+        emb = vocab + (s.seq_len * h if s.learned_positions else 0)
+        head = (2 * h if s.biases else h) + (0 if s.tied_embeddings and lay.pp == 1 else vocab)
+        return emb, head
 
     def model_state_bytes(self, n_params: float, dp: int, zero: int) -> dict[str, float]:
         return state_bytes(n_params, dp, zero, (self.param_bytes, self.grad_bytes,

@@ -13,8 +13,9 @@ Per block and micro-batch, on one TP rank:
   * tensor parallelism: two all-reduces of the ``(b, s, h)`` stream in forward and two in
     backward (an all-gather and a reduce-scatter each with sequence parallelism); the
     forward ones overlapped with the row-parallel GEMM when the runtime does so;
-  * ZeRO-3: the block's all-gather before its forward and its backward, prefetched behind
-    the previous block's compute.
+  * ZeRO-3: each unit's all-gather before its forward and its backward, prefetched behind
+    the previous unit's compute (a block's, or nothing for the first unit of a pass), and
+    the reduce-scatter of its gradients; the embedding and the head are units as a block.
 
 On CPU profiles (``cores``), the step is also bounded by the cores: the compute of every
 rank on the host, plus the CPU that gloo's threads spend on the collectives that overlap it
@@ -120,18 +121,8 @@ class TimeModel:
         bwd = lin_dg + lin_wg + att_b + 2 * (elem + ops) + gelu_b
         recompute = {"full": fwd, "selective": att_f}.get(lay.checkpointing, 0.0)
         tp_f, tp_b = self._tp_times(tokens, lay)
-        z3_f = z3_b = z3_rs = 0.0
-        if lay.zero >= 3 and lay.dp > 1:
-            link = self._link("dp", lay)
-            n = self.rank_params(lay)[1]
-            ag = collective_time("all_gather", n * self.param_bytes, lay.dp, link)
-            z3_f = max(0.0, ag - link.overlap * fwd)  # prefetched behind the previous block
-            z3_b = max(0.0, ag - link.overlap * (bwd + recompute))
-            # the block's gradients are reduce-scattered in the backward that completes them
-            # (every micro-batch's, or only the last one's when they accumulate in full
-            # buffers), on the same wire as the next block's gather: what that adds
-            rs = collective_time("reduce_scatter", n * self.grad_bytes, lay.dp, link)
-            z3_rs = max(0.0, ag + rs - link.overlap * (bwd + recompute)) - z3_b
+        # prefetched behind the previous block's forward and the next one's backward
+        z3_f, z3_b, z3_rs = self._z3_unit(self.rank_params(lay)[1], lay, fwd, bwd + recompute)
         out = dict(
             fwd=fwd,
             bwd=bwd + recompute,
@@ -148,6 +139,43 @@ class TimeModel:
         )
         self._cache[key] = out
         return out
+
+    def _z3_unit(self, n: float, lay: Layout, hide_f: float, hide_b: float
+                 ) -> tuple[float, float, float]:
+        """ZeRO-3 seconds of a gathered unit of ``n`` parameters per micro-batch, those not
+        hidden: its all-gather before forward (prefetched behind ``hide_f`` seconds of
+        compute), its all-gather before backward (behind ``hide_b``), and what the
+        reduce-scatter of its gradients adds: they are reduce-scattered in the backward that
+        completes them (every micro-batch's, or only the last one's when they accumulate in
+        full buffers), on the same wire as the next unit's gather."""
+        if lay.zero < 3 or lay.dp == 1:
+            return 0.0, 0.0, 0.0
+        link = self._link("dp", lay)
+        ag = collective_time("all_gather", n * self.param_bytes, lay.dp, link)
+        f = max(0.0, ag - link.overlap * hide_f)
+        b = max(0.0, ag - link.overlap * hide_b)
+        rs = collective_time("reduce_scatter", n * self.grad_bytes, lay.dp, link)
+        return f, b, max(0.0, ag + rs - link.overlap * hide_b) - b
+
+    def z3_ranks(self, lay: Layout) -> list[tuple[float, float, float]]:
+        """ZeRO-3 seconds per micro-batch of each pipeline rank's units, those not hidden
+        (forward gathers, backward gathers, what the reduce-scatters add): its blocks', and
+        the embedding's and the head's, gathered and reduce-scattered like a block. The
+        embedding is a forward's first unit (nothing runs before its gather) and its
+        backward's last (prefetched behind a block's); the head is the other way round."""
+        b = self.shape.global_batch // (lay.dp * lay.micro_batches)
+        key = ("z3", b, lay.tp, lay.sequence_parallel, lay.checkpointing, lay.dp, lay.zero,
+               lay.pp, lay.virtual_stages)
+        if key not in self._cache:
+            lt = self.layer_times(b, lay)
+            emb_n, head_n = self.end_params(lay)
+            emb = self._z3_unit(emb_n, lay, 0.0, lt["bwd"])
+            head = self._z3_unit(head_n, lay, lt["fwd"], 0.0)
+            self._cache[key] = [
+                tuple(blocks * lt[k] + (emb[i] if has_e else 0.0) + (head[i] if has_h else 0.0)
+                      for i, k in enumerate(("z3_f", "z3_b", "z3_rs")))
+                for blocks, has_e, has_h in self.ranks(lay.pp, lay.virtual_stages)]
+        return self._cache[key]
 
     def _deferred_wgrad(self, tokens: int, lay: Layout) -> float:
         """Seconds of a block's weight-gradient GEMMs that zb-h1's W runs (the rest run in B),
@@ -200,13 +228,14 @@ class TimeModel:
         lt = self.layer_times(b, lay)
         emb, head_f, head_b, head_w, emb_c, head_c = self._ends(b, lay)
         tf, tb, tw, tc = [], [], [], []
-        for blocks, has_e, has_h in self.ranks(lay.pp, lay.virtual_stages):
-            tf.append(blocks * (lt["fwd"] + lt["tp_f"] + lt["z3_f"])
+        for (blocks, has_e, has_h), (z3_f, z3_b, _) in zip(
+                self.ranks(lay.pp, lay.virtual_stages), self.z3_ranks(lay), strict=True):
+            tf.append(blocks * (lt["fwd"] + lt["tp_f"]) + z3_f
                       + (emb if has_e else 0.0) + (head_f if has_h else 0.0))
-            tb.append(blocks * (lt["bwd"] + lt["tp_b"] + lt["z3_b"])
+            tb.append(blocks * (lt["bwd"] + lt["tp_b"]) + z3_b
                       + (emb if has_e else 0.0) + (head_b if has_h else 0.0))
             tw.append(blocks * lt["w"] + (head_w if has_h else 0.0))
-            tc.append(blocks * (lt["tp_f"] + lt["tp_b"] + lt["z3_f"] + lt["z3_b"])
+            tc.append(blocks * (lt["tp_f"] + lt["tp_b"]) + z3_f + z3_b
                       + (2 * emb_c if has_e else 0.0) + (head_c if has_h else 0.0))
         self._cache[key] = (tf, tb, tw, tc)
         return tf, tb, tw, tc
@@ -244,12 +273,9 @@ class TimeModel:
         for r in self._heavy_ranks(lay.pp, lay.virtual_stages):
             n_params = params[r]
             red = ag = 0.0
-            if lay.dp > 1 and lay.zero >= 3:  # per block, inside backward (layer_times)
-                b = self.shape.global_batch // (lay.dp * lay.micro_batches)
-                lt = self.layer_times(b, lay)
+            if lay.dp > 1 and lay.zero >= 3:  # per unit, inside backward (z3_ranks)
                 once = rt.zero_grad_accumulation == "full"
-                red = (1 if once else lay.micro_batches) * self.ranks(lay.pp, lay.virtual_stages)[
-                    r][0] * lt["z3_rs"]
+                red = (1 if once else lay.micro_batches) * self.z3_ranks(lay)[r][2]
             elif lay.dp > 1:
                 link = self._link("dp", lay)
                 gbytes = self.grad_bytes * n_params
@@ -340,6 +366,7 @@ class TimeModel:
                 link_cpu = 0.0
             cpu_busy = work + link_cpu + opt_cpu
         blocks = max(r[0] for r in self.ranks(lay.pp, lay.virtual_stages))
+        zero3 = m * max(f + b_ for f, b_, _ in self.z3_ranks(lay))
         chunks = m * (lay.virtual_stages if lay.pp > 1 else 1)
         parts = dict(
             step=step,
@@ -354,7 +381,8 @@ class TimeModel:
             pp_p2p=t_comm,
             pp_p2p_total=2 * chunks * t_comm if lay.pp > 1 else 0.0,
             dp_comm=dp_exp,
-            zero_comm=zero_ag + m * blocks * (lt["z3_f"] + lt["z3_b"]),
+            zero_comm=zero_ag + zero3,
+            zero3_gather=zero3,
             optimizer=t_opt,
             sync=sync,
             cpu_busy=cpu_busy,
