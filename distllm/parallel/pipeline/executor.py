@@ -223,10 +223,12 @@ class PipelineParallel(nn.Module):
         return loss[0]
 
 
-def _leaves_besides(y: torch.Tensor, known: set[int]) -> list[torch.Tensor]:
+def _leaves_besides(y: torch.Tensor, known: set[int], x: torch.Tensor) -> list[torch.Tensor]:
     """The leaf tensors that ``y``'s graph accumulates a gradient into, but those whose
-    ``id`` is in ``known``: one walk of the graph's nodes."""
-    found, seen, todo = [], set(), [y.grad_fn]
+    ``id`` is in ``known`` and those behind the stage's input ``x`` (a micro-batch that is a
+    view of a batch requiring grad: the batch gets its gradient through ``x``'s): one walk of
+    the graph's nodes."""
+    found, seen, todo = [], {x.grad_fn} - {None}, [y.grad_fn]
     while todo:
         node = todo.pop()
         if node is None or node in seen:
@@ -240,6 +242,14 @@ def _leaves_besides(y: torch.Tensor, known: set[int]) -> list[torch.Tensor]:
             continue
         todo.extend(n for n, _ in node.next_functions)
     return found
+
+
+def _boundary_grad(x: torch.Tensor, dx: torch.Tensor | None) -> torch.Tensor:
+    """What a stage sends back for its input ``x``: its gradient, or zeros where ``x`` got
+    none (an integer activation, or one the stage does not read): the schedule has a
+    message for every boundary, and a previous stage whose output takes no gradient skips
+    its backward."""
+    return dx if dx is not None else torch.zeros_like(x)
 
 
 class _StepRun:
@@ -355,16 +365,17 @@ class _StepRun:
         x, y = self.inputs[mbc], self.outputs[mbc]
         if self.sched.split_backward:  # input gradient now, weight gradients left for W
             dx = self._input_grad(a, x, y, grad, self.wstores[mbc])
-            if dx is not None and s > 0:
-                self.to_send[mbc] = dx
+            if s > 0:
+                self.to_send[mbc] = _boundary_grad(x, dx)
             elif dx is not None:  # a batch that requires grad gets it, as on one process
                 torch.autograd.backward(x, dx)
             del self.outputs[mbc]
         else:
-            with self._grad_ctx(a):
-                torch.autograd.backward(y, grad)
-            if s > 0 and x.requires_grad:
-                self.to_send[mbc] = x.grad
+            if y.requires_grad:  # (not: a frozen stage, an integer output)
+                with self._grad_ctx(a):
+                    torch.autograd.backward(y, grad)
+            if s > 0:
+                self.to_send[mbc] = _boundary_grad(x, x.grad if x.requires_grad else None)
             self._free(mbc)
         self.stats.timeline.append((a, t0, time.perf_counter()))
 
@@ -377,10 +388,12 @@ class _StepRun:
         deferred weight GEMMs record what they need in ``store``. Other leaves of the graph
         that require grad (a tensor ``loss_fn`` or a layer reads that is not a parameter of
         the stage) get theirs here too, as a plain backward gives them. Frees the graph."""
+        if not y.requires_grad:  # nothing of the stage's takes a gradient (frozen, integer)
+            return None
         params = [q for q in self.pp.chunks[a.chunk].parameters() if q.requires_grad]
         want_x = x.requires_grad
         if a.chunk not in self.outside:  # found once a step: the graph's other leaves
-            self.outside[a.chunk] = _leaves_besides(y, {id(x)} | {id(q) for q in params})
+            self.outside[a.chunk] = _leaves_besides(y, {id(x)} | {id(q) for q in params}, x)
         others = self.outside[a.chunk]
         inputs = ([x] if want_x else []) + params + others
         if not inputs:
