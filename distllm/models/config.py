@@ -10,7 +10,8 @@ __all__ = ["GPTConfig", "PRESETS", "CHECKPOINTING", "VOCAB_PARALLEL"]
 
 CHECKPOINTING = ("none", "selective", "full")
 """Activation checkpointing of a :class:`Block`: none, selective (recompute the attention
-half) or full (recompute the whole block)."""
+core, softmax(QK^T)V, from the Q, K, V it keeps: Megatron-LM's selective recomputation) or
+full (keep the block's input, recompute the whole block)."""
 
 VOCAB_PARALLEL = ("auto", "on", "off")
 """Whether the embedding and the head split the vocabulary over TP: auto (split unless the

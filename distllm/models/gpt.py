@@ -150,6 +150,7 @@ class Block(nn.Module):
         self.mlp = ParallelMLP(cfg.hidden_size, cfg.ffn_hidden_size, dims,
                                activation=cfg.activation, bias=True, sequence_parallel=sp,
                                overlap=overlap, dtype=dtype)
+        self.attn.recompute_core = checkpointing == "selective"
 
     def attn_branch(self, x: torch.Tensor) -> torch.Tensor:
         """``attn(ln_1(x))``: what the block adds to the residual stream first."""
@@ -175,15 +176,14 @@ class Block(nn.Module):
                     or self._backward_pre_hooks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.checkpointing == "none" or not torch.is_grad_enabled():
+        # selective: the attention recomputes its core (softmax(QK^T)V) in backward from the
+        # Q, K, V it keeps, as Megatron-LM's selective recomputation (Korthikanti et al.
+        # 2022): the scores are the big activation, the GEMMs the costly recompute
+        if self.checkpointing != "full" or not torch.is_grad_enabled():
             return self._mlp(self._attn(x))
         from torch.utils.checkpoint import checkpoint
 
-        if self.checkpointing == "full":
-            return checkpoint(lambda t: self._mlp(self._attn(t)), x, use_reentrant=False)
-        # selective: recompute the attention half (its score matrix is the big activation)
-        x = checkpoint(self._attn, x, use_reentrant=False)
-        return self._mlp(x)
+        return checkpoint(lambda t: self._mlp(self._attn(t)), x, use_reentrant=False)
 
 
 class Head(nn.Module):

@@ -92,6 +92,7 @@ class ParallelAttention(nn.Module):
         # full QKV weight laid out rank-major: [q_0; k_0; v_0; q_1; k_1; v_1; ...]
         self.qkv = ColumnParallelLinear(hidden, (n_heads + 2 * n_kv) * self.head_dim, dims, **kw)
         self.o = RowParallelLinear(n_heads * self.head_dim, hidden, dims, **kw)
+        self.recompute_core = False  # selective recomputation (set by a GPT block)
 
     @property
     def overlap_stats(self) -> dict:
@@ -124,6 +125,11 @@ class ParallelAttention(nn.Module):
         b, s, _ = y.shape
         d, hq, hkv = self.head_dim, self.local_heads, self.local_kv
         q, k, v = y.split([hq * d, hkv * d, hkv * d], dim=-1)
-        ctx = _attend(q.view(b, s, hq, d), k.view(b, s, hkv, d), v.view(b, s, hkv, d),
-                      self.causal)  # (b, s, hq*d)
+        q, k, v = q.view(b, s, hq, d), k.view(b, s, hkv, d), v.view(b, s, hkv, d)
+        if self.recompute_core and torch.is_grad_enabled():  # keeps Q, K, V; not the scores
+            from torch.utils.checkpoint import checkpoint
+
+            ctx = checkpoint(_attend, q, k, v, self.causal, use_reentrant=False)
+        else:
+            ctx = _attend(q, k, v, self.causal)  # (b, s, hq*d)
         return self.o(ctx)  # (b, s, h), or (b, s/tp, h) under sequence parallelism

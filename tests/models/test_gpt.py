@@ -116,3 +116,49 @@ def test_n_kv_heads_must_be_none_or_a_divisor(kv, says):
     with pytest.raises(ValueError, match=re.escape(says)):
         GPTConfig(n_kv_heads=kv)
     assert GPTConfig(n_kv_heads=None).kv_heads == GPTConfig().n_heads
+
+
+def _block_run(checkpointing: str) -> tuple[int, int, dict]:
+    """Bytes a float64 GPT block keeps for backward, the QKV GEMMs its forward and backward
+    ran, and its gradients."""
+    from distllm.models.gpt import Block
+    from distllm.parallel import ParallelDims
+
+    cfg = GPTConfig(n_layers=1, hidden_size=16, n_heads=2, ffn_hidden_size=32, max_seq_len=64)
+    torch.manual_seed(0)
+    block = Block(cfg, ParallelDims(), checkpointing=checkpointing, dtype=torch.float64)
+    torch.manual_seed(1)
+    x = torch.randn(2, 64, 16, dtype=torch.float64, requires_grad=True)
+    calls = []
+    block.attn.qkv.register_forward_hook(lambda *a: calls.append(1))
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        kept.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    # the math kernel keeps the (b, heads, s, s) scores, as attention without a fused
+    # kernel does (CPU's and CUDA's flash kernels keep a log-sum-exp per row instead)
+    with sdpa_kernel(SDPBackend.MATH):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = block(x)
+        y.square().sum().backward()
+    grads = {n: p.grad for n, p in block.named_parameters()}
+    grads["x"] = x.grad
+    return sum(kept.values()), len(calls), grads
+
+
+def test_selective_recomputation_keeps_qkv_and_recomputes_the_attention_core():
+    """``selective`` is Megatron-LM's: the attention core (the softmax over the scores) is
+    recomputed in backward from the Q, K, V it keeps; no GEMM runs twice (the attention
+    half, QKV GEMM and its collective included, had been recomputed)."""
+    none, n_calls, ref = _block_run("none")
+    sel, s_calls, grads = _block_run("selective")
+    full, f_calls, _ = _block_run("full")
+    assert (n_calls, s_calls, f_calls) == (1, 1, 2)
+    scores = 2 * 2 * 64 * 64 * 8  # (b, heads, s, s) float64 softmax
+    assert none - sel >= scores and sel > full, (none, sel, full)
+    for k, g in ref.items():
+        torch.testing.assert_close(grads[k], g, rtol=0, atol=1e-12)
