@@ -133,7 +133,8 @@ def shape_from_args(a: argparse.Namespace) -> ModelShape:
         )
     over.setdefault("ffn", 4 * over["hidden"])
     over.setdefault("global_batch", 32)
-    return ModelShape(name="custom", **over)
+    # the GPT that distllm trains from these flags (distllm.models.GPTConfig): untied head
+    return ModelShape(name="custom", tied_embeddings=False, **over)
 
 
 def _pins(a: argparse.Namespace) -> dict:

@@ -24,8 +24,10 @@ __all__ = ["Verification", "verify", "gpt_config_for", "shape_for", "train_confi
 KEYS = ("params", "grads", "optimizer")
 
 
-def gpt_config_for(shape: ModelShape):
-    """distllm's GPT of ``shape`` (GeLU MLP, biases, learned positions, untied head)."""
+def gpt_config_for(shape: ModelShape, pp: int = 1):
+    """distllm's GPT of ``shape`` (GeLU MLP, biases, learned positions) on ``pp`` pipeline
+    stages: its head tied to the embedding where the shape's is and ``pp`` is 1 (distllm
+    ties only there; across stages the last one holds a copy, as the planner counts)."""
     from distllm.models.config import GPTConfig
 
     if shape.gated_mlp or not shape.biases or not shape.learned_positions:
@@ -41,7 +43,7 @@ def gpt_config_for(shape: ModelShape):
         ffn_hidden_size=shape.ffn,
         max_seq_len=shape.seq_len,
         n_kv_heads=shape.kv_heads or None,
-        tie_embeddings=False,
+        tie_embeddings=shape.tied_embeddings and pp == 1,
         name=shape.name,
     )
 
@@ -168,7 +170,7 @@ def verify(shape: ModelShape, lay: Layout, *, dtype: str = "bfloat16",
            profile: str | Profile = "a100-80gb", pp_rank: int | None = None) -> Verification:
     """Dry-run ``lay`` for ``shape`` (as distllm's GPT) and compare one rank's peak memory
     with the planner's and with the usable memory of a device of ``profile``."""
-    mcfg = gpt_config_for(shape)
+    mcfg = gpt_config_for(shape, lay.pp)
     plan_shape = shape_for(mcfg, shape.global_batch, shape.seq_len)
     world = lay.tp * lay.pp * lay.dp
     prof = load_profile(profile)

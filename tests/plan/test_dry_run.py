@@ -233,3 +233,34 @@ def test_cli_verify_fails_when_the_dry_run_does_not_fit(monkeypatch, capsys):
     out = json.loads(capsys.readouterr().out)
     assert not out["fits"] and out["usable_gb"] == pytest.approx(0.0009)
     assert out["measured_gb"]["total"] > out["usable_gb"]
+
+
+def test_a_shape_given_by_flags_is_the_gpt_distllm_trains_and_verify_checks_its_estimate(
+        capsys):
+    """A model given by shape flags is planned as distllm's GPT (untied head), as the preset
+    of the same shape is; and ``--verify`` dry-runs the model whose estimate decided: a
+    tied shape at pp 1 (gpt-1.7b) is built tied (it had been built untied, its estimate
+    checked in place of the search's)."""
+    pins = ["--gpus", "8", "--gpu", "a100-80gb", "--tp", "1", "--pp", "1", "--zero", "0",
+            "--micro-batches", "1", "--checkpointing", "none", "--global-batch", "8",
+            "--seq-len", "64", "--json"]
+
+    def planned(*argv):
+        assert main(["plan", *argv, *pins]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    flags = ["--layers", "12", "--hidden", "768", "--heads", "12", "--ffn", "3072", "--vocab",
+             "50257"]
+    by_flags, by_name = planned(*flags), planned("--model", "gpt2-small")
+    first = [rows["ranked"][0]["memory_gb"] for rows in (by_flags, by_name)]
+    assert first[0] == first[1], first
+    tied = preset("gpt-1.7b").with_(layers=2, global_batch=8, seq_len=64)
+    assert tied.tied_embeddings
+    v = verify(tied, Layout(1, 1, 2, 0, "none", 1, "none", False, 1), profile="a100-80gb")
+    from distllm.plan.cost import CostModel
+    from distllm.plan.hardware import load_profile
+
+    cm = CostModel(tied.with_(dropout=False), load_profile("a100-80gb"), 2, 2,
+                   dtype="bfloat16", flash_attention=True)
+    assert v.predicted == cm.rank_memory(Layout(1, 1, 2, 0, "none", 1, "none", False, 1), 0)
+    assert abs(v.error) < TOLERANCE, v.error
