@@ -334,6 +334,9 @@ def load_profile(name_or_path: str | Path | Profile) -> Profile:
 
 # a GPU's name -> the profile of that GPU; the device's memory must match the profile's too
 _GPU_NAMES = (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80gb"))
+# the PCIe cards (and the NVL ones, PCIe cards bridged in pairs) of those GPUs: slower
+# clocks and memory than the SXM modules the profiles describe, no NVLink switch
+_OTHER_FORM = re.compile(r"PCI|NVL", re.IGNORECASE)
 _MEMORY_TOLERANCE = 0.1  # the driver reports a little less than the datasheet's GiB
 _NO_PROFILE = (
     "so `distllm train --plan auto` cannot plan for it: write a profile .json (a copy of "
@@ -358,10 +361,10 @@ def _device_memory(name: str) -> float | None:
 
 def detect_profile() -> str:
     """The profile name of this machine's device: ``cpu`` without CUDA, else the GPU's
-    (A100 80GB -> a100-80gb, H100 -> h100, H200 -> h200) when its memory is within 10% of
-    the profile's (the name alone where neither the driver nor the name gives the memory);
-    another GPU, or one of these with a different memory size, is an error that says how to
-    plan for it."""
+    (A100 80GB -> a100-80gb, H100 -> h100, H200 -> h200: the SXM modules) when its memory is
+    within 10% of the profile's (the name alone where neither the driver nor the name gives
+    the memory); another GPU, one of these with a different memory size, or their PCIe or
+    NVL cards, is an error that says how to plan for it."""
     import torch  # lazy: the planner itself does not need torch
 
     if not torch.cuda.is_available():
@@ -371,6 +374,11 @@ def detect_profile() -> str:
     for key, prof in _GPU_NAMES:
         if key not in name:
             continue
+        if _OTHER_FORM.search(name):
+            raise ValueError(
+                f"no hardware profile for {name!r} (the {prof} profile is the SXM module: its "
+                f"compute, memory bandwidth and NVLink are not this card's; packaged: "
+                f"{known}), {_NO_PROFILE}")
         want, have = load_profile(prof).memory_bytes, _device_memory(name)
         if have is None or abs(have / want - 1) <= _MEMORY_TOLERANCE:
             return prof

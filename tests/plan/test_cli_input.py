@@ -285,13 +285,18 @@ KNOWN = "packaged: a100-80gb, cpu, h100, h200"
     "name,total,why",
     [
         ("NVIDIA A100-SXM4-40GB", None, f"with 40 GiB (the a100-80gb profile has 80 GiB; {KNOWN})"),
-        (
-            "NVIDIA A100-PCIE-40GB",
-            39.4 * GiB,
-            f"with 39 GiB (the a100-80gb profile has 80 GiB; {KNOWN})",
-        ),
-        ("NVIDIA H100 NVL", 93.1 * GiB, f"with 93 GiB (the h100 profile has 80 GiB; {KNOWN})"),
         ("NVIDIA L40S", 44.4 * GiB, f"({KNOWN})"),
+        # the same chips as PCIe or NVL cards, of the SXM module's memory: not its profile
+        ("NVIDIA H100 PCIe", 79.6 * GiB, f"(the h100 profile is the SXM module: its compute, "
+         f"memory bandwidth and NVLink are not this card's; {KNOWN})"),
+        ("NVIDIA A100 80GB PCIe", 79.2 * GiB, "(the a100-80gb profile is the SXM module: its "
+         f"compute, memory bandwidth and NVLink are not this card's; {KNOWN})"),
+        ("NVIDIA A100-PCIE-40GB", 39.4 * GiB, "(the a100-80gb profile is the SXM module: its "
+         f"compute, memory bandwidth and NVLink are not this card's; {KNOWN})"),
+        ("NVIDIA H100 NVL", 93.1 * GiB, f"(the h100 profile is the SXM module: its compute, "
+         f"memory bandwidth and NVLink are not this card's; {KNOWN})"),
+        ("NVIDIA H200 NVL", 139.8 * GiB, f"(the h200 profile is the SXM module: its compute, "
+         f"memory bandwidth and NVLink are not this card's; {KNOWN})"),
     ],
 )
 def test_another_gpu_says_how_to_plan_for_it(gpu_named, monkeypatch, capsys, name, total, why):
