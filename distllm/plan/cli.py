@@ -184,7 +184,26 @@ def _rejections(rejected: list[Estimate], examples: int = 2) -> str:
     return "\n".join(lines)
 
 
+# flags a --params table does not read (no shape, no search): refused, not ignored
+_NOT_WITH_PARAMS = ("model", *_SHAPE, "gpus_per_node", "micro_batches", "schedule",
+                    "checkpointing", "sequence_parallel", "no_flash", "runtime", "top", "verify")
+
+
+def _check_params_flags(a: argparse.Namespace) -> None:
+    p = argparse.ArgumentParser(add_help=False)
+    add_arguments(p)
+    defaults = p.parse_args([])
+    given = [k for k in _NOT_WITH_PARAMS if getattr(a, k) != getattr(defaults, k)]
+    if given:
+        flags = " ".join("--" + k.replace("_", "-") for k in given)
+        raise ValueError(
+            f"--params gives the model-state table of a bare parameter count (no shape, no "
+            f"search), which does not read {flags}: drop {'it' if len(given) == 1 else 'them'}"
+            f", or give the model (--model, or the shape flags) instead of --params")
+
+
 def _params_mode(a: argparse.Namespace) -> int:
+    _check_params_flags(a)
     check_cluster(a.gpus, a.gpus)  # --gpus a positive integer
     _pins(a)  # --tp/--pp/--dp positive integers
     if a.dp is not None and a.dp * (a.tp or 1) * (a.pp or 1) != a.gpus:

@@ -80,7 +80,8 @@ class ModelShape:
                 flag = "--" + knob.replace("_", "-")
                 raise ValueError(f"{knob}={v!r}: it must be a positive integer (set {flag})")
         if self.kv_heads < 0:
-            raise ValueError(f"kv_heads={self.kv_heads}: use 0 (= heads) or a positive count")
+            raise ValueError(f"kv_heads={self.kv_heads}: set --kv-heads to 0 (= heads) or a "
+                             "positive count")
         if self.hidden % self.heads:
             raise ValueError(
                 f"hidden={self.hidden} is not divisible by heads={self.heads}: choose --heads "

@@ -27,6 +27,8 @@ GiB = 2**30
         (["--params", "7e9", "--tp", "-1"], "--tp=-1: it must be a positive integer"),
         (["--params", "7e9", "--tp", "0"], "--tp=0: it must be a positive integer"),
         (["--params", "7e9", "--pp", "0"], "--pp=0: it must be a positive integer"),
+        (["--model", "tiny", "--kv-heads", "-1"],
+         "kv_heads=-1: set --kv-heads to 0 (= heads) or a positive count"),
         (
             ["--model", "tiny", "--gpus", "8", "--tp", "3"],
             "--tp 3 does not divide --gpus 8: choose --tp from 1, 2, 4, 8",
@@ -52,6 +54,30 @@ GiB = 2**30
 def test_bad_cluster_or_pin_names_the_flag(argv, err, capsys):
     assert main(["plan", *argv]) == 2
     assert capsys.readouterr().err == f"distllm plan: error: {err}\n"
+
+
+@pytest.mark.parametrize(
+    "extra,named",
+    [
+        (["--verify"], "--verify"),
+        (["--model", "gpt3-175b"], "--model"),
+        (["--runtime", "nope"], "--runtime"),
+        (["--gpus-per-node", "3"], "--gpus-per-node"),
+        (["--layers", "4", "--schedule", "1f1b", "--top", "2"], "--layers --schedule --top"),
+    ],
+)
+def test_params_table_refuses_the_flags_it_does_not_read(extra, named, capsys):
+    """A ``--params`` table has no shape and runs no search: a flag of either was ignored,
+    an invalid one too, with exit code 0."""
+    assert main(["plan", "--params", "1e9", "--gpus", "8", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"distllm plan: error: --params gives the model-state table of a "
+                          f"bare parameter count (no shape, no search), which does not read "
+                          f"{named}: drop "), err
+    assert err.count("\n") == 1
+    # what it reads is taken
+    assert main(["plan", "--params", "1e9", "--gpus", "8", "--tp", "2", "--zero", "1",
+                 "--dtype", "float32", "--json", "--explain"]) == 0
 
 
 def test_a_missing_profile_file_is_named_as_such(capsys, tmp_path):
