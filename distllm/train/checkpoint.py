@@ -240,50 +240,99 @@ def save(out: str | os.PathLike, engine, loader, *, step: int,
                 any(w in str(exc) for w in ("inline_container", "PytorchStreamWriter")):
             raise  # not a write's (a collective's, say)
         newest = latest(out)
-        kept = (f"the newest complete checkpoint, step {step_of(newest)}, is whole" if newest
-                else "no complete checkpoint there")
+        if newest:
+            then = (f"the newest complete checkpoint, step {step_of(newest)}, is whole: free "
+                    f"space there (then --resume)")
+        else:  # nothing to resume: a new run there needs the old run's metrics gone
+            then = (f"no complete checkpoint there: free space and remove "
+                    f"{Path(out) / 'metrics.jsonl'} (then run again)")
         raise ValueError(
-            f"--out {out}: saving the checkpoint of step {step} failed ({_cause(exc)}); "
-            f"{kept}: free space there (then --resume), or pass another --out") from None
+            f"--out {out}: saving the checkpoint of step {step} failed ({_cause(exc)}; "
+            f"{_free(out)}); {then}, or pass another --out") from None
+
+
+def _free(out: str | os.PathLike) -> str:
+    """The free space of the device holding ``out``, in words (a full disk's torch writer
+    names only a position in its zip file)."""
+    where = Path(out)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return "its free space unknown"
+    return f"{free / 2**20:.3g} MiB free on its device"
+
+
+def _agree(err: BaseException | None, dims) -> None:
+    """After a write that each rank makes on its own: raise on every rank when any failed,
+    with the first failed rank's cause (the others would wait in the next collective and
+    fail there with a traceback of their own). Collective over the world."""
+    world = dist.get_world_size()
+    who = torch.tensor([dims.rank if err is not None else world], device=dims.device)
+    dist.all_reduce(who, op=dist.ReduceOp.MIN)
+    first = int(who.item())
+    if first == world:
+        return
+    cause = [f"rank {first}: {_cause(err)}" if err is not None else None]
+    dist.broadcast_object_list(cause, src=first)
+    raise OSError(cause[0])
 
 
 def _save(out, engine, loader, step: int, record: dict | None) -> Path:
     dims = engine.dims
     root = _ckpt_root(out)
     final, tmp = root / f"step_{step:08d}", root / f".tmp-step_{step:08d}"
+    err = None
     if dims.rank == 0:
-        # this save's folder, and any an interrupted save left (one writer: this job)
-        for stale in root.glob(".tmp-step_*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
-    dist.barrier()
+        try:
+            # this save's folder, and any an interrupted save left (one writer: this job)
+            for stale in root.glob(".tmp-step_*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            (tmp / "rng").mkdir(parents=True)
+        except OSError as exc:
+            err = exc
+    _agree(err, dims)  # (the barrier before the ranks write into it)
     state, opt_step = _canonical(engine)
-    dcp.save(state, checkpoint_id=str(tmp))
-    torch.save({"cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-               tmp / "rng" / f"rank{dims.rank}.pt")
-    dist.barrier()
+    dcp.save(state, checkpoint_id=str(tmp))  # (shares a rank's failure itself)
+    try:
+        torch.save({"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+                   tmp / "rng" / f"rank{dims.rank}.pt")
+    except (OSError, RuntimeError) as exc:
+        err = exc
+    _agree(err, dims)
     if dims.rank == 0:
-        p = engine.cfg.parallel
-        meta = {"format": FORMAT, "step": step, "model": _model_key(engine.mcfg),
-                "model_name": engine.mcfg.name, "optimizer_step": opt_step,
-                "layout": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "zero": p.zero,
-                           "v": engine.v, "world": dims.world_size},
-                "data": loader.state_dict(), "dtype": engine.cfg.dtype,
-                "tokens": tokens_of(engine.cfg.data),
-                "data_source": data_source(engine.cfg.data),
-                "trained_positions": engine.trained_positions,
-                "optim": engine.cfg.optim.schedule(engine.cfg.steps),
-                **({} if record is None else {"metrics": record})}
-        with open(tmp / "meta.json", "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        prune(out, engine.cfg.keep_checkpoints)
-    dist.barrier()
+        try:
+            _write_meta(out, engine, loader, step, record, opt_step, tmp, final)
+        except (OSError, RuntimeError) as exc:
+            err = exc
+    _agree(err, dims)
     return final
+
+
+def _write_meta(out, engine, loader, step: int, record: dict | None, opt_step: int,
+                tmp: Path, final: Path) -> None:
+    """Rank 0's part of a save: ``meta.json``, which makes ``tmp`` a complete checkpoint, and
+    the rename to ``final``."""
+    dims, p = engine.dims, engine.cfg.parallel
+    meta = {"format": FORMAT, "step": step, "model": _model_key(engine.mcfg),
+            "model_name": engine.mcfg.name, "optimizer_step": opt_step,
+            "layout": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "zero": p.zero,
+                       "v": engine.v, "world": dims.world_size},
+            "data": loader.state_dict(), "dtype": engine.cfg.dtype,
+            "tokens": tokens_of(engine.cfg.data),
+            "data_source": data_source(engine.cfg.data),
+            "trained_positions": engine.trained_positions,
+            "optim": engine.cfg.optim.schedule(engine.cfg.steps),
+            **({} if record is None else {"metrics": record})}
+    with open(tmp / "meta.json", "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    prune(out, engine.cfg.keep_checkpoints)
 
 
 def prune(out: str | os.PathLike, keep: int) -> list[Path]:

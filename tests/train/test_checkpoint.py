@@ -184,6 +184,58 @@ def test_a_signal_to_one_rank_stops_every_rank_with_a_checkpoint(corpus, referen
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
+def _one_rank_cannot_write(data: str, out: str, failing: str) -> str:
+    """Rank function: rank 1's write of ``failing`` (its RNG file, or rank 0's meta.json)
+    fails at the step-2 save; what this rank's ``train`` raised."""
+    import errno
+
+    import torch.distributed as dist
+
+    from distllm.train import trainer
+    from tests.train._util import make_cfg
+
+    real_save, real_open = checkpoint.torch.save, open
+
+    def full(path):
+        if dist.get_rank() == (1 if failing == "rng" else 0) and "step_00000002" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def save(obj, f, *args, **kwargs):
+        full(f)
+        return real_save(obj, f, *args, **kwargs)
+
+    def meta_open(f, *args, **kwargs):
+        if str(f).endswith("meta.json") and args[:1] == ("w",):
+            full(f)
+        return real_open(f, *args, **kwargs)
+
+    checkpoint.torch.save = save
+    checkpoint.open = meta_open  # (the module's own name lookup finds it first)
+    try:
+        trainer.train(make_cfg(data, out, pp=2, m=2, steps=3, save_every=1))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("failing", ["rng", "meta"])
+def test_a_write_that_fails_on_one_rank_is_the_same_error_on_every_rank(corpus, tmp_path,
+                                                                         failing):
+    """Each rank writes its RNG state, and rank 0 the meta.json, on its own: one that failed
+    raised alone while the others waited in the next collective and died there with gloo's
+    traceback ("Connection closed by peer"). Every rank now raises the failed rank's error,
+    which ``--nproc``'s launcher prints once; the step-1 checkpoint stays whole."""
+    out = tmp_path / "run"
+    msgs = run_distributed(_one_rank_cannot_write, 2, corpus, str(out), failing, timeout=300)
+    rank = 1 if failing == "rng" else 0
+    assert msgs[0] == msgs[1], msgs
+    assert msgs[0].startswith(f"--out {out}: saving the checkpoint of step 2 failed (rank "
+                              f"{rank}: [Errno 28] No space left on device; "), msgs[0]
+    assert msgs[0].endswith("the newest complete checkpoint, step 1, is whole: free space "
+                            "there (then --resume), or pass another --out"), msgs[0]
+    assert [d.name for d in checkpoint.complete(out)] == ["step_00000001"]
+
+
 class _Payload:
     """Unpickling it creates the folder ``mark``: a stand-in for code a crafted file runs."""
 

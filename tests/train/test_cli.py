@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -678,10 +679,12 @@ def test_a_save_that_cannot_write_is_one_line_naming_out(capsys, monkeypatch, tm
     monkeypatch.setattr(checkpoint.torch, "save", full)
     assert main(["train", *common]) == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
-        f"distllm train: error: --out {out}: saving the checkpoint of step 4 failed ([Errno "
-        f"28] No space left on device); the newest complete checkpoint, step 2, is whole: "
-        f"free space there (then --resume), or pass another --out")
+    line = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and re.fullmatch(
+        rf"distllm train: error: --out {re.escape(str(out))}: saving the checkpoint of step 4 "
+        r"failed \(rank 0: \[Errno 28\] No space left on device; [0-9.e+]+ MiB free on its "
+        r"device\); the newest complete checkpoint, step 2, is whole: free space there \(then "
+        r"--resume\), or pass another --out", line), line
     monkeypatch.setattr(checkpoint.torch, "save", real)
     assert main(["train", *common, "--resume"]) == 0
     assert "resumed from step 2" in capsys.readouterr().err
