@@ -60,6 +60,9 @@ def config_from_hf(hf_config) -> GPTConfig:
 
 def _canonical_from_hf(sd: dict[str, torch.Tensor], cfg: GPTConfig, i: int
                        ) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s canonical tensors from GPT-2's ``sd``: the head is ``lm_head.weight``
+    where there is one (transformers does not tie two different tensors), else the token
+    embedding (a tied model's files may hold it once)."""
     if i == 0:
         return {"wte.weight": sd["transformer.wte.weight"], "wpe": sd["transformer.wpe.weight"]}
     if i == cfg.n_layers + 1:
@@ -136,13 +139,21 @@ def pretrained_config(path: str) -> GPTConfig:
         what = "holds no config.json" if Path(path).is_dir() else "is not a folder"
         raise ValueError(f"--init-from {path}: it {what}; pass a folder written by a Hugging "
                          f"Face model's save_pretrained")
+    try:
+        return config_from_hf(_hf_config(path))
+    except ValueError as exc:
+        raise ValueError(f"--init-from {path}: {exc}") from None
+
+
+def _hf_config(path: str):
+    """The ``GPT2Config`` of the folder ``path`` (OSError and ValueError as transformers
+    raises them)."""
     tf = _transformers(path)
     try:
         with quiet_transformers():
-            hf_config = tf.GPT2Config.from_pretrained(path, local_files_only=True)
-        return config_from_hf(hf_config)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--init-from {path}: {exc}") from None
+            return tf.GPT2Config.from_pretrained(path, local_files_only=True)
+    except OSError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def check_pretrained_shape(theirs: GPTConfig, ours: GPTConfig, model: str, path: str) -> None:
@@ -267,6 +278,15 @@ class _FolderWeights:
         return opened[key] if isinstance(opened, dict) else opened.get_tensor(key)
 
 
+def weights_only_refusal(exc: BaseException) -> str | None:
+    """What to say of a file ``torch.load(weights_only=True)`` refused (a pickle of more than
+    tensors: torch's own message suggests loading it with ``weights_only=False``, which would
+    run what it holds), or None for another error."""
+    if "weights only load failed" in str(exc).lower():
+        return "not a file of tensors that torch.load reads safely"
+    return None
+
+
 def pretrained_layers(path: str, mcfg: GPTConfig, model: str
                       ) -> Callable[[int], dict[str, torch.Tensor]]:
     """The weights of the Hugging Face GPT-2 folder ``path``, checked to be the model
@@ -284,10 +304,15 @@ def pretrained_layers(path: str, mcfg: GPTConfig, model: str
     try:
         weights = _FolderWeights(path)
     except (OSError, RuntimeError, SafetensorError, pickle.UnpicklingError) as exc:
-        raise ValueError(f"--init-from {path}: its weights cannot be read "
-                         f"({' '.join(str(exc).split())})") from None
+        why = weights_only_refusal(exc) or " ".join(str(exc).split())
+        raise ValueError(f"--init-from {path}: its weights cannot be read ({why})") from None
     want = _gpt2_shapes(theirs)
-    optional = {"lm_head.weight": (theirs.vocab_size, theirs.hidden_size)}
+    head = {"lm_head.weight": (theirs.vocab_size, theirs.hidden_size)}
+    # a tied model's files may hold its head once, as the embedding; an untied one's must
+    # hold it (transformers would leave it at random)
+    tied = _hf_config(path).tie_word_embeddings
+    optional = head if tied else {}
+    want |= {} if tied else head
     have = {k: v for k, v in weights.shapes.items()
             if not k.endswith((".attn.bias", ".attn.masked_bias"))}  # GPT-2's mask buffers
     gaps = {"missing keys": sorted(set(want) - set(have)),

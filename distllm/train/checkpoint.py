@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from distllm.models.hf import weights_only_refusal
 from distllm.models.sharding import (
     canonical_shapes,
     gather_layer,
@@ -445,7 +446,12 @@ def read_layers(path: Path):
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path} is not a distllm GPT checkpoint (format "
                          f"{meta.get('format')!r})")
-    cfg = GPTConfig(**meta["model"], name=meta.get("model_name") or "custom")
+    try:
+        cfg = GPTConfig(**meta["model"], name=meta.get("model_name") or "custom")
+    except (TypeError, KeyError) as exc:  # (a bad value is GPTConfig's ValueError, named)
+        raise ValueError(f"{path}: its meta.json's model is not a GPTConfig this distllm "
+                         f"builds ({_cause(exc)}): a checkpoint of another distllm version, "
+                         f"or a damaged meta.json") from None
     state = _read_dcp(path, lambda md: {
         k: torch.empty(m.size, dtype=m.properties.dtype)
         for k, m in md.state_dict_metadata.items() if k.startswith("model.layers.")},
@@ -475,8 +481,7 @@ def _load_rng(path: Path, engine, meta: dict) -> None:
         try:
             rng = torch.load(f, weights_only=True)
         except Exception as exc:  # noqa: BLE001 - any unreadable file: the one-line error
-            why = ("not a file of tensors that torch.load reads safely"
-                   if "weights only load failed" in str(exc).lower() else _cause(exc))
+            why = weights_only_refusal(exc) or _cause(exc)
             raise RuntimeError(f"rng/{f.name}: {why}") from None  # named by load_latest
         torch.set_rng_state(rng["cpu"])
         if torch.cuda.is_available() and rng["cuda"]:

@@ -99,12 +99,16 @@ def sample(ckpt, prompt: str = "\n", *, max_new_tokens: int | None = None,
             raise ValueError(f"{knob} {value}: it must be at least {least}")
     if not 0 <= seed < MAX_SEED:
         raise ValueError(f"--seed {seed}: choose a seed in [0, 2**32)")
-    if temperature < 0:
+    if not temperature >= 0:  # (nan too)
         raise ValueError(f"--temperature {temperature}: it must be 0 (greedy) or more")
     cfg, layers, tokens = read_layers(Path(ckpt))
     trained = trained_positions_of(Path(ckpt), cfg.max_seq_len)
     encode, decode, eos = _codec(tokens, cfg.vocab_size, tokenizer)
-    ids = encode(prompt)
+    try:
+        ids = encode(prompt)
+    except UnicodeError as exc:  # (a byte of the command line that is not UTF-8)
+        raise ValueError(f"--prompt: it is not text that encodes as UTF-8 ({exc.reason} at "
+                         f"character {exc.start}); give UTF-8 text") from None
     if not ids:
         raise ValueError("--prompt is empty: give the model some text to continue")
     if len(ids) >= cfg.max_seq_len:

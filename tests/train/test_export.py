@@ -94,6 +94,29 @@ def test_bad_input_is_one_line(trained, tmp_path, capsys, args, says):
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize("command", ["export", "sample"])
+def test_a_checkpoint_whose_model_has_an_unknown_field_is_one_line(trained, tmp_path, capsys,
+                                                                   command):
+    """A field of the model in meta.json that GPTConfig does not have (a newer distllm's, or
+    a damaged file) was a TypeError's traceback."""
+    import shutil
+
+    out, _ = trained
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    ckpt = max((run / "checkpoints").iterdir())
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["model"]["foo"] = 1
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    argv = [str(run), str(tmp_path / "d")] if command == "export" else [str(run)]
+    assert main([command, *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"distllm {command}: error: {ckpt}: its meta.json's model is not a "
+                   f"GPTConfig this distllm builds (GPTConfig.__init__() got an unexpected "
+                   f"keyword argument 'foo'): a checkpoint of another distllm version, or a "
+                   f"damaged meta.json"], err
+
+
 def test_a_failed_write_leaves_nothing(trained, tmp_path, monkeypatch):
     from distllm.models import hf as hf_mod
 
@@ -155,6 +178,9 @@ def test_sample_greedy_is_the_likeliest_token_each_step(trained, capsys):
     (["--prompt", "x" * 200, "--max-new-tokens", "5"],
      "--prompt: its 200 tokens fill the model's context of 128; shorten it"),
     (["--temperature", "-1"], "--temperature -1.0: it must be 0 (greedy) or more"),
+    (["--temperature", "nan"], "--temperature nan: it must be 0 (greedy) or more"),
+    (["--prompt", "ab\udcff"], "--prompt: it is not text that encodes as UTF-8 (surrogates "
+                               "not allowed at character 2); give UTF-8 text"),
     (["--top-k", "-1"], "--top-k -1: it must be at least 0"),
     (["--seed", str(10**20)], f"--seed {10**20}: choose a seed in [0, 2**32)"),
     (["--step", "2"], "--step 2: RUN {out} has checkpoints of steps 3"),

@@ -5,6 +5,8 @@ masking of the padded logits are exercised."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from distllm.testing import run_distributed
@@ -316,15 +318,61 @@ def test_init_from_reads_a_layer_when_it_is_asked_for(tmp_path, monkeypatch):
 
 
 def _untie(hf_dir) -> None:
+    """The folder's head its own (``tie_word_embeddings`` false), one more than its
+    embedding."""
+    import json
+
     from safetensors.torch import load_file, save_file
 
     f = hf_dir / "model.safetensors"
     sd = load_file(f)
     save_file(sd | {"lm_head.weight": sd["transformer.wte.weight"] + 1}, f,
               metadata={"format": "pt"})
+    conf = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps(conf | {"tie_word_embeddings": False}))
+
+
+def test_init_from_reads_the_head_as_transformers_does(tmp_path):
+    """An untied folder (``tie_word_embeddings`` false) without ``lm_head.weight`` was taken,
+    its embedding silently the head (transformers leaves that head at random, "MISSING"): it
+    is refused. A tied folder's head is the ``lm_head.weight`` its files hold (transformers
+    does not tie two different tensors), else its embedding."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import GPT2LMHeadModel
+
+    from distllm.models.config import GPTConfig
+    from distllm.models.hf import pretrained_layers
+
+    hf_dir = tmp_path / "hf"
+    _save_tiny_hf(hf_dir)
+    _untie(hf_dir)
+    tiny = GPTConfig.preset("tiny")
+    theirs = GPT2LMHeadModel.from_pretrained(hf_dir)
+    head = pretrained_layers(str(hf_dir), tiny, "tiny")(5)["lm_head.weight"]
+    assert torch.equal(head, theirs.lm_head.weight)
+    f = hf_dir / "model.safetensors"
+    sd = load_file(f)
+    save_file({k: v for k, v in sd.items() if k != "lm_head.weight"}, f,
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"its weights are not GPT-2's as transformers names "
+                                         r"them \(missing keys: lm_head\.weight\)"):
+        pretrained_layers(str(hf_dir), tiny, "tiny")
+    save_file(sd, f, metadata={"format": "pt"})  # its own head, in a folder that ties it
+    conf = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps(conf | {"tie_word_embeddings": True}))
+    theirs = GPT2LMHeadModel.from_pretrained(hf_dir)
+    head = pretrained_layers(str(hf_dir), tiny, "tiny")(5)["lm_head.weight"]
+    assert torch.equal(head, theirs.lm_head.weight)
+    save_file({k: v for k, v in sd.items() if k != "lm_head.weight"}, f,
+              metadata={"format": "pt"})  # tied, held once
+    head = pretrained_layers(str(hf_dir), tiny, "tiny")(5)["lm_head.weight"]
+    assert torch.equal(head, GPT2LMHeadModel.from_pretrained(hf_dir).lm_head.weight)
+    assert torch.equal(head, sd["transformer.wte.weight"])
 
 
 def test_init_from_refuses_a_weight_of_another_shape_or_none(tmp_path):
+    import torch
     from safetensors.torch import load_file, save_file
 
     from distllm.models.config import GPTConfig
@@ -347,3 +395,11 @@ def test_init_from_refuses_a_weight_of_another_shape_or_none(tmp_path):
                                          r"safetensors, pytorch_model\.bin, or an index of "
                                          r"their shards\)"):
         pretrained_layers(str(tmp_path / "hf"), GPTConfig.preset("tiny"), "tiny")
+    # a pickle of more than tensors: refused, without torch's advice to load it unsafely
+    import os
+
+    torch.save({"x": os.getcwd}, tmp_path / "hf" / "pytorch_model.bin")
+    with pytest.raises(ValueError) as e:
+        pretrained_layers(str(tmp_path / "hf"), GPTConfig.preset("tiny"), "tiny")
+    assert str(e.value) == (f"--init-from {tmp_path / 'hf'}: its weights cannot be read (not a "
+                            f"file of tensors that torch.load reads safely)")
