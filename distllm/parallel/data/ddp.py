@@ -114,6 +114,7 @@ class DistributedDataParallel(nn.Module):
         # parameter, OR-ed over the micro-batches), all-reduced (MAX) from the synchronised one
         self._used: torch.Tensor | None = None
         self._used_work: Any = None
+        self._carried: set[torch.nn.Parameter] = set()
         if group is not None:
             self.reducer = GradBuckets(
                 buckets, group=group, mode="all_reduce", dtype=params[0].dtype,
@@ -126,6 +127,9 @@ class DistributedDataParallel(nn.Module):
         if self.find_unused_parameters and self.reducer is not None and torch.is_grad_enabled():
             used = _reachable_params(out)
             params = list(self.reducer.params())
+            # an unused parameter's gradient carried over from before (no zero_grad) stays,
+            # as torch DDP leaves it
+            self._carried |= {p for p in params if p not in used and p.grad is not None}
             self.reducer.mark_unused(p for p in params if p not in used)
             self._flag_used([p in used for p in params], params[0].device)
         return out
@@ -144,14 +148,16 @@ class DistributedDataParallel(nn.Module):
 
     def _none_where_unused(self) -> None:
         """At the end of a synchronised backward: ``.grad = None`` on the parameters no rank
-        used (their bucket slices hold zeros), as torch DDP leaves them."""
+        used (their bucket slices hold zeros), as torch DDP leaves them; one that held a
+        gradient from before keeps it (its slice holds it, averaged)."""
         if self._used_work is None:
             return
         self._used_work.wait()
         flags = self._used.tolist()  # the one host read of the mode, as torch DDP's
         self._used, self._used_work = None, None
+        carried, self._carried = self._carried, set()
         for p, used in zip(self.reducer.params(), flags, strict=True):
-            if not used:
+            if not used and p not in carried:
                 p.grad = None
 
     @contextlib.contextmanager

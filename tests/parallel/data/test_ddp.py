@@ -129,6 +129,12 @@ def _unused_and_overlap(dims, overlap: bool = True) -> dict:
         loss_fn(d, xl, yl, use_extra=use).backward()
     err = max(err, (model.never - before).abs().max().item(),
               0.0 if model.never.grad is None else float("inf"))
+    # a gradient carried over (no zero_grad) to a step that does not use the parameter
+    # stays, as torch DDP leaves it (it was set to None)
+    model.never.grad = torch.full_like(model.never, 0.5)
+    loss_fn(d, xl, yl, use_extra=use).backward()
+    err = max(err, float("inf") if model.never.grad is None else
+              (model.never.grad - 0.5).abs().max().item())
     return {"unused_err": err, "buckets": len(d.bucket_sizes), "first_hooks": log[0][2],
             "nparams": len(list(model.parameters())) - 1,
             "before_end": before_end,
