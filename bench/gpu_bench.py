@@ -52,6 +52,7 @@ SUITE = "gpu"
 LINEAR_SHAPES = [(8192, 4096, 16384), (4096, 4096, 4096)]
 MLP_SHAPE = (8192, 4096, 16384)
 CHUNK_N, CHUNKS = 8192, 4
+CUDA_VARIANT = "fused-cuda"  # a row of it only when cuBLASLt ran (no fallback)
 
 
 def _timed_rows(
@@ -67,9 +68,18 @@ def _timed_rows(
 ) -> list[dict]:
     """Rows of ``variants`` timed interleaved; ``roles``: variant -> ``extra.role`` (the
     report's role, for variants whose name does not say it)."""
+    from distllm.ops import linear_gelu_backends
+
     roles = roles or {}
     failed: dict[str, str] = {}  # a variant that raises is a row with its error, not a crash
+    linear_gelu_backends._fallback_warned.clear()
     st = interleaved(variants, warmup=warmup, reps=reps, timer=timer, errors=failed)
+    if CUDA_VARIANT in st and linear_gelu_backends._fallback_warned:
+        # cuBLASLt offered no algorithm and another backend ran: not cuBLASLt's figure
+        del st[CUDA_VARIANT]
+        failed[CUDA_VARIANT] = ("cuBLASLt had no algorithm for these inputs ("
+                                + ", ".join(sorted(linear_gelu_backends._fallback_warned))
+                                + "): the op fell back to another backend")
     role = {n: {"role": roles[n]} if n in roles else {} for n in variants}
     out = [row(SUITE, case, n, status="error", reason=why, **role[n], **common)
            for n, why in failed.items()]

@@ -61,6 +61,29 @@ def test_linear_gelu_rows_math_with_a_fake_timer(monkeypatch):
     assert {report.role_of(by[n]) for n in ("unfused", "fused-cuda")} == {"unfused", "fused"}
 
 
+def test_a_cuda_row_that_fell_back_is_an_error_row_not_cublaslts_figure():
+    from distllm.ops import linear_gelu_backends
+
+    x, w = torch.zeros(4, 8), torch.zeros(8, 8)
+
+    def fell_back():  # what fwd does when cuBLASLt offers no algorithm: says so, runs another
+        linear_gelu_backends._after_cuda(x, w, "tanh", "forward", NotImplementedError("none"))
+
+    calls: list[str] = []
+    timer, names = _fake_timer({"unfused": 2.0, "fused-cuda": 1.0}, calls)
+    variants = {"unfused": lambda: None, "fused-cuda": fell_back}
+    names.update({fn: n for n, fn in variants.items()})
+    rows = gpu_bench._timed_rows("case", variants, timer, 3, 1, 1.0, "unfused")
+    by = {r["variant"]: r for r in rows}
+    assert by["unfused"]["status"] == "ok"
+    assert by["fused-cuda"]["status"] == "error" and "fell back" in by["fused-cuda"]["reason"]
+    # a case where cuBLASLt ran keeps its row (the fallback record is per case)
+    variants = {"unfused": lambda: None, "fused-cuda": lambda: None}
+    names.update({fn: n for n, fn in variants.items()})
+    rows = gpu_bench._timed_rows("case", variants, timer, 3, 1, 1.0, "unfused")
+    assert {r["variant"]: r["status"] for r in rows} == {"unfused": "ok", "fused-cuda": "ok"}
+
+
 def test_chunk_penalty_rows_and_result(monkeypatch):
     """Both variants' rows are parts; every call of each leaves ``a @ b`` in the output
     tensor the benchmark times (zeroed before each call)."""
@@ -204,6 +227,7 @@ _REPO = Path(__file__).resolve().parents[2]
 _FAKE_PY = """#!/usr/bin/env bash
 # a stand-in interpreter: no CUDA, every other call succeeds and prints a word
 case "$*" in *torch.cuda.is_available*) exit 1;; esac
+case "$*" in *"pip install"*) echo "${PATH%%:*}" > "$(dirname "$0")/build_path_head";; esac
 echo fake
 """
 
@@ -230,6 +254,8 @@ def test_gpu_check_starts_from_an_empty_out_dir_and_interrupts_its_steps(tmp_pat
     assert "from an earlier run" not in left.values(), left
     assert set(left) <= set(stale) and "summary.log" in left
     assert "build rc=0, distllm._cuda up to date: no" in left["summary.log"]
+    # the build sees the interpreter's own bin first (ninja installed in a venv is found)
+    assert (tmp_path / "build_path_head").read_text().strip() == str(tmp_path)
     text = script.read_text()
     assert "timeout -s INT -k 20 \"$t\" $PY -m pytest" in text
     assert "timeout -s INT -k 20 \"$t\" $PY -m distllm.bench.gpu_bench" in text
