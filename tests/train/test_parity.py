@@ -155,6 +155,62 @@ def test_parity_four_ranks(matrix, reference, reference_weights, kw):
     _check(kw, matrix("default4", 4, DEFAULT_4, kw), reference, reference_weights)
 
 
+def _train_with_backend(backend: str, runs: list[dict], data: str, out: str):
+    """Rank function: :func:`train_many` with every ``auto`` choice of the fused Linear+GeLU
+    op made ``backend`` (its choice is timed, so either may run in the matrix above); the
+    losses of each run, and the op's call sites that asked (``linear_gelu`` forward/backward,
+    or its whole call)."""
+    from distllm.ops import backend_choice
+
+    real, asked = backend_choice.choose, set()
+
+    def choose(key, device, candidates, grad=False):
+        if key.startswith("linear_gelu"):
+            assert backend in candidates, (key, list(candidates))
+            asked.add(key.split("|")[0])
+            return backend
+        return real(key, device, candidates, grad)
+
+    backend_choice.choose = choose
+    try:
+        return train_many(runs, data, out), sorted(asked)
+    finally:
+        backend_choice.choose = real
+
+
+# the layouts whose MLP runs the fused op differently: split over TP under sequence
+# parallelism, its weight gradients deferred (zb-h1), its weights gathered per use (ZeRO-3)
+FORCED = [dict(tp=2, sp=True, overlap="chunked"), dict(pp=2, schedule="zb-h1", m=2),
+          dict(dp=2, zero=3)]
+
+
+@pytest.fixture(scope="module")
+def forced(corpus, tmp_path_factory):
+    done = {}
+
+    def get(backend: str, kw: dict):
+        if backend not in done:
+            runs = [dict(steps=60, stop_after=STEPS, save_final=True, **r) for r in FORCED]
+            out = tmp_path_factory.mktemp(f"forced-{backend}")
+            done[backend] = (run_distributed(_train_with_backend, 2, backend, runs, corpus,
+                                             str(out), timeout=600)[0], out)
+        (losses, asked), out = done[backend]
+        i = FORCED.index(kw)
+        return losses[i], _weights(out / f"run{i}"), asked
+
+    return get
+
+
+@pytest.mark.parametrize("kw", FORCED, ids=_id)
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_parity_with_each_fused_mlp_backend(forced, reference, reference_weights, backend, kw):
+    """The fused Linear+GeLU on its CPU backend (oneDNN or torch's GEMM, GeLU fused in its
+    passes) and on the unfused reference, each in the layouts that call it differently."""
+    losses, last, asked = forced(backend, kw)
+    assert asked, "the fused op was never asked for a backend: the test forces nothing"
+    _check(kw, (losses, last), reference, reference_weights)
+
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 FULL_2 = (
     [dict(tp=2, sp=sp, overlap=ov) for sp in (False, True) for ov in ("none", "chunked")]
