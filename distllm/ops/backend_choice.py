@@ -51,6 +51,17 @@ def pin() -> None:
         _generation += 1
 
 
+def unpin() -> None:
+    """Undo :func:`pin`: choices are measured again (the pinned ones are dropped, and the
+    cache file, if one is named, is read again)."""
+    global _pinned, _disk_loaded, _generation
+    with _lock:
+        if _pinned:
+            _pinned, _disk_loaded = False, False
+            _memory.clear()
+            _generation += 1
+
+
 def pinned() -> bool:
     """Whether :func:`pin` fixed the choices."""
     return _pinned

@@ -305,7 +305,8 @@ def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> TrainResult:
 
     started = dims is None and not dist.is_initialized()
     try:
-        result = _train(cfg, dims)
+        with _deterministic(cfg.deterministic):
+            result = _train(cfg, dims)
     except (ValueError, FileNotFoundError):  # bad input, found alike on every rank: the
         if started and dist.is_initialized():  # world is idle, and ends as after a run
             dist.destroy_process_group()
@@ -315,6 +316,33 @@ def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> TrainResult:
     return result
 
 
+@contextlib.contextmanager
+def _deterministic(on: bool):
+    """``--deterministic`` for one run: torch's deterministic kernels, each ``auto`` GEMM
+    backend by a fixed rule and overlap "auto" sequential (not by this machine's timing);
+    undone when the run ends, so that a later run in the same process measures again."""
+    if not on:
+        yield
+        return
+    from distllm.ops import backend_choice
+    from distllm.parallel.tensor import overlap_tuner
+
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled(),
+              backend_choice.pinned(), overlap_tuner.pinned())
+    torch.use_deterministic_algorithms(True)
+    backend_choice.pin()
+    overlap_tuner.pin()
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        if not before[2]:
+            backend_choice.unpin()
+        if not before[3]:
+            overlap_tuner.unpin()
+
+
 def _train(cfg: TrainConfig, dims: ParallelDims | None) -> TrainResult:
     from distllm.train import checkpoint
     from distllm.train.engine import Engine
@@ -322,14 +350,6 @@ def _train(cfg: TrainConfig, dims: ParallelDims | None) -> TrainResult:
     p = cfg.parallel
     if dims is None:
         dims = ParallelDims.from_layout(p, timeout_s=p.timeout_s)
-    if cfg.deterministic:
-        from distllm.ops import backend_choice
-
-        torch.use_deterministic_algorithms(True)
-        from distllm.parallel.tensor import overlap_tuner
-
-        backend_choice.pin()  # the kernels by a fixed rule, not by this machine's timing
-        overlap_tuner.pin()  # and overlap "auto" sequential, not timed
     if cfg.keep_freed_memory and dims.device.type == "cpu":
         keep_freed_memory()
     mcfg = cfg.model_config()

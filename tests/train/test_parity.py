@@ -218,8 +218,7 @@ def test_parity_with_each_fused_mlp_backend(forced, reference, reference_weights
 
 
 # float32, the dtype a user gets by default, whose GEMMs run through oneDNN where it is
-# faster (float64 is torch's alone): pinned, so that oneDNN runs (its own spawn: the pin
-# holds for the rest of a process)
+# faster (float64 is torch's alone): pinned (--deterministic), so that oneDNN runs
 FLOAT32 = [dict(tp=2, sp=True, overlap="chunked", dtype="float32", deterministic=True),
            dict(dp=2, zero=2, dtype="float32", deterministic=True),
            dict(pp=2, schedule="1f1b", m=2, dtype="float32", deterministic=True)]

@@ -1,7 +1,8 @@
 """``train`` ends the ``torch.distributed`` world it started (a process that exits with
 gloo's process group alive can abort in the interpreter's teardown, and the launcher then
-reports a failed rank after a finished run), and leaves a world it was given alone. Each
-case runs in a fresh interpreter, whose world at exit is the one ``train`` left."""
+reports a failed rank after a finished run), and leaves a world it was given alone; what
+``--deterministic`` fixed for its run ends with it. Each case runs in a fresh interpreter,
+whose state at exit is the one ``train`` left."""
 
 from __future__ import annotations
 
@@ -36,3 +37,26 @@ def test_train_destroys_the_world_it_started(corpus, tmp_path):
 
 def test_train_leaves_a_world_it_was_given(corpus, tmp_path):
     assert _after_train(corpus, str(tmp_path), "given") == ["2", "True"]
+
+
+_DETERMINISTIC = """
+import sys
+import torch
+from distllm.ops import backend_choice
+from distllm.parallel.tensor import overlap_tuner
+from distllm.train.trainer import train
+from tests.train._util import make_cfg
+res = train(make_cfg(sys.argv[1], sys.argv[2], steps=2, deterministic=True))
+print(len(res.losses), backend_choice.pinned(), overlap_tuner.pinned(),
+      torch.are_deterministic_algorithms_enabled())
+"""
+
+
+def test_deterministic_ends_with_its_run(corpus, tmp_path):
+    """A later run in the same process (a notebook's, a sweep's) measures its kernels and
+    overlap again, and torch's deterministic mode is as it was."""
+    done = subprocess.run([sys.executable, "-c", _DETERMINISTIC, corpus, str(tmp_path)],
+                          capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["2", "False", "False", "False"]

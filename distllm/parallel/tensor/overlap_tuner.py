@@ -146,6 +146,14 @@ def pin() -> None:
     clear_cache()
 
 
+def unpin() -> None:
+    """Undo :func:`pin`: ``overlap="auto"`` measures again."""
+    global _pinned
+    if _pinned:
+        _pinned = False
+        clear_cache()
+
+
 def pinned() -> bool:
     """Whether :func:`pin` fixed the choices."""
     return _pinned
