@@ -90,13 +90,23 @@ LAYOUTS = {2: [dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=3),
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_zero_parity(corpus, reference, tmp_path, world):
-    runs = [dict(steps=60, stop_after=3, **kw) for kw in LAYOUTS[world]]
+def test_zero_parity(corpus, reference, reference_weights, tmp_path, world):
+    """The losses and, after the last step, every weight (1e-10) of the one-process run."""
+    from distllm.train.checkpoint import read_layers
+
+    runs = [dict(steps=60, stop_after=3, save_final=True, **kw) for kw in LAYOUTS[world]]
     res = run_distributed(train_many, world, runs, corpus, str(tmp_path), timeout=900)[0]
-    for kw, losses in zip(LAYOUTS[world], res, strict=True):
+    for i, (kw, losses) in enumerate(zip(LAYOUTS[world], res, strict=True)):
         assert len(losses) == 3
         for step, (a, b) in enumerate(zip(losses, reference[:3], strict=True)):
             assert abs(a - b) <= TOL * max(1.0, abs(b)), f"{kw} step {step + 1}: {a} vs {b}"
+        last = read_layers(tmp_path / f"run{i}" / "checkpoints" / "step_00000003")[1]
+        assert last.keys() == reference_weights.keys(), kw
+        for j, layer in reference_weights.items():
+            assert last[j].keys() == layer.keys(), (kw, j)
+            for name, want in layer.items():
+                diff = float((last[j][name] - want).abs().max())
+                assert diff <= 1e-10, f"{kw} layer {j} {name}: max difference {diff:.3g}"
 
 
 def _step_reduces_rank(data: str, out: str, layout: dict) -> list[tuple[str, int]]:

@@ -138,6 +138,8 @@ DEFAULT_2 = [
     dict(dp=2, zero=1, dtype="bfloat16"),
     dict(dp=2, m=2),  # gradient accumulation without a pipeline (DDP's no_sync)
     dict(tp=2, zero=3, sp=True, activation_checkpointing="selective"),  # ZeRO at dp 1
+    dict(pp=2, schedule="gpipe", m=2),
+    dict(dp=2, zero=2, m=2),  # ZeRO-2's sharded gradients accumulated over micro-batches
 ]
 DEFAULT_4 = [
     dict(tp=2, pp=2, schedule="1f1b", m=2, sp=True, overlap="chunked"),
