@@ -252,6 +252,16 @@ FULL_4 = (
 )
 
 
+# tp, pp and dp all above 1: 8 ranks (about 25 s on two cores)
+DEFAULT_8 = [dict(tp=2, pp=2, dp=2, schedule="1f1b", m=2, zero=1),
+             dict(tp=2, pp=2, dp=2, schedule="interleaved-1f1b", m=4, zero=3, sp=True)]
+
+
+@pytest.mark.parametrize("kw", DEFAULT_8, ids=_id)
+def test_parity_eight_ranks(matrix, reference, reference_weights, kw):
+    _check(kw, matrix("default8", 8, DEFAULT_8, kw), reference, reference_weights)
+
+
 @pytest.mark.full
 @pytest.mark.parametrize("kw", FULL_2, ids=_id)
 def test_parity_full_two_ranks(matrix, reference, reference_weights, kw):
