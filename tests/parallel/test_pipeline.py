@@ -112,6 +112,9 @@ def _case(dims, schedule, m, v, n, n_blocks, seed, ddp=False, lps=None, by_fn=Fa
     err = abs(loss - local_ref)
     names = [name for name, _ in pp.global_named_parameters()]
     assert len(names) == sum(1 for _ in pp.parameters()) and set(names) <= set(ref_grads)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, names)  # the stages together hold the whole model
+    assert set().union(*every) == set(ref_grads), sorted(set(ref_grads) - set().union(*every))
     for name, p in pp.global_named_parameters():
         err = max(err, float((p.grad - ref_grads[name]).abs().max()))
     # the optimizer's global gradient norm (over the pipeline's stages) sees the full model
