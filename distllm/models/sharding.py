@@ -95,7 +95,7 @@ def _qkv_rows(cfg, tp: int, rank: int) -> torch.Tensor:
     """Row indices of the canonical QKV tensor held by TP rank ``rank`` (q, k, v heads)."""
     d, nq, nkv = cfg.head_dim, cfg.n_heads, cfg.kv_heads
     q = torch.arange(rank * nq // tp * d, (rank + 1) * nq // tp * d)
-    kv_per = max(nkv // tp, 1)  # fewer KV heads than ranks: each rank keeps one copy
+    kv_per = nkv // tp  # (check_heads refuses a tp that does not divide the KV heads)
     kv_lo = rank * nkv // tp * d
     k = nq * d + torch.arange(kv_lo, kv_lo + kv_per * d)
     v = k + nkv * d

@@ -179,7 +179,9 @@ class OverlapPlan:
             return 0, 0.0, "overlap='none'", None, None
         if self.overlap == "chunked":
             return self.chunks, 0.0, "", None, None
-        memo_key = (direction, kind, a.shape, a.dtype, a.device, n_out)
+        # work after the collective (``then``) makes one piece a candidate: its own choice
+        one_piece = then is not None and kind != "all_gather"
+        memo_key = (direction, kind, a.shape, a.dtype, a.device, n_out, one_piece)
         gen = overlap_tuner.generation()
         hit = self._memo.get(memo_key)
         if hit is not None and hit[0] == gen:  # this exact call's choice: no key to rebuild
@@ -188,11 +190,11 @@ class OverlapPlan:
             self.tp if kind == "reduce_scatter" else 1)
         m = a.numel() // max(a.shape[-1], 1)  # rows: a new measurement per power of two
         key = (self.name, direction, kind, 1 << max(m - 1, 0).bit_length(), a.shape[-1], n_out,
-               str(a.dtype), a.device.type)
+               str(a.dtype), a.device.type, one_piece)
         choice = overlap_tuner.choose(
             key, lambda c, ch, g=None: run_engine(kind, a, mm, n_out, c, ch, then, g),
             self.comm, rows, a.device, f"{self.name} {direction}", chunks_hint=self.chunks,
-            comm_first=kind == "all_gather", one_piece=then is not None and kind != "all_gather")
+            comm_first=kind == "all_gather", one_piece=one_piece)
         trial = choice.trial
         if trial is not None:  # not memoised: each call of the trial asks the cache again
             name, chunks, growth = trial.schedule()
@@ -426,4 +428,9 @@ def row_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                         plan: OverlapPlan, sequence_parallel: bool) -> torch.Tensor:
     """Autograd entry of the row-parallel GEMM (see the module table for collectives)."""
     _check_k(x, weight, "row_parallel_matmul")
+    if sequence_parallel and plan.tp > 1 and (x.dim() != 3 or x.shape[1] % plan.tp):
+        raise ValueError(f"row_parallel_matmul: under sequence_parallel the input is (batch, "
+                         f"seq, k) with seq divisible by tp={plan.tp} (its output is "
+                         f"scattered over the sequence); got {tuple(x.shape)}: choose seq_len "
+                         f"a multiple of {plan.tp}")
     return _RowParallelMatmul.apply(x, weight, bias, plan, sequence_parallel)

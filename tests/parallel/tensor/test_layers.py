@@ -24,6 +24,7 @@ from distllm.nn.parallel_linear import (
     scatter_sequence,
 )
 from distllm.parallel.tensor import column_parallel_matmul, row_parallel_matmul
+from distllm.parallel.tensor.layers import OverlapPlan
 from tests._spawn import SpawnCache, case_of, run_cases
 
 TOL = 1e-10  # float64: sums over K <= 64 terms in a different order, ~1e-15 each
@@ -185,6 +186,10 @@ BAD = {  # name: (what raises, the knob its message must name)
     "scatter_sequence": (lambda: scatter_sequence(torch.zeros(1, 7, 8), DIMS), "seq_len"),
     "row_sequence": (lambda: RowParallelLinear(8, 8, DIMS, sequence_parallel=True)(
         torch.zeros(1, 7, 4)), "seq_len"),
+    # the autograd entry itself (a reshape error deep in the engine before)
+    "row_matmul_sequence": (lambda: row_parallel_matmul(
+        torch.zeros(1, 7, 4), torch.zeros(8, 4), None, types.SimpleNamespace(tp=2), True),
+        "seq_len a multiple of 2"),
 }
 
 
@@ -193,6 +198,28 @@ def test_bad_input_names_the_knob(case):
     make, knob = BAD[case]
     with pytest.raises(ValueError, match=knob):
         make()
+
+
+def test_auto_overlap_choices_with_and_without_work_after_are_apart(monkeypatch):
+    """Work after the collective (a backward's weight-gradient GEMM, ``then``) makes one
+    piece a candidate of ``overlap="auto"``: a choice made with it is not reused for a call
+    without it (the memo of the exact call and the tuner's key both tell them apart)."""
+    from distllm.parallel.tensor import overlap_tuner
+
+    asked = []
+
+    def choose(key, run, comm, rows, device, what, **kw):
+        asked.append((key, kw["one_piece"]))
+        return overlap_tuner.Choice(0, 0.0, 0.0, 0.0, "stand-in")
+
+    monkeypatch.setattr(overlap_tuner, "choose", choose)
+    plan = OverlapPlan(DIMS, "auto", 4, "t")
+    plan._comm = types.SimpleNamespace()  # (no group: the stand-in tuner communicates nothing)
+    a = torch.zeros(8, 4)
+    for then in (None, lambda: None, None, lambda: None):
+        plan._schedule("backward", "all_reduce", a, None, 4, then)
+    assert [one for _, one in asked] == [False, True], asked  # then each one's memo
+    assert asked[0][0] != asked[1][0]
 
 
 WIDTH = {  # name: (call with an input of the wrong width, the message), at tp=2
