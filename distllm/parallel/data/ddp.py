@@ -128,8 +128,9 @@ class DistributedDataParallel(nn.Module):
             used = _reachable_params(out)
             params = list(self.reducer.params())
             # an unused parameter's gradient carried over from before (no zero_grad) stays,
-            # as torch DDP leaves it
-            self._carried |= {p for p in params if p not in used and p.grad is not None}
+            # as torch DDP leaves it (the last forward's view: an unused parameter's gradient
+            # is the same at each micro-batch's, and a forward no backward followed is gone)
+            self._carried = {p for p in params if p not in used and p.grad is not None}
             self.reducer.mark_unused(p for p in params if p not in used)
             self._flag_used([p in used for p in params], params[0].device)
         return out

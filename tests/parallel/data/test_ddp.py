@@ -135,6 +135,12 @@ def _unused_and_overlap(dims, overlap: bool = True) -> dict:
     loss_fn(d, xl, yl, use_extra=use).backward()
     err = max(err, float("inf") if model.never.grad is None else
               (model.never.grad - 0.5).abs().max().item())
+    # ... but not after a forward that no backward followed, once zero_grad dropped it
+    model.never.grad = torch.full_like(model.never, 0.5)
+    d(xl)
+    d.zero_grad()
+    loss_fn(d, xl, yl, use_extra=use).backward()
+    err = max(err, 0.0 if model.never.grad is None else float("inf"))
     return {"unused_err": err, "buckets": len(d.bucket_sizes), "first_hooks": log[0][2],
             "nparams": len(list(model.parameters())) - 1,
             "before_end": before_end,
