@@ -345,6 +345,9 @@ def output_path(out: str | None) -> Path:
     if path.resolve().is_relative_to(PROFILE_DIR.resolve()):
         raise ValueError(f"--out {path} is in the profiles that ship with distllm "
                          f"({PROFILE_DIR}): choose a path outside it, e.g. --out {DEFAULT_OUT}")
+    if not os.access(path.parent, os.W_OK | os.X_OK):  # before a minute of measuring
+        raise ValueError(f"--out {path}: the folder {path.parent} is not writable here: "
+                         f"choose another --out")
     return path
 
 
@@ -378,10 +381,16 @@ def calibrate_cli(args: argparse.Namespace) -> int:
 
         try:
             parse_rate(args.net)
-        except ValueError as exc:
-            raise ValueError(f"--net {args.net!r}: {exc}") from None
+        except ValueError as exc:  # (its message may name the flag already)
+            why = str(exc)
+            raise ValueError(why if why.startswith("--net") else f"--net {args.net!r}: {why}"
+                             ) from None
     prof = calibrate(args.net or None, ranks=ranks)
-    write_profile(prof, out)
+    try:
+        write_profile(prof, out)
+    except OSError as exc:  # (the folder changed while measuring: full, or made read-only)
+        raise ValueError(f"--out {out}: the profile could not be written ({exc.strerror or exc}):"
+                         f" choose another --out and run again") from None
     p = prof
     print(
         f"wrote {out}: float32 {p.peak_flops['float32'] / 1e9:.1f} GFLOP/s "

@@ -27,7 +27,10 @@ MAX_V = 8
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` in ascending order (up to its square root and their partners:
+    a cluster of 10**12 GPUs is a million steps, not a trillion)."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if d * d != n]
 
 
 def _tp_reason(shape: ModelShape, tp: int, gpn: int) -> str | None:

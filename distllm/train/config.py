@@ -65,6 +65,7 @@ def _check_choices(obj: Any) -> None:
                              f"{', '.join(map(str, choices))}")
 
 
+MIN_TIMEOUT_S = 1.0  # below it the ranks time out in their own rendezvous
 MAX_TIMEOUT_S = 1e8
 """The longest ``--timeout`` (about three years): a timedelta, and the launcher's integer
 seconds, hold it."""
@@ -156,9 +157,10 @@ class ParallelConfig:
         if not 0 < self.bucket_cap_mb < math.inf:
             raise ValueError(f"--bucket-cap-mb {self.bucket_cap_mb}: it must be a finite size "
                              f"> 0 MiB (25 is the default)")
-        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
-            raise ValueError(f"--timeout {self.timeout_s}: it must be positive seconds, at most "
-                             f"{MAX_TIMEOUT_S:.0e}")
+        if not MIN_TIMEOUT_S <= self.timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"--timeout {self.timeout_s}: it must be at least "
+                             f"{MIN_TIMEOUT_S:.0f} s (the ranks' start and each collective wait "
+                             f"up to it; 300 is the default), at most {MAX_TIMEOUT_S:.0e}")
 
     @property
     def grad_reduce_overlap(self) -> bool | str:

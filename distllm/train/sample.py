@@ -13,6 +13,7 @@ trained end (its ``--seq-len``, or every position of ``--init-from`` weights).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
@@ -99,8 +100,9 @@ def sample(ckpt, prompt: str = "\n", *, max_new_tokens: int | None = None,
             raise ValueError(f"{knob} {value}: it must be at least {least}")
     if not 0 <= seed < MAX_SEED:
         raise ValueError(f"--seed {seed}: choose a seed in [0, 2**32)")
-    if not temperature >= 0:  # (nan too)
-        raise ValueError(f"--temperature {temperature}: it must be 0 (greedy) or more")
+    if not 0 <= temperature < math.inf:  # (nan too; inf samples uniformly: noise)
+        raise ValueError(f"--temperature {temperature}: it must be 0 (greedy) or a finite "
+                         f"positive number (0.8 is the default)")
     cfg, layers, tokens = read_layers(Path(ckpt))
     trained = trained_positions_of(Path(ckpt), cfg.max_seq_len)
     encode, decode, eos = _codec(tokens, cfg.vocab_size, tokenizer)

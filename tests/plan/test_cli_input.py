@@ -243,7 +243,33 @@ def test_calibrate_refuses_a_bad_net_before_measuring(monkeypatch, tmp_path, cap
     assert main(["plan", "--calibrate", "--net", "abc", "--out", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("distllm plan: error: --net 'abc': ") and err.count("\n") == 1, err
+    assert err.count("--net") == 1, err  # named once
     assert asked == [] and not (tmp_path / "p.json").exists()
+
+
+def test_calibrate_refuses_an_out_folder_it_cannot_write(monkeypatch, tmp_path, capsys):
+    """Before measuring where the folder is not writable; after it, a write that fails (the
+    folder filled or made read-only meanwhile) is one line naming --out, not a traceback."""
+    from distllm.plan import calibrate
+
+    asked = _fake_calibration(monkeypatch)
+    out = tmp_path / "p.json"
+    with monkeypatch.context() as m:
+        m.setattr(calibrate.os, "access", lambda *a, **k: False)
+        assert main(["plan", "--calibrate", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"distllm plan: error: --out {out}: the folder {tmp_path} is not "
+                          f"writable") and err.count("\n") == 1, err
+    assert asked == []
+
+    def full(prof, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(calibrate, "write_profile", full)
+    assert main(["plan", "--calibrate", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"distllm plan: error: --out {out}: the profile could not be "
+                          f"written (No space left on device)") and err.count("\n") == 1, err
 
 
 def test_an_interrupted_profile_write_leaves_the_old_file(monkeypatch, tmp_path):

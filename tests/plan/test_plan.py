@@ -495,3 +495,18 @@ def test_best_layout_api_for_the_trainer():
     )
     with pytest.raises(ValueError, match="no layout fits"):
         best_layout("gpt3-175b", 8, 8, "a100-80gb")
+
+
+def test_divisors_of_a_huge_cluster_are_quick():
+    """The layout space's divisors: every one, ascending, found up to the square root (a
+    count of 10**12 GPUs kept the planner counting to 10**12)."""
+    import time
+
+    from distllm.plan.space import divisors
+
+    for n in range(1, 200):
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
+    t = time.process_time()
+    big = divisors(10**12)
+    assert time.process_time() - t < 5.0
+    assert len(big) == 13 * 13 and big[0] == 1 and big[-1] == 10**12 and big == sorted(big)

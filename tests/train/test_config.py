@@ -61,9 +61,11 @@ def test_optim_config_refuses_what_ruins_a_run(kw, words):
 
 
 @pytest.mark.parametrize("kw, words", [
-    (dict(timeout_s=float("inf")), "--timeout inf: it must be positive seconds, at most 1e+08"),
-    (dict(timeout_s=1e15), "--timeout 1000000000000000.0: it must be positive seconds"),
-    (dict(timeout_s=float("nan")), "--timeout nan: it must be positive seconds"),
+    (dict(timeout_s=float("inf")), "--timeout inf: it must be at least 1 s"),
+    (dict(timeout_s=float("inf")), "default), at most 1e+08"),
+    (dict(timeout_s=1e15), "--timeout 1000000000000000.0: it must be at least 1 s"),
+    (dict(timeout_s=float("nan")), "--timeout nan: it must be at least 1 s"),
+    (dict(timeout_s=0.001), "--timeout 0.001: it must be at least 1 s"),
     (dict(bucket_cap_mb=float("inf")), "--bucket-cap-mb inf: it must be a finite size"),
 ])
 def test_parallel_config_refuses_what_overflows(kw, words):

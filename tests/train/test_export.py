@@ -177,8 +177,12 @@ def test_sample_greedy_is_the_likeliest_token_each_step(trained, capsys):
     (["--prompt", ""], "--prompt is empty: give the model some text to continue"),
     (["--prompt", "x" * 200, "--max-new-tokens", "5"],
      "--prompt: its 200 tokens fill the model's context of 128; shorten it"),
-    (["--temperature", "-1"], "--temperature -1.0: it must be 0 (greedy) or more"),
-    (["--temperature", "nan"], "--temperature nan: it must be 0 (greedy) or more"),
+    (["--temperature", "-1"], "--temperature -1.0: it must be 0 (greedy) or a finite positive "
+                                 "number (0.8 is the default)"),
+    (["--temperature", "nan"], "--temperature nan: it must be 0 (greedy) or a finite positive "
+                                 "number (0.8 is the default)"),
+    (["--temperature", "inf"], "--temperature inf: it must be 0 (greedy) or a finite positive "
+                                 "number (0.8 is the default)"),
     (["--prompt", "ab\udcff"], "--prompt: it is not text that encodes as UTF-8 (surrogates "
                                "not allowed at character 2); give UTF-8 text"),
     (["--top-k", "-1"], "--top-k -1: it must be at least 0"),

@@ -2,7 +2,8 @@
 trainer's default optimizer settings (AdamW with decay on matrices only, global-norm
 clipping, warm-up), bf16 compute with fp32 masters against an fp32 AdamW, memory against the
 ZeRO paper's model, gradient accumulation, unused parameters, inf/NaN skipping, checkpoint
-round trip and overlap of the reduction with backward. One spawn per rank function and world size; each scenario is its own test."""
+round trip and overlap of the reduction with backward. One spawn per rank function and world
+size; each scenario is its own test."""
 
 from __future__ import annotations
 
