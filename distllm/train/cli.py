@@ -37,6 +37,7 @@ from distllm.train.config import (
     check_layout,
 )
 from distllm.train.launch import (
+    LOST_PREFIX,
     STOPPED_FILE,
     TIMEOUT_PREFIX,
     USAGE_ERRORS_ENV,
@@ -44,6 +45,7 @@ from distllm.train.launch import (
     end_with_launcher,
     first_line,
     launch,
+    lost_peer,
     timed_out,
 )
 
@@ -328,6 +330,10 @@ def _rank(cfg: TrainConfig, world: int) -> int:
         Path(errors, f"rank{os.environ.get('RANK', '0')}.txt").write_text(str(exc))
         return 2
     except RuntimeError as exc:  # (torch.distributed's errors are RuntimeErrors)
+        if errors is not None and lost_peer(exc):  # a rank died: its exit is the news
+            Path(errors, f"{LOST_PREFIX}{os.environ.get('RANK', '0')}.txt").write_text(
+                first_line(exc))
+            return 1
         if errors is None or not timed_out(exc):
             raise
         Path(errors, f"{TIMEOUT_PREFIX}{os.environ.get('RANK', '0')}.txt").write_text(

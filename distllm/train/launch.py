@@ -22,8 +22,8 @@ from pathlib import Path
 from distllm.cli import UsageError
 
 __all__ = ["launch", "check_nproc", "end_with_launcher", "report_failure", "cores",
-           "first_line", "timed_out", "USAGE_ERRORS_ENV", "LAUNCHER_PID_ENV", "STOPPED_FILE",
-           "TIMEOUT_PREFIX"]
+           "first_line", "timed_out", "lost_peer", "USAGE_ERRORS_ENV", "LAUNCHER_PID_ENV",
+           "STOPPED_FILE", "TIMEOUT_PREFIX", "LOST_PREFIX"]
 
 
 def cores() -> int:
@@ -45,6 +45,11 @@ TIMEOUT_PREFIX = "timeout-rank"
 """A rank whose collective timed out writes ``timeout-rank<R>.txt`` into
 :data:`USAGE_ERRORS_ENV`'s folder: one line, which the launcher prints instead of its
 traceback."""
+
+LOST_PREFIX = "lost-rank"
+"""A rank whose collective lost its connection to another rank (that rank died: its own exit
+is the cause the launcher names) writes ``lost-rank<R>.txt`` into :data:`USAGE_ERRORS_ENV`'s
+folder instead of printing gloo's traceback."""
 
 USAGE_ERRORS_ENV = "DISTLLM_TRAIN_USAGE_ERRORS"
 """Set by ``--nproc``'s launcher for its ranks: a folder into which a rank writes its bad-input
@@ -144,7 +149,9 @@ def report_failure(exc, errors: Path, nproc: int) -> int:
         return 2
     timed_out = sorted(int(f.stem.removeprefix(TIMEOUT_PREFIX))
                        for f in errors.glob(f"{TIMEOUT_PREFIX}*.txt"))
-    crashed = [r for r, f in exc.failures.items() if r not in timed_out and f.exitcode > 0]
+    lost = sorted(int(f.stem.removeprefix(LOST_PREFIX)) for f in errors.glob(f"{LOST_PREFIX}*.txt"))
+    crashed = [r for r, f in exc.failures.items()
+               if r not in timed_out and r not in lost and f.exitcode > 0]
     if timed_out and not crashed:  # (a rank that failed on its own is the one to name)
         first = (errors / f"{TIMEOUT_PREFIX}{timed_out[0]}.txt").read_text().strip()
         silent = [r for r in range(nproc) if r not in timed_out]
@@ -152,7 +159,14 @@ def report_failure(exc, errors: Path, nproc: int) -> int:
               + (f"; ranks {silent} did not answer (stalled, or died)" if silent else ""),
               file=sys.stderr)
         return 1
-    rank, failure = exc.get_first_failure()
+    # the cause: the first rank that failed other than by losing a peer
+    causes = {r: f for r, f in exc.failures.items() if r not in lost}
+    if not causes:  # every failed rank lost a peer: the network, or a rank that left quietly
+        first = (errors / f"{LOST_PREFIX}{lost[0]}.txt").read_text().strip()
+        print(f"distllm train: error: rank {lost[0]} lost its connection to another rank "
+              f"({first}): a rank died, or the network between them failed", file=sys.stderr)
+        return 1
+    rank, failure = min(causes.items(), key=lambda rf: rf[1].timestamp)
     if failure.exitcode < 0:
         what = f"was killed by {failure.signal_name()}"
     else:
@@ -193,6 +207,14 @@ def first_line(exc: BaseException) -> str:
     """The error's first line without the C++ source location gloo prefixes (``[file:N]``)."""
     line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return re.sub(r"^\[[^\]]*\]\s*", "", line)[:160]
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective's lost connection to another rank (gloo's "Connection
+    reset by peer" / "Connection closed by peer" when that rank's process died)."""
+    text = str(exc).lower()
+    return any(w in text for w in ("connection reset by peer", "connection closed by peer",
+                                   "broken pipe"))
 
 
 def timed_out(exc: BaseException) -> bool:

@@ -287,6 +287,20 @@ def test_a_failed_rank_is_named_once(capsys, tmp_path):
         "out waiting 5000ms); ranks [1] did not answer (stalled, or died)",
         "distllm train: error: rank 1 failed (exit code 1); its traceback is above"]
     (tmp_path / "timeout-rank0.txt").unlink()
+    # a rank that lost its peer (that peer died): the peer is named, though the rank that
+    # lost it exited first; a lost peer alone is one line naming the rank that saw it
+    (tmp_path / "lost-rank0.txt").write_text("Connection reset by peer")
+    both = ChildFailedError("distllm", {0: ProcessFailure(0, 10, 1, none),
+                                        1: ProcessFailure(1, 11, -9, none)})
+    both.failures[0].timestamp, both.failures[1].timestamp = 1, 2
+    assert report_failure(both, tmp_path, 2) == 1
+    lone = ChildFailedError("distllm", {0: ProcessFailure(0, 10, 1, none)})
+    assert report_failure(lone, tmp_path, 2) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "distllm train: error: rank 1 was killed by SIGKILL",
+        "distllm train: error: rank 0 lost its connection to another rank (Connection reset by "
+        "peer): a rank died, or the network between them failed"]
+    (tmp_path / "lost-rank0.txt").unlink()
     for rank, msg in ((2, "b"), (0, "a"), (1, "a")):
         (tmp_path / f"rank{rank}.txt").write_text(msg)
     assert report_failure(crashed, tmp_path, 2) == 2
