@@ -56,7 +56,7 @@ def _err(capsys, argv: list[str]) -> str:
     (["--nproc", "2", "--pp", "2", "--schedule", "zb-h1", "--zero", "3"], "--zero 2 or lower"),
     (["--nproc", "2", "--bucket-cap-mb", "0"],
      "--bucket-cap-mb 0.0: it must be a finite size > 0 MiB"),
-    (["--nproc", "2", "--timeout", "inf"], "--timeout inf: it must be positive seconds"),
+    (["--nproc", "2", "--timeout", "inf"], "--timeout inf: it must be at least 1 s"),
     (["--nproc", "2", "--weight-decay", "nan"], "--weight-decay nan: it must be finite"),
     (["--nproc", "2", "--seed", "99999999999999"], "--seed 99999999999999: choose a seed"),
     (["--nproc", "2", "--eps", "-1"], "--eps -1.0: it must be finite and > 0"),
