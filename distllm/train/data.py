@@ -171,9 +171,14 @@ def load_corpus(path: str | None = None, *, val_fraction: float = 0.02, min_toke
     for f in files:
         try:
             chunks.append(f.read_bytes())
-        except OSError as exc:  # an unreadable file in a folder is skipped, not fatal
-            if path is not None and Path(path).is_file():
+        except OSError as exc:
+            if path is None:  # the standard library's: one file fewer changes nothing
+                continue
+            if Path(path).is_file():
                 raise FileNotFoundError(f"--data {path}: cannot read it ({exc})") from exc
+            # a file of the user's folder left out would train on less than asked, silently
+            raise FileNotFoundError(f"--data {path}: cannot read {f} ({exc.strerror or exc}): "
+                                    f"make it readable or move it out of the folder") from exc
     data = b"\n\n".join(c for c in chunks if c)
     source = "python-stdlib" if path is None else os.fspath(path)
     if len(data) < min_tokens:

@@ -199,3 +199,22 @@ def test_decay_fraction_is_a_share():
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match="--decay-fraction"):
             OptimConfig(decay_fraction=bad)
+
+
+def test_an_unreadable_file_of_a_folder_is_refused_naming_it(tmp_path, monkeypatch):
+    """A folder's file that cannot be read was left out of the corpus without a word."""
+    from pathlib import Path
+
+    (tmp_path / "a.txt").write_text("a" * 200)
+    (tmp_path / "b.txt").write_text("b" * 200)
+    real = Path.read_bytes
+
+    def read_bytes(self):
+        if self.name == "b.txt":  # (mode 000 does not stop root)
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    with pytest.raises(FileNotFoundError, match=f"--data {tmp_path}: cannot read "
+                                                f"{tmp_path / 'b.txt'} \\(Permission denied\\)"):
+        load_corpus(str(tmp_path))
