@@ -47,6 +47,8 @@ def test_the_export_computes_the_runs_validation_loss(corpus, trained, tmp_path,
     umask = os.umask(0)
     os.umask(umask)
     assert (tmp_path / "hf").stat().st_mode & 0o777 == 0o777 & ~umask  # as mkdir makes it
+    for f in (tmp_path / "hf").iterdir():  # as open makes them (the weights were 0600)
+        assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f
     # the run read text as bytes: --init-from then takes text for this model (test_tokenize)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["distllm_tokens"] == "bytes"
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
@@ -80,7 +82,11 @@ def test_a_checkpoint_folder_and_its_step(trained, tmp_path, capsys):
     (["{out}", "{tmp}/d", "--step", "2"], "--step 2: RUN {out} has checkpoints of steps 3"),
     (["{out}", "{tmp}/full"], "DEST {tmp}/full exists; pass a new folder"),
     (["{out}", "{tmp}/full/keep.txt/d"], "DEST {tmp}/full/keep.txt/d: cannot create a folder "
-                                         "there (File exists); pass another DEST"),
+                                         "there ({tmp}/full/keep.txt is a file, not a folder); "
+                                         "pass another DEST"),
+    (["{out}", "{tmp}/full/keep.txt/a/d"], "DEST {tmp}/full/keep.txt/a/d: cannot create a "
+                                           "folder there ({tmp}/full/keep.txt is a file, not a "
+                                           "folder); pass another DEST"),
 ])
 def test_bad_input_is_one_line(trained, tmp_path, capsys, args, says):
     out, _ = trained
