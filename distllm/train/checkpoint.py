@@ -111,7 +111,8 @@ def _damaged(path: Path, cause: str) -> ValueError:
     done = [d for d in _complete(path.parent) if m and step_of(d) < int(m.group(1))]
     then = (f"move it aside (e.g. rename it {path.name}.damaged) to go back to "
             f"{done[-1].name} (step {step_of(done[-1])})") if done else \
-        "no earlier checkpoint is complete: pass another --out"
+        ("no earlier checkpoint is complete: resume another --out, or export or sample "
+         "another RUN")
     return ValueError(f"checkpoint {path} is damaged ({cause}): {then}")
 
 

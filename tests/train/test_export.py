@@ -101,6 +101,25 @@ def test_bad_input_is_one_line(trained, tmp_path, capsys, args, says):
 
 
 @pytest.mark.parametrize("command", ["export", "sample"])
+def test_a_damaged_only_checkpoint_names_run(trained, tmp_path, capsys, command):
+    """With no earlier checkpoint to go back to, the advice names what these commands take
+    (RUN), not train's --out alone."""
+    import shutil
+
+    out, _ = trained
+    run = tmp_path / "run"
+    shutil.copytree(out / "checkpoints", run / "checkpoints")
+    for meta in (run / "checkpoints").glob("step_*/meta.json"):
+        meta.write_text("{")
+    argv = [command, str(run)] + ([str(tmp_path / "hf")] if command == "export" else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is damaged" in err[0] and err[0].endswith(
+        "no earlier checkpoint is complete: resume another --out, or export or sample another "
+        "RUN"), err
+
+
+@pytest.mark.parametrize("command", ["export", "sample"])
 def test_a_checkpoint_whose_model_has_an_unknown_field_is_one_line(trained, tmp_path, capsys,
                                                                    command):
     """A field of the model in meta.json that GPTConfig does not have (a newer distllm's, or
