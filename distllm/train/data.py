@@ -160,7 +160,12 @@ def _load_tokens(path: str, files: tuple[Path, Path | None], dtype: str, val_fra
     return Corpus(train=train, val=val, source=os.fspath(path), n_files=1 + (val_f is not None))
 
 
-def load_corpus(path: str | None = None, *, val_fraction: float = 0.02, min_tokens: int = 64,
+MIN_TOKENS = 64
+"""The fewest training tokens ``--data`` may hold (``distllm tokenize`` writes no fewer)."""
+
+
+def load_corpus(path: str | None = None, *, val_fraction: float = 0.02,
+                min_tokens: int = MIN_TOKENS,
                 dtype: str = "uint16") -> Corpus:
     """Read ``path`` (a file, a folder, or None for the standard library) into token ids:
     text as bytes, or a ``.bin`` file of ``dtype`` token ids (see the module's docstring)."""

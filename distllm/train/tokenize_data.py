@@ -185,7 +185,7 @@ def tokenize_to_bins(src: str, dest: str, tokenizer: str, val_fraction: float = 
     pieces tokenized ``batch`` at a time. Returns what was written: ``train`` and ``val`` id
     counts, ``dtype``, ``vocab``, ``files``."""
     from distllm.models.hf import quiet_transformers
-    from distllm.train.data import _files_of, _held_out
+    from distllm.train.data import MIN_TOKENS, _files_of, _held_out
     from distllm.train.new_folder import new_folder
 
     if not 0 < val_fraction < 1:
@@ -213,6 +213,9 @@ def tokenize_to_bins(src: str, dest: str, tokenizer: str, val_fraction: float = 
             raise ValueError(f"SRC {src}: {n} token ids, too few to split into train.bin and "
                              f"val.bin; pass more text")
         n_val = _held_out(n, val_fraction)
+        if n - n_val < MIN_TOKENS:  # what train would refuse: say so before writing it
+            raise ValueError(f"SRC {src}: {n} token ids leave {n - n_val} for train.bin, fewer "
+                             f"than the {MIN_TOKENS} distllm train needs; pass more text")
         with open(tmp / "train.bin", "r+b") as train, open(tmp / "val.bin", "wb") as val:
             train.seek((n - n_val) * dtype.itemsize)
             shutil.copyfileobj(train, val)

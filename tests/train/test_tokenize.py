@@ -201,6 +201,8 @@ def test_tokenizing_says_nothing_on_a_text_past_the_models_length(tok_dir, tmp_p
                  "byte); convert it, or leave it out"),
     ("dest", "DEST {tmp}/full exists; pass a new folder"),
     ("fraction", "--val-fraction 1.5: choose a share between 0 and 1"),
+    ("short", "SRC {tmp}/texts: 4 token ids leave 2 for train.bin, fewer than the 64 distllm "
+              "train needs; pass more text"),
 ])
 def test_bad_input_is_one_line_and_leaves_nothing(tok_dir, tmp_path, capsys, case, says):
     (tmp_path / "texts").mkdir()
@@ -216,6 +218,8 @@ def test_bad_input_is_one_line_and_leaves_nothing(tok_dir, tmp_path, capsys, cas
         (tmp_path / "texts" / "b.txt").write_bytes(b"caf\xe9\n")
     elif case == "dest":
         dest = tmp_path / "full"
+    elif case == "short":  # (train refused what tokenize wrote)
+        (tmp_path / "texts" / "a.txt").write_text("hi\n")
     else:
         extra = ["--val-fraction", "1.5"]
     before = sorted(p.name for p in tmp_path.iterdir())
