@@ -347,6 +347,11 @@ def run(args: argparse.Namespace) -> int:
     print("## Summary\n\n" + report.summary_table(rows) + "\n")
     print(f"wrote {out}/: results.json results.csv REPORT.md "
           + " ".join(p for ps in pngs.values() for p in ps))
+    if not any(report._ok(r) for r in rows):  # a run that measured nothing has not succeeded
+        why = next((r.get("reason") for r in rows if r.get("reason")), "no rows")
+        print(f"distllm bench: nothing was measured ({len(rows)} rows, none ok; the first "
+              f"says: {' '.join(str(why).split())[:300]}); see {out}/REPORT.md", file=sys.stderr)
+        return 1
     if old is None:
         return 0
     return _compare(args, old, rows, {**data["machine"], "loadavg": meta["loadavg"]}, out)

@@ -242,3 +242,26 @@ def test_a_flag_of_the_other_mode_is_refused_with_one_line(args, says, tmp_path,
     err = _refused_before_running(args, tmp_path, capsys, monkeypatch)
     assert says in err, err
 
+
+
+def test_a_run_that_measured_nothing_fails(monkeypatch, tmp_path, capsys):
+    """Every case unavailable (shapes the ranks cannot split, memory they cannot get): the
+    report is written, and the exit code says the run did not measure anything."""
+    import types
+
+    from distllm.bench import suite
+    from distllm.bench.rows import row
+
+    from distllm.cli import main
+
+    def unavailable(names, cfg, progress=True):
+        return types.SimpleNamespace(elapsed_s={"linear_gelu": 0.1}, rows=[
+            row("linear_gelu", "fwd 8x8x8", v, status="unavailable", reason="no memory")
+            for v in ("unfused", "fused")])
+
+    monkeypatch.setattr(suite, "run_suites", unavailable)
+    out = tmp_path / "b"
+    assert main(["bench", "--suite", "linear_gelu", "--no-progress", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "distllm bench: nothing was measured (2 rows, none ok; the first says: no memory)" in err
+    assert (out / "REPORT.md").is_file()
