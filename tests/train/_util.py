@@ -55,3 +55,22 @@ def train_many(runs: list[dict], data: str, out: str) -> list[list[float]]:
         res = train(make_cfg(data, kw.pop("out", f"{out}/run{i}"), **kw))
         results.append(res.losses)
     return results
+
+
+def save_tiny_gpt2(path, seed: int = 3, **config) -> None:
+    """A random Hugging Face GPT-2 of the ``tiny`` preset's shape (non-trivial norms and
+    biases), saved as ``save_pretrained`` writes it; ``config``: GPT2Config fields to change
+    (e.g. ``tie_word_embeddings=False``)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=256, n_positions=128, n_embd=128, n_layer=4, n_head=4,
+                     n_inner=512, activation_function="gelu_new", layer_norm_epsilon=1e-5,
+                     bos_token_id=0, eos_token_id=0, **config)
+    hf = GPT2LMHeadModel(cfg)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "ln" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(path)

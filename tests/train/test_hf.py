@@ -135,21 +135,10 @@ def test_from_hf_accepts_reorder_and_upcast_attn():
 # --- --init-from: a fresh run starts from a Hugging Face GPT-2 folder ----------------------
 
 def _save_tiny_hf(path) -> None:
-    """A random GPT-2 of the ``tiny`` preset's shape (non-trivial norms and biases), saved as
-    ``save_pretrained`` writes it."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """A random GPT-2 of the ``tiny`` preset's shape, saved as ``save_pretrained`` writes it."""
+    from tests.train._util import save_tiny_gpt2
 
-    torch.manual_seed(3)
-    cfg = GPT2Config(vocab_size=256, n_positions=128, n_embd=128, n_layer=4, n_head=4,
-                     n_inner=512, activation_function="gelu_new", layer_norm_epsilon=1e-5,
-                     bos_token_id=0, eos_token_id=0)
-    hf = GPT2LMHeadModel(cfg)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "ln" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    hf.save_pretrained(path)
+    save_tiny_gpt2(path)
 
 
 def _first_loss(corpus: str, out: str, hf_dir: str) -> float:

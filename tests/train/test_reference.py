@@ -24,21 +24,11 @@ WTOL = 1e-10  # the last weights, absolute (they are about 0.02 to 1)
 
 def _save_untied_gpt2(path) -> None:
     """A random GPT-2 of the ``tiny`` preset's shape, its head untied from the embedding (as
-    the ``tiny`` preset's), with non-trivial norms and biases."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    the ``tiny`` preset's), without dropout (distllm's GPT has none)."""
+    from tests.train._util import save_tiny_gpt2
 
-    torch.manual_seed(5)
-    cfg = GPT2Config(vocab_size=256, n_positions=128, n_embd=128, n_layer=4, n_head=4,
-                     n_inner=512, activation_function="gelu_new", layer_norm_epsilon=1e-5,
-                     tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # (distllm has none)
-    hf = GPT2LMHeadModel(cfg)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "ln" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    hf.save_pretrained(path)
+    save_tiny_gpt2(path, seed=5, tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0,
+                   attn_pdrop=0.0)
 
 
 def _train(corpus: str, out: str, hf_dir: str) -> list[float]:
