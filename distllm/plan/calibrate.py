@@ -325,6 +325,7 @@ def calibrate(net_rate: str | None = "1gbit", ranks: int = 4) -> Profile:
 CALIBRATE_RANKS = 4  # rank processes sharing the machine, as the ``tiny`` validation runs
 DEFAULT_OUT = "cpu-calibrated.json"
 """``--out`` unless given: in the current directory, never over a packaged profile."""
+DEFAULT_NET = "1gbit"  # the emulated link --calibrate measures unless --net says otherwise
 
 
 def output_path(out: str | None) -> Path:
@@ -376,6 +377,8 @@ def calibrate_cli(args: argparse.Namespace) -> int:
         raise ValueError(f"--gpus={ranks}: give --calibrate a positive rank count "
                          f"(default {CALIBRATE_RANKS})")
     out = output_path(args.out)
+    if args.net is None:
+        args.net = DEFAULT_NET
     if args.net:  # before anything is measured
         from distllm.testing.netem import parse_rate
 

@@ -104,7 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="measure this machine (GEMM, gloo links) and write a profile",
     )
-    o.add_argument("--net", default="1gbit", help="--calibrate: emulated link rate")
+    o.add_argument("--net", default=None,
+                   help="--calibrate: emulated link rate (default 1gbit; '' for none)")
     o.add_argument(
         "--out",
         default=None,
@@ -282,6 +283,10 @@ def run(args: argparse.Namespace) -> int:
         from .calibrate import calibrate_cli
 
         return calibrate_cli(args)
+    for flag, value in (("--net", args.net), ("--out", args.out)):
+        if value is not None:  # (they would be ignored: nothing is measured or written)
+            raise ValueError(f"{flag} is a --calibrate flag: add --calibrate to measure this "
+                             f"machine, or drop {flag}")
     if args.gpus is None:
         args.gpus = DEFAULT_GPUS
     if args.top < 1:

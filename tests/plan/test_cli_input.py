@@ -531,3 +531,12 @@ def test_calibrate_measures_the_links_with_the_ranks_asked(monkeypatch):
         seen.clear()
         prof = cal.calibrate("1gbit", ranks=ranks)
         assert seen == [(None, want), ("1gbit", want)] and prof.gpus_per_node == ranks
+
+
+@pytest.mark.parametrize("flag", [["--net", "2gbit"], ["--out", "c.json"]])
+def test_a_calibrate_flag_without_calibrate_is_refused(flag, capsys):
+    """They were ignored (exit 0, nothing measured or written)."""
+    assert main(["plan", "--model", "tiny", *flag]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"distllm plan: error: {flag[0]} is a --calibrate flag: add --calibrate to "
+                   f"measure this machine, or drop {flag[0]}\n"), err
