@@ -21,6 +21,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from distllm.cli import defaults_of
 from distllm.dtypes import canonical_dtype
 from distllm.parallel.tensor.layers import OVERLAP_MODES
 
@@ -109,9 +110,7 @@ def _flag(name: str) -> str:
 def _check_doctor_flags(args: argparse.Namespace) -> None:
     """A flag of the other mode would be ignored without a word: refuse it, naming it (a
     CI gate of ``--doctor --compare OLD --fail-on-regression`` could never fail)."""
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    default = vars(parser.parse_args([]))  # the defaults, from the one place that sets them
+    default = vars(defaults_of(add_arguments))
     if args.doctor:
         given = [_flag(k) for k in _SUITE_FLAGS if getattr(args, k) != default[k]]
         if given:

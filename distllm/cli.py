@@ -34,6 +34,15 @@ def _top_parser() -> argparse.ArgumentParser:
     return p
 
 
+def defaults_of(add_arguments) -> argparse.Namespace:
+    """The defaults of a subcommand's flags, from the ``add_arguments`` that declares them
+    (the one place that sets them): what a check compares the given flags with to tell which
+    a user passed."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    return parser.parse_args([])
+
+
 class UsageError(Exception):
     """Bad input from the user: printed as one line, exit code 2."""
 

@@ -14,6 +14,7 @@ import json
 import re
 import sys
 
+from distllm.cli import defaults_of
 from distllm.models.config import CHECKPOINTING
 
 from .cost import GB, STATE_BYTES, Estimate, training_dtype
@@ -191,9 +192,7 @@ _NOT_WITH_PARAMS = ("model", *_SHAPE, "gpus_per_node", "micro_batches", "schedul
 
 
 def _check_params_flags(a: argparse.Namespace) -> None:
-    p = argparse.ArgumentParser(add_help=False)
-    add_arguments(p)
-    defaults = p.parse_args([])
+    defaults = defaults_of(add_arguments)
     given = [k for k in _NOT_WITH_PARAMS if getattr(a, k) != getattr(defaults, k)]
     if given:
         flags = " ".join("--" + k.replace("_", "-") for k in given)
