@@ -50,7 +50,7 @@ from distllm.train.launch import (
 )
 
 __all__ = ["add_arguments", "run", "config_from_args", "config_to_argv", "apply_plan",
-           "precheck", "check_out", "resume_optim", "field_docs"]
+           "precheck", "check_out", "check_unused", "resume_optim", "field_docs"]
 
 # (argument group, config class, attribute of TrainConfig holding it; None: TrainConfig itself)
 SECTIONS = (("layout", ParallelConfig, "parallel"), ("run", TrainConfig, None),
@@ -349,6 +349,34 @@ def _summary(doc: str) -> str:
     return " ".join(doc.strip().split("\n\n")[0].split()).replace("``", "")
 
 
+def check_unused(args: argparse.Namespace, cfg: TrainConfig) -> None:
+    """A UsageError naming a flag given on the command line that this run would not use (a
+    feature of a parallel dimension the layout does not have, a resume-only flag on a fresh
+    run), instead of training without it. The layout flags are checked on the layout given,
+    not on one ``--plan auto`` chooses."""
+    p = cfg.parallel
+    given = given_layout(args) if args.plan != "auto" else {}
+    unused = []
+    if given.get("sequence_parallel") and p.tp == 1:
+        unused.append("--sequence-parallel shards activations inside a TP group: raise --tp, "
+                      "or drop it")
+    if args.vocab_parallel == "on" and p.tp == 1:
+        unused.append("--vocab-parallel on splits the vocabulary over TP: raise --tp, or drop "
+                      "it")
+    if "schedule" in given and p.pp == 1:
+        unused.append(f"--schedule {p.schedule} orders a pipeline's micro-batches: raise --pp, "
+                      f"or drop it")
+    if "virtual_stages" in given and p.chunks_per_rank == 1:
+        unused.append(f"--virtual-stages {p.virtual_stages} is read by --schedule "
+                      f"interleaved-1f1b at --pp > 1 only: use that schedule, or drop it")
+    for flag, on in (("--override-optim", cfg.override_optim),
+                     ("--override-data", cfg.override_data)):
+        if on and not cfg.resume:
+            unused.append(f"{flag} applies to a --resume only: add --resume, or drop it")
+    if unused:
+        raise UsageError(f"{unused[0]} (this run would not use it)")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         check_nproc(args.nproc)
@@ -358,6 +386,7 @@ def run(args: argparse.Namespace) -> int:
         cfg, why = apply_plan(cfg, world, given_layout(args))
         if int(os.environ.get("RANK", "0")) == 0:
             print(why, flush=True)
+    check_unused(args, cfg)
     if args.nproc is None:
         return _rank(cfg, world)
     precheck(cfg, world)

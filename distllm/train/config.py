@@ -297,7 +297,8 @@ class TrainConfig:
     init_from: str | None = None
     """A Hugging Face GPT-2 folder (config.json and weights, as save_pretrained writes them)
     whose weights start a fresh run (fine-tuning); --model names its shape (gpt2-small for
-    GPT-2's 124M). Needs transformers."""
+    GPT-2's 124M). Needs transformers. With --resume the checkpoint holds the weights and
+    this is not read (the fine-tuning command with --resume added continues it)."""
     stop_after: int = 0
     """Stop this run after this many steps in total (0: run to ``steps``), saving a
     checkpoint there (unless --no-save); the learning-rate schedule still spans ``steps``

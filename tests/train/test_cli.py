@@ -74,6 +74,15 @@ def _err(capsys, argv: list[str]) -> str:
     (["--eval-every", "-1"], "--eval-every -1: use 0 (the end only) or a step count"),
     (["--nproc", "2", "--save-on-signal", "SIGTERM,INT"],
      "--save-on-signal SIGTERM,INT: 'INT' is not one of SIGTERM, SIGUSR1, SIGUSR2; name them"),
+    # a flag given that the run would not use: refused, not trained without
+    (["--sequence-parallel"], "--sequence-parallel shards activations inside a TP group: raise "
+                              "--tp, or drop it (this run would not use it)"),
+    (["--nproc", "2", "--vocab-parallel", "on"], "--vocab-parallel on splits the vocabulary"),
+    (["--nproc", "2", "--schedule", "zb-h1"], "--schedule zb-h1 orders a pipeline's"),
+    (["--nproc", "2", "--pp", "2", "--virtual-stages", "3"],
+     "--virtual-stages 3 is read by --schedule interleaved-1f1b at --pp > 1 only"),
+    (["--override-optim"], "--override-optim applies to a --resume only"),
+    (["--nproc", "2", "--override-data"], "--override-data applies to a --resume only"),
 ])
 def test_bad_input(capsys, argv, words):
     assert words in _err(capsys, argv)
