@@ -36,6 +36,7 @@ from distllm.train.config import (
     check_init_from,
     check_layout,
 )
+from distllm.train.footprint import check_fits
 from distllm.train.launch import (
     LOST_PREFIX,
     STOPPED_FILE,
@@ -182,8 +183,11 @@ def precheck(cfg: TrainConfig, world: int) -> None:
     if seq > mcfg.max_seq_len:
         raise ValueError(f"--seq-len {seq} exceeds the {cfg.model} context {mcfg.max_seq_len}: "
                          f"lower --seq-len")
-    check_layout(cfg, world, n_layers=mcfg.n_layers, n_heads=mcfg.n_heads,
-                 hidden=mcfg.hidden_size, seq_len=seq)
+    dp = check_layout(cfg, world, n_layers=mcfg.n_layers, n_heads=mcfg.n_heads,
+                      hidden=mcfg.hidden_size, seq_len=seq)
+    p = cfg.parallel
+    check_fits(mcfg, cfg.dtype, model=cfg.model, tp=p.tp, pp=p.pp, dp=dp, zero=p.zero,
+               ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if cfg.data is not None:
         from distllm.train.data import _files_of, _token_files
 

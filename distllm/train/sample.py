@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Iterator
 
 import torch
 
-__all__ = ["add_arguments", "run", "sample"]
+__all__ = ["add_arguments", "run", "sample", "iter_samples"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="softmax temperature; 0 picks the likeliest token (default 0.8)")
     p.add_argument("--top-k", type=int, default=50,
                    help="sample among the k likeliest tokens; 0: all (default 50)")
-    p.add_argument("--num-samples", type=int, default=1, help="samples to draw (default 1)")
+    p.add_argument("--num-samples", type=int, default=1,
+                   help=f"samples to draw, {SAMPLE_BATCH} at a time, each batch printed as it "
+                        f"ends (default 1)")
     p.add_argument("--seed", type=int, default=0, help="the sampling's random seed (default 0)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="the Hugging Face tokenizer of a run on token ids (.bin data); a run "
@@ -88,9 +91,31 @@ def sample(ckpt, prompt: str = "\n", *, max_new_tokens: int | None = None,
     """``num_samples`` continuations of ``prompt`` (the prompt's text, then the new text) by
     the model of the checkpoint folder ``ckpt``; ``max_new_tokens`` None: 200, or what the
     model's context leaves after the prompt."""
+    return list(iter_samples(ckpt, prompt, max_new_tokens=max_new_tokens,
+                             temperature=temperature, top_k=top_k, num_samples=num_samples,
+                             seed=seed, tokenizer=tokenizer))
+
+
+SAMPLE_BATCH = 32
+"""Continuations generated together: ``num_samples`` beyond it are generated in turn, so that
+memory does not grow with it (the first batch's are those of a smaller ``num_samples``)."""
+
+
+def iter_samples(ckpt, prompt: str = "\n", *, max_new_tokens: int | None = None,
+                 temperature: float = 0.8, top_k: int = 50, num_samples: int = 1,
+                 seed: int = 0, tokenizer: str | None = None) -> Iterator[str]:
+    """:func:`sample`'s continuations one at a time, as each batch of at most
+    :data:`SAMPLE_BATCH` is generated; its arguments are checked before the first."""
+    check = _prepare(ckpt, prompt, max_new_tokens, temperature, top_k, num_samples, seed,
+                     tokenizer)
+    return _generate(*check, temperature=temperature, top_k=top_k, num_samples=num_samples,
+                     seed=seed)
+
+
+def _prepare(ckpt, prompt, max_new_tokens, temperature, top_k, num_samples, seed, tokenizer):
     from pathlib import Path
 
-    from distllm.models.hf import hf_from_layers, quiet_transformers
+    from distllm.models.hf import hf_from_layers
     from distllm.train.checkpoint import read_layers, trained_positions_of
     from distllm.train.config import MAX_SEED
 
@@ -128,18 +153,28 @@ def sample(ckpt, prompt: str = "\n", *, max_new_tokens: int | None = None,
               f"positions (its --seq-len); the tokens past them are at positions it never "
               f"learnt", file=sys.stderr)
     hf = hf_from_layers(cfg, layers)
+    return hf, ids, max_new_tokens, decode, eos
+
+
+def _generate(hf, ids, max_new_tokens, decode, eos, *, temperature, top_k, num_samples,
+              seed) -> Iterator[str]:
+    from distllm.models.hf import quiet_transformers
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     hf.to(device)
     torch.manual_seed(seed)
     greedy = temperature == 0
-    with torch.no_grad(), quiet_transformers():
-        out = hf.generate(
-            torch.tensor([ids] * num_samples, device=device),
-            attention_mask=torch.ones(num_samples, len(ids), dtype=torch.long, device=device),
-            max_new_tokens=max_new_tokens, do_sample=not greedy,
-            **({} if greedy else {"temperature": temperature, "top_k": top_k or None}),
-            eos_token_id=eos, pad_token_id=0 if eos is None else eos)
-    return [decode(_until_eos(row, len(ids), eos)) for row in out.cpu().tolist()]
+    for first in range(0, num_samples, SAMPLE_BATCH):
+        n = min(SAMPLE_BATCH, num_samples - first)
+        with torch.no_grad(), quiet_transformers():
+            out = hf.generate(
+                torch.tensor([ids] * n, device=device),
+                attention_mask=torch.ones(n, len(ids), dtype=torch.long, device=device),
+                max_new_tokens=max_new_tokens, do_sample=not greedy,
+                **({} if greedy else {"temperature": temperature, "top_k": top_k or None}),
+                eos_token_id=eos, pad_token_id=0 if eos is None else eos)
+        for row in out.cpu().tolist():
+            yield decode(_until_eos(row, len(ids), eos))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -148,9 +183,9 @@ def run(args: argparse.Namespace) -> int:
     needs_transformers("sample")
 
     ckpt = checkpoint_of(args.run, args.step)
-    texts = sample(ckpt, args.prompt, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, top_k=args.top_k,
-                   num_samples=args.num_samples, seed=args.seed, tokenizer=args.tokenizer)
+    texts = iter_samples(ckpt, args.prompt, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, top_k=args.top_k,
+                         num_samples=args.num_samples, seed=args.seed, tokenizer=args.tokenizer)
     for i, text in enumerate(texts):
         if i:
             print("\n---")

@@ -195,6 +195,34 @@ def test_sample_greedy_is_the_likeliest_token_each_step(trained, capsys):
     assert capsys.readouterr().out == want + "\n"
 
 
+def test_many_samples_are_generated_a_batch_at_a_time(trained, capsys, monkeypatch):
+    """Past SAMPLE_BATCH, the continuations come in batches (memory does not grow with
+    --num-samples), the first batch's those of a smaller --num-samples, and the command
+    prints each batch as it comes."""
+    from transformers import GPT2LMHeadModel
+
+    from distllm.train import sample as sample_mod
+
+    out, _ = trained
+    ckpt = out / "checkpoints" / "step_00000003"
+    monkeypatch.setattr(sample_mod, "SAMPLE_BATCH", 2)
+    batches = []
+    generate = GPT2LMHeadModel.generate
+
+    def counted(self, input_ids, **kw):
+        batches.append(len(input_ids))
+        return generate(self, input_ids, **kw)
+
+    monkeypatch.setattr(GPT2LMHeadModel, "generate", counted)
+    five = sample_mod.sample(ckpt, "def ", max_new_tokens=6, num_samples=5, seed=3)
+    assert batches == [2, 2, 1] and len(five) == 5 and len(set(five)) > 1
+    assert sample_mod.sample(ckpt, "def ", max_new_tokens=6, num_samples=2, seed=3) == five[:2]
+    capsys.readouterr()
+    assert main(["sample", str(out), "--prompt", "def ", "--max-new-tokens", "6",
+                 "--num-samples", "5", "--seed", "3"]) == 0
+    assert capsys.readouterr().out == "\n\n---\n".join(five) + "\n"
+
+
 @pytest.mark.parametrize("args,says", [
     (["--max-new-tokens", "200", "--prompt", "x" * 100],
      "--max-new-tokens 200: with the prompt's 100 tokens it passes the model's context of "

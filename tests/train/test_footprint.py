@@ -1,0 +1,45 @@
+"""The model-state lower bound that ``distllm train`` checks before any rank starts."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from distllm import ParallelDims
+from distllm.cli import main
+from distllm.models import GPT, GPTConfig
+from distllm.train.footprint import state_bytes_per_rank
+
+
+def test_the_bound_is_a_plain_adamw_steps_state():
+    """float32, one rank: weights, gradients and AdamW's two moments of the built model."""
+    cfg = GPTConfig.preset("tiny")
+    model = GPT(cfg, ParallelDims(), dtype=torch.float32, overlap="none")
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 8, dtype=torch.long)).float().sum().backward()
+    opt.step()
+    held = sum(p.nbytes + p.grad.nbytes for p in model.parameters())
+    held += sum(t.nbytes for s in opt.state.values() for k, t in s.items() if k != "step")
+    assert state_bytes_per_rank(cfg, "float32", tp=1, pp=1, dp=1, zero=0) == held
+
+
+@pytest.mark.parametrize("zero, per_param", [(0, 16), (1, 4 + 4 + 8 / 4), (2, 4 + 4 / 4 + 8 / 4),
+                                             (3, 16 / 4)])
+def test_zero_shards_its_parts_over_dp(zero, per_param):
+    cfg = GPTConfig.preset("tiny")
+    got = state_bytes_per_rank(cfg, "float32", tp=2, pp=1, dp=4, zero=zero)
+    assert got == pytest.approx(cfg.num_params() / 2 * per_param, rel=1e-15)
+    # bf16: 2-byte weights and gradients, fp32 moments and master weights
+    bf16 = state_bytes_per_rank(cfg, "bfloat16", tp=1, pp=1, dp=1, zero=0)
+    assert bf16 == cfg.num_params() * (2 + 2 + 8 + 4)
+
+
+def test_a_model_that_cannot_fit_is_refused_before_it_is_built(capsys):
+    t0 = time.perf_counter()
+    rc = main(["train", "--model", "tiny", "--n-layers", "100000000", "--steps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "--model tiny with 100000000 blocks" in err[0] and "lower --n-layers" in err[0]
+    assert time.perf_counter() - t0 < 60  # not after building the blocks
