@@ -141,7 +141,7 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"--shapes: --suite {args.suite} measures its own presets and "
                              f"takes no shapes; drop --shapes")
         for suite in takers:
-            suite.check_shapes(given, args.shapes)
+            suite.check_shapes(given, args.shapes, args.device)
     if args.model is not None:
         _check_model(args)
     if args.net:

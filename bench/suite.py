@@ -36,6 +36,8 @@ from distllm.bench.rows import row
 __all__ = ["Suite", "SUITES", "parse_suites", "availability", "run_suites", "SuiteRun"]
 
 _CONTRACT = ("cases", "setup", "rows")
+CPU_RANKS = 2
+"""The gloo ranks a suite's distributed cases run on CPU."""
 
 
 @dataclass(frozen=True)
@@ -46,15 +48,29 @@ class Suite:
     overlap: bool = False  # an overlap suite: its rows may carry a timeline to draw
     shape: str = ""  # the form of a shape --shapes gives it ("M,K,N"); "": it takes none
     shape_dims: tuple[int, ...] = ()  # the integers a shape may have
+    split_dims: tuple[int, ...] = ()  # a shape's dimensions its 2 CPU ranks split
 
-    def check_shapes(self, shapes: list[tuple[int, ...]], spec: str) -> None:
+    def check_shapes(self, shapes: list[tuple[int, ...]], spec: str, device: str = "cpu"
+                     ) -> None:
         """ValueError naming ``--shapes`` where one of ``shapes`` is not of this suite's
-        form."""
+        form, or (on CPU, where the suite runs 2 ranks) has a dimension they split that 2
+        does not divide."""
         bad = [s for s in shapes if len(s) not in self.shape_dims]
         if bad:
             raise ValueError(f"--shapes {spec!r}: {self.name} takes shapes '{self.shape}' "
                              f"({' or '.join(map(str, self.shape_dims))} integers), not "
                              f"{','.join(map(str, bad[0]))}")
+        if device != "cpu":
+            return
+        names = self.shape.split(",")
+        for s in shapes:
+            for i in self.split_dims:
+                if s[i] % CPU_RANKS:
+                    raise ValueError(
+                        f"--shapes {spec!r}: {self.name} splits {names[i]} over its "
+                        f"{CPU_RANKS} ranks, which {s[i]} (in {','.join(map(str, s))}) does not "
+                        f"divide; "
+                        f"choose {names[i]} a multiple of {CPU_RANKS}")
 
 
 SUITES: dict[str, Suite] = {s.name: s for s in [
@@ -62,13 +78,13 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
           shape="M,K,N", shape_dims=(3,)),
     Suite("parallel_mlp", "distllm.bench.parallel_mlp",
           "Tensor-parallel MLP: fused against unfused against DTensor",
-          shape="tokens,hidden,ffn", shape_dims=(3,)),
+          shape="tokens,hidden,ffn", shape_dims=(3,), split_dims=(2,)),
     Suite("row_overlap", "distllm.bench.row_parallel_overlap",
           "Row-parallel GEMM overlapped with its all-reduce", overlap=True, shape="M,K,N",
           shape_dims=(3,)),
     Suite("sp_overlap", "distllm.bench.sp_overlap",
           "Sequence-parallel all-gather / reduce-scatter overlap", overlap=True, shape="M,K,N",
-          shape_dims=(3,)),
+          shape_dims=(3,), split_dims=(0,)),
     Suite("ddp", "distllm.bench.ddp_overlap", "DDP gradient all-reduce overlapped with backward",
           overlap=True),
     Suite("zero", "distllm.bench.ddp_overlap", "ZeRO-1/2/3 reduce-scatter overlapped with backward",
@@ -131,11 +147,23 @@ def _failure_row(suite: str, status: str, reason: str, case: str = "-") -> dict:
     return row(suite, case, "-", status=status, reason=reason)
 
 
+_TRACEBACK = "Traceback (most recent call last):"
+
+
 def _error(names: list[str], exc: BaseException, label: str) -> list[dict]:
-    """One error row per suite, naming the exception and where it was raised."""
-    tb = traceback.format_exc(limit=-3).strip().splitlines()
+    """One error row per suite, naming the exception and where it was raised. A failure
+    that carries a rank's traceback (:class:`~distllm.testing.DistributedFailure`) is named
+    by its first line and the rank's exception, raised where the rank's traceback ends."""
+    text = str(exc)
+    if _TRACEBACK in text:
+        head, _, rest = text.partition(_TRACEBACK)
+        tb = rest.split("\n(ranks ")[0].strip().splitlines()
+        last = next((ln for ln in reversed(tb) if ln and not ln[0].isspace()), "")
+        text = f"{head.strip()} {last}".strip()
+    else:
+        tb = traceback.format_exc(limit=-3).strip().splitlines()
     where = next((ln.strip() for ln in reversed(tb) if ln.strip().startswith("File")), "")
-    return [_failure_row(n, "error", f"{type(exc).__name__}: {exc} ({where})", label)
+    return [_failure_row(n, "error", f"{type(exc).__name__}: {text} ({where})", label)
             for n in names]
 
 

@@ -167,6 +167,12 @@ def test_out_that_is_a_file_or_cannot_be_created_is_refused(doctor, tmp_path, ca
      "--shapes: --suite ddp,pipeline measures its own presets and takes no shapes; drop "
      "--shapes"),
     (["--suite", "", "--shapes", "1,2,3"], "--suite '' names no suite; choose from"),
+    # a dimension the suite's 2 CPU ranks split: refused, not a traceback in the table
+    (["--suite", "sp_overlap", "--shapes", "33,64,64"],
+     "--shapes '33,64,64': sp_overlap splits M over its 2 ranks, which 33 (in 33,64,64) does "
+     "not divide; choose M a multiple of 2"),
+    (["--suite", "parallel_mlp", "--shapes", "8,64,64;8,64,33"],
+     "parallel_mlp splits ffn over its 2 ranks, which 33 (in 8,64,33) does not divide"),
 ])
 def test_shapes_with_a_dimension_below_one_are_refused(args, says, tmp_path, capsys,
                                                       nothing_runs):

@@ -363,6 +363,32 @@ def test_a_failed_case_of_a_shared_module_fails_its_own_suite(monkeypatch):
     assert [r["variant"] for r in res.rows if r["suite"] == "ddp"] == ["a"]
 
 
+def test_a_ranks_failure_is_its_exception_not_its_traceback(monkeypatch):
+    """A case whose rank raised: the row names the rank and its exception, raised where the
+    rank's traceback ends, not the traceback flattened into a table cell."""
+    from distllm.testing import run_distributed
+
+    def setup(cfg, case):
+        run_distributed(_raise_in_rank, world_size=2)
+
+    mod = _suite_module("fake_ranks", setup, lambda cfg, case, res: [])
+    monkeypatch.setitem(sys.modules, "fake_ranks", mod)
+    reg = {"ranks": suite.Suite("ranks", "fake_ranks", "t")}
+    (r,) = suite.run_suites(["ranks"], BenchConfig(), progress=False, registry=reg).rows
+    assert r["status"] == "error" and "Traceback" not in r["reason"], r["reason"]
+    assert r["reason"].startswith("DistributedFailure: _raise_in_rank: rank 0 of 2 failed: "
+                                  "ValueError: shape 33 is odd (File "), r["reason"]
+    assert "in _raise_in_rank)" in r["reason"]
+
+
+def _raise_in_rank():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        raise ValueError("shape 33 is odd")
+    dist.barrier()
+
+
 def test_suites_sharing_a_module_get_the_time_of_their_own_cases(monkeypatch):
     """Two suites of one module (as ddp and zero): each suite's seconds are those of its own
     cases (on a clock that setup() advances), not the module's total split evenly; a case
