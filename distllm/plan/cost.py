@@ -257,8 +257,20 @@ class CostModel(TimeModel):
         # the optimizer step's temporaries come after the activations are freed
         local = params[r] / (lay.dp if lay.zero >= 1 else 1)
         mem["optimizer_step"] = states + self.runtime.optimizer_temp_bytes * local
-        mem["total"] = max(states + act, mem["optimizer_step"])
+        fb = states + act
+        if self._autograd_grads(lay):
+            # the gradients arrive as backward frees the activations (the last layer's first):
+            # the peak is near one end, all activations or all gradients
+            fb = mem["params"] + mem["optimizer"] + max(act, mem["grads"])
+        mem["total"] = max(fb, mem["optimizer_step"])
         return mem
+
+    def _autograd_grads(self, lay: Layout) -> bool:
+        """Whether the gradients are autograd's own, created in backward and freed after the
+        step, rather than held all the step: one DP rank and ZeRO stage 0 (no reducer and its
+        buckets) in fp32 or fp64 (16-bit training keeps fp32 master gradients), one
+        micro-batch (more accumulate gradients beside the next one's activations)."""
+        return lay.dp == 1 and lay.zero == 0 and self.e != 2 and lay.micro_batches == 1
 
     def _largest_unit(self, lay: Layout, per_layer: float, has_e: bool, has_h: bool) -> float:
         """Parameters of the largest layer on a rank (a block, the embedding or the head):
@@ -308,7 +320,9 @@ class CostModel(TimeModel):
         per = self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, lay.checkpointing)
         bs = b * s.seq_len
         rows = s.vocab_rows(lay.tp, lay.sequence_parallel)
-        logits = (self.e + 4) * bs * rows  # logits + fp32 softmax
+        # the logits and the log-softmax the loss keeps, computed in fp32 or wider
+        soft = max(self.e, 4)
+        logits = (self.e + soft) * bs * rows
         sp = lay.tp if lay.sequence_parallel else 1
         # a message between stages: one micro-batch's residual stream (b, s / sp, h)
         msg = self.e * bs * s.hidden / sp
@@ -318,8 +332,9 @@ class CostModel(TimeModel):
         # gradients alive while one block runs backward: the MLP's inner gradient and two of
         # the residual stream (the saved tensors of that block are freed as it goes)
         work = self.e * (bs * s.ffn / lay.tp + 2 * bs * s.hidden)
-        # the head's backward starts with the fp32 gradient of the logits and its cast
-        head = (4 + self.e) * bs * rows
+        # the head's backward starts with the gradient of the logits in the softmax's dtype
+        # (and, for 16-bit logits, its cast to theirs)
+        head = (soft + (self.e if self.e < soft else 0)) * bs * rows
         # one block's activations live while it is recomputed
         redo = (self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, "none")
                 if lay.checkpointing == "full" else 0.0)

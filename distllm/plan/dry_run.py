@@ -7,7 +7,9 @@ and no arithmetic, and the ``fake`` process-group backend answers every collecti
 A dispatch mode counts the bytes of every storage alive (each storage once, freed when the
 last tensor on it dies, resized when ``UntypedStorage.resize_`` says so) and keeps the peak.
 An optimizer update before the first gradient creates the optimizer states and gradient
-shards first, so the measured step is a steady-state one (its peaks equal a second step's).
+shards first (torch's AdamW, which creates a parameter's states at its first gradient, is
+given zero gradients for it), so the measured step is a steady-state one (its peaks equal a
+second step's).
 
 What a dry run cannot know it is told: a value read back from a fake tensor (a loss, a
 norm, an inf/NaN flag) reads as zero; the shape header a pipeline stage receives is the
@@ -224,7 +226,13 @@ def _state_bytes(engine) -> dict[str, int]:
 def _measure(engine, counter: _Counter, tokens: torch.Tensor, clip: float):
     """(peak bytes of each phase, state bytes) of one steady-state step of ``engine``."""
     # an update before any gradient creates the optimizer states and the gradient shards,
-    # so that the step measured next is a steady-state one
+    # so that the step measured next is a steady-state one; torch's AdamW (stage 0 without
+    # master weights) creates a parameter's states at its first gradient, so each parameter
+    # without one gets zeros for that update (which then frees them, as a real step does)
+    if engine.zero is None:
+        for p in (p for c in engine.chunks for p in c.parameters()):
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
     engine.update(clip)
     phases: dict[str, int] = {}
     counter.peak = counter.live
