@@ -39,7 +39,9 @@ def memory_per_rank(ranks_here: int) -> tuple[float, str]:
     import torch
 
     if torch.cuda.is_available():
-        return float(torch.cuda.get_device_properties(0).total_memory), "a GPU"
+        # this rank's own GPU (a property read: no context on another rank's GPU)
+        gpu = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        return float(torch.cuda.get_device_properties(gpu).total_memory), "a GPU"
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if ranks_here <= 1:
         return float(total), "this machine's memory"

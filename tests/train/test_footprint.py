@@ -43,3 +43,28 @@ def test_a_model_that_cannot_fit_is_refused_before_it_is_built(capsys):
     assert rc == 2 and len(err) == 1, err
     assert "--model tiny with 100000000 blocks" in err[0] and "lower --n-layers" in err[0]
     assert time.perf_counter() - t0 < 60  # not after building the blocks
+
+
+def test_a_gpu_rank_reads_its_own_gpus_memory(monkeypatch):
+    """Each rank of a node reads the memory of its own GPU (LOCAL_RANK), not GPU 0's."""
+    import types
+
+    from distllm.train.footprint import check_fits, memory_per_rank
+
+    read = []
+
+    def props(i):
+        read.append(i)
+        return types.SimpleNamespace(total_memory=80 * 2**30)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    monkeypatch.setenv("LOCAL_RANK", "6")
+    assert memory_per_rank(ranks_here=8) == (80 * 2**30, "a GPU") and read == [2]
+    # 16 bytes per parameter in fp32: gpt2-xl (1.6B) fits in 80 GiB, five times its depth not
+    cfg = GPTConfig.preset("gpt2-xl")
+    check_fits(cfg, "float32", model="gpt2-xl", tp=1, pp=1, dp=8, zero=0, ranks_here=8)
+    with pytest.raises(ValueError, match=r"more than the 80\.0 GiB of a GPU: lower --n-layers"):
+        check_fits(GPTConfig.preset("gpt2-xl", n_layers=240), "float32", model="gpt2-xl",
+                   tp=1, pp=1, dp=8, zero=0, ranks_here=8)
