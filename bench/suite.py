@@ -69,8 +69,7 @@ class Suite:
                     raise ValueError(
                         f"--shapes {spec!r}: {self.name} splits {names[i]} over its "
                         f"{CPU_RANKS} ranks, which {s[i]} (in {','.join(map(str, s))}) does not "
-                        f"divide; "
-                        f"choose {names[i]} a multiple of {CPU_RANKS}")
+                        f"divide; choose {names[i]} a multiple of {CPU_RANKS}")
 
 
 SUITES: dict[str, Suite] = {s.name: s for s in [

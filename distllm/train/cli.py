@@ -390,7 +390,11 @@ def run(args: argparse.Namespace) -> int:
         cfg, why = apply_plan(cfg, world, given_layout(args))
         if int(os.environ.get("RANK", "0")) == 0:
             print(why, flush=True)
-    check_unused(args, cfg)
+    if USAGE_ERRORS_ENV not in os.environ:
+        # (a rank of --nproc's launcher reads the launcher's checked config, its --plan auto
+        # choice included, which keeps a --schedule given with it when the plan has no
+        # pipeline)
+        check_unused(args, cfg)
     if args.nproc is None:
         return _rank(cfg, world)
     precheck(cfg, world)

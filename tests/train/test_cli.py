@@ -88,6 +88,20 @@ def test_bad_input(capsys, argv, words):
     assert words in _err(capsys, argv)
 
 
+def test_a_rank_of_the_launcher_runs_the_config_it_is_given(monkeypatch, tmp_path):
+    """The launcher passes its checked config to its ranks: with --plan auto, a --schedule
+    given with it stays when the plan has no pipeline, and the ranks refused it (the flag
+    check is the launcher's, on the command the user wrote)."""
+    from distllm.train.launch import USAGE_ERRORS_ENV
+
+    argv = ["train", "--model", "tiny", "--schedule", "zb-h1", "--steps", "1", "--global-batch",
+            "2", "--seq-len", "16", "--eval-batches", "0", "--no-save", "--no-progress",
+            "--out", str(tmp_path / "run")]
+    assert main(argv) == 2  # the user's command: refused
+    monkeypatch.setenv(USAGE_ERRORS_ENV, str(tmp_path))
+    assert main(argv) == 0 and not list(tmp_path.glob("rank*.txt"))
+
+
 def test_empty_data(capsys, tmp_path):
     (tmp_path / "empty.txt").write_text("")
     assert "empty" in _err(capsys, ["--data", str(tmp_path / "empty.txt")])
