@@ -94,13 +94,16 @@ class ParallelConfig:
     """ZeRO stage over the DP group: 0 = plain DDP, 1 = optimizer states sharded,
     2 = + gradients sharded, 3 = + parameters sharded."""
     schedule: str = _choice("1f1b", SCHEDULES)
-    """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zb-h1 (used when pp > 1)."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zb-h1 (pp > 1; the flag is refused
+    at pp 1)."""
     micro_batches: int = 0
     """Micro-batches per step and DP rank; 0 picks max(1, pp) (gpipe/1f1b) or 2*pp."""
     virtual_stages: int = 2
-    """Model chunks per rank for interleaved-1f1b (ignored by the other schedules)."""
+    """Model chunks per rank for interleaved-1f1b (the other schedules hold one; the flag is
+    refused with them)."""
     sequence_parallel: bool = False
-    """Keep LayerNorm/dropout activations sharded along the sequence inside a TP group."""
+    """Keep LayerNorm/dropout activations sharded along the sequence inside a TP group (tp > 1;
+    the flag is refused at tp 1)."""
     overlap: str = _choice("auto", OVERLAP_MODES)
     """Row-parallel GEMM + all-reduce overlap: auto (measured), chunked, or none."""
     vocab_parallel: str = _choice("auto", VOCAB_PARALLEL)
