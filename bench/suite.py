@@ -156,8 +156,12 @@ def _error(names: list[str], exc: BaseException, label: str) -> list[dict]:
     text = str(exc)
     if _TRACEBACK in text:
         head, _, rest = text.partition(_TRACEBACK)
-        tb = rest.split("\n(ranks ")[0].strip().splitlines()
-        last = next((ln for ln in reversed(tb) if ln and not ln[0].isspace()), "")
+        tb = rest.split("\n(ranks ")[0].strip("\n").splitlines()
+        # the exception: the first unindented line after the last frame (a message of
+        # several lines starts there)
+        frame = max((i for i, ln in enumerate(tb) if ln.lstrip().startswith("File ")),
+                    default=-1)
+        last = next((ln for ln in tb[frame + 1:] if ln and not ln[0].isspace()), "")
         text = f"{head.strip()} {last}".strip()
     else:
         tb = traceback.format_exc(limit=-3).strip().splitlines()

@@ -267,10 +267,12 @@ class CostModel(TimeModel):
 
     def _autograd_grads(self, lay: Layout) -> bool:
         """Whether the gradients are autograd's own, created in backward and freed after the
-        step, rather than held all the step: one DP rank and ZeRO stage 0 (no reducer and its
-        buckets) in fp32 or fp64 (16-bit training keeps fp32 master gradients), one
+        step, rather than held all the step: a runtime without a gradient buffer there
+        (:attr:`Runtime.autograd_grads_at_dp1`), one DP rank and ZeRO stage 0 (no reducer and
+        its buckets) in fp32 or fp64 (16-bit training keeps fp32 master gradients), one
         micro-batch (more accumulate gradients beside the next one's activations)."""
-        return lay.dp == 1 and lay.zero == 0 and self.e != 2 and lay.micro_batches == 1
+        return (self.runtime.autograd_grads_at_dp1 and lay.dp == 1 and lay.zero == 0
+                and self.e != 2 and lay.micro_batches == 1)
 
     def _largest_unit(self, lay: Layout, per_layer: float, has_e: bool, has_h: bool) -> float:
         """Parameters of the largest layer on a rank (a block, the embedding or the head):

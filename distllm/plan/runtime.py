@@ -68,6 +68,10 @@ class Runtime:
     """Under sequence parallelism the column-parallel GEMMs (QKV, the MLP's first) keep the
     all-gathered full-sequence input for their weight gradient; False: they keep their
     sequence shard and all-gather it again in backward (Korthikanti et al. 2022, sec. 4.2.2)."""
+    autograd_grads_at_dp1: bool = False
+    """On one DP rank at ZeRO stage 0 in fp32 or fp64, the gradients are autograd's own:
+    created in backward as it frees the activations, freed after the step (no reducer or
+    gradient buffer holds them); False: a buffer holds them all the step."""
     step_syncs: bool = False
     """Each optimizer step all-reduces scalars on the host's path (the loss, the gradient
     norm, the inf/NaN flag), one small collective each (:meth:`TimeModel.sync_time`)."""
@@ -111,6 +115,7 @@ RUNTIMES: dict[str, Runtime] = {
         causal_skip=True,
         zero_grad_accumulation="full",
         keeps_gathered_input=True,
+        autograd_grads_at_dp1=True,
         step_syncs=True,
         zb_h1_resident=True,
         dtypes=("float32", "bfloat16", "float64"),
@@ -135,6 +140,8 @@ RUNTIMES: dict[str, Runtime] = {
             "keeps_sends": "distllm.parallel.pipeline.pp_comm.StageComm drops each send once "
             "it has completed (_drop_sent, at every flush; on gloo an activation's when its "
             "gradient returns, _release)",
+            "autograd_grads_at_dp1": "distllm.parallel.data.ddp: with dims.dp == 1 no reducer "
+            "(gradients as autograd produced them); Engine.update zero_grad sets them to None",
             "keeps_gathered_input": "distllm.parallel.tensor.layers._ColumnParallelMatmul and "
             "fused_mlp save x_full, the all-gathered input, for the weight gradient",
             "causal_skip": "torch scaled_dot_product_attention(is_causal=True)",

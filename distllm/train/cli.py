@@ -36,7 +36,7 @@ from distllm.train.config import (
     check_init_from,
     check_layout,
 )
-from distllm.train.footprint import check_fits
+from distllm.train.footprint import check_fits, ranks_on_this_machine
 from distllm.train.launch import (
     LOST_PREFIX,
     STOPPED_FILE,
@@ -175,9 +175,11 @@ def config_to_argv(cfg: TrainConfig) -> list[str]:
     return out
 
 
-def precheck(cfg: TrainConfig, world: int) -> None:
+def precheck(cfg: TrainConfig, world: int, ranks_here: int | None = None) -> None:
     """Every check of the command that can run before a rank starts (raises ValueError /
-    FileNotFoundError); the output folder's are :func:`check_out`'s."""
+    FileNotFoundError); the output folder's are :func:`check_out`'s. ``ranks_here``: the
+    ranks this machine runs (None: as its launcher says, see
+    :func:`~distllm.train.footprint.ranks_on_this_machine`)."""
     mcfg = cfg.model_config()
     seq = cfg.seq_len or mcfg.max_seq_len
     if seq > mcfg.max_seq_len:
@@ -187,7 +189,7 @@ def precheck(cfg: TrainConfig, world: int) -> None:
                       hidden=mcfg.hidden_size, seq_len=seq)
     p = cfg.parallel
     check_fits(mcfg, cfg.dtype, model=cfg.model, tp=p.tp, pp=p.pp, dp=dp, zero=p.zero,
-               ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+               ranks_here=ranks_here or ranks_on_this_machine())
     if cfg.data is not None:
         from distllm.train.data import _files_of, _token_files
 
@@ -354,17 +356,22 @@ def _summary(doc: str) -> str:
 
 
 def check_unused(args: argparse.Namespace, cfg: TrainConfig) -> None:
-    """A UsageError naming a flag given on the command line that this run would not use (a
-    feature of a parallel dimension the layout does not have, a resume-only flag on a fresh
-    run), instead of training without it. The layout flags are checked on the layout given,
-    not on one ``--plan auto`` chooses."""
+    """A UsageError naming a flag given on the command line, at another value than its
+    default, that this run would not use (a feature of a parallel dimension the layout does
+    not have, a resume-only flag on a fresh run), instead of training without it. Under
+    ``--plan auto``, which chooses tp and pp, only the resume-only flags are checked."""
     p = cfg.parallel
-    given = given_layout(args) if args.plan != "auto" else {}
+    if args.plan == "auto":  # (the planner chooses tp and pp)
+        given, vocab_parallel = {}, None
+    else:  # given at another value than its default (a sweep may write every flag)
+        defaults = {f.field: f.default for f in flags()}
+        given = {k: v for k, v in given_layout(args).items() if v != defaults[k]}
+        vocab_parallel = args.vocab_parallel
     unused = []
     if given.get("sequence_parallel") and p.tp == 1:
         unused.append("--sequence-parallel shards activations inside a TP group: raise --tp, "
                       "or drop it")
-    if args.vocab_parallel == "on" and p.tp == 1:
+    if vocab_parallel == "on" and p.tp == 1:
         unused.append("--vocab-parallel on splits the vocabulary over TP: raise --tp, or drop "
                       "it")
     if "schedule" in given and p.pp == 1:
@@ -397,6 +404,6 @@ def run(args: argparse.Namespace) -> int:
         check_unused(args, cfg)
     if args.nproc is None:
         return _rank(cfg, world)
-    precheck(cfg, world)
+    precheck(cfg, world, ranks_here=args.nproc)
     check_out(cfg)
     return launch(args.nproc, config_to_argv(cfg), cfg.parallel.timeout_s)

@@ -11,10 +11,11 @@ millions of blocks, minutes spent building modules that cannot fit)."""
 from __future__ import annotations
 
 import os
+import re
 
 from distllm.models.config import GPTConfig
 
-__all__ = ["state_bytes_per_rank", "memory_per_rank", "check_fits"]
+__all__ = ["state_bytes_per_rank", "memory_per_rank", "ranks_on_this_machine", "check_fits"]
 
 _GIB = 2 ** 30
 
@@ -33,14 +34,35 @@ def state_bytes_per_rank(mcfg: GPTConfig, dtype: str, *, tp: int, pp: int, dp: i
     return per * (weights + grads + optim)
 
 
+_LOCAL_RANK = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
+_LOCAL_SIZE = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
+def _env_int(names: tuple[str, ...], default: int) -> int:
+    """The first of the environment variables ``names`` that is set, as an integer (SLURM's
+    ``4(x2)`` reads 4), else ``default``."""
+    for name in names:
+        m = re.match(r"\s*(\d+)", os.environ.get(name, ""))
+        if m:
+            return int(m.group(1))
+    return default
+
+
+def ranks_on_this_machine() -> int:
+    """The ranks this machine runs, as torchrun (``LOCAL_WORLD_SIZE``), srun or mpirun say;
+    1 where none does (the check then never refuses for the ranks it cannot see)."""
+    return max(1, _env_int(_LOCAL_SIZE, 1))
+
+
 def memory_per_rank(ranks_here: int) -> tuple[float, str]:
     """The bytes one rank can have, and where they are: a GPU's memory, or this machine's
     physical memory over the ``ranks_here`` ranks it runs."""
     import torch
 
     if torch.cuda.is_available():
-        # this rank's own GPU (a property read: no context on another rank's GPU)
-        gpu = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        # this rank's own GPU (a property read: no context on another rank's GPU), numbered
+        # as distllm.parallel.mesh picks it
+        gpu = _env_int(_LOCAL_RANK, 0) % torch.cuda.device_count()
         return float(torch.cuda.get_device_properties(gpu).total_memory), "a GPU"
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if ranks_here <= 1:

@@ -98,7 +98,7 @@ def sample(ckpt, prompt: str = "\n", *, max_new_tokens: int | None = None,
 
 SAMPLE_BATCH = 32
 """Continuations generated together: ``num_samples`` beyond it are generated in turn, so that
-memory does not grow with it (the first batch's are those of a smaller ``num_samples``)."""
+memory does not grow with it (the first 32 of more are those of ``num_samples`` 32)."""
 
 
 def iter_samples(ckpt, prompt: str = "\n", *, max_new_tokens: int | None = None,
@@ -152,7 +152,8 @@ def _prepare(ckpt, prompt, max_new_tokens, temperature, top_k, num_samples, seed
         print(f"note: the run trained the first {trained} of the model's {cfg.max_seq_len} "
               f"positions (its --seq-len); the tokens past them are at positions it never "
               f"learnt", file=sys.stderr)
-    hf = hf_from_layers(cfg, layers)
+    with torch.random.fork_rng(devices=[]):  # (its initialisation, overwritten, draws)
+        hf = hf_from_layers(cfg, layers)
     return hf, ids, max_new_tokens, decode, eos
 
 
@@ -162,19 +163,38 @@ def _generate(hf, ids, max_new_tokens, decode, eos, *, temperature, top_k, num_s
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     hf.to(device)
-    torch.manual_seed(seed)
     greedy = temperature == 0
+    # the sampling's own random stream, from the seed, kept between batches: the caller's
+    # random state is neither used (between the batches it yields) nor changed
+    gpus = [torch.cuda.current_device()] if device.type == "cuda" else []
+    state = None
     for first in range(0, num_samples, SAMPLE_BATCH):
         n = min(SAMPLE_BATCH, num_samples - first)
-        with torch.no_grad(), quiet_transformers():
+        with torch.random.fork_rng(devices=gpus), torch.no_grad(), quiet_transformers():
+            if state is None:
+                torch.manual_seed(seed)
+            else:
+                _set_rng(state, gpus)
             out = hf.generate(
                 torch.tensor([ids] * n, device=device),
                 attention_mask=torch.ones(n, len(ids), dtype=torch.long, device=device),
                 max_new_tokens=max_new_tokens, do_sample=not greedy,
                 **({} if greedy else {"temperature": temperature, "top_k": top_k or None}),
                 eos_token_id=eos, pad_token_id=0 if eos is None else eos)
+            state = _get_rng(gpus)
         for row in out.cpu().tolist():
             yield decode(_until_eos(row, len(ids), eos))
+
+
+def _get_rng(gpus: list[int]) -> tuple:
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(g) for g in gpus]
+
+
+def _set_rng(state: tuple, gpus: list[int]) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    for g, s in zip(gpus, cuda, strict=True):
+        torch.cuda.set_rng_state(s, g)
 
 
 def run(args: argparse.Namespace) -> int:

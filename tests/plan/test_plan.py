@@ -139,6 +139,27 @@ def test_activations_match_megatron_formulas(t, sp, ckpt):
         assert got == pytest.approx(_megatron(shape, b, t, sp, ckpt), rel=1e-12)
 
 
+@pytest.mark.parametrize("runtime, dtype, dp, m, apart", [
+    ("distllm", "float32", 1, 1, True), ("distllm", "float64", 1, 1, True),
+    ("distllm", "float32", 2, 1, False),  # DDP's buckets hold the gradients
+    ("distllm", "float32", 1, 2, False),  # accumulated beside the next micro-batch
+    ("distllm", "bfloat16", 1, 1, False),  # fp32 master gradients, held
+    ("megatron-lm-2021", "float32", 1, 1, False),  # its main_grad buffer, held
+])
+def test_gradients_beside_activations_where_something_holds_them(runtime, dtype, dp, m, apart):
+    """Where autograd's own gradients replace the activations in backward (distllm on one DP
+    rank, fp32 or fp64, one micro-batch), the forward-backward peak holds the larger of the
+    two; elsewhere both."""
+    shape = preset("gpt2-medium").with_(global_batch=2 * dp * m, seq_len=1024)
+    cm = CostModel(shape, load_profile("a100-80gb"), dp, 8, dtype=dtype, runtime_name=runtime)
+    mem = cm.memory(Layout(1, 1, dp, 0, "none", m, "none", False, 1))
+    act, grads = mem["activations"], mem["grads"]
+    held = mem["params"] + mem["optimizer"]
+    fb = held + (max(act, grads) if apart else act + grads)
+    assert grads > 0 and mem["total"] == pytest.approx(max(fb, mem["optimizer_step"]), rel=1e-12)
+    assert mem["total"] > mem["optimizer_step"]  # (the forward-backward peak decides here)
+
+
 @pytest.mark.parametrize("t,ckpt", [(2, "none"), (8, "none"), (8, "selective"), (8, "full")])
 def test_sequence_parallel_gemms_keep_their_gathered_input(t, ckpt):
     """distllm's QKV and first MLP GEMMs keep the all-gathered full-sequence input for their

@@ -625,6 +625,30 @@ def test_plan_auto_pins_the_layout_flags_given_with_it():
     assert (free.parallel.tp, free.parallel.zero) != (2, 0)
 
 
+@pytest.mark.parametrize("argv, refused", [
+    (["--schedule", "1f1b"], False),  # the default: a sweep may write every flag
+    (["--virtual-stages", "2", "--pp", "1"], False),
+    (["--schedule", "gpipe"], True),
+    (["--virtual-stages", "4"], True),
+    (["--vocab-parallel", "on"], True),
+    (["--vocab-parallel", "off"], False),
+    # under --plan auto the planner picks tp and pp: its pick decides, not the user
+    (["--plan", "auto", "--vocab-parallel", "on"], False),
+    (["--plan", "auto", "--override-data"], True),
+])
+def test_a_flag_at_its_default_is_not_refused(argv, refused):
+    from distllm.cli import UsageError
+    from distllm.train.cli import check_unused, config_from_args
+
+    args = _parser().parse_args(argv)
+    cfg = config_from_args(args)  # (tp 1, pp 1: as --plan auto could pick)
+    if refused:
+        with pytest.raises(UsageError, match="this run would not use it"):
+            check_unused(args, cfg)
+    else:
+        check_unused(args, cfg)
+
+
 def _checkpoint_at(out: Path, step: int) -> None:
     import json
 

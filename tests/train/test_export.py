@@ -197,8 +197,8 @@ def test_sample_greedy_is_the_likeliest_token_each_step(trained, capsys):
 
 def test_many_samples_are_generated_a_batch_at_a_time(trained, capsys, monkeypatch):
     """Past SAMPLE_BATCH, the continuations come in batches (memory does not grow with
-    --num-samples), the first batch's those of a smaller --num-samples, and the command
-    prints each batch as it comes."""
+    --num-samples), the first SAMPLE_BATCH those of --num-samples SAMPLE_BATCH, and the
+    command prints each batch as it comes."""
     from transformers import GPT2LMHeadModel
 
     from distllm.train import sample as sample_mod
@@ -217,6 +217,19 @@ def test_many_samples_are_generated_a_batch_at_a_time(trained, capsys, monkeypat
     five = sample_mod.sample(ckpt, "def ", max_new_tokens=6, num_samples=5, seed=3)
     assert batches == [2, 2, 1] and len(five) == 5 and len(set(five)) > 1
     assert sample_mod.sample(ckpt, "def ", max_new_tokens=6, num_samples=2, seed=3) == five[:2]
+    # the sampling's random stream is its own: the caller's draws between the batches it
+    # yields change nothing, and its random state is left as it was
+    import torch
+
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    got = []
+    for text in sample_mod.iter_samples(ckpt, "def ", max_new_tokens=6, num_samples=5, seed=3):
+        got.append(text)
+        assert torch.equal(torch.get_rng_state(), before)
+        torch.rand(7)
+        before = torch.get_rng_state()
+    assert got == five
     capsys.readouterr()
     assert main(["sample", str(out), "--prompt", "def ", "--max-new-tokens", "6",
                  "--num-samples", "5", "--seed", "3"]) == 0
