@@ -219,6 +219,8 @@ def test_a_deep_copy_shares_the_mesh_and_trains_the_same():
     pickled): the copy now shares the mesh and its groups, has parameters and records of its
     own, and gives the original's gradients."""
     for r in run_distributed(_copied_model, 2, timeout=120):
-        assert r["grad err"] == 0.0 and r["shared params"] == [], r
+        # the same gradients up to the last bit of a float64 sum (a full run once saw
+        # 5.6e-17; which CPU GEMM runs each chunk is measured, under the machine's load)
+        assert r["grad err"] <= 1e-15 and r["shared params"] == [], r
         assert r["same dims"] and r["own stats"], r
         assert all(st == (False, 1, 1) for st in r["own stats"]), r
