@@ -171,8 +171,10 @@ def _generate(hf, ids, max_new_tokens, decode, eos, *, temperature, top_k, num_s
     for first in range(0, num_samples, SAMPLE_BATCH):
         n = min(SAMPLE_BATCH, num_samples - first)
         with torch.random.fork_rng(devices=gpus), torch.no_grad(), quiet_transformers():
-            if state is None:
-                torch.manual_seed(seed)
+            if state is None:  # (torch.manual_seed would seed every GPU)
+                torch.default_generator.manual_seed(seed)
+                if gpus:
+                    torch.cuda.manual_seed(seed)
             else:
                 _set_rng(state, gpus)
             out = hf.generate(
