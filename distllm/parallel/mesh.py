@@ -99,11 +99,16 @@ def _current_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
+"""The environment variables naming a rank's index on its machine: torchrun's, srun's,
+mpirun's."""
+
+
 def _local_device() -> int:
     """This rank's GPU: ``LOCAL_RANK`` (torchrun), else ``SLURM_LOCALID`` or
     ``OMPI_COMM_WORLD_LOCAL_RANK`` (srun, mpirun), else the global rank modulo the visible
     GPUs (never GPU 0 for every rank: NCCL refuses two ranks on one GPU)."""
-    for var in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+    for var in LOCAL_RANK_VARS:
         if var in os.environ:
             return int(os.environ[var])
     return int(os.environ["RANK"]) % max(1, torch.cuda.device_count())

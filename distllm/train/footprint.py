@@ -14,6 +14,7 @@ import os
 import re
 
 from distllm.models.config import GPTConfig
+from distllm.parallel.mesh import LOCAL_RANK_VARS
 
 __all__ = ["state_bytes_per_rank", "memory_per_rank", "ranks_on_this_machine", "check_fits"]
 
@@ -34,7 +35,6 @@ def state_bytes_per_rank(mcfg: GPTConfig, dtype: str, *, tp: int, pp: int, dp: i
     return per * (weights + grads + optim)
 
 
-_LOCAL_RANK = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
 _LOCAL_SIZE = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE")
 
 
@@ -62,7 +62,7 @@ def memory_per_rank(ranks_here: int) -> tuple[float, str]:
     if torch.cuda.is_available():
         # this rank's own GPU (a property read: no context on another rank's GPU), numbered
         # as distllm.parallel.mesh picks it
-        gpu = _env_int(_LOCAL_RANK, 0) % torch.cuda.device_count()
+        gpu = _env_int(LOCAL_RANK_VARS, 0) % torch.cuda.device_count()
         return float(torch.cuda.get_device_properties(gpu).total_memory), "a GPU"
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if ranks_here <= 1:
