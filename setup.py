@@ -156,7 +156,8 @@ def _extensions():
         f"building distllm._cuda with CUDA_HOME={ce.CUDA_HOME}, "
         f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}"
     )
-    srcs = sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc" / "cuda").glob("*.c[up]*"))
+    srcs = sorted(str(p.relative_to(HERE)) for ext in ("cu", "cpp")  # not the headers
+                  for p in (HERE / "csrc" / "cuda").glob(f"*.{ext}"))
     exts.append(
         ce.CUDAExtension(
             "distllm._cuda",

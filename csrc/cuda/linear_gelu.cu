@@ -131,7 +131,7 @@ void set_preference(const Gemm& g, cublasLtMatmulPreference_t pref, size_t ws_si
   }
 }
 
-void run_gemm(const Gemm& g, at::ScalarType st, const at::Device& dev, bool allow_tf32) {
+void run_gemm(const Gemm& g, at::ScalarType st, bool allow_tf32) {
   const cudaDataType_t dt = lt_dtype(st);
   Desc desc;
   LT_CHECK(cublasLtMatmulDescCreate(&desc.op, compute_type(st, allow_tf32), CUDA_R_32F));
@@ -144,10 +144,10 @@ void run_gemm(const Gemm& g, at::ScalarType st, const at::Device& dev, bool allo
   LT_CHECK(cublasLtMatrixLayoutCreate(&desc.b, dt, g.tb ? g.n : g.k, g.tb ? g.k : g.n, g.ldb));
   LT_CHECK(cublasLtMatrixLayoutCreate(&desc.d, dt, g.m, g.n, g.ldd));
 
-  // Workspace from the caching allocator (32 MiB is what Hopper kernels may ask for).
-  const size_t ws_size = 32u << 20;
-  at::Tensor ws = at::empty({static_cast<int64_t>(ws_size)},
-                            at::TensorOptions().dtype(at::kByte).device(dev));
+  // torch's own cuBLASLt workspace for this handle and stream (the one its addmm epilogues
+  // use; its size is torch's, CUBLASLT_WORKSPACE_SIZE): no allocation per call.
+  const size_t ws_size = at::cuda::getCUDABlasLtWorkspaceSize();
+  void* ws = at::cuda::getCUDABlasLtWorkspace();
   LT_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
   set_preference(g, desc.pref, ws_size);
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
@@ -155,16 +155,24 @@ void run_gemm(const Gemm& g, at::ScalarType st, const at::Device& dev, bool allo
   int found = 0;
   const cublasStatus_t st_heur = cublasLtMatmulAlgoGetHeuristic(
       handle, desc.op, desc.a, desc.b, desc.d, desc.d, desc.pref, 1, &heur, &found);
-  // NotImplementedError in Python: the dispatch falls back to the next backend.
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      st_heur == CUBLAS_STATUS_SUCCESS && found > 0,
-      "cuBLASLt found no algorithm for epilogue ", static_cast<int>(g.epilogue), " (", st,
-      ", m=", g.m, " n=", g.n, " k=", g.k, ", alignments A/B/D ", alignment_bytes(g.A), "/",
-      alignment_bytes(g.B), "/", alignment_bytes(g.D), " bytes, heuristic status ",
-      static_cast<int>(st_heur), ", ", found, " results)");
+  // No algorithm for these inputs (NOT_SUPPORTED, or none found): NotImplementedError in
+  // Python, and the dispatch falls back to the next backend. Any other status is a mistake in
+  // the descriptors (INVALID_VALUE: a bad ld, type or epilogue pairing) and must not be hidden
+  // by a fallback that gives the right numbers: a RuntimeError.
+  const auto what = [&] {
+    return c10::str("epilogue ", static_cast<int>(g.epilogue), " (", st, ", m=", g.m,
+                    " n=", g.n, " k=", g.k, ", alignments A/B/D ", alignment_bytes(g.A), "/",
+                    alignment_bytes(g.B), "/", alignment_bytes(g.D), " bytes)");
+  };
+  TORCH_CHECK(st_heur == CUBLAS_STATUS_SUCCESS || st_heur == CUBLAS_STATUS_NOT_SUPPORTED,
+              "cuBLASLt's heuristic failed with status ", static_cast<int>(st_heur), " for ",
+              what());
+  TORCH_CHECK_NOT_IMPLEMENTED(st_heur == CUBLAS_STATUS_SUCCESS && found > 0,
+                              "cuBLASLt found no algorithm for ", what(), ", heuristic status ",
+                              static_cast<int>(st_heur), ", ", found, " results");
   const float alpha = 1.f, beta = 0.f;
   LT_CHECK(cublasLtMatmul(handle, desc.op, &alpha, g.A, desc.a, g.B, desc.b, &beta, g.D, desc.d,
-                          g.D, desc.d, &heur.algo, ws.data_ptr(), ws_size,
+                          g.D, desc.d, &heur.algo, ws, ws_size,
                           at::cuda::getCurrentCUDAStream()));
 }
 
@@ -213,7 +221,7 @@ std::tuple<at::Tensor, at::Tensor> cublaslt_linear_gelu(const at::Tensor& x, con
   } else {
     g.epilogue = has_bias ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU;
   }
-  run_gemm(g, x.scalar_type(), x.device(), allow_tf32);
+  run_gemm(g, x.scalar_type(), allow_tf32);
   return {y, pre};
 }
 
@@ -232,6 +240,7 @@ std::tuple<at::Tensor, at::Tensor> cublaslt_dgelu_bgrad(const at::Tensor& dy, co
   at::Tensor dpre = at::empty({M, N}, dy.options());
   at::Tensor dbias = at::zeros({N}, dy.options());
   if (M == 0 || N == 0) return {dpre, dbias};
+  if (P == 0) return {dpre.zero_(), dbias};  // dy @ w2 is 0: so are dpre and its sum
   Gemm g;                              // dpre^T (N, M) = w2^T (N, P) . dy^T (P, M)
   g.m = N; g.n = M; g.k = P;
   g.A = w2.data_ptr(); g.lda = N;      // w2 stored (N, P) column-major
@@ -241,7 +250,7 @@ std::tuple<at::Tensor, at::Tensor> cublaslt_dgelu_bgrad(const at::Tensor& dy, co
   g.bias = dbias.data_ptr();           // bias gradient: reduced over the columns of D (over M)
   g.aux = const_cast<void*>(pre.data_ptr());
   g.aux_ld = N;
-  run_gemm(g, dy.scalar_type(), dy.device(), allow_tf32);
+  run_gemm(g, dy.scalar_type(), allow_tf32);
   return {dpre, dbias};
 }
 
@@ -255,8 +264,9 @@ std::tuple<at::Tensor, at::Tensor> cublaslt_wgrad_bgrad(const at::Tensor& gpre, 
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor dw = at::empty({N, K}, x.options());
   at::Tensor db = with_bias ? at::zeros({N}, x.options()) : at::empty({0}, x.options());
-  if (N == 0 || K == 0) return {dw, db};
-  if (M == 0) return {dw.zero_(), db};
+  if (N == 0) return {dw, db};
+  if (K == 0) return {dw, with_bias ? gpre.sum(0) : db};  // no dW GEMM; the bias gradient is
+  if (M == 0) return {dw.zero_(), db};                     // still gpre's column sums
   Gemm g;                              // dw^T (K, N) = x^T (K, M) . gpre (M, N)
   g.m = K; g.n = N; g.k = M;
   g.A = x.data_ptr(); g.lda = K;       // x stored (K, M) column-major, op N
@@ -267,7 +277,7 @@ std::tuple<at::Tensor, at::Tensor> cublaslt_wgrad_bgrad(const at::Tensor& gpre, 
     g.epilogue = CUBLASLT_EPILOGUE_BGRADB;  // db[n] = sum_m gpre[m, n], columns of D
     g.bias = db.data_ptr();
   }
-  run_gemm(g, x.scalar_type(), x.device(), allow_tf32);
+  run_gemm(g, x.scalar_type(), allow_tf32);
   return {dw, db};
 }
 

@@ -1,8 +1,10 @@
 """linear_gelu on CUDA tensors, every backend that serves them (``cuda`` = cuBLASLt epilogues,
 ``triton``, ``reference``, and ``auto``; ``cpu`` is refused for CUDA tensors), against a
 float64 reference with per-dtype tolerances: odd sizes (1, 7, 123, 769), 3-D and
-non-contiguous inputs, inference and training; the cuBLASLt ops on pointers aligned to
-16 bytes only, TF32 on and off, the fallback when cuBLASLt has no algorithm, and the
+non-contiguous inputs, inference and training (where cuBLASLt must serve them, a fallback to
+another backend fails the test); each cuBLASLt kernel and epilogue in each dtype, on
+pointers aligned to 16 bytes only, and with an empty reduction; TF32 on and off, the
+fallback when cuBLASLt has no algorithm, and the
 Triton tuning switch the GPU check sets (DISTLLM_TRITON_TUNE=min)."""
 
 from __future__ import annotations
@@ -90,9 +92,20 @@ def _cases(backend):
     return first + [(s, *combos[i % len(combos)]) for i, s in enumerate(shapes[1:])]
 
 
+def _no_fallback(monkeypatch):
+    """A cuBLASLt call that raises NotImplementedError would run the next backend and give
+    the right numbers: where cuBLASLt must serve the inputs, that fails the test instead."""
+    def fell_back(x, w, approximate, phase, exc):
+        raise AssertionError(f"cuBLASLt fell back in {phase}: {exc}")
+
+    monkeypatch.setattr(impl, "_after_cuda", fell_back)
+
+
 @pytest.mark.parametrize("backend", ["cuda", "triton", "reference", "auto"])
 @pytest.mark.parametrize("dtype", list(TOL))
-def test_backends_match_float64(backend, dtype):
+def test_backends_match_float64(backend, dtype, monkeypatch):
+    if backend in ("cuda", "auto"):  # auto sends cuBLASLt only the inputs it can serve
+        _no_fallback(monkeypatch)
     bad = {}
     for (M, K, N), approximate, bias in _cases(backend):
         errs = _errors(backend, *_data(M, K, N, dtype, bias), approximate)
@@ -103,7 +116,9 @@ def test_backends_match_float64(backend, dtype):
 
 @pytest.mark.parametrize("backend", ["cuda", "triton", "reference", "auto"])
 @pytest.mark.parametrize("dtype", list(TOL))
-def test_3d_noncontiguous_training_and_inference(backend, dtype):
+def test_3d_noncontiguous_training_and_inference(backend, dtype, monkeypatch):
+    if backend in ("cuda", "auto"):
+        _no_fallback(monkeypatch)
     x, w, b = _data(33, 96, 80, dtype, lead=(3,), noncontig=True)
     assert not x.is_contiguous() and not w.is_contiguous()
     for approximate in ("tanh",) if backend == "cuda" else ("tanh", "none"):
@@ -207,17 +222,52 @@ def test_cuda_backend_falls_back_when_cublaslt_has_no_algorithm(monkeypatch, cap
     assert "instead" in warned[0]
 
 
-def test_dgelu_bgrad_op_matches_float64():
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_each_cublaslt_kernel_and_epilogue_in_each_dtype(dtype):
+    # the kernels themselves, not through the dispatch (whose fallback would hide a refusal):
+    # GELU_AUX_BIAS, GELU_AUX, GELU_BIAS, GELU; DGELU_BGRAD; BGRADB and the plain dW GEMM
+    kernels = extensions.load("_cuda")
+    x, w, b = _data(123, 256, 776, dtype)
+    xd, wd, bd = x.double(), w.double(), b.double()
+    for bias in (b, None):
+        pre_ref = F.linear(xd, wd, None if bias is None else bd)
+        for save_pre in (True, False):
+            y, pre = kernels.cublaslt_linear_gelu(x, w, bias, save_pre)
+            assert _err(y, F.gelu(pre_ref, approximate="tanh")) <= TOL[dtype], (bias, save_pre)
+            if save_pre:
+                assert _err(pre, pre_ref) <= TOL[dtype], bias
+            else:
+                assert pre.numel() == 0
+    gu = torch.randn(123, 776, dtype=dtype, device="cuda")
+    for with_bias in (True, False):
+        dw, db = kernels.cublaslt_wgrad_bgrad(gu, x, with_bias)
+        assert _err(dw, gu.double().t() @ xd) <= TOL[dtype]
+        if with_bias:
+            assert _err(db, gu.double().sum(0)) <= TOL[dtype]
+        else:
+            assert db.numel() == 0
     g = torch.Generator().manual_seed(0)
     dy, w2, pre = (
         torch.randn(s, generator=g, dtype=torch.float64) for s in ((123, 32), (32, 776), (123, 776))
     )
+    dpre, db = kernels.cublaslt_dgelu_bgrad(*(t.to(dtype).cuda() for t in (dy, w2, pre)))
+    pd = pre.to(dtype).double().requires_grad_()
+    F.gelu(pd, approximate="tanh").backward(dy.to(dtype).double() @ w2.to(dtype).double())
+    assert _err(dpre.cpu(), pd.grad) <= TOL[dtype]
+    assert _err(db.cpu(), pd.grad.sum(0)) <= TOL[dtype]
+
+
+def test_cublaslt_kernels_with_an_empty_reduction():
+    # K = 0 (no dW GEMM: the bias gradient is still gpre's column sums) and P = 0 (dy @ w2 is
+    # 0: so are dpre and its sum)
     kernels = extensions.load("_cuda")
-    dpre, db = kernels.cublaslt_dgelu_bgrad(*(t.float().cuda() for t in (dy, w2, pre)))
-    pd = pre.clone().requires_grad_()
-    F.gelu(pd, approximate="tanh").backward(dy @ w2)
-    assert _err(dpre.cpu(), pd.grad) <= TOL[torch.float32]
-    assert _err(db.cpu(), pd.grad.sum(0)) <= TOL[torch.float32]
+    gpre = torch.randn(16, 24, device="cuda")
+    dw, db = kernels.cublaslt_wgrad_bgrad(gpre, torch.empty(16, 0, device="cuda"), True)
+    assert dw.shape == (24, 0) and torch.allclose(db, gpre.sum(0))
+    dpre, db = kernels.cublaslt_dgelu_bgrad(torch.empty(16, 0, device="cuda"),
+                                            torch.empty(0, 24, device="cuda"),
+                                            torch.randn(16, 24, device="cuda"))
+    assert dpre.shape == (16, 24) and not dpre.any() and not db.any()
 
 
 def test_triton_tuning_switch():
