@@ -85,9 +85,12 @@ def _entries(engine):
 
 
 def _canonical(engine) -> tuple[dict[str, torch.Tensor], int]:
-    """This rank's canonical tensors (collective over TP and, for ZeRO, DP)."""
+    """This rank's canonical tensors, on the CPU (collective over TP and, for ZeRO, DP): a
+    layer's are gathered on the model's device, where the collectives run, and moved to the
+    CPU before the next layer's, so that the GPU holds one layer's at a time."""
     entries = list(_entries(engine))
     local, step = collect(engine, [e[4] for e in entries])
+    dev = engine.dims.device
     state: dict[str, torch.Tensor] = {}
     for chunk in engine.chunks:
         for i in chunk.layer_ids:
@@ -95,11 +98,11 @@ def _canonical(engine) -> tuple[dict[str, torch.Tensor], int]:
             for key in ("weight", *MOMENTS):
                 if not all(key in local[e[4]] for e in mine):
                     continue
-                tensors = {e[3]: local[e[4]][key] for e in mine}
+                tensors = {e[3]: local[e[4]][key].to(dev) for e in mine}
                 prefix = "model" if key == "weight" else "optim"
                 suffix = "" if key == "weight" else f".{key}"
                 for name, t in gather_layer(chunk, i, tensors).items():
-                    state[f"{prefix}.layers.{i}.{name}{suffix}"] = t
+                    state[f"{prefix}.layers.{i}.{name}{suffix}"] = t.cpu()
     return state, step
 
 

@@ -33,10 +33,13 @@ def _zero_names(engine) -> dict[nn.Parameter, str]:
 @torch.no_grad()
 def collect(engine, params: list[nn.Parameter]) -> tuple[dict, int]:
     """``({param: {"weight": t, "exp_avg": t, "exp_avg_sq": t}}, optimizer step)``;
-    collective over DP with ZeRO. Moments are absent before the first step."""
+    collective over DP with ZeRO, whose full tensors come on the CPU (the whole state at once
+    would not fit the GPU of a model ZeRO made fit). Moments are absent before the first
+    step."""
     out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
     if engine.zero is not None:
-        sd = engine.zero.state_dict()  # {"master": {name: t}, "state": {name: {key: t}}}
+        # {"master": {name: t}, "state": {name: {key: t}}}
+        sd = engine.zero.state_dict(device="cpu")
         names = _zero_names(engine)
         step = 0
         for p in params:
@@ -61,10 +64,10 @@ def install(engine, local: dict[nn.Parameter, dict[str, torch.Tensor]], step: in
     """Set weights (and moments, when given) from per-parameter TP shards."""
     if engine.zero is not None:
         names = _zero_names(engine)
-        sd = engine.zero.state_dict()  # the template: every key, right dtypes
+        sd = engine.zero.state_dict(device="cpu")  # the template: every key, right dtypes
         for p, d in local.items():
             n = names[p]
-            like = sd["master"][n]  # full, on the masters' device
+            like = sd["master"][n]  # full, on the CPU (the load copies a bucket at a time)
             put = dict(device=like.device, dtype=like.dtype)
             sd["master"][n] = d["weight"].to(**put).reshape(like.shape)
             if any(k in d for k in MOMENTS):

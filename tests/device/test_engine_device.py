@@ -85,9 +85,10 @@ def test_engine_skips_the_step_its_one_read_flags(cuda_job, monkeypatch, tmp_pat
 
 @pytest.mark.parametrize("layout", ["tp2-ddp", "dp2-ddp", "dp2-zero1", "dp2-zero3-bf16"])
 def test_checkpoint_gather_and_install_on_cuda(cuda_job, monkeypatch, tmp_path, layout):
-    """Save gathers the canonical tensors (TP all-gathers, ZeRO all-gathers) on the device;
-    load installs CPU tensors (as DCP reads them) next to the parameters, so the next
-    AdamW step does not mix devices."""
+    """Save gathers the canonical tensors (TP all-gathers, ZeRO all-gathers) on the device
+    and keeps them on the CPU (the GPU holds one layer's, one bucket's at a time); load
+    installs CPU tensors (as DCP reads them) next to the parameters, so the next AdamW step
+    does not mix devices."""
     rec, _ = cuda_job
     world, opts = LAYOUTS[layout]
     with fake_world(world):
@@ -95,7 +96,10 @@ def test_checkpoint_gather_and_install_on_cuda(cuda_job, monkeypatch, tmp_path, 
         _backward(monkeypatch, engine)
         engine.update(1.0)
         state, step = checkpoint._canonical(engine)
-        assert state and all(t.device == CUDA for t in state.values())
+        assert state and all(t.device.type == "cpu" for t in state.values())
+        if engine.zero is not None:  # the full state, a bucket at a time, on the CPU
+            sd = engine.zero.state_dict(device="cpu")
+            assert all(t.device.type == "cpu" for t in sd["master"].values())
         params = [p for c in engine.chunks for p in c.parameters()]
         local, _ = collect(engine, params)
         loaded = {p: {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in d.items()}

@@ -448,10 +448,11 @@ class ZeroOptimizer(ZeroGradChecks):
             return self.module.state_dict()
         return {self.names[p]: p.detach() for p in self.reducer.params()}
 
-    def state_dict(self) -> dict[str, Any]:
-        """Full tensors per parameter name (collective over DP: every rank must call it)."""
+    def state_dict(self, device: torch.device | str | None = None) -> dict[str, Any]:
+        """Full tensors per parameter name (collective over DP: every rank must call it), on
+        ``device`` (None: the masters'; ``"cpu"`` holds one bucket at a time on the GPU)."""
         self.wait_params()
-        return gather_state(self)
+        return gather_state(self, device)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Load a :meth:`state_dict` (saved with any DP size)."""

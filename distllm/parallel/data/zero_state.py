@@ -45,9 +45,11 @@ def _full(z, shard: Tensor) -> Tensor:
     return out
 
 
-def _split(z, i: int, full: Tensor) -> dict[str, Tensor]:
+def _split(z, i: int, full: Tensor, device: torch.device | str | None = None
+           ) -> dict[str, Tensor]:
+    """Bucket ``i``'s parameters' tensors cut from ``full``, copied (to ``device`` if given)."""
     b = z.reducer.buckets[i]
-    return {z.names[p]: full[off: off + shape.numel()].view(shape).clone()
+    return {z.names[p]: full[off: off + shape.numel()].view(shape).to(device, copy=True)
             for p, off, shape in zip(b.params, b.offsets, b.shapes, strict=True)}
 
 
@@ -111,12 +113,15 @@ def load_shard_state(z, i: int, state: dict[str, Any]) -> None:
                 st[key] = v.clone() if isinstance(v, Tensor) else v
 
 
-def gather_state(z) -> dict[str, Any]:
+def gather_state(z, device: torch.device | str | None = None) -> dict[str, Any]:
+    """:meth:`ZeroOptimizer.state_dict`: every tensor on ``device`` (None: the masters'), a
+    bucket at a time, so that only one bucket's gathered tensor is on the masters' device at
+    once (``"cpu"``: a checkpoint of a model whose full state would not fit the GPU)."""
     master: dict[str, Tensor] = {}
     state: dict[str, dict[str, Any]] = {}
     elementwise: set[str] = set()
     for i, m in enumerate(z.masters):
-        master.update(_split(z, i, _full(z, m)))
+        master.update(_split(z, i, _full(z, m), device))
         st = shard_state(z, i)
         names = [z.names[p] for p in z.reducer.buckets[i].params]
         for n in names:
@@ -125,11 +130,11 @@ def gather_state(z) -> dict[str, Any]:
             v = st[key]
             if is_elementwise(v, m):
                 elementwise.add(key)
-                for n, t in _split(z, i, _full(z, v)).items():
+                for n, t in _split(z, i, _full(z, v), device).items():
                     state[n][key] = t
             else:
                 for n in names:
-                    state[n][key] = v.clone() if isinstance(v, Tensor) else v
+                    state[n][key] = v.clone() if isinstance(v, Tensor) else v  # a step count
     groups = [{k: v for k, v in g.items() if k != "params"} for g in z.optimizer.param_groups]
     return {"stage": z.stage, "skipped_steps": z.skipped_steps, "loss_scale": z.loss_scale,
             "loss_scaler": z.scaler.state_dict(), "param_groups": groups, "master": master,
@@ -151,9 +156,11 @@ def _is_elementwise_key(sd: dict[str, Any], key: str, per: dict[str, Any],
 
 
 def _my_slice(z, i: int, per_param: dict[str, Tensor], like: Tensor) -> Tensor:
-    """This rank's shard of bucket ``i`` assembled from full per-parameter tensors."""
+    """This rank's shard of bucket ``i`` assembled from full per-parameter tensors, in
+    ``like``'s dtype on the device of bucket ``i``'s master (the tensors may be elsewhere:
+    a template from ``state_dict(device="cpu")``)."""
     b = z.reducer.buckets[i]
-    full = torch.zeros(b.numel, dtype=like.dtype, device=like.device)
+    full = torch.zeros(b.numel, dtype=like.dtype, device=z.masters[i].device)
     for p, off, shape in zip(b.params, b.offsets, b.shapes, strict=True):
         full[off: off + shape.numel()].copy_(per_param[z.names[p]].reshape(-1))
     lo, hi = z.shard_range(b.numel)
