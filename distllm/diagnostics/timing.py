@@ -17,16 +17,18 @@ doctor, ``distllm plan --calibrate`` and the emulated-link check. The rules:
   are reduced with MAX in one all-reduce (:func:`max_over_ranks`), on the group's device
   (NCCL takes CUDA tensors only).
 
-The auto-tuners (``overlap="auto"``, ``linear_gelu(backend="auto")``) call the same two
-functions::
+The overlap tuner (``overlap="auto"``) calls the same two functions::
 
     samples = interleaved_samples(candidates, warmup=1, reps=5, timer=wall_timer(sync),
                                   before_each=barrier_or_None, errors=failed)
     best = max_over_ranks([min(samples[n]) for n in samples], group=g, device=device)
 
 (``errors``: a dict that collects the candidates that raised, which are dropped; the
-minimum is each candidate's least disturbed repetition; the all-reduce makes every rank
-choose alike, and is skipped on one process.)
+minimum is each candidate's least disturbed repetition; the all-reduce makes every rank of
+the group choose alike, which its collectives need, and is skipped on one process.)
+``linear_gelu(backend="auto")`` times with :func:`interleaved_samples` alone: an op cannot
+start a collective (the stages of a pipeline meet different shapes), so each process
+chooses for itself; backends differ in rounding only, never in the collectives that follow.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ cache file copied to another machine or torch is not reused.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -170,7 +171,9 @@ def choose(
         with _lock:
             _memory[full] = best
         return best
-    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    # the device's own (a bare synchronize() waits for the current device, cuda:0 in a job
+    # whose ranks never set theirs: then it would time the launches, not the kernels)
+    sync = functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else None
     with torch.enable_grad() if grad else torch.no_grad():
         times = measure(candidates, sync, reps=5)
     best = min(times, key=times.__getitem__)

@@ -1,5 +1,6 @@
 """``overlap="auto"`` (every parallel layer's default) on a (fake) CUDA job: the auto-tuner's
-MAX all-reduce of its timings, and the overlap engines' collectives, get CUDA tensors."""
+MAX all-reduce of its timings, and the overlap engines' collectives, get CUDA tensors; its
+timer waits for the layer's own GPU."""
 
 from __future__ import annotations
 
@@ -15,8 +16,12 @@ TIMING = "diagnostics/timing.py"
 
 
 @pytest.mark.parametrize("layer", ["row", "row-sp", "column-sp"])
-def test_auto_overlap_measures_on_cuda(cuda_job, layer):
+def test_auto_overlap_measures_on_cuda(cuda_job, monkeypatch, layer):
     rec, host = cuda_job
+    # the timer waits for the layer's own GPU (a bare synchronize() waits for the current
+    # device, cuda:0 where a rank never set its own: it would time launches, not kernels)
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
     sp = layer.endswith("-sp")
     with fake_world(2):
         dims = CudaDims(tp=2, pp=1, dp=1)
@@ -30,6 +35,7 @@ def test_auto_overlap_measures_on_cuda(cuda_job, layer):
             x = torch.randn(3, 4, 16, device=CUDA)  # (b, s/tp, in)
         y = m(x)
     assert y.device == CUDA
+    assert synced and set(synced) == {CUDA}, synced
     tuned = [c for c in rec.calls if c.where.startswith(TIMING)]
     assert tuned and all(c.name == "all_reduce" for c in tuned), rec.calls
     # the measurement (once per shape) reads the reduced timings back once

@@ -77,3 +77,18 @@ def test_pinned_choices_take_the_first_candidate_untimed(tmp_path, monkeypatch):
         assert backend_choice.lookup("pin-test|1", torch.device("cpu")) == "slow"
     finally:
         backend_choice.clear()
+
+
+def test_timing_waits_for_the_tensors_own_gpu(monkeypatch):
+    # a bare torch.cuda.synchronize() waits for the current device only (cuda:0 where a rank
+    # never set its own): the choice on cuda:1 would time the launches, not the kernels
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "stand-in")
+    backend_choice.clear()
+    try:
+        cands = {"a": lambda: None, "b": lambda: None}
+        backend_choice.choose("sync-test|1", torch.device("cuda", 1), cands)
+    finally:
+        backend_choice.clear()
+    assert synced and set(synced) == {torch.device("cuda", 1)}, synced

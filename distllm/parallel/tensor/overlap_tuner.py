@@ -61,6 +61,7 @@ The cache is a measurement record (not configuration): :func:`clear_cache` empti
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import statistics
@@ -166,7 +167,9 @@ def _timed(variants: dict[str, Callable[[], object]], comm: CommContext, device:
            reps: int) -> dict[str, list[float]]:
     """Each variant's ms in each of ``reps`` interleaved rounds, each repetition the MAX over
     the group (collective: every rank, same order)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    # the device's own (a bare synchronize() waits for the current device, cuda:0 in a job
+    # whose ranks never set theirs: then it would time the launches, not the kernels)
+    sync = functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else None
     samples = interleaved_samples(variants, warmup=1, reps=reps, timer=wall_timer(sync),
                                   before_each=lambda: dist.barrier(group=comm.group))
     names = list(samples)
