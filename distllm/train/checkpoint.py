@@ -175,9 +175,7 @@ def _save(out, engine, loader, step: int, record: dict | None) -> Path:
     state, opt_step = _canonical(engine)
     dcp.save(state, checkpoint_id=str(tmp))  # (shares a rank's failure itself)
     try:
-        torch.save({"cpu": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-                   tmp / "rng" / f"rank{dims.rank}.pt")
+        torch.save(_rng_state(dims.device), tmp / "rng" / f"rank{dims.rank}.pt")
     except (OSError, RuntimeError) as exc:
         err = exc
     _agree(err, dims)
@@ -335,6 +333,25 @@ def install_weights(engine, layers) -> None:
     install(engine, _shards(engine, lambda i, name, _: layer(i)[name], ("weight",)), 0)
 
 
+def _rng_state(device: torch.device) -> dict:
+    """This rank's random state: the CPU generator's and its own GPU's (``cuda``: a list of
+    one; every visible GPU's, as checkpoints before held, would not load where another
+    number of GPUs is visible)."""
+    return {"cpu": torch.get_rng_state(),
+            "cuda": [torch.cuda.get_rng_state(device)] if device.type == "cuda" else []}
+
+
+def _set_rng_state(rng: dict, device: torch.device) -> None:
+    torch.set_rng_state(rng["cpu"])
+    cuda = rng["cuda"]
+    if device.type != "cuda" or not cuda:
+        return
+    if len(cuda) == 1:
+        torch.cuda.set_rng_state(cuda[0], device)
+    elif (device.index or 0) < len(cuda):  # a checkpoint with every visible GPU's state
+        torch.cuda.set_rng_state(cuda[device.index or 0], device)
+
+
 def _load_rng(path: Path, engine, meta: dict) -> None:
     d = engine.dims
     lay = meta["layout"]
@@ -346,6 +363,4 @@ def _load_rng(path: Path, engine, meta: dict) -> None:
         except Exception as exc:  # noqa: BLE001 - any unreadable file: the one-line error
             why = weights_only_refusal(exc) or _cause(exc)
             raise RuntimeError(f"rng/{f.name}: {why}") from None  # named by load_latest
-        torch.set_rng_state(rng["cpu"])
-        if torch.cuda.is_available() and rng["cuda"]:
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        _set_rng_state(rng, d.device)

@@ -66,6 +66,15 @@ def _decay_groups(params: list[tuple[str, nn.Parameter]], weight_decay: float) -
             {"params": no_decay, "weight_decay": 0.0}]
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch's host tensor on ``device``. On a GPU through pinned memory and without
+    blocking: a copy from pageable memory makes the host wait for the stream first (the
+    previous step's optimizer kernels), and the next step's kernels queue only after."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class StepMetrics:
     """What :meth:`Engine.update` read back from the device (its one host sync)."""
@@ -196,7 +205,7 @@ class Engine:
     def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """:meth:`train_step` with the loss left on the device: a float64 scalar (no host
         sync; pass it to :meth:`update`)."""
-        tokens, targets = tokens.to(self.device), targets.to(self.device)
+        tokens, targets = to_device(tokens, self.device), to_device(targets, self.device)
         if self.pipeline is not None:  # the last stage's loss, 0 elsewhere: update()
             # reduces it over the world with the step's other metrics (no broadcast first)
             return self.pipeline.train_step_tensor(tokens, targets, self._loss,
@@ -286,7 +295,7 @@ class Engine:
         """Mean loss of this DP rank's rows, forward only (the pipeline's forward-only
         schedule with pp > 1, at the training micro-batch shape, which the executor keeps);
         the same on every rank of the pipeline."""
-        tokens, targets = tokens.to(self.device), targets.to(self.device)
+        tokens, targets = to_device(tokens, self.device), to_device(targets, self.device)
         if self.pipeline is not None:
             return self.pipeline.eval_step(tokens, targets, self._loss)
         model = self.chunks[0]

@@ -3,7 +3,7 @@ on CPU: every ``item`` / ``tolist`` / ``float()`` / ``int()`` / ``bool()`` / ``n
 ``cpu`` that distllm's code calls on a tensor (on a GPU each of these waits for the device
 to drain its queue). The count of one whole step is taken between two successive batches
 of the loader, after the first step (one-time work such as building the pipeline's message
-shapes is not per step)."""
+shapes is not per step). A batch's copy to the GPU does not make the host wait either."""
 
 from __future__ import annotations
 
@@ -83,3 +83,22 @@ def test_one_host_read_per_step(corpus, tmp_path, world):
                 # one read per step and rank: the metrics (loss, norm, inf/NaN flag) together
                 assert len(reads) == 1, (
                     f"rank {rank} {kw}: step {k + 2} read the device {len(reads)} times: {reads}")
+
+
+def test_a_batch_reaches_the_gpu_without_blocking(monkeypatch):
+    """A copy from pageable memory makes the host wait for the GPU's stream (the previous
+    step's optimizer kernels) before the next step can queue: the batch goes through pinned
+    memory, non-blocking; on the CPU it is a plain copy."""
+    from distllm.train.engine import to_device
+
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a: calls.append("pin") or self)
+    monkeypatch.setattr(torch.Tensor, "to",
+                        lambda self, *a, **k: calls.append(("to", a, k)) or self)
+    batch = torch.zeros(2, 3, dtype=torch.long)
+    gpu = torch.device("cuda", 1)
+    to_device(batch, gpu)
+    assert calls == ["pin", ("to", (gpu,), {"non_blocking": True})]
+    calls.clear()
+    to_device(batch, torch.device("cpu"))
+    assert calls == [("to", (torch.device("cpu"),), {})]

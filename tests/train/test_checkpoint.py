@@ -297,3 +297,25 @@ def test_non_tensor_entry_runs_nothing(tmp_path):
     with pytest.raises(CheckpointException):
         dcp.load({"w": torch.empty(3)}, storage_reader=reader, no_dist=True)
     assert not mark.exists()
+
+
+def test_a_ranks_random_state_is_its_own_gpus(monkeypatch):
+    """A rank saves the CPU generator's state and its own GPU's (every visible GPU's would
+    not load where another number of GPUs is visible), and restores its own GPU's; a
+    checkpoint that holds every visible GPU's state gives the rank its device's."""
+    states = {i: torch.tensor([i], dtype=torch.uint8) for i in range(4)}
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": states[device.index])
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state",
+                        lambda s, device="cuda": set_to.append((int(s[0]), device)))
+    dev = torch.device("cuda", 2)
+    rng = checkpoint._rng_state(dev)
+    assert torch.equal(rng["cpu"], torch.get_rng_state())
+    assert [int(s[0]) for s in rng["cuda"]] == [2]
+    checkpoint._set_rng_state(rng, torch.device("cuda", 1))  # resumed where it is cuda:1
+    checkpoint._set_rng_state({"cpu": rng["cpu"], "cuda": list(states.values())}, dev)
+    assert set_to == [(2, torch.device("cuda", 1)), (2, dev)]
+    # a CPU run keeps no GPU state and restores none
+    assert checkpoint._rng_state(torch.device("cpu"))["cuda"] == []
+    checkpoint._set_rng_state(rng, torch.device("cpu"))
+    assert len(set_to) == 2
