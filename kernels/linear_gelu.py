@@ -46,6 +46,10 @@ from distllm.kernels.linear_gelu_tuning import aot_variants  # noqa: F401 - read
 from distllm.comm.compat import tf32_matmul_allowed
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# The token count and its power-of-two bucket (the autotuner's key) are plain i32 arguments:
+# Triton would otherwise compile one binary for M = 1, one for M divisible by 16 and one for
+# the rest, per tuning config, and none of the three is faster (M bounds masks only).
+_TOKEN_ARGS = ["M", "M_BUCKET"]
 
 # The GeLU constants are literals inside the jitted helpers below: a plain module float read
 # in @triton.jit code compiles nowhere (the compiler accepts only constexpr globals, which
@@ -125,25 +129,36 @@ def _tile_matmul(
 ):
     """The fp32 (BLOCK_M, BLOCK_N) tile ``A[rm, :] @ B[:, rn]`` of ``A`` (M, K) and ``B``
     (K, N), each read through its element strides (``stride_bn`` / ``stride_bk``: B's
-    strides along N and K; for the forward B = W^T, W being (N, K))."""
+    strides along N and K; for the forward B = W^T, W being (N, K)). Offsets along K are
+    int64 too: a K-stride of 2^25 or more (a column-major operand of 2^25 rows) times
+    BLOCK_K passes 2^31.
+
+    fp32 operands take TF32 exactly when ``ALLOW_TF32`` (torch's switch) says so: the
+    precision is passed to ``tl.dot``, so Triton's own default (``TRITON_F32_DEFAULT``)
+    cannot change it. 16-bit operands are multiplied exactly whatever the precision."""
     rk = tl.arange(0, BLOCK_K)
-    a_tile = a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak  # (BM, BK)
-    b_tile = b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn  # (BK, BN)
+    a_rows = a_ptr + rm[:, None] * stride_am  # (BM, 1)
+    b_cols = b_ptr + rn[None, :] * stride_bn  # (1, BN)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + rk) < K
-        a = tl.load(a_tile, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
-        b = tl.load(b_tile, mask=k_ok[:, None] & (rn[None, :] < N), other=0.0)
+        kk = k0 + rk
+        k_ok = kk < K
+        kk = kk.to(tl.int64)
+        a = tl.load(a_rows + kk[None, :] * stride_ak, mask=(rm[:, None] < M) & k_ok[None, :],
+                    other=0.0)  # (BM, BK)
+        b = tl.load(b_cols + kk[:, None] * stride_bk, mask=k_ok[:, None] & (rn[None, :] < N),
+                    other=0.0)  # (BK, BN)
         if DOT_FP32:  # the interpreter's bf16 dot is wrong; bf16 x bf16 is exact in fp32
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, allow_tf32=ALLOW_TF32)  # (BM, BK) @ (BK, BN)
-        a_tile += BLOCK_K * stride_ak
-        b_tile += BLOCK_K * stride_bk
+        if ALLOW_TF32:
+            acc = tl.dot(a, b, acc, input_precision="tf32")  # (BM, BK) @ (BK, BN)
+        else:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_TOKEN_ARGS)
 def _fwd_kernel(
     x_ptr,  # (M, K) input rows, any strides
     w_ptr,  # (N, K) weight, nn.Linear layout, any strides
@@ -185,7 +200,7 @@ def _fwd_kernel(
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_TOKEN_ARGS)
 def _dgelu_kernel(
     dy_ptr,  # (M, K) gradient of the next layer's output, any strides
     w_ptr,  # (K, N) that layer's weight (nn.Linear layout (out=K, in=N)), any strides
@@ -223,7 +238,7 @@ def _dgelu_kernel(
         tl.store(db_ptr + pid_m * N + rn, part, mask=rn < N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _bwd_kernel(
     g_ptr,  # (M, N) incoming gradient dL/dy, contiguous
     u_ptr,  # (M, N) pre-activation saved by the forward, contiguous

@@ -103,8 +103,8 @@ _FWD_INTS = (
     "M_BUCKET",
 )
 # A launch from contiguous tensors: the unit strides, which Triton turns into constants
-# (it specializes an int argument equal to 1), and what it finds 16-divisible (M is
-# whatever the batch is).
+# (it specializes an int argument equal to 1), and what it finds 16-divisible (M and
+# M_BUCKET, the token count and its bucket, are never specialized: do_not_specialize).
 _FWD_UNIT = ("stride_xk", "stride_wk", "stride_yn")
 _FWD_ALIGNED = (
     "x_ptr",
@@ -117,25 +117,26 @@ _FWD_ALIGNED = (
     "stride_xm",
     "stride_wn",
     "stride_ym",
-    "M_BUCKET",
 )
 _BWD_POINTERS = ("g_ptr", "u_ptr", "gu_ptr", "db_ptr")
 _DGELU_POINTERS = ("dy_ptr", "w_ptr", "u_ptr", "gu_ptr", "db_ptr")
 _DGELU_INTS = ("M", "N", "K", "stride_dm", "stride_dk", "stride_wk", "stride_wn", "M_BUCKET")
 _DGELU_UNIT = ("stride_dk", "stride_wn")
 _DGELU_ALIGNED = ("dy_ptr", "w_ptr", "u_ptr", "gu_ptr", "db_ptr", "N", "K", "stride_dm",
-                  "stride_wk", "M_BUCKET")
+                  "stride_wk")
 _DTYPES = ("float32", "float16", "bfloat16")
 
 
 def aot_variants(arch: int) -> list:
-    """Every kernel specialization a GPU launch of this module can make on sm_<arch>, for
+    """The kernel specializations of this module's GPU launches on sm_<arch>, for
     ``distllm.kernels.aot``: each forward tuning config the autotuner may pick there, for
     each dtype (fp32 with and without TF32), with every epilogue flag on; every
     combination of the epilogue flags (bias, pre-activation saved, erf or tanh) with one
     config, launched from contiguous tensors (unit strides, which Triton makes constants,
-    and 16-divisible pointers and sizes); the generic form (any strides, unaligned); and the
-    backward pass for each dtype and flag."""
+    and 16-divisible pointers, sizes and strides: a training launch's form); the generic
+    form (any strides, nothing 16-divisible); and the backward pass for each dtype and
+    flag, in both forms. A launch between the two forms (some arguments 16-divisible) is
+    not compiled here; the token count never splits a kernel (do_not_specialize)."""
     from distllm.kernels.aot import SMEM_LIMIT, Variant
 
     mod, out = KERNELS, []
@@ -211,21 +212,22 @@ def aot_variants(arch: int) -> list:
                 for bias, tanh in flags:
                     out.append(dgelu(dt, tf32, cfg, bool(bias), bool(tanh), True))
             out.append(dgelu(dt, tf32, dconfigs[-1], True, False, False))
-        for bias in (False, True):
-            for tanh in (False, True):
-                ce = (("HAS_BIAS", bias), ("APPROX_TANH", tanh), *sorted(BWD_META.items()))
-                out.append(
-                    Variant(
-                        mod,
-                        "_bwd_kernel",
-                        dt,
-                        _BWD_POINTERS,
-                        ("M", "N"),
-                        ce,
-                        BWD_LAUNCH["num_warps"],
-                        BWD_LAUNCH["num_stages"],
-                        fp32_pointers=("db_ptr",),
-                        aligned=_BWD_POINTERS,
-                    )
+        for bias, tanh, aligned in [(b, t, True) for b in (0, 1) for t in (0, 1)] + [
+                (True, False, False)]:
+            ce = (("HAS_BIAS", bool(bias)), ("APPROX_TANH", bool(tanh)),
+                  *sorted(BWD_META.items()))
+            out.append(
+                Variant(
+                    mod,
+                    "_bwd_kernel",
+                    dt,
+                    _BWD_POINTERS,
+                    ("M", "N"),
+                    ce,
+                    BWD_LAUNCH["num_warps"],
+                    BWD_LAUNCH["num_stages"],
+                    fp32_pointers=("db_ptr",),
+                    aligned=(*_BWD_POINTERS, "N") if aligned else (),
                 )
+            )
     return out

@@ -127,3 +127,34 @@ def test_arch_lists_are_parsed_and_checked():
                      ("", "no target")):
         with pytest.raises(ValueError, match=why):
             parse_archs(bad)
+
+
+_PRECISION_PROBE = """
+import importlib, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from distllm.kernels import linear_gelu_tuning as t
+
+v = next(v for v in t.aot_variants(90) if v.kernel == "_fwd_kernel" and v.dtype == "float32"
+         and dict(v.constexprs)["ALLOW_TF32"] is (sys.argv[1] == "1") and not v.aligned)
+fn = getattr(importlib.import_module(v.module), v.kernel)
+sig = {n: "*fp32" if n in v.pointers else "i32" if n in v.ints else "constexpr"
+       for n in fn.arg_names}
+c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=dict(v.constexprs)),
+                   target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": v.num_warps, "num_stages": v.num_stages})
+print("tf32" in c.asm["ptx"])
+"""
+
+
+@pytest.mark.parametrize("allow_tf32", [False, True])
+def test_torch_switch_not_tritons_default_sets_the_fp32_precision(tmp_path, allow_tf32):
+    # TRITON_F32_DEFAULT sets tl.dot's precision where the kernel passes none: set against
+    # torch's switch (ALLOW_TF32), it must not turn TF32 on, or off
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_F32_DEFAULT="ieee" if allow_tf32 else "tf32")
+    out = subprocess.run([sys.executable, "-c", _PRECISION_PROBE, str(int(allow_tf32))],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == [str(allow_tf32)]
