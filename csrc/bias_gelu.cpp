@@ -2,44 +2,63 @@
 // distllm::bias_gelu_backward, whose ops are registered in distllm/ops/bias_gelu.py):
 //   bias_gelu_cpu(x, bias?, approximate)                -> gelu(x + bias)
 //   bias_gelu_backward_cpu(grad, x, bias?, approximate) -> grad * gelu'(x + bias)
-// x is (..., N) and bias (N,); the pre-activation x + bias is never materialised.
-// One pass over memory, OpenMP over rows (at::parallel_for), vectorisable inner loop.
-#include <ATen/Dispatch.h>
+// x is (..., N) and bias (N,). Rows are taken a block of about 64 KB at a time (OpenMP over
+// blocks, at::parallel_for): the block's pre-activation x + bias is written once, where the
+// output goes (in fp32 scratch for fp16/bf16, so that it is not rounded first), and ATen's
+// vectorised GeLU (or its derivative) runs over it in place while it is in cache. One pass
+// over memory, as a fused loop would make, at the speed of ATen's SIMD GeLU: a scalar loop
+// of libm's erf/tanh per element ran 2.5-8x slower than torch's unfused x + b then gelu.
+#include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+
 #include "checks.h"
-#include "gelu.h"
 #include "ops.h"
 
 namespace distllm {
 
 namespace {
 
+constexpr int64_t kBlockElems = 16384;  // elements of a block (64 KB of fp32)
+
 // kBackward=false: out = gelu(x + b); kBackward=true: out = g * gelu'(x + b).
-template <typename scalar_t, bool kBackward>
+template <bool kBackward>
 void run_cpu(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor* grad,
-             at::Tensor& out, GeluKind kind) {
-  using acc_t = at::opmath_type<scalar_t>;
+             at::Tensor& out, std::string_view approximate) {
   const int64_t n = x.size(-1);
   const int64_t rows = n == 0 ? 0 : x.numel() / n;
-  const scalar_t* xp = x.const_data_ptr<scalar_t>();          // (rows, n) contiguous
-  const scalar_t* bp = bias ? bias->const_data_ptr<scalar_t>() : nullptr;  // (n,) or null
-  const scalar_t* gp = grad ? grad->const_data_ptr<scalar_t>() : nullptr;  // (rows, n)
-  scalar_t* op = out.mutable_data_ptr<scalar_t>();              // (rows, n)
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t off = r * n;
-      for (int64_t j = 0; j < n; ++j) {
-        acc_t u = static_cast<acc_t>(xp[off + j]);
-        if (bp) u += static_cast<acc_t>(bp[j]);
-        if constexpr (kBackward) {
-          op[off + j] = static_cast<scalar_t>(static_cast<acc_t>(gp[off + j]) * gelu_bwd<acc_t>(u, kind));
-        } else {
-          op[off + j] = static_cast<scalar_t>(gelu_fwd<acc_t>(u, kind));
-        }
+  if (rows == 0) return;
+  const at::ScalarType acc = at::toOpMathType(x.scalar_type());  // float for fp16/bf16
+  const bool in_place = acc == x.scalar_type();
+  const at::Tensor x2 = x.view({rows, n});  // contiguous
+  at::Tensor o2 = out.view({rows, n});
+  const at::Tensor g2 = grad ? grad->view({rows, n}) : at::Tensor();
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const at::Tensor b = bias ? bias->to(acc) : at::Tensor();
+  const int64_t block = std::max<int64_t>(1, kBlockElems / n);
+  at::parallel_for(0, rows, block, [&](int64_t r0, int64_t r1) {
+    // a kernel's own ATen calls run below autograd (on every worker thread: the guard is
+    // thread-local)
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    for (int64_t s = r0; s < r1; s += block) {
+      const int64_t len = std::min(block, r1 - s);
+      at::Tensor dst = o2.narrow(0, s, len);
+      at::Tensor u = in_place ? dst : at::empty({len, n}, x.options().dtype(acc));
+      const at::Tensor xs = x2.narrow(0, s, len);
+      if (b.defined()) {
+        at::add_out(u, xs, b);
+      } else {
+        u.copy_(xs);
       }
+      if constexpr (kBackward) {
+        const at::Tensor gs = g2.narrow(0, s, len);
+        at::gelu_backward_out(u, in_place ? gs : gs.to(acc), u, approximate);
+      } else {
+        at::gelu_(u, approximate);
+      }
+      if (!in_place) dst.copy_(u);
     }
   });
 }
@@ -49,14 +68,12 @@ void run_cpu(const at::Tensor& x, const std::optional<at::Tensor>& bias, const a
 at::Tensor bias_gelu_cpu(const at::Tensor& x_in, const std::optional<at::Tensor>& bias_in,
                          std::string_view approximate) {
   check_bias_gelu_args("bias_gelu", c10::DeviceType::CPU, x_in, bias_in);
-  const GeluKind kind = parse_approximate(approximate);
+  parse_approximate(approximate);  // 'none' or 'tanh', else one clear error
   const at::Tensor x = x_in.contiguous();
   std::optional<at::Tensor> bias;
   if (bias_in) bias = bias_in->contiguous();
-  at::Tensor out = at::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_gelu_cpu", [&] {
-    run_cpu<scalar_t, false>(x, bias, nullptr, out, kind);
-  });
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  run_cpu<false>(x, bias, nullptr, out, approximate);
   return out;
 }
 
@@ -64,15 +81,13 @@ at::Tensor bias_gelu_backward_cpu(const at::Tensor& grad_in, const at::Tensor& x
                                   const std::optional<at::Tensor>& bias_in,
                                   std::string_view approximate) {
   check_bias_gelu_args("bias_gelu_backward", c10::DeviceType::CPU, x_in, bias_in, &grad_in);
-  const GeluKind kind = parse_approximate(approximate);
+  parse_approximate(approximate);
   const at::Tensor x = x_in.contiguous();
   const at::Tensor grad = grad_in.contiguous();
   std::optional<at::Tensor> bias;
   if (bias_in) bias = bias_in->contiguous();
-  at::Tensor out = at::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_gelu_bwd_cpu", [&] {
-    run_cpu<scalar_t, true>(x, bias, &grad, out, kind);
-  });
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  run_cpu<true>(x, bias, &grad, out, approximate);
   return out;
 }
 
