@@ -192,13 +192,14 @@ def test_cublaslt_two_byte_aligned_is_correct_or_refused():
     assert _err(y, want) <= TOL[torch.bfloat16]
 
 
-def test_tf32_flag_reaches_cublaslt():
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_tf32_flag_reaches_the_kernel(backend):
     x, w, b = _data(512, 1024, 1024, torch.float32)
     want = F.gelu(F.linear(x.double(), w.double(), b.double()), approximate="tanh")
     errs = {}
     for tf32 in (False, True):
         torch.backends.cuda.matmul.allow_tf32 = tf32
-        y, _ = impl.fwd("cuda", x, w, b, "tanh", False)
+        y, _ = impl.fwd(backend, x, w, b, "tanh", False)
         errs[tf32] = _err(y, want)
     assert errs[False] <= TOL[torch.float32], errs
     # TF32 rounds the inputs to 10 mantissa bits: visibly coarser than fp32, still close
