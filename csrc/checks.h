@@ -54,6 +54,10 @@ inline void check_bias_gelu_args(const char* op, c10::DeviceType device_type, co
                                  const at::Tensor* grad = nullptr) {
   DISTLLM_CHECK_DEVICE_TYPE(x, device_type, op, "x");
   DISTLLM_CHECK_ARG(x.dim() >= 1, op, "x", "must have at least 1 dimension, got a scalar");
+  const at::ScalarType st = x.scalar_type();
+  DISTLLM_CHECK_ARG(st == at::kFloat || st == at::kDouble || st == at::kHalf ||
+                        st == at::kBFloat16,
+                    op, "x", "must be float32, float64, float16 or bfloat16, got ", st);
   if (bias.has_value()) {
     DISTLLM_CHECK_ARG(bias->dim() == 1 && bias->size(0) == x.size(-1), op, "bias",
                       "must be (", x.size(-1), ",) (x's last dimension), got ", bias->sizes());

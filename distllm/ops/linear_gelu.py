@@ -276,7 +276,8 @@ def gemm_dgelu(
     if not dy.dtype == weight.dtype == pre.dtype:
         raise ValueError(f"gemm_dgelu: dy, weight and pre must share one dtype, got "
                          f"dy={dy.dtype}, weight={weight.dtype}, pre={pre.dtype}")
-    _require(backend, pre, weight.t(), approximate)
+    _require(backend, pre, weight.t(), approximate)  # N, the GEMM's output features
+    _require(backend, dy, weight, approximate)  # P, its reduction (cuBLASLt: a multiple of 8)
     gu, db = torch.ops.distllm.gemm_dgelu(dy, weight, pre, bias_grad, approximate, backend)
     return gu, (db if bias_grad else None)
 

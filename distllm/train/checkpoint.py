@@ -91,6 +91,7 @@ def _canonical(engine) -> tuple[dict[str, torch.Tensor], int]:
     entries = list(_entries(engine))
     local, step = collect(engine, [e[4] for e in entries])
     dev = engine.dims.device
+    last = {e[4]: (id(e[0]), e[1]) for e in entries}  # a tied weight: its last layer
     state: dict[str, torch.Tensor] = {}
     for chunk in engine.chunks:
         for i in chunk.layer_ids:
@@ -103,6 +104,9 @@ def _canonical(engine) -> tuple[dict[str, torch.Tensor], int]:
                 suffix = "" if key == "weight" else f".{key}"
                 for name, t in gather_layer(chunk, i, tensors).items():
                     state[f"{prefix}.layers.{i}.{name}{suffix}"] = t.cpu()
+            for e in mine:  # a parameter's last layer done: drop what collect gave for it
+                if last[e[4]] == (id(chunk), i):  # (ZeRO: full CPU copies; the host holds
+                    local.pop(e[4], None)  # the state once, not twice)
     return state, step
 
 

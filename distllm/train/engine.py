@@ -204,7 +204,10 @@ class Engine:
 
     def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """:meth:`train_step` with the loss left on the device: a float64 scalar (no host
-        sync; pass it to :meth:`update`)."""
+        sync; pass it to :meth:`update`). On a GPU, host batches are copied without blocking
+        (:func:`to_device`): a batch already in pinned memory is read as the copy runs, so
+        do not refill it before the step's :meth:`update` (the loader gives a new tensor
+        each step)."""
         tokens, targets = to_device(tokens, self.device), to_device(targets, self.device)
         if self.pipeline is not None:  # the last stage's loss, 0 elsewhere: update()
             # reduces it over the world with the step's other metrics (no broadcast first)

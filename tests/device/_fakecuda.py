@@ -172,9 +172,9 @@ def _as_read(t: torch.Tensor, how: str, value: float | list):
 
 @dataclass
 class Host:
-    """Device-to-host reads of CUDA tensors, counted and answered (fake tensors have no
-    values): every element reads as ``value(tensor)``, 0 by default (a list: what
-    ``tolist`` returns). Reads of CPU tensors go to torch as usual."""
+    """Device-to-host reads of CUDA tensors (and of their fake CPU copies), counted and
+    answered (fake tensors have no values): every element reads as ``value(tensor)``, 0 by
+    default (a list: what ``tolist`` returns). Reads of real CPU tensors go to torch."""
 
     syncs: list[tuple[str, str]] = field(default_factory=list)
     value: Callable[[torch.Tensor], float | list] = lambda t: 0.0
@@ -188,7 +188,8 @@ class Host:
 
         def make(how: str, orig: Callable):
             def read(t, *args, **kwargs):
-                if t.device.type != "cuda":
+                # (a fake CPU tensor is a copy of a CUDA one: its values never existed)
+                if t.device.type != "cuda" and not isinstance(t, FakeTensor):
                     return orig(t, *args, **kwargs)
                 self.syncs.append((how, _caller()))
                 if how in ("cpu", "numpy"):

@@ -100,6 +100,9 @@ def test_checkpoint_gather_and_install_on_cuda(cuda_job, monkeypatch, tmp_path, 
         if engine.zero is not None:  # the full state, a bucket at a time, on the CPU
             sd = engine.zero.state_dict(device="cpu")
             assert all(t.device.type == "cpu" for t in sd["master"].values())
+            held = [v for st in sd["state"].values() for v in st.values()
+                    if isinstance(v, torch.Tensor)]  # the moments and the step count
+            assert held and all(v.device.type == "cpu" for v in held)
         params = [p for c in engine.chunks for p in c.parameters()]
         local, _ = collect(engine, params)
         loaded = {p: {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in d.items()}

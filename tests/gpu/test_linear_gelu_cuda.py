@@ -92,33 +92,39 @@ def _cases(backend):
     return first + [(s, *combos[i % len(combos)]) for i, s in enumerate(shapes[1:])]
 
 
-def _no_fallback(monkeypatch):
+def _no_fallback(monkeypatch) -> list[str]:
     """A cuBLASLt call that raises NotImplementedError would run the next backend and give
-    the right numbers: where cuBLASLt must serve the inputs, that fails the test instead."""
+    the right numbers: where cuBLASLt must serve the inputs, each fallback is recorded in the
+    list returned (and raised, which ``auto``'s timing would catch: hence the list), and
+    the test asserts it empty."""
+    fell = []
+
     def fell_back(x, w, approximate, phase, exc):
+        fell.append(f"{phase}: {exc}")
         raise AssertionError(f"cuBLASLt fell back in {phase}: {exc}")
 
     monkeypatch.setattr(impl, "_after_cuda", fell_back)
+    return fell
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton", "reference", "auto"])
 @pytest.mark.parametrize("dtype", list(TOL))
 def test_backends_match_float64(backend, dtype, monkeypatch):
-    if backend in ("cuda", "auto"):  # auto sends cuBLASLt only the inputs it can serve
-        _no_fallback(monkeypatch)
+    # auto sends cuBLASLt only the inputs it can serve
+    fell = _no_fallback(monkeypatch) if backend in ("cuda", "auto") else []
     bad = {}
     for (M, K, N), approximate, bias in _cases(backend):
         errs = _errors(backend, *_data(M, K, N, dtype, bias), approximate)
         if max(errs.values()) > TOL[dtype]:
             bad[(M, K, N, approximate, bias)] = errs
     assert not bad, f"tolerance {TOL[dtype]}: {bad}"
+    assert fell == [], fell
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton", "reference", "auto"])
 @pytest.mark.parametrize("dtype", list(TOL))
 def test_3d_noncontiguous_training_and_inference(backend, dtype, monkeypatch):
-    if backend in ("cuda", "auto"):
-        _no_fallback(monkeypatch)
+    fell = _no_fallback(monkeypatch) if backend in ("cuda", "auto") else []
     x, w, b = _data(33, 96, 80, dtype, lead=(3,), noncontig=True)
     assert not x.is_contiguous() and not w.is_contiguous()
     for approximate in ("tanh",) if backend == "cuda" else ("tanh", "none"):
@@ -131,6 +137,7 @@ def test_3d_noncontiguous_training_and_inference(backend, dtype, monkeypatch):
                 }
             )
         assert max(errs.values()) <= TOL[dtype], errs
+    assert fell == [], fell
 
 
 def test_cpu_backend_refuses_cuda_tensors():
@@ -256,6 +263,14 @@ def test_each_cublaslt_kernel_and_epilogue_in_each_dtype(dtype):
     F.gelu(pd, approximate="tanh").backward(dy.to(dtype).double() @ w2.to(dtype).double())
     assert _err(dpre.cpu(), pd.grad) <= TOL[dtype]
     assert _err(db.cpu(), pd.grad.sum(0)) <= TOL[dtype]
+
+
+def test_gemm_dgelu_on_cublaslt_needs_a_reduction_that_is_a_multiple_of_8():
+    from distllm.ops import gemm_dgelu
+
+    dy, w2, pre = (torch.randn(s, device="cuda") for s in ((64, 12), (12, 64), (64, 64)))
+    with pytest.raises(ValueError, match="multiples of 8"):
+        gemm_dgelu(dy, w2, pre, approximate="tanh", backend="cuda")
 
 
 def test_cublaslt_kernels_with_an_empty_reduction():

@@ -130,6 +130,14 @@ def test_bad_bias(bad_bias, match):
             lambda x, b: torch.ops.distllm.bias_gelu_backward(x, x, b[:3], "none"),
             r"bias_gelu_backward: bias must be \(64,\)",
         ),
+        (  # an integer or fp8 x: no GeLU kernel of its dtype
+            lambda x, b: torch.ops.distllm.bias_gelu(x.long(), None, "none"),
+            "bias_gelu: x must be float32, float64, float16 or bfloat16, got Long",
+        ),
+        (
+            lambda x, b: torch.ops.distllm.bias_gelu(x.to(torch.float8_e4m3fn), None, "none"),
+            "bias_gelu: x must be float32, float64, float16 or bfloat16, got Float8_e4m3fn",
+        ),
         (  # the extension's own function, called directly with a tensor of another device
             lambda x, b: extensions.load("_C").bias_gelu(x.to("meta"), None, "none"),
             "bias_gelu: x must be a cpu tensor, got one on meta",

@@ -133,8 +133,8 @@ def gather_state(z, device: torch.device | str | None = None) -> dict[str, Any]:
                 for n, t in _split(z, i, _full(z, v), device).items():
                     state[n][key] = t
             else:
-                for n in names:
-                    state[n][key] = v.clone() if isinstance(v, Tensor) else v  # a step count
+                for n in names:  # a step count (a fused AdamW's is on the GPU)
+                    state[n][key] = v.to(device, copy=True) if isinstance(v, Tensor) else v
     groups = [{k: v for k, v in g.items() if k != "params"} for g in z.optimizer.param_groups]
     return {"stage": z.stage, "skipped_steps": z.skipped_steps, "loss_scale": z.loss_scale,
             "loss_scaler": z.scaler.state_dict(), "param_groups": groups, "master": master,
