@@ -33,7 +33,8 @@ except ValueError as e:
 
 @pytest.fixture(scope="module")
 def aot(tmp_path_factory) -> dict:
-    # ~150 variants; about 2.5 minutes on two idle cores, several times that under load
+    # ~110 variants per arch; about 2.5 minutes for both archs on two idle cores, several
+    # times that under load
     tmp = tmp_path_factory.mktemp("aot")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp / "cache")
