@@ -7,7 +7,9 @@ direction (``forward`` / ``backward``) the collective that ran, the calls, how m
 overlapped schedule, the last mode and chunk count, the host time blocked on collectives
 (``wait_ms``), and, with ``overlap="auto"``, the measured standalone communication time
 (``comm_ms_est``) from which ``hidden_ms`` and ``hidden_frac`` estimate how much
-communication was hidden. ``overlap_stats.reset()`` clears.
+communication was hidden (on CPU ranks: on CUDA the stream waits, not the host, and they are
+None; ``distllm bench --doctor`` reads what hid from a profiler trace).
+``overlap_stats.reset()`` clears.
 """
 
 from __future__ import annotations

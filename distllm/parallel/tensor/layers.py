@@ -64,8 +64,9 @@ class OverlapCounter:
     the last call of this direction, engine or not (one of :data:`COLLECTIVES`; ``none``
     until one ran);
     ``wait_ms`` the host time blocked waiting on collectives (CPU only: on CUDA the host does
-    not block); ``comm_ms_est`` the standalone communication time of these calls as measured
-    by ``overlap="auto"`` (0 when not measured); ``reason`` why overlap is off, if it is;
+    not block, and ``on_cuda`` is set); ``comm_ms_est`` the standalone communication time of
+    these calls as measured by ``overlap="auto"`` (0 when not measured); ``reason`` why
+    overlap is off, if it is;
     ``growth`` the piece sizes of the last call's chunked schedule (the ratio of the
     geometric schedule ``overlap="auto"`` chose, or None: equal pieces, the first and last
     halved).
@@ -80,13 +81,16 @@ class OverlapCounter:
     comm_ms_est: float = 0.0
     reason: str = ""
     growth: float | None = None
+    on_cuda: bool = False
 
     @property
     def hidden_ms(self) -> float | None:
         """Estimated communication time hidden behind compute (``comm_ms_est - wait_ms``; 0
         when no call overlapped: a blocking collective hides nothing, whatever the timers say
-        when a peer arrives late)."""
-        if not self.comm_ms_est:
+        when a peer arrives late). None when not measured, or on CUDA: there the wait is the
+        stream's, not the host's, so the host's timer would read every call as wholly hidden
+        (a profiler trace says what hid: ``distllm bench --doctor``)."""
+        if not self.comm_ms_est or self.on_cuda:
             return None
         if not self.overlapped:
             return 0.0
@@ -98,9 +102,10 @@ class OverlapCounter:
         return None if h is None else h / self.comm_ms_est
 
     def record(self, mode: str, chunks: int, collective: str, wait_ms: float,
-               comm_ms_est: float = 0.0) -> None:
-        """Count one call through an overlap engine."""
+               comm_ms_est: float = 0.0, on_cuda: bool = False) -> None:
+        """Count one call through an overlap engine (``on_cuda``: its wait was not timed)."""
         self.calls += 1
+        self.on_cuda |= on_cuda
         self.overlapped += mode in ("chunked", "deferred")
         self.mode, self.chunks, self.collective = mode, chunks, collective
         self.wait_ms += wait_ms
@@ -216,7 +221,7 @@ class OverlapPlan:
         out = call() if trial is None else trial.run(call, comm)
         counter = getattr(self.stats, direction)
         counter.record("chunked" if chunks else "none", chunks, kind,
-                       comm.wait_ms if not a.is_cuda else 0.0, est)
+                       comm.wait_ms if not a.is_cuda else 0.0, est, on_cuda=a.is_cuda)
         counter.reason, counter.growth = reason, growth
         if trial is not None:
             self._trials[direction] = trial
@@ -237,7 +242,7 @@ class OverlapPlan:
         # before the wait (a full backward hook's view of the module output) stays usable
         deferred.launched(self, self.comm.launch("all_reduce", out.data), out)
         c = self.stats.forward
-        c.record("deferred", 0, "all_reduce", 0.0)
+        c.record("deferred", 0, "all_reduce", 0.0, on_cuda=a.is_cuda)
         c.reason, c.growth = ("batch split: the all-reduce runs while the batch's next part "
                               "computes", None)
         return out

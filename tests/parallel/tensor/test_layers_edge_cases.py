@@ -114,6 +114,16 @@ def test_a_blocking_collective_hides_nothing():
     assert c.hidden_ms == 8.0
 
 
+def test_a_collective_waited_on_by_a_cuda_stream_has_no_host_timed_hidden_share():
+    """On CUDA the host never blocks in a wait (the stream does): ``comm_ms_est - 0`` would
+    read every call as wholly hidden. Not measured: None."""
+    from distllm.parallel.tensor.layers import OverlapCounter
+
+    c = OverlapCounter()
+    c.record("chunked", 4, "all_reduce", 0.0, 5.0, on_cuda=True)
+    assert c.overlapped == 1 and c.hidden_ms is None and c.hidden_frac is None
+
+
 def test_a_deferred_layers_doctor_row_is_never_below_its_ideal():
     """Batch split waits for a layer's all-reduce outside the layer's window: its wait can be
     longer than the window. The row's gap is that wait (0 when the next part's compute hid
