@@ -33,6 +33,7 @@ chooses for itself; backends differ in rounding only, never in the collectives t
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -133,6 +134,14 @@ def wall_timer(sync: Callable[[], None] | None = None) -> Timer:
         return (time.perf_counter() - t0) * 1e3
 
     return timer
+
+
+def device_sync(device: torch.device) -> Callable[[], None] | None:
+    """What :func:`wall_timer` waits with for work on ``device``: that GPU's own
+    ``synchronize`` (a bare ``torch.cuda.synchronize()`` waits for the current device, cuda:0
+    where a rank never set its own, and would time the launches, not the kernels); None off
+    CUDA."""
+    return functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else None
 
 
 def cuda_event_timer(fn: Callable[[], object]) -> float:
@@ -258,7 +267,7 @@ def time_collective(op: str, numel: int, *, dtype: torch.dtype = torch.float32,
     fn = {"all_reduce": lambda: all_reduce(full, group=group),
           "all_gather": lambda: all_gather_into(full, part, group=group),
           "reduce_scatter": lambda: reduce_scatter(part, full, group=group)}[op]
-    sync = torch.cuda.synchronize if full.is_cuda else None
-    samples = interleaved_samples({op: fn}, warmup=warmup, reps=reps, timer=wall_timer(sync),
+    samples = interleaved_samples({op: fn}, warmup=warmup, reps=reps,
+                                  timer=wall_timer(device_sync(full.device)),
                                   before_each=lambda: dist.barrier(group=group))[op]
     return max_over_ranks(samples, group, full.device)

@@ -20,7 +20,6 @@ cache file copied to another machine or torch is not reused.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from distllm.diagnostics.timing import interleaved_samples, wall_timer
+from distllm.diagnostics.timing import device_sync, interleaved_samples, wall_timer
 
 log = logging.getLogger("distllm")
 
@@ -171,11 +170,8 @@ def choose(
         with _lock:
             _memory[full] = best
         return best
-    # the device's own (a bare synchronize() waits for the current device, cuda:0 in a job
-    # whose ranks never set theirs: then it would time the launches, not the kernels)
-    sync = functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else None
     with torch.enable_grad() if grad else torch.no_grad():
-        times = measure(candidates, sync, reps=5)
+        times = measure(candidates, device_sync(device), reps=5)
     best = min(times, key=times.__getitem__)
     log.info(
         "backend choice %s: %s (%s)",

@@ -137,3 +137,15 @@ def test_collective_timings_sit_on_the_groups_device(monkeypatch):
     assert seen == [torch.device("cuda", 3)]
     timing.max_over_ranks([1.0], device="cpu")
     assert seen[-1] == torch.device("cpu")
+
+
+def test_device_sync_waits_for_that_gpu(monkeypatch):
+    # a bare synchronize() waits for the current device (cuda:0 where a rank never set its
+    # own): the timers would measure launches, not kernels
+    from distllm.diagnostics.timing import device_sync
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    device_sync(torch.device("cuda", 1))()
+    assert synced == [torch.device("cuda", 1)]
+    assert device_sync(torch.device("cpu")) is None

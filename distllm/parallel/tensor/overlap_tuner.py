@@ -61,7 +61,6 @@ The cache is a measurement record (not configuration): :func:`clear_cache` empti
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import statistics
@@ -72,7 +71,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from distllm.diagnostics.timing import interleaved_samples, max_over_ranks, wall_timer
+from distllm.diagnostics.timing import device_sync, interleaved_samples, max_over_ranks, wall_timer
 from distllm.parallel.tensor.overlap import CommContext, NullComm
 
 __all__ = ["Choice", "Trial", "choose", "clear_cache", "generation", "geometric_growth",
@@ -167,9 +166,7 @@ def _timed(variants: dict[str, Callable[[], object]], comm: CommContext, device:
            reps: int) -> dict[str, list[float]]:
     """Each variant's ms in each of ``reps`` interleaved rounds, each repetition the MAX over
     the group (collective: every rank, same order)."""
-    # the device's own (a bare synchronize() waits for the current device, cuda:0 in a job
-    # whose ranks never set theirs: then it would time the launches, not the kernels)
-    sync = functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else None
+    sync = device_sync(device)
     samples = interleaved_samples(variants, warmup=1, reps=reps, timer=wall_timer(sync),
                                   before_each=lambda: dist.barrier(group=comm.group))
     names = list(samples)
