@@ -73,7 +73,7 @@ from distllm.train.dcp_reader import Refused, RestrictedReader
 from distllm.train.optim_state import MOMENTS, collect, install
 
 __all__ = ["save", "load_latest", "latest", "check_compatible", "prune", "step_of",
-           "FORMAT"]
+           "rng_state", "set_rng_state", "FORMAT"]
 
 def _entries(engine):
     """``(chunk, layer index, canonical name, path in layer, parameter)`` of this rank."""
@@ -179,7 +179,7 @@ def _save(out, engine, loader, step: int, record: dict | None) -> Path:
     state, opt_step = _canonical(engine)
     dcp.save(state, checkpoint_id=str(tmp))  # (shares a rank's failure itself)
     try:
-        torch.save(_rng_state(dims.device), tmp / "rng" / f"rank{dims.rank}.pt")
+        torch.save(rng_state(dims.device), tmp / "rng" / f"rank{dims.rank}.pt")
     except (OSError, RuntimeError) as exc:
         err = exc
     _agree(err, dims)
@@ -337,15 +337,17 @@ def install_weights(engine, layers) -> None:
     install(engine, _shards(engine, lambda i, name, _: layer(i)[name], ("weight",)), 0)
 
 
-def _rng_state(device: torch.device) -> dict:
-    """This rank's random state: the CPU generator's and its own GPU's (``cuda``: a list of
-    one; every visible GPU's, as checkpoints before held, would not load where another
-    number of GPUs is visible)."""
+def rng_state(device: torch.device) -> dict:
+    """The random state of this process on ``device``: the CPU generator's and, for a GPU,
+    that GPU's (``cuda``: a list of one; every visible GPU's, as checkpoints before held,
+    would not load where another number of GPUs is visible)."""
     return {"cpu": torch.get_rng_state(),
             "cuda": [torch.cuda.get_rng_state(device)] if device.type == "cuda" else []}
 
 
-def _set_rng_state(rng: dict, device: torch.device) -> None:
+def set_rng_state(rng: dict, device: torch.device) -> None:
+    """Restore :func:`rng_state`'s ``rng`` on ``device`` (a list of every visible GPU's
+    state, from an older checkpoint: ``device``'s own)."""
     torch.set_rng_state(rng["cpu"])
     cuda = rng["cuda"]
     if device.type != "cuda" or not cuda:
@@ -367,4 +369,4 @@ def _load_rng(path: Path, engine, meta: dict) -> None:
         except Exception as exc:  # noqa: BLE001 - any unreadable file: the one-line error
             why = weights_only_refusal(exc) or _cause(exc)
             raise RuntimeError(f"rng/{f.name}: {why}") from None  # named by load_latest
-        _set_rng_state(rng, d.device)
+        set_rng_state(rng, d.device)

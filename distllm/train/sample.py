@@ -160,6 +160,7 @@ def _prepare(ckpt, prompt, max_new_tokens, temperature, top_k, num_samples, seed
 def _generate(hf, ids, max_new_tokens, decode, eos, *, temperature, top_k, num_samples,
               seed) -> Iterator[str]:
     from distllm.models.hf import quiet_transformers
+    from distllm.train.checkpoint import rng_state, set_rng_state
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     hf.to(device)
@@ -167,6 +168,7 @@ def _generate(hf, ids, max_new_tokens, decode, eos, *, temperature, top_k, num_s
     # the sampling's own random stream, from the seed, kept between batches: the caller's
     # random state is neither used (between the batches it yields) nor changed
     gpus = [torch.cuda.current_device()] if device.type == "cuda" else []
+    drawing = torch.device("cuda", gpus[0]) if gpus else device  # the generator it draws from
     state = None
     for first in range(0, num_samples, SAMPLE_BATCH):
         n = min(SAMPLE_BATCH, num_samples - first)
@@ -176,27 +178,16 @@ def _generate(hf, ids, max_new_tokens, decode, eos, *, temperature, top_k, num_s
                 if gpus:
                     torch.cuda.manual_seed(seed)
             else:
-                _set_rng(state, gpus)
+                set_rng_state(state, drawing)
             out = hf.generate(
                 torch.tensor([ids] * n, device=device),
                 attention_mask=torch.ones(n, len(ids), dtype=torch.long, device=device),
                 max_new_tokens=max_new_tokens, do_sample=not greedy,
                 **({} if greedy else {"temperature": temperature, "top_k": top_k or None}),
                 eos_token_id=eos, pad_token_id=0 if eos is None else eos)
-            state = _get_rng(gpus)
+            state = rng_state(drawing)
         for row in out.cpu().tolist():
             yield decode(_until_eos(row, len(ids), eos))
-
-
-def _get_rng(gpus: list[int]) -> tuple:
-    return torch.get_rng_state(), [torch.cuda.get_rng_state(g) for g in gpus]
-
-
-def _set_rng(state: tuple, gpus: list[int]) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    for g, s in zip(gpus, cuda, strict=True):
-        torch.cuda.set_rng_state(s, g)
 
 
 def run(args: argparse.Namespace) -> int:

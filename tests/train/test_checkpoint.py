@@ -309,13 +309,13 @@ def test_a_ranks_random_state_is_its_own_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_rng_state",
                         lambda s, device="cuda": set_to.append((int(s[0]), device)))
     dev = torch.device("cuda", 2)
-    rng = checkpoint._rng_state(dev)
+    rng = checkpoint.rng_state(dev)
     assert torch.equal(rng["cpu"], torch.get_rng_state())
     assert [int(s[0]) for s in rng["cuda"]] == [2]
-    checkpoint._set_rng_state(rng, torch.device("cuda", 1))  # resumed where it is cuda:1
-    checkpoint._set_rng_state({"cpu": rng["cpu"], "cuda": list(states.values())}, dev)
+    checkpoint.set_rng_state(rng, torch.device("cuda", 1))  # resumed where it is cuda:1
+    checkpoint.set_rng_state({"cpu": rng["cpu"], "cuda": list(states.values())}, dev)
     assert set_to == [(2, torch.device("cuda", 1)), (2, dev)]
     # a CPU run keeps no GPU state and restores none
-    assert checkpoint._rng_state(torch.device("cpu"))["cuda"] == []
-    checkpoint._set_rng_state(rng, torch.device("cpu"))
+    assert checkpoint.rng_state(torch.device("cpu"))["cuda"] == []
+    checkpoint.set_rng_state(rng, torch.device("cpu"))
     assert len(set_to) == 2
