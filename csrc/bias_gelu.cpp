@@ -42,10 +42,13 @@ void run_cpu(const at::Tensor& x, const std::optional<at::Tensor>& bias, const a
     // a kernel's own ATen calls run below autograd (on every worker thread: the guard is
     // thread-local)
     at::AutoDispatchBelowADInplaceOrView below_autograd;
+    // 16-bit: one fp32 scratch block for this thread's range
+    const at::Tensor scratch = in_place ? at::Tensor()
+        : at::empty({std::min(block, r1 - r0), n}, x.options().dtype(acc));
     for (int64_t s = r0; s < r1; s += block) {
       const int64_t len = std::min(block, r1 - s);
       at::Tensor dst = o2.narrow(0, s, len);
-      at::Tensor u = in_place ? dst : at::empty({len, n}, x.options().dtype(acc));
+      at::Tensor u = in_place ? dst : scratch.narrow(0, 0, len);
       const at::Tensor xs = x2.narrow(0, s, len);
       if (b.defined()) {
         at::add_out(u, xs, b);

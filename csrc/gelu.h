@@ -1,4 +1,5 @@
-// GeLU and its derivative, shared by the CPU (_C) and CUDA (_cuda) extensions.
+// GeLU and its derivative: the CUDA bias_gelu kernel's (_cuda); GeluKind is shared with the
+// CPU extension (_C), whose kernel runs ATen's vectorised GeLU.
 //
 // exact ("none"): gelu(u)  = u * Phi(u),           Phi(u) = (1 + erf(u / sqrt 2)) / 2
 //                 gelu'(u) = Phi(u) + u * phi(u),  phi(u) = exp(-u^2 / 2) / sqrt(2 pi)
@@ -7,7 +8,7 @@
 //                 k0 = sqrt(2/pi), k1 = 0.044715.
 // Arithmetic is done in `acc_t` (float for half/bfloat16/float, double for double).
 #pragma once
-#include <math.h>
+#include <cmath>
 
 #if defined(__CUDACC__)
 #define DISTLLM_HD __host__ __device__ __forceinline__
@@ -19,33 +20,24 @@ namespace distllm {
 
 enum class GeluKind : int { Exact = 0, Tanh = 1 };
 
-// The libm function of acc_t's own width: a bare erf(float) in host code is the C
-// erf(double), which widened every fp32/fp16/bf16 element to double and made a double call.
-DISTLLM_HD float erf_(float x) { return erff(x); }
-DISTLLM_HD double erf_(double x) { return erf(x); }
-DISTLLM_HD float tanh_(float x) { return tanhf(x); }
-DISTLLM_HD double tanh_(double x) { return tanh(x); }
-DISTLLM_HD float exp_(float x) { return expf(x); }
-DISTLLM_HD double exp_(double x) { return exp(x); }
-
 template <typename T>
 DISTLLM_HD T gelu_fwd(T u, GeluKind kind) {
   if (kind == GeluKind::Exact) {
-    return u * T(0.5) * (T(1) + erf_(u * T(0.70710678118654752440)));
+    return u * T(0.5) * (T(1) + erf(u * T(0.70710678118654752440)));
   }
   const T inner = T(0.79788456080286535588) * (u + T(0.044715) * u * u * u);
-  return T(0.5) * u * (T(1) + tanh_(inner));
+  return T(0.5) * u * (T(1) + tanh(inner));
 }
 
 template <typename T>
 DISTLLM_HD T gelu_bwd(T u, GeluKind kind) {
   if (kind == GeluKind::Exact) {
-    const T cdf = T(0.5) * (T(1) + erf_(u * T(0.70710678118654752440)));
-    const T pdf = exp_(T(-0.5) * u * u) * T(0.39894228040143267794);
+    const T cdf = T(0.5) * (T(1) + erf(u * T(0.70710678118654752440)));
+    const T pdf = exp(T(-0.5) * u * u) * T(0.39894228040143267794);
     return cdf + u * pdf;
   }
   const T k0 = T(0.79788456080286535588), k1 = T(0.044715);
-  const T t = tanh_(k0 * (u + k1 * u * u * u));
+  const T t = tanh(k0 * (u + k1 * u * u * u));
   return T(0.5) * (T(1) + t) + T(0.5) * u * (T(1) - t * t) * k0 * (T(1) + T(3) * k1 * u * u);
 }
 
