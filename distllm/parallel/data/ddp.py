@@ -131,8 +131,10 @@ class DistributedDataParallel(nn.Module):
             # as torch DDP leaves it (the last forward's view: an unused parameter's gradient
             # is the same at each micro-batch's, and a forward no backward followed is gone)
             self._carried = {p for p in params if p not in used and p.grad is not None}
-            self.reducer.mark_unused(p for p in params if p not in used)
+            # the flags' all-reduce first: marking a rank's unused parameters may launch a
+            # bucket's reduction now, where a rank that uses them launches it in backward
             self._flag_used([p in used for p in params], params[0].device)
+            self.reducer.mark_unused(p for p in params if p not in used)
         return out
 
     def _flag_used(self, flags: list[bool], device: torch.device) -> None:
@@ -164,7 +166,9 @@ class DistributedDataParallel(nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally, with no reduction, inside the context (for all
-        micro-batches but the last one of a gradient-accumulation step)."""
+        micro-batches but the last one of a gradient-accumulation step). The local sums
+        accumulate in the buckets, so ``param.grad`` reads ``None`` until the synchronised
+        backward (torch DDP leaves the local sum in ``.grad``)."""
         if self.reducer is None:
             yield
             return

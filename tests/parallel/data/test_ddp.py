@@ -147,6 +147,49 @@ def _unused_and_overlap(dims, overlap: bool = True) -> dict:
             "in_backward": in_backward}
 
 
+class _TwoHeads(nn.Module):
+    """A trunk and two heads; a batch uses one of them. ``head_b`` is registered last, so
+    its parameters fill the first buckets, which a rank that does not use it marks ready in
+    forward (and, with overlap, reduces there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(7, 16)
+        self.head_a = nn.Linear(16, 5)
+        self.head_b = nn.Sequential(nn.Linear(16, 200), nn.Linear(200, 5))
+
+    def forward(self, x, task: str):  # (b, s, 7) -> (b, s, 5)
+        h = torch.tanh(self.trunk(x))
+        return self.head_a(h) if task == "a" else self.head_b(h)
+
+
+def _rank_dependent_heads(dims) -> float:
+    """find_unused_parameters where ranks use different heads (rank 0 head_a, the others
+    head_b), overlap on: two steps of AdamW against one process on every rank's rows."""
+    from distllm.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = _TwoHeads().double()
+    ref = _TwoHeads().double()
+    ref.load_state_dict(model.state_dict())
+    d = DistributedDataParallel(model, dims=dims, bucket_cap_mb=0.01,
+                                find_unused_parameters=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    tasks = ["a" if r == 0 else "b" for r in range(dims.dp)]
+    for step in range(2):
+        x, y = batch(step)
+        loss_fn(d, local(x, dims), local(y, dims), task=tasks[dims.dp_rank]).backward()
+        n = x.shape[0] // dims.dp
+        sum(loss_fn(ref, x[r * n:(r + 1) * n], y[r * n:(r + 1) * n], task=t)
+            for r, t in enumerate(tasks)).div(dims.dp).backward()
+        opt.step()
+        ropt.step()
+        d.zero_grad()
+        ropt.zero_grad()
+    return _max_diff(model, ref)
+
+
 def _auto(dims) -> dict:
     """``overlap_grad_reduce="auto"`` through its trial and past it: AdamW steps with weight
     decay and clipping against one process on the global batch; how each cycle was planned
@@ -278,7 +321,7 @@ def ddp_scenarios() -> dict:
     out = {"parity": _parity(dims), "unused": _unused_and_overlap(dims),
            "parity_after_backward": _parity(dims, overlap=False),
            "unused_after_backward": _unused_and_overlap(dims, overlap=False),
-           "auto": _auto(dims)}
+           "auto": _auto(dims), "rank_dependent_heads": _rank_dependent_heads(dims)}
     if dist.get_world_size() == 4:
         out["tp_clip"] = _tp_clip()
     else:  # dp == 1: a plain wrapper, gradients untouched
@@ -312,6 +355,14 @@ def test_unused_parameters_get_the_average(spawned, world, when):
     for r in spawned(ddp_scenarios, world):
         u = r["unused" + when]
         assert u["unused_err"] < TOL, u
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_using_different_parameters(spawned, world):
+    # a rank that marks a bucket ready in forward reduces it before the others reach it in
+    # backward: the use flags' all-reduce must come first on every rank
+    for r in spawned(ddp_scenarios, world):
+        assert r["rank_dependent_heads"] < TOL, r["rank_dependent_heads"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
