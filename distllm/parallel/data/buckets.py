@@ -110,7 +110,8 @@ class GradBuckets:
         trial: the :class:`~distllm.parallel.data.reduction_trial.ReductionTrial` of
             ``overlap="auto"`` where it runs, else ``None``.
         launch_log: ``(bucket index, perf_counter time, hooks fired so far this cycle)``
-            for each launch of the current cycle, to check that reduction overlaps backward.
+            for each launch of the current (or last) cycle, to check that reduction overlaps
+            backward; :attr:`launches_in_backward` counts this cycle's launches from a hook.
     """
 
     def __init__(self, buckets: list[list[torch.nn.Parameter]], *, group, mode: str,
@@ -254,16 +255,17 @@ class GradBuckets:
 
     @torch.no_grad()
     def _hook(self, p: torch.nn.Parameter) -> None:
+        b, j = self.where[p]
+        if b.launched:  # (under no_sync too: it would be added to a buffer being reduced)
+            raise RuntimeError(
+                "a gradient arrived for a bucket whose reduction was already launched in this "
+                "step (a backward pass after the synchronised one?): run all but the last "
+                "micro-batch under no_sync(), before the synchronised one, or call "
+                "finish_grad_sync() between backward passes")
         self._synced = False
         self._accumulate(p, divide=self.sync_enabled and self.nranks > 1)
         if not self.sync_enabled:
             return
-        b, j = self.where[p]
-        if b.launched:
-            raise RuntimeError(
-                "a gradient arrived for a bucket whose reduction was already launched in this "
-                "step (two backward passes without no_sync?): run all but the last micro-batch "
-                "under no_sync(), or call finish_grad_sync() between backward passes")
         if self._hooks_fired == 0 and self.tuning:
             self._cycle_t0 = time.perf_counter()  # the trial times the cycle from here
         self._hooks_fired += 1
@@ -309,6 +311,8 @@ class GradBuckets:
             if j not in b.written:
                 self._accumulate(p, divide=self.nranks > 1)
         b.launched = True
+        if self._next == 0:  # a new cycle's first launch
+            self.start_cycle_log()
         self.launch_log.append((b.index, time.perf_counter(), self._hooks_fired))
         self.launches_in_backward += int(in_backward)
         if self.nranks > 1 and len(b.scaled) < len(b.params):  # average (gloo has no AVG)
@@ -390,7 +394,8 @@ class GradBuckets:
         self.overlap = self.trial.overlap_now()
 
     def start_cycle_log(self) -> None:
-        """Clear :attr:`launch_log` and the count of launches from backward."""
+        """Clear :attr:`launch_log` and the count of launches from backward (done at each
+        cycle's first launch)."""
         self.launch_log = []
         self.launches_in_backward = 0
 

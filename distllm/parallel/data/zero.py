@@ -225,7 +225,7 @@ class ZeroOptimizer(ZeroGradChecks):
             as_view=self.stage <= 1 and self.reduce_dtype == self.param_dtype
             and all(p.dtype == self.param_dtype for p in allp),
             finish_on_backward_end=finish_on_end, reduce_scatter_impl=self._rs_impl,
-            overlap=overlap_grad, on_finish=self.sharded.reshard_all if self.sharded else None)
+            overlap=overlap_grad, on_finish=self.sharded.end_step if self.sharded else None)
         if self.sharded is not None:
             self.sharded.attach(self.reducer)
         self._build_flat_params()
@@ -345,6 +345,8 @@ class ZeroOptimizer(ZeroGradChecks):
         over until cleared, as torch's do."""
         if closure is not None:
             raise ValueError("closure is not supported: compute the loss before step()")
+        if self.sharded is not None:  # a unit gathered since backward would keep old values
+            self.sharded.end_step()
         self._prepare_grads()
         skip = bool(self.found_inf().item()) if found_inf is None else bool(found_inf)
         self._prepared = False
@@ -404,6 +406,8 @@ class ZeroOptimizer(ZeroGradChecks):
         (``overlap_param_gather``) the gathers are only launched here and each is waited for
         by a forward pre-hook of the modules whose parameters are in that bucket, so they
         overlap the optimizer step's tail and the next forward (see :meth:`wait_params`)."""
+        if self.sharded is not None:  # (after a load: what a gathered unit holds is old)
+            self.sharded.end_step()
         # the last bucket holds the first layers: gathered first, the forward's order
         self._publish(reversed(range(len(self.masters))))
         if not self._gathers.overlapped:

@@ -20,9 +20,16 @@ Backward: the first gradient reaching a unit's outputs all-gathers it again and 
 the unit that runs backward next; when every parameter of the unit has its gradient
 accumulated in this backward pass, the full parameters are freed (the gradient bucket is
 reduce-scattered by :class:`~distllm.parallel.data.buckets.GradBuckets`). The count restarts
-with each backward pass (micro-batch); a unit with a parameter that gets no gradient in a
-pass stays gathered until the next forward frees it, or the end of the synchronised
-backward.
+with each backward pass (micro-batch).
+
+A parameter may get no gradient in a pass, on some DP ranks only (a gate or an expert that
+one rank's data does not use). Every collective must still come in the same order on every
+rank, so a unit is also closed by an event that every rank sees at the same point: the
+gradient of its tensor inputs (:class:`_UnitBackward`, the way FSDP2 detects a module's
+post-backward). There its parameters without a gradient count as zeros, its bucket may be
+reduce-scattered, and it is freed. A unit whose inputs need no gradient (the embedding), and
+the root, are freed at the end of each backward pass (an autograd callback); ``step`` and
+loading a state first free every unit still gathered, whose values it is about to change.
 """
 
 from __future__ import annotations
@@ -77,6 +84,22 @@ def _owners(module: nn.Module, units: list[nn.Module]) -> dict[nn.Parameter, nn.
     return owner
 
 
+class _UnitBackward(torch.autograd.Function):
+    """Identity on one call's tensor inputs of a unit; its backward runs once the gradients
+    of those inputs are complete, i.e. once that call's backward is done (a parameter's
+    accumulation runs before any other node that became ready with it)."""
+
+    @staticmethod
+    def forward(ctx, sharded: ShardedParams, unit: nn.Module, *xs: Tensor):
+        ctx.sharded, ctx.unit = sharded, unit
+        return xs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.sharded._post_backward(ctx.unit)
+        return (None, None, *grads)
+
+
 def _in_backward() -> bool:
     """Whether autograd is running a backward pass (a forward now is a recomputation)."""
     return torch._C._current_graph_task_id() != -1
@@ -121,6 +144,10 @@ class ShardedParams:
         # units recomputed inside a backward whose own backward has not started yet (under
         # reentrant checkpointing, that backward is a pass nested in the outer one)
         self._recomputed: set[nn.Module] = set()
+        self.reducer: GradBuckets | None = None
+        # calls of each unit whose backward is still to run (:class:`_UnitBackward`)
+        self._pending: dict[nn.Module, int] = dict.fromkeys(self.units, 0)
+        self._end_queued_for: int | None = None  # the backward pass whose end reshards all
         self._order: list[nn.Module] = [u for u in self.units if u is not module]
         self._seen: list[nn.Module] = []
         self._hooks = []
@@ -176,6 +203,7 @@ class ShardedParams:
     def attach(self, reducer: GradBuckets) -> None:
         """Free a unit's gathered parameters once all their gradients have landed (this hook
         runs after the reducer's, which has already copied the gradient into its bucket)."""
+        self.reducer = reducer
         for p in reducer.params():
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_landed))
         self.reshard_all()  # from now on parameters live as shards between uses
@@ -218,6 +246,13 @@ class ShardedParams:
             self.reshard(u)
             self._landed[u].clear()
 
+    def end_step(self) -> None:
+        """Free every unit (waiting for gathers in flight) and forget the forwards whose
+        backward never ran: before the shards change (``step``, a load) and at the end of
+        the synchronised backward."""
+        self.reshard_all()
+        self._pending = dict.fromkeys(self.units, 0)
+
     # --- reads and writes outside forward/backward (module state dicts) ---------------------
     def units_covering(self, mod: nn.Module) -> list[nn.Module]:
         """The units to gather before ``mod``'s own parameters can be read: ``mod`` itself if
@@ -254,14 +289,14 @@ class ShardedParams:
             self._free(f)
 
     # --- hooks ---------------------------------------------------------------------------
-    def _pre_forward(self, mod: nn.Module, args) -> None:
+    def _pre_forward(self, mod: nn.Module, args) -> tuple | None:
         if _in_backward():  # activation checkpointing recomputes the unit: its gather alone
             self._recomputed.add(mod)
             if mod is not self.module and self.flats[self.module]:
                 self.unshard(self.module, wait=True)
             if self.flats.get(mod):
                 self.unshard(mod, wait=True)
-            return  # (the forward order, and the backward's prefetch, stay as they are)
+            return None  # (the forward order, and the backward's prefetch, stay as they are)
         if mod is self.module or mod in self._seen:  # a new forward (or micro-batch) begins
             if self._seen:
                 self._order = [u for u in self._seen if u is not self.module]
@@ -276,6 +311,38 @@ class ShardedParams:
             nxt = self._next(mod, self._order)
             if nxt is not None:
                 self.unshard(nxt, wait=False)
+        if mod is not self.module and torch.is_grad_enabled():
+            return self._track_backward(mod, args)
+        return None
+
+    def _track_backward(self, mod: nn.Module, args: tuple) -> tuple | None:
+        """``args`` with its tensors that need a gradient passed through
+        :class:`_UnitBackward` (the positional ones: a unit taking its activations only by
+        keyword is freed at the end of the pass instead)."""
+        idx = [i for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad]
+        if not idx:
+            return None
+        self._pending[mod] += 1
+        outs = _UnitBackward.apply(self, mod, *(args[i] for i in idx))
+        new = list(args)
+        for i, o in zip(idx, outs, strict=True):
+            new[i] = o
+        return tuple(new)
+
+    @torch.no_grad()
+    def _post_backward(self, u: nn.Module) -> None:
+        """One call of unit ``u`` finished its backward. Once no call's backward is pending
+        (a unit called twice in a forward: the first call's, which runs last; a pipeline with
+        several micro-batches in flight: the last one's), its parameters without a gradient
+        in this pass count as zeros (on this rank alone, perhaps: the others close the unit
+        at this same point) and it is freed."""
+        self._pending[u] -= 1
+        if self._pending[u] > 0:
+            return
+        if self.reducer is not None:
+            self.reducer.mark_unused(p for f in self.flats[u] for p in f.params)
+        self._landed[u].clear()
+        self.reshard(u)
 
     def _post_forward(self, mod: nn.Module, args, out) -> None:
         if torch.is_grad_enabled():
@@ -301,6 +368,9 @@ class ShardedParams:
         # outer one (reentrant checkpointing), whose root gradients have landed already
         nested = mod in self._recomputed
         self._recomputed.discard(mod)
+        if not nested and self._end_queued_for != task:  # this pass's end frees every unit
+            self._end_queued_for = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
         for u in (mod,) if nested else (self.module, mod):
             if self._landed_pass[u] != task:
                 self._landed_pass[u] = task
@@ -313,6 +383,10 @@ class ShardedParams:
             nxt = self._next(mod, bwd)
             if nxt is not None:
                 self.unshard(nxt, wait=False)
+
+    def _end_of_pass(self) -> None:
+        self._end_queued_for = None
+        self.reshard_all()
 
     def _next(self, mod: nn.Module, order: list[nn.Module]) -> nn.Module | None:
         if mod in order:

@@ -203,3 +203,22 @@ def test_transient_buffer_first_gradient_copied_unwritten_zeroed(monkeypatch):
     assert torch.equal(b.shard, torch.cat([c0, c1, c2, torch.zeros(1, dtype=torch.float64)]))
     _backward([p1], [c1])  # no zero_grad: the next cycle adds to the shard
     assert torch.equal(b.shard[5:8], c1 + c1) and torch.equal(b.shard[:5], c0)
+
+
+def test_a_gradient_into_a_launched_bucket_is_refused_and_the_log_is_per_cycle():
+    p0, p1 = _params(5, 3, dtype=torch.float64)
+    gb = GradBuckets([[p0], [p1]], group=None, mode="all_reduce", dtype=torch.float64,
+                     as_view=True, persistent=True, finish_on_backward_end=False)
+    g = torch.Generator().manual_seed(0)
+    a0, a1, b0 = (torch.randn(n, generator=g, dtype=torch.float64) for n in (5, 3, 5))
+    _backward([p0, p1], [a0, a1])  # synchronised: both buckets launched, no finish() yet
+    # a pass under no_sync now would add into a buffer being reduced: refused, untouched
+    with gb.no_sync(), pytest.raises(RuntimeError, match="already launched"):
+        _backward([p0], [b0])
+    gb.finish()
+    assert torch.equal(p0.grad, a0) and torch.equal(p1.grad, a1)
+    for _ in range(3):  # the log holds the last cycle's launches, not every step's
+        gb.zero_grad()
+        _backward([p0, p1], [a0, a1])
+        gb.finish()
+    assert [i for i, _, _ in gb.launch_log] == [0, 1] and gb.launches_in_backward == 2

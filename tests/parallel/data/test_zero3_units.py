@@ -1,6 +1,7 @@
 """ZeRO-3 units against a float64 single process (2 gloo ranks, ~1e-10): gradient
 accumulation where a unit's parameter gets no gradient in some micro-batches (its landed
-count restarts with each backward pass), a unit whose backward is entered twice per pass,
+count restarts with each backward pass), on some ranks only (the collectives must still
+pair up), a unit whose backward is entered twice per pass,
 units recomputed by reentrant activation checkpointing, and a weight tied between two
 layers (GPT's ``tie_embeddings``), which belongs to the root unit."""
 
@@ -61,9 +62,9 @@ class _GatedNet(nn.Module):
         return self.head(x)
 
 
-def _gated_net(how: str) -> _GatedNet:
+def _gated_net(how: str, h: int = 13) -> _GatedNet:
     torch.manual_seed(0)
-    return _GatedNet(how).double()
+    return _GatedNet(how, h=h).double()
 
 
 # each step's micro-batches: whether each uses the gates (the last one is synchronised)
@@ -71,13 +72,17 @@ GATES = ((False, True, False), (True, False, True), (False, False, True))
 LOSS_SCALE = 4.0  # gradient norms of 2.7 to 3.3: clipping acts on every step
 
 
-def _accumulate(dims, how: str, stage: int = 3, prefetch: bool = True) -> dict:
+def _accumulate(dims, how: str, stage: int = 3, prefetch: bool = True,
+                per_rank: bool = False) -> dict:
     """Three steps of three micro-batches (the first two under ``no_sync``), gates used in
     some of them, clipped AdamW (clipping on every step: ``ref_norms``); the reference runs
-    each micro-batch on the global rows."""
+    each micro-batch on the global rows. ``per_rank``: DP rank 0 uses the gates where GATES
+    says, the other ranks where it does not, in units whose shards (64 KiB or more) the
+    gathers and reduce-scatters send point to point."""
     from distllm.parallel import ZeroOptimizer
 
-    model, ref = _gated_net(how), _gated_net(how)
+    h = 64 if per_rank else 13
+    model, ref = _gated_net(how, h), _gated_net(how, h)
     z = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, dims=dims, prefetch=prefetch,
                       param_groups=groups_of(model), bucket_cap_mb=0.002, **adamw())
     ropt = torch.optim.AdamW(groups_of(ref), **adamw())
@@ -90,12 +95,15 @@ def _accumulate(dims, how: str, stage: int = 3, prefetch: bool = True) -> dict:
         for k, use in enumerate(gates):
             x = torch.randn(4 * dims.dp, 3, 7, generator=g, dtype=torch.float64)
             last = k == len(gates) - 1
+            uses = [use == (r == 0) if per_rank else use for r in range(dims.dp)]
             with z.no_sync() if not last else contextlib.nullcontext():
-                (model(local(x, dims), use).square().mean() * LOSS_SCALE
+                (model(local(x, dims), uses[dims.dp_rank]).square().mean() * LOSS_SCALE
                  / len(gates)).backward()
             if stage == 3 and not last:
                 held.append(z.sharded.full_bytes_held())
-            (ref(x, use).square().mean() * LOSS_SCALE / len(gates)).backward()
+            n = x.shape[0] // dims.dp
+            (sum(ref(x[r * n:(r + 1) * n], u).square().mean() for r, u in enumerate(uses))
+             * LOSS_SCALE / dims.dp / len(gates)).backward()
         ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), OPT.grad_clip).item())
         norms.append(abs(z.clip_grad_norm_(OPT.grad_clip).item() - ref_norms[-1]))
         z.step()
@@ -105,6 +113,36 @@ def _accumulate(dims, how: str, stage: int = 3, prefetch: bool = True) -> dict:
     order = [z.sharded.units.index(u) for u in z.sharded._order] if stage == 3 else []
     return {"master": max_err(z.state_dict()["master"], dict(ref.named_parameters())),
             "norm": max(norms), "ref_norms": ref_norms, "held": held, "order": order}
+
+
+def _forward_before_step(dims) -> dict:
+    """A forward with grad on between backward and ``step`` (its result unused) leaves the
+    root and the last unit gathered: the step must not leave their old values in use."""
+    from distllm.parallel import ZeroOptimizer
+
+    model, ref = _gated_net("plain"), _gated_net("plain")
+    z = ZeroOptimizer(model, torch.optim.AdamW, stage=3, dims=dims,
+                      param_groups=groups_of(model), **adamw())
+    ropt = torch.optim.AdamW(groups_of(ref), **adamw())
+    g = torch.Generator().manual_seed(4)
+    out = 0.0
+    for step in range(2):
+        set_lr(step, z, ropt)
+        x = torch.randn(4 * dims.dp, 3, 7, generator=g, dtype=torch.float64)
+        model(local(x, dims), True).square().mean().backward()
+        ref(x, True).square().mean().backward()
+        model(local(x, dims), True)  # e.g. a metric computed without no_grad
+        z.step()
+        ropt.step()
+        z.zero_grad()
+        ropt.zero_grad()
+        with torch.no_grad():
+            out = max(out, (model(local(x, dims), True) - ref(local(x, dims), True)).abs()
+                      .max().item())
+    full = z.full_state_dict()
+    return {"master": max_err(z.state_dict()["master"], dict(ref.named_parameters())),
+            "forward": out,
+            "full": max_err(full, dict(ref.named_parameters()))}
 
 
 def gated_main() -> dict:
@@ -117,11 +155,17 @@ def gated_main() -> dict:
     cases["twice-s3-no-prefetch"] = lambda: _accumulate(dims, "twice", prefetch=False)
     for stage in (1, 2):
         cases[f"plain-s{stage}"] = lambda stage=stage: _accumulate(dims, "plain", stage)
+    for how in ("plain", "twice", "nonreentrant"):
+        cases[f"{how}-s3-per-rank"] = lambda how=how: _accumulate(dims, how, per_rank=True)
+    cases["plain-s3-per-rank-no-prefetch"] = lambda: _accumulate(dims, "plain", prefetch=False,
+                                                                 per_rank=True)
+    cases["forward-before-step"] = lambda: _forward_before_step(dims)
     return run_cases(cases)
 
 
 CASES = ["plain-s1", "plain-s2", "plain-s3", "plain-s3-no-prefetch", "twice-s3",
-         "twice-s3-no-prefetch", "reentrant-s3", "nonreentrant-s3"]
+         "twice-s3-no-prefetch", "reentrant-s3", "nonreentrant-s3", "plain-s3-per-rank",
+         "twice-s3-per-rank", "nonreentrant-s3-per-rank", "plain-s3-per-rank-no-prefetch"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -129,14 +173,15 @@ def test_accumulation_with_parameters_unused_in_some_micro_batches(spawned, case
     for r in case_of(spawned(gated_main, 2), case):
         assert r["master"] < TOL and r["norm"] < TOL, f"{case}: {r}"
         assert min(r["ref_norms"]) > OPT.grad_clip, r["ref_norms"]  # clipping at work
-        if case in ("plain-s3-no-prefetch", "twice-s3-no-prefetch"):
-            # a unit is freed once all its parameters' gradients of this pass have landed:
-            # after the micro-batches that used every parameter (GATES), nothing is held
-            # (a unit with an unused gate stays gathered until the next forward)
-            assert r["held"][1] == 0 and r["held"][3] == 0, r["held"]
-            assert r["held"][0] > 0, r["held"]  # ... and the gate-less one keeps them
         if "-s3" in case:
-            assert r["held"][2] == r["held"][5] == r["held"][8] == 0, r["held"]  # each step
+            # a unit is freed once its backward is done, whether or not each of its
+            # parameters got a gradient in that pass: after each micro-batch, nothing is held
+            assert r["held"] == [0] * 9, r["held"]
+
+
+def test_a_forward_between_backward_and_step_sees_the_new_weights(spawned):
+    for r in case_of(spawned(gated_main, 2), "forward-before-step"):
+        assert r["master"] < TOL and r["forward"] < TOL and r["full"] < TOL, r
 
 
 @pytest.mark.parametrize("how", ["reentrant", "nonreentrant"])
