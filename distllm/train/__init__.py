@@ -6,6 +6,7 @@
 - ``engine``: one rank's GPT chunks, pipeline, DP wrapper or ZeRO optimizer, and AdamW;
 - ``data``: the byte tokenizer, the corpus and the DP-split batch loader;
 - ``checkpoint``, ``optim_state``: sharded checkpoints that load at any other layout;
+- ``resume``: what a resume must agree on with its checkpoint (:func:`train` checks it);
 - ``stop_signal``: a signal (a scheduler's preemption) stops the run with a checkpoint;
 - ``export``: ``distllm export``, a checkpoint as a Hugging Face GPT-2 folder;
 - ``tokenize_data``: ``distllm tokenize``, text as a tokenizer's ids for ``--data``;

@@ -24,8 +24,10 @@ only the classes DCP metadata holds and refuses entries that are not tensors (DC
 would ``torch.load`` those with ``weights_only=False``). A refused checkpoint is a
 ``pickle.UnpicklingError`` naming the file and what it asked for.
 
-A save writes ``.tmp-step_N`` and renames it once every rank has finished, so a crash during
-a save leaves the previous checkpoint whole; ``load_latest`` takes the newest complete one.
+A save writes ``.tmp-step_N`` and renames it once every rank has finished, its files and
+their folders synced to the device before the rename and the rename synced before
+``--keep-checkpoints`` prunes an older one, so a crash or a power loss during a save leaves
+the previous checkpoint whole; ``load_latest`` takes the newest complete one.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from distllm.train.checkpoint_folder import (  # noqa: F401 - the module's API, 
     prune,
     record_of,
     step_of,
+    sync_dir,
     trained_positions_of,
 )
 from distllm.train.data import data_source, tokens_of
@@ -179,7 +182,7 @@ def _save(out, engine, loader, step: int, record: dict | None) -> Path:
     state, opt_step = _canonical(engine)
     dcp.save(state, checkpoint_id=str(tmp))  # (shares a rank's failure itself)
     try:
-        torch.save(rng_state(dims.device), tmp / "rng" / f"rank{dims.rank}.pt")
+        _write_synced(tmp / "rng" / f"rank{dims.rank}.pt", rng_state(dims.device))
     except (OSError, RuntimeError) as exc:
         err = exc
     _agree(err, dims)
@@ -192,10 +195,21 @@ def _save(out, engine, loader, step: int, record: dict | None) -> Path:
     return final
 
 
+def _write_synced(path: Path, obj: dict) -> None:
+    """``torch.save`` ``obj`` to ``path`` and sync the file to its device before returning
+    (the rename that publishes the checkpoint must not come back, after a power loss,
+    naming an empty file)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _write_meta(out, engine, loader, step: int, record: dict | None, opt_step: int,
                 tmp: Path, final: Path) -> None:
-    """Rank 0's part of a save: ``meta.json``, which makes ``tmp`` a complete checkpoint, and
-    the rename to ``final``."""
+    """Rank 0's part of a save: ``meta.json``, which makes ``tmp`` a complete checkpoint, the
+    rename to ``final`` and the pruning, each synced to the device before the next step: a
+    power loss leaves the previous checkpoint or this one whole, never neither."""
     dims, p = engine.dims, engine.cfg.parallel
     meta = {"format": FORMAT, "step": step, "model": _model_key(engine.mcfg),
             "model_name": engine.mcfg.name, "optimizer_step": opt_step,
@@ -211,8 +225,11 @@ def _write_meta(out, engine, loader, step: int, record: dict | None, opt_step: i
         json.dump(meta, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+    sync_dir(tmp / "rng")  # the ranks' files, synced each by its rank: their names
+    sync_dir(tmp)  # meta.json's and the DCP files'
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+    sync_dir(final.parent)  # the rename, before an older checkpoint goes
     prune(out, engine.cfg.keep_checkpoints)
 
 

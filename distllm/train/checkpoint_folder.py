@@ -14,7 +14,7 @@ from pathlib import Path
 from torch.distributed.checkpoint.api import CheckpointException
 
 __all__ = ["FORMAT", "complete", "latest", "step_of", "meta_of", "trained_positions_of",
-           "record_of", "optim_settings", "check_compatible", "prune"]
+           "record_of", "optim_settings", "check_compatible", "prune", "sync_dir"]
 
 FORMAT = "distllm-gpt-ckpt-1"
 
@@ -157,6 +157,16 @@ def check_compatible(out: str | os.PathLike, mcfg) -> Path:
             + ", ".join(f"{k}: checkpoint {a} vs run {b}" for k, (a, b) in diff.items())
             + f"): {fix}, or another --out")
     return path
+
+
+def sync_dir(path: Path) -> None:
+    """Make the entries of the folder ``path`` durable (the files created or renamed in it):
+    a file's own ``fsync`` does not cover its name in its folder."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def prune(out: str | os.PathLike, keep: int) -> list[Path]:

@@ -49,9 +49,11 @@ from distllm.train.launch import (
     lost_peer,
     timed_out,
 )
+from distllm.train.resume import check_resume, resume_data, resume_optim
 
 __all__ = ["add_arguments", "run", "config_from_args", "config_to_argv", "apply_plan",
-           "precheck", "check_out", "check_unused", "resume_optim", "field_docs"]
+           "precheck", "check_out", "check_unused", "check_resume", "resume_optim",
+           "resume_data", "field_docs"]
 
 # (argument group, config class, attribute of TrainConfig holding it; None: TrainConfig itself)
 SECTIONS = (("layout", ParallelConfig, "parallel"), ("run", TrainConfig, None),
@@ -201,25 +203,17 @@ def precheck(cfg: TrainConfig, world: int, ranks_here: int | None = None) -> Non
 
 def check_out(cfg: TrainConfig) -> None:
     """Checks of the output folder ``cfg.out``, which it creates: with ``--resume`` it holds
-    a checkpoint of this model before ``--steps`` (and ``--stop-after``); without, no
-    checkpoint (a later ``--resume`` would continue the other run) and no other run's
-    metrics; a folder this process can write into."""
+    a checkpoint of this model (the rest of a resume's checks are
+    :func:`~distllm.train.resume.check_resume`'s, which :func:`~distllm.train.trainer.train`
+    runs); without, no checkpoint (a later ``--resume`` would continue the other run) and no
+    other run's metrics; a folder this process can write into."""
     from distllm.train import checkpoint
 
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {cfg.out}: it is a file, not a folder; pass another --out")
-    if cfg.resume:
-        path = checkpoint.check_compatible(out, cfg.model_config())
-        step = checkpoint.step_of(path)
-        if step >= cfg.steps:
-            raise ValueError(f"--resume: the checkpoint in --out {cfg.out} is at step {step}, "
-                             f"where --steps {cfg.steps} ends: raise --steps to train on")
-        resume_optim(cfg, checkpoint.optim_settings(path))
-        resume_data(cfg, checkpoint.meta_of(path))
-        if cfg.stop_after and cfg.stop_after <= step:
-            raise ValueError(f"--stop-after {cfg.stop_after}: the run resumes after step "
-                             f"{step}; raise --stop-after, or drop it")
+    if cfg.resume:  # (what else it must agree on: check_resume's)
+        checkpoint.check_compatible(out, cfg.model_config())
     elif (prev := checkpoint.latest(out)) is not None:
         raise ValueError(f"--out {cfg.out} holds a previous run's checkpoints (step "
                          f"{checkpoint.step_of(prev)}): pass --resume to continue "
@@ -234,53 +228,6 @@ def check_out(cfg: TrainConfig) -> None:
                          f"another --out") from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise ValueError(f"--out {cfg.out}: the folder is not writable; pass another --out")
-
-
-def resume_optim(cfg: TrainConfig, saved: dict | None) -> None:
-    """On ``--resume``: the optimizer and learning-rate settings must be the checkpoint's
-    ``saved`` ones (as :meth:`OptimConfig.schedule` resolves them), else a ValueError names
-    each flag that differs, unless ``--override-optim``. The schedule keeps the checkpoint's
-    length (``--lr-decay-steps`` 0 takes it), so that raising ``--steps`` trains on at the
-    schedule's end instead of stretching it under the steps already run."""
-    if saved is None or cfg.override_optim:
-        return
-    if cfg.optim.lr_decay_steps == 0 and "lr_decay_steps" in saved:
-        cfg.optim.lr_decay_steps = int(saved["lr_decay_steps"])
-    ours = cfg.optim.schedule(cfg.steps)
-    differ = [f"--{k.replace('_', '-')} {ours[k]} (the checkpoint's: {saved[k]})"
-              for k in ours if k in saved and ours[k] != saved[k]]
-    if differ:
-        raise ValueError(
-            f"--resume: this command's optimizer settings differ from those the checkpoint in "
-            f"--out {cfg.out} was trained with: {', '.join(differ)}; pass the checkpoint's, or "
-            f"add --override-optim to train on with this command's")
-
-
-def resume_data(cfg: TrainConfig, meta: dict) -> None:
-    """On ``--resume``: the data must be what the checkpoint trained on (its ``--data``, and
-    the kind of tokens: a tokenizer's ids or text's bytes), else a ValueError names
-    ``--data``, unless ``--override-data``. A checkpoint saved before the data was recorded
-    is checked on its kind of tokens alone."""
-    from distllm.train.data import data_source, tokens_of
-
-    if cfg.override_data:
-        return
-    kinds = {"ids": "a tokenizer's ids", "bytes": "text, as bytes"}
-    theirs, their_kind = meta.get("data_source"), meta.get("tokens")
-    ours, kind = data_source(cfg.data), tokens_of(cfg.data)
-    if theirs in (None, ours) and their_kind in (None, kind):
-        return
-    if theirs is None:
-        was, fix = kinds.get(their_kind, their_kind), "pass the --data it trained on"
-    elif theirs == "python-stdlib":
-        was, fix = "the default corpus", "drop --data"
-    else:
-        was, fix = f"--data {theirs}", f"pass --data {theirs}"
-    now = "the default corpus" if cfg.data is None else f"--data {cfg.data}"
-    raise ValueError(
-        f"--resume: the checkpoint in --out {cfg.out} trained on {was}, this command reads "
-        f"{now} ({kinds[kind]}): {fix}, or add --override-data to train on with this "
-        f"command's data, from its start")
 
 
 def apply_plan(cfg: TrainConfig, world: int,
@@ -358,34 +305,55 @@ def _summary(doc: str) -> str:
 def check_unused(args: argparse.Namespace, cfg: TrainConfig) -> None:
     """A UsageError naming a flag given on the command line, at another value than its
     default, that this run would not use (a feature of a parallel dimension the layout does
-    not have, a resume-only flag on a fresh run), instead of training without it. Under
-    ``--plan auto``, which chooses tp and pp, only the resume-only flags are checked."""
-    p = cfg.parallel
-    if args.plan == "auto":  # (the planner chooses tp and pp)
-        given, vocab_parallel = {}, None
-    else:  # given at another value than its default (a sweep may write every flag)
-        defaults = {f.field: f.default for f in flags()}
-        given = {k: v for k, v in given_layout(args).items() if v != defaults[k]}
-        vocab_parallel = args.vocab_parallel
+    not have, a resume-only flag on a fresh run, a token-file dtype for text), instead of
+    training without it. Under ``--plan auto``, which chooses the layout, the flags that
+    depend on it are not checked."""
+    unused = [] if args.plan == "auto" else _unused_layout(args, cfg.parallel)
+    for flag, on in (("--override-optim", cfg.override_optim),
+                     ("--override-data", cfg.override_data)):
+        if on and not cfg.resume:
+            unused.append(f"{flag} applies to a --resume only: add --resume, or drop it")
+    default_dtype = next(f.default for f in flags() if f.field == "data_dtype")
+    if cfg.data_dtype != default_dtype and (cfg.data is None or Path(cfg.data).exists()):
+        from distllm.train.data import tokens_of
+
+        if tokens_of(cfg.data) == "bytes":
+            data = "the default corpus" if cfg.data is None else f"--data {cfg.data}"
+            unused.append(f"--data-dtype {cfg.data_dtype} reads .bin token files, and {data} "
+                          f"is text (read as bytes): pass a .bin --data, or drop it")
+    if unused:
+        raise UsageError(f"{unused[0]} (this run would not use it)")
+
+
+def _unused_layout(args: argparse.Namespace, p: ParallelConfig) -> list[str]:
+    """:func:`check_unused`'s findings among the layout's flags."""
+    defaults = {f.field: f.default for f in flags()}  # (a sweep may write every flag)
+    given = {k: v for k, v in given_layout(args).items() if v != defaults[k]}
     unused = []
     if given.get("sequence_parallel") and p.tp == 1:
         unused.append("--sequence-parallel shards activations inside a TP group: raise --tp, "
                       "or drop it")
-    if vocab_parallel == "on" and p.tp == 1:
+    if args.vocab_parallel == "on" and p.tp == 1:
         unused.append("--vocab-parallel on splits the vocabulary over TP: raise --tp, or drop "
                       "it")
+    if args.overlap != defaults["overlap"] and p.tp == 1:
+        unused.append(f"--overlap {p.overlap} sets how TP's row-parallel GEMMs overlap their "
+                      f"all-reduce: raise --tp, or drop it")
+    if args.batch_split != defaults["batch_split"] and (p.tp == 1 or p.sequence_parallel
+                                                        or p.pp > 1):
+        where = (": raise --tp, or drop it" if p.tp == 1 else ", which --sequence-parallel "
+                 "replaces with reduce-scatters: drop one of them" if p.sequence_parallel
+                 else ", which a pipeline stage does not run (it calls its layers one by "
+                 "one): drop it, or use --pp 1")
+        unused.append(f"--batch-split {p.batch_split} splits micro-batches to overlap TP's "
+                      f"all-reduces{where}")
     if "schedule" in given and p.pp == 1:
         unused.append(f"--schedule {p.schedule} orders a pipeline's micro-batches: raise --pp, "
                       f"or drop it")
     if "virtual_stages" in given and p.chunks_per_rank == 1:
         unused.append(f"--virtual-stages {p.virtual_stages} is read by --schedule "
                       f"interleaved-1f1b at --pp > 1 only: use that schedule, or drop it")
-    for flag, on in (("--override-optim", cfg.override_optim),
-                     ("--override-data", cfg.override_data)):
-        if on and not cfg.resume:
-            unused.append(f"{flag} applies to a --resume only: add --resume, or drop it")
-    if unused:
-        raise UsageError(f"{unused[0]} (this run would not use it)")
+    return unused
 
 
 def run(args: argparse.Namespace) -> int:
@@ -406,4 +374,7 @@ def run(args: argparse.Namespace) -> int:
         return _rank(cfg, world)
     precheck(cfg, world, ranks_here=args.nproc)
     check_out(cfg)
+    # before the ranks start (each checks again in train); the schedule's length it takes
+    # from the checkpoint goes to them as --lr-decay-steps
+    check_resume(cfg)
     return launch(args.nproc, config_to_argv(cfg), cfg.parallel.timeout_s)

@@ -105,7 +105,8 @@ class ParallelConfig:
     """Keep LayerNorm/dropout activations sharded along the sequence inside a TP group (tp > 1;
     the flag is refused at tp 1)."""
     overlap: str = _choice("auto", OVERLAP_MODES)
-    """Row-parallel GEMM + all-reduce overlap: auto (measured), chunked, or none."""
+    """Row-parallel GEMM + all-reduce overlap: auto (measured), chunked, or none (tp > 1;
+    chunked or none is refused at tp 1)."""
     vocab_parallel: str = _choice("auto", VOCAB_PARALLEL)
     """Split the embedding and the head over TP along the vocabulary: auto (unless
     vocabulary * (tp - 1) <= 2 * hidden: then every TP rank holds them whole, with no
@@ -113,7 +114,8 @@ class ParallelConfig:
     batch_split: int = 0
     """Batch-split overlap under TP (without sequence parallelism): the parts of each
     micro-batch the blocks run in turn, each part's row-parallel all-reduces hidden behind
-    the next part's compute; 0 picks it (2 for evaluation on CPU, else 1), 1 turns it off."""
+    the next part's compute; 0 picks it (2 for evaluation on CPU, else 1), 1 turns it off
+    (another value than 0 is refused at tp 1 and with --sequence-parallel)."""
     bucket_cap_mb: float = 25.0
     """Data-parallel gradient bucket size in MiB."""
     overlap_grad_reduce: str = _choice("auto", OVERLAP_GRAD_REDUCE)
@@ -212,12 +214,14 @@ class OptimConfig:
     decay_fraction: float = 0.2
     """wsd: the share of the steps, at the end, over which the learning rate decays."""
     warmup_steps: int = -1
-    """Linear warm-up steps; -1 uses 5% of the schedule's steps (at least 1)."""
+    """Linear warm-up steps, fewer than the schedule's (--lr-decay-steps, else --steps); -1
+    uses 5% of the schedule's steps (at least 1)."""
     lr_decay_steps: int = 0
     """Steps the learning-rate schedule spans (warm-up and decay; after them it stays at its
     end value); 0: --steps, or on --resume the checkpoint's."""
     weight_decay: float = 0.1
-    """AdamW decoupled weight decay on matrices (not on biases, norms)."""
+    """AdamW decoupled weight decay on weight matrices (not on biases, norms or the position
+    embedding wpe)."""
     beta1: float = 0.9
     """AdamW first-moment decay."""
     beta2: float = 0.95
@@ -264,6 +268,20 @@ class OptimConfig:
                              f"steps in (0, 1]")
 
 
+def _check_warmup(optim: OptimConfig, steps: int) -> None:
+    """A warm-up given (not -1) must end before the schedule's last step: the schedule's
+    steps from the warm-up's end on are its decay, which ends at ``lr * min_lr_ratio`` on
+    that last step (a longer warm-up trains at a fraction of ``lr`` throughout, then jumps
+    to the decay's end once the schedule is over)."""
+    horizon = optim.lr_decay_steps or steps
+    if optim.warmup_steps < horizon:
+        return
+    flag = "--lr-decay-steps" if optim.lr_decay_steps else "--steps"
+    raise ValueError(f"--warmup-steps {optim.warmup_steps}: the warm-up must end before the "
+                     f"learning-rate schedule's last step ({flag} {horizon}); lower "
+                     f"--warmup-steps below {horizon}, or raise {flag}")
+
+
 @dataclass
 class TrainConfig:
     """One training run."""
@@ -290,7 +308,8 @@ class TrainConfig:
     """A text file or a folder of text files (read as bytes), a .bin file of token ids, or a
     folder holding train.bin (and val.bin); None uses the Python standard library's sources."""
     data_dtype: str = _choice("uint16", TOKEN_DTYPES)
-    """The dtype of a .bin file's token ids (nanoGPT writes uint16)."""
+    """The dtype of a .bin file's token ids (nanoGPT writes uint16; another is refused for
+    text data)."""
     out: str = "runs/train"
     """Output folder: metrics.jsonl and checkpoints."""
     resume: bool = False
@@ -377,6 +396,7 @@ class TrainConfig:
         if self.eval_every and not self.eval_batches:
             raise ValueError(f"--eval-every {self.eval_every} with --eval-batches 0: validation "
                              f"is off; raise --eval-batches, or drop --eval-every")
+        _check_warmup(self.optim, self.steps)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -80,8 +80,8 @@ def _train_cmd(corpus: str, out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "distllm", "train", "--nproc", "2", "--pp", "2",
             "--micro-batches", "2", "--model", "tiny", "--seq-len", "32", "--global-batch", "8",
             "--steps", "60", "--seed", "7", "--dtype", "float64", "--data", corpus,
-            "--out", str(out), "--no-progress", "--eval-batches", "0", "--overlap", "none",
-            "--timeout", "60", *extra]
+            "--out", str(out), "--no-progress", "--eval-batches", "0", "--timeout", "60",
+            *extra]
 
 
 def _workers(launcher: int) -> list[int]:
@@ -319,3 +319,45 @@ def test_a_ranks_random_state_is_its_own_gpus(monkeypatch):
     assert checkpoint.rng_state(torch.device("cpu"))["cuda"] == []
     checkpoint.set_rng_state(rng, torch.device("cpu"))
     assert len(set_to) == 2
+
+
+def test_a_save_is_synced_before_an_older_checkpoint_is_pruned(corpus, monkeypatch, tmp_path):
+    """With --keep-checkpoints 1, saving step 2 prunes step 1: the new checkpoint's rank
+    file and the folders naming it (its rng/, itself, and after the rename the checkpoints
+    folder) are synced to the device before, so that a power loss cannot leave an empty
+    rank file in the newest checkpoint and the previous one gone."""
+    from distllm.train import trainer
+    from tests.train._util import make_cfg
+
+    events: list[tuple[str, ...]] = []
+    real_fsync, real_replace, real_prune = os.fsync, os.replace, checkpoint.prune
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        events.append(("replace", str(src), str(dst)))
+        real_replace(src, dst)
+
+    def prune(out, keep: int) -> list[Path]:
+        events.append(("prune",))
+        return real_prune(out, keep)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(checkpoint, "prune", prune)
+    out = tmp_path / "run"
+    trainer.train(make_cfg(corpus, str(out), steps=2, save_every=1, keep_checkpoints=1,
+                           save_final=True))
+    assert [d.name for d in checkpoint.complete(out)] == ["step_00000002"]
+    root = (out / "checkpoints").resolve()
+    tmp, final = root / ".tmp-step_00000002", root / "step_00000002"
+    moved = events.index(("replace", str(out / "checkpoints" / tmp.name),
+                          str(out / "checkpoints" / final.name)))
+    synced = [events.index(("fsync", str(p))) for p in (tmp / "rng" / "rank0.pt",
+                                                        tmp / "rng", tmp)]
+    assert max(synced) < moved, events
+    assert synced[0] < synced[1], events  # the file, then its name
+    after = events.index(("fsync", str(root)), moved)
+    assert after < events.index(("prune",), moved), events

@@ -72,6 +72,9 @@ def _err(capsys, argv: list[str]) -> str:
     (["--nproc", "2", "--eval-every", "5", "--eval-batches", "0"],
      "--eval-every 5 with --eval-batches 0: validation is off; raise --eval-batches"),
     (["--eval-every", "-1"], "--eval-every -1: use 0 (the end only) or a step count"),
+    (["--nproc", "2", "--steps", "10", "--warmup-steps", "1000"],
+     "--warmup-steps 1000: the warm-up must end before the learning-rate schedule's last step "
+     "(--steps 10); lower --warmup-steps below 10, or raise --steps"),
     (["--nproc", "2", "--save-on-signal", "SIGTERM,INT"],
      "--save-on-signal SIGTERM,INT: 'INT' is not one of SIGTERM, SIGUSR1, SIGUSR2; name them"),
     # a flag given that the run would not use: refused, not trained without
@@ -82,6 +85,20 @@ def _err(capsys, argv: list[str]) -> str:
     (["--nproc", "2", "--pp", "2", "--virtual-stages", "3"],
      "--virtual-stages 3 is read by --schedule interleaved-1f1b at --pp > 1 only"),
     (["--override-optim"], "--override-optim applies to a --resume only"),
+    (["--nproc", "2", "--batch-split", "2"], "--batch-split 2 splits micro-batches to overlap "
+     "TP's all-reduces: raise --tp, or drop it (this run would not use it)"),
+    (["--nproc", "2", "--tp", "2", "--sequence-parallel", "--batch-split", "2"],
+     "--batch-split 2 splits micro-batches to overlap TP's all-reduces, which "
+     "--sequence-parallel replaces with reduce-scatters: drop one of them"),
+    (["--nproc", "4", "--tp", "2", "--pp", "2", "--batch-split", "2"], "--batch-split 2 splits "
+     "micro-batches to overlap TP's all-reduces, which a pipeline stage does not run (it calls "
+     "its layers one by one): drop it, or use --pp 1"),
+    (["--nproc", "2", "--overlap", "chunked"], "--overlap chunked sets how TP's row-parallel "
+     "GEMMs overlap their all-reduce: raise --tp, or drop it (this run would not use it)"),
+    (["--overlap", "none"], "--overlap none sets how TP's row-parallel GEMMs"),
+    (["--nproc", "2", "--data-dtype", "uint32"], "--data-dtype uint32 reads .bin token files, "
+     "and the default corpus is text (read as bytes): pass a .bin --data, or drop it (this "
+     "run would not use it)"),
     (["--nproc", "2", "--override-data"], "--override-data applies to a --resume only"),
 ])
 def test_bad_input(capsys, argv, words):
@@ -574,7 +591,9 @@ def test_help_comes_from_the_field_docstrings(capsys):
                   "turns it off.",
                   "--timeout TIMEOUT Collective timeout",
                   "Stop this run after this many steps in total (0: run to steps), saving",
-                  "--nproc NPROC start torchrun"):
+                  "--nproc NPROC start torchrun",
+                  # what the engine's decay groups leave out (engine._decay_groups)
+                  "not on biases, norms or the position embedding wpe"):
         assert words in out, words
 
 
@@ -635,6 +654,12 @@ def test_plan_auto_pins_the_layout_flags_given_with_it():
     # under --plan auto the planner picks tp and pp: its pick decides, not the user
     (["--plan", "auto", "--vocab-parallel", "on"], False),
     (["--plan", "auto", "--override-data"], True),
+    (["--batch-split", "0", "--overlap", "auto", "--data-dtype", "uint16"], False),
+    (["--tp", "2", "--batch-split", "2", "--overlap", "chunked"], False),
+    (["--tp", "2", "--sequence-parallel", "--batch-split", "1"], True),
+    (["--batch-split", "1"], True),
+    (["--plan", "auto", "--batch-split", "2", "--overlap", "none"], False),
+    (["--plan", "auto", "--data-dtype", "uint32"], True),
 ])
 def test_a_flag_at_its_default_is_not_refused(argv, refused):
     from distllm.cli import UsageError
@@ -647,6 +672,20 @@ def test_a_flag_at_its_default_is_not_refused(argv, refused):
             check_unused(args, cfg)
     else:
         check_unused(args, cfg)
+
+
+def test_a_token_dtype_for_text_data_is_refused(capsys, tmp_path):
+    """--data-dtype reads .bin token files: with a text file it was dropped silently."""
+    text = tmp_path / "notes.txt"
+    text.write_text("some text\n" * 100)
+    assert _err(capsys, ["--nproc", "2", "--data", str(text), "--data-dtype", "uint32"]).endswith(
+        f"--data-dtype uint32 reads .bin token files, and --data {text} is text (read as "
+        f"bytes): pass a .bin --data, or drop it (this run would not use it)")
+    # a .bin file the flag reads: not refused (the run is refused later, its world checked)
+    ids = tmp_path / "ids.bin"
+    ids.write_bytes(bytes(64))
+    assert "--data-dtype" not in _err(capsys, ["--nproc", "2", "--data", str(ids),
+                                               "--data-dtype", "uint32", "--tp", "3"])
 
 
 def _checkpoint_at(out: Path, step: int) -> None:

@@ -73,6 +73,39 @@ def test_parallel_config_refuses_what_overflows(kw, words):
         ParallelConfig(**kw)
 
 
+@pytest.mark.parametrize("kw, words", [
+    (dict(steps=10, warmup_steps=1000), "--warmup-steps 1000: the warm-up must end before the "
+     "learning-rate schedule's last step (--steps 10); lower --warmup-steps below 10, or "
+     "raise --steps"),
+    (dict(steps=10, warmup_steps=10), "(--steps 10); lower --warmup-steps below 10"),
+    (dict(steps=300, lr_decay_steps=5, warmup_steps=8), "--warmup-steps 8: the warm-up must "
+     "end before the learning-rate schedule's last step (--lr-decay-steps 5); lower "
+     "--warmup-steps below 5, or raise --lr-decay-steps"),
+])
+def test_a_warmup_as_long_as_the_schedule_is_refused(kw, words):
+    """A warm-up that fills the schedule leaves the decay no step: the run trained at a
+    fraction of --lr throughout (--warmup-steps 1000 --steps 10: 1%), or rose to --lr and
+    dropped to its decay's end after the schedule (--lr-decay-steps 5 --warmup-steps 8)."""
+    from distllm.train.config import OptimConfig
+
+    steps = kw.pop("steps")
+    with pytest.raises(ValueError, match=re.escape(words)):
+        TrainConfig(steps=steps, optim=OptimConfig(**kw))
+
+
+@pytest.mark.parametrize("steps, kw", [
+    (10, dict(warmup_steps=9)),  # one step of decay, to lr * min_lr_ratio
+    (300, dict(lr_decay_steps=10, warmup_steps=9)),
+    (1, dict()),  # -1: 5% of the steps, at least 1: a one-step run warms up in it
+    (1, dict(warmup_steps=0)),
+    (300, dict()),  # make train's
+])
+def test_a_warmup_shorter_than_the_schedule_is_taken(steps, kw):
+    from distllm.train.config import OptimConfig
+
+    TrainConfig(steps=steps, optim=OptimConfig(**kw))
+
+
 def test_an_empty_out_is_refused():
     with pytest.raises(ValueError, match="--out '': name the run's folder"):
         TrainConfig(out="")

@@ -64,3 +64,32 @@ def test_resume_drops_later_steps_and_a_torn_line_of_the_metrics(tmp_path):
     _truncate_metrics(str(path), 3)
     assert path.read_text() == lines[0] + "\n" + lines[1] + "\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def test_the_python_api_resumes_as_the_command_does(corpus, tmp_path):
+    """``train(cfg)`` with ``resume=True`` runs ``distllm train --resume``'s checks: raising
+    ``steps`` trains on at the end of the checkpoint's schedule (the API stretched it to
+    the new ``steps``), other data is refused naming --data (the API restarted the data
+    silently), and so is a checkpoint at ``steps``; the caller's config is left as given."""
+    import json
+    from pathlib import Path
+
+    from distllm.train.config import OptimConfig
+    from tests.train._util import make_cfg
+
+    out = str(tmp_path / "run")
+    trainer.train(make_cfg(corpus, out, steps=4, save_final=True))
+    cfg = make_cfg(corpus, out, steps=6, resume=True, save_final=True)
+    trainer.train(cfg)
+    assert cfg.optim.lr_decay_steps == 0
+    lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
+    lrs = [json.loads(x)["lr"] for x in lines]
+    end = OptimConfig().lr * OptimConfig().min_lr_ratio
+    assert lrs[3:] == pytest.approx([end] * 3), lrs  # the 4-step schedule's end, held
+    other = tmp_path / "other.txt"
+    other.write_bytes(Path(corpus).read_bytes()[::-1])
+    with pytest.raises(ValueError, match=f"trained on --data {corpus}, this command reads "
+                                         f"--data {other} .*add --override-data"):
+        trainer.train(make_cfg(str(other), out, steps=8, resume=True))
+    with pytest.raises(ValueError, match="is at step 6, where --steps 6 ends: raise --steps"):
+        trainer.train(make_cfg(corpus, out, steps=6, resume=True))

@@ -96,8 +96,11 @@ class PipelineParallel(nn.Module):
 
     Args:
         layers: the whole model's layers ``[embedding, blocks..., head]`` (only this rank's
-            are kept), or ``layer_fn(i) -> nn.Module`` building layer ``i`` (then give
-            ``num_layers``; only this rank's layers are built).
+            are kept; a parameter shared by layers on different pipeline ranks is refused),
+            or ``layer_fn(i) -> nn.Module`` building layer ``i`` (then give ``num_layers``;
+            only this rank's layers are built, so nothing can see a parameter shared with
+            another rank's layer: tie weights across stages only by a sum over their
+            gradients of your own).
         dims: the mesh; pipeline rank ``dims.pp_rank`` holds stages ``pp_rank + c*pp``.
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` or ``"zb-h1"``.
         micro_batches: ``m``; each step's batch is split into ``m`` along dim 0.

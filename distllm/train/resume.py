@@ -1,0 +1,85 @@
+"""What a ``--resume`` must agree on with the checkpoint it continues: the model, a step
+before ``--steps`` (and ``--stop-after``), the optimizer and learning-rate settings (the
+schedule's length taken from the checkpoint) and the data.
+
+:func:`check_resume` runs wherever a run resumes: in :func:`distllm.train.trainer.train`
+(the Python API, and each rank of ``distllm train``), and in ``distllm train --nproc``'s
+launcher before its ranks start. A mismatch is one line naming the flag to change.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from distllm.train.config import TrainConfig
+
+__all__ = ["check_resume", "resume_optim", "resume_data"]
+
+
+def check_resume(cfg: TrainConfig) -> None:
+    """Checks of ``cfg.out``'s newest checkpoint for a run with ``resume``: one of this
+    model (:func:`~distllm.train.checkpoint_folder.check_compatible`) before ``--steps`` and
+    ``--stop-after``, and :func:`resume_optim` (which sets ``cfg.optim.lr_decay_steps`` 0 to
+    the checkpoint's schedule length) and :func:`resume_data`. Nothing for a fresh run."""
+    if not cfg.resume:
+        return
+    from distllm.train import checkpoint_folder as folder
+
+    path = folder.check_compatible(cfg.out, cfg.model_config())
+    step = folder.step_of(path)
+    if step >= cfg.steps:
+        raise ValueError(f"--resume: the checkpoint in --out {cfg.out} is at step {step}, "
+                         f"where --steps {cfg.steps} ends: raise --steps to train on")
+    resume_optim(cfg, folder.optim_settings(path))
+    resume_data(cfg, folder.meta_of(path))
+    if cfg.stop_after and cfg.stop_after <= step:
+        raise ValueError(f"--stop-after {cfg.stop_after}: the run resumes after step "
+                         f"{step}; raise --stop-after, or drop it")
+
+
+def resume_optim(cfg: TrainConfig, saved: dict | None) -> None:
+    """On ``--resume``: the optimizer and learning-rate settings must be the checkpoint's
+    ``saved`` ones (as :meth:`OptimConfig.schedule` resolves them), else a ValueError names
+    each flag that differs, unless ``--override-optim``. The schedule keeps the checkpoint's
+    length (``--lr-decay-steps`` 0 takes it), so that raising ``--steps`` trains on at the
+    schedule's end instead of stretching it under the steps already run."""
+    if saved is None or cfg.override_optim:
+        return
+    if cfg.optim.lr_decay_steps == 0 and "lr_decay_steps" in saved:
+        cfg.optim.lr_decay_steps = int(saved["lr_decay_steps"])
+    ours = cfg.optim.schedule(cfg.steps)
+    differ = [f"--{k.replace('_', '-')} {ours[k]} (the checkpoint's: {saved[k]})"
+              for k in ours if k in saved and ours[k] != saved[k]]
+    if differ:
+        raise ValueError(
+            f"--resume: this command's optimizer settings differ from those the checkpoint in "
+            f"--out {cfg.out} was trained with: {', '.join(differ)}; pass the checkpoint's, or "
+            f"add --override-optim to train on with this command's")
+
+
+def resume_data(cfg: TrainConfig, meta: dict) -> None:
+    """On ``--resume``: the data must be what the checkpoint trained on (its ``--data``, and
+    the kind of tokens: a tokenizer's ids or text's bytes), else a ValueError names
+    ``--data``, unless ``--override-data``. A checkpoint saved before the data was recorded
+    is checked on its kind of tokens alone."""
+    from distllm.train.data import data_source, tokens_of
+
+    if cfg.override_data:
+        return
+    kinds = {"ids": "a tokenizer's ids", "bytes": "text, as bytes"}
+    theirs, their_kind = meta.get("data_source"), meta.get("tokens")
+    ours, kind = data_source(cfg.data), tokens_of(cfg.data)
+    if theirs in (None, ours) and their_kind in (None, kind):
+        return
+    if theirs is None:
+        was, fix = kinds.get(their_kind, their_kind), "pass the --data it trained on"
+    elif theirs == "python-stdlib":
+        was, fix = "the default corpus", "drop --data"
+    else:
+        was, fix = f"--data {theirs}", f"pass --data {theirs}"
+    now = "the default corpus" if cfg.data is None else f"--data {cfg.data}"
+    raise ValueError(
+        f"--resume: the checkpoint in --out {cfg.out} trained on {was}, this command reads "
+        f"{now} ({kinds[kind]}): {fix}, or add --override-data to train on with this "
+        f"command's data, from its start")
