@@ -10,12 +10,15 @@ Measured, one thread per rank (as ``distllm train`` runs its ranks), compute in 
   * the attention core: causal SDPA forward + backward as a fraction of the GEMM peak;
   * GeLU per element, forward and backward, on a fresh GEMM output (as the eager step runs it);
   * core sharing: CPU time of fixed work in ``ranks`` processes at once over alone;
-  * gloo links: all-reduce time over a range of sizes on 2 ranks, fitted to the ring model
-    ``2(n-1)*alpha + 2(n-1)/n * bytes * beta`` (4 ranks, as the ``tiny`` validation runs),
-    on loopback (``intra``) and on the emulated
-    network (``inter``, when it can be built; else a copy of loopback, said in ``source``);
-    and the same fit of each rank's CPU seconds per all-reduce (gloo's threads copying and
-    summing: ``cpu_latency`` per ring step, ``cpu_per_byte``).
+  * gloo links: all-reduce time over a range of sizes with every rank that shares the
+    machine in it (``ranks``: 4 unless ``--gpus`` says otherwise, as the ``tiny`` validation
+    runs; at least 2, a ring's least), fitted to the ring model
+    ``2(n-1)*alpha + 2(n-1)/n * bytes * beta`` (:func:`fit_alpha_beta`: beta from the
+    largest size, alpha from the small ones, never faster than the ``--net`` line rate), on
+    loopback (``intra``) and on the emulated network (``inter``, when it can be built; else
+    a copy of loopback, said in ``source``); and the same fit of each rank's CPU seconds
+    per all-reduce (gloo's threads copying and summing: ``cpu_latency`` per ring step,
+    ``cpu_per_byte``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .collectives import FIT, fit_alpha_beta
 from .hardware import PROFILE_DIR, Link, Profile
 
 __all__ = ["calibrate", "calibrate_cli", "fit_alpha_beta", "output_path", "write_profile"]
@@ -205,28 +209,10 @@ def _ar_rank(sizes: tuple[int, ...], reps: int) -> dict:
     return out
 
 
-def fit_alpha_beta(times: dict[int, float], n: int) -> tuple[float, float]:
-    """(alpha, beta) of ring all-reduce times ``{bytes: seconds}`` on n ranks, fitted by least
-    squares on the relative error (small messages weigh as much as large ones)."""
-    k = 2 * (n - 1)
-    rows = [(k / t, k / n * s / t) for s, t in times.items()]  # model/t = 1 for each point
-    saa = sum(a * a for a, _ in rows)
-    sab = sum(a * b for a, b in rows)
-    sbb = sum(b * b for _, b in rows)
-    ra, rb = sum(a for a, _ in rows), sum(b for _, b in rows)
-    det = saa * sbb - sab * sab
-    alpha = (ra * sbb - rb * sab) / det
-    beta = (saa * rb - sab * ra) / det
-    if alpha <= 0 or beta <= 0:  # degenerate: fall back to the two end points
-        (s0, t0), (s1, t1) = min(times.items()), max(times.items())
-        beta = max((t1 - t0) / (k / n * (s1 - s0)), 1e-15)
-        alpha = max((t0 - beta * k / n * s0) / k, 1e-7)
-    return alpha, beta
-
-
 def measure_link(net_rate: str | None, nranks: int = 4, reps: int = 15,
                  sizes: tuple[int, ...] = AR_SIZES) -> tuple[Link, str]:
     from distllm.testing import run_distributed
+    from distllm.testing.netem import parse_rate
 
     if net_rate is None:
         res = run_distributed(_ar_rank, nranks, sizes, reps, timeout=300)
@@ -243,14 +229,17 @@ def measure_link(net_rate: str | None, nranks: int = 4, reps: int = 15,
         where = f"gloo all-reduce on the emulated {net_rate} network, {nranks} ranks"
     times = {s: max(r[s][0] for r in res) for s in sizes}
     cpu = {s: statistics.median(r[s][1] for r in res) for s in sizes}
-    alpha, beta = fit_alpha_beta(times, nranks)
+    # the emulated link's rate in bytes/s: no fit faster than the wire
+    rate = parse_rate(net_rate) / 8 if net_rate is not None else None
+    alpha, beta = fit_alpha_beta(times, nranks, rate)
     c_alpha, c_beta = fit_alpha_beta(cpu, nranks)
     pts = ", ".join(f"{s >> 10} KiB: {t * 1e3:.2f} ms" for s, t in times.items())
     cpts = ", ".join(f"{s >> 10} KiB: {t * 1e3:.2f} ms" for s, t in cpu.items())
+    cap = f", at most the {net_rate} line rate" if rate else ""
     return Link(
         1.0 / beta, alpha, 1.0, 0.0,
-        f"measured: {where} ({pts}); ring fit on relative error; CPU seconds per rank "
-        f"(its threads, median over ranks: {cpts}) fitted the same way",
+        f"measured: {where} ({pts}); {FIT}{cap}; CPU seconds per rank (its threads, median "
+        f"over ranks: {cpts}) fitted the same way",
         cpu_latency=c_alpha, cpu_per_byte=c_beta,
     ), ""
 

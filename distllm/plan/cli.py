@@ -21,7 +21,7 @@ from .cost import GB, STATE_BYTES, Estimate, training_dtype
 from .hardware import load_profile, profile_names
 from .model import ModelShape, preset, preset_names
 from .runtime import runtime, runtime_names
-from .search import explain, model_states_table, search
+from .search import default_dtype, explain, model_states_table, search
 from .space import check_cluster
 
 __all__ = ["add_arguments", "run", "shape_from_args"]
@@ -152,11 +152,14 @@ def _pins(a: argparse.Namespace) -> dict:
     return {k: v for k, v in pins.items() if v is not None}
 
 
+_SHORT = {"grad_buffers": "buf"}  # a memory entry's name in a row (else its first 3 letters)
+
+
 def _row(e: Estimate) -> str:
     m = e.memory
     mem = " ".join(
-        f"{k[:3]}={m[k] / GB:7.3f}"
-        for k in ("params", "grads", "optimizer", "activations", "total")
+        f"{_SHORT.get(k, k[:3])}={m[k] / GB:7.3f}"
+        for k in ("params", "grads", "optimizer", "activations", "grad_buffers", "total")
         if k in m
     )
     t = f"{e.step_time_s:9.4g} s  MFU {e.mfu:5.1%}" if e.rejected_reason is None and e.time else ""
@@ -189,21 +192,24 @@ def _rejections(rejected: list[Estimate], examples: int = 2) -> str:
 # flags a --params table does not read (no shape, no search): refused, not ignored
 _NOT_WITH_PARAMS = ("model", *_SHAPE, "gpus_per_node", "micro_batches", "schedule",
                     "checkpointing", "sequence_parallel", "no_flash", "runtime", "top", "verify")
+_CALIBRATE_READS = ("calibrate", "gpus", "net", "out")  # all that --calibrate reads
 
 
-def _check_params_flags(a: argparse.Namespace) -> None:
+def _refuse_unread(a: argparse.Namespace, names, mode: str, instead: str) -> None:
+    """Refuse the flags among ``names`` given at another value than their default: ``mode``
+    (what runs, and so does not read them) and ``instead`` (what to do but drop them)."""
     defaults = defaults_of(add_arguments)
-    given = [k for k in _NOT_WITH_PARAMS if getattr(a, k) != getattr(defaults, k)]
+    given = [k for k in names if getattr(a, k) != getattr(defaults, k)]
     if given:
         flags = " ".join("--" + k.replace("_", "-") for k in given)
-        raise ValueError(
-            f"--params gives the model-state table of a bare parameter count (no shape, no "
-            f"search), which does not read {flags}: drop {'it' if len(given) == 1 else 'them'}"
-            f", or give the model (--model, or the shape flags) instead of --params")
+        raise ValueError(f"{mode}, which does not read {flags}: drop "
+                         f"{'it' if len(given) == 1 else 'them'}, or {instead}")
 
 
 def _params_mode(a: argparse.Namespace) -> int:
-    _check_params_flags(a)
+    _refuse_unread(a, _NOT_WITH_PARAMS, "--params gives the model-state table of a bare "
+                   "parameter count (no shape, no search)",
+                   "give the model (--model, or the shape flags) instead of --params")
     check_cluster(a.gpus, a.gpus)  # --gpus a positive integer
     _pins(a)  # --tp/--pp/--dp positive integers
     if a.dp is not None and a.dp * (a.tp or 1) * (a.pp or 1) != a.gpus:
@@ -211,8 +217,9 @@ def _params_mode(a: argparse.Namespace) -> int:
             f"--dp={a.dp} with tp*pp={(a.tp or 1) * (a.pp or 1)} does not use "
             f"--gpus={a.gpus}: drop --dp or make tp*pp*dp = gpus"
         )
-    rows = model_states_table(a.params, a.gpus, a.tp or 1, a.pp or 1, a.gpu, a.dtype or "bfloat16")
-    dtype = training_dtype(a.dtype or "bfloat16")  # valid: the table above accepted it
+    given = a.dtype or default_dtype(a.gpu)  # the search's default
+    rows = model_states_table(a.params, a.gpus, a.tp or 1, a.pp or 1, a.gpu, given)
+    dtype = training_dtype(given)  # valid: the table above accepted it
     if a.zero is not None:
         rows = [r for r in rows if r.layout.zero == a.zero]
     if a.json:
@@ -277,11 +284,9 @@ def _explain_params(n_params: float, rows: list[Estimate], dtype: str) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.calibrate:
-        from .calibrate import calibrate_cli
-
-        return calibrate_cli(args)
+def _check_plan_flags(args: argparse.Namespace) -> None:
+    """The flags every plan (a search or a ``--params`` table) reads, checked before it runs;
+    ``--gpus`` defaulted."""
     for flag, value in (("--net", args.net), ("--out", args.out)):
         if value is not None:  # (they would be ignored: nothing is measured or written)
             raise ValueError(f"{flag} is a --calibrate flag: add --calibrate to measure this "
@@ -294,10 +299,24 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node={args.gpus_per_node}: it must be a positive integer "
                          "(leave it out for the profile's)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        from .calibrate import calibrate_cli
+
+        others = [k for k in vars(defaults_of(add_arguments)) if k not in _CALIBRATE_READS]
+        _refuse_unread(args, others, "--calibrate measures this machine and writes a profile "
+                       "(it reads --gpus, --net and --out)", "run the plan without --calibrate")
+        return calibrate_cli(args)
+    _check_plan_flags(args)
     if args.params is not None:
         return _params_mode(args)
     shape = shape_from_args(args)
     runtime(args.runtime)  # a bad runtime name fails before the search
+    if args.verify and args.runtime != "distllm":
+        raise ValueError(f"--verify dry-runs distllm's own training code, not the code that "
+                         f"--runtime {args.runtime} models: drop --verify, or --runtime")
     res = search(
         shape,
         args.gpus,
@@ -350,7 +369,7 @@ def _cost_model(args: argparse.Namespace, shape: ModelShape, res):
 
     prof = load_profile(args.gpu)
     gpn = min(prof.gpus_per_node, args.gpus) if args.gpus_per_node is None else args.gpus_per_node
-    dtype = args.dtype or ("float32" if prof.cores else "bfloat16")
+    dtype = args.dtype or default_dtype(prof)
     return CostModel(shape, prof, args.gpus, gpn, dtype=dtype,
                      flash_attention=not args.no_flash, runtime_name=args.runtime)
 
@@ -372,8 +391,7 @@ def _verify(args: argparse.Namespace, shape: ModelShape, res) -> int:
 
     best = res.best  # raises, saying why, when nothing fits
     # the canonical name (bf16 -> bfloat16), as the search used it
-    dtype = training_dtype(args.dtype or ("float32" if load_profile(args.gpu).cores
-                                          else "bfloat16"))
+    dtype = training_dtype(args.dtype or default_dtype(args.gpu))
     v = verify(shape, best.layout, dtype=dtype, profile=args.gpu)
     if args.json:
         json.dump(v.as_dict(), sys.stdout, indent=1)

@@ -64,7 +64,9 @@ def _lockstep(tm, lay: Layout, b: int, blocks: int, has_e: bool, has_h: bool) ->
     per_block = (6 if lay.checkpointing == "full" else 4) * one
     if not s.splits_vocab(lay.tp, lay.sequence_parallel):  # held whole: no collective
         return blocks * per_block
-    out = blocks * per_block + (2 * one if has_e else 0.0)
+    # the embedding: an all-reduce in forward (under sequence parallelism a reduce-scatter
+    # in forward and an all-gather in backward); the head: the same, the other way round
+    out = blocks * per_block + (one if has_e else 0.0)
     if has_h:
         link = tm._link("tp", lay)
         out += one + sum(collective_cpu("all_reduce", k * 4 * tokens, lay.tp, link)

@@ -15,6 +15,8 @@ Memory (bytes per device, on the heaviest pipeline stage):
     that holds the most (:func:`~distllm.plan.bubble.memory_states`: 1F1B p - r on rank r;
     GPipe m; interleaved up to 2(p - r - 1) + (v - 1)p + 1 chunks, the larger ones counted
     as such), with the pipeline messages the runtime keeps by then.
+  * with ZeRO-2/3 and more than one micro-batch, the full-size gradient buffers that the
+    micro-batches accumulate into (``grad_buffers``), alive beside the activations.
 
 Which code runs (the stage split, the gradient dtype, what the pipeline keeps of what it
 sends) is the :class:`~distllm.plan.runtime.Runtime`'s; step time is
@@ -241,7 +243,8 @@ class CostModel(TimeModel):
 
     def rank_memory(self, lay: Layout, r: int) -> dict[str, float]:
         """Bytes on pipeline rank ``r``: model states, activations at the peak of
-        forward-backward, the optimizer step's peak, and the larger as ``total``."""
+        forward-backward, ZeRO-2/3's gradient accumulation buffers beside them
+        (``grad_buffers``), the optimizer step's peak, and the larger as ``total``."""
         s = self.shape
         b = s.global_batch // (lay.dp * lay.micro_batches)
         params, per_layer = self.rank_params(lay)
@@ -251,8 +254,10 @@ class CostModel(TimeModel):
         if lay.zero >= 3:  # the gathered unit being used and the next block, prefetched
             mem["params"] += (unit + per_layer) * self.param_bytes
         buffers, landing = self._grads_in_flight(lay, params[r], unit)
-        act = self._activations(lay, b, r, landing) + buffers
-        mem["activations"] = act
+        mem["activations"] = self._activations(lay, b, r, landing)
+        # ZeRO-2/3's full-size accumulation buffers, alive beside the activations
+        mem["grad_buffers"] = buffers
+        act = mem["activations"] + buffers
         states = mem["params"] + mem["grads"] + mem["optimizer"]
         # the optimizer step's temporaries come after the activations are freed
         local = params[r] / (lay.dp if lay.zero >= 1 else 1)

@@ -202,8 +202,12 @@ class Profile:
             if need not in links:
                 raise ValueError(f"profile {d['name']!r} lacks the {need!r} link class "
                                  "(field 'links')")
-        top = {k: v for k, v in d.items() if k in _TOP_FIELDS}
-        kw = _fields(top, _TOP_FIELDS, "")
+        # a key that is no field (a misspelt one) is an error, not its default quietly taken
+        for k in d:
+            if k not in _TOP_FIELDS and k not in _OTHER_TOP_FIELDS:
+                raise ValueError(f"field {k!r} is not a profile field: choose from "
+                                 f"{', '.join((*_OTHER_TOP_FIELDS, *_TOP_FIELDS))}")
+        kw = _fields({k: v for k, v in d.items() if k in _TOP_FIELDS}, _TOP_FIELDS, "")
         if "gelu_s_per_element" in d:
             g = d["gelu_s_per_element"]
             if not isinstance(g, list) or len(g) != 2:
@@ -237,6 +241,8 @@ _TOP_FIELDS = {
     "description": str,
     "source": dict,
 }
+# top-level fields read on their own (not through _TOP_FIELDS)
+_OTHER_TOP_FIELDS = ("name", "peak_flops", "links", "gemm", "gelu_s_per_element")
 _LINK_FIELDS = {
     "bandwidth": "positive",
     "latency": "nonneg",
@@ -316,6 +322,8 @@ def load_profile(name_or_path: str | Path | Profile) -> Profile:
         return name_or_path
     s = str(name_or_path)
     path = Path(s) if s.endswith(".json") else PROFILE_DIR / f"{s.lower()}.json"
+    if s.endswith(".json") and path.is_dir():
+        raise ValueError(f"--gpu {s} is a folder: give the path of a profile .json file")
     if not path.is_file():
         if s.endswith(".json"):
             raise ValueError(f"--gpu {s}: no such file; give the path of a profile .json "
@@ -325,10 +333,13 @@ def load_profile(name_or_path: str | Path | Profile) -> Profile:
             f"unknown hardware profile {s!r}: choose --gpu from "
             f"{', '.join(profile_names())} or give a profile .json path"
         )
+    where = s if s.endswith(".json") else f"{s} ({path})"
     try:
         return Profile.from_json(json.loads(path.read_text()))
-    except ValueError as e:  # json.JSONDecodeError is one
-        where = s if s.endswith(".json") else f"{s} ({path})"
+    except OSError as e:  # unreadable: its permissions, or a folder in its place by now
+        raise ValueError(f"--gpu {where} could not be read ({e.strerror or e}): make it "
+                         "readable or give another --gpu") from None
+    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ones
         raise ValueError(f"--gpu {where} is not a valid profile: {e}") from None
 
 

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from distllm.parallel.mesh import ParallelDims
 
-__all__ = ["Layout", "Estimate", "GB"]
+__all__ = ["Layout", "Estimate", "GB", "grad_buffers_text"]
 
 GB = 1e9
 
@@ -52,7 +52,7 @@ class Layout(NamedTuple):
 
     def name(self) -> str:
         s = f"tp{self.tp}.pp{self.pp}.dp{self.dp}.zero{self.zero}"
-        if self.pp > 1:
+        if self.pp > 1 and self.schedule != "none":  # none: a layout rejected before scheduling
             s += f".{self.schedule}" + (
                 f"v{self.virtual_stages}" if self.virtual_stages > 1 else ""
             )
@@ -87,3 +87,10 @@ class Estimate:
             notes=self.notes,
         )
         return d
+
+
+def grad_buffers_text(mem: dict[str, float]) -> str:
+    """``", grad buffers X"`` (GB) of a memory breakdown where ZeRO-2/3 accumulates
+    micro-batches in full-size gradient buffers, else nothing."""
+    buf = mem.get("grad_buffers", 0.0)
+    return f", grad buffers {buf / GB:.3g} (full-size, accumulating micro-batches)" if buf else ""

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from distllm.models.config import CHECKPOINTING
+from distllm.parallel.pipeline.schedules import SCHEDULES
+
 __all__ = ["Runtime", "RUNTIMES", "runtime", "runtime_names"]
 
 
@@ -78,6 +81,14 @@ class Runtime:
     dtypes: tuple[str, ...] = ()
     """The training dtypes it runs (canonical names, :mod:`distllm.dtypes`); empty: every
     one the planner models."""
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    """The ZeRO stages it has (the search offers only these)."""
+    schedules: tuple[str, ...] = tuple(SCHEDULES)
+    """The pipeline schedules it has (pp > 1)."""
+    checkpointing: tuple[str, ...] = tuple(CHECKPOINTING)
+    """The activation recomputation modes it has (``none``, ``selective``, ``full``)."""
+    sequence_parallel: bool = True
+    """It has sequence parallelism (at tp > 1)."""
     source: dict[str, str] = field(default_factory=dict)
 
     def zb_deferred(self, tp: int, vocab_split: bool) -> frozenset[str]:
@@ -98,6 +109,23 @@ class Runtime:
                 f"dtype={dtype!r}: the {self.name} runtime does not train in {dtype}: choose "
                 f"--dtype from {', '.join(self.dtypes)}, or another --runtime"
             )
+
+    def check_pins(self, pins: dict) -> None:
+        """Raise, naming the flag and ``--runtime``, when a pinned field (``zero``,
+        ``schedule``, ``checkpointing``, ``sequence_parallel``) asks for what this runtime
+        does not have."""
+        has: list[tuple[str, object, tuple]] = [
+            ("zero", pins.get("zero"), self.zero_stages),
+            ("schedule", pins.get("schedule"), self.schedules),
+            ("checkpointing", pins.get("checkpointing"), self.checkpointing),
+            ("sequence-parallel", "on" if pins.get("sequence_parallel") else None,
+             ("off", "on") if self.sequence_parallel else ("off",)),
+        ]
+        for flag, value, choices in has:
+            if value is not None and value not in choices:
+                raise ValueError(
+                    f"--{flag} {value}: the {self.name} runtime does not have it: choose "
+                    f"--{flag} from {', '.join(map(str, choices))}, or another --runtime")
 
 
 RUNTIMES: dict[str, Runtime] = {
@@ -168,6 +196,10 @@ RUNTIMES: dict[str, Runtime] = {
         keeps_stage_output=True,
         causal_skip=False,
         zero_grad_accumulation="shard",
+        zero_stages=(0,),
+        schedules=("1f1b", "interleaved-1f1b"),
+        checkpointing=("none", "full"),
+        sequence_parallel=False,
         source={
             "paper": "Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on "
             "GPU Clusters Using Megatron-LM' (arXiv:2104.04473)",
@@ -191,6 +223,14 @@ RUNTIMES: dict[str, Runtime] = {
             "keeps_gathered_input": "no sequence parallelism in the 2021 code; the later one "
             "all-gathers the input again in backward (Korthikanti et al. 2022)",
             "zero_grad_accumulation": "no ZeRO in the paper's runs",
+            "zero_stages": "Megatron-LM 2021 has no ZeRO (its distributed optimizer came "
+            "later): stage 0 only",
+            "schedules": "Megatron-LM 2021 schedules.py: no pipelining, 1F1B "
+            "(PipeDream-Flush) and interleaved 1F1B; no GPipe, no zero-bubble schedule",
+            "checkpointing": "Megatron-LM 2021 --checkpoint-activations recomputes whole "
+            "layers; selective recomputation came with Korthikanti et al. 2022",
+            "sequence_parallel": "no sequence parallelism in the 2021 code (Korthikanti et "
+            "al. 2022)",
         },
     ),
 }

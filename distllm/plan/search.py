@@ -18,12 +18,20 @@ from dataclasses import dataclass, field
 from .bubble import simulator_or_none
 from .cost import GB, STATE_BYTES, CostModel, Estimate, Layout, state_bytes, training_dtype
 from .hardware import Profile, load_profile
+from .layout import grad_buffers_text
 from .model import ModelShape
+from .runtime import Runtime
 from .space import MAX_V, check_cluster, check_pins, divisors, layouts
 
-__all__ = ["SearchResult", "search", "best_layout", "divisors", "MAX_V"]
+__all__ = ["SearchResult", "search", "best_layout", "default_dtype", "divisors", "MAX_V"]
 
 RESCORE = 8  # default: the leading layouts ranked by the simulator's step time
+
+
+def default_dtype(profile: str | Profile) -> str:
+    """The training dtype when ``--dtype`` is not given: float32 on a CPU profile (one with
+    ``cores``), else bfloat16."""
+    return "float32" if load_profile(profile).cores else "bfloat16"
 
 
 @dataclass
@@ -101,7 +109,7 @@ def search(
     use_simulator: bool = True,
     keep_rejected: bool = True,
     ranks_per_host: int | None = None,
-    runtime_name: str = "distllm",
+    runtime_name: str | Runtime = "distllm",
     world_flag: str = "--gpus",
     exact: int = RESCORE,
 ) -> SearchResult:
@@ -116,7 +124,7 @@ def search(
     check_cluster(world, gpn)
     pins = dict(pins or {})
     check_pins(world, pins, world_flag)
-    dtype = dtype or ("float32" if prof.cores else "bfloat16")
+    dtype = dtype or default_dtype(prof)
     cm = CostModel(
         shape,
         prof,
@@ -127,13 +135,13 @@ def search(
         ranks_per_host=ranks_per_host,
         runtime_name=runtime_name,
     )
+    cm.runtime.check_pins(pins)  # a pin of what the runtime does not have: refused
     # the replay overlaps transfers with compute: only for a runtime whose transfers do
     sim = simulator_or_none() if use_simulator and cm.runtime.p2p_async else None
     cap = prof.usable_bytes
     ranked, rejected = [], []
-    even = cm.runtime.stage_split == "blocks"
     closest = _Closest()  # why nothing fits, whether or not every rejection is kept
-    for lay, reason in layouts(shape, world, gpn, pins, even, cm.runtime.zb_h1_resident):
+    for lay, reason in layouts(shape, world, gpn, pins, cm.runtime):
         mem = {} if reason is not None else cm.memory(lay)
         if reason is None and mem["total"] > cap:
             reason = _too_big(mem, prof)
@@ -183,9 +191,12 @@ def _retime(cm: CostModel, ranked: list[Estimate], sim, exact: int
 
 
 def _too_big(mem: dict[str, float], prof: Profile) -> str:
+    need, usable = mem["total"] / GB, prof.usable_bytes / GB
+    # as many decimals as it takes for the need to read above what is usable (up to 6)
+    d = next((d for d in range(1, 7) if round(need, d) > round(usable, d)), 6)
     return (
-        f"needs {mem['total'] / GB:.1f} GB of the {prof.memory_bytes / GB:.3g} GB "
-        f"({prof.usable_bytes / GB:.1f} GB usable)"
+        f"needs {need:.{d}f} GB of the {prof.memory_bytes / GB:.3g} GB "
+        f"({usable:.{d}f} GB usable)"
     )
 
 
@@ -199,7 +210,8 @@ def explain(est: Estimate, shape: ModelShape, res: SearchResult) -> str:
         f"(tp comm {t['tp_comm']:.3g}, dp comm exposed {t['dp_comm']:.3g}, zero comm "
         f"{t['zero_comm']:.3g}, optimizer {t['optimizer']:.3g})",
         f"  memory: params {mem['params'] / GB:.3g} GB, grads {mem['grads'] / GB:.3g}, "
-        f"optimizer {mem['optimizer'] / GB:.3g}, activations {mem['activations'] / GB:.3g}",
+        f"optimizer {mem['optimizer'] / GB:.3g}, activations {mem['activations'] / GB:.3g}"
+        + grad_buffers_text(mem),
         f"  {len(res.ranked)} layouts fit, {len(res.rejected)} rejected; searched in "
         f"{res.seconds:.2f} s"
         + (f" (the first {res.exact} ranked by the pipeline simulator, {res.simulated} "
@@ -249,9 +261,10 @@ def model_states_table(
     tp: int = 1,
     pp: int = 1,
     profile: str | Profile = "a100-80gb",
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
 ) -> list[Estimate]:
-    """Model-state memory per device of a bare parameter count under each ZeRO stage."""
+    """Model-state memory per device of a bare parameter count under each ZeRO stage
+    (``dtype``: the search's default, :func:`default_dtype`, unless given)."""
     if not n_params > 0 or not math.isfinite(n_params):
         raise ValueError(f"params={n_params!r}: give --params as a positive count, e.g. 7.5e9")
     check_cluster(world, world)
@@ -262,7 +275,7 @@ def model_states_table(
         raise ValueError(f"gpus={world} is not divisible by tp*pp={tp * pp}: change --tp/--pp")
     prof = load_profile(profile)
     dp = world // (tp * pp)
-    dt = training_dtype(dtype)
+    dt = training_dtype(dtype or default_dtype(prof))
     out = []
     for zero in range(4):
         lay = Layout(tp, pp, dp, zero)

@@ -5,21 +5,19 @@ tp divides the GPU count, stays inside a node and divides heads, KV heads, FFN a
 pp divides what is left, and pp*v is at most the pieces the runtime cuts the model into
 (distllm: the embedding, each block and the head, uneven chunks allowed; a runtime that
 splits the blocks evenly: the blocks); dp is the
-rest and divides the global batch; micro-batch counts divide the per-replica batch; ZeRO
-0-3; every schedule (interleaved with every v up to :data:`MAX_V`); checkpointing
-none/selective/full; sequence parallelism when tp > 1. Pins (``--tp``, ``--zero``, ...) fix
-a field.
+rest and divides the global batch; micro-batch counts divide the per-replica batch; the
+ZeRO stages, schedules (interleaved with every v up to :data:`MAX_V`), checkpointing modes
+and sequence parallelism (tp > 1) that the runtime has (:class:`Runtime`). Pins (``--tp``,
+``--zero``, ...) fix a field.
 """
 
 from __future__ import annotations
 
 import math
 
-from distllm.models.config import CHECKPOINTING
-
-from .bubble import SCHEDULES
 from .cost import Layout
 from .model import ModelShape
+from .runtime import Runtime
 
 __all__ = ["MAX_V", "check_cluster", "check_pins", "divisors", "layouts"]
 
@@ -33,8 +31,13 @@ def divisors(n: int) -> list[int]:
     return low + [n // d for d in reversed(low) if d * d != n]
 
 
-def _tp_reason(shape: ModelShape, tp: int, gpn: int) -> str | None:
-    if tp > gpn or gpn % tp:
+def _tp_reason(shape: ModelShape, tp: int, gpn: int, world: int) -> str | None:
+    """Why ``tp`` cannot run, or None. TP groups are ``tp`` consecutive ranks, ``gpn`` to a
+    node: a group spans two nodes where it is larger than the devices of a node in play
+    (``min(gpn, world)``: fewer devices than a node's are all on one) or where a node
+    boundary falls inside one (tp does not divide a whole node)."""
+    node = min(gpn, world)
+    if tp > node or node % tp:
         return f"tp={tp} crosses the node boundary ({gpn} GPUs per node)"
     for knob, v in (
         ("heads", shape.heads),
@@ -48,14 +51,15 @@ def _tp_reason(shape: ModelShape, tp: int, gpn: int) -> str | None:
 
 
 def _schedules(
-    shape: ModelShape, pp: int, m: int, pins: dict, even: bool
+    shape: ModelShape, pp: int, m: int, pins: dict, even: bool, schedules: tuple[str, ...]
 ) -> list[tuple[str, int, str | None]]:
     """(schedule, v, reason-or-None) for one (pp, m), with the runtime's pipeline rules
-    (``even``: the blocks must divide evenly over the ``pp * v`` chunks)."""
+    (``even``: the blocks must divide evenly over the ``pp * v`` chunks; ``schedules``: the
+    ones it has)."""
     if pp == 1:
         return [("none", 1, None)]
     out = []
-    for sch in SCHEDULES:
+    for sch in schedules:
         if pins.get("schedule") and sch != pins["schedule"]:
             continue
         if sch == "interleaved-1f1b":
@@ -104,15 +108,15 @@ def _zb_h1_reason(schedule: str, zero: int, checkpointing: str) -> str | None:
     return None
 
 
-def layouts(shape: ModelShape, world: int, gpn: int, pins: dict, even: bool = False,
-               zb_resident: bool = False):
-    """Yield (Layout, reason-or-None) for every combination (``even``, ``zb_resident``: the
-    runtime's rules, :attr:`Runtime.stage_split` and :attr:`Runtime.zb_h1_resident`)."""
+def layouts(shape: ModelShape, world: int, gpn: int, pins: dict, rt: Runtime):
+    """Yield (Layout, reason-or-None) for every combination the runtime ``rt`` has, by its
+    rules (:attr:`Runtime.stage_split`, :attr:`Runtime.zb_h1_resident`)."""
+    even = rt.stage_split == "blocks"
     B = shape.global_batch
     for tp in divisors(world):
         if pins.get("tp") and tp != pins["tp"]:
             continue
-        treason = _tp_reason(shape, tp, gpn)
+        treason = _tp_reason(shape, tp, gpn, world)
         for pp in divisors(world // tp):
             if pins.get("pp") and pp != pins["pp"]:
                 continue
@@ -130,17 +134,17 @@ def layouts(shape: ModelShape, world: int, gpn: int, pins: dict, even: bool = Fa
             if reason is not None:
                 yield base, reason
                 continue
-            yield from _inner(shape, tp, pp, dp, B // dp, pins, even, zb_resident)
+            yield from _inner(shape, tp, pp, dp, B // dp, pins, rt)
 
 
-def _inner(
-    shape: ModelShape, tp: int, pp: int, dp: int, per_replica: int, pins: dict, even: bool,
-    zb_resident: bool = False,
-):
-    zeros = [pins["zero"]] if pins.get("zero") is not None else [0, 1, 2, 3]
+def _inner(shape: ModelShape, tp: int, pp: int, dp: int, per_replica: int, pins: dict,
+           rt: Runtime):
+    even, zb_resident = rt.stage_split == "blocks", rt.zb_h1_resident
+    zeros = [pins["zero"]] if pins.get("zero") is not None else list(rt.zero_stages)
     ms = [pins["micro_batches"]] if pins.get("micro_batches") else divisors(per_replica)
-    cks = [pins["checkpointing"]] if pins.get("checkpointing") else list(CHECKPOINTING)
-    sps = [False, True] if tp > 1 and shape.seq_len % tp == 0 else [False]
+    cks = [pins["checkpointing"]] if pins.get("checkpointing") else list(rt.checkpointing)
+    sp_ok = rt.sequence_parallel and tp > 1 and shape.seq_len % tp == 0
+    sps = [False, True] if sp_ok else [False]
     if pins.get("sequence_parallel") is not None and tp > 1:
         sps = [pins["sequence_parallel"]]
     # pinned on where it cannot run: kept, with the trainer's reason
@@ -155,7 +159,7 @@ def _inner(
             if per_replica % m == 0
             else (f"micro_batches={m} does not divide the {per_replica} sequences per DP replica")
         )
-        for sch, v, sreason in _schedules(shape, pp, m, pins, even):
+        for sch, v, sreason in _schedules(shape, pp, m, pins, even, rt.schedules):
             for zero in zeros:
                 zreason = (
                     f"zero={zero} with dp=1 shards nothing (use zero=0)"
@@ -201,3 +205,26 @@ def check_pins(world: int, pins: dict, world_flag: str = "--gpus") -> None:
             f"{flags} = {prod} is not {world_flag} {world}: drop --dp or make tp*pp*dp = "
             f"{world_flag.lstrip('-')}"
         )
+    _check_unused_pins(world, pinned, pins, world_flag)
+
+
+def _check_unused_pins(world: int, pinned: dict, pins: dict, world_flag: str) -> None:
+    """A ``--schedule`` where every layout left has pp = 1, or ``--sequence-parallel on``
+    where every one has tp = 1: refused (the trainer refuses them), not planned without."""
+    for knob, flag, given, what in (
+        ("pp", "--schedule", pins.get("schedule"), "orders a pipeline's micro-batches"),
+        ("tp", "--sequence-parallel", "on" if pins.get("sequence_parallel") else None,
+         "shards activations inside a TP group"),
+    ):
+        if given is None:
+            continue
+        others = {k: v for k, v in pinned.items() if k != knob}
+        if knob in pinned:
+            most, why = pinned[knob], f"--{knob} {pinned[knob]}"
+        else:
+            most = world // math.prod(others.values())
+            on = " x ".join(f"--{k} {v}" for k, v in others.items())
+            why = f"{on} on {world_flag} {world}" if on else f"{world_flag} {world}"
+        if most == 1:
+            raise ValueError(f"{flag} {given} {what}, and {why} leaves {knob}=1: raise "
+                             f"--{knob}, or drop {flag}")

@@ -188,11 +188,11 @@ class TimeModel:
                    for m, n, k in wanted)
 
     def _ends(self, b: int, lay: Layout) -> tuple[float, ...]:
-        """(embedding forward, head forward, head backward, head weight-gradient) seconds,
-        and the TP collectives inside them: (embedding's, head's). The vocab-parallel
-        cross-entropy all-reduces the per-token max and then the stacked per-token sum and
-        target logit (fp32) in forward (``distllm.nn.cross_entropy``). A vocabulary held whole
-        (:meth:`ModelShape.splits_vocab`) has none, and every TP rank computes the whole head."""
+        """(embedding forward, embedding backward, head forward, head backward, head
+        weight-gradient) seconds, and the TP collectives inside them: (embedding's, head's;
+        see :meth:`_end_collectives`). A vocabulary held whole
+        (:meth:`ModelShape.splits_vocab`) has none of them, and every TP rank computes the
+        whole head."""
         s, p, t = self.shape, self.profile, lay.tp
         tokens = b * s.seq_len
         n = tokens * s.hidden
@@ -203,18 +203,32 @@ class TimeModel:
         head_w = gemm_time(p, self.peak, s.hidden, vn, m, elem=self.e)
         ce = mem_time(p, CE_BYTES_PER_LOGIT * tokens * vn)
         norm = mem_time(p, 4 * self.e * n) + 3 * p.op_overhead_s
-        msg = self.e * n
-        emb_c = self._tp_collective(msg, lay) if split else 0.0
-        ce_c = 0.0
-        if t > 1 and split:
-            link = self._link("tp", lay)
-            ce_c = sum(collective_time("all_reduce", k * 4 * tokens, t, link) for k in (1, 2))
-        emb = mem_time(p, 4 * self.e * n) + 2 * p.op_overhead_s + emb_c
-        head_fwd = head_f + ce / 2 + norm + ce_c
-        head_bwd = head_dg + head_w + ce / 2 + 2 * norm + emb_c
+        fwd_c, bwd_c, ce_c = self._end_collectives(tokens, lay) if split else (0.0, 0.0, 0.0)
+        work = mem_time(p, 4 * self.e * n) + 2 * p.op_overhead_s
+        # the embedding: (all-reduce | reduce-scatter) forward, (nothing | all-gather) backward
+        emb_f, emb_b = work + fwd_c, work + bwd_c
+        # the head: (nothing | all-gather) forward, (all-reduce | reduce-scatter) backward
+        head_fwd = head_f + ce / 2 + norm + ce_c + bwd_c
+        head_bwd = head_dg + head_w + ce / 2 + 2 * norm + fwd_c
         if "head" not in self.runtime.zb_deferred(t, split):
             head_w = 0.0  # its weight GEMM runs in B
-        return emb, head_fwd, head_bwd, head_w, emb_c, ce_c + emb_c
+        return emb_f, emb_b, head_fwd, head_bwd, head_w, fwd_c + bwd_c, ce_c + fwd_c + bwd_c
+
+    def _end_collectives(self, tokens: int, lay: Layout) -> tuple[float, float, float]:
+        """Seconds of one micro-batch's (all-reduce, or under sequence parallelism
+        reduce-scatter; nothing, or all-gather; the loss's all-reduces) over TP. The embedding
+        (``distllm.nn.VocabParallelEmbedding``) runs the first in forward and the second in
+        backward, the head's column-parallel projection the other way round; the
+        vocab-parallel cross-entropy all-reduces the per-token max, then the stacked per-token
+        sum and target logit (fp32), in forward (``distllm.nn.cross_entropy``)."""
+        if lay.tp == 1:
+            return 0.0, 0.0, 0.0
+        link, msg = self._link("tp", lay), self.e * tokens * self.shape.hidden
+        ce = sum(collective_time("all_reduce", k * 4 * tokens, lay.tp, link) for k in (1, 2))
+        if lay.sequence_parallel:
+            return (collective_time("reduce_scatter", msg, lay.tp, link),
+                    collective_time("all_gather", msg, lay.tp, link), ce)
+        return collective_time("all_reduce", msg, lay.tp, link), 0.0, ce
 
     def rank_times(self, lay: Layout) -> tuple[list[float], ...]:
         """Forward, backward, weight-gradient and (inside those) TP/ZeRO-3 communication
@@ -226,17 +240,17 @@ class TimeModel:
         if key in self._cache:
             return self._cache[key]
         lt = self.layer_times(b, lay)
-        emb, head_f, head_b, head_w, emb_c, head_c = self._ends(b, lay)
+        emb_f, emb_b, head_f, head_b, head_w, emb_c, head_c = self._ends(b, lay)
         tf, tb, tw, tc = [], [], [], []
         for (blocks, has_e, has_h), (z3_f, z3_b, _) in zip(
                 self.ranks(lay.pp, lay.virtual_stages), self.z3_ranks(lay), strict=True):
             tf.append(blocks * (lt["fwd"] + lt["tp_f"]) + z3_f
-                      + (emb if has_e else 0.0) + (head_f if has_h else 0.0))
+                      + (emb_f if has_e else 0.0) + (head_f if has_h else 0.0))
             tb.append(blocks * (lt["bwd"] + lt["tp_b"]) + z3_b
-                      + (emb if has_e else 0.0) + (head_b if has_h else 0.0))
+                      + (emb_b if has_e else 0.0) + (head_b if has_h else 0.0))
             tw.append(blocks * lt["w"] + (head_w if has_h else 0.0))
             tc.append(blocks * (lt["tp_f"] + lt["tp_b"]) + z3_f + z3_b
-                      + (2 * emb_c if has_e else 0.0) + (head_c if has_h else 0.0))
+                      + (emb_c if has_e else 0.0) + (head_c if has_h else 0.0))
         self._cache[key] = (tf, tb, tw, tc)
         return tf, tb, tw, tc
 

@@ -156,8 +156,12 @@ class Verification:
             lines.append(f"  {k:12s} {p[k] / GB:10.3f} {m.states.get(k, 0) / GB:10.3f}")
         fb = m.phases.get("forward-backward", 0)
         act_measured = fb - sum(m.states.get(k, 0) for k in KEYS)
-        lines.append(f"  {'activations':12s} {p['activations'] / GB:10.3f} "
-                     f"{act_measured / GB:10.3f}  (forward-backward peak minus the states)")
+        # the dry run cannot tell ZeRO-2/3's accumulation buffers from the activations
+        buf = p.get("grad_buffers", 0.0)
+        name, note = (("act.+buffers", ", with the gradient accumulation buffers") if buf
+                      else ("activations", ""))
+        lines.append(f"  {name:12s} {(p['activations'] + buf) / GB:10.3f} "
+                     f"{act_measured / GB:10.3f}  (forward-backward peak minus the states{note})")
         lines.append(f"  {'opt. step':12s} {p['optimizer_step'] / GB:10.3f} "
                      f"{m.phases.get('optimizer', 0) / GB:10.3f}")
         lines.append(f"  {'peak':12s} {p['total'] / GB:10.3f} {m.peak / GB:10.3f}  "

@@ -57,8 +57,10 @@ def test_zero3_dp128_two_micro_batches_does_not_fit():
     mem = cm.memory(two)
     n = cm.rank_params(two)[0][0]
     assert n == pytest.approx(175e9 / 8, rel=0.01)
-    # the full buffers, less the one block's bucket a per-micro-batch reduction would hold
-    buffers = mem["activations"] - per_shard["activations"]
+    # the full buffers, reported as such (the activations hold the one block's bucket a
+    # per-micro-batch reduction would hold instead)
+    assert mem["grad_buffers"] == 4 * n and per_shard["grad_buffers"] == 0.0
+    buffers = mem["grad_buffers"] + mem["activations"] - per_shard["activations"]
     assert 4 * n - 4 * 2 * cm.rank_params(two)[1] < buffers <= 4 * n
     assert mem["total"] > per_shard["total"] > A100.usable_bytes
     one = two._replace(micro_batches=1)  # nothing to accumulate: the same either way
