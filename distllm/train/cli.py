@@ -339,12 +339,9 @@ def _unused_layout(args: argparse.Namespace, p: ParallelConfig) -> list[str]:
     if args.overlap != defaults["overlap"] and p.tp == 1:
         unused.append(f"--overlap {p.overlap} sets how TP's row-parallel GEMMs overlap their "
                       f"all-reduce: raise --tp, or drop it")
-    if args.batch_split != defaults["batch_split"] and (p.tp == 1 or p.sequence_parallel
-                                                        or p.pp > 1):
+    if args.batch_split != defaults["batch_split"] and (p.tp == 1 or p.sequence_parallel):
         where = (": raise --tp, or drop it" if p.tp == 1 else ", which --sequence-parallel "
-                 "replaces with reduce-scatters: drop one of them" if p.sequence_parallel
-                 else ", which a pipeline stage does not run (it calls its layers one by "
-                 "one): drop it, or use --pp 1")
+                 "replaces with reduce-scatters: drop one of them")
         unused.append(f"--batch-split {p.batch_split} splits micro-batches to overlap TP's "
                       f"all-reduces{where}")
     if "schedule" in given and p.pp == 1:

@@ -187,10 +187,14 @@ class Engine:
         n = self.mcfg.n_pipeline_layers
         counts = [len(ids) for ids in _all_chunk_ids(n, self.dims.pp, self.v)]
         built = {i: c.layers[str(i)] for c in self.chunks for i in c.layer_ids}
+        # a chunk's GPT.forward runs batch-split overlap where it applies (TP without SP;
+        # ZeRO-3's gathering blocks are not split): the stage runs it, not its bare layers
+        split = self.chunks[0].batch_split != 1 and p.zero != 3
         pipe = PipelineParallel(built.__getitem__, self.dims, schedule=p.schedule,
                                 micro_batches=p.micro_batches, virtual_stages=self.v,
                                 layers_per_stage=counts, num_layers=n,
-                                grad_sync=self.grad_sync)
+                                grad_sync=self.grad_sync,
+                                run_chunk=(lambda c, x: self.chunks[c](x)) if split else None)
         if pipe.layer_ids != self.chunk_ids:
             raise AssertionError(f"pipeline split {pipe.layer_ids} != {self.chunk_ids}")
         return pipe

@@ -90,9 +90,6 @@ def _err(capsys, argv: list[str]) -> str:
     (["--nproc", "2", "--tp", "2", "--sequence-parallel", "--batch-split", "2"],
      "--batch-split 2 splits micro-batches to overlap TP's all-reduces, which "
      "--sequence-parallel replaces with reduce-scatters: drop one of them"),
-    (["--nproc", "4", "--tp", "2", "--pp", "2", "--batch-split", "2"], "--batch-split 2 splits "
-     "micro-batches to overlap TP's all-reduces, which a pipeline stage does not run (it calls "
-     "its layers one by one): drop it, or use --pp 1"),
     (["--nproc", "2", "--overlap", "chunked"], "--overlap chunked sets how TP's row-parallel "
      "GEMMs overlap their all-reduce: raise --tp, or drop it (this run would not use it)"),
     (["--overlap", "none"], "--overlap none sets how TP's row-parallel GEMMs"),

@@ -149,7 +149,8 @@ DEFAULT_4 = [
     dict(tp=4, overlap="auto"),
     dict(tp=2, dp=2, bs=3),  # batch split under DDP, 4 sequences a rank in 3 parts
     dict(pp=2, dp=2, schedule="interleaved-1f1b", m=4, zero=3),
-    dict(tp=2, pp=2, schedule="zb-h1", m=2, vp="on"),
+    dict(tp=2, pp=2, schedule="zb-h1", m=2, vp="on", bs=2),  # batch split in a stage
+    dict(tp=2, pp=2, schedule="1f1b", m=2, bs=2, overlap="chunked"),
 ]
 
 

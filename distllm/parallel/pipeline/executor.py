@@ -116,6 +116,10 @@ class PipelineParallel(nn.Module):
         track_memory: measure bytes saved for backward per micro-batch (small overhead).
         p2p_channels: one process group per direction between neighbouring stages (default:
             on NCCL, whose in-order streams need it; see ``pp_comm``), else one group.
+        run_chunk: ``run_chunk(c, x)`` runs this rank's chunk ``c`` on ``x``, for a model whose
+            forward does more than call its layers in turn (the GPT's batch-split overlap,
+            :meth:`distllm.models.GPT.forward` over the chunk's layers); default: the layers
+            of ``self.chunks[c]`` in order.
 
     ``self.chunks[c]`` is an ``nn.Sequential`` of global layers ``self.layer_ids[c]``.
     """
@@ -123,7 +127,8 @@ class PipelineParallel(nn.Module):
     def __init__(self, layers: LayerSpec, dims, schedule: str = "1f1b", micro_batches: int = 1,
                  virtual_stages: int = 1, layers_per_stage: Sequence[int] | None = None, *,
                  num_layers: int | None = None, grad_sync=None, track_memory: bool = False,
-                 p2p_channels: bool | None = None):
+                 p2p_channels: bool | None = None,
+                 run_chunk: Callable[[int, torch.Tensor], torch.Tensor] | None = None):
         super().__init__()
         if callable(layers) and not isinstance(layers, nn.Module | Sequence):
             if num_layers is None:
@@ -141,6 +146,7 @@ class PipelineParallel(nn.Module):
             _refuse_weights_across_ranks(layers, ranges, self.pp)
         self.chunks = nn.ModuleList(nn.Sequential(*map(build, ids)) for ids in self.layer_ids)
         self.grad_sync, self.track_memory = grad_sync, track_memory
+        self.run_chunk = run_chunk or (lambda c, x: self.chunks[c](x))
         self.pp_ranks = dims.group_ranks("pp")
         if p2p_channels is None:
             p2p_channels = backend_for(dims.pp_group, dims.device.type) == "nccl"
@@ -333,7 +339,7 @@ class _StepRun:
             self.wstores[mbc] = WeightGradStore()
             defer = DeferLinearWeightGrads(self.wstores[mbc])
         with self._saved_hooks(mbc), defer:
-            y = self.pp.chunks[a.chunk](x)
+            y = self.pp.run_chunk(a.chunk, x)
         if not isinstance(y, torch.Tensor):
             raise TypeError(f"stage {s} returned {type(y).__name__}: each pipeline stage must "
                             "return one tensor (wrap layers that return tuples)")
