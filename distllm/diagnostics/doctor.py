@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from distllm.diagnostics.probe import Probe, full_numel, fused_parents, snapshot, trace
 from distllm.diagnostics.profiler import profile
-from distllm.diagnostics.timing import COLLECTIVES, time_collective
+from distllm.diagnostics.timing import COLLECTIVES, device_sync, time_collective
 from distllm.parallel.tensor.layers import settle_overlap
 
 __all__ = ["diagnose", "DoctorReport", "LayerDirection", "OverlapNotHappening"]
@@ -232,11 +232,12 @@ def _group(m: torch.nn.Module):
     return getattr(dims, "tp_group", None)
 
 
-def _device_sync(model: torch.nn.Module) -> Callable[[], None]:
+def _device_sync(model: torch.nn.Module) -> tuple[Callable[[], None], bool]:
+    """A wait for the model's own GPU (:func:`device_sync`: not the current device, cuda:0
+    where a rank never set its own), and whether the model is on CUDA."""
     p = next(model.parameters(), None)
-    if p is not None and p.is_cuda:
-        return torch.cuda.synchronize
-    return lambda: None
+    sync = device_sync(p.device) if p is not None else None
+    return (sync or (lambda: None)), sync is not None
 
 
 # ---------------------------------------------------------------- diagnose
@@ -291,6 +292,12 @@ def _judge(rows: list[LayerDirection], require_overlap: bool | None,
         if asked and r.overlapped < max(r.calls, 1):
             r.failure = (f"{r.collective} not overlapped in {max(r.calls, 1) - r.overlapped}/"
                          f"{max(r.calls, 1)} call(s): ran {r.mode} ({r.reason or 'no reason'})")
+            fails.append(f"{r.layer} {r.direction}: {r.failure}")
+        elif min_hidden is not None and r.overlapped and r.hidden_frac is None:
+            # (on CUDA the host never waits: the share is not measured, and a gate on it
+            # must not pass unchecked)
+            r.failure = (f"the hidden share of the {r.collective} was not measured (CUDA), "
+                         f"so min_hidden={min_hidden:g} cannot be checked: read the trace")
             fails.append(f"{r.layer} {r.direction}: {r.failure}")
         elif (min_hidden is not None and r.overlapped and r.hidden_frac is not None
               and r.hidden_frac < min_hidden):
@@ -350,8 +357,7 @@ def diagnose(model: torch.nn.Module, step_fn: Callable[[], object], steps: int =
     if steps < 1 or warmup < 0:
         raise ValueError(f"steps={steps}, warmup={warmup}: need steps >= 1 and warmup >= 0")
     layers = _layers(model)
-    sync = _device_sync(model)
-    cuda = sync is torch.cuda.synchronize
+    sync, cuda = _device_sync(model)
     for _ in range(warmup - 1):  # overlap="auto" measures and caches its choice here
         step_fn()
     if warmup:  # the last warm-up step, and on CPU as many more as auto's trial in the step

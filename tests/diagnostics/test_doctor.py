@@ -179,3 +179,35 @@ def test_doctor_times_the_layers_of_a_fused_mlp(doctor_results):
         assert rows["fc1", "backward"]["collective"] == "all_reduce"
         assert any("fc1, fc2: run as one fused function" in n for n in res["fused_notes"])
         assert res["fused_ok"], res["fused_rows"]
+
+
+def test_the_doctor_waits_for_the_models_own_gpu(monkeypatch):
+    # a bare synchronize() waits for the current device (cuda:0 where a rank never set its
+    # own): the step times would be launch times
+    from distllm.diagnostics import doctor
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    model = types.SimpleNamespace(parameters=lambda: iter([types.SimpleNamespace(
+        device=torch.device("cuda", 3))]))
+    sync, cuda = doctor._device_sync(model)
+    sync()
+    assert cuda and synced == [torch.device("cuda", 3)]
+    sync, cuda = doctor._device_sync(torch.nn.Linear(2, 2))
+    assert not cuda and sync() is None and synced == [torch.device("cuda", 3)]
+
+
+def test_min_hidden_fails_where_the_share_is_not_measured():
+    # on CUDA the host never waits for the collective: no hidden share, and a gate asking
+    # for one must fail, not pass unchecked
+    from distllm.diagnostics.doctor import LayerDirection, _judge
+
+    r = LayerDirection(layer="mlp.fc2", kind="RowParallelLinear", direction="forward",
+                       collective="all_reduce", requested="chunked", mode="chunked", calls=2,
+                       overlapped=2, chunks=2, reason="", wait_ms=None, comm_ms=0.6,
+                       comm_source="auto", layer_ms=None, profiled_collectives={})
+    r.finish()
+    assert r.hidden_frac is None
+    fails = _judge([r], None, 0.9)
+    assert len(fails) == 1 and "not measured" in fails[0] and "min_hidden=0.9" in fails[0]
+    assert _judge([r], None, None) == []
