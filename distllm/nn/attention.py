@@ -76,6 +76,11 @@ class ParallelAttention(nn.Module):
     hidden)``): forward all-gather of the input overlapped with the QKV GEMM and reduce-scatter
     of the output overlapped with the output GEMM; backward their mirror images.
     ``overlap_stats`` maps ``qkv`` / ``o`` to their ``OverlapStats``.
+
+    Its own random initialisation draws the full QKV weight in the rank-major layout it
+    stores (``[q_0; k_0; v_0; q_1; ...]``), so the same seed gives another model at another
+    tp. For weights that do not depend on tp, load them: :meth:`from_dense`, or the GPT's
+    canonical initialisation (:func:`distllm.models.sharding.init_canonical`).
     """
 
     def __init__(self, hidden: int, n_heads: int, dims, n_kv_heads: int | None = None,
