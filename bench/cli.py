@@ -330,15 +330,13 @@ def run(args: argparse.Namespace) -> int:
     load0 = report.loadavg()
     res = run_suites(names, cfg, progress=not args.no_progress)
     rows = report.annotate(res.rows)
-    jp, _ = write_rows(rows, out)
-    data = json.loads(jp.read_text())
     meta = {"command": "distllm bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
             if sys.argv[1:2] == ["bench"] else None,
             "suites": names, "elapsed_s": res.elapsed_s,
             "loadavg": f"{load0} / {report.loadavg()}", "config": {
                 k: str(v) if isinstance(v, Path) else v for k, v in vars(cfg).items()}}
-    data["run"] = meta
-    jp.write_text(json.dumps(data, indent=1, default=str))
+    jp, _ = write_rows(rows, out, run=meta)  # (written once, whole)
+    data = json.loads(jp.read_text())
     pngs = plots.plot_all(rows, out, {n for n in names if SUITES[n].overlap})
     report.write_report(rows, data["machine"], out, meta,
                         {n: SUITES[n].title for n in names}, pngs)

@@ -363,7 +363,8 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
                 "gpn": gpn, "pick": pick, "load": load, "tuning": tuning}
 
     return Setup({_layout(t).name(): (lambda t=t: measure(t)) for t in layouts}, warmup=0,
-                 reps=int(cfg.extra.get("rounds", 1 if cfg.quick else 2)), finish=finish,
+                 reps=cfg.reps or int(cfg.extra.get("rounds", 1 if cfg.quick else 2)),
+                 finish=finish,
                  close=stack.close)
 
 

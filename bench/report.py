@@ -43,7 +43,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from distllm.bench.rows import fmt
+from distllm.bench.rows import fmt, write_text_atomic
 
 from distllm.diagnostics.timing import PAIRED_MIN, paired_band
 
@@ -422,9 +422,7 @@ def write_report(rows: list[dict], machine: dict[str, Any], out_dir: Path,
         lines += [f"![{p}]({p})" for p in plots.get(s, [])]
         if plots.get(s):
             lines.append("")
-    p = Path(out_dir) / "REPORT.md"
-    p.write_text("\n".join(lines))
-    return p
+    return write_text_atomic(Path(out_dir) / "REPORT.md", "\n".join(lines))
 
 
 def loadavg() -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
+import io
 import json
 import os
 import platform
@@ -22,7 +23,8 @@ from typing import Any
 
 from distllm.diagnostics.timing import Stats
 
-__all__ = ["ROW_FIELDS", "row", "machine_info", "write_rows", "markdown_table", "fmt"]
+__all__ = ["ROW_FIELDS", "row", "machine_info", "write_rows", "write_text_atomic",
+           "markdown_table", "fmt"]
 
 
 ROW_FIELDS = [
@@ -125,21 +127,36 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def write_rows(rows: list[dict], out_dir: Path, stem: str = "results") -> tuple[Path, Path]:
-    """Write ``<stem>.json`` (rows + machine) and ``<stem>.csv`` (one line per row)."""
+def write_text_atomic(path: Path, text: str) -> Path:
+    """``text`` into ``path`` through a temporary file beside it renamed over it: a reader,
+    or a run interrupted while writing, never leaves half a file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        f.write(text)
+    os.replace(tmp, path)
+    return path
+
+
+def write_rows(rows: list[dict], out_dir: Path, stem: str = "results",
+               run: dict | None = None) -> tuple[Path, Path]:
+    """Write ``<stem>.json`` (rows + machine, and ``run``: the command and config, where
+    given) and ``<stem>.csv`` (one line per row), each whole or not at all."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     mach = machine_info()
     jp, cp = out_dir / f"{stem}.json", out_dir / f"{stem}.csv"
-    jp.write_text(json.dumps({"machine": mach, "rows": rows}, indent=1, default=str))
+    data = {"machine": mach, "rows": rows, **({} if run is None else {"run": run})}
+    write_text_atomic(jp, json.dumps(data, indent=1, default=str))
     cols = ROW_FIELDS + list(mach)
-    with cp.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        for r in rows:
-            w.writerow(
-                {**{k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in r.items()}, **mach}
-            )
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, fieldnames=cols)
+    w.writeheader()
+    for r in rows:
+        w.writerow(
+            {**{k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in r.items()}, **mach}
+        )
+    write_text_atomic(cp, buf.getvalue())
     return jp, cp
 
 

@@ -254,8 +254,9 @@ def _overhead_setup(cfg: BenchConfig, reps: int) -> Setup:
         rounds = ops[-stats["profiled"].n:]  # the timed calls, in the order they ran
         return {"op_ms": statistics.median(rounds), "op_ms_rounds": rounds}
 
-    return Setup({"wall": step, "profiled": profiled}, warmup=3, reps=max(reps, 5),
-                 finish=finish)
+    # (at least 5 by default, the paired band's minimum; --reps as given)
+    return Setup({"wall": step, "profiled": profiled}, warmup=3,
+                 reps=reps if cfg.reps else max(reps, 5), finish=finish)
 
 
 def _op_ms(prof) -> float:

@@ -20,3 +20,35 @@ def test_row_and_table(tmp_path):
     assert (fmt(None), fmt(0.12345), fmt(123.456), fmt("x")) == ("", "0.123", "123.5", "x")
     jp, cp = write_rows([r, gone], tmp_path)
     assert jp.read_text().count('"variant"') == 2 and len(cp.read_text().splitlines()) == 3
+
+
+def test_results_are_written_whole_with_their_run(tmp_path, monkeypatch):
+    import json
+    import os
+
+    from distllm.bench import rows as mod
+
+    r = row("s", "c", "a", stats_of([1.0]))
+    jp, _ = write_rows([r], tmp_path, run={"command": "distllm bench --quick"})
+    first = jp.read_text()
+    assert json.loads(first)["run"] == {"command": "distllm bench --quick"}  # one write
+    # a run interrupted while writing leaves the earlier file whole, not half of the new one
+
+    def interrupted(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mod.os, "replace", interrupted)
+    try:
+        write_rows([r, r], tmp_path)
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.setattr(mod.os, "replace", os.replace)
+    assert jp.read_text() == first
+
+
+def test_reps_overrides_the_profiled_overhead_case():
+    from distllm.bench.harness import BenchConfig
+    from distllm.bench.train_e2e import _overhead_setup
+
+    assert _overhead_setup(BenchConfig(quick=True), 3).reps == 5  # the paired band's minimum
+    assert _overhead_setup(BenchConfig(quick=True, reps=3), 3).reps == 3  # --reps as given
