@@ -91,6 +91,19 @@ class LayerDirection:
     profiled_collectives: dict[str, int] = field(default_factory=dict)
     failure: str = ""
 
+    def suspect(self) -> str:
+        """Why this row's figures do not describe the collective alone, or "": the host
+        waited longer per call than the collective takes alone (another rank still computing,
+        or the cores shared), so ``comm_ms`` and the figures built on it do not describe what
+        it waited for."""
+        if self.overlapped and self.wait_ms is not None and self.comm_ms \
+                and self.wait_ms > self.comm_ms:
+            return (f"waited {self.wait_ms:.3g} ms per call for a {self.collective} that takes "
+                    f"{self.comm_ms:.3g} ms alone: the wait held more than the collective "
+                    f"(ranks out of step, or shared cores); its hidden share, ideal and gap "
+                    f"are estimates at best")
+        return ""
+
     def finish(self) -> None:
         """Derive hidden fraction, compute, ideal and gap from the measured parts."""
         if self.calls and not self.overlapped:
@@ -98,9 +111,11 @@ class LayerDirection:
             self.hidden_source = "blocking"
         elif self.hidden_trace is not None:
             self.hidden_frac, self.hidden_source = self.hidden_trace, "trace"
-        elif self.comm_ms and self.wait_ms is not None:
-            self.hidden_frac = min(1.0, max(0.0, (self.comm_ms - self.wait_ms) / self.comm_ms))
+        elif self.comm_ms and self.wait_ms is not None and self.wait_ms <= self.comm_ms:
+            self.hidden_frac = (self.comm_ms - self.wait_ms) / self.comm_ms
             self.hidden_source = "timers"
+        # (a wait longer than the collective alone takes would read below 0% hidden: the wait
+        # held more than the collective, and that share is no measurement; :meth:`suspect`)
         if self.layer_ms is not None and self.wait_ms is not None and self.mode == "deferred":
             # batch split: the layer's window holds its GEMM only; its all-reduce is waited
             # for later, behind the next part's compute, which can hide all of it
@@ -337,6 +352,7 @@ def _notes(probe: Probe, layers: list, rows: list[LayerDirection], cuda: bool) -
                      "timeline (GPU kernels) and the profiler trace show the overlap")
     notes += [f"{r.layer} {r.direction}: overlap='auto' fell back to none ({r.reason})"
               for r in rows if r.requested == "auto" and r.calls and not r.overlapped]
+    notes += [f"{r.layer} {r.direction}: {r.suspect()}" for r in rows if r.suspect()]
     return notes
 
 

@@ -211,3 +211,25 @@ def test_min_hidden_fails_where_the_share_is_not_measured():
     fails = _judge([r], None, 0.9)
     assert len(fails) == 1 and "not measured" in fails[0] and "min_hidden=0.9" in fails[0]
     assert _judge([r], None, None) == []
+
+
+def test_a_wait_longer_than_the_collective_is_flagged_not_clamped():
+    # 2.98 ms waited per call for an all-reduce of 0.65 ms alone: the timer share would be
+    # -360%; it is not shown as 0% hidden, and the report says why
+    from distllm.diagnostics.doctor import LayerDirection, _notes
+
+    def one(wait_ms):
+        r = LayerDirection(layer="l", kind="RowParallelLinear", direction="backward",
+                           collective="all_reduce", requested="chunked", mode="chunked",
+                           calls=2, overlapped=2, chunks=2, reason="", wait_ms=wait_ms,
+                           comm_ms=0.648, comm_source="auto", layer_ms=4.0,
+                           profiled_collectives={})
+        r.finish()
+        return r
+
+    bad, good = one(2.98), one(0.162)
+    assert bad.hidden_frac is None and "waited 2.98 ms" in bad.suspect()
+    assert good.hidden_frac == pytest.approx(0.75) and good.suspect() == ""
+    probe = types.SimpleNamespace(notes=[])
+    notes = _notes(probe, ["l"], [bad, good], cuda=False)
+    assert len(notes) == 1 and "l backward: waited 2.98 ms" in notes[0]
