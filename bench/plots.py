@@ -60,7 +60,8 @@ def _speedup_series(rows: list[dict]) -> tuple[list[str], dict[str, list[tuple]]
         base_role, shown = ("unfused", ("fused", "peer", "ideal")) if has_unfused else (
             "peer", ("fused",))
         base = [r for r in crows if _ok(r) and role_of(r) == base_role]
-        if not base:
+        if not base:  # (its baseline failed or was skipped: an empty slot, said so)
+            labels[i] = f"{labels[i]}\n(no {base_role} row)"
             continue
         b = min(base, key=lambda r: r["ms"])
         for r in crows:

@@ -32,3 +32,14 @@ def test_a_time_plot_labels_milliseconds_and_a_speedup_plot_ratios(monkeypatch, 
     ratio = [_row("a", "unfused", 30.0, "unfused"), _row("a", "fused", 20.0, "fused")]
     said = _labels(monkeypatch, ratio, tmp_path)
     assert "1.50x" in said and all(t.endswith("x") for t in said), said
+
+
+def test_a_case_without_its_baseline_says_so():
+    # a suite with unfused rows, where one case's unfused variant failed: its slot is empty,
+    # and its label says why instead of looking like a case with nothing to show
+    failed = {**_row("b", "unfused", 1.0, "unfused"), "status": "error", "ms": None}
+    rows = [_row("a", "unfused", 30.0, "unfused"), _row("a", "fused", 20.0, "fused"),
+            failed, _row("b", "fused", 10.0, "fused")]
+    labels, series, over = plots._speedup_series(rows)
+    assert labels == ["a", "b\n(no unfused row)"] and over == "unfused"
+    assert series == {"fused": [(0, *plots.speedup_band(rows[0], rows[1]))]}
