@@ -20,6 +20,7 @@ cache file copied to another machine or torch is not reused.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ log = logging.getLogger("distllm")
 
 _lock = threading.Lock()
 _memory: dict[str, str] = {}
+_usable: set[str] = set()  # keys whose choice this process made, or found it can run
 _disk_loaded = False
 _pinned = False
 
@@ -99,15 +101,25 @@ def _load_disk() -> None:
 
 
 def _save_disk() -> None:
+    """Write the choices into the cache file: under a lock, merged with what the file holds
+    now (other processes sharing it, such as the ranks of a job, write theirs too; a
+    process's own choices win), then renamed over it."""
     path = cache_path()
     if path is None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".autotune-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(_memory, f, indent=0, sort_keys=True)
-        os.replace(tmp, path)
+        with open(path.with_name(path.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                theirs = json.loads(path.read_text()) if path.exists() else {}
+            except ValueError:
+                theirs = {}
+            merged = {**(theirs if isinstance(theirs, dict) else {}), **_memory}
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".autotune-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(merged, f, indent=0, sort_keys=True)
+            os.replace(tmp, path)
     except OSError as exc:
         log.debug("backend choice cache not written (%s)", exc)
 
@@ -137,14 +149,22 @@ def measure(
     return out
 
 
-def lookup(key: str, device: torch.device) -> str | None:
-    """The choice already made for ``key`` on ``device``, or None (a cheap, hot-path check)."""
+def lookup(key: str, device: torch.device,
+           usable: Callable[[str], bool] | None = None) -> str | None:
+    """The choice already made for ``key`` on ``device``, or None (a cheap, hot-path check).
+    ``usable(name)``: whether that backend can run now; a choice read from the cache file
+    (made by a process that had an extension this one lacks, say) is checked with it once,
+    and one it refuses is None (:func:`choose` measures again)."""
     full = f"{device_tag(device)}|torch{torch.__version__}|{key}"
     hit = _memory.get(full)
     if hit is None and not _disk_loaded:
         with _lock:
             _load_disk()
         hit = _memory.get(full)
+    if hit is not None and usable is not None and full not in _usable:
+        if not usable(hit):
+            return None
+        _usable.add(full)
     return hit
 
 
@@ -169,6 +189,7 @@ def choose(
         best = next(iter(candidates))
         with _lock:
             _memory[full] = best
+            _usable.add(full)
         return best
     with torch.enable_grad() if grad else torch.no_grad():
         times = measure(candidates, device_sync(device), reps=5)
@@ -181,6 +202,7 @@ def choose(
     )
     with _lock:
         _memory[full] = best
+        _usable.add(full)
         _save_disk()
     return best
 
@@ -205,6 +227,7 @@ def clear(memory_only: bool = True) -> None:
     global _disk_loaded, _generation
     with _lock:
         _memory.clear()
+        _usable.clear()
         _generation += 1
         _disk_loaded = memory_only  # do not reload the file we are forgetting
         if not memory_only and cache_path() is not None:

@@ -360,7 +360,8 @@ def _choose_end_to_end(x, w, b, approximate: str, needs_grad: bool) -> str:
         f"linear_gelu|{x.dtype}|{tuple(x.shape)}x{tuple(w.shape)}|bias={b is not None}"
         f"|{approximate}|grad={needs_grad}"
     )
-    hit = backend_choice.lookup(key, x.device)
+    hit = backend_choice.lookup(
+        key, x.device, usable=lambda n: n in _auto_candidates(x, w, approximate))
     if hit is not None:
         return hit
     names = _auto_candidates(x, w, approximate)

@@ -92,3 +92,46 @@ def test_timing_waits_for_the_tensors_own_gpu(monkeypatch):
     finally:
         backend_choice.clear()
     assert synced and set(synced) == {torch.device("cuda", 1)}, synced
+
+
+def test_a_cached_choice_this_process_cannot_run_is_chosen_again(tmp_path, monkeypatch):
+    # a cache file written where distllm._cuda (or triton) ran, read where it does not:
+    # backend="auto" takes the next backend, it does not fail naming "cuda"
+    from distllm.ops import linear_gelu
+
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("DISTLLM_AUTOTUNE_CACHE", str(path))
+    x, w = torch.randn(4, 8), torch.randn(16, 8)
+    backend_choice.clear()
+    linear_gelu(x, w)  # makes and writes its choice: the key it uses
+    key = next(k for k in json.loads(path.read_text()) if k.split("|")[2] == "linear_gelu")
+    path.write_text(json.dumps({key: "cuda"}))
+    backend_choice.clear()
+    backend_choice._disk_loaded = False
+    try:
+        y = linear_gelu(x, w)
+        assert torch.allclose(y, torch.nn.functional.gelu(x @ w.T), atol=1e-5)
+        assert backend_choice.cached()[key] in ("cpu", "reference")
+    finally:
+        backend_choice.clear()
+
+
+def test_a_save_keeps_the_choices_other_processes_wrote(tmp_path, monkeypatch):
+    # ranks of a job sharing one file: each wrote its whole memory over the file, dropping
+    # the choices another rank saved after it had read the file
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("DISTLLM_AUTOTUNE_CACHE", str(path))
+    backend_choice.clear()
+    backend_choice._disk_loaded = False
+    try:
+        fast = {"a": lambda: None, "b": lambda: sum(range(20000))}
+        backend_choice.choose("merge-test|1", torch.device("cpu"), fast)
+        theirs = json.loads(path.read_text())
+        path.write_text(json.dumps({**theirs, "other-rank|merge-test|2": "b"}))
+        backend_choice.choose("merge-test|3", torch.device("cpu"), fast)
+        saved = json.loads(path.read_text())
+        assert saved["other-rank|merge-test|2"] == "b"
+        assert any(k.endswith("merge-test|1") for k in saved)
+        assert any(k.endswith("merge-test|3") for k in saved)
+    finally:
+        backend_choice.clear()
