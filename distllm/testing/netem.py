@@ -220,9 +220,11 @@ class EmulatedNetwork:
         if os.getpid() != self._owner:
             return
         with self._lock:
-            names, self.namespaces = self.namespaces, []
-            for name in reversed(names):
-                _ip("netns", "del", name, check=False)
+            # each name forgotten only once deleted: a signal that ends this loop leaves
+            # the rest recorded for the exit handler's close
+            while self.namespaces:
+                _ip("netns", "del", self.namespaces[-1], check=False)
+                self.namespaces.pop()
             self.available, self.setup, self.env = False, None, {}
             if self.reason == "":
                 self.reason = "closed"
@@ -251,8 +253,8 @@ class EmulatedNetwork:
 
     # ---- building --------------------------------------------------------------------
     def _add_ns(self, name: str) -> None:
+        self.namespaces.append(name)  # first: a signal during the add still has it deleted
         _ip("netns", "add", name)
-        self.namespaces.append(name)
         _ip("link", "set", "lo", "up", ns=name)
 
     def _build(self) -> None:

@@ -252,3 +252,26 @@ def test_network_labels_loopback_and_fallback(monkeypatch):
     with netem.open_network("2gbit") as lk:
         assert lk.label == "loopback" and lk.setup is None and lk.env is None
         assert lk.reason == "2gbit unavailable: no namespaces"
+
+
+def test_a_signal_during_close_leaves_the_rest_for_the_exit_handler(monkeypatch):
+    # a second SIGTERM (SystemExit) while close() deletes the namespaces: those not deleted
+    # yet stay recorded, so the exit handler's close deletes them (they were forgotten)
+    from distllm.testing import netem
+
+    net = netem.EmulatedNetwork(nranks=2)
+    net.namespaces = ["a", "b", "c"]
+    deleted, calls = [], {"n": 0}
+
+    def ip(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise SystemExit(143)
+        deleted.append(args[-1])
+
+    monkeypatch.setattr(netem, "_ip", ip)
+    with pytest.raises(SystemExit):
+        net.close()
+    assert deleted == ["c"] and net.namespaces == ["a", "b"]
+    net.close()  # what the exit handler runs
+    assert deleted == ["c", "b", "a"] and net.namespaces == []
