@@ -30,6 +30,9 @@ post-backward). There its parameters without a gradient count as zeros, its buck
 reduce-scattered, and it is freed. A unit whose inputs need no gradient (the embedding), and
 the root, are freed at the end of each backward pass (an autograd callback); ``step`` and
 loading a state first free every unit still gathered, whose values it is about to change.
+A parameter must therefore get its gradient within its own unit's calls: one that code
+outside the unit reads (not through a module outside it, which would give it to the root)
+is counted as zero when the unit closes, and its late gradient is refused.
 """
 
 from __future__ import annotations
