@@ -339,7 +339,9 @@ class ShardedParams:
         several micro-batches in flight: the last one's), its parameters without a gradient
         in this pass count as zeros (on this rank alone, perhaps: the others close the unit
         at this same point) and it is freed."""
-        self._pending[u] -= 1
+        # (never below 0: a graph built before ``step`` forgot the pending calls may still
+        # run backward)
+        self._pending[u] = max(0, self._pending[u] - 1)
         if self._pending[u] > 0:
             return
         if self.reducer is not None:

@@ -37,9 +37,9 @@ def _rank(pinned: str, act: str | None, sp: bool) -> dict:
     asked: list[str] = []
     real = backend_choice.lookup
 
-    def lookup(key, device):  # every measured CPU GEMM runs the pinned library
+    def lookup(key, device, usable=None):  # every measured CPU GEMM runs the pinned library
         if not key.startswith("cpu_gemm|"):
-            return real(key, device)  # e.g. the fused GEMM + GeLU's backend choice
+            return real(key, device, usable)  # e.g. the fused GEMM + GeLU's backend choice
         asked.append("|".join(key.split("|")[i] for i in (1, 3)))  # cpu_gemm|kind|dtype|shapes
         return pinned
 
