@@ -124,9 +124,28 @@ def launch(nproc: int, argv: list[str], timeout_s: float) -> int:
         except ChildFailedError as exc:
             return report_failure(exc, Path(errors), nproc)
         except SignalException as exc:
+            _close_rendezvous(exc)
             print(f"distllm train: stopped by {exc.sigval.name}", file=sys.stderr)
             return 128 + int(exc.sigval)
     return 0
+
+
+def _close_rendezvous(exc: BaseException) -> None:
+    """Shut down the rendezvous handler of the agent a signal stopped (``exc``'s traceback
+    holds it). torch leaves it open on a signal, for the other nodes of an elastic job; this
+    job has one node and a fresh run id. Left open, its keep-alive thread runs on, and when
+    that thread happens to hold the last reference as the handler is dropped, the timer's
+    finalizer runs in that thread, fails to join it, and prints a traceback after the
+    launcher's last line."""
+    tb = exc.__traceback__
+    while tb is not None:
+        spec = tb.tb_frame.f_locals.get("spec")
+        handler = getattr(spec, "rdzv_handler", None)
+        if handler is not None:
+            with contextlib.suppress(Exception):  # cleanup only: the job has already stopped
+                handler.shutdown()
+            return
+        tb = tb.tb_next
 
 
 def report_failure(exc, errors: Path, nproc: int) -> int:

@@ -413,15 +413,62 @@ def test_a_signal_stops_the_ranks(tmp_path, sig, save_on):
             f"saved in {out}; continue with --resume") in err.splitlines(), err[-2000:]
 
 
+_HELD_KEEP_ALIVE = """
+import os, pathlib, signal, sys, threading, time
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from distllm.train.launch import launch
+
+out, held = pathlib.Path(sys.argv[1]), threading.Event()
+keep_alive = DynamicRendezvousHandler._keep_alive
+
+def held_keep_alive(self):  # holds the handler, as a slow store round trip would
+    keep_alive(self)
+    held.set()
+    self._keep_alive_timer._ctx.stop_event.wait(10)
+
+DynamicRendezvousHandler._keep_alive = held_keep_alive
+
+def interrupt():
+    held.wait()
+    while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").stat().st_size:
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGINT)
+
+threading.Thread(target=interrupt, daemon=True).start()
+code = launch(2, sys.argv[2:], 60)
+for t in threading.enumerate():  # (what a thread prints as it ends belongs to the run)
+    if t is not threading.current_thread() and not t.name.startswith("Thread-"):
+        t.join(15)
+sys.exit(code)
+"""
+
+
+def test_a_signal_while_the_rendezvous_keep_alive_runs_ends_with_one_line(tmp_path):
+    """The rendezvous keep-alive thread, mid heartbeat (holding the handler) when Ctrl-C stops
+    the launcher: the launcher shuts the rendezvous down, and its last line stays its own.
+    Before, the handler was dropped while that thread held it, the timer's finalizer ran in
+    the thread and printed "RuntimeError: cannot join current thread" after it."""
+    script, out = tmp_path / "held.py", tmp_path / "run"
+    script.write_text(_HELD_KEEP_ALIVE)
+    proc = subprocess.run([sys.executable, str(script), str(out), *TINY, "--steps", "100000",
+                           "--global-batch", "4", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-2000:]
+    assert proc.stderr.splitlines()[-1] == "distllm train: stopped by SIGINT", proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
 def test_ranks_end_with_a_launcher_killed_by_sigkill(tmp_path):
     """SIGKILL cannot be passed on: the ranks of a launcher killed so (kill -9, the OOM
     killer) trained on to the end and kept writing checkpoints into --out. They get SIGTERM
-    when it dies and stop after a step, saving a checkpoint there (--save-on-signal)."""
+    when it dies and stop after a step, saving a checkpoint there (--save-on-signal). (The
+    launcher killed so leaves its temporary folder: in ``tmp_path``, not the system's.)"""
     out, log = tmp_path / "run", tmp_path / "stderr.txt"
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "distllm", "train", "--nproc", "2",
                                  *TINY, "--steps", "100000", "--global-batch", "4", "--out",
-                                 str(out)], stderr=err, start_new_session=True)
+                                 str(out)], stderr=err, start_new_session=True,
+                                env={**os.environ, "TMPDIR": str(tmp_path)})
     ranks: list[int] = []
     try:
         _until_a_step(proc, out, log)
