@@ -36,15 +36,18 @@ def backend_table() -> list[dict]:
         tver, tbuilt = None, False
         terr = str(exc)
     cuda = torch.cuda.is_available()
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
     rows.append(
         {
             "backend": f"Triton (GPU){' ' + tver if tver else ''}",
             "built": tbuilt,
-            "usable": tbuilt and cuda,
-            "reason": "ok" if tbuilt and cuda else (terr if not tbuilt else "no CUDA device"),
+            # under the interpreter, Triton runs on the CPU only in this process
+            "usable": tbuilt and cuda and not interp,
+            "reason": "ok" if tbuilt and cuda and not interp else (
+                terr if not tbuilt else "no CUDA device" if not cuda
+                else "TRITON_INTERPRET=1: Triton runs on the CPU only in this process"),
         }
     )
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
     rows.append(
         {
             "backend": "Triton interpreter (CPU)",
@@ -74,7 +77,11 @@ def collect() -> dict:
         triton_v = triton.__version__
     except ImportError:
         triton_v = None
-    devices = [f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"]
+    try:  # the cores this process may run on (a cgroup or taskset may give it fewer)
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    devices = [f"cpu ({cores} cores, {torch.get_num_threads()} torch threads)"]
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)

@@ -47,6 +47,27 @@ def test_info_reports_every_backend_truthfully():
         assert ops["cuda"].startswith("unavailable")
 
 
+def test_info_says_triton_cannot_run_on_a_gpu_under_the_interpreter(monkeypatch):
+    """With a GPU and TRITON_INTERPRET=1, the Triton backend refuses CUDA tensors: the GPU
+    row said "usable" (the op table beside it said otherwise). The CPU count is this
+    process's cores (its affinity), not the machine's."""
+    import torch
+
+    from distllm import info
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rows = {r["backend"].split(" (")[0]: r for r in info.backend_table()}
+    assert not rows["Triton"]["usable"] and "TRITON_INTERPRET=1" in rows["Triton"]["reason"]
+    assert rows["Triton interpreter"]["usable"]
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    rows = {r["backend"].split(" (")[0]: r for r in info.backend_table()}
+    assert rows["Triton"]["usable"] and rows["Triton"]["reason"] == "ok"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert info.collect()["devices"][0].startswith("cpu (1 cores,")
+
+
 def test_info_text_and_unknown_command():
     out = _run("info")
     assert out.returncode == 0 and "| backend | built | usable | reason |" in out.stdout

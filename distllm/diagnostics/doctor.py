@@ -38,6 +38,8 @@ Usage inside a training script (every rank)::
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import time
 import warnings
@@ -379,10 +381,17 @@ def diagnose(model: torch.nn.Module, step_fn: Callable[[], object], steps: int =
     if warmup:  # the last warm-up step, and on CPU as many more as auto's trial in the step
         settle_overlap(step_fn, model)  # takes (until every rank's layers have decided)
     sync()
-    probe, before = Probe(layers, cuda, fused_parents(model)), snapshot(layers)
+    device = next((p.device for p in model.parameters()), None)
+    probe, before = Probe(layers, cuda, fused_parents(model), device), snapshot(layers)
     prof, step_ms = _profile(step_fn, steps, probe, sync, cuda)
-    if trace_path:
-        prof.export_chrome_trace(str(trace_path))
+    if trace_path:  # whole or not at all: written beside it, then renamed over it
+        part = f"{trace_path}.part-{os.getpid()}"
+        try:
+            prof.export_chrome_trace(part)
+            os.replace(part, trace_path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(part)
     after, traced = snapshot(layers), trace(prof)
     rows = [r for name, m in layers for d in ("forward", "backward")
             if (r := _direction(name, m, d, before, after, probe, traced)) is not None]

@@ -36,8 +36,11 @@ class Probe:
     the shapes of the last forward (for timing the collective alone)."""
 
     def __init__(self, layers: list[tuple[str, torch.nn.Module]], cuda: bool,
-                 fused_into: dict[int, torch.nn.Module] | None = None):
-        self.layers, self.cuda = layers, cuda
+                 fused_into: dict[int, torch.nn.Module] | None = None,
+                 device: torch.device | None = None):
+        # on CUDA, events go on the model's GPU (``device``), not the current one (cuda:0
+        # where a rank never set its own: an idle stream, which would time the host)
+        self.layers, self.cuda, self.device = layers, cuda, device
         self.fused_into = fused_into or {}  # id(layer) -> the module whose function runs it
         self.marks: dict[tuple[str, str], list[list]] = {}
         self.shapes: dict[str, tuple] = {}
@@ -48,7 +51,7 @@ class Probe:
     def _now(self):
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev.record(torch.cuda.current_stream(self.device))
             return ev
         return time.perf_counter()
 
@@ -128,7 +131,7 @@ class Probe:
         if not pairs:
             return None
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
             return statistics.fmean(a.elapsed_time(b) for a, b in pairs)
         return statistics.fmean((b - a) * 1e3 for a, b in pairs)
 

@@ -1,7 +1,8 @@
 """One step as two lanes, compute and communication, read from a ``torch.profiler`` run.
 
 - **comm**: the collectives as they actually ran: gloo's ``gloo:<op>`` events on its worker
-  threads (CPU), NCCL kernels on the GPU;
+  threads (CPU), NCCL kernels on the GPU (not the host's ``nccl:<op>`` ranges, which span
+  only the launch);
 - **compute**: the operators on the thread that ran the step (CPU: ``aten::`` and
   ``distllm::`` ops, without the collectives' launch and wait calls); on CUDA, the GPU
   kernels that are not NCCL.
@@ -79,7 +80,9 @@ def lanes(prof, window: tuple[float, float] | None = None,
     for e in gpu:
         out.append(("comm" if _is_comm(e.name) else "compute", e))
     for e in cpu:
-        if _is_comm(e.name):
+        # with GPU events, the comm lane is the NCCL kernels: a host ``nccl:<op>`` range is
+        # the launch, which runs ahead of the GPU beside whatever kernel runs then
+        if _is_comm(e.name) and (not gpu or e.name.lower().startswith("gloo:")):
             out.append(("comm", e))
         elif not gpu and main and e.thread == main[0][0] and _is_compute_op(e.name):
             out.append(("compute", e))
@@ -89,7 +92,7 @@ def lanes(prof, window: tuple[float, float] | None = None,
     raw = [(lane, e.name.split("::")[-1], (e.time_range.start - t0) / 1e3,
             (e.time_range.end - t0) / 1e3) for lane, e in out]
     comm = [{"lane": "comm", "name": n, "start_ms": s, "end_ms": t}
-            for lane, n, s, t in raw if lane == "comm"]
+            for lane, n, s, t in sorted(raw, key=lambda r: r[2]) if lane == "comm"]
     return _blocks([r for r in raw if r[0] == "compute"]) + comm
 
 
@@ -120,10 +123,13 @@ def hidden(tl: list[dict]) -> tuple[float, float]:
 
 
 def profile_timeline(fn: Callable[[], object], warmup: int = 1,
-                     before: Callable[[], object] | None = None) -> list[dict]:
+                     before: Callable[[], object] | None = None,
+                     device: torch.device | None = None) -> list[dict]:
     """Run ``fn`` ``warmup`` times, then once under the profiler; its timeline events.
     Collective when ``fn`` is (call it on every rank; ``before``, e.g. a barrier on the
-    group, runs just before the profiled call so that rank skew is not measured)."""
+    group, runs just before the profiled call so that rank skew is not measured). On CUDA,
+    the profiler stops once ``device`` (the GPU ``fn`` works on; default the current one)
+    has finished its work."""
     for _ in range(warmup):
         fn()
     if before is not None:
@@ -134,5 +140,5 @@ def profile_timeline(fn: Callable[[], object], warmup: int = 1,
     with profile(activities=acts) as prof:
         fn()
         if cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
     return lanes(prof)

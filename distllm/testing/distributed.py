@@ -13,10 +13,12 @@ from a fork server that has only imported torch.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import tempfile
 import time
 import traceback
@@ -145,6 +147,19 @@ def _failure(name: str, world_size: int, errors: dict[int, str]) -> DistributedF
     return (_RendezvousFailure if _RENDEZVOUS_RACE in errors[first] else DistributedFailure)(msg)
 
 
+def _died(proc) -> str:
+    """How a rank that sent nothing ended: its exit code (a signal by name)."""
+    code = proc.exitcode
+    if code == 0:
+        return "exited (code 0) without returning its result (os._exit, or an exit hook)"
+    how = f"exit code {code}"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            how += f" ({signal.Signals(-code).name})"
+    return (f"died with {how} and no traceback (killed by a signal, a crash in native code, "
+            "or os._exit)")
+
+
 def _drain_errors(results, errors: dict[int, str], grace: float) -> None:
     """Collect the errors that arrive within ``grace`` seconds of the first one."""
     end = time.monotonic() + grace
@@ -247,17 +262,16 @@ def _collect(procs, results, world_size, timeout, name) -> list[Any]:
         try:
             rank, kind, payload = results.get(timeout=min(remaining, 0.5))
         except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
+            # (a rank that exits 0 without its result, os._exit(0), is dead too: it never
+            # sends one, and waiting for it would end as a "hang" at the deadline)
+            dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
             if dead:
                 # give its queued traceback, if any, a moment to arrive
                 try:
                     rank, kind, payload = results.get(timeout=2.0)
                 except queue.Empty:
                     r = dead[0]
-                    raise DistributedFailure(
-                        f"{name}: rank {r} died with exit code {procs[r].exitcode} "
-                        "and no traceback (killed by a signal, or os._exit)"
-                    ) from None
+                    raise DistributedFailure(f"{name}: rank {r} {_died(procs[r])}") from None
             else:
                 continue
         if kind == "returned":
@@ -268,6 +282,11 @@ def _collect(procs, results, world_size, timeout, name) -> list[Any]:
         if kind == "error":
             errors = {rank: payload}
             _drain_errors(results, errors, grace=1.0)
+            # a rank that died without a word (a segfault in native code, the OOM killer) is
+            # the cause its peers' connection errors point to: name it
+            for r, p in enumerate(procs):
+                if r not in errors and r not in out and p.exitcode not in (None, 0):
+                    errors[r] = _died(p)
             raise _failure(name, world_size, errors)
         out[rank] = pickle.loads(payload)
     return [out[r] for r in range(world_size)]

@@ -233,3 +233,29 @@ def test_a_wait_longer_than_the_collective_is_flagged_not_clamped():
     probe = types.SimpleNamespace(notes=[])
     notes = _notes(probe, ["l"], [bad, good], cuda=False)
     assert len(notes) == 1 and "l backward: waited 2.98 ms" in notes[0]
+
+
+def test_the_trace_is_written_whole(tmp_path, monkeypatch):
+    """``trace_path``: the profiler's Chrome trace, written beside it and renamed over it (a
+    crash mid-write left a cut JSON file under the final name)."""
+    import json
+
+    layer = FakeRowParallelLinear(None)
+    trace = tmp_path / "trace.json"
+    trace.write_text("an earlier trace")
+    diagnose(layer, lambda: layer(torch.ones(2, 4)), steps=1, warmup=0, measure_comm=False,
+             trace_path=str(trace))
+    assert any(e.get("name", "").startswith("doctor::") for e in
+               json.loads(trace.read_text())["traceEvents"])
+    assert [p.name for p in tmp_path.iterdir()] == ["trace.json"]
+
+    def cut(self, path):  # a write that dies part-way
+        open(path, "w").write('{"traceEvents": [')
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", cut)
+    with pytest.raises(OSError, match="no space"):
+        diagnose(layer, lambda: layer(torch.ones(2, 4)), steps=1, warmup=0,
+                 measure_comm=False, trace_path=str(trace))
+    assert json.loads(trace.read_text())["traceEvents"]  # the earlier one, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["trace.json"]

@@ -32,3 +32,36 @@ def test_a_layers_time_is_the_mean_of_its_calls_as_its_wait_is():
     probe.marks[("attn.o", "forward")] = [[0.0, 0.001], [1.0, 1.001], [2.0, 2.010]]
     assert abs(probe.ms("attn.o", "forward") - 4.0) < 1e-9
     assert probe.ms("mlp", "forward") is None
+
+
+def test_on_cuda_the_probe_times_on_the_models_gpu(monkeypatch):
+    """Its events go on the model's GPU's stream and it waits for that GPU; before, they
+    went on the current device (cuda:0 where a rank never set its own: an idle stream,
+    which times the host between the hooks) and it waited for that one. (No GPU here: the
+    CUDA calls are stand-ins that record their device.)"""
+    import torch
+
+    from distllm.diagnostics.probe import Probe
+
+    calls = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.t = len(calls)
+
+        def record(self, stream=None):
+            calls.append(("record", stream))
+
+        def elapsed_time(self, other):
+            return 2.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream", device))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(
+        ("synchronize", device)))
+    gpu = torch.device("cuda", 1)
+    probe = Probe([], cuda=True, device=gpu)
+    probe._begin("attn.o", "forward")
+    probe._end("attn.o", "forward")
+    assert probe.ms("attn.o", "forward") == 2.0
+    assert calls == [("record", ("stream", gpu))] * 2 + [("synchronize", gpu)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import time
 
 import pytest
@@ -78,6 +79,38 @@ def test_hang_times_out_and_leaves_no_process(tmp_path):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
 
+
+
+def _rank1_dies_in_native_code():
+    """Rank 1 dies of SIGSEGV (as a crash in native code would: no traceback reaches the
+    queue); rank 0, in an all-reduce with it, loses its connection."""
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)
+        time.sleep(60)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_rank_that_dies_without_a_traceback_is_named_not_its_peer():
+    """Before, the report was rank 0's "Connection closed by peer", and rank 1 went unnamed."""
+    with pytest.raises(DistributedFailure,
+                       match=r"(?s)^_rank1_dies_in_native_code: rank 1 of 2 failed:\ndied with "
+                             r"exit code -11 \(SIGSEGV\)") as err:
+        run_distributed(_rank1_dies_in_native_code, 2, timeout=60)
+    assert "rank 0:" in str(err.value)  # the peer's error follows it
+
+
+def _rank0_exits_0():
+    if dist.get_rank() == 0:
+        os._exit(0)
+    return "returned"
+
+
+def test_a_rank_that_exits_0_without_a_result_is_reported_at_once():
+    """Before, it was waited for until the timeout and reported as a hang."""
+    t0 = time.monotonic()
+    with pytest.raises(DistributedFailure, match=r"rank 0 exited \(code 0\) without returning"):
+        run_distributed(_rank0_exits_0, 1, timeout=60)
+    assert time.monotonic() - t0 < 30
 
 
 def _returns_at_once_or_waits(pid_dir):
