@@ -216,12 +216,14 @@ def _compare(args: argparse.Namespace, old: tuple[list[dict], dict], rows: list[
         winners,
         winners_table,
     )
+    from distllm.bench.rows import write_text_atomic
 
     old_rows, old_machine = old
-    changes = compare_rows(old_rows, rows, tolerance=args.tolerance)
+    changes = compare_rows(old_rows, rows, tolerance=args.tolerance, old_machine=old_machine,
+                           new_machine=machine)
     table = compare_table(changes, old_machine, machine)
     table += "\n\n" + winners_table(winners(old_rows, rows))
-    (out / "COMPARE.md").write_text(f"# Changes against {args.compare}\n\n{table}\n")
+    write_text_atomic(out / "COMPARE.md", f"# Changes against {args.compare}\n\n{table}\n")
     print(f"\n## Changes against {args.compare}\n\n{table}")
     regs = regressions(changes)
     if regs and args.fail_on_regression:
@@ -285,16 +287,17 @@ def _doctor(args: argparse.Namespace) -> int:
           f"overlap={args.overlap!r}\n\n{res[0]['markdown']}")
     if out is not None:
         from distllm.bench.plots import plot_events
+        from distllm.bench.rows import write_text_atomic
 
         reports = [{**r["report"], "trace": "doctor_trace.json" if i == 0 else None}
                    for i, r in enumerate(res)]  # the trace path relative to the folder
-        (out / "doctor.json").write_text(json.dumps(reports, indent=1))
+        write_text_atomic(out / "doctor.json", json.dumps(reports, indent=1))
         cmd = "distllm bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) \
             if sys.argv[1:2] == ["bench"] else "distllm bench --doctor"
-        (out / "DOCTOR.md").write_text(
+        write_text_atomic(out / "DOCTOR.md", (
             f"# Overlap doctor\n\nCommand: `{cmd}` (tp=2, 2 gloo ranks over {link}; "
             f"rank 0 shown, every rank in doctor.json)\n\n{res[0]['markdown']}\n\n"
-            "![doctor_timeline.png](doctor_timeline.png)\n")
+            "![doctor_timeline.png](doctor_timeline.png)\n"))
         plot_events(res[0]["report"]["timeline"], f"rank 0, one step, overlap={args.overlap!r}",
                     out / "doctor_timeline.png")
     failed = [i for i, r in enumerate(res) if not r["report"]["ok"]]

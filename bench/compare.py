@@ -4,8 +4,9 @@ Rows are matched by (suite, case, variant). Two kinds of regression are flagged,
 beyond the measured spread (the p10..p90 bands of the two runs must not overlap):
 
 - ``slower``: the variant's time rose: ``new.p10 > old.p90 * (1 + tolerance)``. Absolute
-  times from two runs only mean something on the same machine; the table says when the
-  machines differ.
+  times from two runs only mean something on the same machine: where the runs' machines
+  differ (:func:`machines_differ`: another CPU model or GPU), a time beyond the spread is a
+  note on the row, not a verdict, and only the speed-ups can flag a regression.
 - ``lost speed-up``: a fused variant's speed-up over the unfused one (a ratio measured
   within each run, so comparable across machines and load) fell beyond both runs' bands.
 
@@ -29,8 +30,8 @@ from pathlib import Path
 
 from distllm.bench.report import by_case, role_of, speedup_band
 
-__all__ = ["Change", "load_results", "compare_rows", "compare_table", "regressions",
-           "winners", "winners_table"]
+__all__ = ["Change", "load_results", "machines_differ", "compare_rows", "compare_table",
+           "regressions", "winners", "winners_table"]
 
 _REGRESSIONS = ("slower", "lost speed-up", "lost")
 
@@ -52,8 +53,41 @@ class Change:
         return self.kind in _REGRESSIONS
 
 
+# what compare_rows reads of every row: its name and whether it ran; and the times it
+# compares, which must be numbers (or null) where present
+ROW_KEYS = ("suite", "case", "variant", "status")
+_TIME_KEYS = ("ms", "ms_p10", "ms_p90")
+
+
+def _check_results(path: str | Path, p: Path, data: dict) -> None:
+    """ValueError naming ``--compare`` unless ``data``'s machine (where given) is a dict and
+    every row is a dict with :data:`ROW_KEYS` and numeric times: checked when the earlier run
+    is read, before any benchmark runs, not when the comparison meets the bad entry."""
+    machine = data.get("machine")
+    if machine is not None and not isinstance(machine, dict):
+        raise ValueError(f"--compare {path}: {p.name} has a 'machine' of type "
+                         f"{type(machine).__name__}, not the dict `distllm bench` writes; give "
+                         "the --out folder of an earlier `distllm bench` run")
+    for i, r in enumerate(data["rows"]):
+        if not isinstance(r, dict):
+            raise ValueError(f"--compare {path}: row {i} of {p.name} is a "
+                             f"{type(r).__name__}, not a result row (a dict with "
+                             f"{', '.join(ROW_KEYS)})")
+        missing = [k for k in ROW_KEYS if k not in r]
+        if missing:
+            raise ValueError(f"--compare {path}: row {i} of {p.name} has no {', '.join(missing)} "
+                             f"(a result row has {', '.join(ROW_KEYS)})")
+        bad = [k for k in _TIME_KEYS if r.get(k) is not None
+               and (isinstance(r[k], bool) or not isinstance(r[k], int | float))]
+        if bad:
+            raise ValueError(f"--compare {path}: row {i} of {p.name} has a {bad[0]} of "
+                             f"{r[bad[0]]!r}, not a number of milliseconds")
+
+
 def load_results(path: str | Path) -> tuple[list[dict], dict]:
-    """Rows and machine from ``DIR/results.json`` (or a results.json path)."""
+    """Rows and machine from ``DIR/results.json`` (or a results.json path), checked whole
+    (:func:`_check_results`): a file that is not an earlier run's results is a ValueError
+    naming ``--compare``, raised here, before any benchmark runs."""
     p = Path(path)
     if p.is_dir():
         p = p / "results.json"
@@ -67,6 +101,7 @@ def load_results(path: str | Path) -> tuple[list[dict], dict]:
                          f"folder of an earlier `distllm bench` run") from None
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         raise ValueError(f"--compare: {p} is not a distllm bench results.json (no 'rows')")
+    _check_results(path, p, data)
     run = data.get("run") if isinstance(data.get("run"), dict) else {}
     return data["rows"], {**(data.get("machine") or {}), "loadavg": run.get("loadavg")}
 
@@ -149,9 +184,25 @@ def _lost_note(n: dict | None, stands_in: bool) -> str:
     return f"{what}: {n.get('status')}: {n.get('reason')}"
 
 
-def compare_rows(old: list[dict], new: list[dict], tolerance: float = 0.0) -> list[Change]:
+def machines_differ(old_machine: dict | None, new_machine: dict | None) -> bool:
+    """Whether two runs ran on different machines (CPU model or GPU), so that their times
+    are not comparable; False where neither machine is known."""
+    om, nm = old_machine or {}, new_machine or {}
+    if not (om or nm):
+        return False
+    return (om.get("host_cpu"), om.get("gpu")) != (nm.get("host_cpu"), nm.get("gpu"))
+
+
+def compare_rows(old: list[dict], new: list[dict], tolerance: float = 0.0,
+                 old_machine: dict | None = None,
+                 new_machine: dict | None = None) -> list[Change]:
     """One :class:`Change` per (suite, case, variant) present in either run; a new run's
-    failure row that stands for rows of the old run is reported on those rows only."""
+    failure row that stands for rows of the old run is reported on those rows only.
+
+    Where the machines differ (:func:`machines_differ`), a time beyond the spread is a note
+    (``time slower ... another machine``), not a ``slower`` / ``faster`` verdict: only a
+    speed-up (a ratio within each run) or a variant that stopped running is a regression."""
+    other_machine = machines_differ(old_machine, new_machine)
     olds = {_key(r): r for r in old}
     news = {_key(r): r for r in new}
     osp, nsp = _speedups(old), _speedups(new)
@@ -179,6 +230,9 @@ def compare_rows(old: list[dict], new: list[dict], tolerance: float = 0.0) -> li
             c.note = "not timed (a bound computed from medians): no spread to judge it by"
         elif _ok(o) and _ok(n):
             c.kind = _time_kind(o, n, tolerance)
+            if other_machine and c.kind != "same":  # times of two machines: no verdict
+                c.kind, c.note = "same", (f"time {c.kind} beyond the spread, on another "
+                                          "machine: not comparable, no verdict")
             if k in osp and k in nsp and c.kind != "slower":
                 (olo, _, ohi), (nlo, _, nhi) = osp[k], nsp[k]
                 if nhi * (1 + tolerance) < olo:
@@ -262,8 +316,11 @@ def compare_table(changes: list[Change], old_machine: dict | None = None,
         lines.append(f"Old run: {om.get('time')} git {om.get('git')} on {om.get('host_cpu')} "
                      f"/ {om.get('gpu')}; new run: {nm.get('time')} git {nm.get('git')} on "
                      f"{nm.get('host_cpu')} / {nm.get('gpu')}.")
-        if (om.get("host_cpu"), om.get("gpu")) != (nm.get("host_cpu"), nm.get("gpu")):
-            lines.append("The machines differ: compare the speed-up columns, not the times.")
+        if machines_differ(om, nm):
+            lines.append("The machines differ: their times are not comparable, so a time "
+                         "beyond the spread is a note, not a verdict; only the speed-ups "
+                         "(ratios within each run) and variants that stopped running count "
+                         "as regressions.")
         if om.get("loadavg") or nm.get("loadavg"):
             lines.append(f"Load average (start / end): old {om.get('loadavg')}, new "
                          f"{nm.get('loadavg')}; a busier machine slows every variant alike, "

@@ -22,8 +22,11 @@ micro-batches held at once per rank (``peak_act``) and the bytes autograd saved 
 
 Targets (from the design issue) are checked per row in ``extra.targets``: gpipe/1f1b
 bubble within 0.03 (sleep) / 0.05 (compute) of ``(p-1)/(m+p-1)`` at m >= 8; interleaved
-<= 0.6x and zb-h1 <= 0.5x the 1f1b bubble (sleep), zb-h1 peak activations <= 1f1b's;
-1f1b peak <= p; simulator within 10% of the measured step. ``1f1b`` is the baseline role.
+<= 0.6x the 1f1b bubble (sleep) where a perfect interleaved schedule can meet it
+(:func:`ideal_interleaved_ratio` <= 0.6: at p=4, v=2 from m=8 on; at m=4 the ideal is 0.64x,
+and the row says "not checked" with that figure); zb-h1 <= 0.5x the 1f1b bubble (sleep),
+zb-h1 peak activations <= 1f1b's; 1f1b peak <= p; simulator within 10% of the measured step.
+``1f1b`` is the baseline role.
 Each row says what its stages were (``extra.stage``; ``extra.synthetic`` for sleeps), and the
 report's verdict names it: a schedule that wins on sleeping stages has a smaller bubble, which
 is not the same as a faster step on real compute (zb-h1's split backward costs time there).
@@ -232,8 +235,20 @@ def _case_rows(kind: str, p: int, m: int, per_rank: list[dict], lat: float,
     return rows
 
 
+INTERLEAVED_TARGET = 0.6  # interleaved-1f1b's bubble over 1f1b's, where the ideal meets it
+
+
+def ideal_interleaved_ratio(p: int, m: int, v: int) -> float:
+    """A perfect interleaved schedule's bubble fraction over 1F1B's, both ideal:
+    ``((p-1)/v) / (m + (p-1)/v)`` over ``(p-1)/(m+p-1)`` (0.636 at p=4, v=2, m=4; 0.579 at
+    m=8; 0.543 at m=16)."""
+    return ((p - 1) / v) / (m + (p - 1) / v) / ((p - 1) / (m + p - 1))
+
+
 def _targets(kind: str, m: int, rows: list[dict]) -> None:
-    """The issue's targets per row: ``extra.targets[name] = "met" | "missed: ..."``."""
+    """The issue's targets per row: ``extra.targets[name] = "met" | "missed: ..."``, or
+    ``"not checked: ..."`` for interleaved-1f1b's bubble ratio at an ``m`` where even a
+    perfect interleaved schedule cannot meet it (:func:`ideal_interleaved_ratio`)."""
     by = {r["variant"]: r["extra"] for r in rows}
     peak_1f1b = max(by["1f1b"]["peak_act"]) if "1f1b" in by else None
     for r in rows:
@@ -245,14 +260,22 @@ def _targets(kind: str, m: int, rows: list[dict]) -> None:
             t[f"bubble_within_{tol}"] = abs(gap) <= tol, f"measured - ideal = {gap:+.3f}"
         ratio = e.get("bubble_vs_1f1b")
         if r["variant"] == "interleaved-1f1b" and kind == "sleep" and ratio is not None:
-            t["bubble_le_0.6x_1f1b"] = ratio <= 0.6, f"{ratio:.2f}x"
+            p, v = len(e["bubble"]), e["virtual_stages"]
+            ideal = ideal_interleaved_ratio(p, m, v)
+            if ideal <= INTERLEAVED_TARGET:
+                t["bubble_le_0.6x_1f1b"] = ratio <= INTERLEAVED_TARGET, f"{ratio:.2f}x"
+            else:  # no schedule can meet it here: reported, not a miss
+                t["bubble_le_0.6x_1f1b"] = None, (
+                    f"measured {ratio:.2f}x; a perfect interleaved schedule gives "
+                    f"{ideal:.3f}x at p={p} v={v} m={m}, above {INTERLEAVED_TARGET}x")
         if r["variant"] == "zb-h1" and kind == "sleep" and ratio is not None:
             t["bubble_le_0.5x_1f1b"] = ratio <= 0.5, f"{ratio:.2f}x"
             peak = max(e["peak_act"])
             t["peak_le_1f1b"] = peak <= peak_1f1b, f"{peak} vs {peak_1f1b}"
         if r["variant"] == "1f1b":
             t["peak_le_p"] = max(e["peak_act"]) <= len(e["peak_act"]), str(e["peak_act"])
-        e["targets"] = {k: "met" if ok else f"missed: {why}" for k, (ok, why) in t.items()}
+        e["targets"] = {k: "met" if ok else f"not checked: {why}" if ok is None
+                        else f"missed: {why}" for k, (ok, why) in t.items()}
 
 
 def rows(cfg: BenchConfig, case: Case, result: Result) -> list[dict]:

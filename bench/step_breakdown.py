@@ -2,7 +2,10 @@
 so that two implementations of the same step (distllm and its torch peer) can be compared
 count by count, and a regression shows where it came from.
 
-:func:`breakdown` profiles one call of a step function and returns a flat dict:
+:func:`breakdown` profiles one call of a step function and returns a flat dict. The call
+runs inside a ``bench::step`` profiler range (:data:`STEP_RANGE`); the operator counts are
+of the operators on the step's thread within that range, so what runs after the step under
+the profiler (``drain``) is not counted:
 
 - ``wall_ms``: the profiled step's wall time (the profiler slows the host: compare counts,
   and times only within one profile);
@@ -15,13 +18,17 @@ count by count, and a regression shows where it came from.
   and the bytes of their tensors, with ``by_collective`` (name -> calls) and
   ``by_transfer_mb`` (the backend's transfer -> MiB); a send and its receive count each, so
   the 2-rank exchange all-reduce counts twice its tensor where gloo's all-reduce counts it
-  once (the bytes each rank sends are the same);
+  once (the bytes each rank sends are the same); the backend's transfers are counted from
+  the step's start to the end of the profile, since what the step left in flight completes
+  while ``drain`` waits for it;
 - ``copies``: tensor copies at any depth (``copy_``, which ``clone``, ``_to_copy`` and
   ``contiguous`` end in, ``cat``, ``_foreach_copy_``);
 - ``allocs`` / ``alloc_mb``: operators that allocated memory for themselves (the
   profiler's self memory of an operator, net of what it freed, when positive) and the bytes;
-- ``syncs``: host reads of a tensor (``aten::item`` / ``_local_scalar_dense``, whichever
-  the call went through; ``tolist`` counts once per call);
+- ``syncs``: host reads of a tensor, one per read: ``item()``, ``float(t)``, ``int(t)`` and
+  ``bool(t)`` dispatch ``aten::_local_scalar_dense`` (or ``aten::item`` where none shows),
+  counted there; ``tolist()`` dispatches no such operator, so its calls on the step's thread
+  are counted by wrapping ``torch.Tensor.tolist`` during the step (restored after it);
 - ``top``: the ten operators with the largest total time, ``[name, calls, ms]``.
 
 The counts are per call of the step function, on the calling rank.
@@ -37,6 +44,8 @@ in flight is measured as a step of a loop.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import statistics
 import threading
@@ -45,7 +54,7 @@ from collections import Counter
 from collections.abc import Callable
 
 __all__ = ["breakdown", "cpu_split", "thread_times", "OP_PREFIXES", "COPY_OPS", "SYNC_OPS",
-           "compare_breakdowns"]
+           "STEP_RANGE", "compare_breakdowns"]
 
 # the namespaces of the operators a step dispatches: torch's (aten, the oneDNN kernels that
 # torch's CPU linear and distllm's cpu backend call as ``mkldnn::``, the functional
@@ -55,7 +64,8 @@ OP_PREFIXES = ("aten::", "mkldnn::", "c10d::", "_c10d_functional::", "c10d_funct
 # every copy ends in one of these (clone, _to_copy and contiguous call copy_)
 COPY_OPS = frozenset({"aten::copy_", "aten::cat", "aten::_foreach_copy_"})
 SYNC_OPS = frozenset({"aten::_local_scalar_dense"})
-_SYNC_FALLBACK = frozenset({"aten::item", "aten::tolist"})  # when no _local_scalar_dense
+_SYNC_FALLBACK = frozenset({"aten::item"})  # when no _local_scalar_dense shows
+STEP_RANGE = "bench::step"  # the profiler range around the profiled call of the step
 
 
 def _is_op(name: str) -> bool:
@@ -111,38 +121,75 @@ def _transfers(transfers: list) -> dict[str, float]:
     return {k: round(v, 3) for k, v in sorted(by.items())}
 
 
+@contextlib.contextmanager
+def _counting_tolist(counter: list[int]):
+    """While open, each ``Tensor.tolist()`` call on this thread adds one to ``counter[0]``
+    (``tolist`` reads the tensor on the host but dispatches no operator the profiler sees);
+    ``torch.Tensor.tolist`` is restored on exit."""
+    import torch
+
+    orig, me = torch.Tensor.tolist, threading.get_ident()
+
+    @functools.wraps(orig)
+    def tolist(self, *a, **kw):
+        if threading.get_ident() == me:
+            counter[0] += 1
+        return orig(self, *a, **kw)
+
+    torch.Tensor.tolist = tolist
+    try:
+        yield
+    finally:
+        torch.Tensor.tolist = orig
+
+
+def _in_step(events) -> tuple[list, list]:
+    """``(the step's events, the backend's transfer events)``: the events on the thread of
+    the :data:`STEP_RANGE` range within its time window (the range itself left out), and the
+    ``gloo:`` transfers that started at or after its start (what the step left in flight
+    ends during ``drain``)."""
+    rng = next((e for e in events if e.name == STEP_RANGE), None)
+    if rng is None:
+        return [], []
+    lo, hi = rng.time_range.start, rng.time_range.end
+    mine = [e for e in events if e is not rng and e.thread == rng.thread
+            and e.time_range.start >= lo and e.time_range.end <= hi]
+    moved = [e for e in events if e.name.startswith("gloo:") and e.time_range.start >= lo]
+    return mine, moved
+
+
 def breakdown(step: Callable[[], object], *, before: Callable[[], object] | None = None,
               drain: Callable[[], object] | None = None) -> dict:
     """Profile one call of ``step`` (``before`` runs first, outside the timing: a barrier on
     several ranks) and count what it dispatched (see the module docstring). ``drain`` runs
-    after the step, still under the profiler but outside ``wall_ms``: it waits for what
-    the step left in flight (ZeRO's parameter gathers, which the next forward would wait
-    for), so that no backend thread records an event while the profiler stops."""
-    from torch.profiler import ProfilerActivity
+    after the step, still under the profiler but outside ``wall_ms`` and outside the step's
+    range, so none of its operators is counted: it waits for what the step left in flight
+    (ZeRO's parameter gathers, which the next forward would wait for), so that no backend
+    thread records an event while the profiler stops."""
+    from torch.profiler import ProfilerActivity, record_function
 
     from distllm.diagnostics.profiler import profile
 
     if before is not None:
         before()
+    tolists = [0]
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
                  profile_memory=True) as prof:
         t0 = time.perf_counter()
-        step()
+        with record_function(STEP_RANGE), _counting_tolist(tolists):
+            step()
         wall_ms = (time.perf_counter() - t0) * 1e3
         if drain is not None:
             drain()
-    events = list(prof.events())
-    # the step's own thread: the one that ran the most aten operators (gloo's transport
-    # threads record their transfers as events of their own)
-    tid = Counter(e.thread for e in events if e.name.startswith("aten::")).most_common(1)
-    mine = [e for e in events if tid and e.thread == tid[0][0]]
+    mine, transfers = _in_step(list(prof.events()))
     top = _top_level(mine)
     op_ms = _union_ms(top)
     names = Counter(e.name for e in mine)
-    syncs = sum(names[n] for n in SYNC_OPS) or sum(names[n] for n in _SYNC_FALLBACK)
+    syncs = (sum(names[n] for n in SYNC_OPS) or sum(names[n] for n in _SYNC_FALLBACK)) \
+        + tolists[0]
     grew = [e.self_cpu_memory_usage for e in mine if e.self_cpu_memory_usage > 0]
     calls = _count([e for e in top if e.name.startswith("c10d::")])
-    moved = _transfers([e for e in events if e.name.startswith("gloo:")])
+    moved = _transfers(transfers)
     per_op: dict[str, list[float]] = {}
     for e in top:
         s = per_op.setdefault(e.name, [0, 0.0])

@@ -12,7 +12,8 @@ doctor, ``distllm plan --calibrate`` and the emulated-link check. The rules:
   (:func:`paired_band`), in which a drift of the machine moves every term alike;
 - **one clock per kind of work**: ``timer(fn) -> ms`` is :func:`wall_timer` (with a device
   synchronisation inside the timed region), :func:`cuda_event_timer` (GPU time on the
-  current stream) or :func:`process_time_timer` (this process's CPU time);
+  current stream, the host's dispatch kept out of it by a busy-wait kernel queued first) or
+  :func:`process_time_timer` (this process's CPU time);
 - **across ranks, the slowest**: a step ends with its slowest rank, so multi-rank timings
   are reduced with MAX in one all-reduce (:func:`max_over_ranks`), on the group's device
   (NCCL takes CUDA tensors only).
@@ -33,6 +34,7 @@ chooses for itself; backends differ in rounding only, never in the collectives t
 
 from __future__ import annotations
 
+import collections
 import functools
 import statistics
 import time
@@ -144,12 +146,58 @@ def device_sync(device: torch.device) -> Callable[[], None] | None:
     return functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else None
 
 
+# the busy-wait cuda_event_timer queues before its start event: twice the longest host
+# dispatch of the latest calls, within these bounds (ms); the longest when none is known yet
+BUSY_WAIT_MS = (1.0, 50.0)
+_dispatch_ms: collections.deque[float] = collections.deque(maxlen=16)  # host ms of fn() calls
+_cycles_per_ms: dict[int, float] = {}  # per device: GPU clock cycles of torch.cuda._sleep a ms
+
+
+def _sleep_cycles_per_ms(sleep: Callable[[int], None]) -> float:
+    """How many cycles of ``sleep`` (``torch.cuda._sleep``) the current GPU spins in one ms,
+    measured once per device with two CUDA events around four million cycles, themselves
+    queued behind as many, so that the host's time between them is not measured."""
+    dev = torch.cuda.current_device()
+    if dev not in _cycles_per_ms:
+        cycles = 4_000_000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        sleep(cycles)
+        start.record()
+        sleep(cycles)
+        end.record()
+        end.synchronize()
+        _cycles_per_ms[dev] = cycles / max(start.elapsed_time(end), 1e-3)
+    return _cycles_per_ms[dev]
+
+
+def _busy_wait_ms() -> float:
+    lo, hi = BUSY_WAIT_MS
+    return min(max(2.0 * max(_dispatch_ms), lo), hi) if _dispatch_ms else hi
+
+
 def cuda_event_timer(fn: Callable[[], object]) -> float:
-    """ms of GPU time of ``fn``'s work on the current stream, between two CUDA events (work
-    on a side stream is not timed)."""
+    """ms of GPU time of one call of ``fn``'s work on the current stream, between two CUDA
+    events (work on a side stream is timed only where the current stream waits for it).
+
+    The previous call ended with a synchronisation, so the GPU is idle: had the start event
+    been recorded then, it would fire at once and the host's dispatch of ``fn`` up to its
+    first kernel would be inside the interval, against variants with more Python per call.
+    So a busy-wait kernel (``torch.cuda._sleep``) is queued before the start event, lasting
+    twice the longest host dispatch of the latest calls (:data:`BUSY_WAIT_MS` bounds it; the
+    host time of every call is kept): ``fn`` dispatches while the GPU spins, the start event
+    fires when the spin ends with ``fn``'s kernels already queued, and the interval is the
+    GPU's. Still inside it: dispatch longer than the wait, and any host synchronisation
+    within ``fn`` (after which the GPU idles while the host dispatches). ``torch.cuda._sleep``
+    is private; where a torch lacks it nothing is queued and the dispatch is timed too. Each
+    call is timed on its own, so :func:`interleaved_samples` interleaves variants as ever."""
+    sleep = getattr(torch.cuda, "_sleep", None)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if sleep is not None:
+        sleep(int(_busy_wait_ms() * _sleep_cycles_per_ms(sleep)))
     start.record()
+    t0 = time.perf_counter()
     fn()
+    _dispatch_ms.append((time.perf_counter() - t0) * 1e3)
     end.record()
     end.synchronize()
     return start.elapsed_time(end)

@@ -4,7 +4,9 @@ model is built with (:data:`CHECKPOINTING`, :data:`VOCAB_PARALLEL`). The model i
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
+from numbers import Real
 
 __all__ = ["GPTConfig", "PRESETS", "CHECKPOINTING", "VOCAB_PARALLEL"]
 
@@ -65,6 +67,17 @@ class GPTConfig:
                              f"n_heads={self.n_heads}: choose a divisor of {self.n_heads}")
         if self.activation not in ("gelu", "gelu_tanh"):
             raise ValueError(f"activation={self.activation!r}: choose gelu or gelu_tanh")
+        eps = self.layer_norm_eps
+        if not _real(eps) or not math.isfinite(eps) or eps <= 0:
+            raise ValueError(f"GPTConfig.layer_norm_eps={eps!r}: it must be a finite number "
+                             f"> 0 (GPT-2's is 1e-5)")
+        std = self.init_std
+        if not _real(std) or not math.isfinite(std) or std < 0:
+            raise ValueError(f"GPTConfig.init_std={std!r}: it must be a finite number >= 0 "
+                             f"(GPT-2's is 0.02)")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"GPTConfig.tie_embeddings={self.tie_embeddings!r}: it must be "
+                             f"a bool (true or false)")
 
     @property
     def kv_heads(self) -> int:
@@ -113,6 +126,11 @@ class GPTConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}")
         return replace(PRESETS[name], **overrides)
+
+
+def _real(v) -> bool:
+    """Whether ``v`` is a real number (an int or a float; not a bool, not a string)."""
+    return isinstance(v, Real) and not isinstance(v, bool)
 
 
 PRESETS: dict[str, GPTConfig] = {

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Iterable
 
 import torch
@@ -36,7 +37,8 @@ from distllm.parallel.mesh import ParallelDims
 from distllm.parallel.tensor.batch_split import split_parts, split_residual
 
 __all__ = ["GPTConfig", "GPT", "Embedding", "Block", "Head", "PRESETS", "CHECKPOINTING",
-           "VOCAB_PARALLEL", "splits_vocab", "check_vocab_parallel", "check_batch_split"]
+           "VOCAB_PARALLEL", "splits_vocab", "check_vocab_parallel", "check_batch_split",
+           "check_layer_ids"]
 
 
 def splits_vocab(vocab: int, hidden: int, tp: int, sequence_parallel: bool = False,
@@ -284,7 +286,8 @@ class GPT(nn.Module):
                                              overlap)
         self.vocab_parallel = splits_vocab(cfg.vocab_size, cfg.hidden_size, dims.tp,
                                            self.sequence_parallel, vocab_parallel)
-        ids = list(range(cfg.n_pipeline_layers)) if layer_ids is None else list(layer_ids)
+        ids = (list(range(cfg.n_pipeline_layers)) if layer_ids is None
+               else check_layer_ids(layer_ids, cfg.n_layers))
         self.layer_ids = ids
         kw = dict(sequence_parallel=sequence_parallel, dtype=dtype)
         layers = {}
@@ -337,6 +340,38 @@ class GPT(nn.Module):
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return gpt_loss(logits, targets, self.dims, self.vocab_parallel, self.cfg.vocab_size)
+
+
+def check_layer_ids(layer_ids: Iterable[int], n_layers: int) -> list[int]:
+    """``layer_ids`` as a list of ints after checking them: each a layer of a model of
+    ``n_layers`` blocks (0 the embedding, 1..n_layers the blocks, n_layers + 1 the head),
+    each once, in increasing order (the order :meth:`GPT.forward` runs them in). ValueError
+    naming ``layer_ids`` otherwise."""
+    given = list(layer_ids)
+    if not all(map(_whole, given)):
+        raise ValueError(f"layer_ids={given!r}: each must be a whole number (0 the embedding, "
+                         f"1..{n_layers} the blocks, {n_layers + 1} the head)")
+    ids = [operator.index(i) for i in given]
+    if any(i < 0 or i > n_layers + 1 for i in ids):
+        out = [i for i in ids if i < 0 or i > n_layers + 1]
+        raise ValueError(f"layer_ids={ids!r}: {', '.join(map(str, out))} out of range: a "
+                         f"model of {n_layers} blocks has layers 0 (the embedding), "
+                         f"1..{n_layers} (the blocks) and {n_layers + 1} (the head)")
+    if any(a >= b for a, b in itertools.pairwise(ids)):
+        raise ValueError(f"layer_ids={ids!r}: give each layer once, in increasing order (the "
+                         f"order the model runs them in)")
+    return ids
+
+
+def _whole(i) -> bool:
+    """Whether ``i`` is an integer (an int or another integer type, not a bool)."""
+    if isinstance(i, bool):
+        return False
+    try:
+        operator.index(i)
+    except TypeError:
+        return False
+    return True
 
 
 def check_batch_split(batch_split: int | str, tp: int, sequence_parallel: bool,

@@ -35,12 +35,17 @@ _FIXED = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
 
 def config_from_hf(hf_config) -> GPTConfig:
     """The :class:`GPTConfig` of a Hugging Face ``GPT2Config``; a ``ValueError`` naming the
-    option for a config distllm's GPT does not compute (an activation other than
-    ``gelu_new``, ``gelu_pytorch_tanh`` and ``gelu``, attention scores not scaled by
-    1/sqrt(head_dim) or scaled by the inverse layer index, cross-attention layers).
+    option for a config distllm's GPT does not compute (a ``model_type`` other than
+    ``gpt2``, an activation other than ``gelu_new``, ``gelu_pytorch_tanh`` and ``gelu``,
+    attention scores not scaled by 1/sqrt(head_dim) or scaled by the inverse layer index,
+    cross-attention layers).
     ``reorder_and_upcast_attn`` is accepted: it computes the same scores, in float32 (on HF's
     eager attention path only), so it changes rounding, not the function; distllm's
     attention computes in the model's dtype."""
+    kind = getattr(hf_config, "model_type", "gpt2")
+    if kind != "gpt2":
+        raise ValueError(f"model_type={kind!r}, not 'gpt2': distllm reads GPT-2 models "
+                         f"(GPT2Config, GPT2LMHeadModel)")
     act = hf_config.activation_function
     if act not in _ACT:
         raise ValueError(f"activation_function={act!r} of the GPT-2 config is not supported: "
@@ -84,11 +89,17 @@ def _canonical_from_hf(sd: dict[str, torch.Tensor], cfg: GPTConfig, i: int
 @torch.no_grad()
 def from_hf(hf_model, dims: ParallelDims, *, layer_ids: Iterable[int] | None = None,
             dtype: torch.dtype | None = None, **gpt_kwargs) -> GPT:
-    """A :class:`GPT` holding ``layer_ids`` (default: all) of ``hf_model``, sharded over
-    ``dims``' TP group. ``gpt_kwargs`` go to :class:`GPT` (``sequence_parallel``,
-    ``overlap``...). No collective."""
+    """A :class:`GPT` holding ``layer_ids`` (default: all; else each once, in increasing
+    order, see :func:`~distllm.models.gpt.check_layer_ids`) of the ``GPT2LMHeadModel``
+    ``hf_model``, sharded over ``dims``' TP group; a ValueError naming GPT2LMHeadModel for a
+    ``GPT2Model`` (no LM head) or another GPT-2 model. ``gpt_kwargs`` go to :class:`GPT`
+    (``sequence_parallel``, ``overlap``...). No collective."""
     cfg = config_from_hf(hf_model.config)
     sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
+    if missing := [k for k in ("transformer.wte.weight", "lm_head.weight") if k not in sd]:
+        raise ValueError(f"from_hf: hf_model is a {type(hf_model).__name__}, whose weights "
+                         f"have no {' or '.join(missing)}: pass a GPT2LMHeadModel (e.g. "
+                         f"GPT2LMHeadModel.from_pretrained of its folder)")
     dtype = dtype or next(iter(sd.values())).dtype
     model = GPT(cfg, dims, layer_ids=layer_ids, dtype=dtype, seed=None, **gpt_kwargs)
     for i in model.layer_ids:
@@ -145,15 +156,43 @@ def pretrained_config(path: str) -> GPTConfig:
         raise ValueError(f"--init-from {path}: {exc}") from None
 
 
+def _config_errors() -> tuple[type[Exception], ...]:
+    """What transformers raises for a config.json value of the wrong type: TypeError, and
+    the validation errors of huggingface_hub's strict dataclasses (transformers 5's configs;
+    an older huggingface_hub has none)."""
+    try:
+        from huggingface_hub import errors
+    except ImportError:
+        return (TypeError,)
+    return (TypeError, *(getattr(errors, name) for name in (
+        "StrictDataclassFieldValidationError", "StrictDataclassClassValidationError")
+        if hasattr(errors, name)))
+
+
 def _hf_config(path: str):
-    """The ``GPT2Config`` of the folder ``path`` (OSError and ValueError as transformers
-    raises them)."""
+    """The ``GPT2Config`` of the folder ``path``; a ValueError (one line) for a config.json
+    transformers does not read (OSError's text), a ``model_type`` other than ``gpt2`` (a
+    config.json without one is read as GPT-2's, as transformers reads it), or a field of
+    the wrong type (a string for a number: transformers 5 checks each field's type)."""
     tf = _transformers(path)
     try:
         with quiet_transformers():
+            read, _ = tf.GPT2Config.get_config_dict(path, local_files_only=True)
+            if not isinstance(read, dict):
+                raise ValueError(f"config.json: it holds a {type(read).__name__}, not an "
+                                 f"object of GPT-2's fields")
+            kind = read.get("model_type", "gpt2")
+            if kind != "gpt2":
+                raise ValueError(f"config.json: model_type={kind!r}, not 'gpt2': distllm reads "
+                                 f"GPT-2 models; pass a folder GPT2LMHeadModel.save_pretrained "
+                                 f"wrote")
             return tf.GPT2Config.from_pretrained(path, local_files_only=True)
     except OSError as exc:
         raise ValueError(str(exc)) from None
+    except _config_errors() as exc:
+        why = " ".join(str(exc).split())
+        raise ValueError(f"config.json: {why} (not a GPT-2 config as "
+                         f"GPT2LMHeadModel.save_pretrained writes it)") from None
 
 
 def check_pretrained_shape(theirs: GPTConfig, ours: GPTConfig, model: str, path: str) -> None:

@@ -9,14 +9,18 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from distllm.train.checkpoint_folder import sync_dir
+
 __all__ = ["new_folder"]
 
 
 @contextlib.contextmanager
 def new_folder(dest: str | os.PathLike) -> Iterator[Path]:
     """A temporary folder beside ``dest`` to write into, renamed to ``dest`` when the block
-    ends, removed when it raises: a failed command leaves nothing. ``dest`` must not exist
-    or be an empty folder, and must be creatable (ValueError naming DEST). The folder has
+    ends, removed when it raises: a failed command leaves nothing. Every file and folder in
+    it is synced to the device before the rename, and ``dest``'s parent after it, so that
+    after a crash ``dest`` is whole or absent. ``dest`` must not exist or be an empty
+    folder, and must be creatable (ValueError naming DEST). The folder has
     the permissions of one made with ``mkdir`` under the umask (``mkdtemp``'s are the
     owner's alone), its files those of files made with ``open`` (a writer may have made
     them the owner's alone: transformers' ``save_pretrained``)."""
@@ -40,12 +44,29 @@ def new_folder(dest: str | os.PathLike) -> Iterator[Path]:
         for f in tmp.rglob("*"):
             if f.is_file() and not f.is_symlink():
                 f.chmod(0o666 & ~umask)
+        _sync_tree(tmp)
         if dest.exists():
             dest.rmdir()  # empty (checked above)
         os.replace(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    sync_dir(dest.parent)  # the rename itself
+
+
+def _sync_tree(root: Path) -> None:
+    """Make the folder ``root`` durable before it is renamed into place: every regular file
+    under it, then every folder under it (the names of their entries), deepest first, then
+    ``root`` itself. Symbolic links are not followed."""
+    paths = sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True)
+    for f in paths:
+        if f.is_file() and not f.is_symlink():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    for d in paths:
+        if d.is_dir() and not d.is_symlink():
+            sync_dir(d)
+    sync_dir(root)
 
 
 def _file_on_the_way(path: Path) -> Path | None:

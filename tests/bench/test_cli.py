@@ -271,3 +271,90 @@ def test_a_run_that_measured_nothing_fails(monkeypatch, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "distllm bench: nothing was measured (2 rows, none ok; the first says: no memory)" in err
     assert (out / "REPORT.md").is_file()
+
+
+def _atomic_writes(monkeypatch) -> list[str]:
+    """The names of the files written through ``write_text_atomic`` from now on (each still
+    written, by the real function)."""
+    from distllm.bench import rows
+
+    names, real = [], rows.write_text_atomic
+
+    def recorded(path, text):
+        names.append(os.path.basename(path))
+        return real(path, text)
+
+    monkeypatch.setattr(rows, "write_text_atomic", recorded)
+    return names
+
+
+def test_doctor_files_are_written_whole(tmp_path, monkeypatch, capsys):
+    """doctor.json and DOCTOR.md go through a temporary file renamed over the result, as
+    results.json does: a run stopped while writing leaves no half file (the ranks are
+    stand-ins here: what is tested is the writing)."""
+    import json
+
+    from distllm.bench import plots
+
+    from distllm import testing
+    from distllm.cli import main
+
+    names = _atomic_writes(monkeypatch)
+    res = [{"report": {"ok": True, "timeline": [], "rank": r}, "markdown": "| layer |"}
+           for r in range(2)]
+    monkeypatch.setattr(testing, "run_distributed", lambda *a, **k: res)
+    monkeypatch.setattr(plots, "plot_events", lambda *a, **k: None)
+    out = tmp_path / "d"
+    assert main(["bench", "--doctor", "--out", str(out)]) == 0, capsys.readouterr().err
+    assert sorted(names) == ["DOCTOR.md", "doctor.json"]
+    reports = json.loads((out / "doctor.json").read_text())
+    assert [r["rank"] for r in reports] == [0, 1] and reports[0]["trace"] == "doctor_trace.json"
+    assert (out / "DOCTOR.md").read_text().endswith("(doctor_timeline.png)\n")
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_compare_md_is_written_whole(tmp_path, monkeypatch, capsys):
+    import json
+
+    from distllm.bench import suite
+    from distllm.bench.rows import machine_info
+
+    from distllm.cli import main
+
+    monkeypatch.setattr(suite, "SUITES", {
+        "fake": suite.Suite("fake", "tests.bench.fake_suites", "synthetic", shape="M,K,N",
+                            shape_dims=(3,))})
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "results.json").write_text(json.dumps({"machine": machine_info(), "rows": []}))
+    names = _atomic_writes(monkeypatch)
+    out = tmp_path / "new"
+    rc = main(["bench", "--suite", "fake", "--shapes", "1,2,3", "--reps", "1", "--no-progress",
+               "--out", str(out), "--compare", str(old)])
+    assert rc == 0, capsys.readouterr().err
+    assert "COMPARE.md" in names
+    text = (out / "COMPARE.md").read_text()  # whole: from its title to the last table's end
+    assert text.startswith(f"# Changes against {old}\n") and text.endswith(
+        "| suite | case | old winner | new winner | agreement |\n|---|---|---|---|---|\n")
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_the_readmes_bench_commands_run_as_quoted():
+    """The README quotes the command behind each of its results (inline, not in the bash
+    blocks tests/test_readme.py runs); an ``--out`` naming the folder those results are in
+    is refused ("holds the results of an earlier run"), so none may name one."""
+    import shlex
+    from pathlib import Path
+
+    from distllm.bench.cli import _RECORDS
+
+    root = Path(__file__).resolve().parents[2]
+    quoted = [" ".join(m.split()) for m in
+              re.findall(r"`(distllm bench [^`]*)`", (root / "README.md").read_text())]
+    assert len(quoted) >= 10, quoted  # the sections' commands are found
+    for cmd in quoted:
+        argv = shlex.split(cmd)[2:]
+        out = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--out"), None)
+        if out is not None:
+            held = [f for f in _RECORDS if (root / out / f).exists()]
+            assert not held, f"`{cmd}` is refused as written: {out} holds {held}"

@@ -4,6 +4,7 @@ within the measured spread that must not be flagged."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from distllm.bench import compare, suite
@@ -108,9 +109,19 @@ def test_winner_agreement():
     assert "3 of 4 cases agree" in compare.winners_table(compare.winners(old, new))
 
 
-def _write(tmp, rows):
+def _this_machine() -> dict:
+    """The fields that tell machines apart, as a run here records them."""
+    from distllm.bench.rows import machine_info
+
+    m = machine_info()
+    return {"time": "t", "host_cpu": m["host_cpu"], "gpu": m["gpu"]}
+
+
+def _write(tmp, rows, machine=None):
+    """An earlier run's results.json: ``rows``, measured on this machine unless ``machine``."""
     tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "results.json").write_text(json.dumps({"machine": {"time": "t"}, "rows": rows}))
+    data = {"machine": _this_machine() if machine is None else machine, "rows": rows}
+    (tmp / "results.json").write_text(json.dumps(data))
     return tmp
 
 
@@ -142,6 +153,64 @@ def test_cli_fail_on_regression(tmp_path, monkeypatch, capsys):
     (bad / "results.json").write_text("[1, 2]")
     assert main([*args, "--out", str(tmp_path / "n4"), "--compare", str(bad)]) == 2
     assert "not a distllm bench results.json" in capsys.readouterr().err
+
+
+def test_times_of_another_machine_are_no_verdict():
+    """Old run on machine A, new run on a machine 2x slower: every time rose beyond the
+    spread, yet the speed-ups (ratios within each run) held: no regression, the time change
+    a note. A speed-up that fell is one. On one machine the same times are ``slower``."""
+    a, b = {"host_cpu": "cpu A", "gpu": None}, {"host_cpu": "cpu B", "gpu": None}
+    old = [_r("unfused", 20.0), _r("fused", 10.0), _r("torch", 15.0)]
+    new = [_r("unfused", 40.0), _r("fused", 20.0), _r("torch", 30.0)]
+    changes = compare.compare_rows(old, new, old_machine=a, new_machine=b)
+    assert compare.regressions(changes) == [], [(c.variant, c.kind) for c in changes]
+    assert {c.variant: c.kind for c in changes} == dict.fromkeys(old_names := [
+        "unfused", "fused", "torch"], "same")
+    assert all("time slower beyond the spread, on another machine" in c.note for c in changes)
+    table = compare.compare_table(changes, a, b)
+    assert "0 regression(s)" in table and "REGRESSION" not in table
+    assert "The machines differ: their times are not comparable" in table
+    # the same rows on one machine: every variant slower, each a regression
+    same = compare.compare_rows(old, new, old_machine=a, new_machine=dict(a))
+    assert sorted(c.variant for c in compare.regressions(same)) == sorted(old_names)
+    assert not compare.machines_differ(a, dict(a, time="later")) and compare.machines_differ(a, b)
+    assert not compare.machines_differ(None, {})  # neither known: rows compared alone
+    # on the slower machine the fused variant lost its edge: a regression, whatever the times
+    lost = [_r("unfused", 40.0), _r("fused", 36.0), _r("torch", 30.0)]
+    changes = {c.variant: c for c in compare.compare_rows(old, lost, old_machine=a,
+                                                           new_machine=b)}
+    assert [c.variant for c in compare.regressions(changes.values())] == ["fused"]
+    assert changes["fused"].kind == "lost speed-up"
+    # and a faster machine's times are no improvement either
+    quick = compare.compare_rows(new, old, old_machine=b, new_machine=a)
+    assert {c.kind for c in quick} == {"same"}
+
+
+def test_cli_another_machine_fails_only_on_a_lost_speed_up(tmp_path, monkeypatch, capsys):
+    """``--fail-on-regression`` against a run of another machine whose fused variant took
+    0.5 ms (1.2x faster than unfused): the new run's 2 ms (10x faster than its unfused) is a
+    note (exit 0); a fused variant that lost its speed-up over unfused fails (exit 1)."""
+    monkeypatch.setattr(suite, "SUITES", {
+        "fake": suite.Suite("fake", "tests.bench.fake_suites", "synthetic", shape="M,K,N",
+                            shape_dims=(3,))})
+    case, other = "1,2,3", {"time": "t", "host_cpu": "another CPU", "gpu": "another GPU"}
+    fast = _write(tmp_path / "fast", [_r("unfused", 0.6, 0.05, case, "fake"),
+                                      _r("fused", 0.5, 0.05, case, "fake")], other)
+    args = ["bench", "--suite", "fake", "--shapes", case, "--reps", "3", "--no-progress",
+            "--fail-on-regression"]
+    rc = main([*args, "--out", str(tmp_path / "n1"), "--compare", str(fast)])
+    out = capsys.readouterr()
+    assert rc == 0, out.out + out.err
+    cmp_md = (tmp_path / "n1" / "COMPARE.md").read_text()
+    assert "0 regression(s)" in cmp_md and "The machines differ" in cmp_md
+    assert "time slower beyond the spread, on another machine" in cmp_md
+    # the old fused variant ran 200x faster than unfused: the new one's 10x is a lost speed-up
+    edge = _write(tmp_path / "edge", [_r("unfused", 100.0, 0.05, case, "fake"),
+                                      _r("fused", 0.5, 0.05, case, "fake")], other)
+    rc = main([*args, "--out", str(tmp_path / "n2"), "--compare", str(edge)])
+    out = capsys.readouterr()
+    assert rc == 1, out.out
+    assert "REGRESSION (lost speed-up)" in (tmp_path / "n2" / "COMPARE.md").read_text()
 
 
 def test_a_case_or_suite_that_failed_in_the_new_run_is_a_regression():
@@ -241,3 +310,43 @@ def test_an_unreadable_results_file_is_one_line_naming_compare(tmp_path):
     (tmp_path / "results.json").write_text("[]")
     with pytest.raises(ValueError, match="is not a distllm bench results.json"):
         load_results(tmp_path)
+
+
+@pytest.mark.parametrize("data,why", [
+    ({"rows": [], "machine": "zen4"}, "results.json has a 'machine' of type str, not the dict"),
+    ({"rows": ["x"]}, "row 0 of .* is a str, not a result row"),
+    ({"rows": [{"suite": "s", "case": "c", "variant": "v", "status": "ok", "ms": 1.0},
+               {"suite": "s", "case": "c", "status": "ok"}]}, "row 1 of .* has no variant"),
+    ({"rows": [{"suite": "s", "case": "c", "variant": "v", "status": "ok", "ms": "fast"}]},
+     "row 0 of .* has a ms of 'fast', not a number"),
+])
+def test_a_malformed_results_file_is_refused_when_read(tmp_path, data, why):
+    """A machine that is not a dict was a TypeError; a row that is not a dict, or lacks what
+    the comparison reads, passed the load and crashed after the whole benchmark ran."""
+    (tmp_path / "results.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=rf"^--compare {re.escape(str(tmp_path))}: {why}"):
+        compare.load_results(tmp_path)
+
+
+@pytest.mark.parametrize("data", [{"rows": [], "machine": "zen4"}, {"rows": ["x"]}])
+def test_a_malformed_results_file_exits_2_before_any_benchmark(tmp_path, monkeypatch, capsys,
+                                                               data):
+    """Through the command: one line naming --compare, exit 2, and no suite run."""
+    class Ran(Exception):
+        pass
+
+    def run_suites(*a, **k):  # a benchmark would run now: too late to refuse the file
+        raise Ran
+
+    monkeypatch.setattr(suite, "run_suites", run_suites)
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "results.json").write_text(json.dumps(data))
+    try:
+        rc = main(["bench", "--suite", "linear_gelu", "--quick", "--no-progress", "--out",
+                   str(tmp_path / "new"), "--compare", str(old)])
+    except Ran:
+        rc = "the benchmark ran"
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"distllm bench: error: --compare {old}: "), err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "new").exists()

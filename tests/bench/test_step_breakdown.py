@@ -123,3 +123,42 @@ def test_a_onednn_kernel_is_an_operator():
     assert _is_op("distllm::linear_gelu_fwd") and _is_op("c10d::allreduce_")
     assert not _is_op("autograd::engine::evaluate_function: AddmmBackward0")
     assert not _is_op("_ParallelMLPBackward") and not _is_op("Optimizer.step#AdamW.step")
+
+
+def test_what_drain_runs_is_not_counted():
+    """``drain`` runs under the profiler after the step: its operators (here 20 matmuls, the
+    step's one) were counted as the step's, and their time could exceed the step's wall."""
+    a = torch.randn(64, 64)
+
+    def drain():
+        for _ in range(20):
+            a @ a
+
+    bd = breakdown(lambda: a @ a, drain=drain)
+    assert bd["ops"] == 1 and bd["allocs"] == 1, bd
+    assert [name for name, _, _ in bd["top"]] == ["aten::matmul"]
+    assert bd["top"][0][1] == 1
+    assert bd["op_ms"] <= bd["wall_ms"] + 1e-6
+
+
+def test_each_host_read_counts_once():
+    """``tolist()`` dispatches no ``_local_scalar_dense``: it was not counted at all, while
+    ``item()`` and ``float()`` were; each read counts once, whichever way it was made."""
+    t = torch.arange(4.0)
+    s = t.sum()
+    assert breakdown(lambda: t.tolist())["syncs"] == 1
+    assert breakdown(lambda: s.item())["syncs"] == 1
+    assert breakdown(lambda: float(s))["syncs"] == 1
+    assert breakdown(lambda: (t.tolist(), s.item()))["syncs"] == 2
+    assert breakdown(lambda: (s.tolist(), s.tolist(), float(s)))["syncs"] == 3
+    orig = torch.Tensor.tolist
+    breakdown(lambda: t.tolist())
+    assert torch.Tensor.tolist is orig  # restored after the step
+
+
+def test_tolist_outside_the_step_is_not_counted():
+    t = torch.arange(4.0)
+    calls = []
+    bd = breakdown(lambda: None, before=lambda: calls.append(t.tolist()),
+                   drain=lambda: calls.append(t.tolist()))
+    assert bd["syncs"] == 0 and len(calls) == 2

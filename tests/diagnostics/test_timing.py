@@ -149,3 +149,121 @@ def test_device_sync_waits_for_that_gpu(monkeypatch):
     device_sync(torch.device("cuda", 1))()
     assert synced == [torch.device("cuda", 1)]
     assert device_sync(torch.device("cpu")) is None
+
+
+
+class _FakeStream:
+    """A CUDA stream on a virtual clock (ms) that the host's work advances: work queued
+    starts when the work queued before it ends, and no earlier than it was queued; an event
+    fires when what precedes it ends. The timer reads the same clock (``perf_counter``), so
+    the test is exact, whatever the load of the machine."""
+
+    def __init__(self, cycles_per_ms: float = 2e6):
+        self.clock, self.free_at, self.cycles_per_ms, self.log = 0.0, 0.0, cycles_per_ms, []
+
+    def perf_counter(self) -> float:  # time.perf_counter, in seconds
+        return self.clock / 1e3
+
+    def host(self, ms: float) -> None:  # the host spends ms (dispatching, waiting)
+        self.clock += ms
+
+    def run(self, ms: float) -> None:
+        self.free_at = max(self.clock, self.free_at) + ms
+
+    def sleep(self, cycles: int) -> None:  # torch.cuda._sleep
+        self.log.append("busy-wait")
+        self.run(cycles / self.cycles_per_ms)
+
+    def event(self, enable_timing: bool = False) -> _FakeEvent:  # torch.cuda.Event
+        return _FakeEvent(self)
+
+
+class _FakeEvent:
+    def __init__(self, stream: _FakeStream):
+        self.stream, self.at = stream, None
+
+    def record(self) -> None:
+        self.stream.log.append("record")
+        self.at = max(self.stream.clock, self.stream.free_at)
+
+    def synchronize(self) -> None:
+        self.stream.log.append("synchronize")
+        self.stream.clock = max(self.stream.clock, self.at)
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return end.at - self.at
+
+
+def _fake_cuda(monkeypatch, sleep: bool = True) -> _FakeStream:
+    import types
+    from collections import deque
+
+    s = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "Event", s.event)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    if sleep:
+        monkeypatch.setattr(torch.cuda, "_sleep", s.sleep, raising=False)
+    else:
+        monkeypatch.delattr(torch.cuda, "_sleep", raising=False)
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=s.perf_counter))
+    # the timer's state starts empty (raising=False: a timer that keeps none still runs)
+    monkeypatch.setattr(timing, "_dispatch_ms", deque(maxlen=16), raising=False)
+    monkeypatch.setattr(timing, "_cycles_per_ms", {}, raising=False)
+    monkeypatch.setattr(timing, "BUSY_WAIT_MS", (1.0, 20.0), raising=False)
+    return s
+
+
+def _step(s: _FakeStream, busy: list[bool], dispatch_ms: float = 3.0):
+    """``dispatch_ms`` of host dispatch (Python), then a 2 ms kernel."""
+
+    def fn():
+        s.host(dispatch_ms)
+        busy.append(s.free_at > s.clock)  # is the stream still busy when the kernel is queued?
+        s.run(2.0)
+        s.log.append("fn")
+
+    return fn
+
+
+def test_cuda_event_timer_keeps_the_hosts_dispatch_out(monkeypatch):
+    """After a synchronisation the GPU idles: a start event recorded then fires at once, and
+    the 3 ms the host takes to queue the 2 ms kernel were timed with it (5 ms). A busy-wait
+    queued before the start event keeps the stream busy while the host dispatches."""
+    s, busy = _fake_cuda(monkeypatch), []
+    fn = _step(s, busy)
+    assert [timing.cuda_event_timer(fn) for _ in range(4)] == pytest.approx([2.0] * 4)
+    assert busy == [True] * 4  # every call dispatched while the stream was busy
+    # the calibration (once), then per call: busy-wait, start, the call, end, wait for it
+    per_call = ["busy-wait", "record", "fn", "record", "synchronize"]
+    assert s.log == ["busy-wait", "record", "busy-wait", "record", "synchronize",
+                     *per_call * 4]
+    assert timing._cycles_per_ms[0] == pytest.approx(2e6)
+    # the wait follows the host's dispatch: twice the longest of the latest calls, within
+    # the bounds; none known yet: the longest
+    assert timing._busy_wait_ms() == pytest.approx(6.0)
+    timing.cuda_event_timer(_step(s, [], dispatch_ms=8.0))
+    assert timing._busy_wait_ms() == pytest.approx(16.0)
+    timing.cuda_event_timer(_step(s, [], dispatch_ms=0.1))
+    assert timing._busy_wait_ms() == pytest.approx(16.0)  # still among the latest calls
+    timing._dispatch_ms.clear()
+    assert timing._busy_wait_ms() == pytest.approx(20.0)
+
+
+def test_cuda_event_timer_without_the_private_busy_wait(monkeypatch):
+    """A torch without ``torch.cuda._sleep``: nothing is queued before the start event, and
+    the call is still timed (dispatch included)."""
+    s, busy = _fake_cuda(monkeypatch, sleep=False), []
+    ms = timing.cuda_event_timer(_step(s, busy))
+    assert s.log == ["record", "fn", "record", "synchronize"] and busy == [False]
+    assert ms == pytest.approx(5.0)
+
+
+def test_cuda_event_timer_interleaves_variants_one_call_each(monkeypatch):
+    s = _fake_cuda(monkeypatch)
+    calls = []
+    samples = timing.interleaved_samples(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, warmup=1, reps=2,
+        timer=timing.cuda_event_timer)
+    assert calls == ["a", "b", "a", "b", "b", "a"]
+    assert {n: len(v) for n, v in samples.items()} == {"a": 2, "b": 2}
+    assert s.log.count("busy-wait") == 2 + 6  # the calibration, then one before each call

@@ -162,3 +162,62 @@ def test_selective_recomputation_keeps_qkv_and_recomputes_the_attention_core():
     assert none - sel >= scores and sel > full, (none, sel, full)
     for k, g in ref.items():
         torch.testing.assert_close(grads[k], g, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("layer_norm_eps", -1.0, "GPTConfig.layer_norm_eps=-1.0: it must be a finite number > 0"),
+    ("layer_norm_eps", 0, "GPTConfig.layer_norm_eps=0: it must be a finite number > 0"),
+    ("layer_norm_eps", float("nan"), "GPTConfig.layer_norm_eps=nan: it must be a finite"),
+    ("layer_norm_eps", "1e-5", "GPTConfig.layer_norm_eps='1e-5': it must be a finite"),
+    ("layer_norm_eps", True, "GPTConfig.layer_norm_eps=True: it must be a finite"),
+    ("init_std", -0.02, "GPTConfig.init_std=-0.02: it must be a finite number >= 0"),
+    ("init_std", float("inf"), "GPTConfig.init_std=inf: it must be a finite number >= 0"),
+    ("init_std", None, "GPTConfig.init_std=None: it must be a finite number >= 0"),
+    ("tie_embeddings", "no", "GPTConfig.tie_embeddings='no': it must be a bool"),
+    ("tie_embeddings", 1, "GPTConfig.tie_embeddings=1: it must be a bool"),
+])
+def test_norm_epsilon_init_std_and_tying_are_checked(field, value, says):
+    """A meta.json with layer_norm_eps=-1.0 exported a NaN model; "tie_embeddings": "no" was
+    taken as true."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        GPTConfig(**{field: value})
+
+
+def test_whole_numbers_are_taken_for_the_float_fields():
+    c = GPTConfig(layer_norm_eps=1, init_std=0, tie_embeddings=True)
+    assert (c.layer_norm_eps, c.init_std, c.tie_embeddings) == (1, 0, True)
+
+
+_TWO_BLOCKS = GPTConfig(vocab_size=64, n_layers=2, hidden_size=16, n_heads=2,
+                        ffn_hidden_size=32, max_seq_len=8)
+
+
+@pytest.mark.parametrize(("ids", "says"), [
+    ([0, 1, 2, 3, 4], "layer_ids=[0, 1, 2, 3, 4]: 4 out of range: a model of 2 blocks has "
+                      "layers 0 (the embedding), 1..2 (the blocks) and 3 (the head)"),
+    ([-1, 0], "layer_ids=[-1, 0]: -1 out of range"),
+    ([1, 1, 2], "layer_ids=[1, 1, 2]: give each layer once, in increasing order"),
+    ([2, 1], "layer_ids=[2, 1]: give each layer once, in increasing order"),
+    ([0, 1.0], "layer_ids=[0, 1.0]: each must be a whole number (0 the embedding, 1..2 the "
+               "blocks, 3 the head)"),
+    ([True], "layer_ids=[True]: each must be a whole number"),
+])
+def test_layer_ids_are_layers_of_the_model_each_once_in_order(ids, says):
+    """An id past the head built an extra block; a repeated id ran its block twice."""
+    from distllm import ParallelDims
+    from distllm.models.gpt import GPT
+
+    with pytest.raises(ValueError, match=re.escape(says)):
+        GPT(_TWO_BLOCKS, ParallelDims(tp=1, pp=1, dp=1), layer_ids=ids)
+
+
+def test_layer_ids_of_any_integer_type_are_taken():
+    import numpy as np
+
+    from distllm import ParallelDims
+    from distllm.models.gpt import GPT
+
+    dims = ParallelDims(tp=1, pp=1, dp=1)
+    assert GPT(_TWO_BLOCKS, dims, layer_ids=[np.int64(1), 2]).layer_ids == [1, 2]
+    assert GPT(_TWO_BLOCKS, dims, layer_ids=iter([3])).layer_ids == [3]
+    assert GPT(_TWO_BLOCKS, dims).layer_ids == [0, 1, 2, 3]

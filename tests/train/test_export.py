@@ -142,6 +142,30 @@ def test_a_checkpoint_whose_model_has_an_unknown_field_is_one_line(trained, tmp_
                    f"damaged meta.json"], err
 
 
+@pytest.mark.parametrize(("command", "field", "value"), [
+    ("export", "layer_norm_eps", -1.0), ("export", "tie_embeddings", "no"),
+    ("sample", "init_std", float("nan"))])
+def test_a_checkpoint_whose_model_has_a_bad_value_is_one_line(trained, tmp_path, capsys,
+                                                              command, field, value):
+    """A damaged meta.json's layer_norm_eps=-1.0 was exported as a model of NaN logits, and
+    "tie_embeddings": "no" taken as true: refused, naming the field."""
+    import shutil
+
+    out, _ = trained
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    ckpt = max((run / "checkpoints").iterdir())
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["model"][field] = value
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    argv = [str(run), str(tmp_path / "d")] if command == "export" else [str(run)]
+    assert main([command, *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"distllm {command}: error: GPTConfig.{field}={value!r}: it must be "), err
+    assert not (tmp_path / "d").exists()
+
+
 def test_a_failed_write_leaves_nothing(trained, tmp_path, monkeypatch):
     from distllm.models import hf as hf_mod
 
@@ -162,6 +186,39 @@ def test_a_failed_write_leaves_nothing(trained, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         main(["export", str(out), str(tmp_path / "d")])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_new_folder_is_synced_before_and_after_its_rename(tmp_path, monkeypatch):
+    """Every file and folder written into the temporary folder, then the folder itself, are
+    synced to the device before it is renamed to DEST, and DEST's parent after: a crash
+    leaves DEST whole or absent, never with empty files."""
+    from distllm.train.new_folder import new_folder
+
+    events: list[tuple[str, ...]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        events.append(("replace", str(src), str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    parent = tmp_path.resolve() / "out"
+    with new_folder(parent / "d") as tmp:
+        (tmp / "config.json").write_text("{}")
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "weights.bin").write_bytes(b"\0" * 8)
+    assert (parent / "d" / "sub" / "weights.bin").read_bytes() == b"\0" * 8
+    moved = events.index(("replace", str(tmp), str(parent / "d")))
+    synced = [events.index(("fsync", str(p))) for p in (
+        tmp / "config.json", tmp / "sub" / "weights.bin", tmp / "sub", tmp)]
+    assert max(synced) < moved, events
+    assert synced[1] < synced[2] < synced[3], events  # a file, then its name, then the folder's
+    assert ("fsync", str(parent)) in events[moved + 1:], events
 
 
 # --- distllm sample: the checkpoint's model continues a prompt --------------------------------

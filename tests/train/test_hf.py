@@ -6,6 +6,7 @@ masking of the padded logits are exercised."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -392,3 +393,79 @@ def test_init_from_refuses_a_weight_of_another_shape_or_none(tmp_path):
         pretrained_layers(str(tmp_path / "hf"), GPTConfig.preset("tiny"), "tiny")
     assert str(e.value) == (f"--init-from {tmp_path / 'hf'}: its weights cannot be read (not a "
                             f"file of tensors that torch.load reads safely)")
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("n_layer", "4"), ("n_inner", 512.0), ("layer_norm_epsilon", "1e-5")])
+def test_init_from_refuses_a_config_field_of_the_wrong_type_in_one_line(capsys, tmp_path,
+                                                                         field, value):
+    """transformers 5 checks each config field's type, raising huggingface_hub's
+    StrictDataclassFieldValidationError (neither ValueError nor OSError): ``distllm train
+    --init-from`` stopped with its traceback. (An older transformers takes the value, which
+    GPTConfig then refuses.)"""
+    import transformers
+
+    from distllm.cli import main
+
+    hf = tmp_path / "hf"
+    _save_tiny_hf(hf)
+    conf = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(conf | {field: value}))
+    capsys.readouterr()  # transformers' progress bar of the save
+    assert main(["train", "--model", "tiny", "--init-from", str(hf)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"distllm train: error: --init-from {hf}: "), err
+    assert repr(value) in err[0], err
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        assert f"{hf}: config.json: Validation error for field '{field}': TypeError: " in err[0]
+
+
+def test_init_from_refuses_another_model_type(tmp_path):
+    """A Llama folder of the tiny preset's shape was read as a GPT-2 config (transformers
+    warns only), and refused only at the weight check; an in-memory config of another model
+    gave an AttributeError."""
+    from transformers import LlamaConfig
+
+    from distllm.models.hf import config_from_hf, pretrained_config
+
+    llama = LlamaConfig(vocab_size=256, hidden_size=128, num_hidden_layers=4,
+                        num_attention_heads=4, intermediate_size=512, max_position_embeddings=128)
+    llama.save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError) as e:
+        pretrained_config(str(tmp_path / "llama"))
+    assert str(e.value) == (f"--init-from {tmp_path / 'llama'}: config.json: model_type='llama', "
+                            f"not 'gpt2': distllm reads GPT-2 models; pass a folder "
+                            f"GPT2LMHeadModel.save_pretrained wrote")
+    with pytest.raises(ValueError, match=r"^model_type='llama', not 'gpt2': distllm reads "
+                                         r"GPT-2 models \(GPT2Config, GPT2LMHeadModel\)$"):
+        config_from_hf(llama)
+    _save_tiny_hf(tmp_path / "hf")  # GPT-2's, and one whose config.json names no model type
+    assert pretrained_config(str(tmp_path / "hf")).n_layers == 4
+    conf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    del conf["model_type"]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(conf))
+    assert pretrained_config(str(tmp_path / "hf")).n_layers == 4
+
+
+def test_from_hf_refuses_a_model_without_an_lm_head_and_bad_layer_ids():
+    """A GPT2Model (keys without ``transformer.``, no head) gave a bare KeyError; layer ids
+    out of range or repeated were taken (one past the head built an extra block)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
+
+    from distllm import ParallelDims
+    from distllm.models import from_hf
+
+    cfg = GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+                     bos_token_id=0, eos_token_id=0)
+    dims = ParallelDims(tp=1, pp=1, dp=1)
+    with pytest.raises(ValueError) as e:
+        from_hf(GPT2Model(cfg), dims)
+    assert str(e.value) == ("from_hf: hf_model is a GPT2Model, whose weights have no "
+                            "transformer.wte.weight or lm_head.weight: pass a GPT2LMHeadModel "
+                            "(e.g. GPT2LMHeadModel.from_pretrained of its folder)")
+    hf = GPT2LMHeadModel(cfg)
+    for ids, says in (([0, 1, 2, 3, 4], "layer_ids=[0, 1, 2, 3, 4]: 4 out of range"),
+                      ([1, 1], "layer_ids=[1, 1]: give each layer once, in increasing order")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            from_hf(hf, dims, layer_ids=ids)
+    assert from_hf(hf, dims, layer_ids=[2, 3]).layer_ids == [2, 3]
