@@ -235,7 +235,7 @@ def _dgelu_kernel(
     tl.store(gu_ptr + offs, gu_out, mask=mask)
     if HAS_BIAS:  # the rounded gu is summed, as the GEMMs that consume it see it
         part = tl.sum(gu_out.to(tl.float32), axis=0)  # (BLOCK_N,)
-        tl.store(db_ptr + pid_m * N + rn, part, mask=rn < N)
+        tl.store(db_ptr + pid_m.to(tl.int64) * N + rn, part, mask=rn < N)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -264,7 +264,7 @@ def _bwd_kernel(
     if HAS_BIAS:
         # db[n] = sum_m gu[m, n]; the rounded gu is summed, as the GEMMs see it.
         part = tl.sum(gu.to(gu_ptr.dtype.element_ty).to(tl.float32), axis=0)  # (BLOCK_N,)
-        tl.store(db_ptr + pid_m * N + rn, part, mask=rn < N)
+        tl.store(db_ptr + pid_m.to(tl.int64) * N + rn, part, mask=rn < N)
 
 
 _BWD_META = {"BLOCK_M": 16, "BLOCK_N": 64} if _INTERPRET else tuning.BWD_META

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from distllm.comm.collectives import group_device
+from distllm.comm.collectives import backend_for, group_device
 
 __all__ = ["ParallelDims", "MeshShape", "mesh_groups", "divisors"]
 
@@ -106,19 +106,27 @@ mpirun's."""
 
 def _local_device() -> int:
     """This rank's GPU: ``LOCAL_RANK`` (torchrun), else ``SLURM_LOCALID`` or
-    ``OMPI_COMM_WORLD_LOCAL_RANK`` (srun, mpirun), else the global rank modulo the visible
-    GPUs (never GPU 0 for every rank: NCCL refuses two ranks on one GPU)."""
-    for var in LOCAL_RANK_VARS:
-        if var in os.environ:
-            return int(os.environ[var])
-    return int(os.environ["RANK"]) % max(1, torch.cuda.device_count())
+    ``OMPI_COMM_WORLD_LOCAL_RANK`` (srun, mpirun), else the global rank; modulo the visible
+    GPUs (srun's ``--gpus-per-task=1`` shows each task one GPU, its GPU 0, whatever its
+    local id; and never GPU 0 for every rank: NCCL refuses two ranks on one GPU)."""
+    rank = next((int(os.environ[v]) for v in LOCAL_RANK_VARS if v in os.environ),
+                None)
+    if rank is None:
+        rank = int(os.environ["RANK"])
+    return rank % max(1, torch.cuda.device_count())
+
+
+def _uses_nccl(backend: str) -> bool:
+    """Whether ``backend`` (``"nccl"``, ``"cpu:gloo,cuda:nccl"``, ...) runs CUDA tensors'
+    collectives on NCCL."""
+    return backend == "nccl" or "cuda:nccl" in backend.replace(" ", "")
 
 
 def _init_from_env(backend: str | None, timeout: datetime.timedelta) -> None:
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if backend == "nccl":
+        if _uses_nccl(backend):
             torch.cuda.set_device(_local_device())
         dist.init_process_group(backend=backend, timeout=timeout)
     else:  # a single process that never went through torchrun
@@ -190,6 +198,13 @@ class ParallelDims:
             )
         if not dist.is_initialized():
             _init_from_env(self.backend, self.timeout)
+        elif (backend_for(None, "cuda") == "nccl" and torch.cuda.is_available()
+              and "RANK" in os.environ and torch.cuda.current_device() == 0
+              and (local := _local_device()) != 0):
+            # a world started by the caller, whose rank never chose its GPU (it is on the
+            # default, GPU 0): this rank's own, as torchrun's LOCAL_RANK names it (a rank
+            # that chose one keeps it)
+            torch.cuda.set_device(local)
         for name, rank_lists in self.groups.items():
             # every rank takes part in creating every group, in the same order; each with
             # the job's timeout (torch gives a subgroup its 30-minute default otherwise, and

@@ -200,6 +200,12 @@ def check_nproc(nproc: int) -> None:
     if nproc < 1 or nproc > cores() * 4:
         raise UsageError(f"--nproc {nproc}: this machine has {cores()} cores; choose "
                          f"1..{cores() * 4} ranks")
+    import torch
+
+    # on a GPU machine each rank trains on a GPU of its own (NCCL refuses two on one)
+    if torch.cuda.is_available() and nproc > (gpus := torch.cuda.device_count()):
+        raise UsageError(f"--nproc {nproc}: this machine shows {gpus} GPUs, one per rank; "
+                         f"choose 1..{gpus} ranks (CUDA_VISIBLE_DEVICES limits the GPUs shown)")
 
 
 def end_with_launcher() -> None:

@@ -383,6 +383,8 @@ def _train(cfg: TrainConfig, dims: ParallelDims | None) -> TrainResult:
     end = result.steps_done  # before ``planned`` when a signal stopped the run
     if engine.zero is not None:  # nothing in flight when the run ends (ZeRO's gathers)
         engine.zero.wait_params()
+        if dims.device.type == "cuda":  # (on NCCL a wait holds the stream, not the host)
+            torch.cuda.synchronize(dims.device)
     if result.stopped_by is not None:  # saved at ``end`` (a stop always saves)
         if end < cfg.steps:
             _log(f"stopped by {result.stopped_by} after step {end} of {cfg.steps} "

@@ -351,13 +351,13 @@ def test_unavailable_backend_names_the_available_ones():
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_gpu_backends_match_float64(backend, dtype):
+def test_gpu_backends_match_float64(backend, dtype, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # restored after
     for M, K, N in ((1, 768, 1024), (123, 1024, 512), (1024, 768, 1000)):
         for approximate, bias in (("tanh", True), ("tanh", False), ("none", True)):
             if backend == "cuda" and (approximate == "none" or N % 8):
                 continue  # cuBLASLt serves tanh with 8-aligned sizes; checked below
             x, w, b = (None if t is None else t.cuda() for t in _data(M, K, N, dtype, bias))
-            torch.backends.cuda.matmul.allow_tf32 = False
             _check(backend, x, w, b, approximate)
 
 

@@ -228,6 +228,7 @@ def test_the_device_follows_the_backend_that_serves_cuda(monkeypatch, config, cu
     ({"RANK": "5", "SLURM_LOCALID": "3"}, 3),
     ({"RANK": "5", "OMPI_COMM_WORLD_LOCAL_RANK": "2"}, 2),
     ({"RANK": "5"}, 1),  # 4 GPUs visible: the global rank modulo 4
+    ({"RANK": "7", "SLURM_LOCALID": "6"}, 2),  # 4 visible (srun's --gpus-per-task=4)
 ])
 def test_each_rank_picks_its_own_gpu(monkeypatch, env, want):
     from distllm.parallel import mesh
@@ -262,3 +263,50 @@ def test_a_stalled_rank_fails_a_subgroup_collective_within_the_timeout():
     one waits torch's 30-minute default: a stalled rank hung the job)."""
     took = run_distributed(_stalled_peer, 2, 2.0, timeout=120)[0]
     assert took is not None and 0 < took < 8.0, took
+
+
+@pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl"])
+def test_a_world_started_here_on_nccl_sets_the_ranks_gpu_first(monkeypatch, backend):
+    """A backend string that gives CUDA tensors to NCCL sets the rank's GPU before the
+    world starts, "cpu:gloo,cuda:nccl" as "nccl" (before, only the exact "nccl" did, and
+    every rank of the other ran on GPU 0)."""
+    from distllm.parallel import mesh
+
+    calls = []
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(mesh.torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(mesh.torch.cuda, "set_device", lambda d: calls.append(("set", d)))
+    monkeypatch.setattr(mesh.dist, "init_process_group",
+                        lambda **kw: calls.append(("init", kw["backend"])))
+    mesh._init_from_env(backend, mesh.datetime.timedelta(seconds=5))
+    assert calls == [("set", 3), ("init", backend)]
+    calls.clear()
+    mesh._init_from_env("gloo", mesh.datetime.timedelta(seconds=5))
+    assert calls == [("init", "gloo")]
+
+
+@pytest.mark.parametrize("current,want", [(0, [1]), (1, []), (3, [])])
+def test_a_world_started_by_the_caller_gets_the_ranks_gpu_unless_one_was_chosen(
+        monkeypatch, current, want):
+    """``init_process_group("nccl")`` by the caller, then the mesh: a rank still on the
+    default GPU 0 is moved to its own (LOCAL_RANK), which NCCL needs (two ranks on one GPU
+    are refused); a rank that chose a GPU keeps it."""
+    from distllm.parallel import mesh
+
+    got = []
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(mesh, "_current_world_size", lambda: 2)
+    monkeypatch.setattr(mesh.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(mesh.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(mesh, "backend_for", lambda group, kind: "nccl")
+    monkeypatch.setattr(mesh.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mesh.torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(mesh.torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(mesh.torch.cuda, "set_device", got.append)
+    monkeypatch.setattr(mesh.dist, "new_subgroups_by_enumeration",
+                        lambda ranks, timeout: (object(), None))
+    mesh.ParallelDims(tp=2, world_size=2).build()
+    assert got == want

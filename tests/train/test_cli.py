@@ -127,6 +127,15 @@ def test_nproc_limit_is_cores_times_four(capsys):
     assert f"1..{_cores() * 4}" in _err(capsys, ["--nproc", str(_cores() * 4 + 1)])
 
 
+def test_nproc_on_a_gpu_machine_is_at_most_one_rank_per_gpu(capsys, monkeypatch):
+    """Each rank trains on a GPU of its own: more ranks than GPUs are refused in one line
+    (before, they failed in NCCL, two ranks on one GPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert "this machine shows 1 GPUs, one per rank; choose 1..1 ranks" in _err(
+        capsys, ["--nproc", "2"])
+
+
 def test_resume_refuses_another_model(capsys, corpus, tmp_path):
     out = tmp_path / "run"
     run_distributed(train_many, 1, [dict(steps=1, n_layers=2, save_final=True, out=str(out))],
