@@ -236,12 +236,16 @@ def first_line(exc: BaseException) -> str:
 
 def lost_peer(exc: BaseException) -> bool:
     """Whether ``exc`` is a collective's lost connection to another rank (gloo's "Connection
-    reset by peer" / "Connection closed by peer" when that rank's process died)."""
+    reset by peer" / "Connection closed by peer" when that rank's process died; NCCL's
+    ``ncclRemoteError``, "... a remote process exiting prematurely")."""
     text = str(exc).lower()
     return any(w in text for w in ("connection reset by peer", "connection closed by peer",
-                                   "broken pipe"))
+                                   "broken pipe", "ncclremoteerror"))
 
 
 def timed_out(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective's timeout (gloo's "Timed out waiting ... ms")."""
-    return "timed out" in str(exc).lower()
+    """Whether ``exc`` is a collective's timeout (gloo's "Timed out waiting ... ms"; NCCL's
+    watchdog: "Watchdog caught collective operation timeout: ... before timing out", which
+    reaches Python where the watchdog does not end the process itself)."""
+    text = str(exc).lower()
+    return "timed out" in text or "collective operation timeout" in text

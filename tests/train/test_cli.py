@@ -1026,3 +1026,25 @@ def test_deterministic_resume_is_exact_under_sequence_parallelism(capfd, tmp_pat
     _, a, _ = checkpoint.read_layers(checkpoint.latest(whole))
     _, b, _ = checkpoint.read_layers(checkpoint.latest(parts))
     assert all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])
+
+
+@pytest.mark.parametrize("text,kind", [
+    ("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 60000ms for recv "
+     "operation to complete", "timeout"),
+    ("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
+     "OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=60000) ran for 60012 milliseconds "
+     "before timing out.", "timeout"),
+    ("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4212", "lost"),
+    ("NCCL error in: ProcessGroupNCCL.cpp:2063, remote process exited or there was a network "
+     "error, NCCL version 2.27.5\nncclRemoteError: A call failed possibly due to a network "
+     "error or a remote process exiting prematurely.", "lost"),
+    ("CUDA out of memory. Tried to allocate 2.00 GiB", None),
+])
+def test_the_launcher_reads_gloo_and_nccl_failures_alike(text, kind):
+    """A rank's collective error, as gloo and NCCL word it: a timeout, a lost peer, or
+    another failure (the rank's own)."""
+    from distllm.train.launch import lost_peer, timed_out
+
+    exc = RuntimeError(text)
+    got = "timeout" if timed_out(exc) else "lost" if lost_peer(exc) else None
+    assert got == kind
