@@ -53,7 +53,7 @@ class GPTConfig:
         for f in ("vocab_size", "n_layers", "hidden_size", "n_heads", "ffn_hidden_size",
                   "max_seq_len"):
             v = getattr(self, f)
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:  # (true is not 1 layer)
                 raise ValueError(f"GPTConfig.{f}={v!r}: it must be a positive integer")
         if self.hidden_size % self.n_heads:
             raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "

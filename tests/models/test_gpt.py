@@ -175,6 +175,7 @@ def test_selective_recomputation_keeps_qkv_and_recomputes_the_attention_core():
     ("init_std", None, "GPTConfig.init_std=None: it must be a finite number >= 0"),
     ("tie_embeddings", "no", "GPTConfig.tie_embeddings='no': it must be a bool"),
     ("tie_embeddings", 1, "GPTConfig.tie_embeddings=1: it must be a bool"),
+    ("n_layers", True, "GPTConfig.n_layers=True: it must be a positive integer"),
 ])
 def test_norm_epsilon_init_std_and_tying_are_checked(field, value, says):
     """A meta.json with layer_norm_eps=-1.0 exported a NaN model; "tie_embeddings": "no" was
