@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -74,3 +75,22 @@ def save_tiny_gpt2(path, seed: int = 3, **config) -> None:
             if "ln" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
     hf.save_pretrained(path)
+
+
+def record_syncs(monkeypatch) -> list[tuple[str, ...]]:
+    """The ``os.fsync`` (``("fsync", path)``) and ``os.replace`` (``("replace", src, dst)``)
+    calls from now on, in order, into the list returned; both still run."""
+    events: list[tuple[str, ...]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        events.append(("replace", str(src), str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return events

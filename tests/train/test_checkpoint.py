@@ -327,25 +327,15 @@ def test_a_save_is_synced_before_an_older_checkpoint_is_pruned(corpus, monkeypat
     folder) are synced to the device before, so that a power loss cannot leave an empty
     rank file in the newest checkpoint and the previous one gone."""
     from distllm.train import trainer
-    from tests.train._util import make_cfg
+    from tests.train._util import make_cfg, record_syncs
 
-    events: list[tuple[str, ...]] = []
-    real_fsync, real_replace, real_prune = os.fsync, os.replace, checkpoint.prune
-
-    def fsync(fd: int) -> None:
-        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
-        real_fsync(fd)
-
-    def replace(src, dst) -> None:
-        events.append(("replace", str(src), str(dst)))
-        real_replace(src, dst)
+    events = record_syncs(monkeypatch)
+    real_prune = checkpoint.prune
 
     def prune(out, keep: int) -> list[Path]:
         events.append(("prune",))
         return real_prune(out, keep)
 
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
     monkeypatch.setattr(checkpoint, "prune", prune)
     out = tmp_path / "run"
     trainer.train(make_cfg(corpus, str(out), steps=2, save_every=1, keep_checkpoints=1,

@@ -193,20 +193,9 @@ def test_the_new_folder_is_synced_before_and_after_its_rename(tmp_path, monkeypa
     synced to the device before it is renamed to DEST, and DEST's parent after: a crash
     leaves DEST whole or absent, never with empty files."""
     from distllm.train.new_folder import new_folder
+    from tests.train._util import record_syncs
 
-    events: list[tuple[str, ...]] = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def fsync(fd: int) -> None:
-        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
-        real_fsync(fd)
-
-    def replace(src, dst) -> None:
-        events.append(("replace", str(src), str(dst)))
-        real_replace(src, dst)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
+    events = record_syncs(monkeypatch)
     parent = tmp_path.resolve() / "out"
     with new_folder(parent / "d") as tmp:
         (tmp / "config.json").write_text("{}")
