@@ -111,9 +111,10 @@ def test_quick_run_writes_every_file(registry, tmp_path, capsys):
     stdout = capsys.readouterr().out
     assert "| case | variant |" in stdout and "fused wins by" in stdout
 
-    # the fake suite again, against the first run (a margin of 100% absorbs machine load)
+    # the fake suite again, against the first run (a margin of 400% absorbs machine load:
+    # under a loaded CI machine, 100% once failed on the 2 ms sleeps of this synthetic suite)
     rc = main(["bench", "--quick", "--suite", "fake", "--shapes", "16,32,24", "--reps", "3",
-               "--out", str(tmp_path / "run2"), "--compare", str(out), "--tolerance", "1",
+               "--out", str(tmp_path / "run2"), "--compare", str(out), "--tolerance", "4",
                "--fail-on-regression"])  # with the progress bar
     cmp_md = (tmp_path / "run2" / "COMPARE.md").read_text()
     assert "| fake | 16,32,24 | fused |" in cmp_md and "| fake | 16,32,24 | fused | fused |" \
@@ -122,7 +123,7 @@ def test_quick_run_writes_every_file(registry, tmp_path, capsys):
     captured = capsys.readouterr()
     assert "regression(s) beyond the measured spread" in captured.out
     assert "bench" in captured.err and "fake" in captured.err  # the bar went to stderr
-    assert rc == 0
+    assert rc == 0, cmp_md
 
 
 def test_a_second_run_into_the_same_out_is_refused(registry, tmp_path, capsys):

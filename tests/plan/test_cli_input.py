@@ -308,6 +308,7 @@ def gpu_named(monkeypatch):
             return types.SimpleNamespace(total_memory=int(total))
 
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # a machine of 8 of them
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: n)
         monkeypatch.setattr(torch.cuda, "get_device_properties", props)
 
