@@ -77,11 +77,9 @@ def collect() -> dict:
         triton_v = triton.__version__
     except ImportError:
         triton_v = None
-    try:  # the cores this process may run on (a cgroup or taskset may give it fewer)
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    devices = [f"cpu ({cores} cores, {torch.get_num_threads()} torch threads)"]
+    from distllm.train.launch import cores  # this process's (a cgroup or taskset: fewer)
+
+    devices = [f"cpu ({cores()} cores, {torch.get_num_threads()} torch threads)"]
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
