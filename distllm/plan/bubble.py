@@ -64,6 +64,14 @@ def _built_orders(schedule: str, p: int, m: int, v: int) -> tuple[tuple, ...]:
     return tuple(tuple((a.kind, a.mb, a.chunk) for a in sched.compute(r)) for r in range(p))
 
 
+def clear_replays() -> None:
+    """Drop the cached schedule replays (:func:`compute_order`, :func:`memory_states`): one
+    search fills them (a large batch: up to a GB), and a training run that planned its
+    layout (``--plan auto``) need not keep them."""
+    for f in (_built_orders, compute_order, memory_states):
+        f.cache_clear()
+
+
 def _shifted(actions, d: int) -> tuple[tuple[str, int, int], ...]:
     return tuple((kind, mb + d, c) for kind, mb, c in actions)
 

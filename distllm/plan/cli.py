@@ -232,6 +232,11 @@ def _params_mode(a: argparse.Namespace) -> int:
         print(f"model states of {a.params:.4g} parameters on {a.gpus} devices ({a.gpu}):")
         for r in rows:
             print("  " + _row(r))
+        if (gb := STATE_BYTES[dtype][1]) < 4:
+            # the paper's figures, not what distllm's own run holds (its fp32 gradients)
+            print(f"  (the ZeRO paper's accounting, {gb}-byte gradients; distllm keeps fp32 "
+                  f"gradients under {dtype}: {4 - gb} more bytes per parameter, sharded as "
+                  "the gradients are. Give --model for distllm's own plan.)")
         if a.explain:
             print(_explain_params(a.params, rows, dtype))
     return 0
@@ -341,6 +346,8 @@ def run(args: argparse.Namespace) -> int:
             "search_seconds": res.seconds,
             # the leading rows timed by the pipeline simulator (the fastest by it, in order)
             "simulator_ranked": res.exact,
+            # layouts too large for the simulator, timed by the closed form
+            "simulator_declined": res.declined,
             "ranked": [e.as_dict() for e in res.ranked[: args.top]],
         }
         if args.explain:

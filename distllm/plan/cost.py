@@ -151,15 +151,18 @@ class CostModel(TimeModel):
             ]
         return self._cache[key]
 
-    def _heavy_ranks(self, pp: int, v: int) -> tuple[int, ...]:
+    def _heavy_ranks(self, pp: int, v: int, schedule: str = "") -> tuple[int, ...]:
         """Ranks that can need the most memory or time: the first, the first with the most
-        blocks (in-flight counts fall with the rank), the last (the head and its logits)."""
-        key = ("heavy", pp, v)
+        blocks (in-flight counts fall with the rank), the last (the head and its logits).
+        Under zb-h1 (memory), every rank: the micro-batches waiting for W pile up on the later
+        ranks, and what they keep can outweigh the earlier ranks' extra held micro-batches."""
+        key = ("heavy", pp, v, schedule == "zb-h1")
         if key not in self._cache:
             ranks = self.ranks(pp, v)
             most = max(r[0] for r in ranks)
             first_most = next(i for i, r in enumerate(ranks) if r[0] == most)
-            self._cache[key] = tuple(sorted({0, first_most, pp - 1}))
+            self._cache[key] = (tuple(range(pp)) if schedule == "zb-h1"
+                                else tuple(sorted({0, first_most, pp - 1})))
         return self._cache[key]
 
     def rank_params(self, lay: Layout) -> tuple[list[float], float]:
@@ -229,7 +232,8 @@ class CostModel(TimeModel):
         key = ("memory", lay)  # the search asks once to filter and again to rank
         if key not in self._cache:
             self._cache[key] = max(
-                (self.rank_memory(lay, r) for r in self._heavy_ranks(lay.pp, lay.virtual_stages)),
+                (self.rank_memory(lay, r)
+                 for r in self._heavy_ranks(lay.pp, lay.virtual_stages, lay.schedule)),
                 key=lambda m: m["total"],
             )
         return dict(self._cache[key])
@@ -237,7 +241,7 @@ class CostModel(TimeModel):
     def heaviest_rank(self, lay: Layout) -> int:
         """The pipeline rank whose memory :meth:`memory` reports."""
         return max(
-            self._heavy_ranks(lay.pp, lay.virtual_stages),
+            self._heavy_ranks(lay.pp, lay.virtual_stages, lay.schedule),
             key=lambda r: self.rank_memory(lay, r)["total"],
         )
 
@@ -347,12 +351,14 @@ class CostModel(TimeModel):
                 if lay.checkpointing == "full" else 0.0)
         v, pipelined = lay.virtual_stages, lay.pp > 1
         chunks = self.chunks(lay.pp, v)[r]
-        # a runtime that frees its sends as they complete keeps one stage output per
-        # micro-batch in flight, on a rank without the head, until that micro-batch's
-        # backward (the schedule holds it, not autograd): a v-th of one per chunk held
-        keeps_output = (pipelined and rt.keeps_stage_output and not rt.keeps_sends
-                        and not any(has_h for _, _, has_h in chunks))
-        out = msg / v if keeps_output else 0.0
+        # a runtime that frees its sends as they complete keeps each stage output until its
+        # micro-batch's backward (the schedule holds it, not autograd): one message per
+        # (micro-batch, chunk) in flight, except on the chunk with the head, whose output is
+        # the loss (Runtime.outputs_per_chunk); else one per micro-batch on a rank without
+        # the head, a v-th of one per chunk held
+        keeps_output = pipelined and rt.keeps_stage_output and not rt.keeps_sends
+        per_rank = (msg / v if keeps_output and not rt.outputs_per_chunk
+                    and not any(has_h for _, _, has_h in chunks) else 0.0)
         # chunks of the same contents hold the same bytes: one group each
         kinds: dict[tuple[int, bool, bool], int] = {}
         groups = tuple(kinds.setdefault(c, len(kinds)) for c in chunks)
@@ -361,6 +367,7 @@ class CostModel(TimeModel):
         wait_w = self._deferred_bytes(lay, b) if lay.schedule == "zb-h1" else (0.0, 0.0)
         held, transient, deferred = [], [], []
         for blocks, has_e, has_h in kinds:
+            out = msg if keeps_output and rt.outputs_per_chunk and not has_h else per_rank
             held.append(blocks * per + (emb if has_e else 0.0) + (logits if has_h else 0.0) + out)
             deferred.append(blocks * wait_w[0] + (wait_w[1] if has_h else 0.0)
                             + (0.0 if has_e else msg))

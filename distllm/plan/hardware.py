@@ -7,6 +7,7 @@ writes a measured one for the machine it runs on.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -196,7 +197,7 @@ class Profile:
                 raise ValueError(f"profile is missing the field {k!r}")
         if not isinstance(d["name"], str):
             raise ValueError(f"field 'name' is {d['name']!r}: give a string")
-        links = {k: Link(**_fields(v, _LINK_FIELDS, f"links.{k}"))
+        links = {k: _build(Link, v, _LINK_FIELDS, f"links.{k}")
                  for k, v in _mapping(d["links"], "links").items()}
         for need in ("intra", "inter"):
             if need not in links:
@@ -216,7 +217,7 @@ class Profile:
             kw["gelu_s_per_element"] = tuple(
                 _check(x, "nonneg", f"gelu_s_per_element[{i}]") for i, x in enumerate(g))
         if d.get("gemm"):
-            kw["gemm"] = Gemm(**_fields(d["gemm"], _GEMM_FIELDS, "gemm"))
+            kw["gemm"] = _build(Gemm, d["gemm"], _GEMM_FIELDS, "gemm")
         peak = {_peak_key(str(k)): _check(v, "positive", f"peak_flops.{k}")
                 for k, v in _mapping(d["peak_flops"], "peak_flops").items()}
         if not peak:
@@ -296,6 +297,17 @@ def _fields(d: Any, spec: dict, where: str) -> dict:
         else:
             out[k] = _check(v, kind.rstrip("?"), name)
     return out
+
+
+def _build(cls: type, d: Any, spec: dict, where: str):
+    """``cls`` from ``d``'s fields (checked by :func:`_fields`); ValueError naming a field
+    that ``cls`` needs and ``d`` lacks."""
+    kw = _fields(d, spec, where)
+    for f in dataclasses.fields(cls):
+        needed = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if needed and f.name not in kw:
+            raise ValueError(f"profile is missing the field '{where}.{f.name}'")
+    return cls(**kw)
 
 
 def _check(v: Any, kind: str, name: str) -> float | int:

@@ -64,6 +64,11 @@ class Runtime:
     the head; a head held whole at tp > 1), while the tensor-parallel layers at tp > 1 and
     the MLP's fused GEMM + GeLU compute theirs in B (where a tensor-parallel backward
     overlaps its collective with that GEMM)."""
+    outputs_per_chunk: bool = False
+    """With :attr:`keeps_stage_output`: one full output per (micro-batch, chunk) in flight,
+    on every chunk but the one with the head (distllm's executor, measured by the dry run);
+    False: one per micro-batch in flight on a rank without the head (a v-th of one per chunk
+    held), the accounting the ``megatron-lm-2021`` runtime was checked with."""
     keeps_sends: bool = False
     """Every activation and input gradient a pipeline rank sends stays in memory until the end
     of the step, where the sends are waited for (False: freed as each send completes)."""
@@ -140,6 +145,7 @@ RUNTIMES: dict[str, Runtime] = {
         p2p_scatter_gather=False,
         p2p_async=True,
         keeps_stage_output=True,
+        outputs_per_chunk=True,
         causal_skip=True,
         zero_grad_accumulation="full",
         keeps_gathered_input=True,
@@ -165,6 +171,9 @@ RUNTIMES: dict[str, Runtime] = {
             "for only by the compute that consumes them",
             "keeps_stage_output": "distllm.parallel.pipeline.executor holds each micro-batch's "
             "stage output until its backward (_StepRun.outputs)",
+            "outputs_per_chunk": "distllm.parallel.pipeline.executor: _StepRun.outputs is "
+            "keyed by (micro-batch, chunk); the dry run of an interleaved pp2 (tests/plan/"
+            "test_dry_run.py) reads 2.5 messages more on rank 0 than one per micro-batch",
             "keeps_sends": "distllm.parallel.pipeline.pp_comm.StageComm drops each send once "
             "it has completed (_drop_sent, at every flush; on gloo an activation's when its "
             "gradient returns, _release)",
@@ -217,6 +226,10 @@ RUNTIMES: dict[str, Runtime] = {
             "p2p_async": "Megatron-LM 2021 p2p_communication: batch_isend_irecv, waited at "
             "once, then torch.cuda.synchronize()",
             "keeps_stage_output": "Megatron-LM 2021 schedules keep output_tensors for backward",
+            "outputs_per_chunk": "not checked against the 2021 code: the earlier accounting "
+            "(one output per micro-batch in flight), with which Table 1's 1T layout (tp8.pp64 "
+            "v2 m512) fits its 80 GB; a full one per (micro-batch, chunk) would put it at "
+            "83 GB, so the paper's run freed more than that (its flags are not modelled)",
             "causal_skip": "no fused attention: the full s x s scores (paper sec. 5)",
             "keeps_sends": "Megatron-LM 2021 p2p_communication waits for each batch of "
             "transfers at once",

@@ -15,7 +15,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from .bubble import simulator_or_none
+from .bubble import clear_replays, simulator_or_none
 from .cost import GB, STATE_BYTES, CostModel, Estimate, Layout, state_bytes, training_dtype
 from .hardware import Profile, load_profile
 from .layout import grad_buffers_text
@@ -43,7 +43,8 @@ class SearchResult:
     world_flag: str = "--gpus"  # the flag that sets the device count, for the messages
     exact: int = 0
     """The leading layouts of ``ranked`` timed by the simulator (the fastest by it, in its
-    order); the rest carry the closed form's time. 0 without the simulator: all closed form."""
+    order); the rest carry the closed form's time. 0 without the simulator (all closed form),
+    or where a layout it declined could be faster than the first."""
     simulated: int = 0
     """Layouts the simulator re-timed to find them."""
 
@@ -52,6 +53,9 @@ class SearchResult:
     closest: list[Estimate] = field(default_factory=list)
     """The rejected ones that say why nothing fits: the smallest of those too big, and one
     per reason (the first few), kept whether or not ``rejected`` is."""
+    declined: int = 0
+    """Layouts the simulator was asked to re-time and declined (more actions than
+    :data:`~distllm.plan.bubble.SIM_MAX_ACTIONS`): they keep the closed form's time."""
 
     @property
     def best(self) -> Estimate:
@@ -118,6 +122,16 @@ def search(
     ``world_flag``: the flag the messages name for the device count (``distllm train
     --plan auto``: ``--nproc``); ``exact``: how many leading layouts the simulator ranks
     (where it runs; see the module's docstring)."""
+    try:
+        return _search(shape, world, gpus_per_node, profile, dtype, pins, flash_attention,
+                       use_simulator, keep_rejected, ranks_per_host, runtime_name, world_flag,
+                       exact)
+    finally:
+        clear_replays()
+
+
+def _search(shape, world, gpus_per_node, profile, dtype, pins, flash_attention, use_simulator,
+            keep_rejected, ranks_per_host, runtime_name, world_flag, exact) -> SearchResult:
     t0 = time.perf_counter()
     prof = load_profile(profile)
     gpn = min(prof.gpus_per_node, world) if gpus_per_node is None else gpus_per_node
@@ -153,12 +167,11 @@ def search(
             continue
         ranked.append(cm.evaluate(lay))
     ranked.sort(key=_rank_key)
-    n_exact = n_sim = 0
+    n_exact = n_sim = n_declined = 0
     if sim is not None and ranked:
-        ranked, n_sim = _retime(cm, ranked, sim, max(1, exact))
-        n_exact = min(max(1, exact), len(ranked))
+        ranked, n_exact, n_sim, n_declined = _retime(cm, ranked, sim, max(1, exact))
     return SearchResult(ranked, rejected, time.perf_counter() - t0, sim is not None,
-                        world_flag, n_exact, n_sim, closest.n, closest.kept())
+                        world_flag, n_exact, n_sim, closest.n, closest.kept(), n_declined)
 
 
 def _rank_key(e: Estimate) -> tuple[float, float]:
@@ -166,28 +179,51 @@ def _rank_key(e: Estimate) -> tuple[float, float]:
 
 
 def _retime(cm: CostModel, ranked: list[Estimate], sim, exact: int
-            ) -> tuple[list[Estimate], int]:
-    """``ranked`` (closed-form times) with its ``exact`` fastest by the simulator first, in
-    its order, and how many layouts were simulated. Layouts are simulated in the order of
-    their lower bounds (the step with :meth:`TimeModel.pipeline_bound` for its pipeline)
-    until the next bound exceeds the ``exact``-th simulated time: none left could beat it.
-    The closed form is not a bound either way that this could rely on; the lower bound is."""
+            ) -> tuple[list[Estimate], int, int, int]:
+    """``ranked`` (closed-form times) with its fastest by the simulator first, in its order;
+    how many of them lead the ranking (at most ``exact``), how many layouts were simulated,
+    and how many the simulator declined (too many actions, a case it refuses: they keep the
+    closed form's time). Layouts are simulated in the order of their lower bounds (the step
+    with :meth:`TimeModel.pipeline_bound` for its pipeline) until the next bound exceeds the
+    ``exact``-th simulated time: none left could beat it. The closed form is not a bound
+    either way that this could rely on; the lower bound is. A leading layout counts as
+    ranked by the simulator only while its time is below the bound of every declined one."""
     bounds = sorted(
         (e.step_time_s - e.time["pipeline"] + cm.pipeline_bound(e.layout), i)
         for i, e in enumerate(ranked)
     )
-    cm.simulator = sim
+    declined: dict[int, float] = {}  # index -> its lower bound
+    at: list[tuple[int, float]] = []  # the layout being timed
+
+    def replay(*args):
+        got = sim(*args)
+        if got is None:
+            declined[at[-1][0]] = at[-1][1]
+        return got
+
+    cm.simulator = replay
     times: list[float] = []
     timed: dict[int, Estimate] = {}
-    for low, i in bounds:
-        if len(times) >= exact and low > times[exact - 1] * (1 + 1e-12):
+    try:
+        for low, i in bounds:
+            if len(times) >= exact and low > times[exact - 1] * (1 + 1e-12):
+                break
+            at.append((i, low))
+            est = cm.evaluate(ranked[i].layout)
+            if i in declined:  # its closed form again: no simulated time to rank by
+                continue
+            timed[i] = est
+            bisect.insort(times, est.step_time_s)
+    finally:
+        cm.simulator = None
+    order = sorted(range(len(ranked)), key=lambda i: _rank_key(timed.get(i, ranked[i])))
+    floor = min(declined.values(), default=math.inf)
+    lead = 0
+    for i in order[:exact]:
+        if i not in timed or timed[i].step_time_s > floor:
             break
-        est = cm.evaluate(ranked[i].layout)
-        timed[i] = est
-        bisect.insort(times, est.step_time_s)
-    cm.simulator = None
-    out = [timed.get(i, e) for i, e in enumerate(ranked)]
-    return sorted(out, key=_rank_key), len(timed)
+        lead += 1
+    return [timed.get(i, ranked[i]) for i in order], lead, len(timed), len(declined)
 
 
 def _too_big(mem: dict[str, float], prof: Profile) -> str:
@@ -215,7 +251,9 @@ def explain(est: Estimate, shape: ModelShape, res: SearchResult) -> str:
         f"  {len(res.ranked)} layouts fit, {len(res.rejected)} rejected; searched in "
         f"{res.seconds:.2f} s"
         + (f" (the first {res.exact} ranked by the pipeline simulator, {res.simulated} "
-           "layouts re-timed by it; the rest by the closed form)" if res.exact else ""),
+           "layouts re-timed by it; the rest by the closed form)" if res.exact else "")
+        + (f"; {res.declined} layouts too large for the simulator kept the closed form's time"
+           if res.declined else ""),
     ]
     if len(res.ranked) > 1:
         nxt = res.ranked[1]

@@ -432,6 +432,10 @@ def _set(*keys, to):
         (_set("usable_memory_fraction", to=1.5),
          "field 'usable_memory_fraction' is 1.5: give a number in (0, 1]"),
         (_set("cores", to=0), "field 'cores' is 0: give an integer >= 1"),
+        (lambda d: d["links"]["intra"].pop("latency"),
+         "profile is missing the field 'links.intra.latency'"),
+        (lambda d: d["gemm"].pop("max_efficiency"),
+         "profile is missing the field 'gemm.max_efficiency'"),
         (_set("links", "intra", "speed", to=1),
          "field 'links.intra.speed' is not a profile field: choose from bandwidth, latency, "
          "efficiency, overlap, uses_cpu, tree, cpu_latency, cpu_per_byte, source"),

@@ -139,6 +139,22 @@ def test_interleaved_sequence_parallel_dry_run_agrees_with_the_planner():
     assert abs(v.error) < 0.03, v.report()
 
 
+def test_an_interleaved_rank_keeps_one_output_per_chunk_and_micro_batch_in_flight():
+    """The executor keeps each non-last chunk's output for every micro-batch that chunk holds
+    (``_StepRun.outputs``, keyed by micro-batch and chunk) until its backward. The planner
+    counted a v-th of one per chunk held: rank 0 of an interleaved pp2 (v = 2) read 2.5
+    messages below the 1F1B layout with the same blocks on that rank. With the schedule the
+    only difference, the planner's error is the same for both."""
+    shape = ModelShape("custom", 8, 256, 4, 1024, 256, 128, 8, tied_embeddings=False)
+    msg = 4 * 2 * 128 * 256  # one micro-batch's residual stream in fp32
+    gaps = {}
+    for sched, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
+        lay = Layout(1, 2, 1, 0, sched, 4, "full", False, v)
+        res = verify(shape, lay, dtype="float32", profile="cpu", pp_rank=0)
+        gaps[sched] = res.measured.peak - res.predicted["total"]
+    assert abs(gaps["interleaved-1f1b"] - gaps["1f1b"]) < msg / 4, (gaps, msg)
+
+
 def test_dry_run_takes_the_code_path_of_its_device():
     """On the CPU a 16-bit layer norm computes in fp32 and keeps an fp32 copy of its input
     for backward (``distllm.nn.precision``); on CUDA it keeps the 16-bit input. A dry run

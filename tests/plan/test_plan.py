@@ -85,6 +85,10 @@ def test_cli_params_explain_text(capsys):
     assert main(argv) == 0
     plain = capsys.readouterr().out
     assert "explained" not in plain  # the table alone
+    # the paper's 16-bit gradients are not what distllm holds: said under the table
+    assert plain.endswith("\n  (the ZeRO paper's accounting, 2-byte gradients; distllm keeps "
+                          "fp32 gradients under bfloat16: 2 more bytes per parameter, sharded "
+                          "as the gradients are. Give --model for distllm's own plan.)\n")
     assert main([*argv, "--explain", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("model states of 7.5e+09 parameters on 64 devices")
@@ -92,6 +96,7 @@ def test_cli_params_explain_text(capsys):
     assert "4 weights, 4 gradients, 8 AdamW momentum and variance" in out  # fp32: no master
     assert "zero2: 4P + 4P/32 + 8P/32 = 16.4 GB  fits" in out, out  # 15 + 0.47 + 0.94
     assert "activations are not counted" in out
+    assert "the ZeRO paper's accounting" not in out  # fp32: the same gradient bytes
     assert main([*argv, "--json"]) == 0
     assert all("explain" not in r for r in json.loads(capsys.readouterr().out))
 
@@ -537,3 +542,31 @@ def test_divisors_of_a_huge_cluster_are_quick():
     big = divisors(10**12)
     assert time.process_time() - t < 5.0
     assert len(big) == 13 * 13 and big[0] == 1 and big[-1] == 10**12 and big == sorted(big)
+
+
+def test_zb_h1_memory_is_the_heaviest_of_every_rank():
+    """Under zb-h1 the micro-batches waiting for W pile up on the later ranks, and under
+    sequence parallelism a deferred micro-batch keeps more than a held one (full-sequence
+    rows): a middle rank can be the heaviest. The planner looked at the first, the first with
+    the most blocks and the last only, and passed GPT-3 175B at tp8.pp16 zb-h1 m64 as 78.9 GB
+    (79.0 GB usable) while its own rank 14 needed 86.5 GB."""
+    shape = preset("gpt3-175b").with_(seq_len=2016)
+    lay = Layout(8, 16, 8, 1, "zb-h1", 64, "none", True, 1)
+    cm = CostModel(shape, load_profile("a100-80gb"), 1024, 8)
+    per_rank = [cm.rank_memory(lay, r)["total"] for r in range(lay.pp)]
+    heaviest = max(range(lay.pp), key=per_rank.__getitem__)
+    assert heaviest not in (0, lay.pp - 1)  # (every rank holds the same blocks here)
+    assert cm.memory(lay)["total"] == per_rank[heaviest]
+    assert cm.heaviest_rank(lay) == heaviest
+
+
+def test_a_search_does_not_keep_its_schedule_replays():
+    """The replays a search caches (a GB at a large batch) are dropped when it returns: a
+    training run that planned its layout (``--plan auto``) does not carry them."""
+    from distllm.plan import bubble
+
+    res = search(preset("gpt2-small"), 8, None, "a100-80gb", pins={"pp": 2},
+                 keep_rejected=False)
+    assert res.ranked
+    assert bubble.memory_states.cache_info().currsize == 0
+    assert bubble.compute_order.cache_info().currsize == 0

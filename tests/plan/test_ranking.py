@@ -62,6 +62,26 @@ def test_the_rows_shown_are_the_fastest_by_the_simulator():
     assert times == sorted(times)
 
 
+def test_a_layout_the_simulator_declines_is_not_called_simulator_ranked(monkeypatch):
+    """The simulator declines a case of more than SIM_MAX_ACTIONS actions, and that layout
+    keeps the closed form's time. gpt2-xl at pp8 with 4096 sequences: the search said its
+    first 2 rows were "ranked by the pipeline simulator" while the runner-up (v2.m1024,
+    16384 actions) carried the closed form, and layouts it declined, which it could not rank,
+    beat the pick when simulated. The rows are now called simulator-ranked only while no
+    declined layout's lower bound is below them, and the declined ones are counted."""
+    from distllm.plan import bubble
+
+    shape = preset("gpt2-xl").with_(global_batch=4096)
+    pins = {"pp": 8, "tp": 1, "schedule": "interleaved-1f1b"}
+    res = search(shape, 8, None, "a100-80gb", pins=pins, keep_rejected=False, exact=2)
+    assert res.declined > 0 and res.exact == 0
+    # with room for every case, nothing is declined and the first 2 are the simulator's
+    monkeypatch.setattr(bubble, "SIM_MAX_ACTIONS", 10**6)
+    full = search(shape, 8, None, "a100-80gb", pins=pins, keep_rejected=False, exact=2)
+    assert full.declined == 0 and full.exact == 2
+    assert full.best.step_time_s < res.best.step_time_s  # a declined layout was faster
+
+
 def test_more_memory_never_makes_the_pick_slower():
     """llama2-7b on 64 H100s: at 35 GiB the pick took 5.597 s and at 40 GiB 5.607 s, the
     closed form having ranked a layout that fits only at 40 GiB above the faster one."""
