@@ -21,6 +21,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from distllm.bench.train_e2e import BREAKDOWN_FILE
+
 from distllm.cli import defaults_of
 from distllm.dtypes import canonical_dtype
 from distllm.parallel.tensor.layers import OVERLAP_MODES
@@ -164,8 +166,11 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError("--device cuda: torch sees no CUDA device here; use --device cpu")
 
 
-_RECORDS = ("results.json", "results.csv", "REPORT.md", "COMPARE.md", "DOCTOR.md", "doctor.json")
-"""The files that make a folder hold the results of a run (a benchmark run's or the doctor's)."""
+_RECORDS = ("results.json", "results.csv", "REPORT.md", "COMPARE.md", "DOCTOR.md", "doctor.json",
+            BREAKDOWN_FILE)
+"""The files that make a folder hold the results of a run (a benchmark run's or the doctor's;
+train_e2e's breakdowns are written case by case, so a run interrupted before results.json
+leaves them)."""
 
 
 def _out_dir(path: Path) -> Path:

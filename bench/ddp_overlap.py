@@ -291,8 +291,9 @@ def _one_step(v: Callable[[], object]) -> Callable[[], object]:
 
 
 def setup(cfg: BenchConfig, case: Case) -> Setup:
-    """Every variant of the phase on this rank (one that cannot be built here is listed
-    with its error); afterwards each one's memory and one profiled step."""
+    """Every variant of the phase on this rank (one that cannot be built here, or whose
+    first step fails, is listed with its error); afterwards each one's memory and one
+    profiled step."""
     from distllm import ParallelDims
 
     shape, phase, cap = _PRESETS[cfg.quick], case.params["phase"], 25.0
@@ -304,10 +305,14 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
     for name in PHASES[phase]:
         c = float(name[len("ddp_cap"):]) if name.startswith("ddp_cap") else cap
         build = _distllm_ddp if name.startswith("ddp_cap") else _BUILDERS[name]
-        try:
-            variants[name], mems[name] = build(shape, x, dims, c)
+        what = ""
+        try:  # built, then its first step: a variant that fails in either is a row
+            step, mem = build(shape, x, dims, c)
+            what = "its first step failed: "
+            step()  # (every rank runs the same code: a failure here is every rank's)
+            variants[name], mems[name] = step, mem
         except Exception as e:  # noqa: BLE001 - a variant that cannot run here is a row
-            missing[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            missing[name] = f"{what}{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
     if phase == "ddp":
         variants.update(_parts(shape, x, dims, cap))
 

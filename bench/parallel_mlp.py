@@ -1,8 +1,9 @@
 """Benchmark: the tensor-parallel MLP, fused against unfused against torch's own.
 
-Suite ``parallel_mlp``: ``fc2(gelu(fc1(x)))`` for ``M`` tokens, hidden ``H``, ffn ``F``
-(``--shapes "M,H,F"``), at tp2 on 2 gloo ranks and at tp1 on one, forward alone (no autograd)
-and forward + backward. Variants, interleaved in one run (timer: the slowest rank's step):
+Suite ``parallel_mlp``: ``fc2(gelu(fc1(x)))`` for ``M`` tokens (``x`` of shape
+``(1, M, H)``), hidden ``H``, ffn ``F`` (``--shapes "M,H,F"``), at tp2 on 2 gloo ranks and at
+tp1 on one, forward alone (no autograd) and forward + backward. Variants, interleaved in one
+run (timer: the slowest rank's step):
 
 * ``fused``: ``ParallelMLP(backend=<the device's fused backend>)`` (CPU: ``cpu``; CUDA:
   ``cuda``, and ``fused-triton``): the column-parallel GEMM with bias and GeLU in its
@@ -94,9 +95,8 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
     mlps = {name: ParallelMLP.from_dense(_Pair(), dims, backend=be)
             for name, be in (*_FUSED[device], ("unfused", "reference"), ("auto", "auto"))}
     peer = _peer(dense, tp)
-    b = 4
-    x = torch.randn(b, m // b, h, device=device, dtype=dtype)
-    g = torch.randn(b, m // b, h, device=device, dtype=dtype)
+    x = torch.randn(1, m, h, device=device, dtype=dtype)  # (1, M, H): all M tokens
+    g = torch.randn(1, m, h, device=device, dtype=dtype)
     xg = x.clone().requires_grad_()
     unavailable = {}
 
@@ -130,17 +130,21 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
 
     reps = cfg.reps or (5 if cfg.quick else 9)
     return Setup(variants, unavailable, warmup=1, reps=reps, timer=wall_timer(sync),
-                 finish=lambda stats: {n: mlps[n].overlap_stats["fc1"].kernel for n in mlps},
+                 finish=lambda stats: {
+                     "kernels": {n: mlps[n].overlap_stats["fc1"].kernel for n in mlps},
+                     "tokens": x.shape[:-1].numel()},  # the tokens each call ran
                  close=lambda: torch.set_num_threads(threads))
 
 
 def rows(cfg: BenchConfig, case: Case, result: Result) -> list[dict]:
     tp, phase, (m, h, f) = case.params["tp"], case.params["phase"], case.params["shape"]
     st, base = result.stats, result.stats.get("unfused")
-    kernels = result.info[0] or {}
-    flops = 2 * 2 * m * h * f / tp * (1 if phase == "fwd" else 3)  # per rank
+    info = result.info[0]
+    kernels, tokens = info["kernels"], info["tokens"]  # tokens: what each call ran (M)
+    flops = 2 * 2 * tokens * h * f / tp * (1 if phase == "fwd" else 3)  # per rank
     common = dict(device=cfg.device, dtype=cfg.dtype, shape=f"{m}x{h}x{f}", tp=tp, phase=phase,
-                  net=result.net, threads_per_rank=1 if cfg.device == "cpu" else None)
+                  net=result.net, threads_per_rank=1 if cfg.device == "cpu" else None,
+                  tokens=tokens)
     out = []
     for name, s in st.items():
         sp = base.median_ms / s.median_ms if base else None

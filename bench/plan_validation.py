@@ -13,8 +13,10 @@ allocations during one step (the allocator's bytes in use after each operator; s
 One case per network (loopback, and ``--net``). The predictions use ``cfg.extra["profile"]``
 (a profile name or file), else a calibration of this machine (``distllm plan --calibrate``;
 a ``--quick`` run uses the packaged ``cpu`` profile and measures :data:`QUICK_LAYOUTS`).
-``cfg.extra`` may also set ``rounds``, ``steps`` and ``layouts`` (tuples as in
-:data:`LAYOUTS`; ``[]``: only the pick). The planner's own pick is always measured too.
+``cfg.extra`` may also set ``rounds``, ``steps`` (at least :data:`WARMUP_STEPS` +
+:data:`MIN_TIMED`) and ``layouts`` (tuples as in :data:`LAYOUTS`; ``[]``: only the pick).
+The planner's own pick is always measured too. A layout whose training run fails or times
+out is one ``unavailable`` row with why; the other layouts are kept.
 :func:`repredict` recomputes the predictions of an earlier run's ``results.json`` with the
 current model.
 
@@ -35,12 +37,14 @@ import time
 from pathlib import Path
 
 from distllm.bench.harness import BenchConfig, Case, Result, Setup
-from distllm.bench.rows import row
+from distllm.bench.rows import row, write_text_atomic
 
 from distllm.diagnostics.timing import stats_of
 
 SUITE = "plan_validation"
 CPU_STEPS = 3  # steps whose CPU time each rank measures after the memory probe
+WARMUP_STEPS = 2  # the first steps of each run, not among the samples (:func:`_measure`)
+MIN_TIMED = 3  # steps each run times at least, after its warm-up
 BATCH, SEQ, RANKS = 16, 128, 4
 # (tp, pp, dp, zero, schedule, micro_batches, checkpointing)
 LAYOUTS = [
@@ -256,10 +260,11 @@ def _measure(t: tuple, steps: int, net, data: str, probe: bool) -> dict:
         kw = {"setup": net.setup, "env": net.env} if net is not None else {}
         per_rank = run_distributed(_rank_main, RANKS, t, steps, out, data, probe, timeout=600, **kw)
         lines = Path(out, "metrics.jsonl").read_text().splitlines()
-    # two warm-up steps, and the steps of overlap="auto"'s trial in the step (rank 0's)
-    rec = [json.loads(x) for x in lines][2:]
+    # the warm-up steps, and the steps of overlap="auto"'s trial in the step (rank 0's)
+    rec = [json.loads(x) for x in lines][WARMUP_STEPS:]
     settled = [r["step_time_s"] for r in rec if not r.get("overlap_tuning")]
-    times = settled if len(settled) >= 3 else [r["step_time_s"] for r in rec[-3:]]
+    times = (settled if len(settled) >= MIN_TIMED
+             else [r["step_time_s"] for r in rec[-MIN_TIMED:]])
     worst = max(per_rank, key=lambda r: r["total"]) if probe else None
     if worst is not None:
         worst = dict(worst, ranks_cpu_s=sum(r["cpu_s"] for r in per_rank))
@@ -311,20 +316,54 @@ def _profile(cfg: BenchConfig):
     return load_profile(name) if name else _calibrated(cfg.net)
 
 
+def _steps(cfg: BenchConfig) -> int:
+    """The measured steps of each training run (``cfg.extra["steps"]``), checked: the
+    warm-up and at least :data:`MIN_TIMED` timed steps (ValueError naming the option)."""
+    raw, least = cfg.extra.get("steps", 5 if cfg.quick else 8), WARMUP_STEPS + MIN_TIMED
+    try:
+        steps = int(raw)
+    except (TypeError, ValueError):
+        steps = None
+    if steps is None or steps < least:
+        raise ValueError(f"plan_validation: cfg.extra['steps'] = {raw!r}: each training run "
+                         f"needs at least {least} steps ({WARMUP_STEPS} of warm-up, then "
+                         f"{MIN_TIMED} timed); set cfg.extra['steps'] to {least} or more")
+    return steps
+
+
+def _failure(e: Exception) -> str:
+    """Why a layout's training run failed, on one line: the message's first line and, where
+    it carries a rank's traceback, the exception that ends it."""
+    lines = [ln.strip() for ln in str(e).split("\n(ranks ")[0].splitlines() if ln.strip()]
+    text = " ".join(dict.fromkeys(lines[:1] + lines[-1:]))  # the first line and the last
+    return f"its training run failed: {type(e).__name__}: {text}"[:400]
+
+
+def _write_profile(out: Path, profile) -> Path:
+    """``out/profile.json``: the profile the predictions used, for :func:`repredict`;
+    whole or not at all."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    return write_text_atomic(Path(out, "profile.json"), json.dumps(profile.to_json(), indent=1))
+
+
 def cases(cfg: BenchConfig) -> list[Case]:
-    """One case per network; its variants (the layouts) start their own 4 ranks each."""
+    """One case per network; its variants (the layouts) start their own 4 ranks each.
+    Refuses (ValueError) too few ``cfg.extra["steps"]`` before anything runs."""
+    _steps(cfg)
     return [Case(f"tiny/{RANKS} ranks", networks=True)]
 
 
 def setup(cfg: BenchConfig, case: Case) -> Setup:
     """Each layout (and the planner's pick) is one variant: a whole training run on 4 ranks
-    over the case's network, whose step times and memory are kept for the rows."""
+    over the case's network, whose step times and memory are kept for the rows. A layout
+    whose run fails (or times out) is not run again; its row says why, and the others are
+    kept."""
     from distllm.testing.netem import EmulatedNetwork
 
+    steps = _steps(cfg)
     profile = _profile(cfg)
     if cfg.out is not None:  # the profile the predictions used, for repredict()
-        Path(cfg.out).mkdir(parents=True, exist_ok=True)
-        Path(cfg.out, "profile.json").write_text(json.dumps(profile.to_json(), indent=1))
+        _write_profile(cfg.out, profile)
     stack = contextlib.ExitStack()
     net = None
     if case.net is not None:
@@ -343,15 +382,23 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
     chosen = [tuple(t) for t in (chosen if chosen is not None else
                                  QUICK_LAYOUTS if cfg.quick else LAYOUTS)]
     layouts = chosen + ([pick] if pick not in chosen else [])
-    steps = int(cfg.extra.get("steps", 5 if cfg.quick else 8))
     samples: dict[tuple, list[float]] = {t: [] for t in layouts}
     mem: dict[tuple, dict] = {}
     load: dict[tuple, list[float]] = {t: [] for t in layouts}
     tuning: dict[tuple, int] = {t: 0 for t in layouts}
+    failed: dict[tuple, str] = {}  # layout -> why its run failed
 
     def measure(t: tuple) -> None:
+        if t in failed:  # failed once: not run again
+            return
         load[t].append(os.getloadavg()[0])  # the shared machine's load as this run starts
-        got = _measure(t, steps + _trial_steps(t), net, data, probe=t not in mem)
+        try:
+            got = _measure(t, steps + _trial_steps(t), net, data, probe=t not in mem)
+        except Exception as e:  # noqa: BLE001 - a layout whose run fails is a row
+            failed[t] = _failure(e)
+            print(f"{case.net or 'loopback'} {_layout(t).name()}: {failed[t]}",
+                  file=sys.stderr, flush=True)
+            return
         samples[t] += got["times"]
         tuning[t] += got["tuning_steps"]
         mem.setdefault(t, got["mem"])
@@ -360,7 +407,7 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
 
     def finish(stats) -> dict:
         return {"layouts": layouts, "samples": samples, "mem": mem, "profile": profile,
-                "gpn": gpn, "pick": pick, "load": load, "tuning": tuning}
+                "gpn": gpn, "pick": pick, "load": load, "tuning": tuning, "failed": failed}
 
     return Setup({_layout(t).name(): (lambda t=t: measure(t)) for t in layouts}, warmup=0,
                  reps=cfg.reps or int(cfg.extra.get("rounds", 1 if cfg.quick else 2)),
@@ -375,57 +422,67 @@ def rows(cfg: BenchConfig, case: Case, result: Result) -> list[dict]:
                     reason=result.unavailable[case.net])]
     i = result.info[0]
     return _rows(net_name, i["layouts"], i["samples"], i["mem"], i["profile"], i["gpn"],
-                 i["pick"], i.get("load"), i.get("tuning"))
+                 i["pick"], i.get("load"), i.get("tuning"), i.get("failed"))
 
 
-def _rows(net_name, layouts, samples, mem, profile, gpn, pick, load=None, tuning=None
-          ) -> list[dict]:
-    GB = 1e9
-    out, pred = [], {t: _predict(t, profile, gpn) for t in layouts}
-    meas = {t: statistics.median(samples[t]) for t in layouts}
-    for t in layouts:
-        p, m = pred[t], mem[t]
-        st = stats_of([x * 1e3 for x in samples[t]])
-        out.append(
-            row(
-                SUITE,
-                f"tiny/{net_name}",
-                _layout(t).name(),
-                st,
-                predicted_ms=p.step_time_s * 1e3,
-                time_error=p.step_time_s / meas[t] - 1,
-                predicted_cpu_ms=p.time.get("cpu_busy", 0.0) * 1e3,
-                predicted_mem_mb=p.memory["total"] / 1e6,
-                measured_mem_mb=m["total"] / 1e6,
-                mem_error=p.memory["total"] / m["total"] - 1,
-                predicted_states_mb=(p.memory["total"] - p.memory["activations"]) / 1e6,
-                measured_states_mb=m["states"] / 1e6,
-                predicted_act_mb=p.memory["activations"] / 1e6,
-                measured_step_peak_mb=m["step_peak"] / 1e6,
-                mem_method=m.get("how"),
-                ranks_cpu_ms=m["ranks_cpu_s"] * 1e3 if "ranks_cpu_s" in m else None,
-                planner_pick=t == pick,
-                mem_total_gb=m["total"] / GB,
-                load_1min=statistics.median(load[t]) if load and load.get(t) else None,
-                # steps after the warm-up that overlap="auto"'s trial took part in: not
-                # among the samples unless fewer than 3 steps were left without it
-                overlap_tuning_steps=tuning.get(t) if tuning else None,
-            )
-        )
-    ranked = sorted(layouts, key=lambda t: pred[t].step_time_s)
-    fastest = min(layouts, key=lambda t: meas[t])
+def _rows(net_name, layouts, samples, mem, profile, gpn, pick, load=None, tuning=None,
+          failed=None) -> list[dict]:
+    """A row per layout (``unavailable``, with why, for a layout in ``failed``), then the
+    planner's first choice among the measured layouts and the search's pick, each against
+    the fastest measured."""
+    failed, case = failed or {}, f"tiny/{net_name}"
+    ran = [t for t in layouts if t not in failed]
+    pred = {t: _predict(t, profile, gpn) for t in ran}
+    meas = {t: statistics.median(samples[t]) for t in ran}
+    out = [row(SUITE, case, _layout(t).name(), status="unavailable", reason=failed[t],
+               planner_pick=t == pick) if t in failed else
+           _layout_row(case, t, pred[t], mem[t], samples[t], t == pick,
+                       statistics.median(load[t]) if load and load.get(t) else None,
+                       tuning.get(t) if tuning else None)
+           for t in layouts]
+    if not ran:  # every run failed: their rows say why
+        return out
+    ranked = sorted(ran, key=lambda t: pred[t].step_time_s)
+    fastest = min(ran, key=lambda t: meas[t])
     for label, t in (("first among measured", ranked[0]), ("search's pick", pick)):
-        out.append(
-            row(
-                SUITE,
-                f"tiny/{net_name}",
-                f"planner {label}: {_layout(t).name()}",
-                status="ok",
-                reason=f"fastest measured: {_layout(fastest).name()}",
-                slowdown_vs_fastest=meas[t] / meas[fastest] - 1,
-            )
-        )
+        name = f"planner {label}: {_layout(t).name()}"
+        if t in failed:
+            out.append(row(SUITE, case, name, status="unavailable", reason=failed[t]))
+            continue
+        out.append(row(SUITE, case, name, status="ok",
+                       reason=f"fastest measured: {_layout(fastest).name()}",
+                       slowdown_vs_fastest=meas[t] / meas[fastest] - 1))
     return out
+
+
+def _layout_row(case: str, t: tuple, p, m: dict, samples: list[float], pick: bool,
+                load_1min: float | None, tuning_steps: int | None) -> dict:
+    """The row of one measured layout: its step times against the prediction ``p``, its
+    memory ``m`` against the predicted."""
+    return row(
+        SUITE,
+        case,
+        _layout(t).name(),
+        stats_of([x * 1e3 for x in samples]),
+        predicted_ms=p.step_time_s * 1e3,
+        time_error=p.step_time_s / statistics.median(samples) - 1,
+        predicted_cpu_ms=p.time.get("cpu_busy", 0.0) * 1e3,
+        predicted_mem_mb=p.memory["total"] / 1e6,
+        measured_mem_mb=m["total"] / 1e6,
+        mem_error=p.memory["total"] / m["total"] - 1,
+        predicted_states_mb=(p.memory["total"] - p.memory["activations"]) / 1e6,
+        measured_states_mb=m["states"] / 1e6,
+        predicted_act_mb=p.memory["activations"] / 1e6,
+        measured_step_peak_mb=m["step_peak"] / 1e6,
+        mem_method=m.get("how"),
+        ranks_cpu_ms=m["ranks_cpu_s"] * 1e3 if "ranks_cpu_s" in m else None,
+        planner_pick=pick,
+        mem_total_gb=m["total"] / 1e9,
+        load_1min=load_1min,
+        # steps after the warm-up that overlap="auto"'s trial took part in: not among the
+        # samples unless fewer than MIN_TIMED steps were left without it
+        overlap_tuning_steps=tuning_steps,
+    )
 
 
 def parse_layout(name: str) -> tuple:

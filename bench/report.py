@@ -231,7 +231,8 @@ def _verdict(rows: list[dict]) -> str:
         why = bad[0].get("reason") if bad else "no rows"
         return f"not measured here: {why}"
     if fused is None:
-        return f"no fused variant ran here ({'; '.join(str(r.get('reason')) for r in bad) or '-'})"
+        return _penalty_verdict(rows, base) or (
+            f"no fused variant ran here ({'; '.join(str(r.get('reason')) for r in bad) or '-'})")
     lo, mid, hi = speedup_band(base, fused)
     name, note, b = fused["variant"], _auto_note(rows, base), base["variant"]
     if lo > 1.0:
@@ -263,6 +264,29 @@ def _overhead_verdict(r: dict) -> str | None:
     met = {True: "met", False: "missed"}.get(extra.get("met"), "")
     return (f"fixed overhead {100 * frac:.1f}% of the step outside operators{spread}"
             + (f", target {target}: {met}" if target and met else ""))
+
+
+def _penalty_verdict(rows: list[dict], base: dict) -> str | None:
+    """The verdict of a case that measures chunking penalties against a target (rows with
+    ``extra.chunking_penalty`` and ``extra.meets_target``, as the GPU ``row_overlap`` case's:
+    each chunked GEMM over the whole one, ``base``), or None for another case: each penalty,
+    the target and whether it was met, and any slowdown measured beside (``extra.slowdown``)."""
+    def extra(r: dict) -> dict:
+        return r["extra"] if isinstance(r.get("extra"), dict) else {}
+
+    pens = [r for r in rows if _ok(r) and isinstance(extra(r).get("chunking_penalty"), int | float)
+            and isinstance(extra(r).get("meets_target"), bool)]
+    if not pens:
+        return None
+    missed = [str(r["variant"]) for r in pens if not extra(r)["meets_target"]]
+    line = (f"chunking penalty over {base['variant']}: "
+            + ", ".join(f"{r['variant']} {100 * extra(r)['chunking_penalty']:+.1f}%" for r in pens)
+            + (f", target {extra(pens[0])['target']}" if extra(pens[0]).get("target") else "")
+            + (f": missed ({', '.join(missed)})" if missed else ": met"))
+    for r in rows:
+        if _ok(r) and isinstance(extra(r).get("slowdown"), int | float):
+            line += f"; {r['variant']} {100 * extra(r)['slowdown']:+.1f}% over {base['variant']}"
+    return line
 
 
 _COLS = ["case", "variant", "role", "ms", "p10..p90", "TFLOP/s", "GB/s", "hidden",

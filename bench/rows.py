@@ -129,12 +129,17 @@ def machine_info() -> dict[str, Any]:
 
 def write_text_atomic(path: Path, text: str) -> Path:
     """``text`` into ``path`` through a temporary file beside it renamed over it: a reader,
-    or a run interrupted while writing, never leaves half a file."""
+    or a run interrupted while writing, never leaves half a file. A write that fails
+    removes its temporary file and leaves ``path`` as it was."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", newline="") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

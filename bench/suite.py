@@ -49,12 +49,14 @@ class Suite:
     shape: str = ""  # the form of a shape --shapes gives it ("M,K,N"); "": it takes none
     shape_dims: tuple[int, ...] = ()  # the integers a shape may have
     split_dims: tuple[int, ...] = ()  # a shape's dimensions its 2 CPU ranks split
+    check: str = ""  # the module's own check of shapes on CPU, check(shapes, spec), if any
 
     def check_shapes(self, shapes: list[tuple[int, ...]], spec: str, device: str = "cpu"
                      ) -> None:
         """ValueError naming ``--shapes`` where one of ``shapes`` is not of this suite's
         form, or (on CPU, where the suite runs 2 ranks) has a dimension they split that 2
-        does not divide."""
+        does not divide, or fails the module's own check (:attr:`check`: what its layouts
+        need of a shape)."""
         bad = [s for s in shapes if len(s) not in self.shape_dims]
         if bad:
             raise ValueError(f"--shapes {spec!r}: {self.name} takes shapes '{self.shape}' "
@@ -70,6 +72,8 @@ class Suite:
                         f"--shapes {spec!r}: {self.name} splits {names[i]} over its "
                         f"{CPU_RANKS} ranks, which {s[i]} (in {','.join(map(str, s))}) does not "
                         f"divide; choose {names[i]} a multiple of {CPU_RANKS}")
+        if self.check:
+            getattr(importlib.import_module(self.module), self.check)(shapes, spec)
 
 
 SUITES: dict[str, Suite] = {s.name: s for s in [
@@ -90,7 +94,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
           overlap=True),
     Suite("pipeline", "distllm.bench.pipeline", "Pipeline schedules: bubble and step time"),
     Suite("train_e2e", "distllm.bench.train_e2e", "End-to-end training step against PyTorch",
-          shape="L,H,B,S[,M]", shape_dims=(4, 5)),
+          shape="L,H,B,S[,M]", shape_dims=(4, 5), check="check_shapes"),
     Suite("plan_validation", "distllm.bench.plan_validation",
           "Planner predictions against measured training steps"),
 ]}

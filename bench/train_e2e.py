@@ -16,8 +16,11 @@ global-norm clipping, AdamW) of the same GPT on 2 gloo ranks, at four layouts:
 
 Model sizes: ``--shapes "L,H,B,S[,M];..."`` (blocks, hidden size, global batch, sequence
 length, micro-batches; heads of 64 channels, or the ``tiny`` preset's 4 at hidden 128; MLP
-4H; vocabulary 256). Presets: the ``tiny`` preset and 6 blocks at GPT-2 small's width with a
-short sequence (a step of about a second on 2 CPU ranks); ``--quick``: tiny alone. Or
+4H; vocabulary 256). Every layout must run a shape on 2 ranks (an even number of heads,
+``B`` even, ``M >= 2`` dividing ``B``): else ``--shapes`` is refused, naming the value to
+change (:func:`check_shapes`). Presets: the ``tiny`` preset and 6 blocks at GPT-2 small's
+width with a short sequence (a step of about a second on 2 CPU ranks); ``--quick``: tiny
+alone. Or
 ``--model NAME[,NAME...]`` (``cfg.extra["model"]``): GPT presets, each one size with the
 preset's blocks and hidden size at its size class's batch, sequence and micro-batches
 (:func:`model_shapes`).
@@ -60,14 +63,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from distllm.bench.harness import BenchConfig, Case, LoopStep, Result, Setup, shapes
-from distllm.bench.rows import row
+from distllm.bench.rows import row, write_text_atomic
 from distllm.bench.step_breakdown import OP_PREFIXES, breakdown, compare_breakdowns, cpu_split
 from distllm.bench.train_e2e_variants import builders, distllm_single, drain
 
 from distllm.diagnostics.timing import Stats, paired_band
 
 __all__ = ["SUITE", "cases", "setup", "rows", "model_of", "model_names", "model_shapes",
-           "BREAKDOWN_FILE"]
+           "check_shapes", "BREAKDOWN_FILE"]
 
 SUITE, SUITE_OVH = "train_e2e", "train_overhead"
 LAYOUTS = ("tp2", "dp2", "dp2.zero2", "pp2.1f1b")
@@ -119,18 +122,59 @@ def model_shapes(spec: str | Sequence[str], quick: bool = False) -> list[tuple[i
     return out
 
 
+def _layout_problem(given: tuple[int, ...]) -> str:
+    """What keeps shape ``given`` (``L,H,B,S[,M]``) from running every layout on 2 ranks,
+    naming the value to change, or ""."""
+    shape = tuple(given) if len(given) == 5 else (*given, 4)
+    _, hidden, batch, _, micro = shape
+    where = f"(in {','.join(map(str, given))})"
+    try:
+        heads = model_of(shape)[0].n_heads
+    except ValueError:  # its heads (one per 64 channels) do not divide the hidden size
+        heads = max(1, hidden // 64)
+        return (f"model at H={hidden} {where} has {heads} heads (one per 64 channels), which "
+                f"do not divide H; choose H a multiple of 128")
+    if heads % 2 or hidden % 2:
+        return (f"tp2 splits the model's heads over its 2 ranks, and H={hidden} {where} gives "
+                f"{heads} head{'s' if heads > 1 else ''} (one per 64 channels); choose H a "
+                f"multiple of 128")
+    if batch % 2:
+        return (f"dp2 and dp2.zero2 split the global batch over their 2 ranks, and B={batch} "
+                f"{where} is odd; choose B a multiple of 2")
+    if micro < 2:
+        return (f"pp2.1f1b needs at least 2 micro-batches (one per stage), not M={micro} "
+                f"{where}; choose M >= 2")
+    if batch % micro:
+        return (f"pp2.1f1b splits the global batch into M micro-batches, and M={micro} does "
+                f"not divide B={batch} {where}; choose B a multiple of M")
+    return ""
+
+
+def check_shapes(given: list[tuple[int, ...]], spec: str) -> None:
+    """ValueError naming ``--shapes`` (``spec``) and the value to change where a shape cannot
+    run one of :data:`LAYOUTS` on 2 ranks: heads (and hidden size) that tp2 cannot split,
+    a global batch that dp2 cannot, fewer than 2 micro-batches or a batch they do not divide
+    for pp2.1f1b. (A variant would otherwise fail on one rank and wait on the other, or
+    time fewer tokens than its row counts.)"""
+    for s in given:
+        why = _layout_problem(s)
+        if why:
+            raise ValueError(f"--shapes {spec!r}: train_e2e's {why}")
+
+
 def _shapes(cfg: BenchConfig) -> list[tuple[int, ...]]:
     if cfg.extra.get("model"):
         if cfg.shapes:
             raise ValueError("--model and --shapes both set train_e2e's model sizes: give one")
         return model_shapes(cfg.extra["model"], cfg.quick)
-    out = []
-    for s in shapes(cfg, _PRESETS[cfg.quick]):
+    given = shapes(cfg, _PRESETS[cfg.quick])
+    for s in given:
         if len(s) not in (4, 5):
             raise ValueError(f"--shapes {s}: train_e2e takes 'L,H,B,S[,M]' (blocks, hidden, "
                              "global batch, sequence length, micro-batches), e.g. '6,768,8,64'")
-        out.append(tuple(s) if len(s) == 5 else (*s, 4))
-    return out
+    if cfg.shapes:
+        check_shapes(given, cfg.shapes)
+    return [tuple(s) if len(s) == 5 else (*s, 4) for s in given]
 
 
 def cases(cfg: BenchConfig) -> list[Case]:
@@ -148,9 +192,9 @@ def cases(cfg: BenchConfig) -> list[Case]:
 
 
 def setup(cfg: BenchConfig, case: Case) -> Setup:
-    """distllm's step and its torch peers at one layout and size (a peer that cannot be
-    built here is listed with its error), each profiled once after the timing; or the
-    overhead case's plain and profiled steps."""
+    """distllm's step and its torch peers at one layout and size (a variant that cannot be
+    built here, or whose first step fails, is listed with its error), each profiled once
+    after the timing; or the overhead case's plain and profiled steps."""
     from distllm import ParallelDims
     from distllm.parallel.tensor import settle_overlap
 
@@ -165,10 +209,16 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
     dims = ParallelDims(**kw)
     variants, missing = {}, {}
     for vname, build in builders(layout, gcfg, shape, dims).items():
-        try:
-            variants[vname] = build()
+        what = ""
+        try:  # built, then its first step: a variant that fails in either is a row
+            step = build()
+            what = "its first step failed: "
+            step()  # (every rank runs the same code: a failure here is every rank's)
+            if (d := drain(step)) is not None:
+                d()
+            variants[vname] = step
         except Exception as e:  # noqa: BLE001 - a variant that cannot run here is a row
-            missing[vname] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            missing[vname] = f"{what}{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
 
     if "distllm" in variants:  # the "auto" trials in the step run before the timing
         ours = variants["distllm"]
@@ -228,8 +278,8 @@ def write_breakdown(out: Path, case: str, prof: dict[str, dict]) -> Path:
     p = Path(out) / BREAKDOWN_FILE
     data = json.loads(p.read_text()) if p.exists() else {}
     data[case] = prof
-    p.write_text(json.dumps(data, indent=1))
-    return p
+    # whole or not at all: a run killed while writing leaves the earlier cases readable
+    return write_text_atomic(p, json.dumps(data, indent=1))
 
 
 def _overhead_setup(cfg: BenchConfig, reps: int) -> Setup:

@@ -116,6 +116,8 @@ def nothing_runs(monkeypatch):
     (["--suite", "pipeline"], "COMPARE.md"),
     (["--doctor"], "DOCTOR.md"),
     (["--doctor"], "results.json"),
+    # train_e2e writes it case by case: a run killed before results.json leaves it
+    (["--suite", "train_e2e"], "train_e2e_breakdown.json"),
 ])
 def test_out_holding_an_earlier_run_is_refused(args, record, tmp_path, capsys, nothing_runs):
     from distllm.cli import main
@@ -173,6 +175,10 @@ def test_out_that_is_a_file_or_cannot_be_created_is_refused(doctor, tmp_path, ca
      "not divide; choose M a multiple of 2"),
     (["--suite", "parallel_mlp", "--shapes", "8,64,64;8,64,33"],
      "parallel_mlp splits ffn over its 2 ranks, which 33 (in 8,64,33) does not divide"),
+    # a shape one of train_e2e's layouts cannot run on its 2 ranks (its own check)
+    (["--suite", "train_e2e", "--shapes", "1,192,2,16,1"],
+     "--shapes '1,192,2,16,1': train_e2e's tp2 splits the model's heads over its 2 ranks, and "
+     "H=192 (in 1,192,2,16,1) gives 3 heads (one per 64 channels); choose H a multiple of 128"),
 ])
 def test_shapes_with_a_dimension_below_one_are_refused(args, says, tmp_path, capsys,
                                                       nothing_runs):

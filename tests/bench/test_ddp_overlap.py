@@ -191,3 +191,33 @@ def test_shares_from_parts_that_do_not_add_up_are_flagged():
     assert got["no_overlap"]["extra"]["parts_add_up"] is True
     assert got["distllm_ddp"]["extra"]["below_floor"] is False
     assert report.FLOOR_NOTE not in report.suite_table(list(got.values()))
+
+
+def _broken_step(shape, x, dims, cap):
+    """A variant that builds, and whose step raises on every rank."""
+    def step():
+        raise RuntimeError("no step here")
+
+    return step, dict
+
+
+def _setup_with_a_broken_variant(phase: str) -> tuple[list[str], dict[str, str]]:
+    """One rank's setup of ``phase`` with ``distllm_ddp`` and a variant that builds but cannot
+    step: the variants it times and those it reports unavailable."""
+    from distllm.bench.harness import BenchConfig, Case
+
+    ddp_overlap._BUILDERS["broken"] = _broken_step
+    ddp_overlap.PHASES[phase] = ["distllm_ddp", "broken"]
+    s = ddp_overlap.setup(BenchConfig(quick=True), Case(phase, {"phase": phase}, ranks=2))
+    return sorted(s.variants), s.unavailable
+
+
+def test_a_variant_that_fails_its_first_step_is_a_row():
+    """Only building sat inside the try: a variant that built and failed on its first step
+    failed the timing, and the whole case with it."""
+    from distllm.testing import run_distributed
+
+    for variants, missing in run_distributed(_setup_with_a_broken_variant, 2, "zero",
+                                             timeout=120):
+        assert variants == ["distllm_ddp"]
+        assert missing == {"broken": "its first step failed: RuntimeError: no step here"}

@@ -31,3 +31,18 @@ def test_parallel_mlp_bench_says_why_without_cuda(monkeypatch):
     [r] = run(parallel_mlp, BenchConfig(device="cuda"))
     assert (r["suite"], r["status"]) == ("parallel_mlp", "unavailable")
     assert "no CUDA device" in r["reason"], r
+
+
+@pytest.mark.parametrize("m", [7, 2])
+def test_every_token_of_the_shape_runs_and_counts(m):
+    """x was (4, M // 4, H): 7 tokens ran 4 and 2 ran none, while the FLOP/s counted M."""
+    from distllm.bench.harness import Case, run_case
+
+    case = Case(f"tp1 fwd+bwd {m}x16x64 float32", {"tp": 1, "phase": "fwd+bwd",
+                                                   "shape": (m, 16, 64)})
+    rows = run_case(parallel_mlp, BenchConfig(reps=1), case)
+    assert sorted(r["variant"] for r in rows) == ["auto", "fused", "peer", "unfused"]
+    for r in rows:
+        assert r["status"] == "ok" and r["extra"]["tokens"] == m, r
+        flops = 2 * 2 * m * 16 * 64 * 3  # forward and backward of both GEMMs
+        assert r["tflops"] == pytest.approx(flops / (r["ms"] * 1e-3) / 1e12, rel=1e-12)

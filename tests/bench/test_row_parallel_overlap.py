@@ -274,3 +274,85 @@ def test_tflops_count_the_gemms_a_variant_runs(kind, gemms):
         want = 2 * gemms * 64 * 32 * 16 / (res[name].median_ms * 1e-3) / 1e12
         assert rows[name]["tflops"] == pytest.approx(want), name
     assert rows["allreduce"]["tflops"] is None and rows["comm_alone_c4"]["tflops"] is None
+
+
+def _engine_rows(ekind: str, m: int, k: int, chunks: int) -> list[int]:
+    """The rows of each GEMM that the overlap engine runs on 2 ranks for a product of ``m``
+    rows (a communicator that moves nothing)."""
+    from types import SimpleNamespace
+
+    from distllm.parallel.tensor.overlap import NullComm, run_engine
+
+    seen = []
+
+    def mm(a, out):
+        seen.append(a.shape[0])
+        out.copy_(a[:, :out.shape[1]])
+
+    comm = NullComm(SimpleNamespace(group=None, world=2, rank=0, backend="gloo", ranks=(0, 1)))
+    a = {"all_reduce": torch.randn(m, k), "reduce_scatter": torch.randn(1, m, k),
+         "all_gather": torch.randn(1, m // 2, k)}[ekind]
+    run_engine(ekind, a, mm, k, comm, chunks)
+    return seen
+
+
+@pytest.mark.parametrize("ekind", ["all_reduce", "reduce_scatter", "all_gather"])
+@pytest.mark.parametrize("chunks", [2, 3, 4, 8])
+def test_the_chunking_penalty_times_the_pieces_the_engine_runs(ekind, chunks):
+    """gemm_chunked<c> ran c equal pieces where chunked<c> runs a first and a last piece of
+    half the others (from 3 pieces on): its penalty was not the engine's."""
+    m, k = 94, 8
+    seen = []
+
+    def mm(a, out):
+        seen.append(a.shape[0])
+
+    rows, out = torch.randn(m, k), torch.empty(m, k)
+    row_parallel_overlap.chunked_gemm(ekind, mm, rows, out, chunks, 2)
+    assert seen == _engine_rows(ekind, m, k, chunks)
+    assert sum(seen) == m
+    seen.clear()
+    row_parallel_overlap.chunked_gemm(ekind, mm, rows, out, 0, 2)  # the whole GEMM
+    assert seen == [m]
+
+
+def test_collectives_alone_report_no_flops():
+    """torch's reduce-scatter timed for scale was given the GEMM's TFLOP/s."""
+    res = {name: _st(ms) for name, ms in {
+        "reducescatter_alone": 20.0, "torch_reducescatter_alone": 25.0, "gemm": 10.0,
+        "gemm_chunked4": 11.0, "sequential": 30.0, "chunked4": 25.0,
+        "compute_alone_c0": 10.0, "comm_alone_c0": 20.0, "compute_alone_c4": 12.0,
+        "comm_alone_c4": 24.0,
+    }.items()}
+    rows = {r["variant"]: r for r in row_parallel_overlap.case_rows(
+        "sp_overlap", "rs", (8, 8, 8), res, {}, "loopback", "float32")}
+    none = {"reducescatter_alone", "torch_reducescatter_alone", "comm_alone_c0",
+            "comm_alone_c4", "ideal"}
+    assert {n for n, r in rows.items() if r["tflops"] is None} == none
+    assert rows["gemm"]["tflops"] == pytest.approx(2.0 * 8 * 8 * 8 / 10e-3 / 1e12)
+
+
+def test_the_gpu_verdict_states_each_chunking_penalty_against_its_target():
+    """The GPU case has no fused variant: its verdict said "no fused variant ran here (-)"
+    and a penalty above the target appeared nowhere."""
+    from distllm.bench.harness import Case, Result
+    from distllm.bench.report import annotate, summary_table, verdict
+
+    cfg = BenchConfig(device="cuda", dtype="bfloat16")
+    case = Case("gpu 8192,8192,8192", {"gpu": True, "shape": (8192, 8192, 8192)})
+    res = Result({"gemm": _st(10.0), "gemm_chunked4": _st(10.2), "gemm_pipeline4": _st(10.9),
+                  "gemm_with_copy": _st(10.4)}, {}, [None])
+    rows = annotate(row_parallel_overlap.rows(cfg, case, res))
+    got = {r["variant"]: r["extra"] for r in rows}
+    assert (got["gemm_pipeline4"]["target"], got["gemm_pipeline4"]["meets_target"]) == (
+        "<= 0.05", False)
+    line = ("chunking penalty over gemm: gemm_chunked4 +2.0%, gemm_pipeline4 +9.0%, target "
+            "<= 0.05: missed (gemm_pipeline4); gemm_with_copy +4.0% over gemm")
+    assert verdict(rows) == line
+    assert summary_table(rows).splitlines()[2] == (
+        f"| row_overlap | gpu 8192,8192,8192 | 10 (gemm) | - |  |  |  | {line} |")
+    met = row_parallel_overlap.rows(cfg, case, Result(
+        {"gemm": _st(10.0), "gemm_chunked4": _st(10.2), "gemm_pipeline4": _st(10.3)}, {},
+        [None]))
+    assert verdict(met) == ("chunking penalty over gemm: gemm_chunked4 +2.0%, gemm_pipeline4 "
+                            "+3.0%, target <= 0.05: met")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from distllm.bench.rows import ROW_FIELDS, fmt, markdown_table, row, write_rows
 
 from distllm.diagnostics.timing import stats_of
@@ -44,6 +45,23 @@ def test_results_are_written_whole_with_their_run(tmp_path, monkeypatch):
         pass
     monkeypatch.setattr(mod.os, "replace", os.replace)
     assert jp.read_text() == first
+
+
+def test_a_write_that_fails_leaves_the_earlier_file_and_no_temporary(tmp_path, monkeypatch):
+    """A run killed while writing keeps the earlier file whole, and a write that fails removes
+    its temporary file (a ``*.tmp`` was left beside the results)."""
+    from distllm.bench.rows import write_text_atomic
+
+    from tests.bench.interrupted import Killed, half_writes
+
+    p = tmp_path / "REPORT.md"
+    p.write_text("earlier")
+    half_writes(monkeypatch)
+    with pytest.raises(Killed):
+        write_text_atomic(p, "a newer report\n" * 10)
+    monkeypatch.undo()
+    assert p.read_text() == "earlier"
+    assert [f.name for f in tmp_path.iterdir()] == ["REPORT.md"]
 
 
 def test_reps_overrides_the_profiled_overhead_case():

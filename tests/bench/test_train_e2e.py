@@ -40,6 +40,73 @@ def test_shapes_choose_the_model():
         train_e2e.cases(BenchConfig(shapes="1,2,3"))
 
 
+@pytest.mark.parametrize(("spec", "says"), [
+    ("1,192,2,16,1", "tp2 splits the model's heads over its 2 ranks, and H=192 (in "
+                     "1,192,2,16,1) gives 3 heads (one per 64 channels); choose H a multiple "
+                     "of 128"),
+    ("2,64,4,16", "tp2 splits the model's heads over its 2 ranks, and H=64 (in 2,64,4,16) "
+                  "gives 1 head (one per 64 channels); choose H a multiple of 128"),
+    ("2,200,4,16", "model at H=200 (in 2,200,4,16) has 3 heads (one per 64 channels), which "
+                   "do not divide H; choose H a multiple of 128"),
+    ("2,128,3,16,1", "dp2 and dp2.zero2 split the global batch over their 2 ranks, and B=3 "
+                     "(in 2,128,3,16,1) is odd; choose B a multiple of 2"),
+    ("2,128,4,16,1", "pp2.1f1b needs at least 2 micro-batches (one per stage), not M=1 "
+                     "(in 2,128,4,16,1); choose M >= 2"),
+    ("6,768,8,64;2,128,6,16,4", "pp2.1f1b splits the global batch into M micro-batches, and "
+                                "M=4 does not divide B=6 (in 2,128,6,16,4); choose B a "
+                                "multiple of M"),
+])
+def test_shapes_that_a_layout_cannot_run_are_refused(spec, says):
+    """A variant that builds but cannot run a shape failed inside the timing and took the
+    whole case with it (tp2 at 3 heads), or failed on one rank while the other waited (pp2
+    with micro-batches that do not divide the batch): refused up front, naming the value."""
+    with pytest.raises(ValueError) as exc:
+        train_e2e.cases(BenchConfig(shapes=spec))
+    assert str(exc.value) == f"--shapes {spec!r}: train_e2e's {says}"
+    # every layout runs these (one block is enough for two pipeline stages)
+    assert len(train_e2e.cases(BenchConfig(shapes="1,128,2,16,2;2,130,4,16,2"))) == 9
+
+
+def _first_step_fails(tmp_path):
+    """The tp2 case at 3 heads, which distllm refuses to build and torch's TP peer builds
+    but cannot step, on 2 ranks."""
+    from distllm.bench.harness import Case, run_case
+
+    case = Case("tp2 1x192", {"layout": "tp2", "shape": (1, 192, 2, 16, 1)}, ranks=2,
+                networks=True)
+    return run_case(train_e2e, BenchConfig(reps=1, out=tmp_path), case)
+
+
+def test_a_variant_that_fails_its_first_step_is_a_row(tmp_path):
+    rows = {r["variant"]: r for r in _first_step_fails(tmp_path)}
+    assert {n: r["status"] for n, r in rows.items()} == {"distllm": "unavailable",
+                                                          "torch_dtensor_tp": "unavailable"}
+    assert rows["distllm"]["reason"] == ("ValueError: n_heads=3 is not divisible by tp=2: "
+                                         "choose tp in [1, 3] or another n_heads")
+    # (torch's own words after the error's type: they may change between its versions)
+    peer = rows["torch_dtensor_tp"]["reason"]
+    assert peer.startswith("its first step failed: RuntimeError: "), peer
+    assert "3072" in peer, peer  # the size of the view that 3 heads cannot split in 2
+    assert not (tmp_path / train_e2e.BREAKDOWN_FILE).exists()  # nothing was profiled
+
+
+def test_breakdowns_are_written_whole(tmp_path, monkeypatch):
+    """A run killed while adding a case's breakdowns keeps the earlier cases readable (half a
+    file made every later case's rows() raise)."""
+    from tests.bench.interrupted import Killed, half_writes
+
+    earlier = {"distllm": _bd(100, 1)}
+    train_e2e.write_breakdown(tmp_path, "loopback tp2 tiny b1024 tokens/step", earlier)
+    half_writes(monkeypatch)
+    with pytest.raises(Killed):
+        train_e2e.write_breakdown(tmp_path, "loopback dp2 tiny b1024 tokens/step",
+                                  {"distllm": _bd(120, 2)})
+    monkeypatch.undo()
+    kept = json.loads((tmp_path / train_e2e.BREAKDOWN_FILE).read_text())
+    assert kept == {"loopback tp2 tiny b1024 tokens/step": earlier}
+    assert [f.name for f in tmp_path.iterdir()] == [train_e2e.BREAKDOWN_FILE]
+
+
 def test_model_presets_choose_the_sizes():
     cases = train_e2e.cases(BenchConfig(extra={"model": ["tiny", "gpt2-small"]}))
     assert [c.label for c in cases[::len(train_e2e.LAYOUTS)][:2]] == ["tp2 tiny", "tp2 12x768"]
