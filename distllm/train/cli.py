@@ -129,6 +129,10 @@ PLANNED = ("tp", "pp", "dp", "zero", "schedule", "micro_batches", "virtual_stage
 on the command line are known (and pinned for the planner)."""
 _PIN_NAMES = {"activation_checkpointing": "checkpointing"}  # the planner's name for a field
 
+UNSET = (*PLANNED, "seed")
+"""The fields parsed with a default of None, so that the ones given on the command line are
+known: :data:`PLANNED`'s, and ``seed`` (a resume refuses another than its checkpoint's)."""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     groups = {name: p.add_argument_group(name, _summary(cls.__doc__))
@@ -144,7 +148,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     by_section = {section: name for name, _, section in SECTIONS}
     for f in flags():
         kw, default = dict(f.kwargs), f.default
-        if f.field in PLANNED:  # None: not given (the real default is filled in after)
+        if f.field in UNSET:  # None: not given (the real default is filled in after)
             kw["help"] = kw["help"].replace("%(default)s", str(f.default))
             default = None
         groups[by_section[f.section]].add_argument(f.flag, dest=f.field, default=default, **kw)
@@ -160,7 +164,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
     values: dict[str | None, dict[str, Any]] = {section: {} for _, _, section in SECTIONS}
     for f in flags():
         value = getattr(a, f.field)
-        values[f.section][f.field] = f.default if value is None and f.field in PLANNED else value
+        values[f.section][f.field] = f.default if value is None and f.field in UNSET else value
     return TrainConfig(parallel=ParallelConfig(**values["parallel"]),
                        optim=OptimConfig(**values["optim"]), **values[None])
 
@@ -305,10 +309,13 @@ def _summary(doc: str) -> str:
 def check_unused(args: argparse.Namespace, cfg: TrainConfig) -> None:
     """A UsageError naming a flag given on the command line, at another value than its
     default, that this run would not use (a feature of a parallel dimension the layout does
-    not have, a resume-only flag on a fresh run, a token-file dtype for text), instead of
-    training without it. Under ``--plan auto``, which chooses the layout, the flags that
+    not have, a resume-only flag on a fresh run, a token-file dtype for text, a ``--seed``
+    other than the seed of the checkpoint a resume continues), instead of training without
+    it. Under ``--plan auto``, which chooses the layout, the flags that
     depend on it are not checked."""
     unused = [] if args.plan == "auto" else _unused_layout(args, cfg.parallel)
+    if cfg.resume and args.seed is not None:
+        unused += _resumed_seed(args.seed, cfg.out)
     for flag, on in (("--override-optim", cfg.override_optim),
                      ("--override-data", cfg.override_data)):
         if on and not cfg.resume:
@@ -323,6 +330,19 @@ def check_unused(args: argparse.Namespace, cfg: TrainConfig) -> None:
                           f"is text (read as bytes): pass a .bin --data, or drop it")
     if unused:
         raise UsageError(f"{unused[0]} (this run would not use it)")
+
+
+def _resumed_seed(seed: int, out: str) -> list[str]:
+    """:func:`check_unused`'s finding on a ``--seed`` given with ``--resume``: a resume
+    keeps its checkpoint's seed (the data order), so another one is not used."""
+    from distllm.train import checkpoint_folder as folder
+
+    path = folder.latest(out)
+    theirs = None if path is None else folder.meta_of(path).get("data", {}).get("seed")
+    if theirs is None or int(theirs) == seed:
+        return []
+    return [f"--seed {seed}: a --resume keeps the data order of its checkpoint in --out "
+            f"{out}, shuffled with --seed {theirs}: pass --seed {theirs}, or drop it"]
 
 
 def _unused_layout(args: argparse.Namespace, p: ParallelConfig) -> list[str]:

@@ -299,7 +299,8 @@ class TrainConfig:
     steps: int = 300
     """Optimizer steps to run (in total, counting steps done before a resume)."""
     seed: int = 1234
-    """Seed of the initial weights and of the data order."""
+    """Seed of the initial weights and of the data order. A resume keeps its checkpoint's
+    (its data order goes on): another one given with ``--resume`` is refused."""
     dtype: str = _choice("float32", TRAIN_DTYPES)
     """Compute dtype: float32, bfloat16 (with fp32 master weights) or float64."""
     activation_checkpointing: str = _choice("none", CHECKPOINTING)

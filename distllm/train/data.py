@@ -13,23 +13,30 @@ larger than memory trains. ``--data`` names the file (its last ``val_fraction`` 
 a folder holding ``train.bin`` and, for the validation loss, ``val.bin`` (else ``train.bin``'s
 tail is held out). The ids must fit the model's vocabulary: the loader checks each batch.
 
-The loader cuts the training bytes into non-overlapping windows of ``seq_len + 1`` tokens
-(inputs and shifted targets), shuffles the windows once per epoch with a generator seeded by
-``(seed, epoch)``, and hands out global batches in that order; DP rank ``r`` takes rows
-``[r*B/dp, (r+1)*B/dp)`` of each global batch ``B``. The order depends only on the seed and the
-global batch, never on the layout, so every layout sees the same data. Its position
-(``epoch``, ``index``) is a small state dict that a checkpoint saves and restores.
+The loader cuts the training tokens into windows of ``seq_len + 1`` tokens (inputs and
+targets shifted by one) that start ``seq_len`` apart, so that each window's last token is the
+next one's first (a target there, an input here), shuffles the windows once per epoch with a
+generator seeded by ``(seed, epoch)``, and hands out global batches in that order; DP rank
+``r`` takes rows ``[r*B/dp, (r+1)*B/dp)`` of each global batch ``B``. The order depends only
+on the seed and the global batch, never on the layout, so every layout sees the same data. Its
+position (``epoch``, ``index``) is a small state dict that a checkpoint saves and restores.
 """
 
 from __future__ import annotations
 
 import os
 import sysconfig
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from distllm.parallel.mesh import ParallelDims
 
 __all__ = [
     "ByteTokenizer",
@@ -41,6 +48,7 @@ __all__ = [
     "check_vocab",
     "data_source",
     "tokens_of",
+    "check_same_data",
 ]
 
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -61,8 +69,16 @@ class ByteTokenizer:
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
     def decode(self, ids: torch.Tensor | list[int]) -> str:
+        """The text of the bytes ``ids``; a byte sequence that is not UTF-8, and an id that is
+        not a byte (outside 0..255: a model of a larger vocabulary), each read as U+FFFD."""
         values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        return bytes(int(v) & 0xFF for v in values).decode("utf-8", errors="replace")
+        runs: list[list[int]] = [[]]  # the byte runs between ids that are not bytes
+        for v in values:
+            if 0 <= int(v) < self.vocab_size:
+                runs[-1].append(int(v))
+            else:
+                runs.append([])
+        return "\ufffd".join(bytes(r).decode("utf-8", errors="replace") for r in runs)
 
 
 def default_corpus_files() -> list[Path]:
@@ -78,16 +94,38 @@ def default_corpus_files() -> list[Path]:
 
 
 def _files_of(path: str, knob: str = "--data") -> list[Path]:
+    """The text files ``--data path`` (``knob``) names: the file, or the folder's, sorted."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{knob} {path}: no such file or folder")
     if p.is_file():
         return [p]
-    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
+    files = sorted(f for f in _walk(p, path, knob) if f.suffix.lower() in TEXT_SUFFIXES)
     if not files:
         raise ValueError(f"{knob} {path}: the folder holds no text files "
                          f"({', '.join(TEXT_SUFFIXES)})")
     return files
+
+
+def _walk(folder: Path, path: str, knob: str) -> Iterator[Path]:
+    """The files under ``folder`` (links to folders not followed, as ``Path.rglob``); one
+    that cannot be read is refused, naming it (``rglob`` left it out without a word)."""
+    try:
+        with os.scandir(folder) as it:
+            entries = list(it)
+        found = []
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                found.append(Path(e.path))
+            elif e.is_file():
+                os.stat(e.path)  # (in a folder that can be listed but not entered: EACCES)
+                yield Path(e.path)
+    except OSError as exc:
+        where = exc.filename if exc.filename is not None else folder
+        raise ValueError(f"{knob} {path}: cannot read {where} ({exc.strerror or exc}): make it "
+                         f"readable or move it out of the folder") from None
+    for sub in found:
+        yield from _walk(sub, path, knob)
 
 
 @dataclass
@@ -111,7 +149,7 @@ def _token_files(path: str) -> tuple[Path, Path | None] | None:
     ``train.bin``, else None (text)."""
     p = Path(path)
     train = p / "train.bin" if p.is_dir() else p
-    if not (train.is_file() and train.suffix == ".bin"):
+    if not (train.is_file() and train.suffix.lower() == ".bin"):
         return None
     val = train.with_name("val.bin")
     return train, val if train.name == "train.bin" and val.is_file() else None
@@ -161,7 +199,9 @@ def _load_tokens(path: str, files: tuple[Path, Path | None], dtype: str, val_fra
 
 
 MIN_TOKENS = 64
-"""The fewest training tokens ``--data`` may hold (``distllm tokenize`` writes no fewer)."""
+"""The fewest tokens ``--data`` may hold: the text's bytes, or the ids of its ``.bin`` file
+(``train.bin`` of a folder), counted before the validation part is held out (``distllm
+tokenize`` writes no fewer to ``train.bin``)."""
 
 
 def load_corpus(path: str | None = None, *, val_fraction: float = 0.02,
@@ -194,6 +234,52 @@ def load_corpus(path: str | None = None, *, val_fraction: float = 0.02,
     ids = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     n_val = _held_out(len(ids), val_fraction)
     return Corpus(train=ids[:-n_val], val=ids[-n_val:], source=source, n_files=len(files))
+
+
+FINGERPRINT_SLICES, FINGERPRINT_IDS = 8, 4096
+""":func:`check_same_data` reads this many slices of this many ids of each part, evenly
+spaced from its start to its end."""
+
+
+def _fingerprint(corpus: Corpus) -> list[int]:
+    """``[train ids, checksum, validation ids, checksum]``: a checksum is the CRC-32 of a
+    part's :data:`FINGERPRINT_SLICES` slices (a few KiB read)."""
+    out = []
+    for part in (corpus.train, corpus.val):
+        n, crc = len(part), 0
+        k = min(n, FINGERPRINT_IDS)
+        for i in range(FINGERPRINT_SLICES):
+            lo = (n - k) * i // (FINGERPRINT_SLICES - 1)
+            piece = part[lo:lo + k]
+            piece = piece.numpy() if isinstance(piece, torch.Tensor) else np.asarray(piece)
+            crc = zlib.crc32(np.ascontiguousarray(piece).tobytes(), crc)
+        out += [n, crc]
+    return out
+
+
+def check_same_data(corpus: Corpus, dims: ParallelDims) -> None:
+    """Refuse, on every rank, a corpus that is not every rank's (each reads ``--data`` on its
+    own machine: another file on one node mismatches the stages' inputs and targets), by its
+    :func:`_fingerprint`. Collective: one all-reduce of 8 int64 over the world, on the
+    device (none in a world of one rank)."""
+    if dims.world_size == 1:
+        return
+    import torch.distributed as dist
+
+    mine = torch.tensor(_fingerprint(corpus), dtype=torch.int64)
+    # (the largest of each value and of its negation: the largest and the smallest)
+    extremes = torch.cat([mine, -mine]).to(dims.device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=dims.world_group)
+    hi, lo = extremes[:4].tolist(), (-extremes[4:]).tolist()
+    if hi == lo:
+        return
+    if hi[0] != lo[0] or hi[2] != lo[2]:
+        i, part = (0, "training") if hi[0] != lo[0] else (2, "validation")
+        what = f"{lo[i]:,} {part} tokens on some, {hi[i]:,} on others"
+    else:
+        what = "as many tokens, but other ones"
+    raise ValueError(f"--data {corpus.source}: the ranks read different data ({what}): give "
+                     f"every machine the same --data")
 
 
 SCAN_IDS = 1 << 20

@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "positions the run trained (its --seq-len) leave after the prompt "
                         "where that is fewer)")
     p.add_argument("--temperature", type=float, default=0.8,
-                   help="softmax temperature; 0 picks the likeliest token (default 0.8)")
+                   help="softmax temperature, 0 or at least 1e-4; 0 picks the likeliest token "
+                        "(default 0.8)")
     p.add_argument("--top-k", type=int, default=50,
                    help="sample among the k likeliest tokens; 0: all (default 50)")
     p.add_argument("--num-samples", type=int, default=1,
@@ -47,11 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _codec(tokens: str | None, vocab: int, tokenizer: str | None):
-    """``(encode, decode, eos)`` of the run's tokens (``"bytes"``, ``"ids"``, or None from a
-    checkpoint that did not record them: bytes for a vocabulary of 256 ids at most): bytes,
-    or the tokenizer in the folder ``tokenizer`` (``"bytes"``: bytes, whatever was
+    """``(encode, decode, eos, n_ids)`` of the run's tokens (``"bytes"``, ``"ids"``, or None
+    from a checkpoint that did not record them: bytes for a vocabulary of 256 ids at most):
+    bytes, or the tokenizer in the folder ``tokenizer`` (``"bytes"``: bytes, whatever was
     recorded). ``eos``: the tokenizer's end-of-text id, which ends a sample (None for
-    bytes)."""
+    bytes). ``n_ids``: the ids a sample may take are those below it (256 for bytes, whatever
+    the model's vocabulary; None: all of the model's)."""
     from distllm.train.data import ByteTokenizer
     from distllm.train.tokenize_data import BYTE_VOCAB, load_tokenizer
 
@@ -65,13 +67,13 @@ def _codec(tokens: str | None, vocab: int, tokenizer: str | None):
                          f"--tokenizer")
     if tokenizer is None or tokenizer == "bytes":
         byte = ByteTokenizer()
-        return (lambda text: byte.encode(text).tolist()), byte.decode, None
+        return (lambda text: byte.encode(text).tolist()), byte.decode, None, BYTE_VOCAB
     tok = load_tokenizer(tokenizer)
     if len(tok) > vocab:
         raise ValueError(f"--tokenizer {tokenizer}: its {len(tok):,} ids do not fit the "
                          f"model's {vocab:,}-token vocabulary; pass the run's tokenizer")
     return ((lambda text: tok(text, add_special_tokens=False)["input_ids"]), tok.decode,
-            tok.eos_token_id)
+            tok.eos_token_id, None)
 
 
 def _until_eos(row: list[int], start: int, eos: int | None) -> list[int]:
@@ -83,6 +85,12 @@ def _until_eos(row: list[int], start: int, eos: int | None) -> list[int]:
 
 
 DEFAULT_NEW_TOKENS = 200
+
+MIN_TEMPERATURE = 1e-4
+"""The lowest ``--temperature`` but 0 (greedy). At 1e-4 a token whose logit is 0.01 below
+the likeliest one is drawn e**-100 times as often: sampling is already greedy but for near
+ties, so a lower one gains nothing, and far lower the float32 logits divided by it overflow
+(1e-50 is 0 in float32: generate failed on a NaN probability)."""
 
 
 def sample(ckpt, prompt: str = "\n", *, max_new_tokens: int | None = None,
@@ -128,9 +136,13 @@ def _prepare(ckpt, prompt, max_new_tokens, temperature, top_k, num_samples, seed
     if not 0 <= temperature < math.inf:  # (nan too; inf samples uniformly: noise)
         raise ValueError(f"--temperature {temperature}: it must be 0 (greedy) or a finite "
                          f"positive number (0.8 is the default)")
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"--temperature {temperature}: below {MIN_TEMPERATURE:g} sampling is "
+                         f"greedy in effect (near 0 the logits divided by it overflow); pass "
+                         f"0 (greedy), or at least {MIN_TEMPERATURE:g}")
     cfg, layers, tokens = read_layers(Path(ckpt))
     trained = trained_positions_of(Path(ckpt), cfg.max_seq_len)
-    encode, decode, eos = _codec(tokens, cfg.vocab_size, tokenizer)
+    encode, decode, eos, n_ids = _codec(tokens, cfg.vocab_size, tokenizer)
     try:
         ids = encode(prompt)
     except UnicodeError as exc:  # (a byte of the command line that is not UTF-8)
@@ -154,17 +166,23 @@ def _prepare(ckpt, prompt, max_new_tokens, temperature, top_k, num_samples, seed
               f"learnt", file=sys.stderr)
     with torch.random.fork_rng(devices=[]):  # (its initialisation, overwritten, draws)
         hf = hf_from_layers(cfg, layers)
-    return hf, ids, max_new_tokens, decode, eos
+    return hf, ids, max_new_tokens, decode, eos, n_ids
 
 
-def _generate(hf, ids, max_new_tokens, decode, eos, *, temperature, top_k, num_samples,
-              seed) -> Iterator[str]:
+def _generate(hf, ids, max_new_tokens, decode, eos, n_ids=None, *, temperature, top_k,
+              num_samples, seed) -> Iterator[str]:
+    """The samples, ``n_ids`` (None: every id) bounding the ids generated: a run on bytes
+    in a vocabulary past 256 ids never trained the others, which are no bytes to write."""
     from distllm.models.hf import quiet_transformers
     from distllm.train.checkpoint import rng_state, set_rng_state
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     hf.to(device)
     greedy = temperature == 0
+    vocab = hf.config.vocab_size
+    # (the ids at n_ids and past it at -inf before temperature and top-k, greedy or not)
+    bound = ({"suppress_tokens": list(range(n_ids, vocab))}
+             if n_ids is not None and n_ids < vocab else {})
     # the sampling's own random stream, from the seed, kept between batches: the caller's
     # random state is neither used (between the batches it yields) nor changed
     gpus = [torch.cuda.current_device()] if device.type == "cuda" else []
@@ -184,7 +202,7 @@ def _generate(hf, ids, max_new_tokens, decode, eos, *, temperature, top_k, num_s
                 attention_mask=torch.ones(n, len(ids), dtype=torch.long, device=device),
                 max_new_tokens=max_new_tokens, do_sample=not greedy,
                 **({} if greedy else {"temperature": temperature, "top_k": top_k or None}),
-                eos_token_id=eos, pad_token_id=0 if eos is None else eos)
+                eos_token_id=eos, pad_token_id=0 if eos is None else eos, **bound)
             state = rng_state(drawing)
         for row in out.cpu().tolist():
             yield decode(_until_eos(row, len(ids), eos))

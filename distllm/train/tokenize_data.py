@@ -20,12 +20,14 @@ character. The pre-tokenizer splits there in any case (its white-space pre-token
 character short of the next word, which takes that character or stands after it), so the
 ids are those of the whole file (tested on random text cut every few characters). Only a
 file without such a place (no white space past the first ``chunk_chars`` characters) is
-one piece, held in memory; so is every file under another tokenizer, where a cut could
+one piece, held in memory; so is every file under another tokenizer, or under GPT-2's with
+added tokens that are not special (matched before the pre-tokenizer), where a cut could
 change the ids. The ids stream to disk, so a file or a corpus larger than memory is
 tokenized. A ``<|endoftext|>`` written in the
 text is tokenized as text (as tiktoken's ``encode_ordinary`` does), not as a document's end.
 The folder is written beside DEST and renamed into place once complete: a failed run leaves
-nothing, and an existing DEST is refused.
+nothing (a write that fails, a full disk, is one line naming DEST), and an existing DEST is
+refused unless it is an empty folder.
 """
 
 from __future__ import annotations
@@ -130,15 +132,22 @@ def load_tokenizer(path: str):
 def cuts_are_exact(tok) -> bool:
     """Whether text cut at :data:`_CUT` tokenizes to the whole text's ids under ``tok``:
     GPT-2's pre-tokenizer (byte-level, its regex, no prefix space, no normalizer), which
-    splits there anyway. Another one (a SentencePiece-style ``Metaspace``, a
-    prefix space) would begin each piece as a new text."""
+    splits there anyway, and no added token but special ones. Another one (a
+    SentencePiece-style ``Metaspace``, a prefix space) would begin each piece as a new text;
+    an added token that is not special (runs of spaces, as CodeGen's) is matched before the
+    pre-tokenizer, across a cut."""
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None:
         return False
     spec = json.loads(backend.to_str())
     pre = spec.get("pre_tokenizer") or {}
+    # an added token that is not special is matched in the raw text before the pre-tokenizer
+    # runs (split_special_tokens hands only the special ones to it): a cut can split its
+    # match, or the white space before it ("x  " then the token: "  " in the whole text,
+    # " " and " " when cut between the spaces)
+    added = any(not t.get("special", False) for t in spec.get("added_tokens") or [])
     return (spec.get("normalizer") is None and pre.get("type") == "ByteLevel"
-            and not pre.get("add_prefix_space") and pre.get("use_regex", True))
+            and not pre.get("add_prefix_space") and pre.get("use_regex", True) and not added)
 
 
 def _pieces(f: Path, chunk_chars: int, cut: bool = True) -> Iterator[str]:
@@ -173,8 +182,8 @@ def _text_pieces(src: str, files: list[Path], chunk_chars: int, cut: bool
         except UnicodeDecodeError as exc:
             raise ValueError(f"SRC {src}: {f} is not UTF-8 text ({exc.reason}); convert it, "
                              f"or leave it out") from None
-        except OSError as exc:
-            raise FileNotFoundError(f"SRC {src}: cannot read {f} ({exc})") from None
+        except OSError as exc:  # (a ValueError: an OSError here is DEST's, a failed write)
+            raise ValueError(f"SRC {src}: cannot read {f} ({exc})") from None
         yield "", True
 
 
@@ -184,7 +193,6 @@ def tokenize_to_bins(src: str, dest: str, tokenizer: str, val_fraction: float = 
     Hugging Face tokenizer in the folder ``tokenizer`` (see the module's docstring), the
     pieces tokenized ``batch`` at a time. Returns what was written: ``train`` and ``val`` id
     counts, ``dtype``, ``vocab``, ``files``."""
-    from distllm.models.hf import quiet_transformers
     from distllm.train.data import MIN_TOKENS, _files_of, _held_out
     from distllm.train.new_folder import new_folder
 
@@ -195,36 +203,52 @@ def tokenize_to_bins(src: str, dest: str, tokenizer: str, val_fraction: float = 
     vocab = len(tok)
     dtype = np.dtype("<u2" if vocab <= 1 << 16 else "<u4")
     eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
-    with new_folder(dest) as tmp:
-        n = 0
-        with open(tmp / "train.bin", "wb") as out:
-            pieces = _text_pieces(src, files, chunk_chars, cuts_are_exact(tok))
-            while pending := list(itertools.islice(pieces, batch)):
-                # the text's own "<|endoftext|>" is text, not a document's end (as tiktoken's
-                # encode_ordinary); quiet: "longer than the model's maximum length"
-                with quiet_transformers():
-                    encoded = tok([p for p, _ in pending], add_special_tokens=False,
-                                  split_special_tokens=True)
-                for ids, (_, ends) in zip(encoded["input_ids"], pending, strict=True):
-                    ids = ids + eos if ends else ids
-                    out.write(np.asarray(ids, dtype=dtype).tobytes())
-                    n += len(ids)
-        if n < 2:
-            raise ValueError(f"SRC {src}: {n} token ids, too few to split into train.bin and "
-                             f"val.bin; pass more text")
-        n_val = _held_out(n, val_fraction)
-        if n - n_val < MIN_TOKENS:  # what train would refuse: say so before writing it
-            raise ValueError(f"SRC {src}: {n} token ids leave {n - n_val} for train.bin, fewer "
-                             f"than the {MIN_TOKENS} distllm train needs; pass more text")
-        with open(tmp / "train.bin", "r+b") as train, open(tmp / "val.bin", "wb") as val:
-            train.seek((n - n_val) * dtype.itemsize)
-            shutil.copyfileobj(train, val)
-            train.truncate((n - n_val) * dtype.itemsize)
-            for fh in (train, val):
-                fh.flush()
-                os.fsync(fh.fileno())
+    pieces = _text_pieces(src, files, chunk_chars, cuts_are_exact(tok))
+    try:
+        with new_folder(dest) as tmp:
+            n = _write_ids(tmp / "train.bin", pieces, tok, eos, dtype, batch)
+            if n < 2:
+                raise ValueError(f"SRC {src}: {n} token ids, too few to split into train.bin "
+                                 f"and val.bin; pass more text")
+            n_val = _held_out(n, val_fraction)
+            if n - n_val < MIN_TOKENS:  # what train would refuse: say so before writing it
+                raise ValueError(f"SRC {src}: {n} token ids leave {n - n_val} for train.bin, "
+                                 f"fewer than the {MIN_TOKENS} distllm train needs; pass more "
+                                 f"text")
+            with open(tmp / "train.bin", "r+b") as train, open(tmp / "val.bin", "wb") as val:
+                train.seek((n - n_val) * dtype.itemsize)
+                shutil.copyfileobj(train, val)
+                train.truncate((n - n_val) * dtype.itemsize)
+                for fh in (train, val):
+                    fh.flush()
+                    os.fsync(fh.fileno())
+    except OSError as exc:  # (SRC's are ValueErrors): a full disk, a failing device
+        raise ValueError(f"DEST {dest}: cannot write there ({exc.strerror or exc}); free some "
+                         f"space, or pass another DEST") from None
     return {"train": n - n_val, "val": n_val, "dtype": dtype.name, "vocab": vocab,
             "files": len(files)}
+
+
+def _write_ids(path: Path, pieces: Iterator[tuple[str, bool]], tok, eos: list[int],
+               dtype: np.dtype, batch: int) -> int:
+    """Write the ids of ``pieces`` (:func:`_text_pieces`) under ``tok`` to the new file
+    ``path``, ``eos`` after each file's, ``batch`` pieces tokenized together; returns how
+    many ids it wrote."""
+    from distllm.models.hf import quiet_transformers
+
+    n = 0
+    with open(path, "wb") as out:
+        while pending := list(itertools.islice(pieces, batch)):
+            # the text's own "<|endoftext|>" is text, not a document's end (as tiktoken's
+            # encode_ordinary); quiet: "longer than the model's maximum length"
+            with quiet_transformers():
+                encoded = tok([p for p, _ in pending], add_special_tokens=False,
+                              split_special_tokens=True)
+            for ids, (_, ends) in zip(encoded["input_ids"], pending, strict=True):
+                ids = ids + eos if ends else ids
+                out.write(np.asarray(ids, dtype=dtype).tobytes())
+                n += len(ids)
+    return n
 
 
 def run(args: argparse.Namespace) -> int:

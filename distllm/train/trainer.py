@@ -27,7 +27,7 @@ from distllm.comm.compat import tf32_matmul_allowed
 from distllm.dtypes import dtype_name
 from distllm.parallel.mesh import ParallelDims
 from distllm.train.config import TrainConfig, check_init_from, check_layout
-from distllm.train.data import BatchLoader, check_vocab, load_corpus
+from distllm.train.data import BatchLoader, check_same_data, check_vocab, load_corpus
 from distllm.train.host_memory import keep_freed_memory
 from distllm.train.resume import check_resume
 
@@ -364,6 +364,7 @@ def _train(cfg: TrainConfig, dims: ParallelDims | None) -> TrainResult:
                  hidden=mcfg.hidden_size, seq_len=seq)
     check_init_from(cfg, mcfg)
     corpus = load_corpus(cfg.data, dtype=cfg.data_dtype)
+    check_same_data(corpus, dims)  # each rank read --data on its own machine
     check_vocab(corpus, mcfg.vocab_size, cfg.model)
     loader = BatchLoader(corpus.train, seq_len=seq, global_batch=cfg.global_batch, dp=dims.dp,
                          dp_rank=dims.dp_rank, seed=cfg.seed, vocab_size=mcfg.vocab_size)

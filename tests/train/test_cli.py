@@ -571,11 +571,11 @@ def test_every_old_flag_keeps_its_name_and_default():
     p = _parser()
     actions = {s: a for a in p._actions for s in a.option_strings}
     assert set(OLD_FLAGS) <= set(actions), set(OLD_FLAGS) - set(actions)
-    from distllm.train.cli import PLANNED, flags
+    from distllm.train.cli import UNSET, flags
 
     real = {f.flag: f.default for f in flags()}
     for flag, default in OLD_FLAGS.items():
-        if actions[flag].dest in PLANNED:  # parsed as None (not given); the config's default
+        if actions[flag].dest in UNSET:  # parsed as None (not given); the config's default
             assert actions[flag].default is None and real[flag] == default, flag
         else:
             assert actions[flag].default == default, (flag, actions[flag].default, default)
@@ -765,6 +765,25 @@ def test_resume_past_the_steps_or_the_stop_is_refused(capsys, tmp_path):
     assert "--steps 6 ends" in _err(capsys, [*base, "--steps", "6"])
     assert ("--stop-after 5: the run resumes after step 6; raise --stop-after"
             in _err(capsys, [*base, "--steps", "9", "--stop-after", "5"]))
+
+
+def test_resume_refuses_a_seed_other_than_its_checkpoints(capsys, tmp_path):
+    """A resume keeps its checkpoint's data order (the loader takes the checkpoint's seed):
+    another --seed with --resume was dropped without a word. The checkpoint's own seed, or
+    none given (the default), goes on to the resume's other checks."""
+    out = tmp_path / "run"
+    _checkpoint_at(out, 6)
+    meta = out / "checkpoints" / "step_00000006" / "meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "data": {
+        "epoch": 0, "index": 12, "seed": 5, "global_batch": 2, "seq_len": 32}}))
+    base = ["--model", "tiny", "--out", str(out), "--resume", "--steps", "4"]
+    for seed in ("9", "1234"):  # (1234: the default, given)
+        assert _err(capsys, [*base, "--seed", seed]).endswith(
+            f"--seed {seed}: a --resume keeps the data order of its checkpoint in --out {out}, "
+            f"shuffled with --seed 5: pass --seed 5, or drop it (this run would not use it)")
+    for seed in (["--seed", "5"], []):
+        assert "is at step 6, where --steps 4 ends: raise --steps" in _err(capsys,
+                                                                          [*base, *seed])
 
 
 def test_a_fresh_run_refuses_an_earlier_runs_metrics(capsys, tmp_path):

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from distllm.train.config import TrainConfig
-from distllm.train.data import SCAN_IDS, BatchLoader, ByteTokenizer, check_vocab, load_corpus
+from distllm.train.data import (
+    SCAN_IDS,
+    BatchLoader,
+    ByteTokenizer,
+    check_vocab,
+    load_corpus,
+    tokens_of,
+)
 from distllm.train.trainer import lr_at
 
 
@@ -27,6 +34,14 @@ def test_tokenizer_empty_text():
         ids = tok.encode(empty)
         assert ids.dtype == torch.int64 and ids.shape == (0,)
         assert tok.decode(ids) == ""
+
+
+def test_tokenizer_decodes_an_id_past_the_bytes_as_a_replacement_character():
+    """An id outside 0..255 (a model of a larger vocabulary) is no byte: U+FFFD, as for bytes
+    that are not UTF-8 (it was masked to its low byte: 300 wrote a comma)."""
+    tok = ByteTokenizer()
+    assert tok.decode([104, 105, 300, 33, -1, 0xC3, 0xA9]) == "hi\ufffd!\ufffdé"
+    assert tok.decode(torch.tensor([0xC3, 256, 0xA9, 10])) == "\ufffd\ufffd\ufffd\n"
 
 
 def test_default_corpus_is_the_stdlib_and_deterministic():
@@ -101,6 +116,16 @@ def test_a_folder_of_train_and_val_bin(tmp_path):
         c = load_corpus(str(path))
         assert len(c.train) == 10_000 and len(c.val) == 3_000 and c.n_files == 2
         assert np.array_equal(c.val, _ids(3_000, 1000, 2))
+
+
+def test_a_token_file_is_known_by_its_suffix_in_any_case(tmp_path):
+    """``--data ids.BIN`` trained on the bytes of its ids, read as text."""
+    ids = _ids(10_000, 1000, 3)
+    ids.astype("uint16").tofile(tmp_path / "ids.BIN")
+    assert tokens_of(str(tmp_path / "ids.BIN")) == "ids"
+    c = load_corpus(str(tmp_path / "ids.BIN"))
+    assert isinstance(c.train, np.memmap) and c.n_files == 1
+    assert np.array_equal(np.concatenate([c.train, c.val]), ids)
 
 
 def test_an_empty_val_bin_is_refused(tmp_path):
@@ -218,3 +243,58 @@ def test_an_unreadable_file_of_a_folder_is_refused_naming_it(tmp_path, monkeypat
     with pytest.raises(FileNotFoundError, match=f"--data {tmp_path}: cannot read "
                                                 f"{tmp_path / 'b.txt'} \\(Permission denied\\)"):
         load_corpus(str(tmp_path))
+
+
+@pytest.mark.parametrize("denied", ["list", "enter"])
+def test_a_folder_that_cannot_be_read_is_refused_naming_it(tmp_path, monkeypatch, capsys,
+                                                           denied):
+    """A subfolder of --data (or of distllm tokenize's SRC) that cannot be listed was left
+    out of the corpus without a word; one that can be listed but not entered (its files'
+    status denied) ended ``distllm train`` and ``distllm tokenize`` in a PermissionError's
+    traceback. (Permission bits do not stop root: the calls are made to fail.)"""
+    import os
+    import re
+    from pathlib import Path
+
+    from distllm.cli import main
+
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    (data / "a.txt").write_text("a" * 200)
+    (data / "sub" / "b.txt").write_text("b" * 200)
+    call, real = ("scandir", os.scandir) if denied == "list" else ("stat", os.stat)
+    where = data / "sub" if denied == "list" else data / "sub" / "b.txt"
+
+    def refused(path=".", *args, **kwargs):
+        if Path(path) == where:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, call, refused)
+    says = (f"cannot read {where} (Permission denied): make it readable or move it out of the "
+            f"folder")
+    with pytest.raises(ValueError, match=f"^{re.escape(f'--data {data}: {says}')}$"):
+        load_corpus(str(data))
+    out = tmp_path / "run"
+    assert main(["train", "--model", "tiny", "--data", str(data), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"distllm train: error: --data {data}: {says}"]
+    assert main(["tokenize", str(data), str(tmp_path / "ids"), "--tokenizer", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"distllm tokenize: error: SRC {data}: {says}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+def test_the_fingerprint_of_a_token_file_reads_its_ids(tmp_path):
+    """:func:`check_same_data`'s fingerprint of memory-mapped ids: the same for the same ids
+    in another file, another for one id changed in a slice it reads."""
+    from distllm.train.data import _fingerprint
+
+    ids = _ids(50_000, 1000, 4).astype("uint16")
+    for name in ("a.bin", "b.bin"):
+        ids.tofile(tmp_path / name)
+    a, b = (_fingerprint(load_corpus(str(tmp_path / n))) for n in ("a.bin", "b.bin"))
+    assert a == b and a[0] == 45_904 and a[2] == 4096  # (at least 4096 held out)
+    ids[45_904 - 1] += 1  # the training part's last id
+    ids.tofile(tmp_path / "b.bin")
+    b = _fingerprint(load_corpus(str(tmp_path / "b.bin")))
+    assert b[0] == a[0] and b[1] != a[1] and b[2:] == a[2:]

@@ -311,6 +311,52 @@ def test_sample_bad_input_is_one_line(trained, tmp_path, capsys, args, says):
     assert err == [f"distllm sample: error: {says.format(**fill)}"], err
 
 
+def test_a_temperature_near_0_is_refused_naming_0_as_greedy(tmp_path):
+    """--temperature 1e-50 (0 in float32) ended in generate's "probability tensor contains
+    either inf, nan" traceback; below 1e-4 sampling is greedy in effect. Checked before the
+    checkpoint is read (1e-4 goes on to read it)."""
+    import re
+
+    from distllm.train.sample import sample
+
+    for t in (1e-50, 9.9e-5):
+        with pytest.raises(ValueError, match="^" + re.escape(
+                f"--temperature {t}: below 0.0001 sampling is greedy in effect (near 0 the "
+                f"logits divided by it overflow); pass 0 (greedy), or at least 0.0001") + "$"):
+            sample(tmp_path, temperature=t)
+    with pytest.raises(ValueError, match=f"^checkpoint {tmp_path} is damaged"):
+        sample(tmp_path, temperature=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_a_sample_of_bytes_takes_no_id_past_them(temperature):
+    """A run on bytes with a vocabulary past 256 ids (a preset's padded one): the ids it
+    never trained are no bytes, yet generate drew them (where the model, as here, favours
+    them), and the tokenizer wrote their low byte."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from distllm.train.data import ByteTokenizer
+    from distllm.train.sample import _codec, _generate
+
+    encode, decode, eos, n_ids = _codec("bytes", 512, None)
+    assert (eos, n_ids, decode.__func__) == (None, 256, ByteTokenizer.decode)
+    assert _codec(None, 256, "bytes")[3] == 256
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=64, n_embd=8, n_layer=1,
+                                    n_head=2, tie_word_embeddings=False,
+                                    bos_token_id=None, eos_token_id=None)).eval()
+    with torch.no_grad():  # every id past the bytes far likelier than any byte
+        hf.lm_head.weight.zero_()
+        hf.lm_head.weight[256:] = 1.0
+        hf.transformer.ln_f.weight.zero_()
+        hf.transformer.ln_f.bias.fill_(5.0)
+    rows = list(_generate(hf, [10, 20], 8, lambda row: row, None, n_ids,
+                          temperature=temperature, top_k=50, num_samples=3, seed=0))
+    assert [len(r) for r in rows] == [10] * 3
+    assert all(0 <= i < 256 for r in rows for i in r[2:]), rows
+
+
 def _bpe_256(corpus: str, path: Path) -> Path:
     """A byte-level BPE tokenizer of 256 ids (the corpus's characters, then merges), which
     the 256-token model holds."""

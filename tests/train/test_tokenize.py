@@ -170,6 +170,80 @@ def test_another_pre_tokenizer_gets_each_file_whole(corpus, texts, tmp_path):
     assert ids == whole  # no end-of-text token: this tokenizer has none
 
 
+@pytest.mark.parametrize("added", ["spaces", "word"])
+def test_added_tokens_that_are_not_special_get_each_file_whole(tok_dir, tmp_path, added):
+    """GPT-2's pre-tokenizer with added tokens that are not special (runs of spaces, as
+    CodeGen's; a word): they are matched before the pre-tokenizer, whatever
+    split_special_tokens says, so a cut changes the ids (a run of spaces cut in two, or the
+    spaces before an added word split), and the file is tokenized whole (cut, the ids were
+    not the whole file's)."""
+    import random
+
+    from tokenizers import AddedToken
+
+    from distllm.train.tokenize_data import _pieces, cuts_are_exact, tokenize_to_bins
+
+    tok = _tokenizer(tok_dir)
+    assert cuts_are_exact(tok)  # GPT-2's, no added token but the special end-of-text
+    tok.add_tokens([AddedToken(" " * k, normalized=False, special=False) for k in range(2, 6)]
+                   if added == "spaces" else ["return"])
+    tok.save_pretrained(tmp_path / "tok")
+    tok = _tokenizer(tmp_path / "tok")
+    assert not cuts_are_exact(tok)
+    rng = random.Random(0)
+    words = ["def", "x", "return", "if", "else", "foo", "(", ")", ":"]
+    text = "".join(rng.choice(words) + " " * rng.randint(1, 5) + rng.choice(["", "\n", "\n\n"])
+                   for _ in range(3000))
+    (tmp_path / "a.txt").write_text(text)
+    whole = tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    cut = [i for p in _pieces(tmp_path / "a.txt", 50)
+           for i in tok(p, add_special_tokens=False, split_special_tokens=True)["input_ids"]]
+    assert cut != whole  # what cutting would have done
+    tokenize_to_bins(str(tmp_path / "a.txt"), str(tmp_path / "ids"), str(tmp_path / "tok"),
+                     chunk_chars=50)
+    ids = np.concatenate([np.fromfile(tmp_path / "ids" / f, dtype="<u2")
+                          for f in ("train.bin", "val.bin")]).tolist()
+    assert ids == whole + [tok.eos_token_id]
+
+
+def test_a_failed_write_is_one_line_naming_dest_and_leaves_nothing(tok_dir, tmp_path, capsys,
+                                                                   monkeypatch):
+    """A write that fails (a full disk) ended distllm tokenize in an OSError's traceback."""
+    import errno
+    import os
+
+    from distllm.train import tokenize_data
+
+    (tmp_path / "a.txt").write_text("print('hello')\n" * 100)
+    real = open
+
+    class Full:  # a file on a full disk: every write fails
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def open_(file, mode="r", *args, **kwargs):
+        f = real(file, mode, *args, **kwargs)
+        return Full(f) if "w" in mode else f
+
+    monkeypatch.setattr(tokenize_data, "open", open_, raising=False)
+    dest = tmp_path / "ids"
+    assert main(["tokenize", str(tmp_path / "a.txt"), str(dest), "--tokenizer",
+                 str(tok_dir)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"distllm tokenize: error: DEST {dest}: cannot write there (No space left on device); "
+        f"free some space, or pass another DEST"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+
+
 def test_tokenizing_says_nothing_on_a_text_past_the_models_length(tok_dir, tmp_path):
     """transformers warns once per tokenizer of ids "longer than the specified maximum
     sequence length" (1024 here): a corpus is not a model input, and the warning stays out."""
