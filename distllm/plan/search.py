@@ -6,7 +6,10 @@ step time: by the closed forms of :mod:`distllm.plan.bubble`, then, when the pip
 simulator is available, the leading ``exact`` by the simulator: every layout whose lower bound
 (:meth:`TimeModel.pipeline_bound`) could beat the ``exact``-th simulated time is re-timed, so
 the first ``exact`` of the ranking are the fastest by the simulator, in its order, and more
-memory never makes the pick slower.
+memory never makes the pick slower. A layout the simulator declines (more than
+:data:`~distllm.plan.bubble.SIM_MAX_ACTIONS` actions) keeps the closed form's time, and the
+leading rows are then called simulator-ranked (``SearchResult.exact``) only while their time
+is below every declined layout's lower bound.
 """
 from __future__ import annotations
 

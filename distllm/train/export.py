@@ -68,7 +68,11 @@ def export_hf(ckpt: str | os.PathLike, dest: str | os.PathLike) -> Path:
         if tokens is not None:  # --init-from reads it: text trains a model of bytes only
             hf.config.distllm_tokens = tokens
         with quiet_transformers():
-            hf.save_pretrained(tmp)
+            try:
+                hf.save_pretrained(tmp)
+            except OSError as exc:  # a full disk, a failing device: the new folder goes
+                raise ValueError(f"DEST {dest}: cannot write there ({exc.strerror or exc}); "
+                                 f"free some space, or pass another DEST") from None
     return Path(dest)
 
 

@@ -166,7 +166,9 @@ def test_a_checkpoint_whose_model_has_a_bad_value_is_one_line(trained, tmp_path,
     assert not (tmp_path / "d").exists()
 
 
-def test_a_failed_write_leaves_nothing(trained, tmp_path, monkeypatch):
+def test_a_failed_write_leaves_nothing(trained, tmp_path, monkeypatch, capsys):
+    """A write that fails (a full disk) is one line naming DEST, exit 2, and leaves no
+    folder (it was a traceback)."""
     from distllm.models import hf as hf_mod
 
     out, _ = trained
@@ -183,8 +185,10 @@ def test_a_failed_write_leaves_nothing(trained, tmp_path, monkeypatch):
         return model
 
     monkeypatch.setattr(hf_mod, "hf_from_layers", failing)
-    with pytest.raises(OSError, match="disk full"):
-        main(["export", str(out), str(tmp_path / "d")])
+    dest = tmp_path / "d"
+    assert main(["export", str(out), str(dest)]) == 2
+    assert capsys.readouterr().err == (f"distllm export: error: DEST {dest}: cannot write there "
+                                       "(disk full); free some space, or pass another DEST\n")
     assert list(tmp_path.iterdir()) == []
 
 
