@@ -59,7 +59,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from distllm.bench.harness import BenchConfig, Case, LoopStep, Result, Setup
+from distllm.bench.harness import BenchConfig, Case, LoopStep, Result, Setup, build_and_step
 from distllm.bench.row_parallel_overlap import unresolved
 from distllm.bench.rows import row
 from torch import nn
@@ -305,14 +305,12 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
     for name in PHASES[phase]:
         c = float(name[len("ddp_cap"):]) if name.startswith("ddp_cap") else cap
         build = _distllm_ddp if name.startswith("ddp_cap") else _BUILDERS[name]
-        what = ""
-        try:  # built, then its first step: a variant that fails in either is a row
-            step, mem = build(shape, x, dims, c)
-            what = "its first step failed: "
-            step()  # (every rank runs the same code: a failure here is every rank's)
-            variants[name], mems[name] = step, mem
-        except Exception as e:  # noqa: BLE001 - a variant that cannot run here is a row
-            missing[name] = f"{what}{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        built, why = build_and_step(lambda b=build, c=c: b(shape, x, dims, c),
+                                    lambda sm: sm[0]())
+        if why is None:
+            variants[name], mems[name] = built
+        else:
+            missing[name] = why
     if phase == "ddp":
         variants.update(_parts(shape, x, dims, cap))
 

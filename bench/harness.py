@@ -118,6 +118,22 @@ class Result:
     net_reason: str = ""  # why an asked-for emulated link fell back to loopback
 
 
+def build_and_step(build: Callable[[], Any], first: Callable[[Any], object]
+                   ) -> tuple[Any, str | None]:
+    """``(built, None)``: ``build()``, whose first step ``first(built)`` ran; or ``(None,
+    why)`` where either raised, ``why`` one line for the variant's ``unavailable`` row (a
+    variant that builds but cannot run a shape must not take its case down in the timing).
+    Every rank runs the same code: a failure here is every rank's."""
+    what = ""
+    try:
+        built = build()
+        what = "its first step failed: "
+        first(built)
+        return built, None
+    except Exception as e:  # noqa: BLE001 - a variant that cannot run here is a row
+        return None, f"{what}{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+
+
 def parse_shapes(spec: str) -> list[tuple[int, ...]]:
     """``--shapes`` (``"M,K,N;M,K,N"``; a suite may take more or fewer integers a shape, e.g.
     train_e2e's ``"L,H,B,S[,M]"``) as tuples. Raises ValueError, naming ``--shapes``, for a

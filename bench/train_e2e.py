@@ -62,7 +62,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from distllm.bench.harness import BenchConfig, Case, LoopStep, Result, Setup, shapes
+from distllm.bench.harness import BenchConfig, Case, LoopStep, Result, Setup, build_and_step, shapes
 from distllm.bench.rows import row, write_text_atomic
 from distllm.bench.step_breakdown import OP_PREFIXES, breakdown, compare_breakdowns, cpu_split
 from distllm.bench.train_e2e_variants import builders, distllm_single, drain
@@ -209,16 +209,11 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
     dims = ParallelDims(**kw)
     variants, missing = {}, {}
     for vname, build in builders(layout, gcfg, shape, dims).items():
-        what = ""
-        try:  # built, then its first step: a variant that fails in either is a row
-            step = build()
-            what = "its first step failed: "
-            step()  # (every rank runs the same code: a failure here is every rank's)
-            if (d := drain(step)) is not None:
-                d()
+        step, why = build_and_step(build, _step_and_drain)
+        if why is None:
             variants[vname] = step
-        except Exception as e:  # noqa: BLE001 - a variant that cannot run here is a row
-            missing[vname] = f"{what}{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        else:
+            missing[vname] = why
 
     if "distllm" in variants:  # the "auto" trials in the step run before the timing
         ours = variants["distllm"]
@@ -240,6 +235,13 @@ def setup(cfg: BenchConfig, case: Case) -> Setup:
                                 if "distllm" in steps else None)}
 
     return Setup(variants, missing, warmup=2, reps=reps, finish=finish)
+
+
+def _step_and_drain(step) -> None:
+    """One step, and the work it leaves in flight."""
+    step()
+    if (d := drain(step)) is not None:
+        d()
 
 
 def _layout_rows(layout: str, res: dict, label: str, reason: str) -> list[dict]:

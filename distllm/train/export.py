@@ -60,7 +60,7 @@ def export_hf(ckpt: str | os.PathLike, dest: str | os.PathLike) -> Path:
     must not exist); returns ``dest``."""
     from distllm.models.hf import hf_from_layers, quiet_transformers
     from distllm.train.checkpoint import read_layers
-    from distllm.train.new_folder import new_folder
+    from distllm.train.new_folder import new_folder, write_failed
 
     with new_folder(dest) as tmp:
         cfg, layers, tokens = read_layers(Path(ckpt))
@@ -71,8 +71,7 @@ def export_hf(ckpt: str | os.PathLike, dest: str | os.PathLike) -> Path:
             try:
                 hf.save_pretrained(tmp)
             except OSError as exc:  # a full disk, a failing device: the new folder goes
-                raise ValueError(f"DEST {dest}: cannot write there ({exc.strerror or exc}); "
-                                 f"free some space, or pass another DEST") from None
+                raise write_failed(dest, exc) from None
     return Path(dest)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from distllm.train.checkpoint_folder import sync_dir
 
-__all__ = ["new_folder"]
+__all__ = ["new_folder", "write_failed"]
 
 
 @contextlib.contextmanager
@@ -75,3 +75,10 @@ def _file_on_the_way(path: Path) -> Path | None:
         if p.exists():
             return None if p.is_dir() else p
     return None
+
+
+def write_failed(dest: str | os.PathLike, exc: OSError) -> ValueError:
+    """The one-line error of a write into :func:`new_folder`'s folder that failed (a full
+    disk, a failing device), naming DEST."""
+    return ValueError(f"DEST {dest}: cannot write there ({exc.strerror or exc}); free some "
+                      f"space, or pass another DEST")

@@ -194,7 +194,7 @@ def tokenize_to_bins(src: str, dest: str, tokenizer: str, val_fraction: float = 
     pieces tokenized ``batch`` at a time. Returns what was written: ``train`` and ``val`` id
     counts, ``dtype``, ``vocab``, ``files``."""
     from distllm.train.data import MIN_TOKENS, _files_of, _held_out
-    from distllm.train.new_folder import new_folder
+    from distllm.train.new_folder import new_folder, write_failed
 
     if not 0 < val_fraction < 1:
         raise ValueError(f"--val-fraction {val_fraction}: choose a share between 0 and 1")
@@ -223,8 +223,7 @@ def tokenize_to_bins(src: str, dest: str, tokenizer: str, val_fraction: float = 
                     fh.flush()
                     os.fsync(fh.fileno())
     except OSError as exc:  # (SRC's are ValueErrors): a full disk, a failing device
-        raise ValueError(f"DEST {dest}: cannot write there ({exc.strerror or exc}); free some "
-                         f"space, or pass another DEST") from None
+        raise write_failed(dest, exc) from None
     return {"train": n - n_val, "val": n_val, "dtype": dtype.name, "vocab": vocab,
             "files": len(files)}
 
