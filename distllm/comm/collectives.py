@@ -100,25 +100,36 @@ EXCHANGE_MIN_BYTES = 0
 
 
 class _SliceOnWait:
-    """The all-reduce of ``inp`` in flight; :meth:`wait` copies this rank's slice to ``out``."""
+    """The all-reduce of ``inp`` in flight; this rank's slice lands in ``out`` before the
+    handle reports completion (:meth:`wait`, :meth:`is_completed`, :meth:`get_future`)."""
 
     def __init__(self, work: Work, out: torch.Tensor, inp: torch.Tensor, lo: int) -> None:
         self.work, self.out, self.inp, self.lo = work, out, inp, lo
         self.done = False
 
-    def is_completed(self) -> bool:
-        return self.done or self.work.is_completed()
-
-    def get_future(self) -> torch.futures.Future:
-        return self.work.get_future()
-
-    def wait(self) -> bool:
+    def _copy(self) -> None:
+        # (idempotent: a future's callback and the caller may both get here)
         if not self.done:
-            self.work.wait()
             n = self.out.numel()
             with torch.no_grad():
                 self.out.view(-1).copy_(self.inp.view(-1)[self.lo: self.lo + n])
             self.done = True
+
+    def is_completed(self) -> bool:
+        if not self.done and self.work.is_completed():
+            self._copy()
+        return self.done
+
+    def get_future(self) -> torch.futures.Future:
+        def sliced(_fut: torch.futures.Future) -> list[torch.Tensor]:
+            self._copy()
+            return [self.out]
+        return self.work.get_future().then(sliced)
+
+    def wait(self) -> bool:
+        if not self.done:
+            self.work.wait()
+            self._copy()
         return True
 
 
@@ -328,9 +339,14 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None 
     the handle when ``async_op``, else ``None``."""
     world = dist.get_world_size(group)
     _check_gather_sizes(out, inp, world)
+    if not out.is_contiguous():
+        raise ValueError("all-gather: out is not contiguous; pass a contiguous out "
+                         "(torch.empty) and copy it where it belongs after")
     if world > 1 and _p2p_pays(group, inp, out):
         return _finish(_GatherPairwise(out, inp, group), async_op)
-    return all_gather_into(out, inp, group=group, async_op=async_op)
+    # flat on both sides: the backend asks for out shaped as inp stacked or concatenated,
+    # this function only for world * inp.numel() elements
+    return all_gather_into(out.view(-1), inp.reshape(-1), group=group, async_op=async_op)
 
 
 def all_reduce_exchange(t: torch.Tensor, group: ProcessGroup | None = None,

@@ -357,3 +357,41 @@ def test_sum_exchange_nan_bits_agree():
     for dtype in ("torch.float64", "torch.float32"):
         assert a[dtype][0] and b[dtype][0], dtype
         assert a[dtype][1] == b[dtype][1], (dtype, a[dtype][1], b[dtype][1])
+
+
+def shapes_and_completion_main() -> dict:
+    from distllm.comm.collectives import all_gather, reduce_scatter_by_all_reduce
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    res = {}
+    # below the pairwise size the backend's all-gather runs: a (3, 2) inp into a flat out of
+    # world * 6 elements, as the docstring allows
+    inp = torch.arange(6, dtype=torch.float64).reshape(3, 2) + 10 * rank
+    flat = torch.full((world * 6,), float("nan"), dtype=torch.float64)
+    all_gather(flat, inp)
+    res["ag_2d"] = flat.tolist()
+    res["ag_out"] = _error_of(all_gather, torch.empty(world * 6, 2, dtype=torch.float64)[:, 0],
+                              inp)
+    # the reduce-scatter by all-reduce: once the handle reports completion (polled, or its
+    # future), this rank's slice is in out
+    total = sum(_inp(r, world) for r in range(world))
+    want = total[rank * N: (rank + 1) * N]
+    for how in ("poll", "future"):
+        out = torch.full((N,), float("nan"), dtype=torch.float64)
+        h = reduce_scatter_by_all_reduce(out, _inp(rank, world), async_op=True)
+        if how == "poll":
+            while not h.is_completed():
+                pass
+        else:
+            assert h.get_future().wait() == [out]
+        res[how] = (out - want).abs().max().item()
+        h.wait()
+    return res
+
+
+def test_gather_shapes_and_the_slice_handle_completion():
+    for rank, r in enumerate(run_distributed(shapes_and_completion_main, 2, timeout=120)):
+        assert r["ag_2d"] == [float(v) for v in range(6)] + [float(v + 10) for v in range(6)]
+        assert r["ag_out"] == ("all-gather: out is not contiguous; pass a contiguous out "
+                               "(torch.empty) and copy it where it belongs after"), r["ag_out"]
+        assert r["poll"] == 0.0 and r["future"] == 0.0, (rank, r)

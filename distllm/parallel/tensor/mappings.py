@@ -7,7 +7,8 @@ three tiers.
    ``_CopyToTP`` (identity / all-reduce), ``_ReduceFromTP`` (all-reduce / identity),
    ``_Split`` (split / all-gather), ``_Gather`` (all-gather / split or reduce-scatter),
    ``_ReduceScatter`` (reduce-scatter / all-gather).
-3. **Public wrappers**, identities when the group has one rank:
+3. **Public wrappers**, identities when the group has one rank (or, with no process
+   group initialized, when ``group`` is None):
 
 =======================================  ============================  =========================
 function                                 forward                       backward
@@ -64,7 +65,10 @@ def split_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     size = x.shape[dim]
     if size % world:
         raise ValueError(f"dimension {dim} of size {size} is not divisible by tp={world}")
-    return x.narrow(dim, rank * (size // world), size // world).contiguous()
+    part = x.narrow(dim, rank * (size // world), size // world)
+    # a copy even where the slice is already contiguous (dim 1 at batch 1): the shard is a
+    # tensor of its own, so an in-place op on it neither trips autograd nor writes into x
+    return part.clone(memory_format=torch.contiguous_format)
 
 
 def all_gather_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
@@ -200,7 +204,14 @@ class _ReduceScatter(torch.autograd.Function):
 
 
 def _trivial(group: ProcessGroup | None) -> bool:
-    return group is None or dist.get_world_size(group) == 1
+    if group is None:
+        # no process group at all: one process, nothing to communicate. Once one exists,
+        # torch would read None as the whole world, which is never what a TP layer means
+        if dist.is_available() and dist.is_initialized():
+            raise ValueError("the tensor-parallel mappings take the tensor-parallel group "
+                             "explicitly (ParallelDims.tp_group); got None")
+        return True
+    return dist.get_world_size(group) == 1
 
 
 def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

@@ -144,7 +144,8 @@ def _errors_main() -> dict:
     for name, fn in (("split", lambda: M.scatter_to_sequence_parallel_region(
                           torch.zeros(1, 3, 2, requires_grad=True), group)),
                      ("reduce_scatter", lambda: M.reduce_scatter_dim(torch.zeros(5, 2), 0,
-                                                                      group))):
+                                                                      group)),
+                     ("none", lambda: M.reduce_from_tp_region(torch.zeros(2), None))):
         try:
             fn()
             out[name] = None
@@ -157,3 +158,28 @@ def test_errors_name_tp(spawned):
     for msgs in spawned(_errors_main, 2):
         assert msgs["split"] == "dimension 1 of size 3 is not divisible by tp=2"
         assert msgs["reduce_scatter"] == "dimension 0 of size 5 is not divisible by tp=2"
+        # with a process group up, None would be the whole world: refused, not an identity
+        assert msgs["none"] == ("the tensor-parallel mappings take the tensor-parallel group "
+                                "explicitly (ParallelDims.tp_group); got None")
+
+
+def _shard_is_its_own_main() -> dict:
+    """A sequence shard at batch 1 (a contiguous slice of the input) modified in place: with
+    autograd, and under no_grad, where it must not write into the caller's tensor."""
+    out = {}
+    for batch in (1, 2):
+        x = torch.arange(batch * 4 * 3, dtype=DT).reshape(batch, 4, 3).requires_grad_()
+        y = M.scatter_to_sequence_parallel_region(x, dist.group.WORLD)
+        y.mul_(2)
+        y.sum().backward()
+        out[("grad", batch)] = _err(x.grad, torch.full_like(x, 2.0))  # all-gathered: 2s
+        with torch.no_grad():
+            x0 = x.detach().clone()
+            M.scatter_to_sequence_parallel_region(x.detach(), dist.group.WORLD).zero_()
+            out[("input", batch)] = _err(x.detach(), x0)
+    return out
+
+
+def test_a_sequence_shard_is_a_tensor_of_its_own(spawned):
+    for rank, r in enumerate(spawned(_shard_is_its_own_main, 2)):
+        assert r == {(k, b): 0.0 for k in ("grad", "input") for b in (1, 2)}, (rank, r)
