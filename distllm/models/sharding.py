@@ -161,7 +161,7 @@ def unshard(cfg, dims: ParallelDims, kind: str, local: torch.Tensor) -> torch.Te
         rows = torch.cat([_qkv_rows(cfg, dims.tp, r) for r in range(dims.tp)])
         full = torch.empty((int(rows.max()) + 1, *local.shape[1:]), dtype=local.dtype,
                            device=local.device)
-        full[rows.to(local.device)] = gathered  # duplicated KV heads (kv < tp) write equal values
+        full[rows.to(local.device)] = gathered  # (tp divides the KV heads: check_heads)
         return full
     raise AssertionError(kind)
 

@@ -337,7 +337,8 @@ class TrainConfig:
     SIGTERM, SIGUSR1, SIGUSR2; none: off), for preemptible jobs: a scheduler's SIGTERM, or
     SLURM's ``--signal=USR1@SECONDS``. Continue with --resume."""
     eval_batches: int = 8
-    """Global batches of held-out data used for the validation loss at the end (0: none)."""
+    """Global batches of held-out data used for the validation loss at the end (0: none);
+    held-out data smaller than one global batch gives one smaller batch."""
     eval_every: int = 0
     """Also validate every this many steps (0: only at the end); each validation loss is in
     its step's line of metrics.jsonl (``val_loss``)."""

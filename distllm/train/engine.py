@@ -300,8 +300,8 @@ class Engine:
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """Mean loss of this DP rank's rows, forward only (the pipeline's forward-only
-        schedule with pp > 1, at the training micro-batch shape, which the executor keeps);
-        the same on every rank of the pipeline."""
+        schedule with pp > 1, as many micro-batches as in training, of any size: each
+        activation carries its shape); the same on every rank of the pipeline."""
         tokens, targets = to_device(tokens, self.device), to_device(targets, self.device)
         if self.pipeline is not None:
             return self.pipeline.eval_step(tokens, targets, self._loss)

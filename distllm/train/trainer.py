@@ -164,11 +164,17 @@ def _validate(engine, corpus, cfg: TrainConfig, seq: int, dims: ParallelDims,
     if cfg.eval_batches == 0:
         return None
     n_windows = max(0, len(corpus.val) - 1) // seq
-    batch = cfg.global_batch  # the training shape: the pipeline keeps its micro-batch shape
-    if n_windows < batch:
+    # one global batch, or where the held-out data holds less, the most whole sequences that
+    # split evenly over the DP ranks and each pipeline's micro-batches (the forward-only
+    # schedule takes any batch shape)
+    m = engine.pipeline.micro_batches if engine.pipeline is not None else 1
+    unit = dims.dp * m
+    batch = min(cfg.global_batch, n_windows // unit * unit)
+    if batch == 0:
         if say:
             _log(f"validation skipped: the held-out data holds {n_windows} sequences of {seq} "
-                 f"tokens, fewer than one global batch ({batch})", dims)
+                 f"tokens, fewer than one per data-parallel rank and micro-batch ({unit})",
+                 dims)
         return None
     loader = BatchLoader(corpus.val, seq_len=seq, global_batch=batch, dp=dims.dp,
                          dp_rank=dims.dp_rank, seed=cfg.seed, shuffle=False,

@@ -457,3 +457,66 @@ def test_gloo_drops_an_activations_send_when_its_gradient_returns(schedule, m, v
     to = [[], [0]] if v == 1 else [[1], [0, 2]]
     assert held == [sorted(("B", mb, c) for c in cs for mb in range(m)) for cs in to], held
 
+
+
+def _one_rank_checks() -> dict:
+    from distllm import ParallelDims
+    from distllm.parallel import DistributedDataParallel
+    from distllm.parallel.pipeline import PipelineParallel
+
+    dims, out = ParallelDims(tp=1, pp=1, dp=1), {}
+    # a DDP given as grad_sync holds the same chunks: a reference, not a child module
+    pipe = PipelineParallel(make_layers(2), dims, "1f1b", 2)
+    keys = list(pipe.state_dict())
+    pipe.grad_sync = DistributedDataParallel(pipe.chunks, dims=dims)
+    out["keys"] = (list(pipe.state_dict()) == keys, [n for n, _ in pipe.named_children()])
+    fresh = PipelineParallel(make_layers(2, seed=1), dims, "1f1b", 2)
+    fresh.load_state_dict(pipe.state_dict())
+    out["loaded"] = all(torch.equal(a, b) for a, b in
+                        zip(fresh.parameters(), pipe.parameters(), strict=True))
+    # the last stage's saved bytes include the loss's (cross-entropy keeps its log-softmax):
+    # what the layers and then the loss save for backward, counted here the same way
+    x, y = make_batch(4, 0)
+    pipe = PipelineParallel(make_layers(1), dims, "1f1b", 1, track_memory=True)
+    pipe.train_step(x, y, loss_fn)
+    layers = make_layers(1)
+    params = {p.untyped_storage().data_ptr() for layer in layers for p in layer.parameters()}
+    seen, saved = set(), []
+
+    def pack(t):
+        key = (t.untyped_storage().data_ptr(), tuple(t.shape))
+        if key[0] not in params and key not in seen:
+            seen.add(key)
+            saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = nn.Sequential(*layers)(x)
+        model_only = sum(saved)
+        loss_fn(logits, y)
+    out["bytes"] = (pipe.last_stats.peak_activation_bytes, sum(saved), model_only)
+    # eval_step's micro_batches: a positive integer, named where it does not divide the batch
+    for bad in (-1, 0, 2.5, True):
+        try:
+            pipe.eval_step(x, y, loss_fn, micro_batches=bad)
+            out[("eval", bad)] = "no error"
+        except ValueError as e:
+            out[("eval", bad)] = str(e)
+    try:
+        pipe.eval_step(x, y, loss_fn, micro_batches=3)
+    except ValueError as e:
+        out["eval_split"] = str(e)
+    return out
+
+
+def test_one_rank_pipeline_state_memory_and_eval_arguments():
+    r = run_distributed(_one_rank_checks, 1, timeout=120)[0]
+    assert r["keys"] == (True, ["chunks"]) and r["loaded"]
+    got, want, model_only = r["bytes"]
+    assert got == want > model_only, r["bytes"]
+    for bad in (-1, 0, 2.5, True):
+        assert r[("eval", bad)] == (f"eval_step: micro_batches={bad!r}: give a positive "
+                                    f"integer, or None for the training's 1")
+    assert r["eval_split"] == ("the batch has 4 samples, not divisible by eval_step's "
+                               "micro_batches=3: choose eval_step's micro_batches in [1, 2, 4], "
+                               "or a batch size divisible by 3")

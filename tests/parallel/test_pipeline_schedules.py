@@ -152,8 +152,14 @@ def test_split_layers():
     assert split_layers(6, 2, layers_per_stage=[1, 5]) == [range(0, 1), range(1, 6)]
     with pytest.raises(ValueError, match="fewer than the 4 pipeline stages"):
         split_layers(3, 4)
-    with pytest.raises(ValueError, match=r"choose --virtual-stages in \[1, 3\]"):
+    # (1 chunk per rank is no interleaving over pp > 1: not offered)
+    with pytest.raises(ValueError, match=r"chunks: choose --virtual-stages in \[3\], or give"):
         split_layers(6, 2, 2)
+    with pytest.raises(ValueError, match=r"chunks: no --virtual-stages >= 2 divides them: use "
+                                         r"a layer count divisible by 4, or give"):
+        split_layers(7, 2, 2)
+    with pytest.raises(ValueError, match=r"choose --virtual-stages in \[1, 3\]"):
+        split_layers(3, 1, 2)  # one rank: a single chunk is fine
     with pytest.raises(ValueError, match="sums to 5"):
         split_layers(6, 2, layers_per_stage=[2, 3])
     with pytest.raises(ValueError, match="give 2 positive counts"):

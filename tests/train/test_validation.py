@@ -126,3 +126,38 @@ def test_a_failed_validation_keeps_the_steps_checkpoint_and_line(corpus, tmp_pat
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000003"]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3] and "val_loss" not in lines[-1]
+
+
+def _validate_small(data: str, out: str, layouts: list[dict]) -> list:
+    """Rank function: a 2-step run of each of ``layouts`` on ``data``; its validation loss."""
+    from distllm.train.trainer import train
+    from tests.train._util import make_cfg
+
+    return [train(make_cfg(data, f"{out}/run{i}", steps=2, eval_batches=2, **kw)).val_loss
+            for i, kw in enumerate(layouts)]
+
+
+def test_held_out_data_smaller_than_a_global_batch_validates(corpus, tmp_path, capfd):
+    """6 held-out sequences, a global batch of 8: one batch of 6 (split over the DP ranks or
+    the pipeline's micro-batches), the single-process figure on every layout; 1 sequence
+    under dp2 is too few, and the run says so."""
+    import numpy as np
+
+    ids = np.frombuffer(Path(corpus).read_bytes(), dtype=np.uint8).astype(np.uint16)
+    for name, n_val in (("six", 6 * 32 + 1), ("one", 32 + 1)):
+        Path(tmp_path, name).mkdir()
+        ids[:-4000].tofile(tmp_path / name / "train.bin")
+        ids[-n_val:].tofile(tmp_path / name / "val.bin")
+    one = run_distributed(_validate_small, 1, str(tmp_path / "six"), str(tmp_path / "a"),
+                          [{}], timeout=300)[0][0]
+    two = run_distributed(_validate_small, 2, str(tmp_path / "six"), str(tmp_path / "b"),
+                          [dict(pp=2, m=2), dict(dp=2)], timeout=300)[0]
+    assert one is not None and len(two) == 2
+    for got in two:
+        _close(got, one, "6 held-out sequences")
+    capfd.readouterr()
+    none = run_distributed(_validate_small, 2, str(tmp_path / "one"), str(tmp_path / "c"),
+                           [dict(dp=2)], timeout=300)[0]
+    assert none == [None]
+    assert ("validation skipped: the held-out data holds 1 sequences of 32 tokens, fewer than "
+            "one per data-parallel rank and micro-batch (2)") in capfd.readouterr().err

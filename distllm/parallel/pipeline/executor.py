@@ -63,13 +63,14 @@ class StepStats:
     peak_activation_bytes: int = 0
 
 
-def split_micro_batches(t: torch.Tensor, m: int, what: str) -> list[torch.Tensor]:
-    """``t`` split into ``m`` equal micro-batches along dim 0 (error naming the knob if not)."""
+def split_micro_batches(t: torch.Tensor, m: int, what: str,
+                        knob: str = "--micro-batches") -> list[torch.Tensor]:
+    """``t`` split into ``m`` equal micro-batches along dim 0 (error naming ``knob`` if not)."""
     n = t.size(0)
     if n % m:
         ok = [d for d in range(1, n + 1) if n % d == 0]
-        raise ValueError(f"{what} has {n} samples, not divisible by --micro-batches={m}: "
-                         f"choose --micro-batches in {ok}, or a batch size divisible by {m}")
+        raise ValueError(f"{what} has {n} samples, not divisible by {knob}={m}: "
+                         f"choose {knob} in {ok}, or a batch size divisible by {m}")
     return list(t.split(n // m))
 
 
@@ -159,6 +160,15 @@ class PipelineParallel(nn.Module):
         if self.pp > 1:  # start the pipeline communicator on every rank together
             dist.all_reduce(torch.zeros(1, device=dims.device), group=dims.pp_group)
 
+    def __setattr__(self, name: str, value) -> None:
+        if name == "grad_sync":
+            # a reference, not a child: a DDP / ZeRO wrapper is an nn.Module holding these
+            # very chunks, and registered it would put every parameter in state_dict() twice
+            self._modules.pop(name, None)
+            object.__setattr__(self, name, value)
+            return
+        super().__setattr__(name, value)
+
     def global_named_parameters(self):
         """``("layers.<global layer index>.<name>", param)`` for this rank's parameters: names
         that do not depend on pp / virtual_stages (for checkpoints and parity checks)."""
@@ -212,17 +222,24 @@ class PipelineParallel(nn.Module):
                   micro_batches: int | None = None) -> float:
         """Forward-only loss of a batch (validation), same conventions as :meth:`train_step`;
         any batch shape and ``micro_batches`` (each activation carries its shape)."""
-        m = micro_batches or self.micro_batches
+        if micro_batches is None:
+            m, knob = self.micro_batches, "--micro-batches"
+        elif isinstance(micro_batches, int) and not isinstance(micro_batches, bool) \
+                and micro_batches >= 1:
+            m, knob = micro_batches, "eval_step's micro_batches"
+        else:
+            raise ValueError(f"eval_step: micro_batches={micro_batches!r}: give a positive "
+                             f"integer, or None for the training's {self.micro_batches}")
         sched = forward_only_schedule(self.pp, m, self.v)
-        return float(self._step(sched, batch, targets, loss_fn, train=False))
+        return float(self._step(sched, batch, targets, loss_fn, train=False, knob=knob))
 
     def _step(self, sched: Schedule, batch, targets, loss_fn, train: bool,
-              broadcast: bool = True) -> torch.Tensor:
+              broadcast: bool = True, knob: str = "--micro-batches") -> torch.Tensor:
         m = sched.micro_batches
         if self.is_first and batch is None or self.is_last and targets is None:
             raise ValueError("the first stage needs the batch and the last stage the targets")
-        mbs = split_micro_batches(batch, m, "the batch") if self.is_first else None
-        tgts = split_micro_batches(targets, m, "the targets") if self.is_last else None
+        mbs = split_micro_batches(batch, m, "the batch", knob) if self.is_first else None
+        tgts = split_micro_batches(targets, m, "the targets", knob) if self.is_last else None
         run = _StepRun(self, sched, mbs, tgts, loss_fn, train)
         loss = run.execute()  # (1,) float64 on the device; 0 off the last stage
         if train and self.grad_sync is not None:
@@ -338,13 +355,15 @@ class _StepRun:
         if self.train and self.sched.split_backward:
             self.wstores[mbc] = WeightGradStore()
             defer = DeferLinearWeightGrads(self.wstores[mbc])
-        with self._saved_hooks(mbc), defer:
-            y = self.pp.run_chunk(a.chunk, x)
-        if not isinstance(y, torch.Tensor):
-            raise TypeError(f"stage {s} returned {type(y).__name__}: each pipeline stage must "
-                            "return one tensor (wrap layers that return tuples)")
+        with self._saved_hooks(mbc):  # the loss too: its log-softmax is the last stage's largest
+            with defer:
+                y = self.pp.run_chunk(a.chunk, x)
+            if not isinstance(y, torch.Tensor):
+                raise TypeError(f"stage {s} returned {type(y).__name__}: each pipeline stage "
+                                "must return one tensor (wrap layers that return tuples)")
+            if s == self.S - 1:
+                loss = self.loss_fn(y, self.tgts[a.mb])
         if s == self.S - 1:
-            loss = self.loss_fn(y, self.tgts[a.mb])
             self.losses.append(loss.detach().double())
             y = loss / self.sched.micro_batches
         else:

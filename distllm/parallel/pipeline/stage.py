@@ -58,11 +58,16 @@ def split_layers(
                 f"to at most {num_layers} stages in all, or add layers"
             )
         if virtual_stages > 1 and num_layers % stages:
-            ok = [v for v in range(1, num_layers // pp + 1) if num_layers % (pp * v) == 0]
+            # (interleaving over pp > 1 ranks takes at least 2 chunks per rank: schedules)
+            ok = [v for v in range(2 if pp > 1 else 1, num_layers // pp + 1)
+                  if num_layers % (pp * v) == 0]
+            choose = (f"choose --virtual-stages in {ok}" if ok else
+                      f"no --virtual-stages >= 2 divides them: use a layer count divisible by "
+                      f"{2 * pp}")
             raise ValueError(
                 f"interleaving needs the {num_layers} layers to divide evenly into "
-                f"pp={pp} x virtual_stages={virtual_stages} = {stages} chunks: choose "
-                f"--virtual-stages in {ok}, or give layers_per_stage explicitly"
+                f"pp={pp} x virtual_stages={virtual_stages} = {stages} chunks: {choose}, or "
+                f"give layers_per_stage explicitly"
             )
         base, extra = divmod(num_layers, stages)
         counts = [base + (1 if s < extra else 0) for s in range(stages)]
