@@ -110,6 +110,9 @@ class Embedding(nn.Module):
         self.wpe = nn.Parameter(torch.zeros(cfg.max_seq_len, cfg.hidden_size, dtype=dtype))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dim() != 2:
+            raise ValueError(f"GPT takes (batch, seq) token ids, got shape {tuple(tokens.shape)}"
+                             f": for one sequence pass tokens.unsqueeze(0)")
         s = tokens.shape[1]
         if s > self.cfg.max_seq_len:  # (sequence parallelism would reuse the last position)
             raise ValueError(f"GPT: a sequence of {s} tokens is longer than max_seq_len="
@@ -268,6 +271,10 @@ class GPT(nn.Module):
     ranks that cost more than the forward gained (see the module); on CUDA it is not measured
     yet. An integer forces the parts, 1 turns it off. A block with module hooks (ZeRO's
     parameter gathers) or activation checkpointing runs whole (:meth:`Block.splittable`).
+    Inside a split block a row-parallel layer returns its partial sum, without the bias, and
+    the sum is taken later: a forward hook on that layer, or on the attention or MLP that
+    ends with it, sees the partial sum (the overlap doctor reads such a layer as
+    ``deferred``); ``batch_split=1`` runs every hook on whole sums.
     """
 
     def __init__(self, cfg: GPTConfig, dims: ParallelDims, *,

@@ -42,6 +42,12 @@ def _attend(q, k, v, causal: bool) -> torch.Tensor:
     return o.transpose(1, 2).reshape(b, s, hq * d)
 
 
+
+def _check_3d(x: torch.Tensor, m: nn.Module) -> None:
+    if x.dim() != 3:
+        raise ValueError(f"{type(m).__name__} takes (batch, seq, hidden) input, got shape "
+                         f"{tuple(x.shape)}: for one sequence pass x.unsqueeze(0)")
+
 class DenseAttention(nn.Module):
     """Multi-head / grouped-query attention with ``q``, ``k``, ``v``, ``o`` ``nn.Linear``s:
     the single-process reference of :class:`ParallelAttention`."""
@@ -58,6 +64,7 @@ class DenseAttention(nn.Module):
         self.v, self.o = nn.Linear(hidden, kv, **kw), nn.Linear(hidden, hidden, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_3d(x, self)
         b, s, _ = x.shape
         q = self.q(x).view(b, s, self.n_heads, self.head_dim)
         k = self.k(x).view(b, s, self.n_kv_heads, self.head_dim)
@@ -126,6 +133,7 @@ class ParallelAttention(nn.Module):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_3d(x, self)
         y = self.qkv(x)  # (b, s, (hq + 2 hkv)/tp * d), s the full sequence
         b, s, _ = y.shape
         d, hq, hkv = self.head_dim, self.local_heads, self.local_kv

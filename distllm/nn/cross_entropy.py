@@ -80,4 +80,7 @@ def vocab_parallel_cross_entropy(logits_local: torch.Tensor, targets: torch.Tens
         return loss
     if reduction == "sum":
         return loss.sum()
-    return loss.sum() / (targets != ignore_index).sum()
+    count, total = (targets != ignore_index).sum(), loss.sum()
+    # every token ignored: F.cross_entropy's NaN loss, with its zero gradient (0/0 would send
+    # NaN into every logit's); no host sync
+    return torch.where(count > 0, total / count.clamp(min=1), total.new_tensor(float("nan")))

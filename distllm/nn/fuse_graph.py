@@ -54,7 +54,7 @@ class Pair(NamedTuple):
 
 def gelu_approximate(act) -> str | None:
     """``"none"`` / ``"tanh"`` if ``act`` (module or function) is a GeLU, else None."""
-    if isinstance(act, nn.GELU):
+    if type(act) is nn.GELU:  # a subclass may compute something else: left alone
         return act.approximate
     if isinstance(act, nn.Module):
         name = type(act).__name__

@@ -122,9 +122,11 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, dims, **kwargs) -> ColumnParallelLinear:
-        """Shard a dense ``nn.Linear``'s output rows; ``kwargs`` as the constructor's."""
+        """Shard a dense ``nn.Linear``'s output rows; ``kwargs`` as the constructor's (its
+        ``dtype`` and ``device`` by default)."""
+        kwargs = {"dtype": linear.weight.dtype, "device": linear.weight.device, **kwargs}
         m = cls(linear.in_features, linear.out_features, dims, bias=linear.bias is not None,
-                dtype=linear.weight.dtype, device=linear.weight.device, **kwargs)
+                **kwargs)
         with torch.no_grad():
             m.weight.copy_(shard(linear.weight, 0, dims.tp_rank, dims.tp))
             if m.bias is not None:
@@ -221,9 +223,11 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, dims, **kwargs) -> RowParallelLinear:
-        """Shard a dense ``nn.Linear``'s input columns; ``kwargs`` as the constructor's."""
+        """Shard a dense ``nn.Linear``'s input columns; ``kwargs`` as the constructor's (its
+        ``dtype`` and ``device`` by default)."""
+        kwargs = {"dtype": linear.weight.dtype, "device": linear.weight.device, **kwargs}
         m = cls(linear.in_features, linear.out_features, dims, bias=linear.bias is not None,
-                dtype=linear.weight.dtype, device=linear.weight.device, **kwargs)
+                **kwargs)
         with torch.no_grad():
             m.weight.copy_(shard(linear.weight, 1, dims.tp_rank, dims.tp))
             if m.bias is not None:

@@ -104,6 +104,9 @@ def test_ids_in_the_vocabulary_padding_and_overlong_sequences_are_refused():
         model.loss(model(ids), bad)
     with pytest.raises(ValueError, match="a sequence of 9 tokens is longer than max_seq_len=8"):
         model(torch.randint(123, (2, 9)))
+    with pytest.raises(ValueError, match=r"GPT takes \(batch, seq\) token ids, got shape "
+                                         r"\(8,\): for one sequence pass tokens.unsqueeze\(0\)"):
+        model(ids[0])
 
 
 @pytest.mark.parametrize(("kv", "says"), [

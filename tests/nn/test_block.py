@@ -150,3 +150,29 @@ def test_bad_input_names_the_knob(case):
     make, knob = BAD[case]
     with pytest.raises(ValueError, match=knob):
         make()
+
+
+@pytest.mark.parametrize("make", [lambda: DenseAttention(8, 2),
+                                  lambda: ParallelAttention(8, 2, types.SimpleNamespace(
+                                      tp=1, tp_rank=0, tp_group=None))],
+                         ids=["dense", "parallel"])
+@pytest.mark.parametrize("shape", [(5, 8), (1, 2, 5, 8)])
+def test_attention_names_the_shape_it_takes(make, shape):
+    m = make()
+    with pytest.raises(ValueError) as e:
+        m(torch.randn(*shape))
+    assert str(e.value) == (f"{type(m).__name__} takes (batch, seq, hidden) input, got shape "
+                            f"{shape}: for one sequence pass x.unsqueeze(0)")
+
+
+@pytest.mark.parametrize("kind", ["ColumnParallelLinear", "RowParallelLinear"])
+def test_from_dense_takes_another_dtype(kind):
+    """``dtype`` among the constructor's kwargs overrides the dense layer's (it was given twice)."""
+    from distllm.nn import parallel_linear
+
+    dims = types.SimpleNamespace(tp=1, tp_rank=0, tp_group=None)
+    dense = nn.Linear(4, 6, dtype=torch.float64)
+    m = getattr(parallel_linear, kind).from_dense(dense, dims, dtype=torch.float32)
+    assert m.weight.dtype == m.bias.dtype == torch.float32
+    assert torch.equal(m.weight, dense.weight.float()) and torch.equal(m.bias, dense.bias.float())
+    assert getattr(parallel_linear, kind).from_dense(dense, dims).weight.dtype == torch.float64

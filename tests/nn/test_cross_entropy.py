@@ -82,6 +82,23 @@ def _masked(dims) -> dict[str, float]:
     return {"loss": _err(got, ref), "grad": _err(lp.grad, ld.grad.chunk(tp, -1)[r])}
 
 
+def _all_ignored(dims) -> dict[str, float]:
+    """Every target ignored (a fully padded micro-batch), mean: F.cross_entropy's NaN loss
+    and its zero gradient, not NaN in every logit's."""
+    tp, r = dims.tp, dims.tp_rank
+    torch.manual_seed(4)
+    logits = torch.randn(2, 3, 4 * tp, dtype=DT)
+    tgt = torch.full((2, 3), -100)
+    ld = logits.clone().requires_grad_()
+    ref = F.cross_entropy(ld.view(-1, 4 * tp), tgt.view(-1))
+    ref.backward()
+    lp = logits.chunk(tp, -1)[r].clone().requires_grad_()
+    got = vocab_parallel_cross_entropy(lp, tgt, dims)
+    got.backward()
+    return {"loss is NaN as torch's": 0.0 if got.isnan() and ref.isnan() else 1.0,
+            "grad": _err(lp.grad, ld.grad.chunk(tp, -1)[r])}
+
+
 def _chain(dims) -> dict[str, float]:
     """embedding -> sequence-parallel MLP -> column-parallel head -> cross-entropy."""
     tp, r = dims.tp, dims.tp_rank
@@ -109,6 +126,7 @@ def cross_entropy_main() -> dict:
     cases = {red: (lambda red=red: _reduction(dims, red)) for red in REDUCTIONS}
     cases["ignore_index=1"] = lambda: _ignore_index(dims)
     cases["-inf logits"] = lambda: _masked(dims)
+    cases["all ignored"] = lambda: _all_ignored(dims)
     cases["sequence-parallel chain"] = lambda: _chain(dims)
     return run_cases(cases)
 
@@ -118,7 +136,7 @@ def spawned():
     return SpawnCache(timeout=180)
 
 
-@pytest.mark.parametrize("case", [*REDUCTIONS, "ignore_index=1", "-inf logits",
+@pytest.mark.parametrize("case", [*REDUCTIONS, "ignore_index=1", "-inf logits", "all ignored",
                                   "sequence-parallel chain"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_cross_entropy_parity(spawned, tp, case):

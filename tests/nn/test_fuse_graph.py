@@ -141,3 +141,13 @@ def test_fuse_failing_part_way_leaves_the_model_as_it_was(monkeypatch):
     assert fuse(model.double()) == 3
     x = torch.randn(3, 4, dtype=torch.float64)
     torch.testing.assert_close(model(x), ref(x), **TOL[torch.float64])
+
+
+def test_fuse_leaves_a_gelu_subclass_alone():
+    """A subclass of nn.GELU may compute something else (here a clamp): not fused."""
+    from tests.nn.test_mlp_from_dense import _ClippedGELU
+
+    model = nn.Sequential(nn.Linear(8, 16), _ClippedGELU(), nn.Linear(16, 4)).double()
+    before = _types(model)
+    assert fuse(model) == 0 and _types(model) == before
+

@@ -102,6 +102,13 @@ def test_from_dense_keeps_the_gelu_on_two_ranks():
         assert not bad, f"rank {rank}: {bad}"
 
 
+class _ClippedGELU(nn.GELU):
+    """A GeLU subclass computing something else: not a GeLU to fuse."""
+
+    def forward(self, x):
+        return super().forward(x).clamp(max=0.5)
+
+
 @pytest.mark.parametrize(
     "make,match",
     [
@@ -111,8 +118,11 @@ def test_from_dense_keeps_the_gelu_on_two_ranks():
         (lambda: _Inline(nn.GELU()), "its activation silu is not a GeLU"),
         (lambda: _DropoutBetween(), "GeLU 'act' does not go to fc2 alone"),
         (lambda: _Named("relu"), r"_Named.activation='relu': ParallelMLP computes 'gelu'"),
+        (lambda: _MLP(_ClippedGELU()), r"its activation _ClippedGELU\(approximate='none'\) "
+                                       r"is not a GeLU"),
     ],
-    ids=["ReLU", "SiLU", "QuickGELU", "inline-silu", "dropout-between", "named-relu"],
+    ids=["ReLU", "SiLU", "QuickGELU", "inline-silu", "dropout-between", "named-relu",
+         "gelu-subclass"],
 )
 def test_from_dense_refuses_other_activations(make, match):
     with pytest.raises(ValueError, match=match):
