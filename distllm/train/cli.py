@@ -49,7 +49,7 @@ from distllm.train.launch import (
     lost_peer,
     timed_out,
 )
-from distllm.train.resume import check_resume, resume_data, resume_optim
+from distllm.train.resume import check_out, check_resume, resume_data, resume_optim
 
 __all__ = ["add_arguments", "run", "config_from_args", "config_to_argv", "apply_plan",
            "precheck", "check_out", "check_unused", "check_resume", "resume_optim",
@@ -177,7 +177,8 @@ def config_to_argv(cfg: TrainConfig) -> list[str]:
         value = getattr(cfg if f.section is None else getattr(cfg, f.section), f.field)
         if value == f.default:
             continue
-        out += [f.flag] if isinstance(value, bool) else [f.flag, str(value)]
+        # one token per value: a value that starts with "-" (--out=-x) stays a value
+        out += [f.flag] if isinstance(value, bool) else [f"{f.flag}={value}"]
     return out
 
 
@@ -203,35 +204,6 @@ def precheck(cfg: TrainConfig, world: int, ranks_here: int | None = None) -> Non
         if sum(f.stat().st_size for f in files if f is not None) == 0:
             raise ValueError(f"--data {cfg.data}: the data is empty; pass a non-empty file")
     check_init_from(cfg, mcfg)
-
-
-def check_out(cfg: TrainConfig) -> None:
-    """Checks of the output folder ``cfg.out``, which it creates: with ``--resume`` it holds
-    a checkpoint of this model (the rest of a resume's checks are
-    :func:`~distllm.train.resume.check_resume`'s, which :func:`~distllm.train.trainer.train`
-    runs); without, no checkpoint (a later ``--resume`` would continue the other run) and no
-    other run's metrics; a folder this process can write into."""
-    from distllm.train import checkpoint
-
-    out = Path(cfg.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {cfg.out}: it is a file, not a folder; pass another --out")
-    if cfg.resume:  # (what else it must agree on: check_resume's)
-        checkpoint.check_compatible(out, cfg.model_config())
-    elif (prev := checkpoint.latest(out)) is not None:
-        raise ValueError(f"--out {cfg.out} holds a previous run's checkpoints (step "
-                         f"{checkpoint.step_of(prev)}): pass --resume to continue "
-                         f"it, or another --out")
-    elif (metrics := out / "metrics.jsonl").is_file() and metrics.stat().st_size > 0:
-        raise ValueError(f"--out {cfg.out} holds a previous run's metrics.jsonl (a run without "
-                         f"checkpoints): pass another --out, or remove it")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"--out {cfg.out}: cannot create the folder ({exc.strerror}); pass "
-                         f"another --out") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {cfg.out}: the folder is not writable; pass another --out")
 
 
 def apply_plan(cfg: TrainConfig, world: int,
@@ -269,8 +241,7 @@ def _rank(cfg: TrainConfig, world: int) -> int:
     end_with_launcher()
     try:
         precheck(cfg, world)
-        check_out(cfg)
-        from distllm.train.trainer import train
+        from distllm.train.trainer import train  # (which checks --out: check_out)
 
         result = train(cfg)
         if result.stopped_by is not None and result.steps_done < cfg.steps:

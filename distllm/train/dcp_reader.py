@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-__all__ = ["MetadataUnpickler", "Refused", "RestrictedReader", "read_metadata"]
+__all__ = ["Garbled", "MetadataUnpickler", "Refused", "RestrictedReader", "read_metadata"]
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"  # its classes are allowed
 # what else the .metadata of a distllm checkpoint pickles: shapes (torch.Size), the layout
@@ -34,6 +34,12 @@ _PICKLED = {("torch", "Size"), ("torch.serialization", "_get_layout"),
 class Refused(pickle.UnpicklingError, ValueError):
     """Checkpoint metadata that is not loaded; the message names the file and why (a
     ValueError too: ``distllm train`` reports it in one line, exit code 2)."""
+
+
+class Garbled(ValueError):
+    """Checkpoint metadata cut short or overwritten: a damaged checkpoint, which the loader
+    reports naming the complete one before it (unlike :class:`Refused`, which is a file that
+    asks for what metadata never holds)."""
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -65,11 +71,10 @@ def read_metadata(file: Path) -> dcp_metadata.Metadata:
         except Refused:
             raise
         except Exception as e:  # a truncated or garbled file
-            raise Refused(f"{file} is not checkpoint metadata ({type(e).__name__}: {e}): the "
-                           f"checkpoint is damaged: pass another --out") from e
+            raise Garbled(f"{file.name} is not checkpoint metadata ({type(e).__name__}: "
+                          f"{e})") from None
     if not isinstance(md, dcp_metadata.Metadata):
-        raise Refused(f"{file} holds a {type(md).__name__}, not checkpoint metadata: pass "
-                       f"another --out")
+        raise Garbled(f"{file.name} holds a {type(md).__name__}, not checkpoint metadata")
     for fqn, entry in md.state_dict_metadata.items():
         if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
             raise Refused(

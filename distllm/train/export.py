@@ -67,11 +67,13 @@ def export_hf(ckpt: str | os.PathLike, dest: str | os.PathLike) -> Path:
         hf = hf_from_layers(cfg, layers)
         if tokens is not None:  # --init-from reads it: text trains a model of bytes only
             hf.config.distllm_tokens = tokens
+        from safetensors import SafetensorError  # (transformers' writer of the weights)
+
         with quiet_transformers():
             try:
                 hf.save_pretrained(tmp)
-            except OSError as exc:  # a full disk, a failing device: the new folder goes
-                raise write_failed(dest, exc) from None
+            except (OSError, SafetensorError) as exc:  # a full disk, a failing device: the
+                raise write_failed(dest, exc) from None  # new folder goes
     return Path(dest)
 
 

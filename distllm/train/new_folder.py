@@ -24,9 +24,11 @@ def new_folder(dest: str | os.PathLike) -> Iterator[Path]:
     the permissions of one made with ``mkdir`` under the umask (``mkdtemp``'s are the
     owner's alone), its files those of files made with ``open`` (a writer may have made
     them the owner's alone: transformers' ``save_pretrained``)."""
-    dest = Path(dest)
+    shown, dest = dest, Path(os.path.abspath(dest))  # "." and "a/.." have a name and a parent
+    if dest == Path.cwd():
+        raise ValueError(f"DEST {shown} is the current folder; pass a new folder")
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise ValueError(f"DEST {dest} exists; pass a new folder")
+        raise ValueError(f"DEST {shown} exists; pass a new folder")
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
@@ -34,7 +36,7 @@ def new_folder(dest: str | os.PathLike) -> Iterator[Path]:
         why = exc.strerror or str(exc)
         if (file := _file_on_the_way(dest.parent)) is not None:
             why = f"{file} is a file, not a folder"
-        raise ValueError(f"DEST {dest}: cannot create a folder there ({why}); pass another "
+        raise ValueError(f"DEST {shown}: cannot create a folder there ({why}); pass another "
                          f"DEST") from None
     umask = os.umask(0)
     os.umask(umask)
@@ -77,8 +79,9 @@ def _file_on_the_way(path: Path) -> Path | None:
     return None
 
 
-def write_failed(dest: str | os.PathLike, exc: OSError) -> ValueError:
+def write_failed(dest: str | os.PathLike, exc: Exception) -> ValueError:
     """The one-line error of a write into :func:`new_folder`'s folder that failed (a full
-    disk, a failing device), naming DEST."""
-    return ValueError(f"DEST {dest}: cannot write there ({exc.strerror or exc}); free some "
-                      f"space, or pass another DEST")
+    disk, a failing device: an OSError, or a writer's own error saying so), naming DEST."""
+    why = getattr(exc, "strerror", None) or exc
+    return ValueError(f"DEST {dest}: cannot write there ({why}); free some space, or pass "
+                      f"another DEST")

@@ -9,12 +9,44 @@ launcher before its ranks start. A mismatch is one line naming the flag to chang
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from distllm.train.config import TrainConfig
 
-__all__ = ["check_resume", "resume_optim", "resume_data"]
+__all__ = ["check_out", "check_resume", "resume_optim", "resume_data"]
+
+
+def check_out(cfg: TrainConfig) -> None:
+    """Checks of the output folder ``cfg.out``, which it creates: with ``--resume`` it holds
+    a checkpoint of this model (the rest of a resume's checks are :func:`check_resume`'s);
+    without, no checkpoint (a later ``--resume`` would continue the other run, and this one
+    would replace its checkpoints of the same steps) and no other run's metrics; a folder
+    this process can write into. :func:`~distllm.train.trainer.train` runs it on every rank
+    before the world starts, and ``distllm train --nproc``'s launcher before its ranks."""
+    from distllm.train import checkpoint
+
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {cfg.out}: it is a file, not a folder; pass another --out")
+    if cfg.resume:  # (what else it must agree on: check_resume's)
+        checkpoint.check_compatible(out, cfg.model_config())
+    elif (prev := checkpoint.latest(out)) is not None:
+        raise ValueError(f"--out {cfg.out} holds a previous run's checkpoints (step "
+                         f"{checkpoint.step_of(prev)}): pass --resume to continue "
+                         f"it, or another --out")
+    elif (metrics := out / "metrics.jsonl").is_file() and metrics.stat().st_size > 0:
+        raise ValueError(f"--out {cfg.out} holds a previous run's metrics.jsonl (a run without "
+                         f"checkpoints): pass another --out, or remove it")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {cfg.out}: cannot create the folder ({exc.strerror}); pass "
+                         f"another --out") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {cfg.out}: the folder is not writable; pass another --out")
 
 
 def check_resume(cfg: TrainConfig) -> None:

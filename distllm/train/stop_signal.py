@@ -22,8 +22,11 @@ final validation, with exit code 128 + the signal; ``--resume`` continues it. A 
 therefore stops the run one or two steps after it arrives, plus a checkpoint save: the
 scheduler's grace period must cover that.
 
-Outside the steps (building the model, loading a checkpoint, the final save, validation)
-the process's previous handlers are in place, so a signal there acts as it did before.
+Before the steps (building the model, loading a checkpoint) the process's previous handlers
+are in place, so a signal there acts as it did before. The checkpoint and validation of a
+step, the last one's included, run with the steps' handlers: a signal during the last step's
+save or validation is a request like any other, and the run, at its end, finishes them and
+ends as a finished run (exit code 0).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from distllm.parallel.mesh import ParallelDims
 from distllm.train.config import TrainConfig, check_init_from, check_layout
 from distllm.train.data import BatchLoader, check_same_data, check_vocab, load_corpus
 from distllm.train.host_memory import keep_freed_memory
-from distllm.train.resume import check_resume
+from distllm.train.resume import check_out, check_resume
 
 __all__ = ["train", "lr_at", "TrainResult", "peak_flops"]
 
@@ -304,14 +304,16 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
 
 def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> TrainResult:
     """Run ``cfg`` on the current ``torch.distributed`` world (started from torchrun's
-    environment, or a 1-rank world, when ``dims`` is not given). A resume is checked first
-    against its checkpoint (:func:`~distllm.train.resume.check_resume`: ``cfg`` is left as
-    given, the run taking the checkpoint's schedule length). A world this call started
+    environment, or a 1-rank world, when ``dims`` is not given). ``cfg.out`` is checked first
+    (:func:`~distllm.train.resume.check_out`), and a resume against its checkpoint
+    (:func:`~distllm.train.resume.check_resume`: ``cfg`` is left as given, the run taking
+    the checkpoint's schedule length). A world this call started
     is destroyed when the run ends: a process that exits with gloo's process group alive can
     abort in the interpreter's teardown ("terminate called without an active exception",
     seen on torch 2.11 after a finished run), and the launcher then reports a failed rank."""
     import torch.distributed as dist
 
+    check_out(cfg)  # (a fresh run into another run's --out would replace its checkpoints)
     if cfg.resume:  # (a copy: the checkpoint's schedule length is this run's alone)
         cfg = replace(cfg, optim=replace(cfg.optim))
         check_resume(cfg)

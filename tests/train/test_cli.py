@@ -617,6 +617,7 @@ def test_each_flag_sets_its_field():
     {},
     dict(steps=3, out="/tmp/x", save_final=False, progress=False, data="c.txt"),
     dict(activation_checkpointing="full", dtype="float64", resume=True),
+    dict(out="-run", data="--data.txt"),  # values that look like flags stay values
 ])
 def test_config_to_argv_round_trips(kw):
     from distllm.train.cli import config_from_args, config_to_argv
@@ -816,6 +817,8 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_previous_one(capfd, tmp_pat
                                 (step4 / "rng" / "rank1.pt", "(rank 1: rng/rank1.pt: not a file "
                                  "of tensors that torch.load reads safely)", "not torch's"),
                                 (step4 / "__1_0.distcp", "(rank ", None),
+                                (step4 / ".metadata", "(.metadata is not checkpoint metadata "
+                                 "(UnpicklingError: pickle data was truncated))", None),
                                 (step4 / "meta.json", "(meta.json: ", ""),
                                 (step4 / "meta.json", "(meta.json: no model)", json.dumps(meta))):
         damage.write_bytes(damage.read_bytes()[:10] if text is None else text.encode())

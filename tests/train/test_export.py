@@ -192,6 +192,38 @@ def test_a_failed_write_leaves_nothing(trained, tmp_path, monkeypatch, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_file_size_limit_is_one_line(trained, tmp_path):
+    """The real thing, not a fake OSError: under a file-size limit the weights' writer
+    (safetensors) raises its own error, not an OSError; still one line naming DEST, exit 2,
+    nothing left. And DEST "." (the current folder) is refused in one line."""
+    import resource
+    import subprocess
+    import sys
+
+    out, _ = trained
+
+    def limit():  # config.json fits, model.safetensors does not (Python ignores SIGXFSZ)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+
+    dest = tmp_path / "d"
+    cwd = tmp_path / "here"
+    cwd.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "distllm", "export", str(out), str(dest)],
+                          capture_output=True, text=True, preexec_fn=limit, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"distllm export: error: DEST {dest}: cannot "
+                                               f"write there ("), proc.stderr
+    assert err[0].endswith("); free some space, or pass another DEST"), proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here"]
+    proc = subprocess.run([sys.executable, "-m", "distllm", "export", str(out), "."],
+                          capture_output=True, text=True, cwd=cwd, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == ("distllm export: error: DEST . is the current folder; pass a new "
+                           "folder\n")
+    assert list(cwd.iterdir()) == []
+
+
 def test_the_new_folder_is_synced_before_and_after_its_rename(tmp_path, monkeypatch):
     """Every file and folder written into the temporary folder, then the folder itself, are
     synced to the device before it is renamed to DEST, and DEST's parent after: a crash

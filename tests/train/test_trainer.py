@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distllm.train import trainer
+from distllm.train import checkpoint, trainer
 
 CUDA = torch.device("cuda", 0)
 
@@ -93,3 +93,11 @@ def test_the_python_api_resumes_as_the_command_does(corpus, tmp_path):
         trainer.train(make_cfg(str(other), out, steps=8, resume=True))
     with pytest.raises(ValueError, match="is at step 6, where --steps 6 ends: raise --steps"):
         trainer.train(make_cfg(corpus, out, steps=6, resume=True))
+    # a fresh run into it (resume off) is refused as the command refuses it: it replaced
+    # the run's checkpoints of its own steps, and a later resume mixed the two runs
+    with pytest.raises(ValueError) as e:
+        trainer.train(make_cfg(corpus, out, steps=3, save_final=True))
+    assert str(e.value) == (f"--out {out} holds a previous run's checkpoints (step 6): pass "
+                            f"--resume to continue it, or another --out")
+    assert [d.name for d in checkpoint.complete(Path(out))] == ["step_00000004",
+                                                                "step_00000006"]

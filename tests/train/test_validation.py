@@ -129,15 +129,22 @@ def test_a_failed_validation_keeps_the_steps_checkpoint_and_line(corpus, tmp_pat
 
 
 def _validate_small(data: str, out: str, layouts: list[dict]) -> list:
-    """Rank function: a 2-step run of each of ``layouts`` on ``data``; its validation loss."""
+    """Rank function: a 2-step run of each of ``layouts`` on ``data``; its validation loss
+    and what it printed."""
+    import contextlib
+    import io
+
     from distllm.train.trainer import train
     from tests.train._util import make_cfg
 
-    return [train(make_cfg(data, f"{out}/run{i}", steps=2, eval_batches=2, **kw)).val_loss
-            for i, kw in enumerate(layouts)]
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        vals = [train(make_cfg(data, f"{out}/run{i}", steps=2, eval_batches=2, **kw)).val_loss
+                for i, kw in enumerate(layouts)]
+    return vals, said.getvalue()
 
 
-def test_held_out_data_smaller_than_a_global_batch_validates(corpus, tmp_path, capfd):
+def test_held_out_data_smaller_than_a_global_batch_validates(corpus, tmp_path):
     """6 held-out sequences, a global batch of 8: one batch of 6 (split over the DP ranks or
     the pipeline's micro-batches), the single-process figure on every layout; 1 sequence
     under dp2 is too few, and the run says so."""
@@ -149,15 +156,14 @@ def test_held_out_data_smaller_than_a_global_batch_validates(corpus, tmp_path, c
         ids[:-4000].tofile(tmp_path / name / "train.bin")
         ids[-n_val:].tofile(tmp_path / name / "val.bin")
     one = run_distributed(_validate_small, 1, str(tmp_path / "six"), str(tmp_path / "a"),
-                          [{}], timeout=300)[0][0]
+                          [{}], timeout=300)[0][0][0]
     two = run_distributed(_validate_small, 2, str(tmp_path / "six"), str(tmp_path / "b"),
-                          [dict(pp=2, m=2), dict(dp=2)], timeout=300)[0]
+                          [dict(pp=2, m=2), dict(dp=2)], timeout=300)[0][0]
     assert one is not None and len(two) == 2
     for got in two:
         _close(got, one, "6 held-out sequences")
-    capfd.readouterr()
-    none = run_distributed(_validate_small, 2, str(tmp_path / "one"), str(tmp_path / "c"),
-                           [dict(dp=2)], timeout=300)[0]
+    none, said = run_distributed(_validate_small, 2, str(tmp_path / "one"),
+                                 str(tmp_path / "c"), [dict(dp=2)], timeout=300)[0]
     assert none == [None]
     assert ("validation skipped: the held-out data holds 1 sequences of 32 tokens, fewer than "
-            "one per data-parallel rank and micro-batch (2)") in capfd.readouterr().err
+            "one per data-parallel rank and micro-batch (2)") in said, said
