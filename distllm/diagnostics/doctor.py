@@ -12,8 +12,9 @@ and direction:
 - the collective (all-reduce, all-gather, reduce-scatter), how many calls ran overlapped,
   the mode that ran (``chunked`` or ``none``) and, for a fallback, why;
 - the time blocked on the collective (``wait``) against its standalone time (``comm``,
-  from ``overlap="auto"``'s measurement or timed by the doctor on the same group, same size),
-  hence the fraction hidden: ``(comm - wait) / comm``;
+  from ``overlap="auto"``'s measurement or timed by the doctor on the same group, same size);
+  the fraction hidden is the share of the collective's profiled time with compute running
+  beside it (CPU), else ``(comm - wait) / comm`` from those timers;
 - the layer's time against the ideal ``max(compute, comm)``, ``compute`` being the layer's
   time less the blocked wait.
 
@@ -63,6 +64,9 @@ class OverlapNotHappening(RuntimeError):
     def __init__(self, msg: str, report: DoctorReport):
         super().__init__(msg)
         self.report = report
+
+    def __reduce__(self):  # (a worker process's exception reaches its parent whole)
+        return type(self), (self.args[0], self.report)
 
 
 @dataclass
@@ -311,9 +315,13 @@ def _judge(rows: list[LayerDirection], require_overlap: bool | None,
                          f"{max(r.calls, 1)} call(s): ran {r.mode} ({r.reason or 'no reason'})")
             fails.append(f"{r.layer} {r.direction}: {r.failure}")
         elif min_hidden is not None and r.overlapped and r.hidden_frac is None:
-            # (on CUDA the host never waits: the share is not measured, and a gate on it
-            # must not pass unchecked)
-            r.failure = (f"the hidden share of the {r.collective} was not measured (CUDA), "
+            # (on CUDA the host never waits: the share is not measured; on CPU a wait longer
+            # than the collective alone measures nothing; a gate on it must not pass)
+            why = ("CUDA: the host does not wait" if r.wait_ms is None else
+                   f"the host waited {r.wait_ms:.3g} ms per call, longer than the "
+                   f"{r.comm_ms:.3g} ms the collective takes alone" if r.comm_ms else
+                   "no standalone time of the collective")
+            r.failure = (f"the hidden share of the {r.collective} was not measured ({why}), "
                          f"so min_hidden={min_hidden:g} cannot be checked: read the trace")
             fails.append(f"{r.layer} {r.direction}: {r.failure}")
         elif (min_hidden is not None and r.overlapped and r.hidden_frac is not None
@@ -392,7 +400,7 @@ def diagnose(model: torch.nn.Module, step_fn: Callable[[], object], steps: int =
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(part)
-    after, traced = snapshot(layers), trace(prof)
+    after, traced = snapshot(layers), trace(prof, probe.together())
     rows = [r for name, m in layers for d in ("forward", "backward")
             if (r := _direction(name, m, d, before, after, probe, traced)) is not None]
     if measure_comm:

@@ -74,6 +74,10 @@ class Probe:
             self.shapes[name] = (x.numel(), y.numel(), y.dtype, y.device, x.requires_grad)
         self._end(name, "forward")
 
+    def together(self) -> dict[str, list[str]]:
+        """Each layer timed with siblings (one fused function): the names timed together."""
+        return {n: names for _, names in self._hooked() if len(names) > 1 for n in names}
+
     def _hooked(self) -> list[tuple[torch.nn.Module, list[str]]]:
         """The modules to hook and the layer names each one times: a layer computed inside
         another module's function (``ParallelMLP``'s fc1 and fc2, run as one fused MLP,
@@ -107,7 +111,8 @@ class Probe:
                     lambda m, a, o, ns=rev: self._each(ns, self._fwd_post, m, a, o))]
             if len(names) > 1:
                 self.notes.append(f"{', '.join(names)}: run as one fused function, timed "
-                                  "together (each row shows the whole function's time)")
+                                  "together (each row shows the whole function's time, and "
+                                  "its collectives and their hidden share)")
             try:
                 self.handles += [
                     m.register_full_backward_pre_hook(
@@ -146,10 +151,14 @@ def snapshot(layers) -> dict[tuple[str, str], dict]:
     return out
 
 
-def trace(prof) -> tuple[dict, dict, list[dict]]:
+def trace(prof, together: dict[str, list[str]] | None = None
+          ) -> tuple[dict, dict, list[dict]]:
     """From the profiler: collectives per layer range by op name; (comm ms, hidden ms) per
     layer range (comm lane events starting inside it, against all compute); the last step's
-    timeline."""
+    timeline. Layers run as one fused function (``together``: name -> the names timed with
+    it) open nested ranges over one window: each of them gets the whole function's
+    collectives, as it gets its comm and hidden time (the innermost range alone had them)."""
+    together = together or {}
     ranges, colls, steps = [], [], []
     for e in prof.events():
         if e.name == "doctor-step":
@@ -164,8 +173,9 @@ def trace(prof) -> tuple[dict, dict, list[dict]]:
         inside = [r for r in ranges if r[0] <= t <= r[1]]
         if inside:
             s, e, name, d = max(inside, key=lambda r: r[0])  # the innermost range
-            bucket = counts.setdefault((name, d), {})
-            bucket[cname] = bucket.get(cname, 0) + 1
+            for n in together.get(name, [name]):
+                bucket = counts.setdefault((n, d), {})
+                bucket[cname] = bucket.get(cname, 0) + 1
     ev = timeline.lanes(prof, origin=0.0)  # ms on the profiler clock
     comm = [(x["start_ms"], x["end_ms"]) for x in ev if x["lane"] == "comm"]
     compute = [(x["start_ms"], x["end_ms"]) for x in ev if x["lane"] == "compute"]

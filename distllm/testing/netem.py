@@ -127,8 +127,8 @@ def _unavailable_reason(nranks: int, delay_ms: float | None) -> str:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"`{tool}` (iproute2) is not installed"
-    if nranks > 253:
-        return f"nranks={nranks}: at most 253 ranks fit the emulated /24 subnet"
+    if nranks > 254:
+        return f"nranks={nranks}: at most 254 ranks fit the emulated /24 subnet"
     return ""
 
 
@@ -272,7 +272,9 @@ class EmulatedNetwork:
                 _ip("link", "add", IFNAME, "type", "veth", "peer", "name", f"p{r}", "netns",
                     br, ns=ns)
                 _ip("link", "set", f"p{r}", "master", "br0", "up", ns=br)
-                self._shape(br, f"p{r}")  # the switch port towards rank r: its ingress
+                # the switch port towards rank r: its ingress, at the link rate (the delay
+                # is the sender's egress alone: a message crosses one egress and one port)
+                self._shape(br, f"p{r}", delay=False)
             _ip("link", "set", "br0", "up", ns=br)
         elif self.nranks == 1:  # a veth with its peer beside it: the interface gloo expects
             _ip("link", "add", IFNAME, "type", "veth", "peer", "name", "dl0p", ns=ranks[0])
@@ -285,16 +287,16 @@ class EmulatedNetwork:
             _ip("link", "set", IFNAME, "up", ns=ns)
             self._shape(ns, IFNAME)  # the rank's egress
 
-    def _shape(self, ns: str, dev: str) -> None:
+    def _shape(self, ns: str, dev: str, delay: bool = True) -> None:
         """tbf at the link rate (burst: 1 ms of traffic, at least two 64 KiB GSO packets),
-        then netem for the delay, if asked."""
+        then netem for the delay, if asked (and ``delay``)."""
         parent = ["root"]
         if self.rate_bits is not None:
             burst = max(2 * 65536, self.rate_bits // 8 // 1000)
             _tc(ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
                 "rate", f"{self.rate_bits}bit", "burst", str(burst), "latency", "20ms")
             parent = ["parent", "1:1"]
-        if self.delay_ms:
+        if self.delay_ms and delay:
             try:
                 _tc(ns, "qdisc", "add", "dev", dev, *parent, "handle", "10:", "netem",
                     "delay", f"{self.delay_ms}ms", "limit", "100000")

@@ -177,7 +177,14 @@ def test_doctor_times_the_layers_of_a_fused_mlp(doctor_results):
             assert r["calls"] == 2 and r["overlapped"] == 2, r
             assert r["layer_ms"] is not None and r["layer_ms"] > 0, r
         assert rows["fc1", "backward"]["collective"] == "all_reduce"
-        assert any("fc1, fc2: run as one fused function" in n for n in res["fused_notes"])
+        # each row has the function's collectives as the profiler saw them (the innermost
+        # range, fc2's, took them all: fc1's backward all-reduces were in no row)
+        for r in rows.values():
+            assert sum(r["profiled_collectives"].values()) > 0, r
+            assert r["comm_trace_ms"] is not None and r["hidden_source"] == "trace", r
+        assert any("fc1, fc2: run as one fused function, timed together (each row shows the "
+                   "whole function's time, and its collectives and their hidden share)" in n
+                   for n in res["fused_notes"])
         assert res["fused_ok"], res["fused_rows"]
 
 
@@ -209,8 +216,29 @@ def test_min_hidden_fails_where_the_share_is_not_measured():
     r.finish()
     assert r.hidden_frac is None
     fails = _judge([r], None, 0.9)
-    assert len(fails) == 1 and "not measured" in fails[0] and "min_hidden=0.9" in fails[0]
+    assert fails == ["mlp.fc2 forward: the hidden share of the all_reduce was not measured "
+                     "(CUDA: the host does not wait), so min_hidden=0.9 cannot be checked: "
+                     "read the trace"]
     assert _judge([r], None, None) == []
+    # on CPU: a wait longer than the collective alone (no trace share) measures nothing
+    r.wait_ms, r.failure = 3.0, ""
+    r.finish()
+    assert r.hidden_frac is None
+    assert _judge([r], None, 0.5) == [
+        "mlp.fc2 forward: the hidden share of the all_reduce was not measured (the host "
+        "waited 3 ms per call, longer than the 0.6 ms the collective takes alone), so "
+        "min_hidden=0.5 cannot be checked: read the trace"]
+
+
+def test_overlap_not_happening_pickles_with_its_report():
+    """A worker process's exception reaches its parent: it unpickles, report included."""
+    import pickle
+
+    from distllm.diagnostics.doctor import DoctorReport, OverlapNotHappening
+
+    rep = DoctorReport(steps=2, step_ms=1.5, rows=[], failures=["x"], notes=[])
+    back = pickle.loads(pickle.dumps(OverlapNotHappening("not overlapped", rep)))
+    assert str(back) == "not overlapped" and back.report == rep
 
 
 def test_a_wait_longer_than_the_collective_is_flagged_not_clamped():

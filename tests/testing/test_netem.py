@@ -275,3 +275,25 @@ def test_a_signal_during_close_leaves_the_rest_for_the_exit_handler(monkeypatch)
     assert deleted == ["c"] and net.namespaces == ["a", "b"]
     net.close()  # what the exit handler runs
     assert deleted == ["c", "b", "a"] and net.namespaces == []
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_the_delay_is_added_once_per_message(monkeypatch, nranks):
+    """A message leaves its sender's dl0 and, with more than 2 ranks, enters the bridge port
+    towards its receiver: both are rate-limited, only the sender's egress delays (the delay
+    was added at both, twice delay_ms per message over a bridge). The commands are recorded,
+    not run."""
+    from distllm.testing import netem
+
+    tcs = []
+    monkeypatch.setattr(netem, "_ip", lambda *a, ns=None, check=True: None)
+    monkeypatch.setattr(netem, "_tc", lambda ns, *a: tcs.append((ns.rsplit("-", 1)[-1], a)))
+    monkeypatch.setattr(netem.subprocess, "run", lambda *a, **k: None)
+    net = EmulatedNetwork(nranks=nranks, rate="1gbit", delay_ms=5.0)
+    monkeypatch.setattr(net, "_add_ns", lambda name: None)
+    net._build()
+    where = lambda kind: sorted((ns, a[a.index("dev") + 1]) for ns, a in tcs if kind in a)  # noqa: E731
+    ranks = [(str(r), IFNAME) for r in range(nranks)]
+    ports = [("br", f"p{r}") for r in range(nranks)] if nranks > 2 else []
+    assert where("netem") == ranks
+    assert where("tbf") == sorted(ranks + ports)
