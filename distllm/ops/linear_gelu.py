@@ -386,7 +386,8 @@ def _choose_end_to_end(x, w, b, approximate: str, needs_grad: bool) -> str:
 
 
 def _resolve_fwd(backend, x, w, b, approximate, save_pre) -> str:
-    if backend != "auto":
+    if backend != "auto":  # (the op called directly: cuBLASLt has no exact GeLU, say)
+        _require(backend, x, w, approximate)
         return backend
     names = _auto_candidates(x, w, approximate)
     key = (
@@ -399,6 +400,7 @@ def _resolve_fwd(backend, x, w, b, approximate, save_pre) -> str:
 
 def _resolve_bwd(backend, grad, x, w, pre, has_bias, approximate, need_dx, need_dw) -> str:
     if backend != "auto":
+        _require(backend, x, w, approximate)
         return backend
     names = _auto_candidates(x, w, approximate)
     key = (

@@ -345,6 +345,12 @@ def test_unavailable_backend_names_the_available_ones():
     x, w = torch.randn(4, 32), torch.randn(16, 32)  # CPU tensors: 'cuda' cannot serve them
     with pytest.raises(ValueError, match=r"backend='cuda' cannot run here.*Available.*cpu"):
         linear_gelu(x, w, backend="cuda")
+    # the custom ops called directly check too (cuBLASLt would run tanh for an exact GeLU)
+    with pytest.raises(ValueError, match=r"backend='cuda' cannot run here.*Available.*cpu"):
+        torch.ops.distllm.linear_gelu_fwd(x, w, None, "none", "cuda", True)
+    pre = torch.randn(4, 16)
+    with pytest.raises(ValueError, match=r"backend='cuda' cannot run here.*Available.*cpu"):
+        torch.ops.distllm.linear_gelu_bwd(pre, x, w, pre, None, "none", "cuda", True, True)
 
 
 # ---------------------------------------------------------------------------- GPU
