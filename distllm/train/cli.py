@@ -49,7 +49,13 @@ from distllm.train.launch import (
     lost_peer,
     timed_out,
 )
-from distllm.train.resume import check_out, check_resume, resume_data, resume_optim
+from distllm.train.resume import (
+    check_out,
+    check_resume,
+    resolve_auto_resume,
+    resume_data,
+    resume_optim,
+)
 
 __all__ = ["add_arguments", "run", "config_from_args", "config_to_argv", "apply_plan",
            "precheck", "check_out", "check_unused", "check_resume", "resume_optim",
@@ -347,7 +353,9 @@ def _unused_layout(args: argparse.Namespace, p: ParallelConfig) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         check_nproc(args.nproc)
-    cfg = config_from_args(args)
+    # --auto-resume decided first, as --resume would be given (a rank under the launcher
+    # gets the launcher's decision)
+    cfg = resolve_auto_resume(config_from_args(args))
     world = args.nproc or int(os.environ.get("WORLD_SIZE", "1"))
     if args.plan == "auto":
         cfg, why = apply_plan(cfg, world, given_layout(args))

@@ -315,6 +315,10 @@ class TrainConfig:
     """Output folder: metrics.jsonl and checkpoints."""
     resume: bool = False
     """Resume from the newest complete checkpoint in ``out``."""
+    auto_resume: bool = False
+    """Resume when ``out`` holds a complete checkpoint, else start the run: one command for
+    a job's first attempt and its restarts (torchrun --max-restarts, a SLURM requeue); with
+    no checkpoint, another run's metrics.jsonl in ``out`` is refused as for any fresh run."""
     n_layers: int = 0
     """Override the preset's number of transformer blocks (0: the preset's)."""
     init_from: str | None = None

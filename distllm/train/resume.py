@@ -16,7 +16,23 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from distllm.train.config import TrainConfig
 
-__all__ = ["check_out", "check_resume", "resume_optim", "resume_data"]
+__all__ = ["check_out", "check_resume", "resume_optim", "resume_data", "resolve_auto_resume"]
+
+
+def resolve_auto_resume(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with ``--auto-resume`` decided: ``resume`` where ``out`` holds a complete
+    checkpoint, a fresh run otherwise (``auto_resume`` then off, so that a launcher's ranks
+    run what it decided)."""
+    if not cfg.auto_resume:
+        return cfg
+    if cfg.resume:
+        raise ValueError("--auto-resume with --resume: give one (--auto-resume resumes when "
+                         "--out holds a checkpoint, and starts the run when it holds none)")
+    from dataclasses import replace
+
+    from distllm.train import checkpoint_folder as folder
+
+    return replace(cfg, resume=folder.latest(cfg.out) is not None, auto_resume=False)
 
 
 def check_out(cfg: TrainConfig) -> None:

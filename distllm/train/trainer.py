@@ -29,7 +29,7 @@ from distllm.parallel.mesh import ParallelDims
 from distllm.train.config import TrainConfig, check_init_from, check_layout
 from distllm.train.data import BatchLoader, check_same_data, check_vocab, load_corpus
 from distllm.train.host_memory import keep_freed_memory
-from distllm.train.resume import check_out, check_resume
+from distllm.train.resume import check_out, check_resume, resolve_auto_resume
 
 __all__ = ["train", "lr_at", "TrainResult", "peak_flops"]
 
@@ -313,6 +313,7 @@ def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> TrainResult:
     seen on torch 2.11 after a finished run), and the launcher then reports a failed rank."""
     import torch.distributed as dist
 
+    cfg = resolve_auto_resume(cfg)  # (a resume where --out holds a checkpoint)
     check_out(cfg)  # (a fresh run into another run's --out would replace its checkpoints)
     if cfg.resume:  # (a copy: the checkpoint's schedule length is this run's alone)
         cfg = replace(cfg, optim=replace(cfg.optim))

@@ -1070,3 +1070,27 @@ def test_the_launcher_reads_gloo_and_nccl_failures_alike(text, kind):
     exc = RuntimeError(text)
     got = "timeout" if timed_out(exc) else "lost" if lost_peer(exc) else None
     assert got == kind
+
+
+def test_auto_resume_is_one_command_for_a_first_attempt_and_its_restarts(capfd, tmp_path):
+    """The same command starts the run where --out holds no checkpoint, and resumes it where
+    it holds one (here under --nproc's launcher, whose ranks run its decision); the resumed
+    run's losses are the uninterrupted run's. With --resume too it is refused."""
+    common = ["--nproc", "2", "--dp", "2", "--model", "tiny", "--eval-batches", "0",
+              "--seq-len", "32", "--global-batch", "4", "--no-progress", "--timeout", "60",
+              "--steps", "4", "--save-every", "2", "--dtype", "float64", "--deterministic"]
+    out, whole = tmp_path / "run", tmp_path / "whole"
+    assert main(["train", *common, "--out", str(out), "--auto-resume", "--stop-after",
+                 "2"]) == 0
+    assert "resumed" not in capfd.readouterr().err
+    assert main(["train", *common, "--out", str(out), "--auto-resume"]) == 0
+    assert "resumed from step 2" in capfd.readouterr().err
+    assert main(["train", *common, "--out", str(whole)]) == 0
+    capfd.readouterr()
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    ref = [json.loads(x) for x in (whole / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4]
+    assert [x["loss"] for x in lines] == [x["loss"] for x in ref]
+    assert _one_line(capfd, [*common, "--out", str(out), "--auto-resume", "--resume"]) == (
+        "distllm train: error: --auto-resume with --resume: give one (--auto-resume resumes "
+        "when --out holds a checkpoint, and starts the run when it holds none)")
