@@ -172,8 +172,9 @@ def _save(out, engine, loader, step: int, record: dict | None) -> Path:
     err = None
     if dims.rank == 0:
         try:
-            # this save's folder, and any an interrupted save left (one writer: this job)
-            for stale in root.glob(".tmp-step_*"):
+            # this save's folder, and any an interrupted save or pruning left (one writer:
+            # this job)
+            for stale in [*root.glob(".tmp-step_*"), *root.glob(".old-step_*")]:
                 shutil.rmtree(stale, ignore_errors=True)
             (tmp / "rng").mkdir(parents=True)
         except OSError as exc:

@@ -40,6 +40,7 @@ def test_cross_layout_resume(corpus, references, tmp_path):
     # an incomplete save (no meta.json) and a crashed one (temp dir) must be ignored
     (out / "checkpoints" / "step_00000009").mkdir(parents=True)
     (out / "checkpoints" / ".tmp-step_00000010").mkdir()
+    (out / "checkpoints" / ".old-step_00000001").mkdir()  # a pruning cut short
     common = dict(steps=60, save_final=True, out=str(out))
     runs = [
         dict(tp=2, pp=2, m=2, stop_after=2, **common),
@@ -57,8 +58,10 @@ def test_cross_layout_resume(corpus, references, tmp_path):
         for name, t in layer.items():
             err = float((last[i][name] - t).abs().max())
             assert err <= WTOL, f"layer {i} {name}: {err:.3g} from the one-process run's"
-    # the crashed save's folder went with the next save (it stayed on disk for good)
+    # the crashed save's folder and the cut-short pruning's went with the next save (they
+    # stayed on disk for good)
     assert not (out / "checkpoints" / ".tmp-step_00000010").exists()
+    assert not (out / "checkpoints" / ".old-step_00000001").exists()
     meta = json.loads((checkpoint.latest(out) / "meta.json").read_text())
     assert meta["layout"]["tp"] == 4 and meta["data"]["index"] == 6 * 8
 
