@@ -252,6 +252,16 @@ def load_latest(out: str | os.PathLike, engine, loader) -> int:
     """Load the newest complete checkpoint under ``out`` into ``engine`` and ``loader`` at
     this run's layout; returns its step."""
     path = check_compatible(out, engine.mcfg)
+    # every rank reads the same checkpoint: each picked the newest it sees, and a network
+    # file system that shows one node a save later than another would mix two steps
+    picked: list = [path.name] * (dist.get_world_size() if dist.is_initialized() else 1)
+    if dist.is_initialized():
+        dist.all_gather_object(picked, path.name)
+    if len(set(picked)) > 1:
+        seen = ", ".join(f"rank {r}: {name}" for r, name in enumerate(picked))
+        raise ValueError(f"--out {out}: the ranks see different newest checkpoints ({seen}); "
+                         f"every rank must see one shared --out alike (a network file system "
+                         f"showing a save late?): resume again once they agree")
     meta = _read_meta(path)
     # (a rank's failed read fails it on every rank)
     state = _read_dcp(path, lambda _: _empty_targets(engine, meta["optimizer_step"] > 0))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -354,3 +356,32 @@ def test_a_save_is_synced_before_an_older_checkpoint_is_pruned(corpus, monkeypat
     assert synced[0] < synced[1], events  # the file, then its name
     after = events.index(("fsync", str(root)), moved)
     assert after < events.index(("prune",), moved), events
+
+
+def _resume_from(outs: list[str], data: str) -> str:
+    """Rank function: resume from ``outs[rank]`` (one --out seen two ways)."""
+    from distllm.train import trainer
+    from tests.train._util import make_cfg
+
+    try:
+        trainer.train(make_cfg(data, outs[dist.get_rank()], dp=2, steps=6, resume=True))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_that_see_different_newest_checkpoints_are_refused(corpus, tmp_path):
+    """A network file system that shows one node a save later than another: each rank took
+    the newest it saw and read it, two steps mixed in one run. Emulated by two folders, one
+    without the last save: one line on every rank, naming what each saw."""
+    a = tmp_path / "a"
+    run = dict(dp=2, steps=6, stop_after=4, save_every=2, save_final=True, out=str(a))
+    run_distributed(train_many, 2, [run], corpus, str(tmp_path), timeout=300)
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    shutil.rmtree(a / "checkpoints" / "step_00000004")
+    msgs = run_distributed(_resume_from, 2, [str(a), str(b)], corpus, timeout=300)
+    assert msgs == [f"--out {out}: the ranks see different newest checkpoints (rank 0: "
+                    f"step_00000002, rank 1: step_00000004); every rank must see one shared "
+                    f"--out alike (a network file system showing a save late?): resume again "
+                    f"once they agree" for out in (a, b)], msgs
