@@ -419,19 +419,23 @@ class GradBuckets:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget this cycle's gradients: buffers and shards are rewritten on next use.
         ``as_view``: ``param.grad`` becomes ``None`` (the next gradient is divided into its
-        slice), or with ``set_to_none=False`` stays the bucket's view, zeroed in place."""
+        slice), or with ``set_to_none=False`` stays the bucket's view, zeroed in place; a
+        ``.grad`` that is None stays None, as ``nn.Module.zero_grad`` leaves it (an optimizer
+        skips such a parameter: no weight decay, no moment update)."""
         self.mark_consumed()
         if self.as_view:
             if set_to_none:
                 for p in self.where:
                     p.grad = None
             else:
+                had = {p for p in self.where if p.grad is not None}
                 for b in self.buckets:
                     b.buffer.zero_()
                     b.fresh = False
-                    b.written = set(range(len(b.params)))
+                    b.written = {j for j, p in enumerate(b.params) if p in had}
                     b.scaled.clear()
-                self._install_views()
+                for p in had:
+                    p.grad = self.view(p)
         self._synced = False
 
     def params(self) -> Iterable[torch.nn.Parameter]:

@@ -280,6 +280,17 @@ class ShardedParams:
         return todo
 
     @torch.no_grad()
+    def commit(self, units: list[nn.Module]) -> None:
+        """Keep this rank's slice of what the gathered parameters of ``units`` now hold
+        (values written while gathered), whoever gathered them (:meth:`gather`, or a forward
+        that keeps its unit gathered for backward)."""
+        for u in units:
+            for f in self.flats[u]:
+                if f.state == "full":
+                    s = f.numel // self.nranks
+                    f.shard.copy_(f.full[self.rank * s: (self.rank + 1) * s])
+
+    @torch.no_grad()
     def release(self, flats: list[_Flat], commit: bool = False) -> None:
         """Free ``flats`` (gathered by :meth:`gather`) again. ``commit``: first keep this
         rank's slice of what the full parameters now hold (values written while gathered)."""

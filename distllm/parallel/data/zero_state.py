@@ -250,7 +250,10 @@ class ModuleStateHooks:
             for p, v in incoming.items():
                 self._set_master(p, v)
         if self.sharded is not None:
-            self.sharded.release(self._gathered.pop(mod, []), commit=True)
+            # every gathered unit the load wrote into, also one a forward keeps gathered for
+            # backward (not gathered here: its values went nowhere at the next reshard)
+            self.sharded.commit(self.sharded.units_covering(mod))
+            self.sharded.release(self._gathered.pop(mod, []))
 
     def _set_master(self, p: nn.Parameter, v: Tensor) -> None:
         """Write full value ``v`` of ``p`` into the part of its master shard this rank has."""

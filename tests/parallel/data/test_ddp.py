@@ -190,6 +190,35 @@ def _rank_dependent_heads(dims) -> float:
     return _max_diff(model, ref)
 
 
+def _unused_head_kept_as_none(dims) -> dict:
+    """A head no rank uses, zero_grad(set_to_none=False) between steps (as torch's DDP and
+    nn.Module.zero_grad: its .grad stays None), AdamW with weight decay: three steps against
+    one process; the unused head never moves (it was given a zero gradient and decayed)."""
+    from distllm.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = _TwoHeads().double()
+    ref = _TwoHeads().double()
+    ref.load_state_dict(model.state_dict())
+    b0 = model.head_b[0].weight.detach().clone()
+    d = DistributedDataParallel(model, dims=dims, bucket_cap_mb=0.01,
+                                find_unused_parameters=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    grads = []
+    for step in range(3):
+        d.zero_grad(set_to_none=False)
+        ropt.zero_grad(set_to_none=False)
+        x, y = batch(step)
+        loss_fn(d, local(x, dims), local(y, dims), task="a").backward()
+        loss_fn(ref, x, y, task="a").backward()
+        grads.append(model.head_b[0].weight.grad is None)
+        opt.step()
+        ropt.step()
+    return {"diff": _max_diff(model, ref), "none": grads,
+            "moved": (model.head_b[0].weight - b0).abs().max().item()}
+
+
 def _auto(dims) -> dict:
     """``overlap_grad_reduce="auto"`` through its trial and past it: AdamW steps with weight
     decay and clipping against one process on the global batch; how each cycle was planned
@@ -321,7 +350,8 @@ def ddp_scenarios() -> dict:
     out = {"parity": _parity(dims), "unused": _unused_and_overlap(dims),
            "parity_after_backward": _parity(dims, overlap=False),
            "unused_after_backward": _unused_and_overlap(dims, overlap=False),
-           "auto": _auto(dims), "rank_dependent_heads": _rank_dependent_heads(dims)}
+           "auto": _auto(dims), "rank_dependent_heads": _rank_dependent_heads(dims),
+           "unused_head": _unused_head_kept_as_none(dims)}
     if dist.get_world_size() == 4:
         out["tp_clip"] = _tp_clip()
     else:  # dp == 1: a plain wrapper, gradients untouched
@@ -363,6 +393,13 @@ def test_ranks_using_different_parameters(spawned, world):
     # backward: the use flags' all-reduce must come first on every rank
     for r in spawned(ddp_scenarios, world):
         assert r["rank_dependent_heads"] < TOL, r["rank_dependent_heads"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero_grad_keeps_an_unused_parameters_grad_none(spawned, world):
+    for r in spawned(ddp_scenarios, world):
+        u = r["unused_head"]
+        assert u["none"] == [True] * 3 and u["moved"] == 0.0 and u["diff"] < TOL, u
 
 
 @pytest.mark.parametrize("world", [2, 4])

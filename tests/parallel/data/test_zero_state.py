@@ -80,6 +80,26 @@ def _round_trip(dims) -> dict:
             "held_after": z2.sharded.full_bytes_held()}
 
 
+def _load_while_gathered(dims) -> dict:
+    """A forward with grad and no backward keeps the root unit and the last layer gathered:
+    a load then writes into their full views, and must reach the shards (the masters) too;
+    then one more step against the same load and step on one process."""
+    model, ref = make(), make()
+    z = _zero3(model, dims)
+    ropt = torch.optim.AdamW(groups_of(ref), **adamw())
+    x, y = batch(0)
+    loss_fn(model, local(x, dims), local(y, dims))  # (a validation loss without no_grad)
+    other = make(seed=5).state_dict()
+    model.load_state_dict(other)
+    ref.load_state_dict(other)
+    z.sharded.end_step()  # what step() does first: the gathered units are freed
+    out = {"full": max_err(z.full_state_dict(), other),
+           "master": max_err(z.state_dict()["master"], other)}
+    train_step(z, ropt, model, ref, dims, 1)
+    out["step"] = max_err(model.state_dict(), ref.state_dict())
+    return out
+
+
 def _mixed_masters(dims) -> dict:
     """bf16 parameters, fp32 masters: a loaded fp32 state dict reaches the masters exactly."""
     from distllm.parallel import ZeroOptimizer
@@ -210,6 +230,7 @@ def zero_module_state() -> dict:
 
     dims = ParallelDims()
     return {"step": _after_one_step(dims), "round_trip": _round_trip(dims),
+            "gathered": _load_while_gathered(dims),
             "mixed": _mixed_masters(dims), "assign": _assign_refused(dims),
             "scaler": _scaler_state(dims), "optimizer": _optimizer_round_trips(dims)}
 
@@ -247,6 +268,12 @@ def test_zero3_load_state_dict_then_train(spawned):
         s = r["step"]
         assert s["loaded"] == 0.0, s
         assert s["step_after_load"] < TOL and s["master_after_load"] < TOL, s
+
+
+def test_zero3_load_into_units_a_forward_keeps_gathered(spawned):
+    for r in _results(spawned):
+        g = r["gathered"]
+        assert g["full"] == 0.0 and g["master"] == 0.0 and g["step"] < TOL, g
 
 
 def test_zero3_save_load_round_trip(spawned):
