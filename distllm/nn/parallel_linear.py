@@ -191,7 +191,8 @@ class RowParallelLinear(nn.Module):
     overlapped with the dX GEMM, and an all-reduce of the bias gradient).
     ``input_is_parallel=False``: X is full and split here (backward: all-gather of dX).
 
-    ``overlap``: "chunked" uses ``chunks`` pieces (the last may be smaller), "none" the
+    ``overlap``: "chunked" uses ``chunks`` pieces (from 3 on, the first and the last half
+    the size of the others, so that the collective starts early and ends soon), "none" the
     sequential GEMM then collective, "auto" the faster of them by a cached measurement per
     shape (logging once to ``logging.getLogger("distllm")`` when it falls back to none).
     """

@@ -194,8 +194,11 @@ class OverlapPlan:
         rows = a.shape[0] if kind == "all_reduce" else a.shape[1] // (
             self.tp if kind == "reduce_scatter" else 1)
         m = a.numel() // max(a.shape[-1], 1)  # rows: a new measurement per power of two
-        key = (self.name, direction, kind, 1 << max(m - 1, 0).bit_length(), a.shape[-1], n_out,
-               str(a.dtype), a.device.type, one_piece)
+        # ... of the rows and of those the engine chunks (the sequence's under sequence
+        # parallelism: (8, s) and (1, 8s) have the GEMM's rows, not its chunks)
+        key = (self.name, direction, kind, 1 << max(m - 1, 0).bit_length(),
+               1 << max(rows - 1, 0).bit_length(), a.shape[-1], n_out, str(a.dtype),
+               a.device.type, one_piece)
         choice = overlap_tuner.choose(
             key, lambda c, ch, g=None: run_engine(kind, a, mm, n_out, c, ch, then, g),
             self.comm, rows, a.device, f"{self.name} {direction}", chunks_hint=self.chunks,
@@ -307,11 +310,15 @@ def _mm(w: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
 
 def _check_k(x: torch.Tensor, weight: torch.Tensor, what: str) -> None:
     """ValueError, before any GEMM or collective, unless ``x`` (..., K) fits ``weight``
-    (N, K)."""
+    (N, K), in its dtype (outside autocast)."""
     if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"{what}: input of shape {tuple(x.shape)} does not fit this rank's "
                          f"weight {tuple(weight.shape)}: its last dim must be "
                          f"{weight.shape[1]}")
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise ValueError(f"{what}: the input is {x.dtype} and the layer's weight "
+                         f"{weight.dtype}: cast the input (x.to({weight.dtype})) or the layer "
+                         f"(layer.to({x.dtype}))")
 
 
 class _ColumnParallelMatmul(torch.autograd.Function):
@@ -426,6 +433,10 @@ def column_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                            plan: OverlapPlan, sequence_parallel: bool) -> torch.Tensor:
     """Autograd entry of the column-parallel GEMM (see the module table for collectives)."""
     _check_k(x, weight, "column_parallel_matmul")
+    if sequence_parallel and plan.tp > 1 and x.dim() != 3:
+        raise ValueError(f"column_parallel_matmul: under sequence_parallel the input is "
+                         f"(batch, seq/tp, k), this rank's part of the sequence (all-gathered "
+                         f"here); got {tuple(x.shape)}")
     return _ColumnParallelMatmul.apply(x, weight, bias, plan, sequence_parallel)
 
 

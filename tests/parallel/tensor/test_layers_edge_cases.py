@@ -234,3 +234,53 @@ def test_a_deep_copy_shares_the_mesh_and_trains_the_same():
         assert r["grad err"] <= 1e-15 and r["shared params"] == [], r
         assert r["same dims"] and r["own stats"], r
         assert all(st == (False, 1, 1) for st in r["own stats"]), r
+
+
+def _inputs_refused_and_shapes_keyed() -> dict:
+    from distllm import ParallelDims
+    from distllm.nn import ColumnParallelLinear, RowParallelLinear
+    from distllm.parallel.tensor import column_parallel_matmul, overlap_tuner
+    from distllm.parallel.tensor.layers import OverlapPlan
+
+    dims, res = ParallelDims(tp=2), {}
+    cases = {  # another dtype than the weight's (no autocast): before any collective
+        "row": lambda: RowParallelLinear(8, 4, dims, overlap="chunked")(
+            torch.randn(3, 4, dtype=torch.float64)),
+        "col-sp": lambda: ColumnParallelLinear(8, 4, dims, sequence_parallel=True,
+                                               overlap="chunked")(
+            torch.randn(1, 3, 8, dtype=torch.float64)),
+        "fn-sp-2d": lambda: column_parallel_matmul(
+            torch.randn(3, 8, dtype=torch.float64), torch.randn(2, 8, dtype=torch.float64),
+            None, OverlapPlan(dims, "chunked", 2, "c"), True),
+    }
+    for name, fn in cases.items():
+        try:
+            fn()
+            res[name] = "no error"
+        except ValueError as e:
+            res[name] = str(e)
+    # the tuner's choice for (1, 4) tokens is not the one made for (4, 1): same rows, but one
+    # sequence position per rank to chunk against four
+    overlap_tuner.TRIAL_ROUNDS = 1
+    torch.manual_seed(0)
+    col = ColumnParallelLinear(16, 8, dims, sequence_parallel=True, overlap="auto",
+                               dtype=torch.float64)
+    with torch.no_grad():
+        col(torch.randn(4, 1, 16, dtype=torch.float64))
+        res["few"] = col.overlap_stats.forward.reason
+        col(torch.randn(1, 4, 16, dtype=torch.float64))
+        res["more"] = col.overlap_stats.forward.reason
+    return res
+
+
+def test_inputs_the_engines_cannot_take_and_the_tuners_key():
+    for r in run_distributed(_inputs_refused_and_shapes_keyed, 2, timeout=120):
+        assert r["row"] == ("row_parallel_matmul: the input is torch.float64 and the layer's "
+                            "weight torch.float32: cast the input (x.to(torch.float32)) or the "
+                            "layer (layer.to(torch.float64))")
+        assert r["col-sp"].startswith("column_parallel_matmul: the input is torch.float64")
+        assert r["fn-sp-2d"] == ("column_parallel_matmul: under sequence_parallel the input "
+                                 "is (batch, seq/tp, k), this rank's part of the sequence "
+                                 "(all-gathered here); got (3, 8)")
+        assert r["few"].startswith("no overlap: too few rows to chunk"), r
+        assert r["more"] == "trial in the step: sequential, call 1 of 3", r
