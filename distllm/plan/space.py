@@ -145,11 +145,13 @@ def _inner(shape: ModelShape, tp: int, pp: int, dp: int, per_replica: int, pins:
     cks = [pins["checkpointing"]] if pins.get("checkpointing") else list(rt.checkpointing)
     sp_ok = rt.sequence_parallel and tp > 1 and shape.seq_len % tp == 0
     sps = [False, True] if sp_ok else [False]
-    if pins.get("sequence_parallel") is not None and tp > 1:
+    if pins.get("sequence_parallel") is not None and (tp > 1 or pins["sequence_parallel"]):
         sps = [pins["sequence_parallel"]]
-    # pinned on where it cannot run: kept, with the trainer's reason
+    # pinned on where it cannot run: kept, with the trainer's reason (at tp=1 it would run
+    # without: a pin is a requirement)
     spreason = (
-        f"--sequence-parallel on needs seq_len={shape.seq_len} divisible by tp={tp}"
+        "sequence parallelism needs tp > 1" if True in sps and tp == 1
+        else f"--sequence-parallel on needs seq_len={shape.seq_len} divisible by tp={tp}"
         if True in sps and shape.seq_len % tp
         else None
     )
@@ -226,5 +228,7 @@ def _check_unused_pins(world: int, pinned: dict, pins: dict, world_flag: str) ->
             on = " x ".join(f"--{k} {v}" for k, v in others.items())
             why = f"{on} on {world_flag} {world}" if on else f"{world_flag} {world}"
         if most == 1:
-            raise ValueError(f"{flag} {given} {what}, and {why} leaves {knob}=1: raise "
+            # (distllm train's --sequence-parallel is a switch: no "on" after it)
+            said = flag if knob == "tp" and world_flag != "--gpus" else f"{flag} {given}"
+            raise ValueError(f"{said} {what}, and {why} leaves {knob}=1: raise "
                              f"--{knob}, or drop {flag}")

@@ -288,14 +288,18 @@ def check_unused(args: argparse.Namespace, cfg: TrainConfig) -> None:
     default, that this run would not use (a feature of a parallel dimension the layout does
     not have, a resume-only flag on a fresh run, a token-file dtype for text, a ``--seed``
     other than the seed of the checkpoint a resume continues), instead of training without
-    it. Under ``--plan auto``, which chooses the layout, the flags that
-    depend on it are not checked."""
-    unused = [] if args.plan == "auto" else _unused_layout(args, cfg.parallel)
+    it. Under ``--plan auto`` ``cfg`` holds the planned layout, and the flags of a
+    parallel dimension it does not have are refused but for ``--schedule`` and
+    ``--virtual-stages`` (the planner chooses the schedule)."""
+    unused = _unused_layout(args, cfg.parallel)
+    if args.plan == "auto":
+        unused = [u for u in unused if not u.startswith(("--schedule", "--virtual-stages"))]
     if cfg.resume and args.seed is not None:
         unused += _resumed_seed(args.seed, cfg.out)
     for flag, on in (("--override-optim", cfg.override_optim),
                      ("--override-data", cfg.override_data)):
-        if on and not cfg.resume:
+        # (with --auto-resume, a first attempt starts fresh and its restarts resume)
+        if on and not cfg.resume and not getattr(args, "auto_resume", False):
             unused.append(f"{flag} applies to a --resume only: add --resume, or drop it")
     default_dtype = next(f.default for f in flags() if f.field == "data_dtype")
     if cfg.data_dtype != default_dtype and (cfg.data is None or Path(cfg.data).exists()):

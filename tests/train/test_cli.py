@@ -696,6 +696,35 @@ def test_plan_auto_pins_the_layout_flags_given_with_it():
     assert (cfg.parallel.tp, cfg.parallel.zero) == (2, 0)
     free, _ = apply_plan(config_from_args(_parser().parse_args(["--plan", "auto"])), 2)
     assert (free.parallel.tp, free.parallel.zero) != (2, 0)
+    assert free.parallel.tp == 1  # (so the pin below is what makes it tp 2)
+    # a pinned --sequence-parallel is a requirement: never a tp-1 layout without it
+    args = _parser().parse_args(["--plan", "auto", "--sequence-parallel"])
+    sp, _ = apply_plan(config_from_args(args), 2, given_layout(args))
+    assert (sp.parallel.tp, sp.parallel.sequence_parallel) == (2, True)
+    args = _parser().parse_args(["--plan", "auto", "--sequence-parallel", "--tp", "1"])
+    with pytest.raises(ValueError) as e:
+        apply_plan(config_from_args(args), 2, given_layout(args))
+    assert str(e.value).startswith("--sequence-parallel shards activations inside a TP group, "
+                                   "and --tp 1 leaves tp=1: raise --tp, or drop "
+                                   "--sequence-parallel"), str(e.value)
+
+
+def test_auto_resume_takes_the_resume_only_flags(tmp_path):
+    """--override-* with --auto-resume: a first attempt starts fresh, its restarts resume;
+    not refused as on a fresh run (whose message named --resume, refused with it)."""
+    from distllm.cli import UsageError
+    from distllm.train.cli import check_unused, config_from_args
+    from distllm.train.resume import resolve_auto_resume
+
+    for extra, refused in ((["--auto-resume"], False), ([], True)):
+        args = _parser().parse_args(["--out", str(tmp_path / "r"), "--override-data", *extra])
+        cfg = resolve_auto_resume(config_from_args(args))
+        assert not cfg.resume
+        if refused:
+            with pytest.raises(UsageError, match="--override-data applies to a --resume only"):
+                check_unused(args, cfg)
+        else:
+            check_unused(args, cfg)
 
 
 @pytest.mark.parametrize("argv, refused", [
@@ -705,14 +734,17 @@ def test_plan_auto_pins_the_layout_flags_given_with_it():
     (["--virtual-stages", "4"], True),
     (["--vocab-parallel", "on"], True),
     (["--vocab-parallel", "off"], False),
-    # under --plan auto the planner picks tp and pp: its pick decides, not the user
-    (["--plan", "auto", "--vocab-parallel", "on"], False),
+    # under --plan auto, a flag of a dimension the planned layout lacks (here tp 1, as the
+    # planner may pick) is refused, not dropped: pin --tp to keep it; --schedule is the
+    # planner's to choose
+    (["--plan", "auto", "--vocab-parallel", "on"], True),
+    (["--plan", "auto", "--schedule", "gpipe"], False),
     (["--plan", "auto", "--override-data"], True),
     (["--batch-split", "0", "--overlap", "auto", "--data-dtype", "uint16"], False),
     (["--tp", "2", "--batch-split", "2", "--overlap", "chunked"], False),
     (["--tp", "2", "--sequence-parallel", "--batch-split", "1"], True),
     (["--batch-split", "1"], True),
-    (["--plan", "auto", "--batch-split", "2", "--overlap", "none"], False),
+    (["--plan", "auto", "--batch-split", "2", "--overlap", "none"], True),
     (["--plan", "auto", "--data-dtype", "uint32"], True),
 ])
 def test_a_flag_at_its_default_is_not_refused(argv, refused):
