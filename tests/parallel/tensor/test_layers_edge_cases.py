@@ -283,4 +283,5 @@ def test_inputs_the_engines_cannot_take_and_the_tuners_key():
                                  "is (batch, seq/tp, k), this rank's part of the sequence "
                                  "(all-gathered here); got (3, 8)")
         assert r["few"].startswith("no overlap: too few rows to chunk"), r
-        assert r["more"] == "trial in the step: sequential, call 1 of 3", r
+        # (a trial of its own; how many schedules it tries depends on the measured rates)
+        assert r["more"].startswith("trial in the step: sequential, call 1 of "), r
