@@ -173,6 +173,8 @@ def _skip_rank(data: str, out: str, layout: dict) -> list[dict]:
             hook.remove()
         before = [p.detach().clone() for c in eng.chunks for p in c.parameters()]
         out = eng.update(cfg.optim.grad_clip, loss=loss)
+        if eng.zero is not None:  # ZeRO-1/2 all-gathers the updated weights after the step,
+            eng.zero.wait_params()  # behind the next forward: read them once they are whole
         after = [p.detach() for c in eng.chunks for p in c.parameters()]
         res.append({"skipped": out.skipped,
                     "moved": any(not torch.equal(a, b) for a, b in zip(before, after, strict=True)),
