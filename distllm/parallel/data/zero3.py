@@ -287,20 +287,20 @@ class ShardedParams:
         for u in units:
             for f in self.flats[u]:
                 if f.state == "full":
-                    s = f.numel // self.nranks
-                    f.shard.copy_(f.full[self.rank * s: (self.rank + 1) * s])
+                    self._keep_slice(f)
+
+    def _keep_slice(self, f: _Flat) -> None:
+        """This rank's slice of gathered ``f``'s full values into its shard."""
+        s = f.numel // self.nranks
+        f.shard.copy_(f.full[self.rank * s: (self.rank + 1) * s])
 
     @torch.no_grad()
-    def release(self, flats: list[_Flat], commit: bool = False) -> None:
-        """Free ``flats`` (gathered by :meth:`gather`) again. ``commit``: first keep this
-        rank's slice of what the full parameters now hold (values written while gathered)."""
+    def release(self, flats: list[_Flat]) -> None:
+        """Free ``flats`` (gathered by :meth:`gather`) again (values written while gathered
+        are kept by :meth:`commit` first)."""
         for f in flats:
-            if f.state != "full":
-                continue
-            if commit:
-                s = f.numel // self.nranks
-                f.shard.copy_(f.full[self.rank * s: (self.rank + 1) * s])
-            self._free(f)
+            if f.state == "full":
+                self._free(f)
 
     # --- hooks ---------------------------------------------------------------------------
     def _pre_forward(self, mod: nn.Module, args) -> tuple | None:
