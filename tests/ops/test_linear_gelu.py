@@ -21,6 +21,7 @@ from distllm.ops import (
     linear_gelu,
     linear_gelu_reference,
 )
+from tests._onednn import PINNED
 
 # Relative tolerance per dtype, as a fraction of the reference's largest magnitude:
 TOL = {
@@ -142,10 +143,65 @@ def test_partial_grads(backend):
     for bias in (True, False):  # only weight (and bias) need a gradient, as in a first layer
         x, w, b = _data(7, 64, 48, torch.float32 if backend == "triton" else torch.float64, bias)
         w.requires_grad_()
+        if b is not None:
+            b.requires_grad_()
         y = linear_gelu(x, w, b, backend=backend)
-        y.sum().backward()
-        _, want = _oracle(x, w, b, "none", torch.ones(y.shape, dtype=torch.float64))
+        g = torch.randn(y.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        y.backward(g.to(y.dtype))
+        _, want = _oracle(x, w, b, "none", g)
         _close(w.grad, want["dw"], x.dtype, "dw")
+        if b is not None:
+            _close(b.grad, want["db"], x.dtype, "db")
+
+
+@pytest.mark.parametrize("pinned", PINNED)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_cpu_backend_with_each_gemm_library(monkeypatch, pinned, approximate):
+    """The cpu backend in float32 with each GEMM library pinned: training (bias fused into
+    the GEMM), and inference, where oneDNN applies the GeLU as its post-op. Otherwise which
+    library runs is measured on first use, so a test could run only one of them."""
+    real, asked = backend_choice.lookup, []
+
+    def lookup(key, device):
+        if key.startswith("cpu_gemm|"):
+            asked.append(key.split("|")[1])
+            return pinned
+        return real(key, device)
+
+    monkeypatch.setattr(backend_choice, "lookup", lookup)
+    x, w, b = _data(33, 96, 80, torch.float32, lead=(3,), noncontig=True)
+    _check("cpu", x, w, b, approximate)
+    with torch.no_grad():
+        _check("cpu", x, w, b, approximate, grads=False)
+    assert {"linear", f"linear_gelu_{approximate}"} <= set(asked), asked
+
+
+GEMM_DGELU_SHAPES = [  # (M, P, N): dy (M, P) @ weight (P, N) -> gu (M, N); the interpreter's
+    (37, 45, 70),  # tiles are 16 rows by 32-64 columns with K steps of 32: several of each
+    (5, 8, 33),
+]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
+@pytest.mark.parametrize("M,P,N", GEMM_DGELU_SHAPES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gemm_dgelu_matches_float64(backend, M, P, N, approximate):
+    """The fused MLP's backward GEMM, ``gu = (dy @ w2) * gelu'(pre)`` and ``db = gu.sum(0)``,
+    against its formula in float64, with a strided ``dy`` (a transposed view)."""
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    g = torch.Generator().manual_seed(3)
+    dy = torch.randn(P, M, generator=g, dtype=torch.float64).t()  # (M, P), not contiguous
+    w2 = torch.randn(P, N, generator=g, dtype=torch.float64) * P**-0.5
+    pre = torch.randn(M, N, generator=g, dtype=torch.float64)
+    want = (dy @ w2) * _gelu_and_slope(pre, approximate)[1]  # (M, P) @ (P, N)
+    for bias_grad in (True, False):
+        gu, db = gemm_dgelu(dy.to(dtype), w2.to(dtype), pre.to(dtype), bias_grad=bias_grad,
+                            approximate=approximate, backend=backend)
+        _close(gu, want, dtype, "gu")
+        if bias_grad:
+            _close(db, want.sum(0), dtype, "db")
+        else:
+            assert db is None
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference", "triton", "auto"])

@@ -11,6 +11,7 @@ from torch import nn
 
 from distllm.parallel.data.bucket_layout import FIRST_BUCKET_BYTES, assign_buckets
 from distllm.parallel.data.buckets import REDUCE_SCATTER_IMPLS, GradBuckets
+from tests._errors import worst
 from tests._spawn import SpawnCache
 from tests.parallel.data._common import TOL
 
@@ -146,7 +147,7 @@ def bucket_scenarios() -> dict:
                 else:
                     got = b.buffer
                 errs.append((got - w).abs().max().item())
-        out[name] = {"err": max(errs), "buckets": len(gb.buckets),
+        out[name] = {"err": worst(errs), "buckets": len(gb.buckets),
                      "freed": all(b.buffer is None for b in gb.buckets)}
     return out
 

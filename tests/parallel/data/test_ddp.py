@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests._errors import worst
 from tests._spawn import SpawnCache
 from tests.parallel.data._common import TOL, batch, local, loss_fn, make
 
@@ -24,8 +25,8 @@ def spawned():
 def _max_diff(a: nn.Module, b: nn.Module, grads: bool = False) -> float:
     pairs = zip(a.parameters(), b.parameters(), strict=True)
     if grads:
-        return max((p.grad - q.grad).abs().max().item() for p, q in pairs)
-    return max((p - q).abs().max().item() for p, q in pairs)
+        return worst((p.grad - q.grad).abs().max().item() for p, q in pairs)
+    return worst((p - q).abs().max().item() for p, q in pairs)
 
 
 def _parity(dims, overlap: bool = True) -> dict:
@@ -75,12 +76,12 @@ def _parity(dims, overlap: bool = True) -> dict:
             loss_fn(d, xl, yl).backward()
             loss_fn(t, xl, yl).backward()
         loss_fn(ref, x, y).backward()
-        errs["grad_vs_torch"] = max(errs["grad_vs_torch"], _max_diff(mine, theirs, grads=True))
+        errs["grad_vs_torch"] = worst(errs["grad_vs_torch"], _max_diff(mine, theirs, grads=True))
         errs["views"] &= views()
         n1 = d.clip_grad_norm_(0.05)
         n2 = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.05)
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-        errs["norm"] = max(errs["norm"], abs(n1.item() - n2.item()))
+        errs["norm"] = worst(errs["norm"], abs(n1.item() - n2.item()))
         for o in opts:
             o.step()
     errs["params_vs_torch"] = _max_diff(mine, theirs)
@@ -114,11 +115,11 @@ def _unused_and_overlap(dims, overlap: bool = True) -> dict:
     err = 0.0
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         if p is model.never:
-            err = max(err, 0.0 if p.grad is None else float("inf"))
+            err = worst(err, 0.0 if p.grad is None else float("inf"))
             continue
         g = q.grad.clone() if q.grad is not None else torch.zeros_like(q)
         dist.all_reduce(g, group=dims.dp_group)
-        err = max(err, (p.grad - g / dims.dp).abs().max().item())
+        err = worst(err, (p.grad - g / dims.dp).abs().max().item())
     # AdamW with weight decay leaves the parameter no rank used alone, step after step (a
     # zero gradient would decay it)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -127,20 +128,20 @@ def _unused_and_overlap(dims, overlap: bool = True) -> dict:
         opt.step()
         d.zero_grad()
         loss_fn(d, xl, yl, use_extra=use).backward()
-    err = max(err, (model.never - before).abs().max().item(),
+    err = worst(err, (model.never - before).abs().max().item(),
               0.0 if model.never.grad is None else float("inf"))
     # a gradient carried over (no zero_grad) to a step that does not use the parameter
     # stays, as torch DDP leaves it (it was set to None)
     model.never.grad = torch.full_like(model.never, 0.5)
     loss_fn(d, xl, yl, use_extra=use).backward()
-    err = max(err, float("inf") if model.never.grad is None else
+    err = worst(err, float("inf") if model.never.grad is None else
               (model.never.grad - 0.5).abs().max().item())
     # ... but not after a forward that no backward followed, once zero_grad dropped it
     model.never.grad = torch.full_like(model.never, 0.5)
     d(xl)
     d.zero_grad()
     loss_fn(d, xl, yl, use_extra=use).backward()
-    err = max(err, 0.0 if model.never.grad is None else float("inf"))
+    err = worst(err, 0.0 if model.never.grad is None else float("inf"))
     return {"unused_err": err, "buckets": len(d.bucket_sizes), "first_hooks": log[0][2],
             "nparams": len(list(model.parameters())) - 1,
             "before_end": before_end,
@@ -335,7 +336,7 @@ def _zero_dp1(dims) -> float:
             z.step()
             ropt.step()
         sd = z.state_dict()
-        err = max(err, max((sd["master"][n] - p).abs().max().item()
+        err = worst(err, worst((sd["master"][n] - p).abs().max().item()
                            for n, p in ref.named_parameters()))
     return err
 

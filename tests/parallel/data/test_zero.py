@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests._errors import worst
 from tests._spawn import SpawnCache
 from tests.parallel.data._common import (
     OPT,
@@ -86,7 +87,7 @@ def _run_case(dims, stage: int, sgd: bool = False, prefetch: bool = True,
     refp = dict(ref.named_parameters())
     errs = {"master": max_err({k: sd["master"][k] for k in refp}, refp),
             "weights": max_err(z.full_state_dict(), refp),
-            "norm": max(abs(a - b) for a, b in norms)}
+            "norm": worst(abs(a - b) for a, b in norms)}
     for key in MOMENTS[opt_cls.__name__]:
         errs[key] = max_err({n: sd["state"][n][key] for n in refp},
                             {n: ropt.state[p][key] for n, p in refp.items()})
@@ -169,7 +170,7 @@ def _bf16_masters(dims, stage: int, steps: int = 5) -> dict:
                                {k: v.float() for k, v in half.named_parameters()}),
             "exp_avg_sq": max_err({n: sd["state"][n]["exp_avg_sq"] for n in refp},
                                   {n: ropt.state[p]["exp_avg_sq"] for n, p in refp.items()}),
-            "norm": max(norm_errs), "ref_norms": [float(n) for n in ref_norms],
+            "norm": worst(norm_errs), "ref_norms": [float(n) for n in ref_norms],
             "moved": max_err(refp, dict(make(dtype=torch.float32).named_parameters()))}
 
 
@@ -246,7 +247,7 @@ def _accumulation(dims) -> dict:
         torch.nn.utils.clip_grad_norm_(ref.parameters(), OPT.grad_clip)
         ropt.step()
         sd = z.state_dict()
-        out[stage] = max((sd["master"][k] - p).abs().max().item()
+        out[stage] = worst((sd["master"][k] - p).abs().max().item()
                          for k, p in ref.named_parameters())
     return out
 
@@ -283,7 +284,7 @@ def _skip_and_reload(dims) -> dict:
         z2.load_state_dict(sd)
         train_step(z2, ropt2, m2, r2, dims, 1)
         sd2 = z2.state_dict()
-        errs[key] = max((sd2["master"][k] - p).abs().max().item()
+        errs[key] = worst((sd2["master"][k] - p).abs().max().item()
                         for k, p in r2.named_parameters())
     return {"stepped": stepped, "skipped": z.skipped_steps, "reload": errs}
 
@@ -308,7 +309,7 @@ def _loss_scale(dims) -> dict:
     norm -= torch.nn.utils.clip_grad_norm_(ref.parameters(), OPT.grad_clip).item()
     ropt.step()
     z.wait_params()  # the parameter all-gather overlaps the next forward; read after waiting
-    err = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters(),
+    err = worst((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters(),
                                                          strict=True))
     z.zero_grad()
     z.scale_loss(float("inf") * loss_fn(model, local(x, dims), local(y, dims))).backward()
@@ -580,7 +581,7 @@ def gather_waits() -> dict:
             ref(x).square().mean().backward()
             ropt.step()
         z.wait_params()
-        err = max((p - q).abs().max().item() for p, q in zip(model.parameters(),
+        err = worst((p - q).abs().max().item() for p, q in zip(model.parameters(),
                                                                ref.parameters(), strict=True))
         out[stage] = {"pending_after_step": pending_after_step, "seen": seen, "err": err,
                       "buckets": len(z.reducer.buckets)}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests._errors import worst
 from tests._spawn import SpawnCache, case_of, run_cases
 from tests.parallel.data._common import TOL, batch, local, loss_fn, make
 
@@ -43,15 +44,15 @@ def _carry_over(dims, stage: int, loss_scale: float | None = None,
         norms.append(n.item())
         ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item())
         if stage <= 1:  # the .grad views of the replicated buckets, clipped
-            grads.append(max((p.grad / scale - q.grad).abs().max().item()
+            grads.append(worst((p.grad / scale - q.grad).abs().max().item()
                              for p, q in zip(model.parameters(), ref.parameters(), strict=True)))
         z.step()
         ropt.step()
         if stage >= 2:
             ref.zero_grad()
     sd = z.state_dict()["master"]
-    return {"master": max((sd[k] - p).abs().max().item() for k, p in ref.named_parameters()),
-            "norm": max(abs(a - b) for a, b in zip(norms, ref_norms, strict=True)),
+    return {"master": worst((sd[k] - p).abs().max().item() for k, p in ref.named_parameters()),
+            "norm": worst(abs(a - b) for a, b in zip(norms, ref_norms, strict=True)),
             "grads": max(grads, default=0.0), "ref_norms": ref_norms}
 
 
