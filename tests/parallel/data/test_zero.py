@@ -131,9 +131,11 @@ BF16_TOL = 5e-7  # fp32 masters: 6e-8 measured (1 ulp; the global norm sums in a
 
 def _bf16_masters(dims, stage: int, steps: int = 5) -> dict:
     """bf16 parameters with fp32 masters (what the trainer runs for --dtype bfloat16) against
-    a reference written out here: fp32 masters, a bf16 copy of them that computes the same
-    gradients (every DP rank is given the same rows, so averaging them is exact), those
-    gradients upcast, clipped by torch and stepped by torch's AdamW, then cast back."""
+    a reference written out here: fp32 masters, a bf16 copy of them that computes each DP
+    rank's gradients on that rank's rows (the same bf16 GEMMs), those gradients upcast and
+    averaged (as the fp32 buckets do: a sum of two halves is exact at dp 2), clipped by torch
+    and stepped by torch's AdamW, then cast back. Each rank's rows are its own, so a missing
+    or wrong data-parallel reduction changes the result."""
     from distllm.parallel import ZeroOptimizer
 
     model = make(dtype=torch.float32)
@@ -146,14 +148,18 @@ def _bf16_masters(dims, stage: int, steps: int = 5) -> dict:
     ref_norms, norm_errs = [], []
     for step in range(steps):
         set_lr(step, z, ropt)
-        x, y = batch(step, n=4)  # the same 4 rows on every DP rank
+        x, y = batch(step, n=4 * dims.dp)  # 4 rows a DP rank
         x, y = x.float().bfloat16(), y.float().bfloat16()
         z.zero_grad()
-        (2 * loss_fn(model, x, y)).backward()  # (doubled: clipping acts on every step)
-        half.zero_grad()
-        (2 * loss_fn(half, x, y)).backward()
-        for m, h in zip(masters.parameters(), half.parameters(), strict=True):
-            m.grad = h.grad.float()
+        (2 * loss_fn(model, local(x, dims), local(y, dims))).backward()  # (doubled: clipping
+        for m in masters.parameters():  # acts on every step)
+            m.grad = torch.zeros_like(m)
+        for r in range(dims.dp):  # rank r's bf16 gradients, each over rank r's rows
+            half.zero_grad()
+            rows = slice(4 * r, 4 * (r + 1))
+            (2 * loss_fn(half, x[rows], y[rows])).backward()
+            for m, h in zip(masters.parameters(), half.parameters(), strict=True):
+                m.grad += h.grad.float() / dims.dp
         ref_norms.append(torch.nn.utils.clip_grad_norm_(masters.parameters(), OPT.grad_clip))
         norm_errs.append(abs(z.clip_grad_norm_(OPT.grad_clip).item() - ref_norms[-1].item())
                          / ref_norms[-1].item())
