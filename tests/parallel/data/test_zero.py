@@ -129,19 +129,21 @@ def test_zero_matches_single_process(spawned, case, world):
 BF16_TOL = 5e-7  # fp32 masters: 6e-8 measured (1 ulp; the global norm sums in another order)
 
 
-def _bf16_masters(dims, stage: int, steps: int = 5) -> dict:
+def _bf16_masters(dims, stage: int, steps: int = 5, by_module: bool = True) -> dict:
     """bf16 parameters with fp32 masters (what the trainer runs for --dtype bfloat16) against
     a reference written out here: fp32 masters, a bf16 copy of them that computes each DP
     rank's gradients on that rank's rows (the same bf16 GEMMs), those gradients upcast and
     averaged (as the fp32 buckets do: a sum of two halves is exact at dp 2), clipped by torch
     and stepped by torch's AdamW, then cast back. Each rank's rows are its own, so a missing
-    or wrong data-parallel reduction changes the result."""
+    or wrong data-parallel reduction changes the result. ``by_module=False`` passes the
+    param groups alone, as the trainer does for bf16 at stage 0."""
     from distllm.parallel import ZeroOptimizer
 
     model = make(dtype=torch.float32)
     masters = copy.deepcopy(model)  # the reference's fp32 masters
-    z = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, dims=dims,
-                      param_dtype=torch.bfloat16, param_groups=groups_of(model),
+    z = ZeroOptimizer(model if by_module else groups_of(model, named=True), torch.optim.AdamW,
+                      stage=stage, dims=dims, param_dtype=torch.bfloat16,
+                      param_groups=groups_of(model) if by_module else None,
                       bucket_cap_mb=0.002, **adamw())
     ropt = torch.optim.AdamW(groups_of(masters), foreach=False, **adamw())
     half = copy.deepcopy(masters).bfloat16()  # the reference's bf16 compute copy
@@ -184,10 +186,11 @@ def bf16_parity() -> dict:
     from distllm import ParallelDims
 
     dims = ParallelDims()
-    return {stage: _bf16_masters(dims, stage) for stage in (0, 1, 2, 3)}
+    return {**{stage: _bf16_masters(dims, stage) for stage in (0, 1, 2, 3)},
+            "0-groups": _bf16_masters(dims, 0, by_module=False)}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3, "0-groups"])
 def test_bf16_masters_match_an_fp32_adamw(spawned, stage):
     """The trainer's bf16 path at the default settings (decay on matrices, clipping that acts
     on every step, warm-up then decay): the fp32 masters, Adam's second moments and the bf16
