@@ -189,6 +189,14 @@ def _validate(engine, corpus, cfg: TrainConfig, seq: int, dims: ParallelDims,
     return total / max(n, 1)
 
 
+def _strict(record: dict) -> dict:
+    """``record`` with its inf/NaN numbers (the loss and norm of a skipped or diverged step)
+    as None: ``json.dumps`` writes them as ``NaN``/``Infinity``, which is not JSON (jq and
+    JSON.parse refuse the line)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in record.items()}
+
+
 def _truncate_metrics(path: str, after_step: int, last: dict | None = None) -> None:
     """Drop lines of steps after ``after_step`` (left by a run killed after its checkpoint),
     and any line that is not a record (one cut short by a kill or a full disk); add ``last``,
@@ -266,11 +274,11 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
             # a validation that fails must not take the step's weights with it
             saved = bool(cfg.save_every and done % cfg.save_every == 0 and done < end
                          or done == end and cfg.save_final)
-            record = {"step": done, "loss": loss, "tokens_per_s": tps, "lr": lr,
-                      "grad_norm": norm, "step_time_s": dt, "mfu": mfu,
-                      "tokens": done * tokens_per_step,
-                      "overlap_tuning": tuning or overlap_tuning(plans),
-                      **({"skipped": True} if out.skipped else {})}
+            record = _strict({"step": done, "loss": loss, "tokens_per_s": tps, "lr": lr,
+                              "grad_norm": norm, "step_time_s": dt, "mfu": mfu,
+                              "tokens": done * tokens_per_step,
+                              "overlap_tuning": tuning or overlap_tuning(plans),
+                              **({"skipped": True} if out.skipped else {})})
             if saved:  # with the step's line, which a resume writes if a kill lost it
                 checkpoint.save(cfg.out, engine, loader, step=done, record=record)
             val = None
@@ -283,8 +291,8 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
                         result.val_loss = val if done == cfg.steps else None
             finally:  # the step's line, also when its validation failed
                 if metrics is not None:
-                    metrics.write(json.dumps(
-                        {**record, **({} if val is None else {"val_loss": val})}) + "\n")
+                    metrics.write(json.dumps(_strict(
+                        {**record, **({} if val is None else {"val_loss": val})})) + "\n")
                     metrics.flush()
             if out.skipped:
                 bar.write(f"step {done}: an inf/NaN gradient (norm {norm}): the optimizer "

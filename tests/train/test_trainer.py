@@ -101,3 +101,38 @@ def test_the_python_api_resumes_as_the_command_does(corpus, tmp_path):
                             f"--resume to continue it, or another --out")
     assert [d.name for d in checkpoint.complete(Path(out))] == ["step_00000004",
                                                                 "step_00000006"]
+
+
+def test_a_skipped_step_is_a_strict_json_line(corpus, tmp_path, monkeypatch):
+    """A step whose gradient is NaN is skipped: its line of metrics.jsonl says so, with the
+    norm as null (``json.dumps`` wrote ``NaN``, which is not JSON: jq and JSON.parse refuse
+    the line), and so does the checkpoint's copy of the line in its meta.json."""
+    import json
+
+    from distllm.train.engine import Engine
+    from tests.train._util import make_cfg
+
+    real, calls = Engine.forward_backward, []
+
+    def forward_backward(self, tok, tgt):
+        calls.append(1)
+        p = next(p for c in self.chunks for p in c.parameters())
+        hook = p.register_hook(lambda g: g * float("nan")) if len(calls) == 2 else None
+        try:
+            return real(self, tok, tgt)
+        finally:
+            if hook is not None:
+                hook.remove()
+
+    monkeypatch.setattr(Engine, "forward_backward", forward_backward)
+    out = tmp_path / "run"
+    trainer.train(make_cfg(corpus, str(out), steps=3, save_every=2))
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in {text}"))
+
+    lines = [strict(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x.get("skipped", False) for x in lines] == [False, True, False], lines
+    assert lines[1]["grad_norm"] is None and lines[0]["grad_norm"] > 0, lines
+    meta = next((out / "checkpoints").glob("step_00000002")) / "meta.json"
+    assert strict(meta.read_text())["metrics"]["grad_norm"] is None
