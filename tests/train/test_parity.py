@@ -126,7 +126,7 @@ def test_reference_learns(reference):
 # layouts with vp="on" split it as a large vocabulary is (sequence parallelism always does)
 DEFAULT_2 = [
     dict(tp=2, overlap="chunked"),
-    dict(tp=2, vp="on"),
+    dict(tp=2, vp="on", m=2),  # accumulation under TP (the vocabulary-parallel loss each time)
     dict(pp=2, schedule="1f1b", m=2),
     dict(dp=2, zero=2),
     dict(dp=2, zero=3),
@@ -143,12 +143,13 @@ DEFAULT_2 = [
 ]
 DEFAULT_4 = [
     dict(tp=2, pp=2, schedule="1f1b", m=2, sp=True, overlap="chunked"),
-    dict(tp=2, dp=2, zero=3),
+    dict(tp=2, dp=2, zero=3, sp=True, m=2),  # with SP and accumulation (FULL_4: each stage)
     dict(tp=2, dp=2, zero=2, vp="on"),
     dict(pp=2, dp=2, schedule="zb-h1", m=2, zero=1),
     dict(tp=4, overlap="auto"),
     dict(tp=2, dp=2, bs=3),  # batch split under DDP, 4 sequences a rank in 3 parts
     dict(pp=2, dp=2, schedule="interleaved-1f1b", m=4, zero=3),
+    dict(pp=2, dp=2, schedule="interleaved-1f1b", m=4, zero=2),
     dict(tp=2, pp=2, schedule="zb-h1", m=2, vp="on", bs=2),  # batch split in a stage
     dict(tp=2, pp=2, schedule="1f1b", m=2, bs=2, overlap="chunked"),
 ]
@@ -249,6 +250,7 @@ FULL_4 = (
     + [dict(tp=2, pp=2, schedule=s, m=4, sp=True) for s in SCHEDULES]
     + [dict(pp=2, dp=2, schedule="zb-h1", m=2, zero=z) for z in (0, 1, 2)]
     + [dict(pp=2, dp=2, m=2, zero=3)]
+    + [dict(pp=2, dp=2, schedule="interleaved-1f1b", m=4, zero=z) for z in (0, 1)]
     + [dict(tp=2, dp=2, zero=z, vp=vp) for z in (0, 1, 2, 3) for vp in ("auto", "on")]
 )
 
