@@ -50,8 +50,10 @@ from distllm.train.launch import (
     timed_out,
 )
 from distllm.train.resume import (
+    LOCK_HELD_ENV,
     check_out,
     check_resume,
+    out_lock,
     resolve_auto_resume,
     resume_data,
     resume_optim,
@@ -373,8 +375,13 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is None:
         return _rank(cfg, world)
     precheck(cfg, world, ranks_here=args.nproc)
-    check_out(cfg)
-    # before the ranks start (each checks again in train); the schedule's length it takes
-    # from the checkpoint goes to them as --lr-decay-steps
-    check_resume(cfg)
-    return launch(args.nproc, config_to_argv(cfg), cfg.parallel.timeout_s)
+    with out_lock(cfg.out):  # held here for the ranks (no other run into this --out)
+        check_out(cfg)
+        # before the ranks start (each checks again in train); the schedule's length it
+        # takes from the checkpoint goes to them as --lr-decay-steps
+        check_resume(cfg)
+        os.environ[LOCK_HELD_ENV] = os.path.abspath(cfg.out)
+        try:
+            return launch(args.nproc, config_to_argv(cfg), cfg.parallel.timeout_s)
+        finally:
+            os.environ.pop(LOCK_HELD_ENV, None)

@@ -9,14 +9,56 @@ launcher before its ranks start. A mismatch is one line naming the flag to chang
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from distllm.train.config import TrainConfig
 
-__all__ = ["check_out", "check_resume", "resume_optim", "resume_data", "resolve_auto_resume"]
+__all__ = ["check_out", "check_resume", "resume_optim", "resume_data", "resolve_auto_resume",
+           "out_lock"]
+
+# set by ``distllm train --nproc``'s launcher, which holds the lock of this --out for its ranks
+LOCK_HELD_ENV = "DISTLLM_OUT_LOCK_HELD"
+
+
+@contextlib.contextmanager
+def out_lock(out: str, rank: int = 0) -> Iterator[None]:
+    """``out/.lock`` held (``flock``) by a run's rank 0 for as long as the run: a second run
+    into the same ``--out`` while it runs is one ValueError. Two runs started together both
+    passed :func:`check_out` (neither had saved yet), then each replaced the other's
+    checkpoints and ``metrics.jsonl``. The other ranks, and the ranks of a launcher that
+    holds it (:data:`LOCK_HELD_ENV`), do not lock; nor does a file system without locks. The
+    lock ends with the process that holds it, so a restart after a crash takes it again."""
+    if rank != 0 or os.environ.get(LOCK_HELD_ENV) == os.path.abspath(out):
+        yield
+        return
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        f = open(Path(out) / ".lock", "a+")  # noqa: SIM115 (held across the yield)
+    except OSError:  # (check_out names what is wrong with --out)
+        yield
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise ValueError(f"--out {out} is in use by another run ({holder}): wait for it "
+                             f"to end, or pass another --out") from None
+        except OSError:  # no locks on this file system: unguarded, as before
+            pass
+        else:
+            f.truncate(0)
+            f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            f.flush()
+        yield
 
 
 def resolve_auto_resume(cfg: TrainConfig) -> TrainConfig:

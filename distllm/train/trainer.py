@@ -29,7 +29,7 @@ from distllm.parallel.mesh import ParallelDims
 from distllm.train.config import TrainConfig, check_init_from, check_layout
 from distllm.train.data import BatchLoader, check_same_data, check_vocab, load_corpus
 from distllm.train.host_memory import keep_freed_memory
-from distllm.train.resume import check_out, check_resume, resolve_auto_resume
+from distllm.train.resume import check_out, check_resume, out_lock, resolve_auto_resume
 
 __all__ = ["train", "lr_at", "TrainResult", "peak_flops"]
 
@@ -322,20 +322,22 @@ def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> TrainResult:
     import torch.distributed as dist
 
     cfg = resolve_auto_resume(cfg)  # (a resume where --out holds a checkpoint)
-    check_out(cfg)  # (a fresh run into another run's --out would replace its checkpoints)
-    if cfg.resume:  # (a copy: the checkpoint's schedule length is this run's alone)
-        cfg = replace(cfg, optim=replace(cfg.optim))
-        check_resume(cfg)
-    started = dims is None and not dist.is_initialized()
-    try:
-        with _deterministic(cfg.deterministic):
-            result = _train(cfg, dims)
-    except (ValueError, FileNotFoundError):  # bad input, found alike on every rank: the
-        if started and dist.is_initialized():  # world is idle, and ends as after a run
+    rank = dims.rank if dims is not None else int(os.environ.get("RANK", "0"))
+    with out_lock(cfg.out, rank):  # (no other run into this --out while this one runs)
+        check_out(cfg)  # (a fresh run into another run's --out would replace its checkpoints)
+        if cfg.resume:  # (a copy: the checkpoint's schedule length is this run's alone)
+            cfg = replace(cfg, optim=replace(cfg.optim))
+            check_resume(cfg)
+        started = dims is None and not dist.is_initialized()
+        try:
+            with _deterministic(cfg.deterministic):
+                result = _train(cfg, dims)
+        except (ValueError, FileNotFoundError):  # bad input, found alike on every rank: the
+            if started and dist.is_initialized():  # world is idle, and ends as after a run
+                dist.destroy_process_group()
+            raise
+        if started and dist.is_initialized():
             dist.destroy_process_group()
-        raise
-    if started and dist.is_initialized():
-        dist.destroy_process_group()
     return result
 
 

@@ -309,6 +309,26 @@ def test_a_fresh_run_refuses_old_checkpoints_and_resume_checks_the_batch(capfd, 
     assert "damaged" not in line, line  # bad input, not a damaged checkpoint
 
 
+def test_a_second_run_into_the_out_of_a_running_one_is_refused(capsys, tmp_path):
+    """Two runs into one --out at once each passed the check of --out (neither had saved),
+    then replaced each other's checkpoints and metrics: the run's rank 0 (or --nproc's
+    launcher, for its ranks) holds --out's lock while it runs, and a second run is refused."""
+    from distllm.train.resume import out_lock
+
+    out = str(tmp_path / "run")
+    with out_lock(out):  # a run in progress
+        line = _err(capsys, ["--nproc", "2", *TINY, "--out", out])  # the launcher
+        assert line.endswith(f"--out {out} is in use by another run (pid {os.getpid()} on "
+                             f"{os.uname().nodename}): wait for it to end, or pass another "
+                             f"--out"), line
+        line = _err(capsys, [*TINY, "--out", out])  # one process: train()'s rank 0
+        assert f"--out {out} is in use by another run" in line, line
+        with out_lock(out, rank=1):  # (only rank 0 locks)
+            pass
+    assert not (Path(out) / "metrics.jsonl").exists()
+    assert main(["train", *TINY, "--out", out]) == 0  # it ended: a run goes ahead
+
+
 def test_a_failed_rank_is_named_once(capsys, tmp_path):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
