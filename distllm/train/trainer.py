@@ -201,8 +201,8 @@ def _truncate_metrics(path: str, after_step: int, last: dict | None = None) -> N
     """Drop lines of steps after ``after_step`` (left by a run killed after its checkpoint),
     and any line that is not a record (one cut short by a kill or a full disk); add ``last``,
     the checkpoint's own line of ``after_step``, where a kill between the checkpoint and the
-    line lost it. The file is rewritten beside and renamed over, so a failure here leaves it
-    as it was."""
+    line lost it. The file is rewritten beside and renamed over, so a failure here (a full
+    disk) leaves it as it was: a one-line ValueError naming ``--out``, nothing left beside."""
     if not os.path.isfile(path) and last is None:
         return
     keep, have_last = [], False
@@ -219,9 +219,16 @@ def _truncate_metrics(path: str, after_step: int, last: dict | None = None) -> N
     if last is not None and not have_last:
         keep.append(json.dumps(last) + "\n")
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.writelines(keep)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise ValueError(f"--out {os.path.dirname(path) or '.'}: rewriting metrics.jsonl failed "
+                         f"({exc.strerror or exc}); it is as it was: free space there (then "
+                         f"run again), or pass another --out") from None
 
 
 def _banner(cfg: TrainConfig, mcfg, dims: ParallelDims, corpus) -> None:

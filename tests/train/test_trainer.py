@@ -66,6 +66,30 @@ def test_resume_drops_later_steps_and_a_torn_line_of_the_metrics(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
 
 
+def test_a_failed_rewrite_of_the_metrics_is_one_line_and_leaves_them(tmp_path, monkeypatch):
+    """A resume rewrites metrics.jsonl beside it; a full disk there was a traceback, and it
+    left metrics.jsonl.tmp behind."""
+    import errno
+    import os
+
+    from distllm.train.trainer import _truncate_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n')
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(ValueError) as e:
+        _truncate_metrics(str(path), 1)
+    assert str(e.value) == (f"--out {tmp_path}: rewriting metrics.jsonl failed (No space left "
+                            f"on device); it is as it was: free space there (then run again), "
+                            f"or pass another --out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
 def test_the_python_api_resumes_as_the_command_does(corpus, tmp_path):
     """``train(cfg)`` with ``resume=True`` runs ``distllm train --resume``'s checks: raising
     ``steps`` trains on at the end of the checkpoint's schedule (the API stretched it to
