@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -47,9 +48,14 @@ def new_folder(dest: str | os.PathLike) -> Iterator[Path]:
             if f.is_file() and not f.is_symlink():
                 f.chmod(0o666 & ~umask)
         _sync_tree(tmp)
-        if dest.exists():
-            dest.rmdir()  # empty (checked above)
-        os.replace(tmp, dest)
+        try:
+            if dest.exists():
+                dest.rmdir()  # empty (checked above)
+            os.replace(tmp, dest)
+        except OSError as exc:  # another command filled DEST meanwhile: its folder stays
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise
+            raise ValueError(f"DEST {shown} exists; pass a new folder") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -508,3 +508,25 @@ def test_without_transformers_it_is_one_line(trained, tmp_path, capsys, monkeypa
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"distllm {command}: error: distllm {command} needs the transformers package "
                    f"(pip install transformers)"], err
+
+
+@pytest.mark.parametrize("empty_before", [False, True])
+def test_a_dest_filled_by_another_command_meanwhile_is_one_line(tmp_path, empty_before):
+    """Two exports into one new DEST at once: the second to finish found DEST filled by the
+    first (its rmdir or its rename refused a folder with entries), a traceback; the first
+    one's folder stays whole, and nothing of the second is left beside it."""
+    from distllm.train.new_folder import new_folder
+
+    dest = tmp_path / "hf"
+    if empty_before:
+        dest.mkdir()
+    with pytest.raises(ValueError) as e:
+        with new_folder(dest) as tmp:
+            (tmp / "mine.txt").write_text("second")
+            if empty_before:
+                dest.rmdir()
+            dest.mkdir()  # the other export, done first
+            (dest / "theirs.txt").write_text("first")
+    assert str(e.value) == f"DEST {dest} exists; pass a new folder"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    assert [p.name for p in dest.iterdir()] == ["theirs.txt"]
