@@ -267,9 +267,16 @@ class _FolderWeights:
         for kind in ("model.safetensors", "pytorch_model.bin"):
             index = root / f"{kind}.index.json"
             if index.is_file():
-                with open(index) as fh:
-                    weight_map = json.load(fh).get("weight_map")
-                if not isinstance(weight_map, dict):
+                try:
+                    with open(index) as fh:
+                        held = json.load(fh)
+                except ValueError as exc:  # (cut short, not JSON)
+                    raise ValueError(f"--init-from {path}: {index.name} is not valid JSON "
+                                     f"({exc}); pass a folder GPT2LMHeadModel.save_pretrained "
+                                     f"wrote") from None
+                weight_map = held.get("weight_map") if isinstance(held, dict) else None
+                if not isinstance(weight_map, dict) or not all(
+                        isinstance(f, str) for f in weight_map.values()):
                     raise ValueError(f"--init-from {path}: {index.name} has no weight_map; "
                                      f"pass a folder GPT2LMHeadModel.save_pretrained wrote")
                 files = sorted(set(weight_map.values()))

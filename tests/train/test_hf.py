@@ -470,3 +470,23 @@ def test_from_hf_refuses_a_model_without_an_lm_head_and_bad_layer_ids():
         with pytest.raises(ValueError, match=re.escape(says)):
             from_hf(hf, dims, layer_ids=ids)
     assert from_hf(hf, dims, layer_ids=[2, 3]).layer_ids == [2, 3]
+
+
+@pytest.mark.parametrize("index, words", [
+    ('{"metadata": {},\n', "model.safetensors.index.json is not valid JSON (Expecting "),
+    ('["a list"]', "model.safetensors.index.json has no weight_map"),
+    ('{"weight_map": {"wte.weight": 3}}', "model.safetensors.index.json has no weight_map"),
+])
+def test_init_from_a_garbled_shard_index_is_one_line_naming_it(tmp_path, index, words):
+    """A cut-short index was json's own message ("Expecting property name ..."), naming no
+    file or flag; a list, or a weight_map of numbers, a traceback."""
+    from distllm.models.config import GPTConfig
+    from distllm.models.hf import pretrained_layers
+
+    _save_tiny_hf(tmp_path / "hf")
+    _variant(tmp_path / "hf", tmp_path / "shards", "shards")
+    (tmp_path / "shards" / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ValueError) as e:
+        pretrained_layers(str(tmp_path / "shards"), GPTConfig.preset("tiny"), "tiny")
+    assert str(e.value).startswith(f"--init-from {tmp_path / 'shards'}: {words}"), e.value
+    assert str(e.value).endswith("pass a folder GPT2LMHeadModel.save_pretrained wrote")
