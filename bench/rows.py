@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from distllm.diagnostics.timing import Stats
+from distllm.files import write_text_atomic
 
 __all__ = ["ROW_FIELDS", "row", "machine_info", "write_rows", "write_text_atomic",
            "markdown_table", "fmt"]
@@ -125,22 +126,6 @@ def machine_info() -> dict[str, Any]:
         "triton": tv,
         "git": _git_rev(),
     }
-
-
-def write_text_atomic(path: Path, text: str) -> Path:
-    """``text`` into ``path`` through a temporary file beside it renamed over it: a reader,
-    or a run interrupted while writing, never leaves half a file. A write that fails
-    removes its temporary file and leaves ``path`` as it was."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w", newline="") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
 
 
 def write_rows(rows: list[dict], out_dir: Path, stem: str = "results",

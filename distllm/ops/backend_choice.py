@@ -24,7 +24,6 @@ import fcntl
 import json
 import logging
 import os
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 
 from distllm.diagnostics.timing import device_sync, interleaved_samples, wall_timer
+from distllm.files import write_text_atomic
 
 log = logging.getLogger("distllm")
 
@@ -116,10 +116,7 @@ def _save_disk() -> None:
             except ValueError:
                 theirs = {}
             merged = {**(theirs if isinstance(theirs, dict) else {}), **_memory}
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".autotune-", suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                json.dump(merged, f, indent=0, sort_keys=True)
-            os.replace(tmp, path)
+            write_text_atomic(path, json.dumps(merged, indent=0, sort_keys=True))
     except OSError as exc:
         log.debug("backend choice cache not written (%s)", exc)
 

@@ -29,9 +29,10 @@ import json
 import os
 import shlex
 import statistics
-import tempfile
 import time
 from pathlib import Path
+
+from distllm.files import write_text_atomic
 
 from .collectives import FIT, fit_alpha_beta
 from .hardware import PROFILE_DIR, Link, Profile
@@ -342,19 +343,9 @@ def output_path(out: str | None) -> Path:
 
 
 def write_profile(prof: Profile, path: Path) -> None:
-    """Write ``prof`` to ``path`` at once: a temporary file in the same folder, renamed over
-    ``path`` only when complete (an interrupted write leaves any earlier file whole)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # as open() would create it, not mkstemp's 0600
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(prof.to_json(), indent=1) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``prof`` to ``path`` whole or not at all (an interrupted write leaves any earlier
+    file whole: :func:`distllm.files.write_text_atomic`)."""
+    write_text_atomic(path, json.dumps(prof.to_json(), indent=1) + "\n")
 
 
 def calibrate_cli(args: argparse.Namespace) -> int:

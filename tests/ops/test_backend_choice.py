@@ -54,6 +54,37 @@ def test_choice_persists_only_where_asked(tmp_path, monkeypatch):
     assert any(k.endswith("persist-test|2") for k in backend_choice.cached())
 
 
+def test_a_cache_write_that_fails_leaves_nothing_beside_it(tmp_path, monkeypatch):
+    """A full disk while the cache file is written: the choice stays in this process, the
+    file as it was, and no temporary file beside it (one was left per failed write); a
+    written cache has the permissions open() gives a new file, not the owner's alone."""
+    import errno
+    import os
+
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("DISTLLM_AUTOTUNE_CACHE", str(path))
+    backend_choice.clear()
+    fast = {"a": lambda: None, "b": lambda: sum(range(20000))}
+    assert backend_choice.choose("full-disk|1", torch.device("cpu"), fast) == "a"
+    before = path.read_text()
+    real = os.replace
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "replace", full)
+    try:
+        assert backend_choice.choose("full-disk|2", torch.device("cpu"), fast) == "a"
+    finally:
+        monkeypatch.setattr(os, "replace", real)
+        backend_choice.clear()
+    assert path.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tune.json", "tune.json.lock"]
+    plain = tmp_path / "plain"
+    plain.write_text("")
+    assert path.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777
+
+
 def test_pinned_choices_take_the_first_candidate_untimed(tmp_path, monkeypatch):
     """``distllm train --deterministic``: the first candidate, never timed (a timed choice
     follows the machine's load, so two runs, or a run and its resumed continuation, could
