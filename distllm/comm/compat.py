@@ -21,6 +21,9 @@ Launching:
 - :func:`elastic_launch_config`: torch's elastic ``LaunchConfig``, with ``shutdown_timeout``
   (how long the agent waits for its workers after passing on a signal, before SIGKILL) where
   torch has the field; older torch (2.11) waits 30 s.
+- :func:`elastic_signal_handler`: wraps the handler torch's elastic agent installs for the
+  signals it passes on (``_terminate_process_handler``, looked up when it starts the ranks;
+  private, present from torch 2.11 to 2.14): the launcher's second Ctrl-C kills the ranks.
 
 Switches:
 
@@ -32,7 +35,8 @@ Switches:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -40,7 +44,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
 __all__ = ["ALL_GATHER_API", "REDUCE_SCATTER_API", "all_gather_into", "reduce_scatter_into",
-           "tf32_matmul_allowed", "elastic_launch_config"]
+           "tf32_matmul_allowed", "elastic_launch_config", "elastic_signal_handler"]
 
 
 def _pick(module: Any, new: str, old: str) -> tuple[str, Callable[..., Any]]:
@@ -106,3 +110,21 @@ def elastic_launch_config(*, shutdown_timeout: int, **kw: Any) -> Any:
     if "shutdown_timeout" in {f.name for f in fields(LaunchConfig)}:
         kw["shutdown_timeout"] = shutdown_timeout
     return LaunchConfig(**kw)
+
+
+@contextlib.contextmanager
+def elastic_signal_handler(wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Within the block, the elastic agent installs ``wrap(handler)`` instead of its own
+    handler (which raises ``SignalException``) for the signals it passes on to its ranks.
+    Where torch lacks that private function, nothing is wrapped: torch's own runs."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    real = getattr(api, "_terminate_process_handler", None)
+    if real is None:
+        yield
+        return
+    api._terminate_process_handler = wrap(real)
+    try:
+        yield
+    finally:
+        api._terminate_process_handler = real

@@ -99,7 +99,7 @@ def launch(nproc: int, argv: list[str], timeout_s: float) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from distllm.comm.compat import elastic_launch_config
+    from distllm.comm.compat import elastic_launch_config, elastic_signal_handler
 
     # the agent's own default, and the user signals (the ranks of --save-on-signal save on
     # them; without, their default action ends the ranks as it would have ended the
@@ -119,15 +119,61 @@ def launch(nproc: int, argv: list[str], timeout_s: float) -> int:
             monitor_interval=0.1, logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")),
             signals_to_handle=",".join(passed_on),
             shutdown_timeout=math.ceil(timeout_s))
+        before, killed = set(_children()), []
+
+        def wrap(handler):  # torch's: raises SignalException, then the agent stops the ranks
+            def on_signal(signum, frame):
+                if not killed:
+                    killed.append(False)
+                    print(f"distllm train: stopping the ranks (waiting up to {timeout_s:g} s, "
+                          f"--timeout, for them to save and end); signal again to kill them "
+                          f"now", file=sys.stderr, flush=True)
+                    handler(signum, frame)
+                elif not killed[-1]:  # again: the agent is waiting for the ranks
+                    killed.append(_kill_ranks_left(before))
+            return on_signal
+
         try:
-            elastic_launch(config, sys.executable)("-m", "distllm", "train", *argv)
+            with elastic_signal_handler(wrap):
+                elastic_launch(config, sys.executable)("-m", "distllm", "train", *argv)
         except ChildFailedError as exc:
             return report_failure(exc, Path(errors), nproc)
         except SignalException as exc:
             _close_rendezvous(exc)
-            print(f"distllm train: stopped by {exc.sigval.name}", file=sys.stderr)
+            killed.append(_kill_ranks_left(before))  # (what the agent might have left)
+            print(f"distllm train: stopped by {exc.sigval.name}"
+                  + ("; the ranks still running were killed" if any(killed) else ""),
+                  file=sys.stderr)
             return 128 + int(exc.sigval)
     return 0
+
+
+def _children(running: bool = False) -> list[int]:
+    """The processes whose parent is this one (Linux's /proc; none elsewhere); ``running``:
+    not those that have ended (zombies, not yet reaped)."""
+    me, kids = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
+            if int(ppid) == me and not (running and state == "Z"):
+                kids.append(int(stat.parent.name))
+    return kids
+
+
+def _kill_ranks_left(before: set[int]) -> bool:
+    """SIGKILL the ranks (children started since ``before``) still running, each with its
+    process group; whether there were any. The agent stops its ranks on the first signal,
+    waiting up to ``--timeout`` for them; a second signal (Ctrl-C again) interrupted that
+    wait and began another, and a third ended the launcher with its ranks running (a
+    stalled one until its collective timed out, or for good). The agent reaps them."""
+    left = [pid for pid in _children(running=True) if pid not in before]
+    for pid in left:
+        with contextlib.suppress(OSError):
+            if os.getpgid(pid) == pid:  # (each rank leads its own group: its workers too)
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+    return bool(left)
 
 
 def _close_rendezvous(exc: BaseException) -> None:

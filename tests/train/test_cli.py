@@ -518,6 +518,40 @@ def test_ranks_end_with_a_launcher_killed_by_sigkill(tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").glob("*")) == [f"step_{last:08d}"]
 
 
+def test_ctrl_c_again_kills_the_ranks_the_launcher_waits_for(tmp_path):
+    """Ctrl-C while a rank is stalled: the launcher passes it on and waits up to --timeout
+    for the ranks; Ctrl-C again ends that wait, and the launcher ended with its ranks still
+    running (the stalled one until its collective timed out, or for good). Now it kills them
+    at once, and says so."""
+    out, log = tmp_path / "run", tmp_path / "stderr.txt"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "distllm", "train", "--nproc", "2",
+                                 *TINY, "--steps", "100000", "--global-batch", "4", "--out",
+                                 str(out), "--timeout", "120"],
+                                stderr=err, start_new_session=True)
+    ranks: list[int] = []
+    try:
+        _until_a_step(proc, out, log)
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(max(ranks), signal.SIGSTOP)  # a rank stalled: the other waits on it
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(1.0)
+        assert proc.poll() is None  # waiting for the ranks (up to --timeout)
+        os.kill(proc.pid, signal.SIGINT)
+        proc.wait(timeout=30)
+        assert not any(map(_alive, ranks)), "the launcher ended before its ranks"
+    finally:
+        for pid in [proc.pid, *ranks]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    lines = log.read_text().splitlines()
+    assert proc.returncode == 128 + signal.SIGINT, lines[-20:]
+    assert lines[-1] == ("distllm train: stopped by SIGINT; the ranks still running were "
+                         "killed"), lines[-20:]
+
+
 def _until_a_step(proc, out: Path, log: Path) -> None:
     deadline = time.time() + 120
     while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").stat().st_size:
