@@ -219,6 +219,7 @@ def _write_meta(out, engine, loader, step: int, record: dict | None, opt_step: i
             "data": loader.state_dict(), "dtype": engine.cfg.dtype,
             "tokens": tokens_of(engine.cfg.data),
             "data_source": data_source(engine.cfg.data),
+            "data_fingerprint": engine.data_fingerprint,
             "trained_positions": engine.trained_positions,
             "optim": engine.cfg.optim.schedule(engine.cfg.steps),
             **({} if record is None else {"metrics": record})}
@@ -322,9 +323,32 @@ def _install(path: Path, engine, loader, meta: dict, state: dict, with_optim: bo
     engine.trained_positions = max(engine.trained_positions,
                                    int(meta.get("trained_positions", engine.mcfg.max_seq_len)))
     loader.load_state_dict(meta["data"])
-    if "data_source" in meta and meta["data_source"] != data_source(engine.cfg.data):
+    if "data_source" in meta and meta["data_source"] != data_source(engine.cfg.data) or \
+            _data_changed(meta, engine) and engine.cfg.override_data:
         loader.restart()  # other data (--override-data): from its start
+    elif _data_changed(meta, engine):
+        raise ValueError(_changed_data(meta, engine))
     _load_rng(path, engine, meta)
+
+
+def _data_changed(meta: dict, engine) -> bool:
+    """Whether the data's contents differ from those the checkpoint trained on (by their
+    fingerprints: a checkpoint from before they were recorded, or a run without one, never
+    differs)."""
+    theirs, ours = meta.get("data_fingerprint"), engine.data_fingerprint
+    return theirs is not None and ours is not None and list(theirs) != list(ours)
+
+
+def _changed_data(meta: dict, engine) -> str:
+    """The one-line error of a resume whose ``--data`` holds other contents than it did."""
+    theirs, ours = meta["data_fingerprint"], engine.data_fingerprint
+    what = (f"{theirs[0]:,} training tokens then, {ours[0]:,} now" if theirs[0] != ours[0]
+            else "as many training tokens, other ones" if theirs[1] != ours[1]
+            else "other validation tokens")
+    data = "the default corpus" if engine.cfg.data is None else f"--data {engine.cfg.data}"
+    return (f"--resume: {data} has changed since the checkpoint in --out {engine.cfg.out} "
+            f"trained on it ({what}): pass the data it trained on, or add --override-data "
+            f"to train on with this data, from its start")
 
 
 def read_layers(path: Path):

@@ -208,7 +208,7 @@ def precheck(cfg: TrainConfig, world: int, ranks_here: int | None = None) -> Non
     if cfg.data is not None:
         from distllm.train.data import _files_of, _token_files
 
-        files = _token_files(cfg.data) or _files_of(cfg.data)
+        files = _token_files(cfg.data) or _files_of(cfg.data, skip=cfg.out)
         if sum(f.stat().st_size for f in files if f is not None) == 0:
             raise ValueError(f"--data {cfg.data}: the data is empty; pass a non-empty file")
     check_init_from(cfg, mcfg)

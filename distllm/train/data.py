@@ -49,6 +49,7 @@ __all__ = [
     "data_source",
     "tokens_of",
     "check_same_data",
+    "fingerprint",
 ]
 
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -93,30 +94,35 @@ def default_corpus_files() -> list[Path]:
                   if "site-packages" not in p.parts and "dist-packages" not in p.parts)
 
 
-def _files_of(path: str, knob: str = "--data") -> list[Path]:
-    """The text files ``--data path`` (``knob``) names: the file, or the folder's, sorted."""
+def _files_of(path: str, knob: str = "--data", skip: str | None = None) -> list[Path]:
+    """The text files ``--data path`` (``knob``) names: the file, or the folder's, sorted;
+    ``skip``: a folder under it to leave out (a run's own ``--out``: :func:`load_corpus`)."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{knob} {path}: no such file or folder")
     if p.is_file():
         return [p]
-    files = sorted(f for f in _walk(p, path, knob) if f.suffix.lower() in TEXT_SUFFIXES)
+    left_out = None if skip is None else Path(skip).resolve()
+    files = sorted(f for f in _walk(p, path, knob, left_out)
+                   if f.suffix.lower() in TEXT_SUFFIXES)
     if not files:
         raise ValueError(f"{knob} {path}: the folder holds no text files "
                          f"({', '.join(TEXT_SUFFIXES)})")
     return files
 
 
-def _walk(folder: Path, path: str, knob: str) -> Iterator[Path]:
-    """The files under ``folder`` (links to folders not followed, as ``Path.rglob``); one
-    that cannot be read is refused, naming it (``rglob`` left it out without a word)."""
+def _walk(folder: Path, path: str, knob: str, skip: Path | None = None) -> Iterator[Path]:
+    """The files under ``folder`` (links to folders not followed, as ``Path.rglob``), but
+    for those under the folder ``skip`` (resolved); one that cannot be read is refused,
+    naming it (``rglob`` left it out without a word)."""
     try:
         with os.scandir(folder) as it:
             entries = list(it)
         found = []
         for e in entries:
             if e.is_dir(follow_symlinks=False):
-                found.append(Path(e.path))
+                if skip is None or Path(e.path).resolve() != skip:
+                    found.append(Path(e.path))
             elif e.is_file():
                 os.stat(e.path)  # (in a folder that can be listed but not entered: EACCES)
                 yield Path(e.path)
@@ -125,7 +131,7 @@ def _walk(folder: Path, path: str, knob: str) -> Iterator[Path]:
         raise ValueError(f"{knob} {path}: cannot read {where} ({exc.strerror or exc}): make it "
                          f"readable or move it out of the folder") from None
     for sub in found:
-        yield from _walk(sub, path, knob)
+        yield from _walk(sub, path, knob, skip)
 
 
 @dataclass
@@ -206,12 +212,15 @@ tokenize`` writes no fewer to ``train.bin``)."""
 
 def load_corpus(path: str | None = None, *, val_fraction: float = 0.02,
                 min_tokens: int = MIN_TOKENS,
-                dtype: str = "uint16") -> Corpus:
+                dtype: str = "uint16", skip: str | None = None) -> Corpus:
     """Read ``path`` (a file, a folder, or None for the standard library) into token ids:
-    text as bytes, or a ``.bin`` file of ``dtype`` token ids (see the module's docstring)."""
+    text as bytes, or a ``.bin`` file of ``dtype`` token ids (see the module's docstring).
+    ``skip``: a folder under a ``path`` folder that is not data, the run's own ``--out``
+    (``--data .`` with ``--out runs/train``: its checkpoints' meta.json files are text, and a
+    resume trained on them)."""
     if path is not None and (tokens := _token_files(path)) is not None:
         return _load_tokens(path, tokens, dtype, val_fraction, min_tokens)
-    files = default_corpus_files() if path is None else _files_of(path)
+    files = default_corpus_files() if path is None else _files_of(path, skip=skip)
     chunks = []
     for f in files:
         try:
@@ -241,7 +250,7 @@ FINGERPRINT_SLICES, FINGERPRINT_IDS = 8, 4096
 spaced from its start to its end."""
 
 
-def _fingerprint(corpus: Corpus) -> list[int]:
+def fingerprint(corpus: Corpus) -> list[int]:
     """``[train ids, checksum, validation ids, checksum]``: a checksum is the CRC-32 of a
     part's :data:`FINGERPRINT_SLICES` slices (a few KiB read)."""
     out = []
@@ -260,13 +269,13 @@ def _fingerprint(corpus: Corpus) -> list[int]:
 def check_same_data(corpus: Corpus, dims: ParallelDims) -> None:
     """Refuse, on every rank, a corpus that is not every rank's (each reads ``--data`` on its
     own machine: another file on one node mismatches the stages' inputs and targets), by its
-    :func:`_fingerprint`. Collective: one all-reduce of 8 int64 over the world, on the
+    :func:`fingerprint`. Collective: one all-reduce of 8 int64 over the world, on the
     device (none in a world of one rank)."""
     if dims.world_size == 1:
         return
     import torch.distributed as dist
 
-    mine = torch.tensor(_fingerprint(corpus), dtype=torch.int64)
+    mine = torch.tensor(fingerprint(corpus), dtype=torch.int64)
     # (the largest of each value and of its negation: the largest and the smallest)
     extremes = torch.cat([mine, -mine]).to(dims.device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=dims.world_group)

@@ -110,6 +110,9 @@ class Engine:
         # them for a checkpoint from before the record)
         self.trained_positions = (mcfg.max_seq_len if cfg.init_from and not cfg.resume
                                   else cfg.seq_len or mcfg.max_seq_len)
+        # the training data's fingerprint (distllm.train.data.fingerprint), which the trainer
+        # sets: a checkpoint records it, and a resume on other contents is refused
+        self.data_fingerprint: list[int] | None = None
         if cfg.init_from and not cfg.resume:  # a resumed run takes its checkpoint's weights
             from distllm.models.hf import pretrained_layers
             from distllm.train.checkpoint import install_weights

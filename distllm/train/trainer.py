@@ -27,7 +27,13 @@ from distllm.comm.compat import tf32_matmul_allowed
 from distllm.dtypes import dtype_name
 from distllm.parallel.mesh import ParallelDims
 from distllm.train.config import TrainConfig, check_init_from, check_layout
-from distllm.train.data import BatchLoader, check_same_data, check_vocab, load_corpus
+from distllm.train.data import (
+    BatchLoader,
+    check_same_data,
+    check_vocab,
+    fingerprint,
+    load_corpus,
+)
 from distllm.train.host_memory import keep_freed_memory
 from distllm.train.resume import check_out, check_resume, out_lock, resolve_auto_resume
 
@@ -389,12 +395,13 @@ def _train(cfg: TrainConfig, dims: ParallelDims | None) -> TrainResult:
     check_layout(cfg, dims.world_size, n_layers=mcfg.n_layers, n_heads=mcfg.n_heads,
                  hidden=mcfg.hidden_size, seq_len=seq)
     check_init_from(cfg, mcfg)
-    corpus = load_corpus(cfg.data, dtype=cfg.data_dtype)
+    corpus = load_corpus(cfg.data, dtype=cfg.data_dtype, skip=cfg.out)
     check_same_data(corpus, dims)  # each rank read --data on its own machine
     check_vocab(corpus, mcfg.vocab_size, cfg.model)
     loader = BatchLoader(corpus.train, seq_len=seq, global_batch=cfg.global_batch, dp=dims.dp,
                          dp_rank=dims.dp_rank, seed=cfg.seed, vocab_size=mcfg.vocab_size)
     engine = Engine(cfg, mcfg, dims)
+    engine.data_fingerprint = fingerprint(corpus)  # (recorded by, and checked against, checkpoints)
     result = TrainResult(baseline=math.log(mcfg.vocab_size))
     start = checkpoint.load_latest(cfg.out, engine, loader) if cfg.resume else 0
     if dims.rank == 0:

@@ -287,7 +287,7 @@ def test_a_folder_that_cannot_be_read_is_refused_naming_it(tmp_path, monkeypatch
 def test_the_fingerprint_of_a_token_file_reads_its_ids(tmp_path):
     """:func:`check_same_data`'s fingerprint of memory-mapped ids: the same for the same ids
     in another file, another for one id changed in a slice it reads."""
-    from distllm.train.data import _fingerprint
+    from distllm.train.data import fingerprint as _fingerprint
 
     ids = _ids(50_000, 1000, 4).astype("uint16")
     for name in ("a.bin", "b.bin"):

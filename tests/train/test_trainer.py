@@ -160,3 +160,35 @@ def test_a_skipped_step_is_a_strict_json_line(corpus, tmp_path, monkeypatch):
     assert lines[1]["grad_norm"] is None and lines[0]["grad_norm"] > 0, lines
     meta = next((out / "checkpoints").glob("step_00000002")) / "meta.json"
     assert strict(meta.read_text())["metrics"]["grad_norm"] is None
+
+
+def test_a_resume_on_changed_data_is_refused_and_the_runs_own_folder_is_not_data(tmp_path):
+    """A checkpoint records its data's fingerprint: a resume reading other contents at the
+    same --data path is refused, naming --data and --override-data (it trained on, from the
+    middle of an order drawn for other data); with --override-data it trains on from the
+    data's start. --data naming a folder that holds --out (``--data . --out runs/train``)
+    leaves the run's folder out: its checkpoints' meta.json files were read as text, so a
+    resume trained on other data than the run began with."""
+    from distllm.train.data import load_corpus
+    from tests.train._util import make_cfg, write_corpus
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_corpus(data / "text.txt")
+    out = data / "runs" / "train"
+    trainer.train(make_cfg(str(data), str(out), steps=4, stop_after=2, save_final=True))
+    assert list(out.glob("checkpoints/*/meta.json"))  # text, inside --data
+    assert load_corpus(str(data), skip=str(out)).train.numel() == \
+        load_corpus(str(data / "text.txt")).train.numel()
+    trainer.train(make_cfg(str(data), str(out), steps=4, stop_after=3, resume=True,
+                           save_final=True))  # the same data: the run's folder left out
+    (data / "more.txt").write_text("other text\n" * 2000)
+    with pytest.raises(ValueError) as e:
+        trainer.train(make_cfg(str(data), str(out), steps=4, resume=True))
+    assert str(e.value).startswith(f"--resume: --data {data} has changed since the checkpoint "
+                                   f"in --out {out} trained on it ("), e.value
+    assert str(e.value).endswith(" now): pass the data it trained on, or add "
+                                 "--override-data to train on with this data, from its start")
+    res = trainer.train(make_cfg(str(data), str(out), steps=4, resume=True,
+                                 override_data=True))
+    assert len(res.losses) == 1
