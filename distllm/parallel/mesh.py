@@ -31,7 +31,7 @@ from torch.distributed import ProcessGroup
 
 from distllm.comm.collectives import backend_for, group_device
 
-__all__ = ["ParallelDims", "MeshShape", "mesh_groups", "divisors"]
+__all__ = ["ParallelDims", "MeshShape", "mesh_groups", "divisors", "env_world_size"]
 
 
 def divisors(n: int) -> list[int]:
@@ -96,7 +96,17 @@ def _current_world_size() -> int:
     """The running world's size, or the one torchrun announces (1 outside torchrun)."""
     if dist.is_initialized():
         return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return env_world_size()
+
+
+def env_world_size() -> int:
+    """The world size a launcher announces: ``WORLD_SIZE`` where ``RANK`` is set too (the
+    process group reads the environment only then, :func:`_init_from_env`), else 1. A stray
+    ``WORLD_SIZE`` alone had planned a layout for that many ranks on a 1-rank world ("Rank 1
+    is out of range")."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return 1
 
 
 LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from distllm.cli import USAGE_ERRORS, UsageError
+from distllm.parallel.mesh import env_world_size
 from distllm.train.config import (
     OptimConfig,
     ParallelConfig,
@@ -362,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
     # --auto-resume decided first, as --resume would be given (a rank under the launcher
     # gets the launcher's decision)
     cfg = resolve_auto_resume(config_from_args(args))
-    world = args.nproc or int(os.environ.get("WORLD_SIZE", "1"))
+    world = args.nproc or env_world_size()
     if args.plan == "auto":
         cfg, why = apply_plan(cfg, world, given_layout(args))
         if int(os.environ.get("RANK", "0")) == 0:

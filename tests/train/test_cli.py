@@ -329,6 +329,15 @@ def test_a_second_run_into_the_out_of_a_running_one_is_refused(capsys, tmp_path)
     assert main(["train", *TINY, "--out", out]) == 0  # it ended: a run goes ahead
 
 
+def test_a_stray_world_size_without_rank_is_one_process(tmp_path, monkeypatch):
+    """WORLD_SIZE set, RANK not (left over in a shell): the process group is one process
+    (torch reads the environment only with both), and the layout was planned for
+    WORLD_SIZE ranks: "Rank 1 is out of range", naming no flag."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["train", *TINY, "--out", str(tmp_path / "run")]) == 0
+
+
 def test_a_failed_rank_is_named_once(capsys, tmp_path):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
