@@ -356,6 +356,12 @@ def calibrate_cli(args: argparse.Namespace) -> int:
     if ranks < 1:
         raise ValueError(f"--gpus={ranks}: give --calibrate a positive rank count "
                          f"(default {CALIBRATE_RANKS})")
+    from distllm.train.launch import cores
+
+    if ranks > 4 * cores():  # (as distllm train --nproc: --gpus is a cluster's count elsewhere)
+        raise ValueError(f"--gpus={ranks}: --calibrate runs that many ranks on this machine, "
+                         f"which has {cores()} cores; choose 1..{4 * cores()} (default "
+                         f"{CALIBRATE_RANKS})")
     out = output_path(args.out)
     if args.net is None:
         args.net = DEFAULT_NET

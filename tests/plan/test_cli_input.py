@@ -178,6 +178,14 @@ def test_calibrate_measures_4_ranks_unless_told(monkeypatch, tmp_path, capsys, a
     assert capsys.readouterr().err.endswith(
         "error: --gpus=0: give --calibrate a positive rank count (default 4)\n"
     )
+    from distllm.train.launch import cores
+
+    many = 4 * cores() + 1  # (--gpus is a cluster's device count everywhere else in plan)
+    assert main(["plan", "--calibrate", "--out", str(out), "--gpus", str(many)]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"error: --gpus={many}: --calibrate runs that many ranks on this machine, which has "
+        f"{cores()} cores; choose 1..{many - 1} (default 4)\n")
+    assert asked == [ranks]  # neither started a rank
     # a search and a --params table keep their 8 devices
     assert main(["plan", "--params", "7.5e9", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
