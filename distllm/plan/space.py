@@ -151,7 +151,8 @@ def _inner(shape: ModelShape, tp: int, pp: int, dp: int, per_replica: int, pins:
     # without: a pin is a requirement)
     spreason = (
         "sequence parallelism needs tp > 1" if True in sps and tp == 1
-        else f"--sequence-parallel on needs seq_len={shape.seq_len} divisible by tp={tp}"
+        else f"sequence parallelism needs --seq-len {shape.seq_len} divisible by --tp {tp}: "
+        f"change --seq-len"
         if True in sps and shape.seq_len % tp
         else None
     )

@@ -92,7 +92,7 @@ def test_a_missing_profile_file_is_named_as_such(capsys, tmp_path):
 def test_pinned_sequence_parallelism_needs_seq_len_divisible_by_tp(capsys):
     from distllm.train.config import ParallelConfig, TrainConfig, check_layout
 
-    why = "--sequence-parallel on needs seq_len=33 divisible by tp=2"
+    why = "sequence parallelism needs --seq-len 33 divisible by --tp 2: change --seq-len"
     argv = [
         "plan",
         "--model",
