@@ -89,6 +89,11 @@ def check_out(cfg: TrainConfig) -> None:
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {cfg.out}: it is a file, not a folder; pass another --out")
+    for name, kind in (("checkpoints", "a file"), ("metrics.jsonl", "a folder")):
+        if (out / name).exists() and (out / name).is_dir() == (kind == "a folder"):
+            raise ValueError(f"--out {cfg.out} holds {name} as {kind}, which the run writes "
+                             f"as {'a folder' if kind == 'a file' else 'a file'}: remove it, "
+                             f"or pass another --out")
     if cfg.resume:  # (what else it must agree on: check_resume's)
         checkpoint.check_compatible(out, cfg.model_config())
     elif (prev := checkpoint.latest(out)) is not None:

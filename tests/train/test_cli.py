@@ -329,6 +329,21 @@ def test_a_second_run_into_the_out_of_a_running_one_is_refused(capsys, tmp_path)
     assert main(["train", *TINY, "--out", out]) == 0  # it ended: a run goes ahead
 
 
+@pytest.mark.parametrize("name, kind", [("checkpoints", "a file"),
+                                        ("metrics.jsonl", "a folder")])
+def test_an_out_holding_what_the_run_writes_as_another_kind_is_refused(capsys, tmp_path,
+                                                                      name, kind):
+    """A file named checkpoints trained every step, then failed at the save telling the
+    user to free space; a folder named metrics.jsonl, a rank's traceback."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / name).mkdir() if kind == "a folder" else (out / name).write_text("")
+    line = _err(capsys, ["--nproc", "2", *TINY, "--out", str(out)])
+    assert line.endswith(f"--out {out} holds {name} as {kind}, which the run writes as "
+                         f"{'a folder' if kind == 'a file' else 'a file'}: remove it, or pass "
+                         f"another --out"), line
+
+
 def test_a_stray_world_size_without_rank_is_one_process(tmp_path, monkeypatch):
     """WORLD_SIZE set, RANK not (left over in a shell): the process group is one process
     (torch reads the environment only with both), and the layout was planned for
