@@ -63,7 +63,14 @@ def _parse(command: str, argv: list[str]) -> argparse.Namespace:
 
 
 def _train(argv: list[str], world: int | None) -> None:
-    from distllm.train.cli import apply_plan, config_from_args, precheck
+    from distllm.cli import USAGE_ERRORS
+    from distllm.train.cli import (
+        apply_plan,
+        check_unused,
+        config_from_args,
+        given_layout,
+        precheck,
+    )
 
     args = _parse("train", argv)
     if world is None:
@@ -71,10 +78,11 @@ def _train(argv: list[str], world: int | None) -> None:
         world = args.nproc
     try:
         cfg = config_from_args(args)
-        if args.plan == "auto":
-            cfg, _ = apply_plan(cfg, world)
+        if args.plan == "auto":  # (with the layout flags given pinned, as distllm train does)
+            cfg, _ = apply_plan(cfg, world, given_layout(args))
+        check_unused(args, cfg)
         precheck(cfg, world)
-    except ValueError as exc:
+    except USAGE_ERRORS as exc:
         raise AssertionError(f"invalid at world size {world}: {exc}") from None
 
 
@@ -188,6 +196,9 @@ def test_readme_command_runs(cmd):
         ("distllm train --nproc 4 --tp 3 --model tiny", "does not divide the world size 4"),
         ("distllm train --nproc 2 --tp 2 --no-such-flag", "rejects its flags"),
         ("distllm train --tp 2 --model tiny", "needs --nproc"),
+        ("distllm train --nproc 2 --sequence-parallel --model tiny",  # a flag it would not use
+         "--sequence-parallel shards activations inside a TP group"),
+        ("distllm train --nproc 4 --plan auto --tp 3 --model tiny", "--tp 3"),  # a pin
         ("torchrun --nproc-per-node 2 -m distllm info", "not train"),
         ("torchrun --nnodes 1:4 --nproc-per-node 2 -m distllm train", "give fixed numbers"),
         ("distllm plan --model nope", "unknown model preset"),
