@@ -227,6 +227,12 @@ def apply_plan(cfg: TrainConfig, world: int,
     if given.get("dp") == -1:
         given.pop("dp")  # -1: "the rest of the world", which the planner decides anyway
     pins = {_PIN_NAMES.get(k, k): v for k, v in given.items()}
+    p = cfg.parallel
+    if "sequence_parallel" not in pins and (p.vocab_parallel == "off"
+                                            or p.batch_split not in (0, 1)):
+        # flags a sequence-parallel run refuses (distllm train has no flag to switch it off):
+        # the vocabulary held whole, or TP's all-reduces split by batch
+        pins["sequence_parallel"] = False
     import torch
 
     from distllm.plan import best_layout, detect_profile, preset

@@ -56,3 +56,22 @@ def test_plan_auto_plans_the_model_it_trains():
         return float(re.search(r"memory: params ([0-9.e-]+) GB", why).group(1))
 
     assert params_gb("float64") == pytest.approx(2 * params_gb("float32"), rel=0.02)
+
+
+@pytest.mark.parametrize("flag", [dict(vocab_parallel="off"), dict(batch_split=2)])
+def test_plan_auto_keeps_sequence_parallelism_off_where_a_flag_rules_it_out(flag):
+    """--vocab-parallel off and --batch-split N run only without sequence parallelism, which
+    distllm train has no flag to switch off: the plan chose it anyway, and the run was then
+    refused for a flag the user never gave."""
+    from distllm.train.cli import apply_plan, precheck
+    from distllm.train.config import ParallelConfig, TrainConfig
+
+    def planned(**par):
+        cfg = TrainConfig(model="gpt2-small", n_layers=2, global_batch=8, seq_len=128,
+                          parallel=ParallelConfig(tp=2, **par))
+        return apply_plan(cfg, 2, {"tp": 2})[0]
+
+    assert planned().parallel.sequence_parallel  # (the plan's choice where nothing rules it out)
+    cfg = planned(**flag)
+    assert not cfg.parallel.sequence_parallel, cfg.parallel
+    precheck(cfg, 2)
