@@ -228,6 +228,8 @@ def _truncate_metrics(path: str, after_step: int, last: dict | None = None) -> N
     try:
         with open(tmp, "w") as f:
             f.writelines(keep)
+            f.flush()
+            os.fsync(f.fileno())  # (before the rename: never an empty file after a crash)
         os.replace(tmp, path)
     except OSError as exc:
         with contextlib.suppress(OSError):
@@ -293,6 +295,9 @@ def _run_steps(cfg: TrainConfig, engine, loader, dims: ParallelDims, start: int,
                               "overlap_tuning": tuning or overlap_tuning(plans),
                               **({"skipped": True} if out.skipped else {})})
             if saved:  # with the step's line, which a resume writes if a kill lost it
+                if metrics is not None:  # the lines before it on the device first: a power
+                    metrics.flush()  # loss must not leave a checkpoint without its history
+                    os.fsync(metrics.fileno())
                 checkpoint.save(cfg.out, engine, loader, step=done, record=record)
             val = None
             try:

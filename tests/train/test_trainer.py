@@ -192,3 +192,25 @@ def test_a_resume_on_changed_data_is_refused_and_the_runs_own_folder_is_not_data
     res = trainer.train(make_cfg(str(data), str(out), steps=4, resume=True,
                                  override_data=True))
     assert len(res.losses) == 1
+
+
+def test_the_metrics_are_on_the_device_before_each_checkpoint(corpus, tmp_path, monkeypatch):
+    """A checkpoint is synced to the device; the metrics lines before it were not (a power
+    loss kept the checkpoint and lost its history, which a resume cannot write again)."""
+    import os
+
+    from tests.train._util import make_cfg
+
+    real, synced = os.fsync, []
+
+    def fsync(fd):
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    trainer.train(make_cfg(corpus, str(tmp_path / "run"), steps=4, save_every=2,
+                           save_final=True))
+    metas = [i for i, name in enumerate(synced) if name == "meta.json"]
+    assert len(metas) == 2, synced  # steps 2 and 4
+    for start, end in zip([0, *metas], metas, strict=False):  # before each checkpoint
+        assert "metrics.jsonl" in synced[start:end], synced
