@@ -5,8 +5,9 @@ beyond the measured spread (the p10..p90 bands of the two runs must not overlap)
 
 - ``slower``: the variant's time rose: ``new.p10 > old.p90 * (1 + tolerance)``. Absolute
   times from two runs only mean something on the same machine: where the runs' machines
-  differ (:func:`machines_differ`: another CPU model or GPU), a time beyond the spread is a
-  note on the row, not a verdict, and only the speed-ups can flag a regression.
+  differ (:func:`machines_differ`: another CPU model, core count, GPU, torch or CUDA), a
+  time beyond the spread is a note on the row, not a verdict, and only the speed-ups can
+  flag a regression.
 - ``lost speed-up``: a fused variant's speed-up over the unfused one (a ratio measured
   within each run, so comparable across machines and load) fell beyond both runs' bands.
 
@@ -185,12 +186,17 @@ def _lost_note(n: dict | None, stands_in: bool) -> str:
 
 
 def machines_differ(old_machine: dict | None, new_machine: dict | None) -> bool:
-    """Whether two runs ran on different machines (CPU model or GPU), so that their times
-    are not comparable; False where neither machine is known."""
+    """Whether two runs ran on different machines (CPU model or GPU; core count, torch or CUDA
+    version where both runs record one), so that their times are not comparable; False
+    where neither machine is known. (A virtual machine may report one generic CPU name for
+    guests of any size.)"""
     om, nm = old_machine or {}, new_machine or {}
     if not (om or nm):
         return False
-    return (om.get("host_cpu"), om.get("gpu")) != (nm.get("host_cpu"), nm.get("gpu"))
+    if (om.get("host_cpu"), om.get("gpu")) != (nm.get("host_cpu"), nm.get("gpu")):
+        return True
+    return any(om.get(k) is not None and nm.get(k) is not None and om[k] != nm[k]
+               for k in ("cores", "torch", "cuda"))
 
 
 def compare_rows(old: list[dict], new: list[dict], tolerance: float = 0.0,

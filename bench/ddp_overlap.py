@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 from distllm.bench.harness import BenchConfig, Case, LoopStep, Result, Setup, build_and_step
 from distllm.bench.row_parallel_overlap import unresolved
-from distllm.bench.rows import row
+from distllm.bench.rows import judge_target, row
 from torch import nn
 
 from distllm.comm.collectives import all_reduce
@@ -359,8 +359,13 @@ def _share(v: float, fwd: float, fwd_bwd: float, comm: float, opt: float) -> flo
 
 def _hidden_band(st: dict[str, Stats], s: Stats) -> tuple[float, float] | None:
     """p10..p90 of :func:`_share` of the variant timed ``s``, round by round: repetition
-    ``i`` of the variant and of every part ran in the same round."""
-    return paired_band(_share, s.samples_ms, *(st[n].samples_ms for n in _PARTS))
+    ``i`` of the variant and of every part ran in the same round; widened to hold the share
+    of the medians printed with it."""
+    band = paired_band(_share, s.samples_ms, *(st[n].samples_ms for n in _PARTS))
+    mid = _share(s.median_ms, *(st[n].median_ms for n in _PARTS))
+    if band is None or mid is None:
+        return band
+    return min(band[0], mid), max(band[1], mid)
 
 
 def _vs_parts(st: dict[str, Stats], parts: float) -> dict:
@@ -392,9 +397,17 @@ def _hidden_kw(st: dict[str, Stats], s: Stats, can_hide: float, ideal: float) ->
     return {**kw, "hidden_frac": hid}
 
 
-def _ratios(name: str, s: Stats, med: dict[str, float], label: str, vs_ideal: float) -> dict:
+def _vs_ideal_band(st: dict[str, Stats], s: Stats) -> tuple[float, float] | None:
+    """p10..p90 of the step timed ``s`` over ``fwd + max(bwd, comm) + opt``, round by round."""
+    return paired_band(lambda v, f, fb, c, o: v / (f + max(fb - f, c) + o), s.samples_ms,
+                       *(st[n].samples_ms for n in _PARTS))
+
+
+def _ratios(name: str, s: Stats, st: dict[str, Stats], label: str, vs_ideal: float) -> dict:
     """``ddp_auto`` against the schedules it chose from, ``distllm_ddp`` against torch's
-    (and its target): each only where the other variant ran."""
+    (and its target: ``meets_target`` the medians', ``target_status`` the bands',
+    :func:`~distllm.bench.rows.judge_target`): each only where the other variant ran."""
+    med = {n: x.median_ms for n, x in st.items()}
     kw: dict = {}
     if name == "ddp_auto":
         ran = {n: med[n] for n in ("distllm_ddp", "no_overlap") if n in med}
@@ -406,6 +419,9 @@ def _ratios(name: str, s: Stats, med: dict[str, float], label: str, vs_ideal: fl
         bar = 1.03 if label == "loopback" else 1.00  # over an emulated link: not slower
         kw["meets_target"] = kw["vs_torch_ddp"] <= bar and (label == "loopback" or
                                                            vs_ideal <= 1.05)
+        vs_torch = paired_band(lambda a, b: a / b, s.samples_ms, st["torch_ddp"].samples_ms)
+        kw.update(judge_target((kw["vs_torch_ddp"], vs_torch, bar), *(
+            [] if label == "loopback" else [(vs_ideal, _vs_ideal_band(st, s), 1.05)])))
         kw["target"] = f"<= {bar}x torch_ddp" + ("" if label == "loopback" else
                                                 ", <= 1.05x ideal")
     return kw
@@ -437,7 +453,7 @@ def _ddp_rows(res: dict, case: str, label: str, reason: str) -> list[dict]:
                       role="peer" if name == "torch_ddp" else "fused")
             if "parts_add_up" in check:  # a share from parts that do not add up is wrong
                 kw["parts_add_up"] = check["parts_add_up"]
-            kw.update(_ratios(name, s, med, label, kw["vs_ideal"]))
+            kw.update(_ratios(name, s, st, label, kw["vs_ideal"]))
         if name == "ddp_auto":  # what it chose
             kw.update((res.get("auto") or {}).get("ddp_auto") or {})
         rows.append(row(SUITE_DDP, case, name, s, **kw))
@@ -469,6 +485,10 @@ def _zero_rows(res: dict, case: str, label: str, reason: str) -> list[dict]:
                                                        "grad_opt_vs_ddp" in kw):
             kw["meets_target"] = kw["vs_ddp"] <= _ZERO_BARS[name] and (
                 name != "zero2" or kw["grad_opt_vs_ddp"] <= 0.5)
+            band = paired_band(lambda a, b: a / b, s.samples_ms, ddp.samples_ms)
+            mem = kw.get("grad_opt_vs_ddp")  # measured from the tensors: no spread
+            kw.update(judge_target((kw["vs_ddp"], band, _ZERO_BARS[name]), *(
+                [(mem, (mem, mem), 0.5)] if name == "zero2" else [])))
             kw["target"] = f"<= {_ZERO_BARS[name]}x distllm_ddp" + (
                 ", <= 0.5x its grad+optimizer memory" if name == "zero2" else "")
         if name == "zero3_noprefetch" and "zero3" in st:

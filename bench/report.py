@@ -16,7 +16,9 @@ sets it, else guessed from its name (:func:`role_of`):
 Speed-ups are ratios of medians measured in the same run (``unfused.ms / variant.ms``),
 with a band (:func:`speedup_band`): the 10th-90th percentiles of the ratios of the
 repetitions that ran in the same round (the runner interleaves the variants). A win counts
-only when the whole band is above 1: faster in at least nine rounds of ten.
+only when the whole band is above 1 and, where the rounds pair, at least ``ceil(0.9 n)`` of
+the ``n`` per-round ratios are above 1 (:func:`beyond_spread`): faster in nine rounds of
+ten, and with fewer than 10 rounds in all of them; a loss likewise below 1.
 
 A ``hidden_frac`` above its ceiling (``extra.hidden_ceiling``, else 1: nothing hides more
 than all of what could hide) is impossible, so the measurement is wrong: :func:`annotate`
@@ -29,8 +31,12 @@ parts that do not add up to the step without overlap beyond their spread
 (``extra.parts_add_up`` False): ``extra.below_floor``, the same mark and a note. A hidden
 share's cell carries its band where the row has one (``extra.hidden_band``: the p10..p90
 of the share taken round by round; single rounds may pass the ceiling, which marks only the
-median). A case whose rows say what they were
-measured on (``extra.stage``) names it in its verdict; on a synthetic stage
+median; the printed share always lies within its printed band). A timed row faster than its
+case's ``ideal`` bound (the parts' overlap at best) is impossible too: :func:`annotate` sets
+``extra.below_ideal``, its time carries the same mark and a note. A verdict whose chosen
+variant or baseline is so flagged (above its ceiling or below the ideal) recommends nothing:
+it says the measurement is not trustworthy. A verdict names the device its rows ran on
+(``device``) and what they were measured on (``extra.stage``); on a synthetic stage
 (``extra.synthetic``, e.g. fixed-duration sleeps) the verdict reports the ratio and
 recommends nothing.
 """
@@ -48,7 +54,8 @@ from distllm.bench.rows import fmt, write_text_atomic
 from distllm.diagnostics.timing import PAIRED_MIN, paired_band
 
 __all__ = ["role_of", "annotate", "verdict", "suite_table", "write_report", "by_case",
-           "speedup_band", "not_measured", "summary_table", "above_ceiling", "below_floor"]
+           "speedup_band", "not_measured", "summary_table", "above_ceiling", "below_floor",
+           "below_ideal", "beyond_spread"]
 
 CEILING_MARK = "⚠"
 UNRESOLVED_MARK = "n/r"
@@ -57,6 +64,9 @@ UNRESOLVED_NOTE = (f"{UNRESOLVED_MARK}: hidden share not resolved: what could hi
                    "be noise.")
 CEILING_NOTE = (f"{CEILING_MARK}: hidden above its ceiling (100% of what could hide), which "
                 "no overlap can do: the measurement of that row is wrong, not the overlap.")
+IDEAL_NOTE = (f"{CEILING_MARK} beside a time: faster than its case's ideal bound (the parts "
+              "overlapped at best), which no schedule can be: the measurement of that row is "
+              "wrong or noisy, and no verdict rests on it.")
 FLOOR_NOTE = (f"{CEILING_MARK}: hidden below the floor its suite sets, or computed from parts "
               "that do not add up to the step without overlap beyond their spread: the parts "
               "do not explain that row's time, so its share is not a measure of the overlap.")
@@ -124,8 +134,9 @@ def speedup_band(base: dict, r: dict) -> tuple[float, float, float]:
     Paired (both rows carry ``extra.samples_ms`` of the same run length, at least
     :data:`~distllm.diagnostics.timing.PAIRED_MIN`): the 10th and 90th percentiles of the
     per-repetition ratios ``base_i / r_i``. The runner interleaves the variants, so
-    repetition ``i`` of each ran in the same round and a drift of the machine moves both;
-    ``low > 1`` says ``r`` was faster in nine rounds of ten. Otherwise the widest ratio of
+    repetition ``i`` of each ran in the same round and a drift of the machine moves both
+    (``low > 1`` alone does not say ``r`` was faster in nine rounds of ten with fewer than 10
+    rounds: :func:`beyond_spread` counts them). Otherwise the widest ratio of
     the two p10..p90 bands, ``base.p10 / r.p90 .. base.p90 / r.p10`` (rows of different
     runs)."""
     mid = base["ms"] / r["ms"]
@@ -135,6 +146,24 @@ def speedup_band(base: dict, r: dict) -> tuple[float, float, float]:
         return min(band[0], mid), mid, max(band[1], mid)
     (b10, b90), (r10, r90) = _band(base), _band(r)
     return b10 / r90, mid, b90 / r10
+
+
+def beyond_spread(base: dict, r: dict) -> int:
+    """1 where ``r`` is faster than ``base`` beyond the spread, -1 where slower, else 0: the
+    whole :func:`speedup_band` on one side of 1 and, where the rounds pair (the same number
+    of ``extra.samples_ms``, at least :data:`~distllm.diagnostics.timing.PAIRED_MIN`), at
+    least ``ceil(0.9 n)`` of the ``n`` per-round ratios on that side too (all of them with
+    fewer than 10 rounds; an interpolated p10 lets one slower round in 5-9 pass)."""
+    lo, _, hi = speedup_band(base, r)
+    a, b = _samples(base), _samples(r)
+    rounds = ([x / y for x, y in zip(a, b, strict=True)]
+              if a is not None and b is not None and len(a) == len(b) >= PAIRED_MIN else [])
+    need = -(-9 * len(rounds) // 10)  # ceil(0.9 n) in integers
+    if lo > 1.0 and sum(q > 1.0 for q in rounds) >= need:
+        return 1
+    if hi < 1.0 and sum(q < 1.0 for q in rounds) >= need:
+        return -1
+    return 0
 
 
 def above_ceiling(r: dict) -> bool | None:
@@ -160,18 +189,29 @@ def below_floor(r: dict) -> bool | None:
         extra.get("parts_add_up") is False)
 
 
+def below_ideal(r: dict) -> bool:
+    """Whether :func:`annotate` found ``r``'s median below its case's ``ideal`` row."""
+    extra = r.get("extra") if isinstance(r.get("extra"), dict) else {}
+    return extra.get("below_ideal") is True
+
+
 def annotate(rows: list[dict]) -> list[dict]:
     """Fill ``speedup_vs_unfused`` (if the module did not), ``extra.role``,
-    ``extra.speedup_vs_peer``, ``extra.above_ceiling`` and ``extra.below_floor`` in place,
+    ``extra.speedup_vs_peer``, ``extra.above_ceiling``, ``extra.below_floor`` and, on every
+    timed row of a case with an ``ideal`` row but the parts, ``extra.below_ideal`` in place,
     per case; returns ``rows``."""
     for case_rows in by_case(rows).values():
         base, peer = _best(case_rows, "unfused"), _best(case_rows, "peer")
+        ideal = _best(case_rows, "ideal")
         for r in case_rows:
             extra = r["extra"] if isinstance(r.get("extra"), dict) else {}
             extra["role"] = role_of(r)
             over, under = above_ceiling(r), below_floor(r)
             if over is not None:
                 extra["above_ceiling"], extra["below_floor"] = over, under
+            if (ideal is not None and _ok(r) and r.get("ms_p10") is not None
+                    and extra["role"] not in ("ideal", "part")):
+                extra["below_ideal"] = r["ms"] < ideal["ms"]
             if _ok(r) and peer is not None and r is not peer:
                 extra["speedup_vs_peer"] = peer["ms"] / r["ms"]
             r["extra"] = extra
@@ -202,16 +242,32 @@ def _stage(rows: list[dict]) -> tuple[str, bool]:
     return "", False
 
 
+def _device(rows: list[dict]) -> str:
+    """The devices the measured rows of a case ran on (``device``), first seen first."""
+    return "/".join(dict.fromkeys(str(r["device"]) for r in rows if _ok(r) and r.get("device")))
+
+
 def verdict(rows: list[dict]) -> str:
     """One line for one case: who wins, by how much, and whether it is beyond the spread;
-    prefixed with what it was measured on when the rows say, and with no advice when that
-    is synthetic."""
+    prefixed with the device its rows ran on and what they were measured on when the rows
+    say, and with no advice when that is synthetic."""
     line = _verdict(rows)
     stage, synthetic = _stage(rows)
     if synthetic:
         line = line.split(" — ")[0] + (" — measured on synthetic stages: not a "
                                        "recommendation (real compute decides)")
-    return f"on {stage}: {line}" if stage else line
+    where = ", ".join(w for w in (_device(rows), stage) if w)
+    return f"on {where}: {line}" if where else line
+
+
+def _distrust(rows: list[dict]) -> str:
+    """Why a verdict between ``rows`` (the chosen variant and its baseline) is not to be
+    trusted: each one flagged above its hidden-share ceiling or below the case's ideal."""
+    why = [f"{r['variant']} " + " and ".join(
+        w for w, bad in (("above its hidden-share ceiling", above_ceiling(r)),
+                         ("faster than the ideal bound", below_ideal(r))) if bad)
+        for r in rows if above_ceiling(r) or below_ideal(r)]
+    return "; ".join(why)
 
 
 def _verdict(rows: list[dict]) -> str:
@@ -222,8 +278,8 @@ def _verdict(rows: list[dict]) -> str:
                      if _ok(r) and role_of(r) not in ("ideal", "part", "control")),
                     key=lambda r: r["ms"])
         if len(ok) >= 2:
-            lo, mid, _ = speedup_band(ok[1], ok[0])
-            sure = "" if lo > 1.0 else ", within the spread"
+            mid = speedup_band(ok[1], ok[0])[1]
+            sure = "" if beyond_spread(ok[1], ok[0]) > 0 else ", within the spread"
             return f"fastest: {ok[0]['variant']} ({mid:.2f}x over {ok[1]['variant']}{sure})"
         if ok:
             return _overhead_verdict(ok[0]) or (
@@ -233,18 +289,22 @@ def _verdict(rows: list[dict]) -> str:
     if fused is None:
         return _penalty_verdict(rows, base) or (
             f"no fused variant ran here ({'; '.join(str(r.get('reason')) for r in bad) or '-'})")
-    lo, mid, hi = speedup_band(base, fused)
+    mid, side = speedup_band(base, fused)[1], beyond_spread(base, fused)
     name, note, b = fused["variant"], _auto_note(rows, base), base["variant"]
-    if lo > 1.0:
+    doubt = _distrust([fused, base])
+    if doubt:  # a time no schedule can reach: no win, no loss, no advice
+        line = (f"{name} {mid:.2f}x over {b} — the measurement is not trustworthy ({doubt}): "
+                "no verdict")
+    elif side > 0:
         line = f"{name} wins by {mid:.2f}x over {b} — use it"
-    elif hi < 1.0:
+    elif side < 0:
         line = f"{name} loses ({mid:.2f}x, {1 / mid:.2f}x slower than {b}) — keep {b}"
     else:
         line = f"no gain here ({name} {mid:.2f}x, within the spread) — {b} is as good"
     peer = _best(rows, "peer")
     if peer is not None:
-        plo, pmid, phi = speedup_band(peer, fused)
-        tag = "ahead of" if plo > 1.0 else "behind" if phi < 1.0 else "level with"
+        pmid, pside = speedup_band(peer, fused)[1], beyond_spread(peer, fused)
+        tag = "ahead of" if pside > 0 else "behind" if pside < 0 else "level with"
         line += f"; {tag} {peer['variant']} ({pmid:.2f}x)"
     return line + note
 
@@ -261,16 +321,27 @@ def _overhead_verdict(r: dict) -> str | None:
     spread = (f" (p10..p90 {100 * band[0]:.1f}..{100 * band[1]:.1f}%)"
               if isinstance(band, list | tuple) and len(band) == 2 else "")
     target = extra.get("target")
-    met = {True: "met", False: "missed"}.get(extra.get("met"), "")
+    met = _target_status(extra, "met")
     return (f"fixed overhead {100 * frac:.1f}% of the step outside operators{spread}"
             + (f", target {target}: {met}" if target and met else ""))
+
+
+def _target_status(extra: dict, key: str) -> str:
+    """``extra.target_status`` (judged on the figure's band, or its median where the row says
+    so), else from the median's bool ``extra[key]`` (rows written before it); "" for none."""
+    status = extra.get("target_status") or {True: "met", False: "missed"}.get(extra.get(key))
+    if status and extra.get("target_judged_on", "").startswith("median"):
+        status += " (on the median: no per-round values)"
+    return status or ""
 
 
 def _penalty_verdict(rows: list[dict], base: dict) -> str | None:
     """The verdict of a case that measures chunking penalties against a target (rows with
     ``extra.chunking_penalty`` and ``extra.meets_target``, as the GPU ``row_overlap`` case's:
     each chunked GEMM over the whole one, ``base``), or None for another case: each penalty,
-    the target and whether it was met, and any slowdown measured beside (``extra.slowdown``)."""
+    the target and whether it was met (the whole band of the penalty within it; missed where
+    the whole band is beyond; else within the spread), and any slowdown measured beside
+    (``extra.slowdown``)."""
     def extra(r: dict) -> dict:
         return r["extra"] if isinstance(r.get("extra"), dict) else {}
 
@@ -278,11 +349,23 @@ def _penalty_verdict(rows: list[dict], base: dict) -> str | None:
             and isinstance(extra(r).get("meets_target"), bool)]
     if not pens:
         return None
-    missed = [str(r["variant"]) for r in pens if not extra(r)["meets_target"]]
+    status = {str(r["variant"]): _target_status(extra(r), "meets_target") for r in pens}
+    missed = [v for v, st in status.items() if st.startswith("missed")]
+    unsure = [v for v, st in status.items() if st.startswith("within")]
+    judged = ([f"missed ({', '.join(missed)})"] if missed else []) + (
+        [f"within the spread ({', '.join(unsure)})"] if unsure else [])
+
+    def band(r: dict) -> str:
+        b = (extra(r).get("target_band") or [None])[0]
+        return f" ({100 * b[0]:+.1f}..{100 * b[1]:+.1f}%)" if b and b[0] != b[1] else ""
+
     line = (f"chunking penalty over {base['variant']}: "
-            + ", ".join(f"{r['variant']} {100 * extra(r)['chunking_penalty']:+.1f}%" for r in pens)
+            + ", ".join(f"{r['variant']} {100 * extra(r)['chunking_penalty']:+.1f}%{band(r)}"
+                        for r in pens)
             + (f", target {extra(pens[0])['target']}" if extra(pens[0]).get("target") else "")
-            + (f": missed ({', '.join(missed)})" if missed else ": met"))
+            + (": " + ", ".join(judged) if judged else ": met"))
+    if any(str(extra(r).get("target_judged_on", "")).startswith("median") for r in pens):
+        line += " (on the medians: too few rounds for a band)"
     for r in rows:
         if _ok(r) and isinstance(extra(r).get("slowdown"), int | float):
             line += f"; {r['variant']} {100 * extra(r)['slowdown']:+.1f}% over {base['variant']}"
@@ -302,7 +385,7 @@ def _cells(r: dict) -> list[str]:
     part = role_of(r) == "part"  # a component timed alone: no speed-up to claim
     sp = None if part else r.get("speedup_vs_unfused")
     spp = None if part else extra.get("speedup_vs_peer")
-    return [str(r.get("case")), str(r.get("variant")), role_of(r), fmt(r.get("ms")), band,
+    return [str(r.get("case")), str(r.get("variant")), role_of(r), _ms_cell(r), band,
             fmt(r.get("tflops")), fmt(r.get("gbps")), _hidden_cell(r),
             fmt(r.get("peak_mem_mb")), f"{sp:.2f}x" if sp else "",
             f"{spp:.2f}x" if spp else "", status.replace("|", "/").replace("\n", " ")]
@@ -313,6 +396,11 @@ def _unresolved(r: dict) -> bool:
     return bool(extra.get("hidden_unresolved"))
 
 
+def _ms_cell(r: dict) -> str:
+    """A row's median time, marked where it is below its case's ideal bound."""
+    return fmt(r.get("ms")) + (f" {CEILING_MARK}" if below_ideal(r) else "")
+
+
 def _hidden_cell(r: dict) -> str:
     hid = r.get("hidden_frac")
     if not isinstance(hid, int | float):
@@ -321,7 +409,8 @@ def _hidden_cell(r: dict) -> str:
     band = extra.get("hidden_band")
     ok = isinstance(band, list | tuple) and len(band) == 2 and all(
         isinstance(x, int | float) for x in band)
-    return (f"{100 * hid:.0f}%" + (f" ({100 * band[0]:.0f}..{100 * band[1]:.0f})" if ok else "")
+    lo, hi = (min(band[0], hid), max(band[1], hid)) if ok else (None, None)  # holds the share
+    return (f"{100 * hid:.0f}%" + (f" ({100 * lo:.0f}..{100 * hi:.0f})" if ok else "")
             + (f" {CEILING_MARK}" if above_ceiling(r) or below_floor(r) else ""))
 
 
@@ -329,6 +418,7 @@ def _ceiling_note(rows: Iterable[dict]) -> list[str]:
     rows = list(rows)
     notes = [CEILING_NOTE] if any(above_ceiling(r) for r in rows) else []
     notes += [FLOOR_NOTE] if any(below_floor(r) for r in rows) else []
+    notes += [IDEAL_NOTE] if any(below_ideal(r) for r in rows) else []
     notes += [UNRESOLVED_NOTE] if any(_unresolved(r) for r in rows) else []
     return [""] + notes if notes else []
 
@@ -383,31 +473,34 @@ def summary_table(rows: list[dict]) -> str:
     shown = []
     for (suite, case), crows in by_case(rows).items():
         base, best = _best(crows, "unfused") or _best(crows, "peer"), _best(crows, "fused")
-        b = f"{fmt(base['ms'])} ({base['variant']})" if base else ""
+        b = f"{_ms_cell(base)} ({base['variant']})" if base else ""
         v = verdict(crows).replace("|", "/").replace("\n", " ")
         if best is None:  # no fused variant ran: the line says why (the verdict)
             lines.append(f"| {suite} | {case} | {b} | - |  |  |  | {v} |")
             continue
-        shown.append(best)
+        shown += [best] + ([base] if base is not None else [])
         sp = ""
         if base is not None:
             lo, mid, hi = speedup_band(base, best)
             sp = f"{mid:.2f}x ({lo:.2f}..{hi:.2f})"
-        lines.append(f"| {suite} | {case} | {b} | {best['variant']} | {fmt(best['ms'])} | "
+        lines.append(f"| {suite} | {case} | {b} | {best['variant']} | {_ms_cell(best)} | "
                      f"{sp} | {_hidden_cell(best)} | {v} |")
     return "\n".join(lines + _ceiling_note(shown))
 
 
-def _header(machine: dict[str, Any], meta: dict[str, Any], unpaired: bool = False
-            ) -> list[str]:
-    """``unpaired``: some rows ran fewer repetitions than a paired band needs."""
+def _header(machine: dict[str, Any], meta: dict[str, Any], unpaired: bool = False,
+            on_gpu: bool = True) -> list[str]:
+    """``unpaired``: some rows ran fewer repetitions than a paired band needs; ``on_gpu``:
+    some row ran on CUDA (else the host's GPU is named as unused)."""
     m = machine
     out = ["# distllm bench report", ""]
     if meta.get("command"):
         out += [f"Command: `{meta['command']}`", ""]
     out.append(f"- time: {m.get('time')}, git {m.get('git')}; torch {m.get('torch')} "
                f"(CUDA {m.get('cuda')}), triton {m.get('triton')}, Python {m.get('python')}")
-    out.append(f"- machine: {m.get('host_cpu')}, {m.get('cores')} cores; GPU: {m.get('gpu')}")
+    unused = " (unused by these rows)" if m.get("gpu") and not on_gpu else ""
+    out.append(f"- machine: {m.get('host_cpu')}, {m.get('cores')} cores; GPU: {m.get('gpu')}"
+               + unused)
     if meta.get("loadavg") is not None:
         out.append(f"- load average at start / end: {meta['loadavg']} (other processes on "
                    "the machine disturb absolute times; ratios within a run stay comparable)")
@@ -416,7 +509,8 @@ def _header(machine: dict[str, Any], meta: dict[str, Any], unpaired: bool = Fals
             "interleaved)" + (
                 f"; where a variant ran fewer than {PAIRED_MIN} repetitions (as here: "
                 f"--quick, or a low --reps), the widest ratio of the two p10..p90 bands"
-                if unpaired else "") + "; 'wins' means the whole band is above 1", ""]
+                if unpaired else "") + "; 'wins' means the whole band is above 1 and, "
+            "where rounds pair, at least ceil(0.9 n) of the n rounds' ratios are above 1 too", ""]
     return out
 
 
@@ -431,8 +525,9 @@ def write_report(rows: list[dict], machine: dict[str, Any], out_dir: Path,
                  plots: dict[str, list[str]] | None = None) -> Path:
     """Write ``out_dir/REPORT.md`` and return its path. ``plots`` maps suite -> PNG names."""
     meta, titles, plots = meta or {}, titles or {}, plots or {}
-    lines = _header(machine, meta, _unpaired(rows)) + ["## Summary", "", summary_table(rows),
-                                                        ""]
+    on_gpu = any(_ok(r) and str(r.get("device") or "").startswith("cuda") for r in rows)
+    lines = _header(machine, meta, _unpaired(rows), on_gpu) + [
+        "## Summary", "", summary_table(rows), ""]
     suites = list(OrderedDict.fromkeys(r["suite"] for r in rows))
     for s in suites:
         srows = [r for r in rows if r["suite"] == s]

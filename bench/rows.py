@@ -25,7 +25,7 @@ from distllm.diagnostics.timing import Stats
 from distllm.files import write_text_atomic
 
 __all__ = ["ROW_FIELDS", "row", "machine_info", "write_rows", "write_text_atomic",
-           "markdown_table", "fmt"]
+           "markdown_table", "fmt", "judge_target"]
 
 
 ROW_FIELDS = [
@@ -80,6 +80,24 @@ def row(
     if extra:
         r["extra"] = {**(r.get("extra") or {}), **extra}
     return r
+
+
+def judge_target(*checks: tuple[float, tuple[float, float] | None, float]) -> dict:
+    """Whether figures meet their targets ``figure <= limit``, each check ``(median, band,
+    limit)`` with ``band`` the figure's p10..p90 taken round by round (None: no per-round
+    values), as ``extra`` fields: ``target_status`` "met" where every band lies within its
+    limit, "missed" where a whole band lies beyond, else "within the spread";
+    ``target_band`` (the bands, each widened to hold its median); ``target_judged_on``: the
+    bands, or the medians alone where a check has none (then its band is its median)."""
+    bands = [(min(b[0], v), max(b[1], v)) if b is not None else (v, v) for v, b, _ in checks]
+    lims = [lim for _, _, lim in checks]
+    status = ("met" if all(hi <= lim for (_, hi), lim in zip(bands, lims, strict=True))
+              else "missed" if any(lo > lim for (lo, _), lim in zip(bands, lims, strict=True))
+              else "within the spread")
+    per_round = all(b is not None for _, b, _ in checks)
+    return {"target_status": status, "target_band": [list(b) for b in bands],
+            "target_judged_on": "p10..p90 round by round" if per_round
+            else "median (no per-round values)"}
 
 
 def _git_rev() -> str | None:

@@ -63,7 +63,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from distllm.bench.harness import BenchConfig, Case, LoopStep, Result, Setup, build_and_step, shapes
-from distllm.bench.rows import row, write_text_atomic
+from distllm.bench.rows import judge_target, row, write_text_atomic
 from distllm.bench.step_breakdown import OP_PREFIXES, breakdown, compare_breakdowns, cpu_split
 from distllm.bench.train_e2e_variants import builders, distllm_single, drain
 
@@ -337,9 +337,11 @@ def _overhead_row(cfg: BenchConfig, case: Case, result: Result) -> dict:
                                       f"than a plain step's {wall.median_ms:.3g} ms"}
         frac = None
     _, _, batch, seq, _ = _PRESETS[cfg.quick][0]
+    # met: the median's; target_status: the whole band's (judge_target)
+    judged = {} if frac is None else judge_target((frac, band, 0.05))
     return row(SUITE_OVH, case.label, "distllm", wall, op_ms=op, overhead_frac=frac,
                overhead_band=band, target="<= 0.05", met=None if frac is None else frac <= 0.05,
-               device="cpu", dtype="float32", shape=f"batch {batch}x{seq}", **why)
+               device="cpu", dtype="float32", shape=f"batch {batch}x{seq}", **why, **judged)
 
 
 def rows(cfg: BenchConfig, case: Case, result: Result) -> list[dict]:

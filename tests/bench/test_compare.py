@@ -350,3 +350,24 @@ def test_a_malformed_results_file_exits_2_before_any_benchmark(tmp_path, monkeyp
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith(f"distllm bench: error: --compare {old}: "), err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "new").exists()
+
+
+def test_machines_with_one_cpu_name_and_other_core_counts_differ():
+    """A QEMU guest reports one generic CPU name at any size: 16 cores then 2 read as one
+    machine, and the old run's absolute times gave a regression."""
+    old = {"host_cpu": "Intel(R) Xeon(R) Processor", "cores": 16, "gpu": None}
+    new = dict(old, cores=2)
+    assert compare.machines_differ(old, new)
+    assert not compare.machines_differ(old, dict(old))
+    assert not compare.machines_differ(old, {"host_cpu": old["host_cpu"], "gpu": None})
+    assert compare.machines_differ(dict(old, torch="2.5.1"), dict(old, torch="2.6.0"))
+    assert compare.machines_differ(dict(old, cuda="12.4"), dict(old, cuda="13.0"))
+    assert not compare.machines_differ(dict(old, torch="2.5.1"), old)  # one run names none
+
+    def r(ms):
+        return {"suite": "linear_gelu", "case": "fwd 256x256x1024 float32", "variant": "unfused",
+                "status": "ok", "ms": ms, "ms_p10": ms * 0.95, "ms_p90": ms * 1.05,
+                "extra": {"role": "unfused"}}
+
+    changes = compare.compare_rows([r(1.0)], [r(3.0)], old_machine=old, new_machine=new)
+    assert not compare.regressions(changes) and "another machine" in changes[0].note

@@ -221,3 +221,28 @@ def test_a_variant_that_fails_its_first_step_is_a_row():
                                              timeout=120):
         assert variants == ["distllm_ddp"]
         assert missing == {"broken": "its first step failed: RuntimeError: no step here"}
+
+
+def test_ddp_and_zero_targets_are_judged_on_their_bands():
+    """distllm_ddp at the median of torch_ddp (its target over a link: not slower) but slower
+    in half the rounds; zero3 inside its bar at the median, outside it in half the rounds:
+    "met" came from the medians alone."""
+    parts = {n: stats_of([ms] * 10) for n, ms in {"fwd_alone": 10.0, "fwd_bwd_alone": 33.0,
+                                                   "comm_alone": 15.0, "opt_alone": 7.0}.items()}
+    torch_ddp = [40.0] * 10
+    mixed = [39.0, 41.0] * 5  # median 40: 1.0x of torch's; rounds at 0.975x and 1.025x
+    st = {"distllm_ddp": stats_of(mixed), "torch_ddp": stats_of(torch_ddp),
+          "no_overlap": stats_of([55.0] * 10), **parts}
+    rows = ddp_overlap._ddp_rows({"stats": st, "mem": {}, "timelines": {}}, "c", "10gbit", "")
+    e = {r["variant"]: r for r in rows}["distllm_ddp"]["extra"]
+    assert e["meets_target"] is True and e["target_status"] == "within the spread"
+    st["distllm_ddp"] = stats_of([38.0, 39.0] * 5)
+    rows = ddp_overlap._ddp_rows({"stats": st, "mem": {}, "timelines": {}}, "c", "10gbit", "")
+    e = {r["variant"]: r for r in rows}["distllm_ddp"]["extra"]
+    assert e["target_status"] == "met" and e["target_judged_on"] == "p10..p90 round by round"
+    ddp = stats_of([100.0] * 10)
+    st = {"distllm_ddp": ddp, "zero3": stats_of([120.0, 130.0] * 5)}  # median 125 <= 1.25x
+    res = {"stats": st, "missing": {}, "timelines": {}, "mem": {}}
+    e = {r["variant"]: r["extra"] for r in ddp_overlap._zero_rows(res, "c", "10gbit", "")}
+    assert e["zero3"]["meets_target"] is True
+    assert e["zero3"]["target_status"] == "within the spread"
