@@ -141,6 +141,11 @@ class MemoryState(NamedTuple):
     """The group of the chunk whose backward (B or W) runs, or -1: just after a forward."""
     posted: int
     """Receive buffers posted ahead for the next compute action (0 or 1)."""
+    grads: tuple[int, ...]
+    """Local chunks, per group, whose gradient accumulation buffers are alive (with more
+    than one micro-batch): from the end of the chunk's first backward (B) of the step, whose
+    gradients make them as they land (``distllm.parallel.data.buckets``), to its last (W
+    under zb-h1), which reduces and frees them."""
 
 
 def _dominates(a: MemoryState, b: MemoryState) -> bool:
@@ -148,7 +153,8 @@ def _dominates(a: MemoryState, b: MemoryState) -> bool:
     return (a != b and (b.running == -1 or a.running == b.running) and a.sent >= b.sent
             and a.posted >= b.posted
             and all(x >= y for x, y in zip(a.held, b.held, strict=True))
-            and all(x >= y for x, y in zip(a.deferred, b.deferred, strict=True)))
+            and all(x >= y for x, y in zip(a.deferred, b.deferred, strict=True))
+            and all(x >= y for x, y in zip(a.grads, b.grads, strict=True)))
 
 
 def _between(a: MemoryState, b: MemoryState, c: MemoryState) -> bool:
@@ -156,10 +162,10 @@ def _between(a: MemoryState, b: MemoryState, c: MemoryState) -> bool:
     a sum of byte figures weighted by its counts is at most the larger of theirs."""
     if not (a.running == b.running == c.running and a.posted == b.posted == c.posted):
         return False
-    u = [y - x for x, y in zip((*a.held, *a.deferred, a.sent), (*b.held, *b.deferred, b.sent),
-                               strict=True)]
-    w = [y - x for x, y in zip((*b.held, *b.deferred, b.sent), (*c.held, *c.deferred, c.sent),
-                               strict=True)]
+    u = [y - x for x, y in zip((*a.held, *a.deferred, *a.grads, a.sent),
+                               (*b.held, *b.deferred, *b.grads, b.sent), strict=True)]
+    w = [y - x for x, y in zip((*b.held, *b.deferred, *b.grads, b.sent),
+                               (*c.held, *c.deferred, *c.grads, c.sent), strict=True)]
     parallel = all(u[i] * w[j] == u[j] * w[i] for i in range(len(u)) for j in range(i))
     return parallel and sum(x * y for x, y in zip(u, w, strict=True)) > 0
 
@@ -176,14 +182,20 @@ def memory_states(schedule: str, p: int, m: int, v: int, r: int,
     gradients sent back (every stage but the first); ``posted``, the receive for the next
     action, posted before this one runs.
 
+    ``grads`` counts the chunks whose gradient accumulation buffers are alive: none before a
+    chunk's first backward, so a forward-only peak (GPipe, or an interleaved warm-up with
+    few micro-batches) holds none; without a pipeline, a forward after the first (``m > 1``)
+    holds them.
+
     ``groups[c]``: the group of local chunk ``c`` (chunks of equal bytes share one; None:
-    a group per chunk); ``held`` and ``running`` count by group. Of the moments with the same
-    counts, running pass and posted receive only the last is kept (``sent`` only grows); of
-    those, none that another counts in full, nor any between two others of the same kind."""
+    a group per chunk); ``held``, ``grads`` and ``running`` count by group. Of the moments
+    with the same counts, running pass and posted receive only the last is kept (``sent``
+    only grows); of those, none that another counts in full, nor any between two others of
+    the same kind."""
     groups = tuple(range(v)) if groups is None else groups
     n = max(groups) + 1
     if p == 1 or schedule == "none":
-        return (MemoryState((1,) * n, (0,) * n, 0, 0, 0),)
+        return (MemoryState((1,) * n, (0,) * n, 0, 0, 0, (int(m > 1),) * n),)
     order = compute_order(schedule, p, m, v, r)
     split = schedule == "zb-h1"  # B makes the input gradient, W the weight gradients
     stages = p * v
@@ -194,7 +206,16 @@ def memory_states(schedule: str, p: int, m: int, v: int, r: int,
         return int(kind == "F" and stage[c] > 0 or kind == "B" and stage[c] < stages - 1)
 
     held, deferred, sent = [0] * n, [0] * n, 0
-    # (held, deferred, running, posted): (position, sent)
+    # B run and passes that land weight gradients (B, or W where it is split) run, per chunk
+    begun, landed = [0] * v, [0] * v
+
+    def grads() -> tuple[int, ...]:
+        out = [0] * n
+        for c in range(v):
+            out[groups[c]] += begun[c] >= 1 and landed[c] < m
+        return tuple(out)
+
+    # (held, deferred, running, posted, grads): (position, sent)
     last: dict[tuple, tuple[int, int]] = {}
     for k, (kind, _mb, c) in enumerate(order):
         posted = needs_recv(order[k + 1]) if k + 1 < len(order) else 0
@@ -202,17 +223,21 @@ def memory_states(schedule: str, p: int, m: int, v: int, r: int,
         if kind == "F":
             held[g] += 1
             sent += stage[c] < stages - 1
-            last[(tuple(held), tuple(deferred), -1, posted)] = (k, sent)
+            last[(tuple(held), tuple(deferred), -1, posted, grads())] = (k, sent)
         else:
-            last[(tuple(held), tuple(deferred), g, posted)] = (k, sent)
+            # a chunk's last backward reduces its buffers as it goes: counted whole there
+            last[(tuple(held), tuple(deferred), g, posted, grads())] = (k, sent)
             if kind == "B":
                 sent += stage[c] > 0
                 held[g] -= 1
                 deferred[g] += split
+                begun[c] += 1
+                landed[c] += not split
             else:  # W
                 deferred[g] -= 1
-    moments = sorted((k, MemoryState(h, d, sent, run, posted))
-                     for (h, d, run, posted), (k, sent) in last.items())
+                landed[c] += 1
+    moments = sorted((k, MemoryState(h, d, sent, run, posted, gr))
+                     for (h, d, run, posted, gr), (k, sent) in last.items())
     # a moment can only be counted in full by one with as many held and sent: one sorted
     # earlier (a backward before a forward that holds the same)
     kept: list[tuple[int, MemoryState]] = []

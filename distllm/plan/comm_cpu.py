@@ -83,7 +83,8 @@ def _background(tm, lay: Layout, r: int, b: int, blocks: int, has_e: bool,
     if lay.dp > 1:
         link = tm._link("dp", lay)
         if lay.zero >= 3:  # per unit (each block, the embedding, the head): two gathers
-            # (forward, backward) per micro-batch and a reduce-scatter
+            # (forward, backward) per micro-batch, but one for the unit kept gathered from
+            # its forward to its backward (TimeModel.z3_kept), and a reduce-scatter
             unit = tm.rank_params(lay)[1]
             rest = max(0.0, n_params - blocks * unit)
             rs_times = 1 if rt.zero_grad_accumulation == "full" else m
@@ -92,6 +93,11 @@ def _background(tm, lay: Layout, r: int, b: int, blocks: int, has_e: bool,
                     2 * m * collective_cpu("all_gather", n * tm.param_bytes, lay.dp, link)
                     + rs_times * collective_cpu("reduce_scatter", n * tm.grad_bytes, lay.dp,
                                                 link))
+            kept = tm.z3_kept(lay, blocks, has_e, has_h)
+            if kept is not None:
+                n = {"block": unit, "embedding": tm.end_params(lay)[0],
+                     "head": tm.end_params(lay)[1]}[kept]
+                out -= m * collective_cpu("all_gather", n * tm.param_bytes, lay.dp, link)
         else:
             gbytes = tm.grad_bytes * n_params
             buckets = max(1, math.ceil(gbytes / tm.bucket_bytes))

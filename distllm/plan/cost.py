@@ -247,7 +247,7 @@ class CostModel(TimeModel):
 
     def rank_memory(self, lay: Layout, r: int) -> dict[str, float]:
         """Bytes on pipeline rank ``r``: model states, activations at the peak of
-        forward-backward, ZeRO-2/3's gradient accumulation buffers beside them
+        forward-backward and ZeRO-2/3's gradient accumulation buffers alive then
         (``grad_buffers``), the optimizer step's peak, and the larger as ``total``."""
         s = self.shape
         b = s.global_batch // (lay.dp * lay.micro_batches)
@@ -258,10 +258,11 @@ class CostModel(TimeModel):
         if lay.zero >= 3:  # the gathered unit being used and the next block, prefetched
             mem["params"] += (unit + per_layer) * self.param_bytes
         buffers, landing = self._grads_in_flight(lay, params[r], unit)
-        mem["activations"] = self._activations(lay, b, r, landing)
-        # ZeRO-2/3's full-size accumulation buffers, alive beside the activations
-        mem["grad_buffers"] = buffers
-        act = mem["activations"] + buffers
+        # ZeRO-2/3's full-size accumulation buffers, alive beside the activations from a
+        # chunk's first backward: both as at the moment of their largest sum
+        mem["activations"], mem["grad_buffers"] = self._activations(
+            lay, b, r, landing, buffers > 0)
+        act = mem["activations"] + mem["grad_buffers"]
         states = mem["params"] + mem["grads"] + mem["optimizer"]
         # the optimizer step's temporaries come after the activations are freed
         local = params[r] / (lay.dp if lay.zero >= 1 else 1)
@@ -311,22 +312,28 @@ class CostModel(TimeModel):
                                                 n_params)
         return 0.0, landing + self.grad_bytes * bucket
 
-    def _activations(self, lay: Layout, b: int, r: int, landing: float = 0.0) -> float:
-        """Activation bytes of pipeline rank ``r`` at the peak of forward-backward; ``landing``:
-        the gradient bytes in flight as one layer's gradients land (see _grads_in_flight).
+    def _activations(self, lay: Layout, b: int, r: int, landing: float = 0.0,
+                     buffers: bool = False) -> tuple[float, float]:
+        """(activation bytes, gradient buffer bytes) of pipeline rank ``r`` at the peak of
+        forward-backward; ``landing``: the gradient bytes in flight as one layer's gradients
+        land (see _grads_in_flight); ``buffers``: whether the micro-batches accumulate into
+        full-size gradient buffers (a chunk's: its parameters' gradients).
 
         The peak is the largest of the moments :func:`~distllm.plan.bubble.memory_states`
         replays from the rank's schedule: each local chunk's activations times the
-        micro-batches it holds then, the messages kept, and during a backward that pass's
-        transient."""
-        # the ZeRO stages of one layout differ here only in ``landing``: replay once for both
+        micro-batches it holds then, the messages kept, during a backward that pass's
+        transient, and the buffers of the chunks whose first backward has run."""
+        # the ZeRO stages of one layout differ here only in ``landing`` and ``buffers``:
+        # replay once for those that agree
         key = ("activations", lay.tp, lay.pp, lay.virtual_stages, lay.schedule,
-               lay.micro_batches, lay.checkpointing, lay.sequence_parallel, b, r, landing)
+               lay.micro_batches, lay.checkpointing, lay.sequence_parallel, b, r, landing,
+               buffers)
         if key not in self._cache:
-            self._cache[key] = self._replay_activations(lay, b, r, landing)
+            self._cache[key] = self._replay_activations(lay, b, r, landing, buffers)
         return self._cache[key]
 
-    def _replay_activations(self, lay: Layout, b: int, r: int, landing: float) -> float:
+    def _replay_activations(self, lay: Layout, b: int, r: int, landing: float,
+                            buffers: bool) -> tuple[float, float]:
         s, rt = self.shape, self.runtime
         per = self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, lay.checkpointing)
         bs = b * s.seq_len
@@ -365,8 +372,12 @@ class CostModel(TimeModel):
         # zb-h1, between B and W: the deferred weight gradients' inputs and output gradients,
         # and the stage input (freed by W)
         wait_w = self._deferred_bytes(lay, b) if lay.schedule == "zb-h1" else (0.0, 0.0)
-        held, transient, deferred = [], [], []
+        emb_n, head_n = self.end_params(lay)
+        per_layer = self.rank_params(lay)[1]
+        held, transient, deferred, grads = [], [], [], []
         for blocks, has_e, has_h in kinds:
+            grads.append(self.grad_bytes * (blocks * per_layer + (emb_n if has_e else 0.0)
+                                            + (head_n if has_h else 0.0)) if buffers else 0.0)
             out = msg if keeps_output and rt.outputs_per_chunk and not has_h else per_rank
             held.append(blocks * per + (emb if has_e else 0.0) + (logits if has_h else 0.0) + out)
             deferred.append(blocks * wait_w[0] + (wait_w[1] if has_h else 0.0)
@@ -378,12 +389,14 @@ class CostModel(TimeModel):
         sent = msg if pipelined and rt.keeps_sends else 0.0
         posted = msg if pipelined and rt.p2p_async else 0.0
         states = memory_states(lay.schedule, lay.pp, lay.micro_batches, v, r, groups)
-        return max(
-            sum(n * a for n, a in zip(st.held, held, strict=True))
-            + sum(n * a for n, a in zip(st.deferred, deferred, strict=True)) + st.sent * sent
-            + st.posted * posted + (transient[st.running] if st.running >= 0 else 0.0)
+        return max((
+            (sum(n * a for n, a in zip(st.held, held, strict=True))
+             + sum(n * a for n, a in zip(st.deferred, deferred, strict=True))
+             + st.sent * sent + st.posted * posted
+             + (transient[st.running] if st.running >= 0 else 0.0),
+             sum(n * a for n, a in zip(st.grads, grads, strict=True)))
             for st in states
-        )
+        ), key=sum)
 
     def _deferred_bytes(self, lay: Layout, b: int) -> tuple[float, float]:
         """(one block's, the head's) bytes that zb-h1 keeps from B to W for one micro-batch of

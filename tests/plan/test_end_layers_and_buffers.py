@@ -172,3 +172,70 @@ def test_verify_compares_the_buffers_with_the_activations_it_measures(capsys):
     assert float(line.split()[1]) == pytest.approx(
         planned["activations"] + planned["grad_buffers"], abs=1e-3)
     assert "with the gradient accumulation buffers" in line
+
+
+def _engine_zero3_gathers(lay: Layout, pp_rank: int, monkeypatch) -> int:
+    """ZeRO-3 all-gathers that the engine issues on pipeline rank ``pp_rank`` of ``lay`` in
+    one step's forward-backward (a dry run of the tiny GPT: every collective is called, on
+    fake tensors)."""
+    import distllm.parallel.data.zero3 as zero3
+    from distllm.plan.dry_run import dry_run
+    from distllm.plan.verify import gpt_config_for, train_config_for
+    from distllm.train.engine import Engine
+
+    count, on = [0], [False]
+    gather, fb = zero3.all_gather, Engine.forward_backward
+
+    def counted(*a, **k):
+        count[0] += on[0]
+        return gather(*a, **k)
+
+    def step(self, *a, **k):
+        on[0] = True
+        try:
+            return fb(self, *a, **k)
+        finally:
+            on[0] = False
+
+    monkeypatch.setattr(zero3, "all_gather", counted)
+    monkeypatch.setattr(Engine, "forward_backward", step)
+    shape = preset("tiny").with_(global_batch=lay.dp * lay.micro_batches, seq_len=32)
+    dry_run(train_config_for(lay, shape, "float32"), gpt_config_for(shape),
+            lay.tp * lay.pp * lay.dp, pp_rank=pp_rank)
+    return count[0]
+
+
+@pytest.mark.parametrize("lay", [
+    Layout(1, 1, 4, 3, "none", 2, "none", False, 1),
+    Layout(1, 2, 2, 3, "1f1b", 4, "none", False, 1),
+    Layout(1, 2, 2, 3, "gpipe", 2, "none", False, 1),
+    Layout(1, 2, 2, 3, "interleaved-1f1b", 2, "none", False, 2),
+], ids=lambda lay: lay.name())
+def test_zero3_gathers_are_those_the_engine_issues(lay, monkeypatch):
+    """The engine keeps the last unit of a forward gathered, since backward starts with it
+    (``ShardedParams._post_forward``): on a rank with one chunk, ``2 * units - 1`` gathers
+    per micro-batch (dp4 m2: 22 a step; the planner charged 24, the head gathered again
+    before each backward). Interleaved ranks issue at least two per unit and micro-batch
+    (they re-gather): the planner charges those two. The time charges the head's forward
+    gather alone, and the CPU model of its gathers the same."""
+    cm = CostModel(preset("tiny").with_(global_batch=lay.dp * lay.micro_batches, seq_len=32),
+                   CPU, lay.dp * lay.pp, 8)
+    planned = cm.z3_gathers(lay)
+    for r in range(lay.pp):
+        engine = _engine_zero3_gathers(lay, r, monkeypatch)
+        if lay.virtual_stages == 1:
+            assert planned[r] == engine, (r, planned, engine)
+        else:
+            assert planned[r] <= engine and planned[r] == 2 * lay.micro_batches * 3
+    if lay.pp > 1:
+        return
+    assert planned == [lay.micro_batches * (2 * (4 + 2) - 1)] == [22]
+    # the seconds: every unit's forward gather, every unit's backward gather but the head's
+    b = cm.shape.global_batch // (lay.dp * lay.micro_batches)
+    lt = cm.layer_times(b, lay)
+    emb, head = cm.end_params(lay)
+    f_e, b_e, _ = cm._z3_unit(emb, lay, 0.0, lt["bwd"])
+    f_h, b_h, _ = cm._z3_unit(head, lay, lt["fwd"], 0.0)
+    assert b_h > 0  # what a second gather of the head would cost
+    want = lay.micro_batches * (4 * (lt["z3_f"] + lt["z3_b"]) + f_e + b_e + f_h)
+    assert cm.step_time(lay)[1]["zero3_gather"] == pytest.approx(want, rel=1e-12)

@@ -81,8 +81,9 @@ def test_zero3_gathers_are_charged_when_compute_cannot_hide_them():
 
 def test_zero3_gathers_the_embedding_and_the_head_too():
     """The embedding and the head are ZeRO-3 units as a block is: gathered before their
-    forward and backward and reduce-scattered. With a large vocabulary and two small blocks
-    (550M parameters a rank, 25M of them in blocks) ZeRO-3 moves 1.5x ZeRO-2's bytes with
+    forward and backward (the head, which the backward starts with, stays gathered from its
+    forward) and reduce-scattered. With a large vocabulary and two small blocks
+    (550M parameters a rank, 25M of them in blocks) ZeRO-3 moves 1.25x ZeRO-2's bytes with
     almost nothing to hide them behind: its communication cannot come out below ZeRO-2's
     (it did, 13 ms against 157, when only the blocks' were charged)."""
     from distllm.plan.collectives import collective_time
@@ -97,9 +98,10 @@ def test_zero3_gathers_the_embedding_and_the_head_too():
 
     emb, head = cm.end_params(Layout(1, 1, 64, 3))
     link = A100.links["inter"]
-    ends = 2 * collective_time("all_gather", 2 * (emb + head), 64, link)  # bf16, fwd + bwd
+    ends = (collective_time("all_gather", 2 * (emb + head), 64, link)  # bf16, forward
+            + collective_time("all_gather", 2 * emb, 64, link))  # backward
     assert comm(3)[1] >= ends > 0.9 * comm(3)[1]  # the ends' gathers are most of them
-    assert comm(3)[0] > 1.3 * comm(2)[0]
+    assert comm(3)[0] > 1.2 * comm(2)[0]
 
 
 def test_gemm_efficiency_by_shape():
