@@ -7,6 +7,8 @@ with ``distllm bench``; the library (``distllm.*``) never imports it.
 - :mod:`~distllm.bench.harness`: the one runner (the suite contract, ranks, networks,
   interleaved timing from :mod:`distllm.diagnostics.timing`);
 - :mod:`~distllm.bench.rows`: result rows, JSON/CSV, markdown tables;
+- :mod:`~distllm.bench.verdicts`: each variant's role, the speed-up bands, the flags of
+  impossible figures, one verdict per case;
 - :mod:`~distllm.bench.report`, :mod:`~distllm.bench.plots`, :mod:`~distllm.bench.compare`:
   ``REPORT.md``, the PNG plots, ``COMPARE.md``;
 - suites, each ``cases`` / ``setup`` / ``rows`` over the runner: ``linear_gelu``,
