@@ -40,8 +40,8 @@ UNRESOLVED_NOTE = (f"{UNRESOLVED_MARK}: hidden share not resolved: what could hi
 CEILING_NOTE = (f"{CEILING_MARK}: hidden above its ceiling (100% of what could hide), which "
                 "no overlap can do: the measurement of that row is wrong, not the overlap.")
 IDEAL_NOTE = (f"{CEILING_MARK} beside a time: faster than its case's ideal bound (the parts "
-              "overlapped at best), which no schedule can be: the measurement of that row is "
-              "wrong or noisy, and no verdict rests on it.")
+              "overlapped at best) beyond its spread, which no schedule can be: the "
+              "measurement of that row is wrong or noisy, and no verdict rests on it.")
 FLOOR_NOTE = (f"{CEILING_MARK}: hidden below the floor its suite sets, or computed from parts "
               "that do not add up to the step without overlap beyond their spread: the parts "
               "do not explain that row's time, so its share is not a measure of the overlap.")

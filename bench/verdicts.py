@@ -32,12 +32,14 @@ parts that do not add up to the step without overlap beyond their spread
 share's cell carries its band where the row has one (``extra.hidden_band``: the p10..p90
 of the share taken round by round; single rounds may pass the ceiling, which marks only the
 median; the printed share always lies within its printed band). A timed row faster than its
-case's ``ideal`` bound (the parts' overlap at best) is impossible too: :func:`annotate` sets
-``extra.below_ideal``, its time carries the same mark and a note. A verdict whose chosen
-variant or baseline is so flagged (above its ceiling or below the ideal) recommends nothing:
-it says the measurement is not trustworthy. A verdict names the device its rows ran on
-(``device``) and what they were measured on (``extra.stage``); on a synthetic stage
-(``extra.synthetic``, e.g. fixed-duration sleeps) the verdict reports the ratio and
+case's ``ideal`` bound (the parts' overlap at best) beyond its spread (its p90 below the
+bound's p10, or below the bound where that has no band) is impossible too: :func:`annotate`
+sets ``extra.below_ideal``, its time carries the same mark and a note. (A median alone a
+little below the bound is what a variant that reaches the bound shows half the time.) A
+verdict whose chosen variant or baseline is so flagged (above its ceiling or below the ideal)
+recommends nothing: it says the measurement is not trustworthy. A verdict names the device
+its rows ran on (``device``) and what they were measured on (``extra.stage``); on a synthetic
+stage (``extra.synthetic``, e.g. fixed-duration sleeps) the verdict reports the ratio and
 recommends nothing.
 """
 
@@ -171,7 +173,8 @@ def below_floor(r: dict) -> bool | None:
 
 
 def below_ideal(r: dict) -> bool:
-    """Whether :func:`annotate` found ``r``'s median below its case's ``ideal`` row."""
+    """Whether :func:`annotate` found ``r`` faster than its case's ``ideal`` row beyond the
+    spread (``r``'s p90 below the ideal's p10, or below its median without a band)."""
     extra = r.get("extra") if isinstance(r.get("extra"), dict) else {}
     return extra.get("below_ideal") is True
 
@@ -190,9 +193,10 @@ def annotate(rows: list[dict]) -> list[dict]:
             over, under = above_ceiling(r), below_floor(r)
             if over is not None:
                 extra["above_ceiling"], extra["below_floor"] = over, under
-            if (ideal is not None and _ok(r) and r.get("ms_p10") is not None
+            if (ideal is not None and _ok(r) and r.get("ms_p90") is not None
                     and extra["role"] not in ("ideal", "part")):
-                extra["below_ideal"] = r["ms"] < ideal["ms"]
+                bound = ideal["ms_p10"] if ideal.get("ms_p10") is not None else ideal["ms"]
+                extra["below_ideal"] = r["ms_p90"] < bound
             if _ok(r) and peer is not None and r is not peer:
                 extra["speedup_vs_peer"] = peer["ms"] / r["ms"]
             r["extra"] = extra
