@@ -102,7 +102,8 @@ def _files_of(path: str, knob: str = "--data", skip: str | None = None) -> list[
         raise FileNotFoundError(f"{knob} {path}: no such file or folder")
     if p.is_file():
         return [p]
-    left_out = None if skip is None else Path(skip).resolve()
+    # the run's folder, and its checkpoints where --out is the data folder itself
+    left_out = () if skip is None else (Path(skip).resolve(), Path(skip).resolve() / "checkpoints")
     files = sorted(f for f in _walk(p, path, knob, left_out)
                    if f.suffix.lower() in TEXT_SUFFIXES)
     if not files:
@@ -111,9 +112,9 @@ def _files_of(path: str, knob: str = "--data", skip: str | None = None) -> list[
     return files
 
 
-def _walk(folder: Path, path: str, knob: str, skip: Path | None = None) -> Iterator[Path]:
+def _walk(folder: Path, path: str, knob: str, skip: tuple[Path, ...] = ()) -> Iterator[Path]:
     """The files under ``folder`` (links to folders not followed, as ``Path.rglob``), but
-    for those under the folder ``skip`` (resolved); one that cannot be read is refused,
+    for those under the folders ``skip`` (resolved); one that cannot be read is refused,
     naming it (``rglob`` left it out without a word)."""
     try:
         with os.scandir(folder) as it:
@@ -121,7 +122,7 @@ def _walk(folder: Path, path: str, knob: str, skip: Path | None = None) -> Itera
         found = []
         for e in entries:
             if e.is_dir(follow_symlinks=False):
-                if skip is None or Path(e.path).resolve() != skip:
+                if Path(e.path).resolve() not in skip:
                     found.append(Path(e.path))
             elif e.is_file():
                 os.stat(e.path)  # (in a folder that can be listed but not entered: EACCES)

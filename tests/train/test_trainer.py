@@ -214,3 +214,18 @@ def test_the_metrics_are_on_the_device_before_each_checkpoint(corpus, tmp_path, 
     assert len(metas) == 2, synced  # steps 2 and 4
     for start, end in zip([0, *metas], metas, strict=False):  # before each checkpoint
         assert "metrics.jsonl" in synced[start:end], synced
+
+
+def test_an_out_that_is_the_data_folder_resumes_on_the_same_data(tmp_path):
+    """``--data F --out F``: the run's checkpoints land in the data folder, and their
+    meta.json files (text) were read as data by the resume, which was then refused as
+    "--data has changed" though the user changed nothing."""
+    from tests.train._util import make_cfg, write_corpus
+
+    data = tmp_path / "f"
+    data.mkdir()
+    write_corpus(data / "text.txt")
+    trainer.train(make_cfg(str(data), str(data), steps=4, stop_after=2, save_final=True))
+    assert list(data.glob("checkpoints/*/meta.json"))
+    res = trainer.train(make_cfg(str(data), str(data), steps=4, resume=True))
+    assert len(res.losses) == 2
