@@ -117,6 +117,9 @@ class _SliceOnWait:
 
     def is_completed(self) -> bool:
         if not self.done and self.work.is_completed():
+            # waited all the same (it returns at once): on NCCL torch keeps the collective's
+            # tensors, the whole bucket here, until a wait or its watchdog's next look
+            self.work.wait()
             self._copy()
         return self.done
 

@@ -395,3 +395,26 @@ def test_gather_shapes_and_the_slice_handle_completion():
         assert r["ag_out"] == ("all-gather: out is not contiguous; pass a contiguous out "
                                "(torch.empty) and copy it where it belongs after"), r["ag_out"]
         assert r["poll"] == 0.0 and r["future"] == 0.0, (rank, r)
+
+
+def test_a_slice_handle_found_complete_waits_its_collective():
+    """A reduce-scatter by all-reduce found complete by polling (the gradient buckets poll)
+    copies its slice and waits the collective all the same: on NCCL torch keeps the
+    collective's tensors (a whole bucket) until a wait, and the later wait() of the handle
+    returned early without one."""
+    from distllm.comm.collectives import _SliceOnWait
+
+    class Done:
+        waits = 0
+
+        def is_completed(self):
+            return True
+
+        def wait(self):
+            Done.waits += 1
+            return True
+
+    out, inp = torch.zeros(2), torch.arange(4.0)
+    h = _SliceOnWait(Done(), out, inp, 2)
+    assert h.is_completed() and out.tolist() == [2.0, 3.0]
+    assert h.wait() and Done.waits == 1
