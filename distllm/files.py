@@ -7,7 +7,22 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["write_text_atomic"]
+__all__ = ["write_text_atomic", "umask"]
+
+
+def umask() -> int:
+    """The process's umask, read without setting it where Linux shows it (``/proc``): the
+    ``os.umask`` pair that reads it elsewhere sets it to 0 for a moment, for every thread."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
@@ -19,10 +34,8 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "w", newline="") as f:
+        with os.fdopen(fd, "w", newline="") as f:  # (closes the file whatever happens)
+            os.fchmod(f.fileno(), 0o666 & ~umask())
             f.write(text)
         os.replace(tmp, path)
     except BaseException:

@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from distllm.files import umask
 from distllm.train.checkpoint_folder import sync_dir
 
 __all__ = ["new_folder", "write_failed"]
@@ -39,14 +40,13 @@ def new_folder(dest: str | os.PathLike) -> Iterator[Path]:
             why = f"{file} is a file, not a folder"
         raise ValueError(f"DEST {shown}: cannot create a folder there ({why}); pass another "
                          f"DEST") from None
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)
+    mask = umask()
+    tmp.chmod(0o777 & ~mask)
     try:
         yield tmp
         for f in tmp.rglob("*"):
             if f.is_file() and not f.is_symlink():
-                f.chmod(0o666 & ~umask)
+                f.chmod(0o666 & ~mask)
         _sync_tree(tmp)
         try:
             if dest.exists():

@@ -220,10 +220,10 @@ def _truncate_metrics(path: str, after_step: int, last: dict | None = None) -> N
             except ValueError:
                 continue
             if isinstance(rec, dict) and rec.get("step", 0) <= after_step:
-                keep.append(line.rstrip("\n") + "\n")
+                keep.append(json.dumps(_strict(rec)) + "\n")  # (NaN from before: null)
                 have_last = have_last or rec.get("step") == after_step
     if last is not None and not have_last:
-        keep.append(json.dumps(last) + "\n")
+        keep.append(json.dumps(_strict(last)) + "\n")
     tmp = f"{path}.tmp"
     try:
         with open(tmp, "w") as f:

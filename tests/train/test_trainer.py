@@ -64,6 +64,10 @@ def test_resume_drops_later_steps_and_a_torn_line_of_the_metrics(tmp_path):
     _truncate_metrics(str(path), 3)
     assert path.read_text() == lines[0] + "\n" + lines[1] + "\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    # a line an older run wrote with NaN, and a checkpoint's line with one: strict JSON now
+    path.write_text('{"step": 1, "grad_norm": NaN}\n')
+    _truncate_metrics(str(path), 2, {"step": 2, "loss": float("inf")})
+    assert path.read_text() == '{"step": 1, "grad_norm": null}\n{"step": 2, "loss": null}\n'
 
 
 def test_a_failed_rewrite_of_the_metrics_is_one_line_and_leaves_them(tmp_path, monkeypatch):
