@@ -340,7 +340,10 @@ def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> TrainResult:
     import torch.distributed as dist
 
     cfg = resolve_auto_resume(cfg)  # (a resume where --out holds a checkpoint)
-    rank = dims.rank if dims is not None else int(os.environ.get("RANK", "0"))
+    # (the world's rank: a caller's own world, else torchrun's, which counts with WORLD_SIZE)
+    rank = (dims.rank if dims is not None else dist.get_rank() if dist.is_initialized()
+            else int(os.environ["RANK"]) if "WORLD_SIZE" in os.environ and "RANK" in os.environ
+            else 0)
     with out_lock(cfg.out, rank):  # (no other run into this --out while this one runs)
         check_out(cfg)  # (a fresh run into another run's --out would replace its checkpoints)
         if cfg.resume:  # (a copy: the checkpoint's schedule length is this run's alone)

@@ -60,3 +60,24 @@ def test_deterministic_ends_with_its_run(corpus, tmp_path):
                           cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["2", "False", "False", "False"]
+
+
+def _train_in_a_world_without_rank(corpus: str, out: str) -> int:
+    """Rank function: the world is the caller's, and RANK is not in the environment (a world
+    started from a file or TCP store): train() reads the rank from the world."""
+    import os
+
+    from distllm.train.trainer import train
+    from tests.train._util import make_cfg
+
+    os.environ.pop("RANK", None)
+    return len(train(make_cfg(corpus, out, steps=1)).losses)
+
+
+def test_train_in_a_callers_world_without_rank_locks_out_once(corpus, tmp_path):
+    """Only rank 0 locks --out: every rank of a world started without RANK took itself for
+    rank 0, and all but one were refused as "another run"."""
+    from distllm.testing import run_distributed
+
+    assert run_distributed(_train_in_a_world_without_rank, 2, corpus, str(tmp_path / "run"),
+                           timeout=120) == [1, 1]
