@@ -21,6 +21,9 @@ class _HalfFile:
         self._f.flush()
         raise Killed(f"killed while writing {self._f.name}")
 
+    def fileno(self) -> int:
+        return self._f.fileno()
+
     def close(self) -> None:
         self._f.close()
 
