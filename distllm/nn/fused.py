@@ -140,6 +140,12 @@ class _FusedMLPHead(FusedLinearGeLU):
                                    self.approximate, needs_grad)
             return dense_mlp(x, w1, b1, w2, b2, self.approximate, name, self._plans)
 
+    def borrowed_parameters(self) -> list[nn.Parameter]:
+        """The second Linear's parameters, read here though its slot holds them: what shards
+        or gathers parameters per layer (ZeRO, :func:`distllm.parallel.data.zero3.borrowed`)
+        has them ready for this module's forward."""
+        return [p for p in (self._tail.weight, self._tail.bias) if p is not None]
+
     def extra_repr(self) -> str:
         return super().extra_repr() + ", then the next Linear (fused MLP)"
 

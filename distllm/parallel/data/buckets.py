@@ -61,6 +61,7 @@ from distllm.comm.collectives import all_reduce, reduce_scatter, reduce_scatter_
 from distllm.comm.compat import reduce_scatter_into
 from distllm.diagnostics.timing import max_over_ranks
 from distllm.parallel.data.bucket_layout import Bucket
+from distllm.parallel.data.hooks import remove_hooks, removed_with, weak_hook
 from distllm.parallel.data.reduction_trial import reduction_schedule
 
 __all__ = ["GradBuckets", "REDUCE_SCATTER_IMPLS"]
@@ -148,8 +149,14 @@ class GradBuckets:
         self.launch_log: list[tuple[int, float, int]] = []
         self.launches_in_backward = 0  # launches from a hook, i.e. while backward ran
         self._views: dict[torch.nn.Parameter, Tensor] = {}  # persistent: each param's slice
-        for p in self.where:
-            p.register_post_accumulate_grad_hook(self._hook)
+        # weak: the parameters' hooks must not keep a dropped wrapper alive (see hooks.py)
+        hook = weak_hook(self, GradBuckets._hook)
+        self._handles = removed_with(
+            self, [p.register_post_accumulate_grad_hook(hook) for p in self.where])
+
+    def remove_hooks(self) -> None:
+        """Remove the parameters' gradient hooks (a newer wrapper owns them)."""
+        remove_hooks(self._handles)
 
     def _setup_overlap(self, overlap: bool | str) -> None:
         device = self.buckets[0].params[0].device if self.buckets else torch.device("cpu")

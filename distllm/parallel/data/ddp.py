@@ -23,6 +23,7 @@ from distllm.comm.collectives import all_reduce
 from distllm.parallel.data.bucket_layout import FIRST_BUCKET_BYTES, assign_buckets, bucket_bytes
 from distllm.parallel.data.buckets import GradBuckets
 from distllm.parallel.data.grad_norm import clip_grad_norm_, clip_grad_norm_and_sum_
+from distllm.parallel.data.hooks import take_over
 from distllm.parallel.data.replicas import broadcast_from_dp0, dp_group_of
 from distllm.parallel.mesh import ParallelDims
 
@@ -101,6 +102,8 @@ class DistributedDataParallel(nn.Module):
         cap = bucket_bytes("bucket_cap_mb", bucket_cap_mb, 25)
         first = bucket_bytes("first_bucket_mb", first_bucket_mb, FIRST_BUCKET_BYTES / 2**20)
         group = dp_group_of(dims)
+        self.reducer: GradBuckets | None = None
+        take_over(params, self, "DistributedDataParallel")
         self.module = module
         self.dims = dims
         self.group = group
@@ -109,7 +112,6 @@ class DistributedDataParallel(nn.Module):
             broadcast_from_dp0([*module.parameters(), *bufs], dims)
         buckets = assign_buckets(params, cap, first)
         self.find_unused_parameters = find_unused_parameters
-        self.reducer: GradBuckets | None = None
         # find_unused_parameters: this step's use flags (1 where a forward reached the
         # parameter, OR-ed over the micro-batches), all-reduced (MAX) from the synchronised one
         self._used: torch.Tensor | None = None
@@ -121,6 +123,12 @@ class DistributedDataParallel(nn.Module):
                 as_view=True, persistent=True,
                 finish_on_backward_end=finish_on_backward_end, overlap=overlap_grad_reduce,
                 on_finish=self._none_where_unused if find_unused_parameters else None)
+
+    def remove_hooks(self) -> None:
+        """Remove the parameters' gradient hooks: a newer wrapper of the same parameters
+        calls it (:mod:`distllm.parallel.data.hooks`)."""
+        if self.reducer is not None:
+            self.reducer.remove_hooks()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.module(*args, **kwargs)

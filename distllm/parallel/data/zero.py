@@ -76,6 +76,7 @@ from torch import Tensor, nn
 
 from distllm.parallel.data.bucket_layout import FIRST_BUCKET_BYTES, assign_buckets, bucket_bytes
 from distllm.parallel.data.buckets import GradBuckets
+from distllm.parallel.data.hooks import mark_sharded, take_over
 from distllm.parallel.data.loss_scale import LossScaler
 from distllm.parallel.data.memory import MemoryReport, memory_report
 from distllm.parallel.data.replicas import broadcast_from_dp0, dp_group_of
@@ -185,6 +186,8 @@ class ZeroOptimizer(ZeroGradChecks):
         self.master_dtype = torch.float32 if self.mixed else self.param_dtype
         self.reduce_dtype = reduce_dtype or self.master_dtype
         self._rs_impl = reduce_scatter_impl
+        self.sharded, self.reducer, self._gathers, self._state_hooks = None, None, None, None
+        take_over([p for ps, _ in groups for p in ps], self, f"ZeroOptimizer(stage={stage})")
         self._build(groups, units, cap, prefetch, finish_on_backward_end,
                     overlap_grad_reduce)
         self._gathers = ParamGathers(
@@ -203,6 +206,13 @@ class ZeroOptimizer(ZeroGradChecks):
         self.scaler = LossScaler(loss_scale)
         self._prepared = False
 
+    def remove_hooks(self) -> None:
+        """Remove every hook this optimizer put on the model and its parameters: a newer
+        wrapper of the same parameters calls it (:mod:`distllm.parallel.data.hooks`)."""
+        for part in (self.reducer, self.sharded, self._gathers, self._state_hooks):
+            if part is not None:
+                part.remove_hooks()
+
     # --- construction --------------------------------------------------------------------
     def _build(self, groups, units, cap, prefetch, finish_on_end, overlap_grad) -> None:
         """``cap``: the bucket cap in bytes (stages 0-2)."""
@@ -213,6 +223,7 @@ class ZeroOptimizer(ZeroGradChecks):
                                          group=self.group, param_dtype=self.param_dtype,
                                          prefetch=prefetch)
             plists = self.sharded.bucket_params()
+            mark_sharded(allp, "a ZeroOptimizer(stage=3)")
         else:
             self.sharded = None
             esize = self.reduce_dtype.itemsize

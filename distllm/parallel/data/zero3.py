@@ -46,8 +46,9 @@ from torch.utils._pytree import tree_leaves
 
 from distllm.comm.collectives import all_gather
 from distllm.parallel.data.buckets import GradBuckets
+from distllm.parallel.data.hooks import remove_hooks, removed_with, weak_hook
 
-__all__ = ["ShardedParams", "default_units"]
+__all__ = ["ShardedParams", "default_units", "unit_reads"]
 
 
 def default_units(module: nn.Module) -> list[nn.Module]:
@@ -68,15 +69,31 @@ def default_units(module: nn.Module) -> list[nn.Module]:
     return units
 
 
+def borrowed(m: nn.Module) -> list[nn.Parameter]:
+    """Parameters ``m``'s forward reads though another module holds them: a module that
+    computes its neighbour's GEMM too (the head of a fused MLP, :func:`distllm.nn.fuse`)
+    says so with a ``borrowed_parameters()`` method."""
+    fn = getattr(m, "borrowed_parameters", None)
+    return list(fn()) if fn is not None else []
+
+
+def unit_reads(unit: nn.Module) -> list[nn.Parameter]:
+    """The parameters a unit's forward reads: its subtree's and those its modules borrow."""
+    seen = dict.fromkeys(unit.parameters())
+    for m in unit.modules():
+        seen.update(dict.fromkeys(borrowed(m)))
+    return list(seen)
+
+
 def _owners(module: nn.Module, units: list[nn.Module]) -> dict[nn.Parameter, nn.Module]:
     """The unit of each parameter: the first unit whose subtree holds every module that holds
-    it directly. A parameter also held outside that subtree (a weight tied between two
+    or borrows it. A parameter also held outside that subtree (a weight tied between two
     layers, e.g. a head sharing the embedding's matrix) is left to the root unit, which stays
     gathered from the first forward of a step to the end of its backward: a unit's own
     parameters are freed after its forward, before the other holder reads them."""
     holders: dict[nn.Parameter, list[nn.Module]] = {}
     for m in module.modules():
-        for p in m.parameters(recurse=False):
+        for p in [*m.parameters(recurse=False), *borrowed(m)]:
             holders.setdefault(p, []).append(m)
     owner: dict[nn.Parameter, nn.Module] = {}
     for u in units:
@@ -153,15 +170,21 @@ class ShardedParams:
         self._end_queued_for: int | None = None  # the backward pass whose end reshards all
         self._order: list[nn.Module] = [u for u in self.units if u is not module]
         self._seen: list[nn.Module] = []
-        self._hooks = []
+        self._hooks = removed_with(self, [])  # weak hooks: they must not keep this alive
+        pre, post = weak_hook(self, ShardedParams._pre_forward), weak_hook(
+            self, ShardedParams._post_forward)
         for u in self.units:
             if not self.flats[u]:
                 continue
-            self._hooks.append(u.register_forward_pre_hook(self._pre_forward))
-            self._hooks.append(u.register_forward_hook(self._post_forward))
+            self._hooks.append(u.register_forward_pre_hook(pre))
+            self._hooks.append(u.register_forward_hook(post))
         if not self.flats[module]:  # still record the start of each forward
-            self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(module.register_forward_pre_hook(pre))
         self._empty = torch.empty(0, dtype=param_dtype, device=params[0].device)
+
+    def remove_hooks(self) -> None:
+        """Remove the model's forward and gradient hooks (a newer wrapper owns it)."""
+        remove_hooks(self._hooks)
 
     # --- layout --------------------------------------------------------------------------
     @torch.no_grad()
@@ -207,8 +230,9 @@ class ShardedParams:
         """Free a unit's gathered parameters once all their gradients have landed (this hook
         runs after the reducer's, which has already copied the gradient into its bucket)."""
         self.reducer = reducer
+        landed = weak_hook(self, ShardedParams._grad_landed)
         for p in reducer.params():
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_landed))
+            self._hooks.append(p.register_post_accumulate_grad_hook(landed))
         self.reshard_all()  # from now on parameters live as shards between uses
 
     # --- gather / free -------------------------------------------------------------------

@@ -22,6 +22,7 @@ from torch.distributed import Work
 
 from distllm.comm.collectives import all_gather
 from distllm.parallel.data.bucket_layout import Bucket
+from distllm.parallel.data.hooks import remove_hooks, removed_with, weak_hook
 
 __all__ = ["ParamGathers"]
 
@@ -43,22 +44,22 @@ class ParamGathers:
                  overlap: bool, units: list[nn.Module] | None = None) -> None:
         self.group = group
         self.pending: dict[int, tuple[Work, Tensor]] = {}  # index -> (work, source kept alive)
-        self.hooks = []
+        self.hooks = removed_with(self, [])  # weak hooks: they must not keep this alive
         if not overlap or module is None:
             return
-        from distllm.parallel.data.zero3 import default_units
+        from distllm.parallel.data.zero3 import borrowed, default_units, unit_reads
 
         where = {p: b.index for b in buckets for p in b.params}
         units = [u for u in (units if units is not None else default_units(module))
                  if u is not module]
         covered: set[nn.Parameter] = set()
-        for u in units:
-            mine = [p for p in u.parameters() if p in where]
+        for u in units:  # with what its modules borrow (a fused MLP's second linear)
+            mine = [p for p in unit_reads(u) if p in where]
             covered.update(mine)
             self._hook(u, mine, where)
         for mod in module.modules():
-            self._hook(mod, [p for p in mod.parameters(recurse=False) if p not in covered],
-                       where)
+            own = dict.fromkeys([*mod.parameters(recurse=False), *borrowed(mod)])
+            self._hook(mod, [p for p in own if p not in covered], where)
 
     @property
     def overlapped(self) -> bool:
@@ -86,8 +87,12 @@ class ParamGathers:
             self.hooks.append(mod.register_forward_pre_hook(self._waiter(idx)))
 
     def _waiter(self, idx: list[int]) -> Callable[[nn.Module, object], None]:
-        def hook(_mod: nn.Module, _args: object) -> None:
+        def wait(gathers: ParamGathers, _mod: nn.Module, _args: object) -> None:
             for i in idx:
-                self.wait(i)
+                gathers.wait(i)
 
-        return hook
+        return weak_hook(self, wait)  # the model's hooks must not keep this alive (hooks.py)
+
+    def remove_hooks(self) -> None:
+        """Remove the forward pre-hooks (a newer wrapper owns the parameters)."""
+        remove_hooks(self.hooks)

@@ -25,13 +25,13 @@ fp32 master weights under mixed precision (else the next step would overwrite th
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from distllm.comm.collectives import all_gather
+from distllm.parallel.data.hooks import remove_hooks, removed_with, weak_hook
 
 __all__ = ["gather_state", "load_state", "is_elementwise", "place_step", "ModuleStateHooks"]
 
@@ -200,16 +200,23 @@ class ModuleStateHooks:
                       for p, off in zip(b.params, b.offsets, strict=True)}
         self._gathered: dict[nn.Module, list] = {}
         self._incoming: dict[nn.Module, dict[nn.Parameter, Tensor]] = {}
-        self.handles = []
+        self.handles = removed_with(self, [])  # weak hooks: they must not keep z alive
         for mod in z.module.modules():
             own = any(p in self.where for p in mod.parameters(recurse=False))
             if not (own or (self.sharded is not None and mod in self.sharded.flats)):
                 continue
-            self.handles += [mod.register_state_dict_pre_hook(self._save_pre),
-                             # (a plain function: torch marks it with an attribute)
-                             mod.register_state_dict_post_hook(functools.partial(self._save_post)),
-                             mod.register_load_state_dict_pre_hook(self._load_pre),
-                             mod.register_load_state_dict_post_hook(self._load_post)]
+            # weak: the model's hooks must not keep the optimizer alive (see hooks.py); plain
+            # functions (torch marks the state-dict post-hook with an attribute)
+            cls = ModuleStateHooks
+            self.handles += [
+                mod.register_state_dict_pre_hook(weak_hook(self, cls._save_pre)),
+                mod.register_state_dict_post_hook(weak_hook(self, cls._save_post)),
+                mod.register_load_state_dict_pre_hook(weak_hook(self, cls._load_pre)),
+                mod.register_load_state_dict_post_hook(weak_hook(self, cls._load_post))]
+
+    def remove_hooks(self) -> None:
+        """Remove the state-dict hooks (a newer wrapper owns the parameters)."""
+        remove_hooks(self.handles)
 
     def _gather(self, mod: nn.Module) -> None:
         self.z.wait_params()

@@ -605,3 +605,64 @@ def test_a_layer_waits_for_its_whole_subtree_gathers(spawned, stage):
         assert res["pending_after_step"] == [res["buckets"]] * 3, res  # all launched, in flight
         assert all(v == [0, 0, 0] for v in res["seen"].values()), res
         assert res["err"] < TOL, res
+
+
+def fused_mlp_units() -> dict:
+    """A ``Sequential`` of Linear -> GELU -> Linear -> GELU -> Linear after
+    :func:`distllm.nn.fuse` (a fused Linear + GeLU, then a fused MLP): the MLP's head computes
+    the last Linear's GEMM too, and that Linear is another unit (a child of the same
+    ``Sequential``). Every stage: clipped
+    AdamW steps follow a single process in float64; at the head's forward no gather of the
+    second Linear's parameters is still in flight (stages 1-2), and at stage 3 they are not
+    sharded there (it crashed on a 1-D shard before)."""
+    from distllm import ParallelDims
+    from distllm.nn import fuse
+    from distllm.parallel import ZeroOptimizer
+
+    dims = ParallelDims()
+    out = {}
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(9, 12), nn.GELU(), nn.Linear(12, 9), nn.GELU(),
+                              nn.Linear(9, 1)).double()
+        ref = copy.deepcopy(model)
+        swapped = fuse(model)
+        z = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, dims=dims,
+                          bucket_cap_mb=1e-4, **adamw(weight_decay=0.1))
+        ropt = torch.optim.AdamW(ref.parameters(), **adamw(weight_decay=0.1))
+        tail = [model[4].weight, model[4].bias]
+        seen = []
+
+        def record(_mod, _args, z=z, tail=tail, seen=seen, stage=stage) -> None:
+            if stage < 3:
+                where = {p: b.index for b in z.reducer.buckets for p in b.params}
+                seen.append(len({where[p] for p in tail} & set(z._gathers.pending)))
+            else:
+                seen.append(sum(p.numel() for p in tail))
+
+        model[2].register_forward_pre_hook(record)
+        g = torch.Generator().manual_seed(1)
+        xs = torch.randn(3, 2 * dims.dp, 9, generator=g, dtype=torch.float64)
+        for x in xs:
+            z.zero_grad()
+            ropt.zero_grad()
+            model(local(x, dims)).square().mean().backward()  # gradients: the ranks' mean
+            ref(x).square().mean().backward()
+            z.clip_grad_norm_(OPT.grad_clip)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), OPT.grad_clip)
+            z.step()
+            ropt.step()
+        full = z.full_state_dict()
+        err = max_err(full, ref.state_dict())
+        out[stage] = {"swapped": swapped, "seen": seen, "err": err,
+                      "tail": sum(p.numel() for p in ref[4].parameters())}
+    return out
+
+
+def test_a_fused_mlp_split_over_two_units_reads_its_second_linear_gathered(spawned):
+    for r in spawned(fused_mlp_units, 2):
+        for stage, res in r.items():
+            assert res["swapped"] == 2, res
+            want = [0, 0, 0] if stage < 3 else [res["tail"]] * 3
+            assert res["seen"] == want, (stage, res)
+            assert res["err"] < TOL, (stage, res)
