@@ -1,5 +1,10 @@
-"""Which backend ``backend="auto"`` runs: measured once per shape and device, then cached.
+"""Which backend ``backend="auto"`` runs: measured once per shape bucket and device, then
+cached.
 
+A key holds the GEMM's rows M (an input's leading dimensions flattened) rounded up to a
+power of two (:func:`gemm_shape_key`), its other dimensions, the dtype and the flags
+exactly: batches of varying sequence length share a choice instead of measuring at every new
+length, as the overlap tuner's keys do (:class:`distllm.parallel.tensor.layers.OverlapPlan`).
 The first call with a new key in a process times every candidate on the caller's own
 tensors (a warm-up call, then a few interleaved repetitions, the fastest of them, through
 :mod:`distllm.diagnostics.timing`) and remembers the fastest candidate in memory. The
@@ -23,6 +28,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -82,6 +88,21 @@ def device_tag(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     return f"{device.type}:{_CORES}cores:{torch.get_num_threads()}threads"
+
+
+def rows_bucket(m: int) -> int:
+    """``m`` rows rounded up to a power of two (1, 2, 4, 8, ...): the rows in a choice's key,
+    so that the row counts in (2^(k-1), 2^k] share one measurement. 0 stays 0: an empty
+    problem has nothing to time and is no sample of a non-empty one."""
+    return 1 << (m - 1).bit_length() if m > 0 else 0
+
+
+def gemm_shape_key(x: torch.Tensor, w: torch.Tensor) -> str:
+    """The shapes in a choice's key for a GEMM of ``x`` (..., K) with a weight ``w``:
+    ``"(rows<=R, K)x<w's shape>"``, R the rows ``prod(x.shape[:-1])`` rounded up by
+    :func:`rows_bucket`; K and ``w``'s shape exact."""
+    rows = math.prod(x.shape[:-1])
+    return f"(rows<={rows_bucket(rows)}, {x.shape[-1]})x{tuple(w.shape)}"
 
 
 def _load_disk() -> None:

@@ -21,12 +21,13 @@ Registered with ``torch.library`` here, in the order every op of this package fo
 
 Backends (:mod:`distllm.ops.linear_gelu_backends`; ``backends()`` says which run here and
 why not): ``cuda`` (cuBLASLt epilogues, ``approximate="tanh"`` only), ``triton``, ``cpu``
-(oneDNN) and ``reference`` (plain PyTorch). ``backend="auto"`` picks, per shape, dtype,
-device and whether a gradient is needed, the candidate whose whole call (forward, plus
-backward in training) measured fastest on first use, the unfused reference among them;
-under ``torch.compile`` the choice is made inside the op instead, per phase (see
-:mod:`distllm.ops.backend_choice`). No collective runs in forward or backward: in a
-column-parallel layer this is the local shard's computation.
+(oneDNN) and ``reference`` (plain PyTorch). ``backend="auto"`` picks, per shape (the rows M
+rounded up to a power of two, K and N exact), dtype, device and whether a gradient is
+needed, the candidate whose whole call (forward, plus backward in training) measured
+fastest on first use, the unfused reference among them; under ``torch.compile`` the choice
+is made inside the op instead, per phase (see :mod:`distllm.ops.backend_choice`). No
+collective runs in forward or backward: in a column-parallel layer this is the local shard's
+computation.
 """
 
 from __future__ import annotations
@@ -218,9 +219,10 @@ def linear_gelu(
     """gelu(x @ weight.T + bias) for ``x`` (..., in), ``weight`` (out, in), ``bias`` (out,).
 
     Differentiable in x, weight and bias, twice (the second derivative in plain torch ops).
-    ``approximate`` as in ``F.gelu``. ``backend``: "auto" (measured per shape and device),
-    "cuda", "triton", "cpu" or "reference"; an explicit backend that cannot serve the inputs
-    raises ValueError naming those that can.
+    ``approximate`` as in ``F.gelu``. ``backend``: "auto" (measured per shape and device, the
+    rows ``prod(x.shape[:-1])`` rounded up to a power of two), "cuda", "triton", "cpu" or
+    "reference"; an explicit backend that cannot serve the inputs raises ValueError naming
+    those that can.
 
     Under ``torch.autocast`` it follows ``F.linear``: floating operands other than float64 are
     cast to the autocast dtype (gradients flow back to the original dtypes).
@@ -351,13 +353,14 @@ def _plain_saved_tensors():
 
 
 def _choose_end_to_end(x, w, b, approximate: str, needs_grad: bool) -> str:
-    """The backend whose whole call is fastest for these shapes, measured once per process.
+    """The backend whose whole call is fastest for these shapes, measured once per process
+    at the first shape of its key (the rows rounded up to a power of two, the rest exact).
 
     Each candidate is timed as the user will run it: forward, plus backward when a gradient
     is needed, through the registered op and autograd (whose own overhead is not negligible
     at small shapes), against the unfused reference, which bypasses the op."""
     key = (
-        f"linear_gelu|{x.dtype}|{tuple(x.shape)}x{tuple(w.shape)}|bias={b is not None}"
+        f"linear_gelu|{x.dtype}|{backend_choice.gemm_shape_key(x, w)}|bias={b is not None}"
         f"|{approximate}|grad={needs_grad}"
     )
     hit = backend_choice.lookup(
@@ -391,7 +394,7 @@ def _resolve_fwd(backend, x, w, b, approximate, save_pre) -> str:
         return backend
     names = _auto_candidates(x, w, approximate)
     key = (
-        f"linear_gelu_fwd|{x.dtype}|{tuple(x.shape)}x{tuple(w.shape)}|bias={b is not None}"
+        f"linear_gelu_fwd|{x.dtype}|{backend_choice.gemm_shape_key(x, w)}|bias={b is not None}"
         f"|{approximate}|pre={save_pre}"
     )
     fns = {n: (lambda n=n: impl.fwd(n, x, w, b, approximate, save_pre)) for n in names}
@@ -404,7 +407,7 @@ def _resolve_bwd(backend, grad, x, w, pre, has_bias, approximate, need_dx, need_
         return backend
     names = _auto_candidates(x, w, approximate)
     key = (
-        f"linear_gelu_bwd|{x.dtype}|{tuple(x.shape)}x{tuple(w.shape)}|bias={has_bias}"
+        f"linear_gelu_bwd|{x.dtype}|{backend_choice.gemm_shape_key(x, w)}|bias={has_bias}"
         f"|{approximate}|dx={need_dx}|dw={need_dw}"
     )
     fns = {

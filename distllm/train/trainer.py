@@ -90,10 +90,11 @@ def peak_flops(dtype: torch.dtype, device: torch.device) -> tuple[float, str]:
 
 
 def _measured_flops(dtype: torch.dtype, device: torch.device) -> tuple[float, str]:
-    """The best of 5 timed square GEMMs on ``device``."""
+    """The best of 5 timed square GEMMs on ``device`` (drawn from a generator of its own:
+    the caller's random state, saved in checkpoints, is left as it was)."""
     cuda = device.type == "cuda"
     n = 4096 if cuda else 512
-    a = torch.randn(n, n, device=device,
+    a = torch.randn(n, n, device=device, generator=torch.Generator(device).manual_seed(0),
                     dtype=dtype if cuda or dtype != torch.bfloat16 else torch.float32)
     a @ a
     dt = float("inf")

@@ -68,3 +68,40 @@ def test_inductor_recompiles_for_a_new_shape_without_a_graph_break():
         torch.testing.assert_close(loss_c, loss_e, **F64)
         for c, e in zip(compiled, eager, strict=True):
             torch.testing.assert_close(c.grad, e.grad, **F64)
+
+
+def _mlp_module(kind: str) -> torch.nn.Module:
+    """A module whose forward is one fused MLP (or the fused first layer) on one device."""
+    from distllm import ParallelDims
+    from distllm.nn import ColumnParallelLinear, ParallelMLP, fuse
+    from distllm.nn.mlp import DenseMLP
+
+    torch.manual_seed(0)
+    dense = DenseMLP(32, 48, dtype=torch.float64)
+    if kind in ("fuse", "fuse-pair"):  # what fuse() makes of a Linear -> GELU -> Linear:
+        # a fused MLP, or a FusedLinearGeLU and the Linear
+        seq = torch.nn.Sequential(dense.fc1, torch.nn.GELU(), dense.fc2)
+        assert fuse(seq, mlp=kind == "fuse")
+        return seq
+    dims = ParallelDims(tp=1)
+    if kind == "column":
+        return ColumnParallelLinear.from_dense(dense.fc1, dims, activation="gelu")
+    return ParallelMLP.from_dense(dense, dims, backend="cpu" if kind == "mlp-cpu" else "auto")
+
+
+@pytest.mark.parametrize("kind", ["fuse", "fuse-pair", "column", "mlp-auto", "mlp-cpu"])
+def test_the_fused_modules_compile_whole_and_match_eager(kind):
+    """The modules a user compiles, not only the op: ``fullgraph=True`` (no graph break, which
+    an import in the backend choice caused), forward and backward equal to eager (the fused
+    MLP's own autograd Function saved views Dynamo cannot trace)."""
+    torch._dynamo.reset()
+    module = _mlp_module(kind)
+    x = torch.randn(3, 7, 32, dtype=torch.float64)
+    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ye = module(xe)
+    ge = torch.autograd.grad((ye * ye).sum(), [xe, *module.parameters()])
+    yc = torch.compile(module, backend="aot_eager", fullgraph=True)(xc)
+    gc = torch.autograd.grad((yc * yc).sum(), [xc, *module.parameters()])
+    torch.testing.assert_close(yc, ye, **F64, msg="forward")
+    for i, (c, e) in enumerate(zip(gc, ge, strict=True)):
+        torch.testing.assert_close(c, e, **F64, msg=f"gradient {i}")

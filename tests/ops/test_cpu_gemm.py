@@ -1,7 +1,7 @@
-"""The CPU GEMMs measured against each other (distllm.ops.cpu_gemm): each shape is measured
-once and the faster library runs from then on; both libraries give the product (float32,
-against a float64 oracle), into a given ``out`` as well; float64, other layouts and fake
-tensors go to torch's GEMM without measuring."""
+"""The CPU GEMMs measured against each other (distllm.ops.cpu_gemm): each shape (its rows
+rounded up to a power of two) is measured once and the faster library runs from then on;
+both libraries give the product (float32, against a float64 oracle), into a given ``out`` as
+well; float64, other layouts and fake tensors go to torch's GEMM without measuring."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from tests._onednn import PINNED
 
 @pytest.mark.parametrize("faster", ["onednn", "torch"])
 def test_runs_the_gemm_measured_faster(monkeypatch, faster):
-    """oneDNN against torch's own GEMM, timed once per GEMM shape; the faster runs from then
-    on (neither wins on every CPU and shape)."""
+    """oneDNN against torch's own GEMM, timed once per GEMM shape (rows rounded up to a power
+    of two); the faster runs from then on (neither wins on every CPU and shape)."""
     monkeypatch.setattr(cpu_gemm, "onednn_dtype_ok", lambda dtype: True)  # any torch build
     backend_choice.clear()
     measured = []
@@ -34,8 +34,10 @@ def test_runs_the_gemm_measured_faster(monkeypatch, faster):
     again = cpu_gemm.onednn_or_torch("probe", a, w, onednn, plain)
     assert measured == [["onednn", "torch"]], "not measured exactly once for one shape"
     assert (first, again) == (faster[0],) * 2 and ran == [faster]
-    cpu_gemm.onednn_or_torch("probe", torch.randn(7, 8), w, onednn, plain)
-    assert len(measured) == 2, "a new shape reused another shape's measurement"
+    cpu_gemm.onednn_or_torch("probe", torch.randn(8, 8), w, onednn, plain)  # rows 5..8
+    assert len(measured) == 1, "a shape in the same bucket of rows measured again"
+    cpu_gemm.onednn_or_torch("probe", torch.randn(9, 8), w, onednn, plain)
+    assert len(measured) == 2, "a shape in the next bucket reused another's measurement"
 
 
 def test_measures_nothing_for_fake_or_float64(monkeypatch):

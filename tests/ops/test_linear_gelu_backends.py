@@ -110,7 +110,7 @@ def test_auto_drops_a_backend_that_raises(monkeypatch):
     xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
     y = linear_gelu(xr, wr, br, approximate="tanh")  # auto: measures cuda, cpu, reference
     y.sum().backward()
-    chosen = [v for k, v in backend_choice.cached().items() if "(13, 24)x(16, 24)" in k]
+    chosen = [v for k, v in backend_choice.cached().items() if "(rows<=16, 24)x(16, 24)" in k]
     assert chosen in (["cpu"], ["reference"]), chosen
     xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
     F.gelu(F.linear(xs, ws, bs), approximate="tanh").sum().backward()

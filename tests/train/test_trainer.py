@@ -48,6 +48,19 @@ def test_an_unknown_gpu_and_the_cpu_are_measured(gpu_named):
     assert trainer.peak_flops(torch.float32, torch.device("cpu")) == (1.0, "measured")
 
 
+def test_the_library_probes_leave_the_callers_random_state_as_it_was():
+    """The CPU peak measurement and oneDNN's dtype probe run before a resumed run's first step:
+    drawing from the global generator there would spend the random state the checkpoint
+    restored."""
+    from distllm.ops import cpu_gemm
+
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    trainer._measured_flops(torch.float32, torch.device("cpu"))
+    cpu_gemm.onednn_dtype_ok.__wrapped__(torch.float32)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_resume_drops_later_steps_and_a_torn_line_of_the_metrics(tmp_path):
     """A run killed after its checkpoint, or while writing a line (a full disk): the lines
     after the checkpoint's step go, and so does one cut short, which --resume choked on."""

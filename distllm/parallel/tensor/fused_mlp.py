@@ -37,9 +37,8 @@ input-gradient GEMMs and their collectives alone.
 
 from __future__ import annotations
 
-import importlib
-
 import torch
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from distllm.comm.collectives import all_reduce
@@ -54,7 +53,8 @@ __all__ = ["BACKENDS", "resolve_backend", "column_parallel_linear_gelu", "parall
            "dense_mlp", "single_device_plans", "describe_kernel"]
 
 BACKENDS = ("auto", *impl.BACKENDS)
-_RESOLVED: dict[tuple, tuple[int, str]] = {}  # "auto"'s choice per exact local problem
+_RESOLVED: dict[tuple, tuple[int, str]] = {}  # "auto"'s choice per local problem, its rows
+# rounded up to a power of two as in the choice's own key (backend_choice.rows_bucket)
 
 
 def resolve_backend(backend: str, x2: torch.Tensor, weight: torch.Tensor,
@@ -71,24 +71,26 @@ def resolve_backend(backend: str, x2: torch.Tensor, weight: torch.Tensor,
                          + (f", its bias {bias.dtype}" if bias is not None else "")
                          + f": cast the input (x.to({weight.dtype})) or the layer "
                          f"(layer.to({x2.dtype}))")
-    op = importlib.import_module("distllm.ops.linear_gelu")  # the module (the package's
-    # attribute of that name is the function)
+    if backend == "auto" and torch.compiler.is_compiling():
+        return "reference"  # first: nothing below is for a graph (fullgraph=True)
+    # from the module (the package's attribute of that name is the function)
+    from distllm.ops.linear_gelu import _auto_candidates, _choose_end_to_end, _require
+
     if backend == "auto":
-        if torch.compiler.is_compiling():
-            return "reference"
         if is_fake(x2):  # a dry run on fake tensors: nothing to time; the first candidate
-            return op._auto_candidates(x2, weight, approximate)[0]
-        # every forward asks: a memo per exact problem spares the choice's string key
-        key = (x2.shape, weight.shape, x2.dtype, x2.device, bias is not None, approximate,
-               needs_grad, torch.get_num_threads())
+            return _auto_candidates(x2, weight, approximate)[0]
+        # every forward asks: a memo per problem spares the choice's string key; per bucket
+        # of rows, so that varying sequence lengths neither re-measure nor grow the memo
+        key = (backend_choice.rows_bucket(x2.shape[0]), x2.shape[1], weight.shape, x2.dtype,
+               x2.device, bias is not None, approximate, needs_grad, torch.get_num_threads())
         gen = backend_choice.generation()
         hit = _RESOLVED.get(key)
         if hit is not None and hit[0] == gen:
             return hit[1]
-        name = op._choose_end_to_end(x2, weight, bias, approximate, needs_grad)
+        name = _choose_end_to_end(x2, weight, bias, approximate, needs_grad)
         _RESOLVED[key] = (gen, name)
         return name
-    op._require(backend, x2, weight, approximate)
+    _require(backend, x2, weight, approximate)
     return backend
 
 
@@ -262,8 +264,9 @@ class _ParallelMLP(torch.autograd.Function):
         x = x.contiguous()
         x_full, y, pre = _fc1_forward(plan1, x, w1, b1, sp, approximate, backend, keep)
         h, n = w2.shape  # (hidden, ffn/tp)
-        if plan2.tp == 1:
-            z = cpu_gemm.mm_t(y.reshape(-1, n), w2).view(*y.shape[:-1], h)
+        bias_in_gemm = plan2.tp == 1 and b2 is not None
+        if plan2.tp == 1:  # the bias in the GEMM: one rounding in bf16/fp16, as F.linear
+            z = cpu_gemm.mm_t(y.reshape(-1, n), w2, bias=b2).view(*y.shape[:-1], h)
             plan2.ran("forward", "none")
         elif sp:  # (b, s, N/tp) -> GEMM + reduce-scatter -> (b, s/tp, H)
             z, _ = plan2.run("forward", "reduce_scatter", y, _mm_t(w2), h)
@@ -275,7 +278,7 @@ class _ParallelMLP(torch.autograd.Function):
         else:  # (M, N/tp) @ (N/tp, H) -> all-reduce -> (..., H)
             z, _ = plan2.run("forward", "all_reduce", y.reshape(-1, n), _mm_t(w2), h)
             z = z.view(*y.shape[:-1], h)
-        if b2 is not None:
+        if b2 is not None and not bias_in_gemm:
             z = z.add_(b2)
         ctx.save_for_backward(x_full, w1, pre, y, w2)
         ctx.plans, ctx.sp, ctx.approximate, ctx.backend = (plan1, plan2), sp, approximate, backend
@@ -349,6 +352,15 @@ def parallel_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2:
     """Autograd entry of the fused MLP (``plan1`` / ``plan2``: fc1's and fc2's overlap plans);
     ``backend`` already resolved (see :func:`resolve_backend`)."""
     keep = _needs_grad(x, w1, b1, w2, b2)
+    if plan1.tp == 1 and torch.compiler.is_compiling():
+        # a graph takes the registered fused op (its own autograd formula) and a linear:
+        # this Function's saved views of its intermediates are not traceable
+        for plan in (plan1, plan2):
+            plan.ran("forward", "none")
+        k, n = x.shape[-1], w1.shape[0]
+        y, _ = torch.ops.distllm.linear_gelu_fwd(x.reshape(-1, k), w1, b1, approximate,
+                                                 backend, keep)
+        return F.linear(y.view(*x.shape[:-1], n), w2, b2)
     return _ParallelMLP.apply(x, w1, b1, w2, b2, plan1, plan2, sequence_parallel, approximate,
                               backend, keep)
 

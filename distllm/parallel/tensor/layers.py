@@ -296,10 +296,12 @@ def settle_overlap(step_fn: Callable[[], object], of, group=None, max_calls: int
             return calls
 
 
-def _mm_t(w: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """``out = a @ w.T`` into a preallocated row slice: ``(m, in) @ (in, out)`` (on CPU
-    through oneDNN or torch's GEMM, whichever measured faster: :mod:`distllm.ops.cpu_gemm`)."""
-    return lambda a, o: cpu_gemm.mm_t(a, w, out=o)
+def _mm_t(w: torch.Tensor, bias: torch.Tensor | None = None
+          ) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """``out = a @ w.T (+ bias)`` into a preallocated row slice: ``(m, in) @ (in, out)`` (on
+    CPU through oneDNN or torch's GEMM, whichever measured faster:
+    :mod:`distllm.ops.cpu_gemm`); the bias in the GEMM, so bf16/fp16 rounds once."""
+    return lambda a, o: cpu_gemm.mm_t(a, w, out=o, bias=bias)
 
 
 def _mm(w: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
@@ -329,13 +331,13 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     def forward(ctx, x, weight, bias, plan, sp):
         n, k = weight.shape  # (N/tp, K)
         x = x.contiguous()
+        # the bias (this rank's columns) in each GEMM: one rounding in bf16/fp16, as F.linear
         if sp:  # (b, s/tp, K) -> all-gather + GEMM -> (b, s, N/tp)
-            (x_full, out), _ = plan.run("forward", "all_gather", x, _mm_t(weight), n)
+            (x_full, out), _ = plan.run("forward", "all_gather", x, _mm_t(weight, bias), n)
         else:  # (..., K) @ (K, N/tp)
-            x_full, out = x, cpu_gemm.mm_t(x.reshape(-1, k), weight).view(*x.shape[:-1], n)
+            out = cpu_gemm.mm_t(x.reshape(-1, k), weight, bias=bias)
+            x_full, out = x, out.view(*x.shape[:-1], n)
             plan.ran("forward", "none")
-        if bias is not None:
-            out = out.add_(bias)
         ctx.save_for_backward(x_full, weight)
         ctx.plan, ctx.sp, ctx.has_bias, ctx.x_shape = plan, sp, bias is not None, x.shape
         ctx.store, ctx.params = weight_grad_store(weight), (weight, trained(bias))

@@ -239,3 +239,60 @@ class _Dims1:
     """tp=1 without a process group (nothing here communicates)."""
 
     tp, tp_rank, tp_group = 1, 0, None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_bias_on_one_device_rounds_once_as_f_linear_does(dtype):
+    """Where the bias is whole on this rank (tp=1, and a column-parallel shard), it goes into
+    the GEMM: the bf16/fp16 output is ``F.linear``'s, bit for bit, not the product rounded and
+    then the sum rounded again (which left about 15% of the outputs one ulp off)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 33, 64, dtype=dtype)
+    col = ColumnParallelLinear(64, 96, _Dims1(), dtype=dtype, backend="cpu")
+    mlp = ParallelMLP(64, 96, _Dims1(), dtype=dtype, backend="cpu")
+    with torch.no_grad():
+        for b in (col.bias, mlp.fc1.bias, mlp.fc2.bias):  # as large as the products
+            b.copy_(torch.randn_like(b) * 4)
+        assert torch.equal(col(x), F.linear(x, col.weight, col.bias))
+        fc1 = ColumnParallelLinear(64, 96, _Dims1(), activation="gelu", dtype=dtype,
+                                   backend="cpu")
+        fc1.load_state_dict(mlp.fc1.state_dict())
+        y = fc1(x)  # the same fused kernel as the MLP's first GEMM
+        assert torch.equal(mlp(x), F.linear(y, mlp.fc2.weight, mlp.fc2.bias))
+
+
+def test_auto_resolves_once_per_bucket_of_rows(monkeypatch):
+    """backend="auto" on a fused layer at 33, 47 and 64 rows (varying sequence lengths)
+    resolves once, at 65 rows once more: the layer's memo, like the choice it keeps, is per
+    bucket of rows rounded up to a power of two. Outputs against the float64 layer (fp32
+    accumulation over K = 37: a few 1e-7 of the largest magnitude)."""
+    import importlib
+
+    from distllm.ops import backend_choice
+
+    lg = importlib.import_module("distllm.ops.linear_gelu")  # the package's is the function
+    asked, real = [], lg._choose_end_to_end
+
+    def choose(x, w, b, approximate, needs_grad):
+        asked.append(x.shape[0])
+        return real(x, w, b, approximate, needs_grad)
+
+    monkeypatch.setattr(lg, "_choose_end_to_end", choose)
+    monkeypatch.delenv("DISTLLM_AUTOTUNE_CACHE", raising=False)
+    backend_choice.clear()
+    torch.manual_seed(0)
+    col = ColumnParallelLinear(37, 53, _Dims1(), activation="gelu", backend="auto")
+    ref = nn.Linear(37, 53, dtype=torch.float64)
+    with torch.no_grad():
+        ref.weight.copy_(col.weight)
+        ref.bias.copy_(col.bias)
+    try:
+        for lead in ((3, 11), (47,), (2, 32), (5, 13)):
+            x = torch.randn(*lead, 37, dtype=torch.float64)
+            y = col(x.float())
+            want = F.gelu(ref(x)).detach()
+            err = ((y.double() - want).abs().max() / want.abs().max()).item()
+            assert err < TOL_F32, f"rows {lead}: relative error {err:.3g}"
+    finally:
+        backend_choice.clear()
+    assert asked == [33, 65], f"the choice was resolved at rows {asked}"
