@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -15,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from distllm.parallel.mesh import ParallelDims, mesh_groups
-from distllm.testing import DistributedFailure, run_distributed
+from distllm.testing import run_distributed
+from tests._spawn import SpawnCache, case_of, run_cases
 
 
 def _expected(world, tp, pp, dp, rank):
@@ -159,24 +161,50 @@ def _check_mesh(tp, pp, dp_arg, two_steps):
     return dims.coords
 
 
+def mesh_main() -> dict:
+    """Every factorisation of this world, one after the other in one spawn: dp passed
+    explicitly on half the cases and inferred (-1) on the others; the groups built by the
+    constructor on some and by an explicit build() on the others."""
+    cases = {}
+    for world, tp, pp, dp in CASES:
+        if world == dist.get_world_size():
+            dp_arg = dp if (tp + pp) % 2 == 0 else -1
+            two_steps = (tp * 3 + pp) % 2 == 0
+            cases[f"tp{tp}-pp{pp}-dp{dp}"] = (
+                lambda a=(tp, pp, dp_arg, two_steps): _check_mesh(*a))
+    return run_cases(cases)
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    return SpawnCache(timeout=120)
+
+
 @pytest.mark.parametrize("world,tp,pp,dp", CASES, ids=IDS)
-def test_mesh_groups(world, tp, pp, dp):
-    # dp passed explicitly on half the cases and inferred (-1) on the others; the groups
-    # built by the constructor on some and by an explicit build() on the others
-    dp_arg = dp if (tp + pp) % 2 == 0 else -1
-    two_steps = (tp * 3 + pp) % 2 == 0
-    coords = run_distributed(_check_mesh, world, tp, pp, dp_arg, two_steps, timeout=120)
+def test_mesh_groups(spawned, world, tp, pp, dp):
+    coords = case_of(spawned(mesh_main, world), f"tp{tp}-pp{pp}-dp{dp}")
     assert sorted(coords) == sorted(itertools.product(range(pp), range(dp), range(tp)))
 
 
-def _bad(tp, pp, dp):
-    ParallelDims(tp=tp, pp=pp, dp=dp)
+def _bad(tp, pp, dp) -> str:
+    try:
+        ParallelDims(tp=tp, pp=pp, dp=dp)
+    except ValueError as e:
+        return f"ValueError: {e}"
+    return "no error"
+
+
+def bad_main() -> dict:
+    """Every bad size of :data:`BAD` in one running world of 4 (the same error on every
+    rank, none of which builds a group)."""
+    return run_cases({f"{tp},{pp},{dp}": (lambda a=(tp, pp, dp): _bad(*a))
+                      for tp, pp, dp, _ in BAD})
 
 
 @pytest.mark.parametrize("tp,pp,dp,words", BAD)
-def test_bad_sizes_under_a_running_world(tp, pp, dp, words):
-    with pytest.raises(DistributedFailure, match=f"ValueError: {words}"):
-        run_distributed(_bad, 4, tp, pp, dp, timeout=60)
+def test_bad_sizes_under_a_running_world(spawned, tp, pp, dp, words):
+    for got in case_of(spawned(bad_main, 4), f"{tp},{pp},{dp}"):
+        assert re.search(f"ValueError: {words}", got), got
 
 
 def test_single_process_without_torchrun():
