@@ -37,7 +37,8 @@ train: $(STAMP)
 
 # CPU tests; tests marked `gpu` run in bench/gpu_check.sh, `full` in `make test-full`.
 test: $(STAMP)
-	$(PY) -m pytest -m "not gpu and not full" -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -m "not gpu and not full" -n $(TEST_JOBS) --dist loadfile --durations=25 \
+	  $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 test-full: $(STAMP)
