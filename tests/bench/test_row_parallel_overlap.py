@@ -250,8 +250,8 @@ def test_every_variant_times_the_gemm_the_layer_runs(monkeypatch, kind, fn):
     calls = []
     for name in ("mm", "mm_t"):
         real = getattr(cpu_gemm, name)
-        monkeypatch.setattr(cpu_gemm, name, lambda a, w, out=None, name=name, real=real: (
-            calls.append(name), real(a, w, out=out))[1])
+        monkeypatch.setattr(cpu_gemm, name, lambda a, w, name=name, real=real, **kw: (
+            calls.append(name), real(a, w, **kw))[1])
     w = torch.randn(6, 5, dtype=torch.float64)
     a = torch.randn(4, 6 if kind == "bwd" else 5, dtype=torch.float64)
     out = torch.empty(4, 5 if kind == "bwd" else 6, dtype=torch.float64)
