@@ -64,7 +64,8 @@ def _counts(calls) -> tuple[int, int]:
 
 
 def _file_keys(tmp_path) -> list[str]:
-    return sorted(json.loads((tmp_path / "tune.json").read_text()))
+    path = tmp_path / "tune.json"  # (none where nothing was measured)
+    return sorted(json.loads(path.read_text())) if path.exists() else []
 
 
 def test_rows_bucket_is_the_overlap_tuners_rounding():
@@ -141,12 +142,11 @@ def test_the_op_called_with_auto_measures_once_per_row_bucket(measured):
     assert len(phases) == 4, f"not one forward and one backward measurement per bucket: {phases}"
 
 
-@pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN linear for float32: torch's "
-                    "GEMM is the only library there is, so nothing is measured")
 def test_cpu_gemm_measures_once_per_row_bucket(measured, tmp_path):
     """The CPU GEMM library (oneDNN or torch's) of ``mm_t`` (a @ w.T) and ``mm`` (a @ w) is
     measured once per kind and bucket of rows: at 33 rows, not again at 47 or 64, again at 65;
-    the products equal the float64 ones."""
+    the products equal the float64 ones. A torch without oneDNN's float32 linear has one
+    library and measures nothing."""
     counts = []
     for rows in (33, 47, 64, 65):
         g = torch.Generator().manual_seed(rows)
@@ -156,7 +156,9 @@ def test_cpu_gemm_measures_once_per_row_bucket(measured, tmp_path):
         _close(cpu_gemm.mm_t(a.float(), w.float()), a @ w.t(), f"mm_t at {rows} rows")
         _close(cpu_gemm.mm(gy.float(), w.float()), gy @ w, f"mm at {rows} rows")
         counts.append(len(measured))
-    assert counts == [2, 2, 2, 4], f"measurements after 33, 47, 64, 65 rows: {counts}"
+    want = [2, 2, 2, 4] if ONEDNN else [0, 0, 0, 0]
+    assert counts == want, f"measurements after 33, 47, 64, 65 rows: {counts}"
     keys = {k.split("|", 2)[2] for k in _file_keys(tmp_path)}
-    assert keys == {f"cpu_gemm|{kind}|torch.float32|(rows<={r}, {k})x(53, 37)"
-                    for r in (64, 128) for kind, k in (("mm", 53), ("mm_t", 37))}, keys
+    assert keys == ({f"cpu_gemm|{kind}|torch.float32|(rows<={r}, {k})x(53, 37)"
+                     for r in (64, 128) for kind, k in (("mm", 53), ("mm_t", 37))}
+                    if ONEDNN else set()), keys
