@@ -80,15 +80,22 @@ def global_norm(pieces: Iterable[tuple[Tensor, bool]], *, dims, norm_type: float
 
     Collective: one all-reduce over ``dims.model_parallel_group`` (or the world group
     when ``dp_sharded``); returns a float64 scalar tensor on the gradients' device (the
-    mesh's device when this rank holds none), the same on every rank. No host sync.
+    mesh's device when this rank holds none), the same on every rank. No host sync. An
+    inf/NaN gradient anywhere makes it non-finite on every rank (the ``inf`` norm of a
+    NaN reduced over ranks reads inf).
     """
     norm_type = _check_norm_type(norm_type)
     acc = local_norm(pieces, dims=dims, norm_type=norm_type)
     if dims is not None:
         group = dims.world_group if dp_sharded else dims.model_parallel_group
         if dist.get_world_size(group) > 1:
-            op = dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX
-            all_reduce(acc, group=group, op=op)
+            if norm_type == 2.0:
+                all_reduce(acc, group=group)
+            else:
+                # a backend's MAX may drop NaN (gloo's ring does: max(0, NaN) = 0), so a NaN
+                # term goes in as inf and the fault still reaches every rank's norm
+                acc = torch.where(acc.isnan(), torch.full_like(acc, float("inf")), acc)
+                all_reduce(acc, group=group, op=dist.ReduceOp.MAX)
     return acc.sqrt() if norm_type == 2.0 else acc
 
 

@@ -4,6 +4,7 @@ rank 0 only; inf/NaN reach the result."""
 
 from __future__ import annotations
 
+import math
 import types
 
 import pytest
@@ -61,3 +62,39 @@ def test_a_replicated_piece_another_tp_rank_counts_still_carries_a_fault(norm_ty
     ones[1] = bad
     assert torch.isnan(local_norm([(ones, False), (torch.ones(2), True)], dims=dims,
                                   norm_type=norm_type))
+
+
+def _faults_reach_every_rank():
+    """On tp=3: the inf and 2-norms of a TP-sharded gradient holding one inf/NaN on one rank
+    (each rank in turn), as every rank reads them, and the clean norms."""
+    from distllm import ParallelDims
+    from distllm.parallel.data.grad_norm import clip_grad_norm_
+
+    dims = ParallelDims(tp=3, pp=1, dp=1)
+    out = {}
+    for bad in (None, float("nan"), float("inf")):
+        for at in ((0,) if bad is None else (0, 1, 2)):
+            for nt in (2.0, float("inf")):
+                w = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+                w.tensor_model_parallel = True
+                w.grad = torch.full((4,), 0.5 + dims.tp_rank, dtype=torch.float64)
+                if bad is not None and dims.tp_rank == at:
+                    w.grad[1] = bad
+                out[(str(bad), at, nt)] = clip_grad_norm_([w], 1e9, dims=dims, norm_type=nt).item()
+    return out
+
+
+def test_a_fault_on_one_of_three_ranks_reaches_every_ranks_norm():
+    """gloo's ring MAX drops NaN (max(0, NaN) = 0 on 3+ ranks), so an inf-norm that a NaN on
+    one rank made NaN was finite after the reduction; it must read non-finite everywhere."""
+    from distllm.testing import run_distributed
+
+    res = run_distributed(_faults_reach_every_rank, 3, timeout=120)
+    for key in res[0]:
+        got = [r[key] for r in res]
+        bad, at, nt = key
+        if bad == "None":
+            want = 2.5 if nt == float("inf") else (4 * (0.5**2 + 1.5**2 + 2.5**2)) ** 0.5
+            assert got == [pytest.approx(want, rel=1e-15)] * 3, (key, got)
+        else:
+            assert not any(map(math.isfinite, got)), (key, got)
