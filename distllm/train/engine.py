@@ -96,7 +96,10 @@ class Engine:
         kw = dict(sequence_parallel=p.sequence_parallel, overlap=p.overlap,
                   vocab_parallel=p.vocab_parallel, batch_split=p.batch_split or "auto",
                   activation_checkpointing=cfg.activation_checkpointing, dtype=self.dtype,
-                  seed=cfg.seed)
+                  # GPT-2's init draws every layer's full tensors in float64 (about 30M
+                  # values/s on a CPU core, 53 s for gpt2-xl): skipped where every weight
+                  # is replaced next (a resume's checkpoint, --init-from's weights)
+                  seed=None if cfg.resume or cfg.init_from else cfg.seed)
         # one GPT per model chunk (v > 1 only for the interleaved schedule)
         self.chunks = [GPT(mcfg, dims, layer_ids=ids, **kw) for ids in self.chunk_ids]
         self.device = dims.device  # cuda under NCCL, else cpu

@@ -249,3 +249,20 @@ def test_an_out_that_is_the_data_folder_resumes_on_the_same_data(tmp_path):
     assert list(data.glob("checkpoints/*/meta.json"))
     res = trainer.train(make_cfg(str(data), str(data), steps=4, resume=True))
     assert len(res.losses) == 2
+
+
+def test_a_resume_does_not_draw_the_init_its_checkpoint_replaces(corpus, tmp_path, monkeypatch):
+    """GPT-2's init draws every layer in float64 on every rank (minutes at 70B): a fresh run
+    draws it, a resume (whose checkpoint replaces every weight) does not."""
+    from distllm.models import sharding
+    from tests.train._util import make_cfg
+
+    drawn, real = [], sharding.init_canonical
+    monkeypatch.setattr(sharding, "init_canonical",
+                        lambda cfg, i, *a, **k: drawn.append(i) or real(cfg, i, *a, **k))
+    out = str(tmp_path / "run")
+    trainer.train(make_cfg(corpus, out, steps=2, save_final=True))
+    assert drawn, "a fresh run did not draw its init"
+    drawn.clear()
+    trainer.train(make_cfg(corpus, out, steps=3, resume=True))
+    assert drawn == []
