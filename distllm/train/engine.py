@@ -139,7 +139,9 @@ class Engine:
 
             self.ddp = DistributedDataParallel(
                 self.module, dims=self.dims, bucket_cap_mb=p.bucket_cap_mb,
-                finish_on_backward_end=finish_on_end, overlap_grad_reduce=p.grad_reduce_overlap)
+                finish_on_backward_end=finish_on_end, overlap_grad_reduce=p.grad_reduce_overlap,
+                broadcast_buffers=False)  # (the GPT's one buffer, its vocabulary padding
+            # mask, is the same on every rank: no broadcast at each forward)
             self.grad_sync = self.ddp
             self.optimizer = torch.optim.AdamW(groups, **adam)
             self.zero = None

@@ -56,7 +56,11 @@ class DistributedDataParallel(nn.Module):
             False when one step's gradients come from several ``autograd.backward`` calls
             (zero-bubble pipelines run the weight-gradient "W" passes separately) and call
             :meth:`finish_grad_sync` after the last of them.
-        broadcast_buffers: also broadcast module buffers from DP rank 0 at wrap time.
+        broadcast_buffers: also broadcast module buffers from DP rank 0, at wrap time and
+            before the first forward and each forward that follows a synchronised one
+            (grad enabled, outside :meth:`no_sync`: the first of each step), as torch DDP
+            does, so that each step starts from rank 0's running statistics (BatchNorm's)
+            on every rank. Off for buffers every rank computes alike.
         find_unused_parameters: after each forward, walk the autograd graph from the outputs
             and mark the parameters it does not reach as ready (zeros), so that their buckets
             are reduced during backward instead of at its end; and, as torch DDP does, leave
@@ -107,9 +111,12 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         self.dims = dims
         self.group = group
+        # the buffers each synchronised forward takes from DP rank 0
+        self._synced_buffers = (list(module.buffers()) if broadcast_buffers and group is not None
+                                else [])
+        self._sync_buffers_next = True  # (the first forward, then after a synchronised one)
         if group is not None:
-            bufs = list(module.buffers()) if broadcast_buffers else []
-            broadcast_from_dp0([*module.parameters(), *bufs], dims)
+            broadcast_from_dp0([*module.parameters(), *self._synced_buffers], dims)
         buckets = assign_buckets(params, cap, first)
         self.find_unused_parameters = find_unused_parameters
         # find_unused_parameters: this step's use flags (1 where a forward reached the
@@ -131,6 +138,10 @@ class DistributedDataParallel(nn.Module):
             self.reducer.remove_hooks()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._synced_buffers:
+            if self._sync_buffers_next:
+                broadcast_from_dp0(self._synced_buffers, self.dims)
+            self._sync_buffers_next = torch.is_grad_enabled() and self.reducer.sync_enabled
         out = self.module(*args, **kwargs)
         if self.find_unused_parameters and self.reducer is not None and torch.is_grad_enabled():
             used = _reachable_params(out)

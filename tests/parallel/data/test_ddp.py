@@ -5,6 +5,7 @@ world size; each scenario is its own test."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -341,6 +342,46 @@ def _zero_dp1(dims) -> float:
     return err
 
 
+def _buffers_as_torch_ddp(dims) -> dict:
+    """A BatchNorm's running statistics under distllm DDP and torch DDP, each rank on its own
+    data: steps of two micro-batches (the first under no_sync), then a forward without
+    grad. torch DDP broadcasts rank 0's buffers before the first forward and each one after a
+    synchronised forward (the first micro-batch of a step, and the last forward here); the
+    largest difference of the buffers from torch DDP's (0: the same), and whether they
+    differ over the ranks at the end (as they do where each rank's last forward ran on its
+    own data)."""
+    from distllm.parallel import DistributedDataParallel
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 5, dtype=torch.float64),
+                             nn.BatchNorm1d(5, dtype=torch.float64),
+                             nn.Linear(5, 1, dtype=torch.float64))
+
+    mine, theirs = model(), model()
+    d = DistributedDataParallel(mine, dims=dims)
+    t = nn.parallel.DistributedDataParallel(theirs, process_group=dims.dp_group)
+    g = torch.Generator().manual_seed(100 + dims.dp_rank)
+    for _ in range(3):
+        for w in (d, t):
+            w.zero_grad()
+        for micro in range(2):
+            x = torch.randn(8, 6, generator=g, dtype=torch.float64)
+            for w in (d, t):
+                with w.no_sync() if micro == 0 else contextlib.nullcontext():
+                    w(x).square().mean().backward()
+    x = torch.randn(8, 6, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        d(x)
+        t(x)
+    diff = worst((a.double() - b.double()).abs().max().item()
+                 for a, b in zip(mine.buffers(), theirs.buffers(), strict=True))
+    mean = mine[1].running_mean.clone()
+    means = [torch.empty_like(mean) for _ in range(dims.dp)]
+    dist.all_gather(means, mean, group=dims.dp_group)
+    return {"vs_torch": diff, "ranks_differ": not all(torch.equal(m, means[0]) for m in means)}
+
+
 def ddp_scenarios() -> dict:
     """Every DP scenario on this world: parity and unused parameters on the DP group; at
     world 4, clipping across tp=2; at world 2, dp == 1 (tp=2 over 2 ranks)."""
@@ -352,7 +393,8 @@ def ddp_scenarios() -> dict:
            "parity_after_backward": _parity(dims, overlap=False),
            "unused_after_backward": _unused_and_overlap(dims, overlap=False),
            "auto": _auto(dims), "rank_dependent_heads": _rank_dependent_heads(dims),
-           "unused_head": _unused_head_kept_as_none(dims)}
+           "unused_head": _unused_head_kept_as_none(dims),
+           "buffers": _buffers_as_torch_ddp(dims)}
     if dist.get_world_size() == 4:
         out["tp_clip"] = _tp_clip()
     else:  # dp == 1: a plain wrapper, gradients untouched
@@ -386,6 +428,12 @@ def test_unused_parameters_get_the_average(spawned, world, when):
     for r in spawned(ddp_scenarios, world):
         u = r["unused" + when]
         assert u["unused_err"] < TOL, u
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_buffers_follow_rank_0_at_each_synchronised_forward_as_torch_ddp(spawned, world):
+    for r in spawned(ddp_scenarios, world):
+        assert r["buffers"] == {"vs_torch": 0.0, "ranks_differ": True}, r["buffers"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
