@@ -80,6 +80,10 @@ class Runtime:
     """On one DP rank at ZeRO stage 0 in fp32 or fp64, the gradients are autograd's own:
     created in backward as it frees the activations, freed after the step (no reducer or
     gradient buffer holds them); False: a buffer holds them all the step."""
+    builds_stage_whole: bool = False
+    """Each rank builds its stage's weights whole before ZeRO-3 shards them over DP: the
+    start needs the stage's weights unsharded (``build`` in the memory); False: each unit is
+    materialised sharded (FSDP's meta-device init)."""
     step_syncs: bool = False
     """Each optimizer step all-reduces scalars on the host's path (the loss, the gradient
     norm, the inf/NaN flag), one small collective each (:meth:`TimeModel.sync_time`)."""
@@ -150,6 +154,7 @@ RUNTIMES: dict[str, Runtime] = {
         zero_grad_accumulation="full",
         keeps_gathered_input=True,
         autograd_grads_at_dp1=True,
+        builds_stage_whole=True,
         step_syncs=True,
         zb_h1_resident=True,
         dtypes=("float32", "bfloat16", "float64"),
@@ -177,6 +182,9 @@ RUNTIMES: dict[str, Runtime] = {
             "keeps_sends": "distllm.parallel.pipeline.pp_comm.StageComm drops each send once "
             "it has completed (_drop_sent, at every flush; on gloo an activation's when its "
             "gradient returns, _release)",
+            "builds_stage_whole": "distllm.train.engine.Engine builds each GPT chunk whole "
+            "on the device, then ZeroOptimizer(stage=3) shards it (distllm.train.footprint."
+            "check_fits refuses a start that cannot hold it)",
             "autograd_grads_at_dp1": "distllm.parallel.data.ddp: with dims.dp == 1 no reducer "
             "(gradients as autograd produced them); Engine.update zero_grad sets them to None",
             "keeps_gathered_input": "distllm.parallel.tensor.layers._ColumnParallelMatmul and "
