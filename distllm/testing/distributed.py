@@ -49,7 +49,8 @@ def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed"])
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
+                                     "torch.distributed.checkpoint", "distllm"])
     return _CTX
 
 
