@@ -1,4 +1,4 @@
-"""The GPU benchmark of ``bench/gpu_check.sh``: three measurements on one CUDA GPU, each
+"""The GPU benchmark of ``bench/gpu_check.sh``: four measurements on one CUDA GPU, each
 timed with CUDA events over interleaved repetitions (median, p10..p90), in one process.
 
 1. ``linear_gelu``: y = gelu_tanh(x W^T + b) in bfloat16 at (M, K, N) = (8192, 4096, 16384)

@@ -20,13 +20,16 @@ doctor, ``distllm plan --calibrate`` and the emulated-link check. The rules:
 
 The overlap tuner (``overlap="auto"``) calls the same two functions::
 
-    samples = interleaved_samples(candidates, warmup=1, reps=5, timer=wall_timer(sync),
-                                  before_each=barrier_or_None, errors=failed)
-    best = max_over_ranks([min(samples[n]) for n in samples], group=g, device=device)
+    samples = interleaved_samples(candidates, warmup=1, reps=reps, timer=wall_timer(sync),
+                                  before_each=barrier)
+    rounds = max_over_ranks([x for n in samples for x in samples[n]], group=g,
+                            device=device)
 
-(``errors``: a dict that collects the candidates that raised, which are dropped; the
-minimum is each candidate's least disturbed repetition; the all-reduce makes every rank of
-the group choose alike, which its collectives need, and is skipped on one process.)
+(every repetition of every candidate, each the slowest rank's, in one all-reduce: every
+rank of the group then chooses alike, which its collectives need; skipped on one process.
+The choice compares the candidates round by round, ``overlap_tuner.paired_ratio``.
+``errors=``, a dict that collects the candidates that raised and drops them, is there for
+callers whose candidates may fail.)
 ``linear_gelu(backend="auto")`` times with :func:`interleaved_samples` alone: an op cannot
 start a collective (the stages of a pipeline meet different shapes), so each process
 chooses for itself; backends differ in rounding only, never in the collectives that follow.

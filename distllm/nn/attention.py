@@ -114,6 +114,11 @@ class ParallelAttention(nn.Module):
     def from_dense(cls, attn: DenseAttention, dims, sequence_parallel: bool = False,
                    overlap: str = "auto", chunks: int = 4) -> ParallelAttention:
         """Shard a :class:`DenseAttention` (``q``/``k``/``v``/``o`` Linears) by heads."""
+        if not isinstance(attn, DenseAttention):
+            raise ValueError(
+                f"ParallelAttention.from_dense needs a distllm DenseAttention (q/k/v/o "
+                f"Linears and its head counts), not {type(attn).__name__}: Hugging Face GPT-2 "
+                f"weights come in through distllm.models.hf (--init-from)")
         w = attn.q.weight
         m = cls(w.shape[1], attn.n_heads, dims, n_kv_heads=attn.n_kv_heads,
                 bias=attn.q.bias is not None, sequence_parallel=sequence_parallel,

@@ -97,7 +97,8 @@ class ParallelConfig:
     """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b or zb-h1 (pp > 1; the flag is refused
     at pp 1)."""
     micro_batches: int = 0
-    """Micro-batches per step and DP rank; 0 picks max(1, pp) (gpipe/1f1b) or 2*pp."""
+    """Micro-batches per step and DP rank; 0 picks pp (gpipe, 1f1b, zb-h1; 1 without a
+    pipeline) or 2*pp (interleaved-1f1b)."""
     virtual_stages: int = 2
     """Model chunks per rank for interleaved-1f1b (the other schedules hold one; the flag is
     refused with them)."""

@@ -132,3 +132,13 @@ def test_from_dense_refuses_other_activations(make, match):
 
 def test_from_dense_takes_a_named_activation():
     assert ParallelMLP.from_dense(_Named("gelu_tanh"), _Dims1()).fc1.activation == "gelu_tanh"
+
+
+def test_attention_from_dense_refuses_another_attention():
+    """Not a DenseAttention (torch's MultiheadAttention here): one ValueError naming where
+    Hugging Face weights come in, not an AttributeError on ``.q``."""
+    from distllm.nn import ParallelAttention
+
+    with pytest.raises(ValueError, match=r"needs a distllm DenseAttention .* not "
+                                         r"MultiheadAttention: Hugging Face GPT-2 weights"):
+        ParallelAttention.from_dense(nn.MultiheadAttention(8, 2), _Dims1())
