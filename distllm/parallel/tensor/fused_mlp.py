@@ -264,7 +264,6 @@ class _ParallelMLP(torch.autograd.Function):
         x = x.contiguous()
         x_full, y, pre = _fc1_forward(plan1, x, w1, b1, sp, approximate, backend, keep)
         h, n = w2.shape  # (hidden, ffn/tp)
-        bias_in_gemm = plan2.tp == 1 and b2 is not None
         if plan2.tp == 1:  # the bias in the GEMM: one rounding in bf16/fp16, as F.linear
             z = cpu_gemm.mm_t(y.reshape(-1, n), w2, bias=b2).view(*y.shape[:-1], h)
             plan2.ran("forward", "none")
@@ -278,7 +277,7 @@ class _ParallelMLP(torch.autograd.Function):
         else:  # (M, N/tp) @ (N/tp, H) -> all-reduce -> (..., H)
             z, _ = plan2.run("forward", "all_reduce", y.reshape(-1, n), _mm_t(w2), h)
             z = z.view(*y.shape[:-1], h)
-        if b2 is not None and not bias_in_gemm:
+        if b2 is not None and plan2.tp > 1:  # after the reduction (at tp 1: in the GEMM)
             z = z.add_(b2)
         ctx.save_for_backward(x_full, w1, pre, y, w2)
         ctx.plans, ctx.sp, ctx.approximate, ctx.backend = (plan1, plan2), sp, approximate, backend
