@@ -4,7 +4,9 @@ A layer's canonical weights are full tensors named like ``attn.qkv.weight`` (``n
 layout ``(out, in)``; QKV rows ordered ``[q heads; k heads; v heads]``; the vocabulary cut to
 its real size). :func:`load_layer` shards them into a layer's modules for this rank's TP
 position; :func:`gather_layer` collects them back (an all-gather over the TP group per
-sharded tensor). Checkpoints, initialisation and Hugging Face conversion use these two.
+sharded tensor); :func:`tp_pieces` says where each part of a rank's shard sits in the
+canonical tensor, with no collective (checkpoints write and read those parts alone).
+Initialisation and Hugging Face conversion use the first two.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch import nn
 from distllm.parallel.mesh import ParallelDims
 
 __all__ = ["canonical_shapes", "init_canonical", "load_layer", "gather_layer",
-           "layer_kind", "module_paths", "param_table", "shard_full", "unshard"]
+           "layer_kind", "module_paths", "param_table", "shard_full", "tp_pieces", "unshard"]
 
 # canonical name -> (path in the layer module, how it is split over TP)
 #   "col": rows split (column-parallel out features); "row": columns split; "rep": replicated;
@@ -118,6 +120,42 @@ def shard_full(cfg, dims: ParallelDims, kind: str, full: torch.Tensor) -> torch.
         return full.chunk(tp, 1)[r]
     if kind == "qkv":
         return full[_qkv_rows(cfg, tp, r).to(full.device)]
+    raise AssertionError(kind)
+
+
+def _split(n: int, tp: int, r: int) -> tuple[int, int]:
+    """``(start, length)`` of TP rank ``r``'s part of ``n`` as ``Tensor.chunk(tp)`` cuts it."""
+    c = -(-n // tp)
+    return min(r * c, n), max(0, min(c, n - r * c))
+
+
+def tp_pieces(cfg, dims: ParallelDims, kind: str, shape: tuple[int, ...]
+              ) -> list[tuple[tuple[int, ...], tuple[slice, ...]]]:
+    """Where this TP rank's shard of a canonical tensor of ``shape``, split as ``kind`` says,
+    sits in it: ``[(offsets in the canonical tensor, index of the same box in the shard)]``,
+    each box a contiguous block of both (:func:`shard_full`'s inverse, with no collective).
+    The vocabulary's padding rows are in no box; a "qkv" shard is three boxes (its q, k and v
+    heads); every other shard is one box, and a replicated tensor is the whole of it."""
+    tp, r = dims.tp, dims.tp_rank
+    whole = tuple(slice(None) for _ in shape)
+    zero = (0,) * len(shape)
+    if kind == "rep" or tp == 1 and kind in ("col", "row", "qkv"):
+        return [(zero, whole)]
+    if kind == "vocab":  # rows of the padded vocabulary, cut to the real one
+        start, n = _split(cfg.padded_vocab(tp), tp, r)
+        n = max(0, min(n, shape[0] - start))
+        return [((start, *zero[1:]), (slice(0, n), *whole[1:]))] if n else []
+    if kind in ("col", "row"):
+        dim = 0 if kind == "col" else 1
+        start, _ = _split(shape[dim], tp, r)
+        return [(tuple(start if d == dim else 0 for d in range(len(shape))), whole)]
+    if kind == "qkv":  # q heads, then k, then v: three runs of _qkv_rows
+        rows = _qkv_rows(cfg, tp, r).tolist()
+        out, lo = [], 0
+        for hi in [j for j in range(1, len(rows)) if rows[j] != rows[j - 1] + 1] + [len(rows)]:
+            out.append(((rows[lo], *zero[1:]), (slice(lo, hi), *whole[1:])))
+            lo = hi
+        return out
     raise AssertionError(kind)
 
 

@@ -2,15 +2,17 @@
 
 Format (``OUT/checkpoints/step_00000300/``):
 
-* DCP files holding, for every layer, its *canonical* tensors: full (TP-gathered, ZeRO-
-  gathered) weights under global names (``model.layers.3.attn.qkv.weight``) and the AdamW
-  moments of each (``optim.layers.3.attn.qkv.weight.exp_avg`` / ``.exp_avg_sq``). Each
-  pipeline stage writes its own layers, with the global layer index in the name; DP and TP
-  replicas of a tensor are written once (DCP deduplicates replicated tensors). Because the
-  names and shapes do not depend on the layout, a checkpoint saved at one layout loads at any
-  other (tp2.pp2.dp1 -> tp1.pp1.dp4 -> tp4, ZeRO stage changes included): each rank asks DCP
-  for its own layers' full tensors and shards them itself. This is the "TP-gathered full
-  tensors per stage" form, chosen for simplicity; it costs a TP all-gather per tensor at save.
+* DCP files holding, for every layer, its *canonical* tensors: full weights under global
+  names (``model.layers.3.attn.qkv.weight``; TP- and ZeRO-unsharded shapes) and the AdamW
+  moments of each (``optim.layers.3.attn.qkv.weight.exp_avg`` / ``.exp_avg_sq``). Each rank
+  writes its own boxes of them with no TP gather (:mod:`distllm.train.dcp_pieces`; ZeRO's
+  DP shards are gathered first, on the CPU): a TP rank its shard (QKV: its q, k and v
+  heads, three boxes), a pipeline stage its own layers with their global indices. DP
+  replicas of a box, and TP replicas of a replicated tensor, are written once (DCP
+  deduplicates a chunk held by several ranks). Because the names and shapes do not depend
+  on the layout, a checkpoint saved at one layout loads at any other (tp2.pp2.dp1 ->
+  tp1.pp1.dp4 -> tp4, ZeRO stage changes included): each rank reads only the stored chunks
+  that overlap its own boxes (at the layout that saved them, exactly its own).
 * ``meta.json``: the model config, step, layout, data-loader position and optimizer step,
   and what the data held (``tokens``: text's bytes or a tokenizer's ids, which ``distllm
   export`` passes on to ``--init-from``).
@@ -47,10 +49,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from distllm.models.hf import weights_only_refusal
 from distllm.models.sharding import (
     canonical_shapes,
-    gather_layer,
     module_paths,
     param_table,
     shard_full,
+    tp_pieces,
 )
 from distllm.train.checkpoint_folder import (  # noqa: F401 - the module's API, as before
     FORMAT,
@@ -72,6 +74,7 @@ from distllm.train.checkpoint_folder import (  # noqa: F401 - the module's API, 
     trained_positions_of,
 )
 from distllm.train.data import data_source, tokens_of
+from distllm.train.dcp_pieces import PieceLoadPlanner, Pieces, PieceSavePlanner
 from distllm.train.dcp_reader import Refused, RestrictedReader
 from distllm.train.optim_state import MOMENTS, collect, install
 
@@ -87,30 +90,46 @@ def _entries(engine):
                 yield chunk, i, name, path, layer.get_parameter(path)
 
 
-def _canonical(engine) -> tuple[dict[str, torch.Tensor], int]:
-    """This rank's canonical tensors, on the CPU (collective over TP and, for ZeRO, DP): a
-    layer's are gathered on the model's device, where the collectives run, and moved to the
-    CPU before the next layer's, so that the GPU holds one layer's at a time."""
+def _fqn(i: int, name: str, key: str) -> str:
+    return f"model.layers.{i}.{name}" if key == "weight" else f"optim.layers.{i}.{name}.{key}"
+
+
+def _where(engine, chunk, i: int, name: str):
+    """``(full shape, this rank's boxes)`` of layer ``i``'s canonical tensor ``name``."""
+    kind = param_table(chunk.cfg, i, chunk.vocab_parallel)[name][1]
+    shape = canonical_shapes(chunk.cfg, i)[name]
+    return shape, tp_pieces(chunk.cfg, engine.dims, kind, shape)
+
+
+def _pieces(engine) -> tuple[Pieces, int]:
+    """This rank's boxes of its canonical tensors (views of its weights and moments: no TP
+    collective; under ZeRO, :func:`collect` gathers them over DP, on the CPU)."""
     entries = list(_entries(engine))
     local, step = collect(engine, [e[4] for e in entries])
-    dev = engine.dims.device
-    last = {e[4]: (id(e[0]), e[1]) for e in entries}  # a tied weight: its last layer
-    state: dict[str, torch.Tensor] = {}
-    for chunk in engine.chunks:
-        for i in chunk.layer_ids:
-            mine = [e for e in entries if e[0] is chunk and e[1] == i]
-            for key in ("weight", *MOMENTS):
-                if not all(key in local[e[4]] for e in mine):
-                    continue
-                tensors = {e[3]: local[e[4]][key].to(dev) for e in mine}
-                prefix = "model" if key == "weight" else "optim"
-                suffix = "" if key == "weight" else f".{key}"
-                for name, t in gather_layer(chunk, i, tensors).items():
-                    state[f"{prefix}.layers.{i}.{name}{suffix}"] = t.cpu()
-            for e in mine:  # a parameter's last layer done: drop what collect gave for it
-                if last[e[4]] == (id(chunk), i):  # (ZeRO: full CPU copies; the host holds
-                    local.pop(e[4], None)  # the state once, not twice)
-    return state, step
+    pieces: Pieces = {}
+    for chunk, i, name, _, param in entries:
+        shape, where = _where(engine, chunk, i, name)
+        for key, t in local[param].items():
+            t = t.detach().reshape(param.shape)
+            pieces[_fqn(i, name, key)] = (shape, [(off, t[idx]) for off, idx in where])
+    return pieces, step
+
+
+def _read_pieces(path: Path, engine, with_optim: bool) -> dict:
+    """``{parameter: {key: its TP shard}}`` read from the checkpoint ``path``: each rank
+    reads its own boxes alone (:class:`PieceLoadPlanner`)."""
+    # bf16 runs keep fp32 master weights and moments: those are what a checkpoint holds
+    dt = torch.float32 if engine.dtype == torch.bfloat16 else engine.dtype
+    local: dict = {}
+    pieces: Pieces = {}
+    for chunk, i, name, _, param in _entries(engine):
+        shape, where = _where(engine, chunk, i, name)
+        local[param] = {}
+        for key in ("weight", *MOMENTS) if with_optim else ("weight",):
+            t = local[param][key] = torch.zeros(param.shape, dtype=dt)  # (padding rows: 0)
+            pieces[_fqn(i, name, key)] = (shape, [(off, t[idx]) for off, idx in where])
+    _read_dcp(path, planner=PieceLoadPlanner(pieces))
+    return local
 
 
 def save(out: str | os.PathLike, engine, loader, *, step: int,
@@ -180,8 +199,10 @@ def _save(out, engine, loader, step: int, record: dict | None) -> Path:
         except OSError as exc:
             err = exc
     _agree(err, dims)  # (the barrier before the ranks write into it)
-    state, opt_step = _canonical(engine)
-    dcp.save(state, checkpoint_id=str(tmp))  # (shares a rank's failure itself)
+    pieces, opt_step = _pieces(engine)
+    # (DCP shares a rank's failure itself)
+    dcp.save({}, checkpoint_id=str(tmp), planner=PieceSavePlanner(pieces))
+    del pieces
     try:
         _write_synced(tmp / "rng" / f"rank{dims.rank}.pt", rng_state(dims.device))
     except (OSError, RuntimeError) as exc:
@@ -235,20 +256,6 @@ def _write_meta(out, engine, loader, step: int, record: dict | None, opt_step: i
     prune(out, engine.cfg.keep_checkpoints)
 
 
-def _empty_targets(engine, with_optim: bool) -> dict[str, torch.Tensor]:
-    # bf16 runs keep fp32 master weights and moments: those are what a checkpoint holds
-    dt = torch.float32 if engine.dtype == torch.bfloat16 else engine.dtype
-    state = {}
-    for chunk in engine.chunks:
-        for i in chunk.layer_ids:
-            for name, shape in canonical_shapes(chunk.cfg, i).items():
-                state[f"model.layers.{i}.{name}"] = torch.empty(shape, dtype=dt)
-                if with_optim:
-                    for key in MOMENTS:
-                        state[f"optim.layers.{i}.{name}.{key}"] = torch.empty(shape, dtype=dt)
-    return state
-
-
 def load_latest(out: str | os.PathLike, engine, loader) -> int:
     """Load the newest complete checkpoint under ``out`` into ``engine`` and ``loader`` at
     this run's layout; returns its step."""
@@ -264,14 +271,13 @@ def load_latest(out: str | os.PathLike, engine, loader) -> int:
                          f"every rank must see one shared --out alike (a network file system "
                          f"showing a save late?): resume again once they agree")
     meta = _read_meta(path)
-    # (a rank's failed read fails it on every rank)
-    state = _read_dcp(path, lambda _: _empty_targets(engine, meta["optimizer_step"] > 0))
     with_optim = meta["optimizer_step"] > 0
+    local = _read_pieces(path, engine, with_optim)  # (a rank's failed read fails every rank)
     # this rank's own part (its random state): every rank learns whether any failed, and
     # how: a ValueError is bad input (the data order of another --global-batch), said as is
     failed = None
     try:
-        _install(path, engine, loader, meta, state, with_optim)
+        _install(path, engine, loader, meta, local)
     except ValueError as exc:
         failed = ("usage", str(exc))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - named in the error
@@ -286,16 +292,19 @@ def load_latest(out: str | os.PathLike, engine, loader) -> int:
     return int(meta["step"])
 
 
-def _read_dcp(path: Path, targets, no_dist: bool = False) -> dict[str, torch.Tensor]:
+def _read_dcp(path: Path, targets=None, no_dist: bool = False,
+              planner: PieceLoadPlanner | None = None) -> dict[str, torch.Tensor]:
     """The tensors of the checkpoint ``path`` that ``targets(metadata)`` asks for (a dict of
-    tensors to fill), read through :class:`RestrictedReader` (refused metadata raises, on
-    every rank, before DCP runs); any other failure is the one-line damaged error."""
+    tensors to fill), or ``planner``'s pieces, read through :class:`RestrictedReader`
+    (refused metadata raises, on every rank, before DCP runs); any other failure is the
+    one-line damaged error."""
     try:
         reader = RestrictedReader(path)
-        state = targets(reader.read_metadata())
+        md = reader.read_metadata()
+        state = {} if targets is None else targets(md)
         with warnings.catch_warnings():  # no_dist: "assuming the intent is to load in a
             warnings.filterwarnings("ignore", message=".*single process")  # single process"
-            dcp.load(state, storage_reader=reader, no_dist=no_dist)
+            dcp.load(state, storage_reader=reader, no_dist=no_dist, planner=planner)
     except Refused:
         raise
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - named in the error
@@ -314,10 +323,7 @@ def _shards(engine, tensor_of, keys: tuple[str, ...]) -> dict:
     return local
 
 
-def _install(path: Path, engine, loader, meta: dict, state: dict, with_optim: bool) -> None:
-    local = _shards(engine, lambda i, name, k: state[f"model.layers.{i}.{name}" if k == "weight"
-                                                     else f"optim.layers.{i}.{name}.{k}"],
-                    ("weight", *MOMENTS) if with_optim else ("weight",))
+def _install(path: Path, engine, loader, meta: dict, local: dict) -> None:
     install(engine, local, meta["optimizer_step"])
     # a checkpoint of before this was recorded: every position, as sample assumes
     engine.trained_positions = max(engine.trained_positions,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import shutil
@@ -385,3 +386,70 @@ def test_ranks_that_see_different_newest_checkpoints_are_refused(corpus, tmp_pat
                     f"step_00000002, rank 1: step_00000004); every rank must see one shared "
                     f"--out alike (a network file system showing a save late?): resume again "
                     f"once they agree" for out in (a, b)], msgs
+
+
+def _own_boxes(data: str, out: str) -> dict:
+    """Rank function: a tp2 run (the vocabulary split) saving at step 1, then its resume to
+    step 2. Counts the all-gathers made while saving and the elements each rank's read asks
+    DCP for; returns them with the resumed step's loss."""
+    import math
+
+    from distllm.train import dcp_reader
+
+    counts = {"gathers": 0, "read": 0}
+    saving = []
+    real = checkpoint.save, dist.all_gather, dcp_reader.RestrictedReader.read_data
+
+    def save(*a, **kw):
+        saving.append(True)
+        try:
+            return real[0](*a, **kw)
+        finally:
+            saving.pop()
+
+    def all_gather(*a, **kw):
+        counts["gathers"] += bool(saving)
+        return real[1](*a, **kw)
+
+    def read_data(self, plan, planner):
+        counts["read"] += sum(math.prod(item.lengths) for item in plan.items)
+        return real[2](self, plan, planner)
+
+    checkpoint.save, dist.all_gather, dcp_reader.RestrictedReader.read_data = \
+        save, all_gather, read_data
+    try:
+        losses = train_many([dict(tp=2, vp="on", steps=60, stop_after=1, save_final=True,
+                                  out=out),
+                             dict(tp=2, vp="on", steps=60, stop_after=2, resume=True, out=out)],
+                            data, out)
+    finally:
+        checkpoint.save, dist.all_gather, dcp_reader.RestrictedReader.read_data = real
+    return {**counts, "loss": losses[1][0]}
+
+
+def test_each_rank_writes_and_reads_its_own_boxes(corpus, reference, tmp_path):
+    """At tp2 a save gathers nothing and writes each TP rank's boxes (QKV: its q, k and v
+    heads); a resume at the same layout reads on each rank its own shard's elements alone
+    (weights and both moments), and goes on as the one-process run."""
+    from distllm.models.config import GPTConfig
+    from distllm.models.sharding import canonical_shapes, param_table
+
+    out = tmp_path / "ckpt"
+    res = run_distributed(_own_boxes, 2, corpus, str(out), timeout=300)
+    cfg = GPTConfig(n_layers=4, hidden_size=128, n_heads=4, ffn_hidden_size=512,
+                    max_seq_len=128)  # the tiny model
+    assert cfg.vocab_size % 128 == 0  # tp2 pads nothing: each rank holds half of it
+    own = sum(math.prod(shape) // (1 if param_table(cfg, i)[name][1] == "rep" else 2)
+              for i in range(cfg.n_layers + 2) for name, shape in canonical_shapes(cfg, i).items())
+    for r in res:
+        assert r["gathers"] == 0 and r["read"] == 3 * own, r
+        assert abs(r["loss"] - reference[1]) <= TOL * max(1.0, abs(reference[1])), r
+    md = dcp_reader.read_metadata(checkpoint.latest(out) / ".metadata").state_dict_metadata
+    chunks = {k: sorted(tuple(c.offsets) for c in m.chunks) for k, m in md.items()}
+    # 4 heads of 32 rows: rank 0 holds q 0-63, k 128-191, v 256-319; rank 1 the rest
+    assert chunks["model.layers.1.attn.qkv.weight"] == [(r, 0) for r in range(0, 384, 64)]
+    assert chunks["optim.layers.1.mlp.proj.weight.exp_avg"] == [(0, 0), (0, 256)]  # columns
+    assert chunks["model.layers.0.wte.weight"] == [(0, 0), (128, 0)]
+    assert chunks["model.layers.1.ln_1.weight"] == [(0,)]  # replicated: written once
+    for k, m in md.items():  # every element of every tensor stored once
+        assert sum(math.prod(c.sizes) for c in m.chunks) == math.prod(m.size), k
