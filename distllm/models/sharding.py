@@ -18,7 +18,8 @@ from torch import nn
 from distllm.parallel.mesh import ParallelDims
 
 __all__ = ["canonical_shapes", "init_canonical", "load_layer", "gather_layer",
-           "layer_kind", "module_paths", "param_table", "shard_full", "tp_pieces", "unshard"]
+           "flat_pieces", "layer_kind", "module_paths", "param_table", "shard_full", "tp_pieces",
+           "unshard"]
 
 # canonical name -> (path in the layer module, how it is split over TP)
 #   "col": rows split (column-parallel out features); "row": columns split; "rep": replicated;
@@ -157,6 +158,38 @@ def tp_pieces(cfg, dims: ParallelDims, kind: str, shape: tuple[int, ...]
             lo = hi
         return out
     raise AssertionError(kind)
+
+
+def flat_pieces(shape: tuple[int, ...], start: int, stop: int,
+                pieces: list[tuple[tuple[int, ...], tuple[slice, ...]]]
+                ) -> list[tuple[tuple[int, ...], int, tuple[int, ...]]]:
+    """The parts of :func:`tp_pieces`' boxes ``pieces`` (of a shard shaped ``shape``, 1-D or
+    2-D) that the shard's flattened elements ``[start, stop)`` hold (a ZeRO rank's part of a
+    parameter): ``[(offsets in the canonical tensor, its first element in the flattened
+    shard, its shape)]``. Each part is contiguous in the flattened shard: a run of whole rows,
+    or a piece of one row."""
+    rows, cols = shape[0], (shape[1] if len(shape) == 2 else 1)
+    if len(shape) > 2 or not 0 <= start <= stop <= rows * cols:
+        raise ValueError(f"flat_pieces: elements [{start}, {stop}) of a shard shaped "
+                         f"{tuple(shape)} (1-D or 2-D)")
+    runs = []  # (first row, first column, rows, columns, first element): the range's boxes
+    at = start
+    while at < stop:
+        r, c = divmod(at, cols)
+        n = min(cols - c, stop - at) if c or stop - at < cols else (stop - at) // cols * cols
+        runs.append((r, c, 1 if c or n < cols else n // cols, min(n, cols), at))
+        at += n
+    out = []
+    for r, c, nr, nc, first in runs:
+        for off, idx in pieces:
+            lo, hi, _ = idx[0].indices(rows)  # the piece's rows in the shard
+            a, b = max(r, lo), min(r + nr, hi)
+            if a >= b:
+                continue
+            where = (off[0] + a - lo, off[1] + c) if len(shape) == 2 else (off[0] + a - lo,)
+            out.append((where, first + (a - r) * cols, (b - a, nc) if len(shape) == 2 else
+                        (b - a,)))
+    return out
 
 
 @torch.no_grad()

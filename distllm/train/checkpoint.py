@@ -5,14 +5,14 @@ Format (``OUT/checkpoints/step_00000300/``):
 * DCP files holding, for every layer, its *canonical* tensors: full weights under global
   names (``model.layers.3.attn.qkv.weight``; TP- and ZeRO-unsharded shapes) and the AdamW
   moments of each (``optim.layers.3.attn.qkv.weight.exp_avg`` / ``.exp_avg_sq``). Each rank
-  writes its own boxes of them with no TP gather (:mod:`distllm.train.dcp_pieces`; ZeRO's
-  DP shards are gathered first, on the CPU): a TP rank its shard (QKV: its q, k and v
-  heads, three boxes), a pipeline stage its own layers with their global indices. DP
-  replicas of a box, and TP replicas of a replicated tensor, are written once (DCP
-  deduplicates a chunk held by several ranks). Because the names and shapes do not depend
-  on the layout, a checkpoint saved at one layout loads at any other (tp2.pp2.dp1 ->
-  tp1.pp1.dp4 -> tp4, ZeRO stage changes included): each rank reads only the stored chunks
-  that overlap its own boxes (at the layout that saved them, exactly its own).
+  writes its own boxes of them, with no gather (:mod:`distllm.train.checkpoint_state`): a TP
+  rank its shard (QKV: its q, k and v heads, three boxes), a ZeRO rank the part its optimizer
+  shard holds, a pipeline stage its own layers with their global indices. DP replicas of a
+  box, and TP replicas of a replicated tensor, are written once (DCP deduplicates a chunk
+  held by several ranks). Because the names and shapes do not depend on the layout, a
+  checkpoint saved at one layout loads at any other (tp2.pp2.dp1 -> tp1.pp1.dp4 -> tp4, ZeRO
+  stage changes included): each rank reads only the stored chunks that overlap its own boxes
+  (at the layout that saved them, exactly its own).
 * ``meta.json``: the model config, step, layout, data-loader position and optimizer step,
   and what the data held (``tokens``: text's bytes or a tokenizer's ids, which ``distllm
   export`` passes on to ``--init-from``).
@@ -48,11 +48,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from distllm.models.hf import weights_only_refusal
 from distllm.models.sharding import (
-    canonical_shapes,
-    module_paths,
     param_table,
     shard_full,
-    tp_pieces,
 )
 from distllm.train.checkpoint_folder import (  # noqa: F401 - the module's API, as before
     FORMAT,
@@ -73,64 +70,14 @@ from distllm.train.checkpoint_folder import (  # noqa: F401 - the module's API, 
     sync_dir,
     trained_positions_of,
 )
+from distllm.train.checkpoint_state import entries, own_pieces, read_targets
 from distllm.train.data import data_source, tokens_of
-from distllm.train.dcp_pieces import PieceLoadPlanner, Pieces, PieceSavePlanner
+from distllm.train.dcp_pieces import PieceLoadPlanner, PieceSavePlanner
 from distllm.train.dcp_reader import Refused, RestrictedReader
-from distllm.train.optim_state import MOMENTS, collect, install
+from distllm.train.optim_state import install
 
 __all__ = ["save", "load_latest", "latest", "check_compatible", "prune", "step_of",
            "rng_state", "set_rng_state", "FORMAT"]
-
-def _entries(engine):
-    """``(chunk, layer index, canonical name, path in layer, parameter)`` of this rank."""
-    for chunk in engine.chunks:
-        for i in chunk.layer_ids:
-            layer = chunk.layers[str(i)]
-            for name, path in module_paths(chunk.cfg, i).items():
-                yield chunk, i, name, path, layer.get_parameter(path)
-
-
-def _fqn(i: int, name: str, key: str) -> str:
-    return f"model.layers.{i}.{name}" if key == "weight" else f"optim.layers.{i}.{name}.{key}"
-
-
-def _where(engine, chunk, i: int, name: str):
-    """``(full shape, this rank's boxes)`` of layer ``i``'s canonical tensor ``name``."""
-    kind = param_table(chunk.cfg, i, chunk.vocab_parallel)[name][1]
-    shape = canonical_shapes(chunk.cfg, i)[name]
-    return shape, tp_pieces(chunk.cfg, engine.dims, kind, shape)
-
-
-def _pieces(engine) -> tuple[Pieces, int]:
-    """This rank's boxes of its canonical tensors (views of its weights and moments: no TP
-    collective; under ZeRO, :func:`collect` gathers them over DP, on the CPU)."""
-    entries = list(_entries(engine))
-    local, step = collect(engine, [e[4] for e in entries])
-    pieces: Pieces = {}
-    for chunk, i, name, _, param in entries:
-        shape, where = _where(engine, chunk, i, name)
-        for key, t in local[param].items():
-            t = t.detach().reshape(param.shape)
-            pieces[_fqn(i, name, key)] = (shape, [(off, t[idx]) for off, idx in where])
-    return pieces, step
-
-
-def _read_pieces(path: Path, engine, with_optim: bool) -> dict:
-    """``{parameter: {key: its TP shard}}`` read from the checkpoint ``path``: each rank
-    reads its own boxes alone (:class:`PieceLoadPlanner`)."""
-    # bf16 runs keep fp32 master weights and moments: those are what a checkpoint holds
-    dt = torch.float32 if engine.dtype == torch.bfloat16 else engine.dtype
-    local: dict = {}
-    pieces: Pieces = {}
-    for chunk, i, name, _, param in _entries(engine):
-        shape, where = _where(engine, chunk, i, name)
-        local[param] = {}
-        for key in ("weight", *MOMENTS) if with_optim else ("weight",):
-            t = local[param][key] = torch.zeros(param.shape, dtype=dt)  # (padding rows: 0)
-            pieces[_fqn(i, name, key)] = (shape, [(off, t[idx]) for off, idx in where])
-    _read_dcp(path, planner=PieceLoadPlanner(pieces))
-    return local
-
 
 def save(out: str | os.PathLike, engine, loader, *, step: int,
          record: dict | None = None) -> Path:
@@ -199,7 +146,7 @@ def _save(out, engine, loader, step: int, record: dict | None) -> Path:
         except OSError as exc:
             err = exc
     _agree(err, dims)  # (the barrier before the ranks write into it)
-    pieces, opt_step = _pieces(engine)
+    pieces, opt_step = own_pieces(engine)
     # (DCP shares a rank's failure itself)
     dcp.save({}, checkpoint_id=str(tmp), planner=PieceSavePlanner(pieces))
     del pieces
@@ -271,13 +218,20 @@ def load_latest(out: str | os.PathLike, engine, loader) -> int:
                          f"every rank must see one shared --out alike (a network file system "
                          f"showing a save late?): resume again once they agree")
     meta = _read_meta(path)
-    with_optim = meta["optimizer_step"] > 0
-    local = _read_pieces(path, engine, with_optim)  # (a rank's failed read fails every rank)
+    made = []
+
+    def targets(_) -> PieceLoadPlanner:  # each rank's own boxes, once the metadata passed
+        pieces, commit = read_targets(engine, meta["optimizer_step"] > 0)
+        made.append(commit)
+        return PieceLoadPlanner(pieces)
+
+    _read_dcp(path, targets)  # (a rank's failed read fails it on every rank)
+    commit = made[0]
     # this rank's own part (its random state): every rank learns whether any failed, and
     # how: a ValueError is bad input (the data order of another --global-batch), said as is
     failed = None
     try:
-        _install(path, engine, loader, meta, local)
+        _install(path, engine, loader, meta, commit)
     except ValueError as exc:
         failed = ("usage", str(exc))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - named in the error
@@ -292,16 +246,16 @@ def load_latest(out: str | os.PathLike, engine, loader) -> int:
     return int(meta["step"])
 
 
-def _read_dcp(path: Path, targets=None, no_dist: bool = False,
-              planner: PieceLoadPlanner | None = None) -> dict[str, torch.Tensor]:
+def _read_dcp(path: Path, targets, no_dist: bool = False) -> dict[str, torch.Tensor]:
     """The tensors of the checkpoint ``path`` that ``targets(metadata)`` asks for (a dict of
-    tensors to fill), or ``planner``'s pieces, read through :class:`RestrictedReader`
-    (refused metadata raises, on every rank, before DCP runs); any other failure is the
-    one-line damaged error."""
+    tensors to fill, or a :class:`PieceLoadPlanner` of boxes), read through
+    :class:`RestrictedReader` (refused metadata raises, on every rank, before DCP runs); any
+    other failure is the one-line damaged error."""
     try:
         reader = RestrictedReader(path)
-        md = reader.read_metadata()
-        state = {} if targets is None else targets(md)
+        want = targets(reader.read_metadata())
+        planner = want if isinstance(want, PieceLoadPlanner) else None
+        state = {} if planner is not None else want
         with warnings.catch_warnings():  # no_dist: "assuming the intent is to load in a
             warnings.filterwarnings("ignore", message=".*single process")  # single process"
             dcp.load(state, storage_reader=reader, no_dist=no_dist, planner=planner)
@@ -316,15 +270,15 @@ def _shards(engine, tensor_of, keys: tuple[str, ...]) -> dict:
     """``{parameter: {key: this rank's TP shard}}`` of ``engine``'s parameters, from the full
     canonical tensor ``tensor_of(layer index, canonical name, key)``."""
     local = {}
-    for chunk, i, name, _, param in _entries(engine):
+    for chunk, i, name, _, param in entries(engine):
         kind = param_table(chunk.cfg, i, chunk.vocab_parallel)[name][1]
         local[param] = {k: shard_full(chunk.cfg, engine.dims, kind, tensor_of(i, name, k))
                         for k in keys}
     return local
 
 
-def _install(path: Path, engine, loader, meta: dict, local: dict) -> None:
-    install(engine, local, meta["optimizer_step"])
+def _install(path: Path, engine, loader, meta: dict, commit) -> None:
+    commit(meta["optimizer_step"])  # (first: collective under ZeRO)
     # a checkpoint of before this was recorded: every position, as sample assumes
     engine.trained_positions = max(engine.trained_positions,
                                    int(meta.get("trained_positions", engine.mcfg.max_seq_len)))

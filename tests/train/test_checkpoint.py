@@ -388,17 +388,16 @@ def test_ranks_that_see_different_newest_checkpoints_are_refused(corpus, tmp_pat
                     f"once they agree" for out in (a, b)], msgs
 
 
-def _own_boxes(data: str, out: str) -> dict:
-    """Rank function: a tp2 run (the vocabulary split) saving at step 1, then its resume to
-    step 2. Counts the all-gathers made while saving and the elements each rank's read asks
-    DCP for; returns them with the resumed step's loss."""
-    import math
+def _own_boxes(data: str, out: str, layout: dict) -> dict:
+    """Rank function: a run at ``layout`` saving at step 2, then its resume to step 3. Counts
+    the all-gathers made while saving, the elements of each rank's save plan and those its
+    read asks DCP for; returns them with the resumed step's loss."""
+    from distllm.train import dcp_pieces, dcp_reader
 
-    from distllm.train import dcp_reader
-
-    counts = {"gathers": 0, "read": 0}
+    counts = {"gathers": 0, "written": 0, "read": 0}
     saving = []
-    real = checkpoint.save, dist.all_gather, dcp_reader.RestrictedReader.read_data
+    real = (checkpoint.save, dist.all_gather, dcp_reader.RestrictedReader.read_data,
+            dcp_pieces.PieceSavePlanner.create_local_plan)
 
     def save(*a, **kw):
         saving.append(True)
@@ -415,35 +414,45 @@ def _own_boxes(data: str, out: str) -> dict:
         counts["read"] += sum(math.prod(item.lengths) for item in plan.items)
         return real[2](self, plan, planner)
 
+    def create_local_plan(self):
+        plan = real[3](self)
+        counts["written"] += sum(math.prod(i.tensor_data.chunk.sizes) for i in plan.items)
+        return plan
+
     checkpoint.save, dist.all_gather, dcp_reader.RestrictedReader.read_data = \
         save, all_gather, read_data
+    dcp_pieces.PieceSavePlanner.create_local_plan = create_local_plan
     try:
-        losses = train_many([dict(tp=2, vp="on", steps=60, stop_after=1, save_final=True,
-                                  out=out),
-                             dict(tp=2, vp="on", steps=60, stop_after=2, resume=True, out=out)],
-                            data, out)
+        common = dict(steps=60, out=out, **layout)
+        losses = train_many([dict(stop_after=2, save_final=True, **common),
+                             dict(stop_after=3, resume=True, **common)], data, out)
     finally:
-        checkpoint.save, dist.all_gather, dcp_reader.RestrictedReader.read_data = real
+        checkpoint.save, dist.all_gather, dcp_reader.RestrictedReader.read_data = real[:3]
+        dcp_pieces.PieceSavePlanner.create_local_plan = real[3]
     return {**counts, "loss": losses[1][0]}
+
+
+def _tiny_elements(split: int) -> int:
+    """Elements of the tiny model's canonical tensors, those TP splits divided by ``split``."""
+    from distllm.models.config import GPTConfig
+    from distllm.models.sharding import canonical_shapes, param_table
+
+    cfg = GPTConfig.preset("tiny")
+    assert cfg.vocab_size % 128 == 0  # tp2 pads nothing: each rank holds half of it
+    return sum(math.prod(shape) // (1 if param_table(cfg, i)[name][1] == "rep" else split)
+               for i in range(cfg.n_layers + 2) for name, shape in canonical_shapes(cfg, i).items())
 
 
 def test_each_rank_writes_and_reads_its_own_boxes(corpus, reference, tmp_path):
     """At tp2 a save gathers nothing and writes each TP rank's boxes (QKV: its q, k and v
     heads); a resume at the same layout reads on each rank its own shard's elements alone
     (weights and both moments), and goes on as the one-process run."""
-    from distllm.models.config import GPTConfig
-    from distllm.models.sharding import canonical_shapes, param_table
-
     out = tmp_path / "ckpt"
-    res = run_distributed(_own_boxes, 2, corpus, str(out), timeout=300)
-    cfg = GPTConfig(n_layers=4, hidden_size=128, n_heads=4, ffn_hidden_size=512,
-                    max_seq_len=128)  # the tiny model
-    assert cfg.vocab_size % 128 == 0  # tp2 pads nothing: each rank holds half of it
-    own = sum(math.prod(shape) // (1 if param_table(cfg, i)[name][1] == "rep" else 2)
-              for i in range(cfg.n_layers + 2) for name, shape in canonical_shapes(cfg, i).items())
+    res = run_distributed(_own_boxes, 2, corpus, str(out), dict(tp=2, vp="on"), timeout=300)
+    own = 3 * _tiny_elements(2)
     for r in res:
-        assert r["gathers"] == 0 and r["read"] == 3 * own, r
-        assert abs(r["loss"] - reference[1]) <= TOL * max(1.0, abs(reference[1])), r
+        assert r["gathers"] == 0 and r["written"] == own and r["read"] == own, r
+        assert abs(r["loss"] - reference[2]) <= TOL * max(1.0, abs(reference[2])), r
     md = dcp_reader.read_metadata(checkpoint.latest(out) / ".metadata").state_dict_metadata
     chunks = {k: sorted(tuple(c.offsets) for c in m.chunks) for k, m in md.items()}
     # 4 heads of 32 rows: rank 0 holds q 0-63, k 128-191, v 256-319; rank 1 the rest
@@ -453,3 +462,18 @@ def test_each_rank_writes_and_reads_its_own_boxes(corpus, reference, tmp_path):
     assert chunks["model.layers.1.ln_1.weight"] == [(0,)]  # replicated: written once
     for k, m in md.items():  # every element of every tensor stored once
         assert sum(math.prod(c.sizes) for c in m.chunks) == math.prod(m.size), k
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_a_zero_rank_writes_and_reads_its_own_shard(corpus, reference, tmp_path, zero):
+    """Under ZeRO at dp2 each rank writes the part of the state its optimizer shard holds
+    (together: every element once, each rank about half), reads back that part alone, and
+    the resumed run goes on as the one-process run."""
+    out = tmp_path / "ckpt"
+    res = run_distributed(_own_boxes, 2, corpus, str(out), dict(dp=2, zero=zero),
+                          timeout=300)
+    total = 3 * _tiny_elements(1)
+    assert sum(r["written"] for r in res) == total, res
+    for r in res:
+        assert r["gathers"] == 0 and r["read"] == r["written"] < 0.55 * total, (r, total)
+        assert abs(r["loss"] - reference[2]) <= TOL * max(1.0, abs(reference[2])), r

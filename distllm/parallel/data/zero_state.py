@@ -33,7 +33,8 @@ from torch import Tensor, nn
 from distllm.comm.collectives import all_gather
 from distllm.parallel.data.hooks import remove_hooks, removed_with, weak_hook
 
-__all__ = ["gather_state", "load_state", "is_elementwise", "place_step", "ModuleStateHooks"]
+__all__ = ["gather_state", "load_state", "is_elementwise", "place_step", "shard_pieces",
+           "shard_targets", "ModuleStateHooks"]
 
 
 def _full(z, shard: Tensor) -> Tensor:
@@ -187,6 +188,63 @@ def load_state(z, sd: dict[str, Any]) -> None:
     z.skipped_steps = int(sd.get("skipped_steps", 0))
     z.scaler.load_state_dict(sd.get("loss_scaler", {"scale": sd.get("loss_scale")}))
     z.publish_params()
+
+
+def _ranges(z, i: int):
+    """``(name, shape, start, stop, lo)`` of each parameter of bucket ``i`` that this rank's
+    shard holds part of: its full shape (a ZeRO-3 parameter is empty between its uses), its
+    flattened elements ``[start, stop)``, at ``lo`` in the shard."""
+    b = z.reducer.buckets[i]
+    first, last = z.shard_range(b.numel)
+    for p, off, shape in zip(b.params, b.offsets, b.shapes, strict=True):
+        a, e = max(off, first), min(off + shape.numel(), last)
+        if a < e:
+            yield z.names[p], tuple(shape), a - off, e - off, a - first
+
+
+def shard_pieces(z) -> tuple[dict[str, tuple[tuple[int, ...], list]], int]:
+    """This rank's own part of each parameter's master weight and elementwise optimizer
+    state, with no collective: ``({name: (shape, [(start, stop, {"weight": t, key: t,
+    ...})])}, step)``, each ``t`` a flat view of the shard's values for the flattened
+    elements ``[start, stop)`` of the parameter (its full ``shape``; a parameter outside the
+    shard: no entry), and the optimizer step (0 before the first)."""
+    out: dict[str, tuple[tuple[int, ...], list]] = {}
+    step = 0
+    for i, m in enumerate(z.masters):
+        st = shard_state(z, i)
+        if "step" in st:
+            step = max(step, int(st["step"]))
+        each = {"weight": m, **{k: v for k, v in st.items() if is_elementwise(v, m)}}
+        for name, shape, a, e, lo in _ranges(z, i):
+            out.setdefault(name, (shape, []))[1].append(
+                (a, e, {k: v.detach()[lo: lo + e - a] for k, v in each.items()}))
+    return out, step
+
+
+def shard_targets(z, keys: tuple[str, ...]):
+    """Tensors to read this rank's shard into, as :func:`shard_pieces` lays them out (zeros,
+    in the masters' dtype, on the CPU), and ``commit(step)``, which loads them: the master
+    weights, the optimizer state of ``keys`` other than ``"weight"`` with the step count
+    (none when only the weights are given: as before the first step), then the compute
+    parameters (collective over DP, as :meth:`ZeroOptimizer.load_state_dict`)."""
+    flat = [{k: torch.zeros(m.shape, dtype=m.dtype) for k in keys} for m in z.masters]
+    out: dict[str, tuple[tuple[int, ...], list]] = {}
+    for i, each in enumerate(flat):
+        for name, shape, a, e, lo in _ranges(z, i):
+            out.setdefault(name, (shape, []))[1].append(
+                (a, e, {k: v[lo: lo + e - a] for k, v in each.items()}))
+
+    @torch.no_grad()
+    def commit(step: int) -> None:
+        z.wait_params()
+        for m, each, i in zip(z.masters, flat, range(len(flat)), strict=True):
+            m.copy_(each["weight"])
+            st = {k: v.to(m.device) for k, v in each.items() if k != "weight"}
+            load_shard_state(z, i, {**st, "step": step} if st else {})
+        z.publish_params()
+        z.wait_params()
+
+    return out, commit
 
 
 class ModuleStateHooks:
