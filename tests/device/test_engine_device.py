@@ -1,6 +1,6 @@
 """The training engine's step on a (fake) CUDA job, as ``distllm train`` builds it: clipping,
 the ZeRO inf/NaN flag, the loss reduction for the metrics and one host read per step; and
-the checkpoint's gather (save) and install (load) of weights and AdamW moments."""
+what a checkpoint saves (this rank's boxes of the weights and AdamW moments) and installs."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from distllm.comm.compat import ALL_GATHER_API
-from distllm.train import checkpoint
+from distllm.train.checkpoint_state import own_pieces, read_targets
 from distllm.train.engine import Engine
-from distllm.train.optim_state import MOMENTS, collect, install
+from distllm.train.optim_state import MOMENTS
 from tests.device._fakecuda import CUDA, CudaDims, emulate_backward, fake_world
 from tests.train._util import make_cfg
 
@@ -84,31 +84,31 @@ def test_engine_skips_the_step_its_one_read_flags(cuda_job, monkeypatch, tmp_pat
 
 
 @pytest.mark.parametrize("layout", ["tp2-ddp", "dp2-ddp", "dp2-zero1", "dp2-zero3-bf16"])
-def test_checkpoint_gather_and_install_on_cuda(cuda_job, monkeypatch, tmp_path, layout):
-    """Save gathers the canonical tensors (TP all-gathers, ZeRO all-gathers) on the device
-    and keeps them on the CPU (the GPU holds one layer's, one bucket's at a time); load
-    installs CPU tensors (as DCP reads them) next to the parameters, so the next AdamW step
-    does not mix devices."""
+def test_checkpoint_boxes_and_install_on_cuda(cuda_job, monkeypatch, tmp_path, layout):
+    """A save hands DCP views of this rank's state where it lives, on the device (DCP copies
+    each box to the CPU as it writes it), with no collective; a load fills CPU boxes (as DCP
+    reads them) and installs them next to the parameters, so the next AdamW step does not
+    mix devices."""
     rec, _ = cuda_job
     world, opts = LAYOUTS[layout]
     with fake_world(world):
         engine = _build(tmp_path, world, opts)
         _backward(monkeypatch, engine)
         engine.update(1.0)
-        state, step = checkpoint._canonical(engine)
-        assert state and all(t.device.type == "cpu" for t in state.values())
-        if engine.zero is not None:  # the full state, a bucket at a time, on the CPU
-            sd = engine.zero.state_dict(device="cpu")
-            assert all(t.device.type == "cpu" for t in sd["master"].values())
-            held = [v for st in sd["state"].values() for v in st.values()
-                    if isinstance(v, torch.Tensor)]  # the moments and the step count
-            assert held and all(v.device.type == "cpu" for v in held)
-        params = [p for c in engine.chunks for p in c.parameters()]
-        local, _ = collect(engine, params)
-        loaded = {p: {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in d.items()}
-                  for p, d in local.items()}  # what DCP hands back: CPU tensors
-        install(engine, loaded, step=3)
+        pieces, _ = own_pieces(engine)  # (its step count: a host read, faked here)
+        keys = {k.rsplit(".", 1)[-1] for k in pieces if k.startswith("optim.")}
+        assert keys == set(MOMENTS), keys
+        boxes = [t for _, b in pieces.values() for _, t in b]
+        assert boxes and all(t.device == CUDA for t in boxes)
+        targets, commit = read_targets(engine, with_optim=True)
+        assert targets.keys() == pieces.keys()
+        for _, b in targets.values():  # what DCP hands back: CPU tensors, filled
+            for _, t in b:
+                assert t.device.type == "cpu"
+                t.fill_(0.5)
+        commit(3)
         opt = engine.zero.optimizer if engine.zero is not None else engine.optimizer
+        assert opt.state
         for st in opt.state.values():
             for key in MOMENTS:
                 assert st[key].device == CUDA, (key, st[key].device)
@@ -117,7 +117,8 @@ def test_checkpoint_gather_and_install_on_cuda(cuda_job, monkeypatch, tmp_path, 
             assert st["step"].device == CUDA and st["step"].dtype == torch.float32, st["step"]
         _backward(monkeypatch, engine)
         engine.update(1.0)
-    rec.check(expect={"all_reduce"})
+    zero_dp = engine.zero is not None and engine.zero.nranks > 1
+    rec.check(expect={"all_reduce", AG} if zero_dp else {"all_reduce"})
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])

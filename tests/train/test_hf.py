@@ -174,27 +174,31 @@ def test_init_from_starts_at_the_hf_models_loss(corpus, tmp_path):
 
 def _masters_from_hf(corpus: str, out: str, hf_dir: str, layout: dict) -> float:
     """Rank function: an engine of ``layout`` in bf16 built with ``--init-from``; the largest
-    difference between its canonical weights (the fp32 masters, gathered) and the folder's."""
+    difference between its canonical weights (the fp32 masters: this rank's boxes of them, as
+    a checkpoint saves them) and the folder's."""
     import torch
     from transformers import GPT2LMHeadModel
 
     from distllm import ParallelDims
     from distllm.models.hf import _canonical_from_hf, config_from_hf
-    from distllm.train import checkpoint
+    from distllm.train.checkpoint_state import own_pieces
     from distllm.train.engine import Engine
     from tests.train._util import make_cfg
 
     cfg = make_cfg(corpus, out, dtype="bfloat16", init_from=hf_dir, **layout)
     engine = Engine(cfg, cfg.model_config(), ParallelDims.from_layout(cfg.parallel))
-    state, _ = checkpoint._canonical(engine)
+    pieces, _ = own_pieces(engine)
     hf = GPT2LMHeadModel.from_pretrained(hf_dir)
     sd, hcfg = hf.state_dict(), config_from_hf(hf.config)
     diff = 0.0
-    for key, got in state.items():
+    assert pieces
+    for key, (_, boxes) in pieces.items():
         i, name = key.removeprefix("model.layers.").split(".", 1)
         want = _canonical_from_hf(sd, hcfg, int(i))[name]
-        assert got.dtype == torch.float32, key
-        diff = worst(diff, float((got - want).abs().max()))
+        for off, got in boxes:
+            assert got.dtype == torch.float32, key
+            where = tuple(slice(o, o + n) for o, n in zip(off, got.shape, strict=True))
+            diff = worst(diff, float((got - want[where]).abs().max()))
     return diff
 
 
