@@ -4,7 +4,8 @@
 - ``gpt``: :class:`GPT`, its layers and its loss (it also exports ``config``'s names);
 - ``hf``: :func:`from_hf` / :func:`to_hf`, GPT-2 checkpoints in and out;
 - ``sharding``: a layer's canonical (unsharded) weights, loaded into its TP shards and
-  gathered back (checkpoints, initialisation, conversion).
+  gathered back (initialisation, conversion), and where each shard's parts sit in them
+  (checkpoints).
 """
 
 from __future__ import annotations

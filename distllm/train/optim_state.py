@@ -1,4 +1,6 @@
-"""Per-parameter weights and AdamW moments in a layout-independent form, for checkpoints.
+"""Per-parameter weights and AdamW moments of this rank's TP shards: what a checkpoint of a
+run without ZeRO saves (:mod:`distllm.train.checkpoint_state`; under ZeRO each rank saves
+its own optimizer shard instead) and what ``--init-from`` installs.
 
 :func:`collect` returns, per parameter of this rank, ``{"weight", "exp_avg", "exp_avg_sq"}``
 shaped like the parameter's TP shard and complete over DP (ZeRO shards gathered; ``weight``

@@ -1,4 +1,7 @@
-"""ZeRO checkpoints: shards gathered into full tensors per parameter name, and back.
+"""ZeRO checkpoints: shards gathered into full tensors per parameter name, and back; or each
+rank's own shard as ranges of the parameters' elements, with no collective
+(:func:`shard_pieces`, :func:`shard_targets`: what ``distllm train``'s checkpoints write and
+read).
 
 ``gather_state(z)`` returns::
 
