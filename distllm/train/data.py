@@ -15,8 +15,9 @@ tail is held out). The ids must fit the model's vocabulary: the loader checks ea
 
 The loader cuts the training tokens into windows of ``seq_len + 1`` tokens (inputs and
 targets shifted by one) that start ``seq_len`` apart, so that each window's last token is the
-next one's first (a target there, an input here), shuffles the windows once per epoch with a
-generator seeded by ``(seed, epoch)``, and hands out global batches in that order; DP rank
+next one's first (a target there, an input here), shuffles the windows once per epoch by a
+permutation seeded by ``(seed, epoch)`` (:class:`~distllm.train.shuffle.Permutation`, computed
+per batch: no table of every window), and hands out global batches in that order; DP rank
 ``r`` takes rows ``[r*B/dp, (r+1)*B/dp)`` of each global batch ``B``. The order depends only
 on the seed and the global batch, never on the layout, so every layout sees the same data. Its
 position (``epoch``, ``index``) is a small state dict that a checkpoint saves and restores.
@@ -34,6 +35,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from distllm.train.shuffle import Permutation
 
 if TYPE_CHECKING:
     from distllm.parallel.mesh import ParallelDims
@@ -349,24 +352,28 @@ class BatchLoader:
             )
         self.epoch = 0
         self.index = 0  # next window (in this epoch's order) to hand out
-        self._order: torch.Tensor | None = None
+        self._order: Permutation | torch.Tensor | None = None  # this epoch's
+        # (shuffle.py: no table of every window; a table only for a run saved with one)
+        self._table_order = False
 
-    def _epoch_order(self) -> torch.Tensor:
+    def _windows(self, lo: int, hi: int) -> torch.Tensor:
+        """The windows at positions ``[lo, hi)`` of this epoch's order."""
+        if not self.shuffle:
+            return torch.arange(lo, hi)
+        seed = self.seed * 1_000_003 + self.epoch
+        if self._order is None and self._table_order:  # a run saved before: its order
+            g = torch.Generator().manual_seed(seed)
+            self._order = torch.randperm(self.n_windows, generator=g)
         if self._order is None:
-            if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-                self._order = torch.randperm(self.n_windows, generator=g)
-            else:
-                self._order = torch.arange(self.n_windows)
-        return self._order
+            self._order = Permutation(self.n_windows, seed)
+        return self._order[lo:hi] if self._table_order else self._order.range(lo, hi)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.index + self.global_batch > self.n_windows:  # drop the ragged tail
             self.epoch, self.index, self._order = self.epoch + 1, 0, None
         per_rank = self.global_batch // self.dp
         lo = self.index + self.dp_rank * per_rank
-        order = self._epoch_order()
-        windows = order[lo:lo + per_rank]
+        windows = self._windows(lo, lo + per_rank)
         if isinstance(self.tokens, np.ndarray):  # a memory map: only these windows are read
             if self.vocab_size is None:
                 ids = self.tokens[self._offsets(windows).numpy()]
@@ -374,7 +381,7 @@ class BatchLoader:
                 # every rank reads and checks the whole global batch, so that all of them
                 # refuse it at the same step (one rank alone would leave the others in a
                 # collective), and takes its rows from it
-                whole = order[self.index:self.index + self.global_batch]
+                whole = self._windows(self.index, self.index + self.global_batch)
                 ids = self.tokens[self._offsets(whole).numpy()]
                 if ids.max() >= self.vocab_size:
                     raise ValueError(self._beyond())
@@ -400,7 +407,8 @@ class BatchLoader:
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed,
-                "global_batch": self.global_batch, "seq_len": self.seq_len}
+                "global_batch": self.global_batch, "seq_len": self.seq_len,
+                "order": "table" if self._table_order else "feistel"}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         for key in ("global_batch", "seq_len"):
@@ -412,8 +420,11 @@ class BatchLoader:
                 )
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
         self.seed = int(state["seed"])
+        # a checkpoint from before the order was recorded shuffled with torch.randperm:
+        # the run goes on in that order, so that its epoch hands out each window once
+        self._table_order = state.get("order", "table") == "table"
         self._order = None
 
     def restart(self) -> None:
         """From the data's start (its first epoch's first batch), the seed kept."""
-        self.epoch, self.index, self._order = 0, 0, None
+        self.epoch, self.index, self._order, self._table_order = 0, 0, None, False

@@ -17,6 +17,7 @@ from distllm.train.data import (
     load_corpus,
     tokens_of,
 )
+from distllm.train.shuffle import BLOCK, Permutation
 from distllm.train.trainer import lr_at
 
 
@@ -298,3 +299,58 @@ def test_the_fingerprint_of_a_token_file_reads_its_ids(tmp_path):
     ids.tofile(tmp_path / "b.bin")
     b = _fingerprint(load_corpus(str(tmp_path / "b.bin")))
     assert b[0] == a[0] and b[1] != a[1] and b[2:] == a[2:]
+
+
+def test_each_epoch_hands_out_every_window_once_in_its_own_order():
+    """Batches of 6 over 1428 windows of 7 tokens: an epoch hands out 1428 // 6 * 6 distinct
+    windows (the ragged tail dropped), the next epoch the same windows in another order."""
+    loader = BatchLoader(torch.arange(10_000), seq_len=7, global_batch=6, seed=3)
+    epochs: list[list[int]] = [[], []]
+    while True:
+        x, _ = loader.next()
+        if loader.epoch == 2:
+            break
+        epochs[loader.epoch] += (x[:, 0] // 7).tolist()  # window w starts at token 7w
+    assert len(epochs[0]) == len(epochs[1]) == 1428 // 6 * 6
+    assert len(set(epochs[0])) == len(epochs[0]) and set(epochs[0]) <= set(range(1428))
+    assert len(set(epochs[1])) == len(epochs[1]) and epochs[0] != epochs[1]
+
+
+def test_a_loader_saved_before_the_order_was_recorded_goes_on_in_its_order():
+    """A checkpoint's loader state without "order" shuffled with torch.randperm seeded by
+    (seed, epoch): the resumed loader hands out the rest of that order, then the next epoch
+    in the same way; a restart (other data) takes the table-free order."""
+    n, b = 1428, 6
+    state = {"epoch": 1, "index": 60, "seed": 3, "global_batch": b, "seq_len": 7}
+    loader = BatchLoader(torch.arange(10_000), seq_len=7, global_batch=b, seed=3)
+    loader.load_state_dict(state)
+    assert loader.state_dict()["order"] == "table"
+    want = torch.randperm(n, generator=torch.Generator().manual_seed(3 * 1_000_003 + 1))
+    x, _ = loader.next()
+    assert torch.equal(x[:, 0] // 7, want[60:66])
+    loader.restart()
+    assert loader.state_dict()["order"] == "feistel"
+    x, _ = loader.next()
+    assert torch.equal(x[:, 0] // 7, Permutation(n, 3 * 1_000_003).range(0, 6))
+
+
+def test_the_shuffle_holds_no_table_of_every_window():
+    """A permutation of 2**40 items (a corpus far past memory) answers a batch at once; each
+    block of positions it computes is a permutation's part: distinct items, all below n."""
+    p = Permutation(2**40, seed=5)
+    at = 2**39 + 12_345
+    got = p.range(at, at + 8)
+    assert torch.equal(got, p(torch.arange(at, at + 8)))
+    block = p.range(BLOCK * 3, BLOCK * 4)
+    assert block.unique().numel() == BLOCK and int(block.max()) < 2**40
+    for n in (1, 2, 3, 7, 1000, 65_537):  # every size: a permutation of range(n)
+        q = Permutation(n, seed=n)
+        assert torch.equal(q(torch.arange(n)).sort().values, torch.arange(n)), n
+        assert torch.equal(torch.cat([q.range(i, min(i + 5, n)) for i in range(0, n, 5)]),
+                           q(torch.arange(n))), n
+    with pytest.raises(IndexError):
+        p(torch.tensor([2**40]))
+    # the loader over 2**40 windows (one token repeated: no memory): its first batch
+    huge = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint16), (2**40 * 8 + 1,), (0,))
+    x, y = BatchLoader(huge, seq_len=8, global_batch=4, seed=1).next()
+    assert x.shape == y.shape == (4, 8) and not x.any()
