@@ -355,9 +355,15 @@ class CostModel(TimeModel):
         # gradients alive while one block runs backward: the MLP's inner gradient and two of
         # the residual stream (the saved tensors of that block are freed as it goes)
         work = self.e * (bs * s.ffn / lay.tp + 2 * bs * s.hidden)
-        # the head's backward starts with the gradient of the logits in the softmax's dtype
-        # (and, for 16-bit logits, its cast to theirs)
-        head = (soft + (self.e if self.e < soft else 0)) * bs * rows
+        # the loss's transients beside the logits and the softmax it keeps: in forward, the
+        # fp32 copy of 16-bit logits; in backward, the logits' gradient in the softmax's
+        # dtype (none new where the loss makes it in place of that softmax:
+        # Runtime.loss_grad_in_place) and, for 16-bit logits, its cast to theirs
+        in_place = rt.loss_grad_in_place == "always" or (
+            rt.loss_grad_in_place == "split" and lay.tp > 1
+            and s.splits_vocab(lay.tp, lay.sequence_parallel))
+        cast = self.e if self.e < soft else 0
+        head = max(soft if cast else 0, (0 if in_place else soft) + cast) * bs * rows
         # one block's activations live while it is recomputed
         redo = (self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, "none")
                 if lay.checkpointing == "full" else 0.0)
