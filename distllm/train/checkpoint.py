@@ -47,10 +47,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from distllm.models.hf import weights_only_refusal
-from distllm.models.sharding import (
-    param_table,
-    shard_full,
-)
 from distllm.train.checkpoint_folder import (  # noqa: F401 - the module's API, as before
     FORMAT,
     _cause,
@@ -70,11 +66,10 @@ from distllm.train.checkpoint_folder import (  # noqa: F401 - the module's API, 
     sync_dir,
     trained_positions_of,
 )
-from distllm.train.checkpoint_state import entries, own_pieces, read_targets
+from distllm.train.checkpoint_state import own_pieces, read_targets
 from distllm.train.data import data_source, tokens_of
 from distllm.train.dcp_pieces import PieceLoadPlanner, PieceSavePlanner
 from distllm.train.dcp_reader import Refused, RestrictedReader
-from distllm.train.optim_state import install
 
 __all__ = ["save", "load_latest", "latest", "check_compatible", "prune", "step_of",
            "rng_state", "set_rng_state", "FORMAT"]
@@ -266,17 +261,6 @@ def _read_dcp(path: Path, targets, no_dist: bool = False) -> dict[str, torch.Ten
     return state
 
 
-def _shards(engine, tensor_of, keys: tuple[str, ...]) -> dict:
-    """``{parameter: {key: this rank's TP shard}}`` of ``engine``'s parameters, from the full
-    canonical tensor ``tensor_of(layer index, canonical name, key)``."""
-    local = {}
-    for chunk, i, name, _, param in entries(engine):
-        kind = param_table(chunk.cfg, i, chunk.vocab_parallel)[name][1]
-        local[param] = {k: shard_full(chunk.cfg, engine.dims, kind, tensor_of(i, name, k))
-                        for k in keys}
-    return local
-
-
 def _install(path: Path, engine, loader, meta: dict, commit) -> None:
     commit(meta["optimizer_step"])  # (first: collective under ZeRO)
     # a checkpoint of before this was recorded: every position, as sample assumes
@@ -342,11 +326,21 @@ def read_layers(path: Path):
 
 def install_weights(engine, layers) -> None:
     """Set ``engine``'s weights from full canonical tensors, ``layers(i)`` giving layer
-    ``i``'s by canonical name (each rank takes its layers' TP shards): under ZeRO into the
-    fp32 master weights, so that a bf16 run starts from the source's values and not from
-    their bf16 rounding. The optimizer starts fresh. Collective under ZeRO, as a load is."""
+    ``i``'s by canonical name: each rank takes its own boxes of them, as a resume reads them
+    (its TP shards; under ZeRO only its optimizer shard's part, into the fp32 master weights,
+    so that a bf16 run starts from the source's values and not from their bf16 rounding).
+    The optimizer starts fresh. Collective under ZeRO, as a load is."""
     layer = functools.cache(layers)  # each layer's tensors once, for all its parameters
-    install(engine, _shards(engine, lambda i, name, _: layer(i)[name], ("weight",)), 0)
+    pieces, commit = read_targets(engine, with_optim=False)
+    for fqn, (shape, boxes) in pieces.items():
+        i, name = fqn.removeprefix("model.layers.").split(".", 1)
+        full = layer(int(i))[name]
+        if tuple(full.shape) != tuple(shape):
+            raise ValueError(f"layer {i} {name}: the source's tensor is {tuple(full.shape)}, "
+                             f"the model's {tuple(shape)}")
+        for off, t in boxes:
+            t.copy_(full[tuple(slice(o, o + n) for o, n in zip(off, t.shape, strict=True))])
+    commit(0)
 
 
 def rng_state(device: torch.device) -> dict:
