@@ -11,8 +11,8 @@ Format (``OUT/checkpoints/step_00000300/``):
   box, and TP replicas of a replicated tensor, are written once (DCP deduplicates a chunk
   held by several ranks). Because the names and shapes do not depend on the layout, a
   checkpoint saved at one layout loads at any other (tp2.pp2.dp1 -> tp1.pp1.dp4 -> tp4, ZeRO
-  stage changes included): each rank reads only the stored chunks that overlap its own boxes
-  (at the layout that saved them, exactly its own).
+  stage changes included): each rank reads only the stored chunks that overlap its own boxes,
+  each once (at the layout that saved them, exactly its own).
 * ``meta.json``: the model config, step, layout, data-loader position and optimizer step,
   and what the data held (``tokens``: text's bytes or a tokenizer's ids, which ``distllm
   export`` passes on to ``--init-from``).

@@ -6,9 +6,11 @@ places it in the canonical tensor) and, under ZeRO, only the range of the shard'
 elements that this DP rank's optimizer shard holds
 (:func:`~distllm.parallel.data.zero_state.shard_pieces`;
 :func:`~distllm.models.sharding.flat_pieces` cuts that range into boxes). A save hands those
-boxes, views of the weights and moments, to DCP; a load fills the same boxes, laid out the
-same way, and installs them: so no rank holds or reads more than its own state, whatever the
-layout that saved the checkpoint.
+boxes to DCP (views of the weights and moments; under ZeRO the moments of each bucket's
+shard as one tensor, a copy); a load fills the same boxes, laid out the same way, and
+installs them. So no rank gathers another's state, and a resume reads only the stored
+chunks that overlap its own boxes, each once (at the layout that saved them: exactly its
+own state).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def _boxes(engine, ents: list, ranges: list) -> Pieces:
 
 
 def own_pieces(engine) -> tuple[Pieces, int]:
-    """This rank's boxes of its canonical tensors (views of its weights and moments: the fp32
+    """This rank's boxes of its canonical tensors (of its weights and moments: the fp32
     masters and their moments under mixed precision) and the optimizer step."""
     ents = list(entries(engine))
     if engine.zero is not None:
@@ -87,9 +89,8 @@ def read_targets(engine, with_optim: bool) -> tuple[Pieces, Callable[[int], None
         own, commit = shard_targets(engine.zero, keys)
         names = engine.zero.names
         return _boxes(engine, ents, [own.get(names[e[4]], ((), [])) for e in ents]), commit
-    # bf16 runs keep fp32 master weights and moments: those are what a checkpoint holds
-    dt = torch.float32 if engine.dtype == torch.bfloat16 else engine.dtype
-    local = {e[4]: {k: torch.zeros(e[4].shape, dtype=dt) for k in keys} for e in ents}
+    # (no ZeRO: the parameters are in the training dtype; bf16 always has ZeRO's masters)
+    local = {e[4]: {k: torch.zeros(e[4].shape, dtype=e[4].dtype) for k in keys} for e in ents}
     pieces = _boxes(engine, ents, [(tuple(e[4].shape), [
         (0, e[4].numel(), {k: t.view(-1) for k, t in local[e[4]].items()})]) for e in ents])
     return pieces, lambda step: install(engine, local, step)

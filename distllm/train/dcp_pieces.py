@@ -5,9 +5,9 @@ parts: each TP rank holds some boxes of it (:func:`distllm.models.sharding.tp_pi
 the DP replicas of a box hold it alike. :class:`PieceSavePlanner` hands DCP each rank's boxes
 as chunks of the canonical tensor: nothing is gathered, and DCP writes a box held by several
 ranks once (its save plans deduplicate chunks at the same offsets). :class:`PieceLoadPlanner`
-asks DCP for this rank's boxes only: DCP reads the stored chunks that overlap them,
-whatever layout wrote them (a checkpoint of whole tensors included), and copies out the
-overlaps.
+asks DCP for this rank's boxes only: DCP loads the stored chunks that overlap them, each
+once, whatever layout wrote them (a checkpoint of whole tensors included), and copies out
+the overlaps.
 
 Both are DCP's documented extension point (a ``SavePlanner``'s ``create_local_plan`` and
 ``lookup_object``, a ``LoadPlanner``'s ``create_local_plan`` and ``lookup_tensor``). A saved
@@ -25,13 +25,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import (
+    LoadItemType,
     LoadPlan,
+    ReadItem,
     SavePlan,
     TensorWriteData,
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 __all__ = ["Pieces", "PieceLoadPlanner", "PieceSavePlanner"]
 
@@ -56,8 +57,9 @@ def _volume(sizes) -> int:
 
 class PieceSavePlanner(DefaultSavePlanner):
     """Saves ``pieces``: this rank's boxes of each canonical tensor (``dcp.save({}, ...,
-    planner=PieceSavePlanner(pieces))``). DCP's global plan checks that the ranks' boxes
-    together cover each tensor once."""
+    planner=PieceSavePlanner(pieces))``). With more than one rank, DCP's global plan checks
+    that the ranks' boxes together cover each tensor once; :class:`PieceLoadPlanner` refuses
+    a gap in what it reads in any case."""
 
     def __init__(self, pieces: Pieces) -> None:
         super().__init__()
@@ -79,15 +81,38 @@ class PieceSavePlanner(DefaultSavePlanner):
         return self._box[(index.fqn, tuple(index.offset))]
 
 
+def _overlap(a_off, a_size, b_off, b_size):
+    """``(offsets, sizes)`` of two boxes' intersection, or None."""
+    lo = [max(x, y) for x, y in zip(a_off, b_off, strict=True)]
+    hi = [min(x + n, y + m) for x, n, y, m in zip(a_off, a_size, b_off, b_size, strict=True)]
+    return None if any(x >= y for x, y in zip(lo, hi, strict=True)) else (
+        lo, [y - x for x, y in zip(lo, hi, strict=True)])
+
+
+def _region(lo, size, base) -> tuple[slice, ...]:
+    """The index of the box ``(lo, size)`` in a tensor whose first element is at ``base``."""
+    return tuple(slice(x - b, x - b + n) for x, n, b in zip(lo, size, base, strict=True))
+
+
 class PieceLoadPlanner(DefaultLoadPlanner):
     """Reads ``pieces``' boxes (tensors to fill, their shapes the boxes') from a checkpoint
     (``dcp.load({}, ..., planner=PieceLoadPlanner(pieces))``). A canonical tensor the
-    checkpoint lacks, or holds at another shape, is a ValueError naming it."""
+    checkpoint lacks, holds at another shape, or whose stored chunks leave a gap in a box,
+    is a ValueError naming it.
+
+    DCP's file reader loads a stored chunk whole for each request it serves. A stored chunk
+    that overlaps one box is one request, into that box; one that overlaps several (a
+    checkpoint saved at another layout: a whole tensor and this rank's q, k and v heads, or
+    its ZeRO range's rows) is one request for the region that bounds those overlaps, into a
+    buffer made when DCP asks for it (:meth:`resolve_tensor`) and copied into the boxes when
+    DCP hands it back (:meth:`commit_tensor`): each stored chunk is loaded once."""
 
     def __init__(self, pieces: Pieces) -> None:
         super().__init__()
         self._pieces = pieces
         self._box = _boxes(pieces)
+        # (fqn, stored chunk's offsets) -> (the region's offsets, [(box offsets, overlap)])
+        self._shared: dict[tuple, tuple[list[int], list]] = {}
 
     def create_local_plan(self) -> LoadPlan:
         stored = self.metadata.state_dict_metadata
@@ -99,12 +124,56 @@ class PieceLoadPlanner(DefaultLoadPlanner):
             if tuple(md.size) != tuple(shape):
                 raise ValueError(f"the checkpoint holds {fqn} at shape {tuple(md.size)}, "
                                  f"not {tuple(shape)}")
-            mine = create_read_items_for_chunk_list(fqn, md, [_chunk(o, t) for o, t in boxes])
-            read = sum(_volume(item.lengths) for item in mine)
-            if read != sum(t.numel() for _, t in boxes):  # stored chunks that leave a gap
+            covered = 0
+            for chunk in md.chunks:
+                hits = [(off, ov) for off, t in boxes
+                        if (ov := _overlap(off, t.shape, chunk.offsets, chunk.sizes))]
+                covered += sum(_volume(ov[1]) for _, ov in hits)
+                items += self._reads(fqn, chunk, hits)
+            if covered != sum(t.numel() for _, t in boxes):  # stored chunks leave a gap
                 raise ValueError(f"the checkpoint's chunks of {fqn} do not cover it")
-            items += mine
         return LoadPlan(items)
+
+    def _reads(self, fqn: str, chunk: ChunkStorageMetadata, hits: list) -> list[ReadItem]:
+        """The read of stored ``chunk`` for this rank's ``hits`` (box offsets, overlap)."""
+        if not hits:
+            return []
+        if len(hits) == 1:
+            (off, (lo, size)), = hits
+            dest, dest_at = MetadataIndex(fqn, torch.Size(off)), lo
+        else:  # the region bounding the overlaps, read once into a buffer
+            lo = [min(ov[0][d] for _, ov in hits) for d in range(len(chunk.offsets))]
+            size = [max(ov[0][d] + ov[1][d] for _, ov in hits) - lo[d]
+                    for d in range(len(lo))]
+            self._shared[(fqn, tuple(chunk.offsets))] = (lo, hits)
+            dest, dest_at = MetadataIndex(fqn, torch.Size(lo)), lo
+            off = lo
+        return [ReadItem(type=LoadItemType.TENSOR, dest_index=dest,
+                         dest_offsets=torch.Size(x - o for x, o in zip(dest_at, off,
+                                                                        strict=True)),
+                         storage_index=MetadataIndex(fqn, chunk.offsets),
+                         storage_offsets=torch.Size(x - c for x, c in zip(lo, chunk.offsets,
+                                                                          strict=True)),
+                         lengths=torch.Size(size))]
+
+    def _group(self, item: ReadItem):
+        return self._shared.get((item.storage_index.fqn, tuple(item.storage_index.offset)))
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self._box[(index.fqn, tuple(index.offset))]
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        if self._group(read_item) is None:
+            return super().resolve_tensor(read_item)  # (the box's part)
+        md = self.metadata.state_dict_metadata[read_item.dest_index.fqn]
+        return torch.empty(read_item.lengths, dtype=md.properties.dtype)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        group = self._group(read_item)
+        if group is None:
+            return
+        base, hits = group
+        fqn = read_item.dest_index.fqn
+        for off, (lo, size) in hits:
+            box = self._box[(fqn, tuple(off))]
+            box[_region(lo, size, off)].copy_(tensor[_region(lo, size, base)])

@@ -388,16 +388,28 @@ def test_ranks_that_see_different_newest_checkpoints_are_refused(corpus, tmp_pat
                     f"once they agree" for out in (a, b)], msgs
 
 
-def _own_boxes(data: str, out: str, layout: dict) -> dict:
-    """Rank function: a run at ``layout`` saving at step 2, then its resume to step 3. Counts
-    the all-gathers made while saving, the elements of each rank's save plan and those its
-    read asks DCP for; returns them with the resumed step's loss."""
+_GATHERS = (  # (module, name): every way a rank gathers or sends tensors (DCP's own
+    # object collectives aside): torch's, distllm's, and the name ZeRO's state imported
+    (dist, "all_gather"), (dist, "all_gather_into_tensor"), (dist, "send"), (dist, "isend"),
+    ("distllm.comm.collectives", "all_gather"), ("distllm.parallel.data.zero_state",
+                                                 "all_gather"))
+
+
+def _own_boxes(data: str, out: str, layout: dict, then: dict | None = None) -> dict:
+    """Rank function: a run at ``layout`` saving at step 2, then its resume at ``then``
+    (the same by default) to step 3. Counts the gathers and sends made while saving, the
+    elements of each rank's save plan, those its read asks DCP for, its read requests and
+    the stored chunks they load; returns them with the resumed step's loss."""
+    import importlib
+
     from distllm.train import dcp_pieces, dcp_reader
 
-    counts = {"gathers": 0, "written": 0, "read": 0}
+    counts = {"gathers": 0, "written": 0, "read": 0, "requests": 0, "chunks": 0}
     saving = []
-    real = (checkpoint.save, dist.all_gather, dcp_reader.RestrictedReader.read_data,
+    real = (checkpoint.save, None, dcp_reader.RestrictedReader.read_data,
             dcp_pieces.PieceSavePlanner.create_local_plan)
+    where = [(importlib.import_module(m) if isinstance(m, str) else m, n) for m, n in _GATHERS]
+    sends = [getattr(m, n) for m, n in where]
 
     def save(*a, **kw):
         saving.append(True)
@@ -406,12 +418,17 @@ def _own_boxes(data: str, out: str, layout: dict) -> dict:
         finally:
             saving.pop()
 
-    def all_gather(*a, **kw):
-        counts["gathers"] += bool(saving)
-        return real[1](*a, **kw)
+    def counted(fn):
+        def call(*a, **kw):
+            counts["gathers"] += bool(saving)
+            return fn(*a, **kw)
+        return call
 
     def read_data(self, plan, planner):
         counts["read"] += sum(math.prod(item.lengths) for item in plan.items)
+        counts["requests"] += len(plan.items)
+        counts["chunks"] += len({(i.storage_index.fqn, tuple(i.storage_index.offset))
+                                 for i in plan.items})
         return real[2](self, plan, planner)
 
     def create_local_plan(self):
@@ -419,16 +436,19 @@ def _own_boxes(data: str, out: str, layout: dict) -> dict:
         counts["written"] += sum(math.prod(i.tensor_data.chunk.sizes) for i in plan.items)
         return plan
 
-    checkpoint.save, dist.all_gather, dcp_reader.RestrictedReader.read_data = \
-        save, all_gather, read_data
+    checkpoint.save, dcp_reader.RestrictedReader.read_data = save, read_data
     dcp_pieces.PieceSavePlanner.create_local_plan = create_local_plan
+    for (m, n), fn in zip(where, sends, strict=True):
+        setattr(m, n, counted(fn))
     try:
-        common = dict(steps=60, out=out, **layout)
-        losses = train_many([dict(stop_after=2, save_final=True, **common),
-                             dict(stop_after=3, resume=True, **common)], data, out)
+        losses = train_many([dict(stop_after=2, save_final=True, steps=60, out=out, **layout),
+                             dict(stop_after=3, resume=True, steps=60, out=out,
+                                  **(layout if then is None else then))], data, out)
     finally:
-        checkpoint.save, dist.all_gather, dcp_reader.RestrictedReader.read_data = real[:3]
+        checkpoint.save, dcp_reader.RestrictedReader.read_data = real[0], real[2]
         dcp_pieces.PieceSavePlanner.create_local_plan = real[3]
+        for (m, n), fn in zip(where, sends, strict=True):
+            setattr(m, n, fn)
     return {**counts, "loss": losses[1][0]}
 
 
@@ -476,4 +496,16 @@ def test_a_zero_rank_writes_and_reads_its_own_shard(corpus, reference, tmp_path,
     assert sum(r["written"] for r in res) == total, res
     for r in res:
         assert r["gathers"] == 0 and r["read"] == r["written"] < 0.55 * total, (r, total)
+        assert abs(r["loss"] - reference[2]) <= TOL * max(1.0, abs(reference[2])), r
+
+
+def test_a_resume_at_another_layout_loads_each_stored_chunk_once(corpus, reference, tmp_path):
+    """Saved at dp2 ZeRO-3 (each rank's range of a flat bucket: parts of rows), resumed at
+    tp2 (QKV: three boxes): a stored chunk overlaps several of a rank's boxes, and is still
+    one request (DCP's reader loads a chunk whole for each request); the run goes on as the
+    one-process run."""
+    res = run_distributed(_own_boxes, 2, corpus, str(tmp_path / "ckpt"), dict(dp=2, zero=3),
+                          dict(tp=2, vp="on"), timeout=300)
+    for r in res:
+        assert r["requests"] == r["chunks"] > 0, r
         assert abs(r["loss"] - reference[2]) <= TOL * max(1.0, abs(reference[2])), r

@@ -150,7 +150,7 @@ def _is_elementwise_key(sd: dict[str, Any], key: str, per: dict[str, Any],
     """Whether state ``key`` holds a value per element (``per``: each parameter's saved
     value, ``shapes``: the parameters'): as :func:`gather_state` recorded it (a scalar
     parameter's moments are 0-dim, like a step count); in a dict without that record (one
-    saved before any step, a template filled in by hand as ``optim_state.install`` does, or
+    saved before any step, a template filled in by hand, or
     one from before the record), every value shaped like its parameter, the step count
     excepted."""
     if sd.get("elementwise_keys"):
