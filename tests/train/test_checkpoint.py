@@ -509,3 +509,38 @@ def test_a_resume_at_another_layout_loads_each_stored_chunk_once(corpus, referen
     for r in res:
         assert r["requests"] == r["chunks"] > 0, r
         assert abs(r["loss"] - reference[2]) <= TOL * max(1.0, abs(reference[2])), r
+
+
+def _views_of_the_state(data: str, out: str, zero: int) -> list[int]:
+    """Rank function: a dp2 engine at ZeRO ``zero`` after one step (weight decay on: rank
+    1's shard of a bucket spans two param groups, two optimizer segments): the boxes its save
+    would hand DCP whose storage is neither a master shard's nor the optimizer's (copies),
+    how many boxes there are, the step, and the most segments of a bucket's shard."""
+    from distllm import ParallelDims
+    from distllm.train.checkpoint_state import own_pieces
+    from distllm.train.engine import Engine
+    from tests.train._util import make_cfg
+
+    cfg = make_cfg(data, out, dp=2, zero=zero)
+    engine = Engine(cfg, cfg.model_config(), ParallelDims.from_layout(cfg.parallel))
+    tok = torch.randint(0, 256, (4, 32))
+    engine.train_step(tok, tok)
+    engine.step(1.0)
+    z = engine.zero
+    held = {m.untyped_storage().data_ptr() for m in z.masters} | {
+        v.untyped_storage().data_ptr() for st in z.optimizer.state.values()
+        for v in st.values() if isinstance(v, torch.Tensor)}
+    pieces, step = own_pieces(engine)
+    boxes = [t for _, b in pieces.values() for _, t in b]
+    copies = sum(t.untyped_storage().data_ptr() not in held for t in boxes)
+    return [copies, len(boxes), step, max(len(segs) for segs in z.bucket_segments)]
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_a_zero_save_hands_dcp_views_of_the_state_it_holds(corpus, tmp_path, zero):
+    """No box of a ZeRO save is a copy: on a GPU, DCP copies each to the CPU as it writes it
+    (a copy of the shard's moments made first would sit on the device beside them)."""
+    res = run_distributed(_views_of_the_state, 2, corpus, str(tmp_path), zero, timeout=300)
+    assert max(r[3] for r in res) > 1, res  # (a shard of two optimizer segments)
+    for copies, boxes, step, _ in res:
+        assert copies == 0 and boxes > 0 and step == 1, res

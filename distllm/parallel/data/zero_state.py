@@ -207,20 +207,36 @@ def _ranges(z, i: int):
 
 def shard_pieces(z) -> tuple[dict[str, tuple[tuple[int, ...], list]], int]:
     """This rank's own part of each parameter's master weight and elementwise optimizer
-    state, with no collective: ``({name: (shape, [(start, stop, {"weight": t, key: t,
-    ...})])}, step)``, each ``t`` a flat view of the shard's values for the flattened
-    elements ``[start, stop)`` of the parameter (its full ``shape``; a parameter outside the
-    shard: no entry), and the optimizer step (0 before the first)."""
+    state, with no collective and no copy: ``({name: (shape, [(start, stop, {"weight": t,
+    key: t, ...})])}, step)``, each ``t`` a flat view of the master shard, or of the inner
+    optimizer's state of one segment, for the flattened elements ``[start, stop)`` of the
+    parameter (its full ``shape``; a parameter outside the shard: no entry); and the
+    optimizer step (0 before the first). A segment without a state key the others have
+    (never stepped) gives zeros."""
     out: dict[str, tuple[tuple[int, ...], list]] = {}
     step = 0
+    segs = []  # per bucket: [(lo, hi, {key: the values of shard elements [lo, hi)})]
+    keys: set[str] = set()
     for i, m in enumerate(z.masters):
-        st = shard_state(z, i)
-        if "step" in st:
-            step = max(step, int(st["step"]))
-        each = {"weight": m, **{k: v for k, v in st.items() if is_elementwise(v, m)}}
+        segs.append([])
+        for s in z.bucket_segments[i]:
+            st = z.optimizer.state.get(s.tensor, {})
+            if "step" in st:
+                step = max(step, int(st["step"]))
+            each = {k: v for k, v in st.items() if is_elementwise(v, s.tensor)}
+            keys |= each.keys()
+            segs[-1].append((s.lo, s.hi, {"weight": m[s.lo:s.hi], **each}))
+    for i, m in enumerate(z.masters):
+        for lo, hi, each in segs[i]:
+            for k in keys - each.keys():
+                each[k] = torch.zeros(hi - lo, dtype=m.dtype)
         for name, shape, a, e, lo in _ranges(z, i):
-            out.setdefault(name, (shape, []))[1].append(
-                (a, e, {k: v.detach()[lo: lo + e - a] for k, v in each.items()}))
+            for slo, shi, each in segs[i]:  # the parameter's range, cut where segments meet
+                x, y = max(lo, slo), min(lo + e - a, shi)
+                if x < y:
+                    out.setdefault(name, (shape, []))[1].append(
+                        (a + x - lo, a + y - lo,
+                         {k: v.detach()[x - slo: y - slo] for k, v in each.items()}))
     return out, step
 
 
