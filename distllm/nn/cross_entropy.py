@@ -20,10 +20,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     Collectives: forward an all-reduce (MAX) of the per-token local max and one all-reduce
     (SUM) of the stacked per-token ``sum exp`` and target logit; backward none (the
-    gradient ``softmax - onehot`` is local to each vocabulary shard). The backward turns the
-    saved fp32 softmax into that gradient in place (as Megatron-LM's does), so the gradient
-    takes no second copy of the logits' size; a second backward through the same graph
-    (``retain_graph=True``) is refused, naming why.
+    gradient ``softmax - onehot`` is local to each vocabulary shard).
     """
 
     @staticmethod
@@ -47,21 +44,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         e.div_(sums[0].unsqueeze(-1))  # softmax of this shard
         ctx.save_for_backward(e, idx, inside, valid)
         ctx.in_dtype = logits.dtype
-        ctx.spent = False
         return loss
 
     @staticmethod
     @differentiable_once
     def backward(ctx, g):
-        if ctx.spent:
-            raise RuntimeError(
-                "vocab_parallel_cross_entropy: a second backward through one forward "
-                "(retain_graph=True) is not supported: the first turned the saved softmax into "
-                "the gradient, in place, to save a copy of the logits' size; run the forward "
-                "again")
-        ctx.spent = True
         p, idx, inside, valid = ctx.saved_tensors
-        grad = p  # (..., V/tp): the softmax, now the gradient
+        grad = p.clone()
         grad.scatter_add_(-1, idx, -inside.to(grad.dtype).unsqueeze(-1))  # softmax - onehot
         grad.mul_((g * valid).unsqueeze(-1))
         return grad.to(ctx.in_dtype), None, None, None

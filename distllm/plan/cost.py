@@ -343,9 +343,14 @@ class CostModel(TimeModel):
         per = self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, lay.checkpointing)
         bs = b * s.seq_len
         rows = s.vocab_rows(lay.tp, lay.sequence_parallel)
-        # the logits and the log-softmax the loss keeps, computed in fp32 or wider
+        # the logits and the (log-)softmax the loss keeps, computed in fp32 or wider (the
+        # softmax alone where the loss over a split vocabulary frees the logits:
+        # Runtime.split_loss_frees_logits)
         soft = max(self.e, 4)
-        logits = (self.e + soft) * bs * rows
+        cast = self.e if self.e < soft else 0
+        frees = rt.split_loss_frees_logits and lay.tp > 1 and s.splits_vocab(
+            lay.tp, lay.sequence_parallel)
+        logits = (soft if frees else self.e + soft) * bs * rows
         sp = lay.tp if lay.sequence_parallel else 1
         # a message between stages: one micro-batch's residual stream (b, s / sp, h)
         msg = self.e * bs * s.hidden / sp
@@ -355,15 +360,10 @@ class CostModel(TimeModel):
         # gradients alive while one block runs backward: the MLP's inner gradient and two of
         # the residual stream (the saved tensors of that block are freed as it goes)
         work = self.e * (bs * s.ffn / lay.tp + 2 * bs * s.hidden)
-        # the loss's transients beside the logits and the softmax it keeps: in forward, the
-        # fp32 copy of 16-bit logits; in backward, the logits' gradient in the softmax's
-        # dtype (none new where the loss makes it in place of that softmax:
-        # Runtime.loss_grad_in_place) and, for 16-bit logits, its cast to theirs
-        in_place = rt.loss_grad_in_place == "always" or (
-            rt.loss_grad_in_place == "split" and lay.tp > 1
-            and s.splits_vocab(lay.tp, lay.sequence_parallel))
-        cast = self.e if self.e < soft else 0
-        head = max(soft if cast else 0, (0 if in_place else soft) + cast) * bs * rows
+        # the head's backward starts with the gradient of the logits in the softmax's dtype
+        # and, for 16-bit logits, its cast to theirs; where the loss frees the logits, its
+        # forward held them and their fp32 copy beside the softmax
+        head = max(self.e + (soft if cast else 0) if frees else 0, soft + cast) * bs * rows
         # one block's activations live while it is recomputed
         redo = (self.layer_activation_bytes(b, lay.tp, lay.sequence_parallel, "none")
                 if lay.checkpointing == "full" else 0.0)

@@ -84,11 +84,12 @@ class Runtime:
     """Each rank builds its stage's weights whole before ZeRO-3 shards them over DP: the
     start needs the stage's weights unsharded (``build`` in the memory); False: each unit is
     materialised sharded (FSDP's meta-device init)."""
-    loss_grad_in_place: str = "never"
-    """Where the loss's backward makes the logits' gradient in place of the softmax the loss
-    kept, with no second tensor of the logits' size: ``"split"``, where the vocabulary is
-    split over tp > 1 ranks (elsewhere ``F.cross_entropy`` makes a new one), ``"always"``,
-    or ``"never"``."""
+    split_loss_frees_logits: bool = False
+    """The loss over a vocabulary split over tp > 1 ranks saves only its fp32 softmax: the
+    logits are freed after its forward, whose transients are the logits and, for 16-bit
+    ones, their fp32 copy; its backward's, the gradient (a copy of the softmax) and its
+    cast. False: the logits are kept beside the softmax through backward, as for
+    ``F.cross_entropy`` (the accounting the ``megatron-lm-2021`` runtime was checked with)."""
     step_syncs: bool = False
     """Each optimizer step all-reduces scalars on the host's path (the loss, the gradient
     norm, the inf/NaN flag), one small collective each (:meth:`TimeModel.sync_time`)."""
@@ -160,7 +161,7 @@ RUNTIMES: dict[str, Runtime] = {
         keeps_gathered_input=True,
         autograd_grads_at_dp1=True,
         builds_stage_whole=True,
-        loss_grad_in_place="split",
+        split_loss_frees_logits=True,
         step_syncs=True,
         zb_h1_resident=True,
         dtypes=("float32", "bfloat16", "float64"),
@@ -204,9 +205,9 @@ RUNTIMES: dict[str, Runtime] = {
             "plain linears, of the tensor-parallel layers and of the fused GEMM + GeLU and "
             "MLP (their backward asks weight_grad_store); B accumulates the other gradients",
             "dtypes": "distllm.train.config.TRAIN_DTYPES (no float16 training)",
-            "loss_grad_in_place": "distllm.nn.cross_entropy._VocabParallelCrossEntropy."
-            "backward turns the saved softmax into the gradient; distllm.models.gpt.gpt_loss "
-            "takes F.cross_entropy at tp = 1 and for a vocabulary held whole",
+            "split_loss_frees_logits": "distllm.nn.cross_entropy._VocabParallelCrossEntropy "
+            "saves the softmax alone and distllm.models.gpt.gpt_loss holds no logits after it; "
+            "gpt_loss takes F.cross_entropy at tp = 1 and for a vocabulary held whole",
         },
     ),
     "megatron-lm-2021": Runtime(
@@ -221,7 +222,6 @@ RUNTIMES: dict[str, Runtime] = {
         p2p_async=False,
         keeps_stage_output=True,
         causal_skip=False,
-        loss_grad_in_place="always",
         zero_grad_accumulation="shard",
         zero_stages=(0,),
         schedules=("1f1b", "interleaved-1f1b"),
@@ -262,9 +262,6 @@ RUNTIMES: dict[str, Runtime] = {
             "layers; selective recomputation came with Korthikanti et al. 2022",
             "sequence_parallel": "no sequence parallelism in the 2021 code (Korthikanti et "
             "al. 2022)",
-            "loss_grad_in_place": "Megatron-LM 2021 mpu/cross_entropy.py: "
-            "_VocabParallelCrossEntropy.backward takes the saved softmax as grad_input and "
-            "updates it in place, at any tp",
         },
     ),
 }

@@ -7,9 +7,9 @@ elements that this DP rank's optimizer shard holds
 (:func:`~distllm.parallel.data.zero_state.shard_pieces`;
 :func:`~distllm.models.sharding.flat_pieces` cuts that range into boxes). A save hands those
 boxes to DCP (views of the weights and moments it holds, no copy; DCP copies each to the
-CPU as it writes it); a load fills the same boxes, laid out the same way, and installs them. So no rank gathers another's state, and a resume reads only the stored
-chunks that overlap its own boxes, each once (at the layout that saved them: exactly its
-own state).
+CPU as it writes it); a load fills the same boxes, laid out the same way, and installs
+them. So no rank gathers another's state, and a resume reads only the stored chunks that
+overlap its own boxes, each once (at the layout that saved them: exactly its own state).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ image at or past ``n`` is mapped again until it falls below ``n``; since ``2**bi
 fewer than 4 times on average). A block of 65,536 positions costs a few integer operations
 per position and 512 KiB, where ``torch.randperm(n)`` holds ``8n`` bytes and takes seconds
 per billion items, on every rank at each epoch (a corpus of 2T tokens in windows of 2048
-tokens: 1G windows, 8 GB).
+tokens: 1G windows, 8 GB). Up to one block of items it is ``torch.randperm(n)`` itself:
+over a few bits a Feistel network gives only some of the permutations, not evenly.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class Permutation:
         bits = (n - 1).bit_length()
         self.bits = max(2, bits + (bits & 1))
         g = torch.Generator().manual_seed(seed)
+        # up to a block, a table: torch.randperm's uniform order (a Feistel network over a
+        # few bits can give only some of the permutations, unevenly)
+        self._table = torch.randperm(n, generator=g) if n <= BLOCK else None
         self.keys = [_U(k) for k in torch.randint(0, 2**62, (_ROUNDS,), generator=g).tolist()]
         self._block: tuple[int, torch.Tensor] | None = None
 
@@ -58,21 +62,28 @@ class Permutation:
         return (left << half) | right
 
     def __call__(self, positions: torch.Tensor) -> torch.Tensor:
-        """The items at ``positions`` (any int tensor of positions in ``[0, n)``)."""
-        x = positions.numpy().astype(np.int64)
+        """The items at ``positions`` (an int tensor of any shape, of positions in
+        ``[0, n)``; IndexError for one outside)."""
+        x = np.atleast_1d(positions.numpy().astype(np.int64))
         if x.size and (x.min() < 0 or x.max() >= self.n):
             raise IndexError(f"positions outside 0..{self.n - 1}")
+        if self._table is not None:
+            return self._table[torch.from_numpy(x)].reshape(positions.shape)
         out = self._feistel(x.astype(np.uint64))
         walk = out >= _U(self.n)
         while walk.any():  # cycle walking: back into [0, n)
             out[walk] = self._feistel(out[walk])
             walk = out >= _U(self.n)
-        return torch.from_numpy(out.astype(np.int64))
+        return torch.from_numpy(out.astype(np.int64)).reshape(positions.shape)
 
     def range(self, lo: int, hi: int) -> torch.Tensor:
-        """The items at positions ``[lo, hi)``, from a cached block of :data:`BLOCK`
-        positions when the range lies in one (a loader's batches: one computation per block,
-        not per batch)."""
+        """The items at positions ``[lo, hi)`` (``0 <= lo <= hi <= n``, else IndexError),
+        from a cached block of :data:`BLOCK` positions when the range lies in one (a
+        loader's batches: one computation per block, not per batch)."""
+        if not 0 <= lo <= hi <= self.n:
+            raise IndexError(f"positions [{lo}, {hi}) outside 0..{self.n - 1}")
+        if self._table is not None:
+            return self._table[lo:hi]
         b = lo // BLOCK
         if hi <= lo or (hi - 1) // BLOCK != b:
             return self(torch.arange(lo, hi))

@@ -96,9 +96,9 @@ def test_one_dp_rank_in_each_dtype(dtype, checkpointing):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_vocabulary_split_over_two_ranks(dtype):
     """gpt2-small at tp2, one micro-batch of two sequences of 1024: half the vocabulary's
-    logits per rank. The loss's backward makes their gradient in place of the softmax it
-    kept (Runtime.loss_grad_in_place), and 16-bit logits are copied to fp32 in its forward:
-    the planner counted an fp32 gradient copy instead (+8.9% in fp32)."""
+    logits per rank. The vocab-parallel loss saves its softmax alone, the logits freed after
+    its forward (Runtime.split_loss_frees_logits): the planner kept them through backward
+    (+8.9% in fp32)."""
     lay = Layout(2, 1, 1, 0, "none", 1, "none", False, 1)
     v = verify(preset("gpt2-small").with_(global_batch=2, seq_len=1024), lay, dtype=dtype)
     assert abs(v.error) < 0.02, v.report()

@@ -320,14 +320,20 @@ def test_a_loader_saved_before_the_order_was_recorded_goes_on_in_its_order():
     """A checkpoint's loader state without "order" shuffled with torch.randperm seeded by
     (seed, epoch): the resumed loader hands out the rest of that order, then the next epoch
     in the same way; a restart (other data) takes the table-free order."""
-    n, b = 1428, 6
+    n, b = 85_714, 6  # windows past one block: the new order is no table
     state = {"epoch": 1, "index": 60, "seed": 3, "global_batch": b, "seq_len": 7}
-    loader = BatchLoader(torch.arange(10_000), seq_len=7, global_batch=b, seed=3)
+    loader = BatchLoader(torch.arange(600_000), seq_len=7, global_batch=b, seed=3)
     loader.load_state_dict(state)
     assert loader.state_dict()["order"] == "table"
     want = torch.randperm(n, generator=torch.Generator().manual_seed(3 * 1_000_003 + 1))
     x, _ = loader.next()
     assert torch.equal(x[:, 0] // 7, want[60:66])
+    loader.index = n // b * b  # the epoch's last batch handed out: the next epoch, alike
+    loader.next()
+    x, _ = loader.next()
+    want = torch.randperm(n, generator=torch.Generator().manual_seed(3 * 1_000_003 + 2))
+    assert torch.equal(x[:, 0] // 7, want[6:12])
+    assert not torch.equal(Permutation(n, 3 * 1_000_003).range(0, 6), want[:6])
     loader.restart()
     assert loader.state_dict()["order"] == "feistel"
     x, _ = loader.next()
@@ -350,6 +356,12 @@ def test_the_shuffle_holds_no_table_of_every_window():
                            q(torch.arange(n))), n
     with pytest.raises(IndexError):
         p(torch.tensor([2**40]))
+    for q in (p, Permutation(1000, seed=1)):  # a position tensor of any shape; range bounds
+        assert torch.equal(q(torch.tensor(3)), q(torch.tensor([3]))[0])
+        assert q(torch.tensor(3)).shape == () and q(torch.arange(6).view(2, 3)).shape == (2, 3)
+        for lo, hi in ((q.n - 2, q.n + 3), (5, 3), (-1, 2)):
+            with pytest.raises(IndexError):
+                q.range(lo, hi)
     # the loader over 2**40 windows (one token repeated: no memory): its first batch
     huge = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint16), (2**40 * 8 + 1,), (0,))
     x, y = BatchLoader(huge, seq_len=8, global_batch=4, seed=1).next()
