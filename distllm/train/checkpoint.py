@@ -331,6 +331,9 @@ def install_weights(engine, layers) -> None:
     so that a bf16 run starts from the source's values and not from their bf16 rounding).
     The optimizer starts fresh. Collective under ZeRO, as a load is."""
     layer = functools.cache(layers)  # each layer's tensors once, for all its parameters
+    for chunk in engine.chunks:  # every layer of the stage read on every rank, as before: a
+        for i in chunk.layer_ids:  # source that fails to read fails each DP rank alike (a
+            layer(i)  # ZeRO rank's boxes may leave a layer out, and the others would wait)
     pieces, commit = read_targets(engine, with_optim=False)
     for fqn, (shape, boxes) in pieces.items():
         i, name = fqn.removeprefix("model.layers.").split(".", 1)

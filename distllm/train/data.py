@@ -17,7 +17,7 @@ The loader cuts the training tokens into windows of ``seq_len + 1`` tokens (inpu
 targets shifted by one) that start ``seq_len`` apart, so that each window's last token is the
 next one's first (a target there, an input here), shuffles the windows once per epoch by a
 permutation seeded by ``(seed, epoch)`` (:class:`~distllm.train.shuffle.Permutation`, computed
-per batch: no table of every window), and hands out global batches in that order; DP rank
+a block at a time: no table of every window), and hands out global batches in that order; DP rank
 ``r`` takes rows ``[r*B/dp, (r+1)*B/dp)`` of each global batch ``B``. The order depends only
 on the seed and the global batch, never on the layout, so every layout sees the same data. Its
 position (``epoch``, ``index``) is a small state dict that a checkpoint saves and restores.
@@ -405,12 +405,12 @@ class BatchLoader:
         while True:
             yield self.next()
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, int | str]:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed,
                 "global_batch": self.global_batch, "seq_len": self.seq_len,
-                "order": "table" if self._table_order else "feistel"}
+                "order": "table" if self._table_order else "permutation"}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int | str]) -> None:
         for key in ("global_batch", "seq_len"):
             if int(state[key]) != getattr(self, key):
                 raise ValueError(

@@ -335,7 +335,7 @@ def test_a_loader_saved_before_the_order_was_recorded_goes_on_in_its_order():
     assert torch.equal(x[:, 0] // 7, want[6:12])
     assert not torch.equal(Permutation(n, 3 * 1_000_003).range(0, 6), want[:6])
     loader.restart()
-    assert loader.state_dict()["order"] == "feistel"
+    assert loader.state_dict()["order"] == "permutation"
     x, _ = loader.next()
     assert torch.equal(x[:, 0] // 7, Permutation(n, 3 * 1_000_003).range(0, 6))
 
