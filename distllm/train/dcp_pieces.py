@@ -9,13 +9,16 @@ asks DCP for this rank's boxes only: DCP loads the stored chunks that overlap th
 once, whatever layout wrote them (a checkpoint of whole tensors included), and copies out
 the overlaps.
 
-Both are DCP's documented extension point (a ``SavePlanner``'s ``create_local_plan`` and
-``lookup_object``, a ``LoadPlanner``'s ``create_local_plan`` and ``lookup_tensor``). A saved
+Both use DCP's documented extension points (a ``SavePlanner``'s ``create_local_plan`` and
+``lookup_object``; a ``LoadPlanner``'s ``create_local_plan``, ``lookup_tensor``,
+``resolve_tensor`` and ``commit_tensor``). A saved
 checkpoint's metadata names the canonical tensors with their full shapes, so
 ``dcp.load`` of full tensors (:func:`distllm.train.checkpoint.read_layers`) reads it as it is.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
@@ -46,13 +49,6 @@ def _boxes(pieces: Pieces) -> dict[tuple[str, tuple[int, ...]], torch.Tensor]:
 
 def _chunk(off: tuple[int, ...], t: torch.Tensor) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(offsets=torch.Size(off), sizes=t.size())
-
-
-def _volume(sizes) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
 
 
 class PieceSavePlanner(DefaultSavePlanner):
@@ -128,7 +124,7 @@ class PieceLoadPlanner(DefaultLoadPlanner):
             for chunk in md.chunks:
                 hits = [(off, ov) for off, t in boxes
                         if (ov := _overlap(off, t.shape, chunk.offsets, chunk.sizes))]
-                covered += sum(_volume(ov[1]) for _, ov in hits)
+                covered += sum(math.prod(ov[1]) for _, ov in hits)
                 items += self._reads(fqn, chunk, hits)
             if covered != sum(t.numel() for _, t in boxes):  # stored chunks leave a gap
                 raise ValueError(f"the checkpoint's chunks of {fqn} do not cover it")
