@@ -64,6 +64,14 @@ def _boxes(engine, ents: list, ranges: list) -> Pieces:
     return pieces
 
 
+def _whole(ents: list, local: dict) -> list:
+    """:func:`_boxes`' ranges of a run without ZeRO: each parameter's whole TP shard, its
+    ``{key: tensor}`` in ``local``, flattened."""
+    return [(tuple(e[4].shape), [(0, e[4].numel(), {k: t.detach().reshape(-1)
+                                                    for k, t in local[e[4]].items()})])
+            for e in ents]
+
+
 def own_pieces(engine) -> tuple[Pieces, int]:
     """This rank's boxes of its canonical tensors (of its weights and moments: the fp32
     masters and their moments under mixed precision) and the optimizer step."""
@@ -73,9 +81,7 @@ def own_pieces(engine) -> tuple[Pieces, int]:
         names = engine.zero.names
         return _boxes(engine, ents, [own.get(names[e[4]], ((), [])) for e in ents]), step
     local, step = collect(engine, [e[4] for e in ents])
-    return _boxes(engine, ents, [(tuple(e[4].shape), [
-        (0, e[4].numel(), {k: t.detach().reshape(-1) for k, t in local[e[4]].items()})])
-        for e in ents]), step
+    return _boxes(engine, ents, _whole(ents, local)), step
 
 
 def read_targets(engine, with_optim: bool) -> tuple[Pieces, Callable[[int], None]]:
@@ -90,6 +96,4 @@ def read_targets(engine, with_optim: bool) -> tuple[Pieces, Callable[[int], None
         return _boxes(engine, ents, [own.get(names[e[4]], ((), [])) for e in ents]), commit
     # (no ZeRO: the parameters are in the training dtype; bf16 always has ZeRO's masters)
     local = {e[4]: {k: torch.zeros(e[4].shape, dtype=e[4].dtype) for k in keys} for e in ents}
-    pieces = _boxes(engine, ents, [(tuple(e[4].shape), [
-        (0, e[4].numel(), {k: t.view(-1) for k, t in local[e[4]].items()})]) for e in ents])
-    return pieces, lambda step: install(engine, local, step)
+    return _boxes(engine, ents, _whole(ents, local)), lambda step: install(engine, local, step)

@@ -134,19 +134,16 @@ class PieceLoadPlanner(DefaultLoadPlanner):
         """The read of stored ``chunk`` for this rank's ``hits`` (box offsets, overlap)."""
         if not hits:
             return []
-        if len(hits) == 1:
-            (off, (lo, size)), = hits
-            dest, dest_at = MetadataIndex(fqn, torch.Size(off)), lo
-        else:  # the region bounding the overlaps, read once into a buffer
+        if len(hits) == 1:  # into the box itself, whose first element is at its offsets
+            (base, (lo, size)), = hits
+        else:  # the region bounding the overlaps, read once into a buffer of its own
             lo = [min(ov[0][d] for _, ov in hits) for d in range(len(chunk.offsets))]
             size = [max(ov[0][d] + ov[1][d] for _, ov in hits) - lo[d]
                     for d in range(len(lo))]
             self._shared[(fqn, tuple(chunk.offsets))] = (lo, hits)
-            dest, dest_at = MetadataIndex(fqn, torch.Size(lo)), lo
-            off = lo
-        return [ReadItem(type=LoadItemType.TENSOR, dest_index=dest,
-                         dest_offsets=torch.Size(x - o for x, o in zip(dest_at, off,
-                                                                        strict=True)),
+            base = lo
+        return [ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, torch.Size(base)),
+                         dest_offsets=torch.Size(x - b for x, b in zip(lo, base, strict=True)),
                          storage_index=MetadataIndex(fqn, chunk.offsets),
                          storage_offsets=torch.Size(x - c for x, c in zip(lo, chunk.offsets,
                                                                           strict=True)),

@@ -256,7 +256,7 @@ def shard_targets(z, keys: tuple[str, ...]):
     @torch.no_grad()
     def commit(step: int) -> None:
         z.wait_params()
-        for m, each, i in zip(z.masters, flat, range(len(flat)), strict=True):
+        for i, (m, each) in enumerate(zip(z.masters, flat, strict=True)):
             m.copy_(each["weight"])
             st = {k: v.to(m.device) for k, v in each.items() if k != "weight"}
             load_shard_state(z, i, {**st, "step": step} if st else {})
