@@ -220,9 +220,11 @@ class Head(nn.Module):
                                             dtype=dtype)
         per = vp // dims.tp
         lo = dims.tp_rank * per
-        pad = (torch.arange(lo, lo + per) >= cfg.vocab_size)  # (V_pad/tp,)
+        # (V_pad/tp,); on the CPU even where the model is built on the meta device (ZeRO-3's
+        # deferred initialisation, :class:`~distllm.parallel.data.zero3.ShardedParams`)
+        pad = torch.arange(lo, lo + per, device="cpu") >= cfg.vocab_size
         self.register_buffer("pad_mask", pad, persistent=False)
-        self.has_pad = bool(pad.any())
+        self.has_pad = lo + per > cfg.vocab_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.ln_f(x))  # (b, s, h) @ (h, V/tp) -> (b, s, V/tp)

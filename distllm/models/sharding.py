@@ -11,13 +11,15 @@ Initialisation and Hugging Face conversion use the first two.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from distllm.parallel.mesh import ParallelDims
 
-__all__ = ["canonical_shapes", "init_canonical", "load_layer", "gather_layer",
+__all__ = ["canonical_shapes", "init_canonical", "init_params", "load_layer", "gather_layer",
            "flat_pieces", "layer_kind", "module_paths", "param_table", "shard_full", "tp_pieces",
            "unshard"]
 
@@ -190,6 +192,30 @@ def flat_pieces(shape: tuple[int, ...], start: int, stop: int,
             out.append((where, first + (a - r) * cols, (b - a, nc) if len(shape) == 2 else
                         (b - a,)))
     return out
+
+
+@torch.no_grad()
+def init_params(model, params: Iterable[nn.Parameter], seed: int) -> None:
+    """GPT-2 initialisation of ``params``, some of ``model``'s (a GPT's held layers; e.g. the
+    parameters of one ZeRO-3 unit, materialised from the meta device): each layer involved is
+    drawn once on its canonical shapes (:func:`init_canonical`), so every parameter gets the
+    value :meth:`distllm.models.GPT.reset_parameters` gives it."""
+    where = {}
+    for i in model.layer_ids:
+        layer = model.layers[str(i)]
+        for name, (path, kind) in param_table(model.cfg, i, model.vocab_parallel).items():
+            where[_get(layer, path)] = (i, name, kind)
+    todo: dict[int, list] = {}
+    for p in params:
+        if p not in where:
+            raise ValueError(f"init_params: a parameter of shape {tuple(p.shape)} is not one "
+                             f"of the model's (layers {model.layer_ids})")
+        i, name, kind = where[p]
+        todo.setdefault(i, []).append((p, name, kind))
+    for i, items in todo.items():
+        full = init_canonical(model.cfg, i, seed, model.dtype)
+        for p, name, kind in items:
+            p.copy_(shard_full(model.cfg, model.dims, kind, full[name]))
 
 
 @torch.no_grad()

@@ -79,7 +79,5 @@ def explain_step(est: Estimate, cm: CostModel, simulated: bool = False) -> str:
         f"{mem['grads'] / GB:.3g}, optimizer {mem['optimizer'] / GB:.3g}, activations "
         f"{mem['activations'] / GB:.3g}{grad_buffers_text(mem)}; optimizer-step peak "
         f"{mem['optimizer_step'] / GB:.3g}"
-        + (f"; the stage built whole before ZeRO-3 shards it {mem['build'] / GB:.3g}"
-           if "build" in mem else "")
     )
     return "\n".join(lines)

@@ -248,9 +248,9 @@ class CostModel(TimeModel):
     def rank_memory(self, lay: Layout, r: int) -> dict[str, float]:
         """Bytes on pipeline rank ``r``: model states, activations at the peak of
         forward-backward and ZeRO-2/3's gradient accumulation buffers alive then
-        (``grad_buffers``), the optimizer step's peak, at ZeRO-3 the stage's weights
-        built whole before sharding where the runtime does (``build``), and the largest
-        as ``total``."""
+        (``grad_buffers``), the optimizer step's peak, and the largest as ``total``
+        (ZeRO-3 never holds the stage's weights whole: the engine materialises and shards
+        one layer at a time)."""
         s = self.shape
         b = s.global_batch // (lay.dp * lay.micro_batches)
         params, per_layer = self.rank_params(lay)
@@ -275,9 +275,6 @@ class CostModel(TimeModel):
             # the peak is near one end, all activations or all gradients
             fb = mem["params"] + mem["optimizer"] + max(act, mem["grads"])
         mem["total"] = max(fb, mem["optimizer_step"])
-        if lay.zero >= 3 and self.runtime.builds_stage_whole:
-            mem["build"] = params[r] * self.param_bytes
-            mem["total"] = max(mem["total"], mem["build"])
         return mem
 
     def _autograd_grads(self, lay: Layout) -> bool:

@@ -65,6 +65,8 @@ class _Counter(TorchDispatchMode):
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def track(self, t: torch.Tensor) -> None:
+        if t.is_meta:  # no memory, where it runs for real either (ZeRO-3's model before it
+            return  # materialises each layer)
         st = t.untyped_storage()
         if st in self._seen:
             return

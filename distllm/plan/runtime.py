@@ -80,10 +80,6 @@ class Runtime:
     """On one DP rank at ZeRO stage 0 in fp32 or fp64, the gradients are autograd's own:
     created in backward as it frees the activations, freed after the step (no reducer or
     gradient buffer holds them); False: a buffer holds them all the step."""
-    builds_stage_whole: bool = False
-    """Each rank builds its stage's weights whole before ZeRO-3 shards them over DP: the
-    start needs the stage's weights unsharded (``build`` in the memory); False: each unit is
-    materialised sharded (FSDP's meta-device init)."""
     split_loss_frees_logits: bool = False
     """The loss over a vocabulary split over tp > 1 ranks saves only its fp32 softmax: the
     logits are freed after its forward, whose transients are the logits and, for 16-bit
@@ -160,7 +156,6 @@ RUNTIMES: dict[str, Runtime] = {
         zero_grad_accumulation="full",
         keeps_gathered_input=True,
         autograd_grads_at_dp1=True,
-        builds_stage_whole=True,
         split_loss_frees_logits=True,
         step_syncs=True,
         zb_h1_resident=True,
@@ -189,9 +184,6 @@ RUNTIMES: dict[str, Runtime] = {
             "keeps_sends": "distllm.parallel.pipeline.pp_comm.StageComm drops each send once "
             "it has completed (_drop_sent, at every flush; on gloo an activation's when its "
             "gradient returns, _release)",
-            "builds_stage_whole": "distllm.train.engine.Engine builds each GPT chunk whole "
-            "on the device, then ZeroOptimizer(stage=3) shards it (distllm.train.footprint."
-            "check_fits refuses a start that cannot hold it)",
             "autograd_grads_at_dp1": "distllm.parallel.data.ddp: with dims.dp == 1 no reducer "
             "(gradients as autograd produced them); Engine.update zero_grad sets them to None",
             "keeps_gathered_input": "distllm.parallel.tensor.layers._ColumnParallelMatmul and "

@@ -236,8 +236,6 @@ def _too_big(mem: dict[str, float], prof: Profile) -> str:
     return (
         f"needs {need:.{d}f} GB of the {prof.memory_bytes / GB:.3g} GB "
         f"({usable:.{d}f} GB usable)"
-        + (" to build its stage whole before ZeRO-3 shards it"
-           if mem.get("build", 0.0) >= mem["total"] else "")
     )
 
 

@@ -66,6 +66,15 @@ def _decay_groups(params: list[tuple[str, nn.Parameter]], weight_decay: float) -
             {"params": no_decay, "weight_decay": 0.0}]
 
 
+def move_buffers(module: nn.Module, device: torch.device) -> None:
+    """``module``'s buffers to ``device``, its parameters left where they are (on the meta
+    device, for ZeRO-3 to materialise a layer at a time)."""
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = b.to(device)
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A batch's host tensor on ``device``. On a GPU through pinned memory and without
     blocking: a copy from pageable memory makes the host wait for the stream first (the
@@ -95,17 +104,26 @@ class Engine:
         self.chunk_ids = stage_layer_ids(mcfg.n_pipeline_layers, dims.pp, self.v, dims.pp_rank)
         kw = dict(sequence_parallel=p.sequence_parallel, overlap=p.overlap,
                   vocab_parallel=p.vocab_parallel, batch_split=p.batch_split or "auto",
-                  activation_checkpointing=cfg.activation_checkpointing, dtype=self.dtype,
-                  # GPT-2's init draws every layer's full tensors in float64 (about 30M
-                  # values/s on a CPU core, 53 s for gpt2-xl): skipped where every weight
-                  # is replaced next (a resume's checkpoint, --init-from's weights)
-                  seed=None if cfg.resume or cfg.init_from else cfg.seed)
-        # one GPT per model chunk (v > 1 only for the interleaved schedule)
-        self.chunks = [GPT(mcfg, dims, layer_ids=ids, **kw) for ids in self.chunk_ids]
+                  activation_checkpointing=cfg.activation_checkpointing, dtype=self.dtype)
+        # GPT-2's init draws every layer's full tensors in float64 (about 30M values/s on a
+        # CPU core, 53 s for gpt2-xl): skipped where every weight is replaced next (a
+        # resume's checkpoint, --init-from's weights)
+        seed = None if cfg.resume or cfg.init_from else cfg.seed
         self.device = dims.device  # cuda under NCCL, else cpu
+        # ZeRO-3 never holds the whole stage: its parameters are built on the meta device and
+        # each layer is materialised, initialised and sharded in turn (ZeroOptimizer's
+        # param_init_fn); the rest build and initialise the stage here
+        deferred = p.zero == 3
+        with torch.device("meta") if deferred else contextlib.nullcontext():
+            # one GPT per model chunk (v > 1 only for the interleaved schedule)
+            self.chunks = [GPT(mcfg, dims, layer_ids=ids, seed=None if deferred else seed, **kw)
+                           for ids in self.chunk_ids]
         for c in self.chunks:
-            c.to(self.device)
-        self._build_dp_and_optimizer()
+            if deferred:
+                move_buffers(c, self.device)
+            else:
+                c.to(self.device)
+        self._build_dp_and_optimizer(seed if deferred else None)
         self.pipeline = self._build_pipeline() if dims.pp > 1 else None
         # the positions whose embeddings have been trained (a checkpoint records it, so that
         # `distllm sample` keeps to them): this run's sequence, or every position of
@@ -126,7 +144,22 @@ class Engine:
     def _named_params(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for c in self.chunks for n, p in c.named_parameters()]
 
-    def _build_dp_and_optimizer(self) -> None:
+    def _init_unit(self, seed: int | None):
+        """ZeRO-3's ``param_init_fn``: the GPT-2 initialisation of one unit's parameters
+        (nothing where a checkpoint or pretrained weights replace them next)."""
+        from distllm.models.sharding import init_params
+
+        def init(unit: nn.Module, params: list[nn.Parameter]) -> None:
+            if seed is None:
+                return
+            for c in self.chunks:  # (the new parameters, already in the chunk)
+                held = {id(p) for p in c.parameters()}
+                mine = [p for p in params if id(p) in held]
+                if mine:
+                    init_params(c, mine, seed)
+        return init
+
+    def _build_dp_and_optimizer(self, seed: int | None) -> None:
         o, p = self.cfg.optim, self.cfg.parallel
         # torch's fused AdamW: one pass per tensor, no temporaries (on one CPU core at 43M
         # parameters 32 ms a step, against 198 ms for foreach=True and 111 ms for the loop)
@@ -162,7 +195,9 @@ class Engine:
                                   param_groups=groups if by_module else None,
                                   bucket_cap_mb=p.bucket_cap_mb, units=units,
                                   finish_on_backward_end=finish_on_end,
-                                  overlap_grad_reduce=p.grad_reduce_overlap, **adam)
+                                  overlap_grad_reduce=p.grad_reduce_overlap,
+                                  param_init_fn=self._init_unit(seed) if p.zero == 3 else None,
+                                  **adam)
         self.grad_sync = self.zero
         self.optimizer = self.zero
 

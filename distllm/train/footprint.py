@@ -16,7 +16,7 @@ import re
 from distllm.models.config import GPTConfig
 from distllm.parallel.mesh import LOCAL_RANK_VARS
 
-__all__ = ["state_bytes_per_rank", "build_bytes_per_rank", "memory_per_rank",
+__all__ = ["state_bytes_per_rank", "memory_per_rank",
            "ranks_on_this_machine", "check_fits"]
 
 _GIB = 2 ** 30
@@ -34,13 +34,6 @@ def state_bytes_per_rank(mcfg: GPTConfig, dtype: str, *, tp: int, pp: int, dp: i
     grads = width / (dp if zero >= 2 else 1)
     optim = (2 * state + masters) / (dp if zero >= 1 else 1)
     return per * (weights + grads + optim)
-
-
-def build_bytes_per_rank(mcfg: GPTConfig, dtype: str, *, tp: int, pp: int) -> float:
-    """The weights of one rank's stage, whole: what it holds while the engine builds it,
-    before ZeRO-3 shards it over DP (a lower bound of that moment's peak)."""
-    width = {"float32": 4, "bfloat16": 2, "float64": 8}[dtype]
-    return mcfg.num_params() / (tp * pp) * width
 
 
 _LOCAL_SIZE = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE")
@@ -80,19 +73,11 @@ def memory_per_rank(ranks_here: int) -> tuple[float, str]:
 
 def check_fits(mcfg: GPTConfig, dtype: str, *, model: str, tp: int, pp: int, dp: int,
                zero: int, ranks_here: int) -> None:
-    """A ValueError naming the knobs when the model state alone cannot fit in a rank. At
-    ZeRO-3 the bound is also the stage's whole weights: the engine builds its layers whole
-    and shards them after (:func:`build_bytes_per_rank`)."""
+    """A ValueError naming the knobs when the model state alone cannot fit in a rank (at
+    ZeRO-3 its shard: the engine never holds the stage whole, see
+    :class:`distllm.train.engine.Engine`)."""
     need = state_bytes_per_rank(mcfg, dtype, tp=tp, pp=pp, dp=dp, zero=zero)
     have, where = memory_per_rank(ranks_here)
-    build = build_bytes_per_rank(mcfg, dtype, tp=tp, pp=pp)
-    if zero >= 3 and need <= have < build:
-        raise ValueError(
-            f"--model {model} with {mcfg.n_layers} blocks ({mcfg.num_params() / 1e6:,.0f}M "
-            f"parameters) at tp{tp}.pp{pp}.dp{dp}.zero{zero}: ZeRO-3 shards the weights over "
-            f"--dp after each rank has built its stage whole, {build / _GIB:,.1f} GiB of "
-            f"{dtype} weights, more than the {have / _GIB:,.1f} GiB of {where}: split the "
-            f"model with --tp or --pp, or lower --n-layers or choose a smaller --model")
     if need <= have:
         return
     raise ValueError(

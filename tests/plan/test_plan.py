@@ -432,8 +432,6 @@ def test_explain_groups_the_rejected_layouts_by_reason(capsys):
     # the memory group's examples are the layouts closest to fitting, the closest first
     mem = re.findall(r"tot=\s*([\d.]+)  REJECTED: needs .* usable\)$", section, re.M)
     assert len(mem) == 2 and float(mem[0]) <= float(mem[1]) < 85.9
-    # ZeRO-3 layouts whose stage, built whole before it is sharded, is over the device
-    assert "usable) to build its stage whole before ZeRO-3 shards it" in section
     assert main([*argv, "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["rejected"]) == total
 

@@ -83,6 +83,44 @@ def test_param_gathers_overlap_the_next_forward(corpus, tmp_path, zero):
     assert got["update_reduces"] == [("exchange", 3)]
 
 
+def _zero3_build_rank(data: str, out: str, tp: int) -> dict:
+    from distllm import ParallelDims
+    from distllm.models import sharding
+    from distllm.train.engine import Engine
+
+    cfg = make_cfg(data, out, dp=2, tp=tp, zero=3)
+    dims = ParallelDims(tp=tp, dp=2)
+    live, init = [], sharding.init_params
+    holder: list = []
+
+    def spy(model, params, seed):
+        # the elements of every chunk's parameters that hold memory as a layer is initialised
+        holder.append(model)
+        live.append((sum(p.numel() for p in model.parameters()
+                         if not p.is_meta and p.untyped_storage().nbytes() > 0),
+                     sum(p.numel() for p in params)))
+        return init(model, params, seed)
+
+    sharding.init_params = spy
+    try:
+        eng = Engine(cfg, cfg.model_config(), dims)
+    finally:
+        sharding.init_params = init
+    return {"live": live, "layers": len(eng.chunks[0].layer_ids),
+            "same_model": all(m is eng.chunks[0] for m in holder)}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_zero3_never_holds_the_stage_whole(corpus, tmp_path, tp):
+    """At ZeRO-3 the engine builds its chunks on the meta device and ZeroOptimizer
+    materialises, initialises and shards one layer at a time: while a layer is initialised,
+    its parameters are the only ones holding memory (its values: the parity runs below)."""
+    got = run_distributed(_zero3_build_rank, 2 * tp, corpus, str(tmp_path), tp,
+                          timeout=300)[0]
+    assert got["same_model"] and len(got["live"]) == got["layers"]
+    assert all(live == mine > 0 for live, mine in got["live"]), got["live"]
+
+
 # ogr: --overlap-grad-reduce ("off": every gradient bucket reduced after backward)
 LAYOUTS = {2: [dict(dp=2, zero=1), dict(dp=2, zero=2), dict(dp=2, zero=3),
                dict(dp=2, ogr="off"), dict(dp=2, zero=2, ogr="off"), dict(dp=2, ogr="on")],

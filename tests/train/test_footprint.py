@@ -70,23 +70,24 @@ def test_a_gpu_rank_reads_its_own_gpus_memory(monkeypatch):
                    tp=1, pp=1, dp=8, zero=0, ranks_here=8)
 
 
-def test_zero3_counts_the_stage_built_whole_before_it_is_sharded(monkeypatch):
-    """ZeRO-3 holds 1/dp of the state, but each rank builds its stage whole first: gpt2-xl
-    at 1600 blocks (49B parameters, 92 GiB of bf16 weights) over dp64 needs 11.5 GiB a rank
-    once sharded, and cannot start on an 80 GiB GPU; tp8 makes the build fit."""
+def test_zero3_needs_its_shard_only(monkeypatch):
+    """ZeRO-3 holds 1/dp of the state, and never the stage whole (each layer is materialised
+    and sharded in turn): gpt2-xl at 1600 blocks (49B parameters, 92 GiB of bf16 weights)
+    over dp64 needs 11.5 GiB a rank and starts on an 80 GiB GPU; over dp4, 183 GiB does not."""
     import types
 
-    from distllm.train.footprint import build_bytes_per_rank, check_fits
+    from distllm.train.footprint import check_fits, state_bytes_per_rank
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda i: types.SimpleNamespace(total_memory=80 * 2**30))
     cfg = GPTConfig.preset("gpt2-xl", n_layers=1600)
-    assert build_bytes_per_rank(cfg, "bfloat16", tp=1, pp=1) == cfg.num_params() * 2
-    with pytest.raises(ValueError, match=r"ZeRO-3 shards the weights over --dp after each rank "
-                                         r"has built its stage whole, 9\d\.\d GiB of bfloat16 "
-                                         r"weights, more than the 80\.0 GiB of a GPU: split"):
-        check_fits(cfg, "bfloat16", model="gpt2-xl", tp=1, pp=1, dp=64, zero=3, ranks_here=8)
-    check_fits(cfg, "bfloat16", model="gpt2-xl", tp=8, pp=1, dp=8, zero=3, ranks_here=8)
-    check_fits(cfg, "bfloat16", model="gpt2-xl", tp=1, pp=2, dp=32, zero=3, ranks_here=8)
+    # 2 + 2 + 12 bytes a parameter (bf16 weights and gradients, fp32 masters and moments)
+    assert state_bytes_per_rank(cfg, "bfloat16", tp=1, pp=1, dp=64, zero=3) == pytest.approx(
+        cfg.num_params() * 16 / 64, rel=1e-12)
+    check_fits(cfg, "bfloat16", model="gpt2-xl", tp=1, pp=1, dp=64, zero=3, ranks_here=8)
+    with pytest.raises(ValueError, match=r"needs at least 18\d\.\d GiB per rank for its "
+                                         r"bfloat16 weights, gradients and AdamW states at "
+                                         r"tp1\.pp1\.dp4\.zero3, more than the 80\.0 GiB"):
+        check_fits(cfg, "bfloat16", model="gpt2-xl", tp=1, pp=1, dp=4, zero=3, ranks_here=8)

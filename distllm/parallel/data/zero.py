@@ -68,7 +68,7 @@ inf/NaN checks), ``loss_scale``, ``zero_state``
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -88,6 +88,7 @@ from distllm.parallel.data.zero_setup import (
     Segment,
     bucket_order,
     check_args,
+    check_meta,
     pack_bucket,
     param_groups_of,
     shard_segments,
@@ -154,6 +155,17 @@ class ZeroOptimizer(ZeroGradChecks):
             bucket until then (the reference for what the overlap gains, or for debugging).
             ``"auto"``: at stages 0-1 on CPU a trial in the first steps decides
             (:mod:`distllm.parallel.data.reduction_trial`); else overlapped.
+        param_init_fn: stage 3, for a model built on the meta device (``with
+            torch.device("meta"):``, as FSDP's deferred initialisation): its parameters are
+            materialised one unit at a time, on ``dims.device``, as zeros;
+            ``param_init_fn(unit, params)`` then fills ``params`` (that unit's, in place,
+            under ``no_grad``; the root unit's leftovers come last), DP rank 0's values are
+            broadcast, and the unit is packed and sharded before the next one is
+            materialised, so the whole model never exists on one rank. As with
+            ``Module.to_empty``, each materialised parameter is a new ``nn.Parameter`` in
+            the model (a tied weight stays tied): read them from the model afterwards.
+            Buffers must be real. Other stages, and meta parameters without it, are refused
+            (ValueError).
     """
 
     def __init__(self, module_or_params, optimizer_cls: type, *, stage: int, dims: ParallelDims,
@@ -163,6 +175,7 @@ class ZeroOptimizer(ZeroGradChecks):
                  param_groups: list[dict] | None = None, overlap_param_gather: bool = True,
                  reduce_scatter_impl: str = "auto",
                  finish_on_backward_end: bool = True, overlap_grad_reduce: bool | str = True,
+                 param_init_fn: Callable[[nn.Module, list[nn.Parameter]], None] | None = None,
                  **optim_kwargs: Any) -> None:
         check_args(stage, optimizer_cls)
         cap = bucket_bytes("bucket_cap_mb", bucket_cap_mb, 25)  # (before any collective)
@@ -174,9 +187,12 @@ class ZeroOptimizer(ZeroGradChecks):
         self.group = dp_group_of(dims)
         self.nranks = dims.dp if self.group is not None else 1
         self.rank = dims.dp_rank if self.group is not None else 0
-        if self.group is not None:
-            broadcast_from_dp0([*module.parameters(), *module.buffers()] if module is not None
-                               else [p for ps, _ in groups for p in ps], dims)
+        metas = check_meta(module, groups, stage, param_init_fn)
+        if self.group is not None:  # (parameters on the meta device: as ZeRO-3 builds each)
+            broadcast_from_dp0([t for t in ([*module.parameters(), *module.buffers()]
+                                            if module is not None else
+                                            [p for ps, _ in groups for p in ps])
+                                if not t.is_meta], dims)
         dtypes = {p.dtype for ps, _ in groups for p in ps}
         if param_dtype is None and len(dtypes) > 1:
             raise ValueError(f"parameters of several dtypes {sorted(map(str, dtypes))}: pass "
@@ -187,9 +203,11 @@ class ZeroOptimizer(ZeroGradChecks):
         self.reduce_dtype = reduce_dtype or self.master_dtype
         self._rs_impl = reduce_scatter_impl
         self.sharded, self.reducer, self._gathers, self._state_hooks = None, None, None, None
-        take_over([p for ps, _ in groups for p in ps], self, f"ZeroOptimizer(stage={stage})")
+        # (a parameter on the meta device is taken over once real, a new object)
+        real = [p for ps, _ in groups for p in ps if p not in metas]
+        take_over(real, self, f"ZeroOptimizer(stage={stage})")
         self._build(groups, units, cap, prefetch, finish_on_backward_end,
-                    overlap_grad_reduce)
+                    overlap_grad_reduce, param_init_fn)
         self._gathers = ParamGathers(
             module, self.reducer.buckets, self.group, units=units,
             overlap=overlap_param_gather and stage in (1, 2) and self.nranks > 1)
@@ -214,15 +232,25 @@ class ZeroOptimizer(ZeroGradChecks):
                 part.remove_hooks()
 
     # --- construction --------------------------------------------------------------------
-    def _build(self, groups, units, cap, prefetch, finish_on_end, overlap_grad) -> None:
+    def _build(self, groups, units, cap, prefetch, finish_on_end, overlap_grad,
+               param_init_fn) -> None:
         """``cap``: the bucket cap in bytes (stages 0-2)."""
         gid = {p: i for i, (ps, _) in enumerate(groups) for p in ps}
         allp = [p for ps, _ in groups for p in ps]
         if self.stage == 3:
             self.sharded = ShardedParams(self.module, allp, gid, units=units, dims=self.dims,
                                          group=self.group, param_dtype=self.param_dtype,
-                                         prefetch=prefetch)
+                                         prefetch=prefetch, param_init_fn=param_init_fn)
+            new = self.sharded.replaced  # parameters built on the meta device: their new
+            if new:  # objects from here on (the groups', names' and buckets')
+                for ps, _ in groups:
+                    ps[:] = [new.get(p, p) for p in ps]
+                self.names = {new.get(p, p): n for p, n in self.names.items()}
+                gid = {p: i for i, (ps, _) in enumerate(groups) for p in ps}
+                allp = [p for ps, _ in groups for p in ps]
+                new.clear()  # (nothing keeps the meta-device ones)
             plists = self.sharded.bucket_params()
+            take_over(allp, self, "ZeroOptimizer(stage=3)")  # (those built on the meta device)
             mark_sharded(allp, "a ZeroOptimizer(stage=3)")
         else:
             self.sharded = None

@@ -38,6 +38,7 @@ is counted as zero when the unit closes, and its late gradient is refused.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ from torch.utils._pytree import tree_leaves
 from distllm.comm.collectives import all_gather
 from distllm.parallel.data.buckets import GradBuckets
 from distllm.parallel.data.hooks import remove_hooks, removed_with, weak_hook
+from distllm.parallel.data.replicas import broadcast_from_dp0
 
 __all__ = ["ShardedParams", "default_units", "unit_reads"]
 
@@ -142,11 +144,17 @@ class ShardedParams:
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], gid: dict, *,
                  units: list[nn.Module] | None, dims, group, param_dtype: torch.dtype,
-                 prefetch: bool) -> None:
+                 prefetch: bool, param_init_fn: Callable | None = None) -> None:
         self.module, self.group, self.prefetch = module, group, prefetch
+        self.dims = dims
         self.nranks = dims.dp if group is not None else 1
         self.rank = dims.dp_rank if group is not None else 0
         self.param_dtype = param_dtype
+        # where the shards live: the parameters' device, or the mesh's for a model built on
+        # the meta device
+        real = [p for p in params if not p.is_meta]
+        self.device = real[0].device if real else dims.device
+        self._empty = torch.empty(0, dtype=param_dtype, device=self.device)
         units = list(units) if units is not None else default_units(module)
         if module in units:
             units.remove(module)
@@ -155,9 +163,18 @@ class ShardedParams:
             owner.setdefault(p, module)  # leftovers and shared parameters: the root unit
         self.units = units + [module]  # forward order of the non-root units, then the root
         self.flats: dict[nn.Module, list[_Flat]] = {}
-        for u in self.units:  # one flat per unit, each param group's parameters together
+        self.replaced: dict[nn.Parameter, nn.Parameter] = {}  # (meta-device ones: _materialize)
+        # one flat per unit, each param group's parameters together; a unit at a time: its
+        # parameters materialised (if on the meta device), packed, and the full buffer freed
+        # at once, so that no more than one unit is ever whole here (the model's own tensors
+        # aside, where it was built on a real device)
+        for u in self.units:
             mine = sorted((p for p in params if owner[p] is u), key=gid.__getitem__)
-            self.flats[u] = [self._make_flat(mine)] if mine else []
+            self.flats[u] = []
+            if mine:
+                mine = self._materialize(u, mine, param_init_fn)
+                self.flats[u].append(self._make_flat(mine))
+                self._free(self.flats[u][0], keep_shapes=True)
         self.unit_of = {p: u for u in self.units for f in self.flats[u] for p in f.params}
         self._landed: dict[nn.Module, set] = {u: set() for u in self.units}
         self._landed_pass: dict[nn.Module, int | None] = {u: None for u in self.units}
@@ -180,7 +197,6 @@ class ShardedParams:
             self._hooks.append(u.register_forward_hook(post))
         if not self.flats[module]:  # still record the start of each forward
             self._hooks.append(module.register_forward_pre_hook(pre))
-        self._empty = torch.empty(0, dtype=param_dtype, device=params[0].device)
 
     def remove_hooks(self) -> None:
         """Remove the model's forward and gradient hooks (a newer wrapper owns it)."""
@@ -188,13 +204,43 @@ class ShardedParams:
 
     # --- layout --------------------------------------------------------------------------
     @torch.no_grad()
+    def _materialize(self, u: nn.Module, ps: list[nn.Parameter],
+                     param_init_fn: Callable | None) -> list[nn.Parameter]:
+        """``ps`` with each parameter on the meta device replaced by a new one on
+        :attr:`device` (zeros; its attributes, such as the tensor-parallel split, kept), in
+        every module slot that held it (a tied weight stays tied; as ``Module.to_empty``, a
+        new object: :attr:`replaced` maps old to new). ``param_init_fn(u, new ones)`` then
+        fills them and DP rank 0's values are broadcast, as the model's real parameters were
+        before sharding (:func:`broadcast_from_dp0`)."""
+        new: dict[nn.Parameter, nn.Parameter] = {}
+        for p in ps:
+            if p.is_meta:
+                q = nn.Parameter(torch.zeros(p.shape, dtype=p.dtype, device=self.device),
+                                 requires_grad=p.requires_grad)
+                for k, v in vars(p).items():
+                    vars(q).setdefault(k, v)
+                new[p] = q
+        if not new:
+            return ps
+        for m in self.module.modules():
+            for k, v in m._parameters.items():
+                if v is not None and v in new:
+                    m._parameters[k] = new[v]
+        self.replaced.update(new)
+        made = list(new.values())
+        param_init_fn(u, made)
+        if self.group is not None:
+            broadcast_from_dp0(made, self.dims)
+        return [new.get(p, p) for p in ps]
+
+    @torch.no_grad()
     def _make_flat(self, ps: list[nn.Parameter]) -> _Flat:
         n = sum(p.numel() for p in ps)
         numel = n + (-n % self.nranks)
         # the widest of the unit's dtypes: an fp32 parameter beside bf16 ones keeps its
         # initial value exactly in the fp32 masters (read from this buffer)
         wide = functools.reduce(torch.promote_types, (p.dtype for p in ps))
-        src = torch.zeros(numel, dtype=wide, device=ps[0].device)
+        src = torch.zeros(numel, dtype=wide, device=self.device)
         off = 0
         for p in ps:
             src[off: off + p.numel()].copy_(p.detach().reshape(-1))
@@ -233,7 +279,12 @@ class ShardedParams:
         landed = weak_hook(self, ShardedParams._grad_landed)
         for p in reducer.params():
             self._hooks.append(p.register_post_accumulate_grad_hook(landed))
-        self.reshard_all()  # from now on parameters live as shards between uses
+        # from now on parameters live as shards between uses: a sharded parameter reads as
+        # empty (until here, the reducer's buckets read their shapes)
+        self.reshard_all()
+        for u in self.units:
+            for f in self.flats[u]:
+                self._free(f)
 
     # --- gather / free -------------------------------------------------------------------
     @torch.no_grad()
@@ -262,10 +313,13 @@ class ShardedParams:
             if f.state == "full":
                 self._free(f)
 
-    def _free(self, f: _Flat) -> None:
+    def _free(self, f: _Flat, keep_shapes: bool = False) -> None:
+        """Free ``f``'s full buffer. Its parameters then read as empty, never as freed memory;
+        ``keep_shapes``: still as their views of it (construction, before :meth:`attach`)."""
         f.full.untyped_storage().resize_(0)
-        for p in f.params:  # a sharded parameter reads as empty, never as freed memory
-            p.data = self._empty
+        if not keep_shapes:
+            for p in f.params:
+                p.data = self._empty
         f.state = "sharded"
 
     def reshard_all(self) -> None:

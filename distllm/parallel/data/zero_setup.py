@@ -13,8 +13,8 @@ from torch import Tensor, nn
 
 from distllm.parallel.data.bucket_layout import Bucket
 
-__all__ = ["check_args", "param_groups_of", "pack_bucket", "HALF", "Segment", "runs_of",
-           "bucket_order", "shard_segments"]
+__all__ = ["check_args", "check_meta", "param_groups_of", "pack_bucket", "HALF", "Segment",
+           "runs_of", "bucket_order", "shard_segments"]
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -27,6 +27,39 @@ def check_args(stage: int, optimizer_cls: Any) -> None:
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_cls={optimizer_cls!r} is not a torch.optim.Optimizer subclass: "
                         "pass the class itself, e.g. torch.optim.AdamW (not an instance)")
+
+
+def check_meta(module: nn.Module | None, groups: list[tuple[list, dict]], stage: int,
+               param_init_fn: Callable | None) -> set[nn.Parameter]:
+    """The parameters on the meta device, which only stage 3 with ``param_init_fn``
+    materialises (one unit at a time); anything else about them is refused here, before any
+    collective, as is a ``param_init_fn`` another stage would ignore."""
+    if param_init_fn is not None and stage != 3:
+        raise ValueError(f"param_init_fn is read at stage 3 only (here stage={stage}): "
+                         "build the model on a real device and leave param_init_fn out")
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise TypeError(f"param_init_fn={param_init_fn!r}: pass a function (unit, params) "
+                        "that fills params in place")
+    metas = {p for ps, _ in groups for p in ps if p.is_meta}
+    if not metas:
+        return metas
+    if stage != 3 or param_init_fn is None:
+        raise ValueError(
+            f"{len(metas)} parameters are on the meta device: stage 3 materialises them one "
+            "unit at a time with param_init_fn=(unit, params) -> None filling them; stages "
+            "0-2 need the model built on a real device")
+    frozen = ([n for n, p in module.named_parameters() if p.is_meta and p not in metas]
+              if module is not None else [])
+    if frozen:
+        raise ValueError(f"parameters {frozen[:3]} are on the meta device but not optimised "
+                         "(requires_grad=False), so never materialised: build them on a "
+                         "real device")
+    bufs = [n for n, b in module.named_buffers() if b.is_meta] if module is not None else []
+    if bufs:
+        raise ValueError(f"buffers {bufs[:3]} are on the meta device: ZeroOptimizer "
+                         "materialises parameters only; create buffers on a real device "
+                         "(an explicit device= inside the meta-device context)")
+    return metas
 
 
 def _unname(items: list, names: dict) -> list:
