@@ -134,7 +134,9 @@ class _Flat:
     numel: int  # padded to a multiple of N
     full: Tensor  # compute dtype; storage freed while sharded
     shard: Tensor  # compute dtype, this rank's slice
-    master_src: Tensor | None  # this rank's slice in the original dtype (initial masters)
+    # this rank's slice in the parameters' widest dtype (initial masters), where it is not the
+    # compute dtype (else the shard holds the same values)
+    master_src: Tensor | None
     work: object = None
     state: str = "full"  # "sharded" | "gathering" | "full"
 
@@ -245,16 +247,17 @@ class ShardedParams:
         for p in ps:
             src[off: off + p.numel()].copy_(p.detach().reshape(-1))
             off += p.numel()
-        full = src.to(self.param_dtype) if src.dtype != self.param_dtype else src.clone()
         s = numel // self.nranks
         lo = self.rank * s
+        same = src.dtype == self.param_dtype
+        master_src = None if same else src[lo: lo + s].clone()
+        full = src if same else src.to(self.param_dtype)  # (no copy when it can be the buffer)
         views, off = [], 0
         for p in ps:
             views.append(full[off: off + p.numel()].view_as(p))
             p.data = views[-1]
             off += p.numel()
-        return _Flat(list(ps), views, numel, full, full[lo: lo + s].clone(),
-                     src[lo: lo + s].clone())
+        return _Flat(list(ps), views, numel, full, full[lo: lo + s].clone(), master_src)
 
     def bucket_params(self) -> list[list[nn.Parameter]]:
         """Gradient buckets, first reduced first: the units in reverse forward order, root
@@ -269,7 +272,7 @@ class ShardedParams:
     def master_init(self, i: int) -> Tensor:
         """The initial master values of bucket ``i``'s shard (handed over once, then dropped)."""
         f = self._bucket_flats[i]
-        src, f.master_src = f.master_src, None
+        src, f.master_src = (f.master_src if f.master_src is not None else f.shard), None
         return src
 
     def attach(self, reducer: GradBuckets) -> None:
