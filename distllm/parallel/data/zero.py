@@ -159,7 +159,8 @@ class ZeroOptimizer(ZeroGradChecks):
             torch.device("meta"):``, as FSDP's deferred initialisation): its parameters are
             materialised one unit at a time, on ``dims.device``, as zeros;
             ``param_init_fn(unit, params)`` then fills ``params`` (that unit's, in place,
-            under ``no_grad``; the root unit's leftovers come last), DP rank 0's values are
+            under ``no_grad``; the root unit's leftovers come last; it must write nothing
+            else: the units already sharded hold no memory), DP rank 0's values are
             broadcast, and the unit is packed and sharded before the next one is
             materialised, so the whole model never exists on one rank. As with
             ``Module.to_empty``, each materialised parameter is a new ``nn.Parameter`` in
