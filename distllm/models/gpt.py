@@ -220,9 +220,12 @@ class Head(nn.Module):
                                             dtype=dtype)
         per = vp // dims.tp
         lo = dims.tp_rank * per
-        # (V_pad/tp,); on the CPU even where the model is built on the meta device (ZeRO-3's
-        # deferred initialisation, :class:`~distllm.parallel.data.zero3.ShardedParams`)
-        pad = torch.arange(lo, lo + per, device="cpu") >= cfg.vocab_size
+        # (V_pad/tp,), on the default device; on the CPU where that is the meta device (a
+        # model built for ZeRO-3's deferred initialisation materialises parameters only:
+        # :class:`~distllm.parallel.data.zero3.ShardedParams`)
+        dev = torch.empty(0).device
+        pad = torch.arange(lo, lo + per, device="cpu" if dev.type == "meta" else dev) \
+            >= cfg.vocab_size
         self.register_buffer("pad_mask", pad, persistent=False)
         self.has_pad = lo + per > cfg.vocab_size
 
