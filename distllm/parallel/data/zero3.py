@@ -9,6 +9,11 @@ only its slice (``L/N`` elements) between uses; the full buffer's storage is fre
 for backward remain valid. The parameters stay the same ``nn.Parameter`` objects: while
 gathered, ``p.data`` is its view of the full buffer; while sharded it is an empty tensor
 (so reading a sharded parameter outside its layer's forward/backward fails loudly).
+Construction goes a unit at a time, each one's full buffer freed before the next is packed,
+so a rank never holds more than one unit whole beside what it was given. A model built on
+the meta device is materialised that way too (``param_init_fn``, FSDP's deferred
+initialisation): a unit's parameters are replaced once, by new ones on the device that the
+function fills, just before the unit is packed.
 ``module.state_dict()`` and ``module.load_state_dict()`` still see full tensors: hooks
 installed by :class:`~distllm.parallel.ZeroOptimizer` gather the units involved around
 them (:meth:`ShardedParams.gather` / :meth:`ShardedParams.release`).
