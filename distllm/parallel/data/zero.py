@@ -259,13 +259,19 @@ class ZeroOptimizer(ZeroGradChecks):
             order, key = bucket_order(self.module, allp, gid)
             plists = [sorted(ps, key=gid.__getitem__) for ps in assign_buckets(
                 order, cap, FIRST_BUCKET_BYTES, key=key, elem_size=esize)]
-        self.reducer = GradBuckets(
-            plists, group=self.group, mode="all_reduce" if self.stage <= 1 else "reduce_scatter",
-            dtype=self.reduce_dtype, persistent=self.stage <= 1, pad_to=self.nranks,
-            as_view=self.stage <= 1 and self.reduce_dtype == self.param_dtype
-            and all(p.dtype == self.param_dtype for p in allp),
-            finish_on_backward_end=finish_on_end, reduce_scatter_impl=self._rs_impl,
-            overlap=overlap_grad, on_finish=self.sharded.end_step if self.sharded else None)
+        try:
+            self.reducer = GradBuckets(
+                plists, group=self.group,
+                mode="all_reduce" if self.stage <= 1 else "reduce_scatter",
+                dtype=self.reduce_dtype, persistent=self.stage <= 1, pad_to=self.nranks,
+                as_view=self.stage <= 1 and self.reduce_dtype == self.param_dtype
+                and all(p.dtype == self.param_dtype for p in allp),
+                finish_on_backward_end=finish_on_end, reduce_scatter_impl=self._rs_impl,
+                overlap=overlap_grad, on_finish=self.sharded.end_step if self.sharded else None)
+        except BaseException:
+            if self.sharded is not None:  # (its parameters: views of freed buffers until
+                self.sharded.empty_params()  # attach)
+            raise
         if self.sharded is not None:
             self.sharded.attach(self.reducer)
         self._build_flat_params()

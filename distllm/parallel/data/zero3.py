@@ -175,13 +175,17 @@ class ShardedParams:
         # parameters materialised (if on the meta device), packed, and the full buffer freed
         # at once, so that no more than one unit is ever whole here (the model's own tensors
         # aside, where it was built on a real device)
-        for u in self.units:
-            mine = sorted((p for p in params if owner[p] is u), key=gid.__getitem__)
-            self.flats[u] = []
-            if mine:
-                mine = self._materialize(u, mine, param_init_fn)
-                self.flats[u].append(self._make_flat(mine))
-                self._free(self.flats[u][0], keep_shapes=True)
+        try:
+            for u in self.units:
+                mine = sorted((p for p in params if owner[p] is u), key=gid.__getitem__)
+                self.flats[u] = []
+                if mine:
+                    mine = self._materialize(u, mine, param_init_fn)
+                    self.flats[u].append(self._make_flat(mine))
+                    self._free(self.flats[u][0], keep_shapes=True)
+        except BaseException:
+            self.empty_params()  # (an init that failed: no view of freed memory is left)
+            raise
         self.unit_of = {p: u for u in self.units for f in self.flats[u] for p in f.params}
         self._landed: dict[nn.Module, set] = {u: set() for u in self.units}
         self._landed_pass: dict[nn.Module, int | None] = {u: None for u in self.units}
@@ -290,8 +294,13 @@ class ShardedParams:
         # from now on parameters live as shards between uses: a sharded parameter reads as
         # empty (until here, the reducer's buckets read their shapes)
         self.reshard_all()
-        for u in self.units:
-            for f in self.flats[u]:
+        self.empty_params()
+
+    def empty_params(self) -> None:
+        """Construction's end (or its failure): every packed unit's parameters read as empty,
+        not as their views of the freed buffers, whose reads would touch freed memory."""
+        for fl in self.flats.values():
+            for f in fl:
                 self._free(f)
 
     # --- gather / free -------------------------------------------------------------------

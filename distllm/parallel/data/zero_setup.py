@@ -52,8 +52,8 @@ def check_meta(module: nn.Module | None, groups: list[tuple[list, dict]], stage:
               if module is not None else [])
     if frozen:
         raise ValueError(f"parameters {frozen[:3]} are on the meta device but not optimised "
-                         "(requires_grad=False), so never materialised: build them on a "
-                         "real device")
+                         "(requires_grad=False, or in none of the param groups), so never "
+                         "materialised: build them on a real device")
     bufs = [n for n, b in module.named_buffers() if b.is_meta] if module is not None else []
     if bufs:
         raise ValueError(f"buffers {bufs[:3]} are on the meta device: ZeroOptimizer "

@@ -135,3 +135,47 @@ def _refusals_rank(case: str):
 def test_meta_parameters_it_cannot_materialise_are_refused(case, needle):
     msgs = run_distributed(_refusals_rank, 2, case, timeout=120)
     assert all(needle in m for m in msgs), msgs
+
+
+def _failing_init_rank():
+    from torch import nn
+
+    from distllm import ParallelDims
+    from distllm.parallel.data.zero import ZeroOptimizer
+
+    dims = ParallelDims(tp=1, pp=1, dp=2)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    calls = []
+
+    def init(unit, params):
+        calls.append(unit)
+        if len(calls) == 2:
+            raise RuntimeError("the second unit's init failed")
+        for p in params:
+            p.fill_(1.0)
+
+    try:
+        ZeroOptimizer(model, torch.optim.AdamW, stage=3, dims=dims, param_init_fn=init, lr=1e-3)
+    except RuntimeError as e:
+        msg = str(e)
+    w = model[0].weight  # the unit packed before the failure: readable, and empty
+    out = [msg, w.numel(), float(w.sum()), model[2].weight.is_meta]
+    # a model on a real device whose wrap fails after its units were packed (the gradient
+    # buckets refuse the argument)
+    real = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    try:
+        ZeroOptimizer(real, torch.optim.AdamW, stage=3, dims=dims, lr=1e-3,
+                      reduce_scatter_impl="nonesuch")
+    except ValueError as e:
+        out.append("reduce_scatter_impl='nonesuch'" in str(e))
+    return out + [float(real[0].weight.sum())]
+
+
+def test_a_failed_init_leaves_no_parameter_on_freed_memory():
+    """A ``param_init_fn`` that raises ends the construction with its error; the units packed
+    before it read as empty tensors afterwards (not as views of their freed buffers, which
+    crashed the process with a segmentation fault), and the units after it are still meta; so
+    does a real model whose wrap fails later, in the gradient buckets."""
+    got = run_distributed(_failing_init_rank, 2, timeout=120)
+    assert got == [["the second unit's init failed", 0, 0.0, True, True, 0.0]] * 2
