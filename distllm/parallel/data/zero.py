@@ -253,6 +253,7 @@ class ZeroOptimizer(ZeroGradChecks):
             plists = self.sharded.bucket_params()
             take_over(allp, self, "ZeroOptimizer(stage=3)")  # (those built on the meta device)
             mark_sharded(allp, "a ZeroOptimizer(stage=3)")
+            self.sharded.shapes_for_buckets()
         else:
             self.sharded = None
             esize = self.reduce_dtype.itemsize

@@ -182,7 +182,7 @@ class ShardedParams:
                 if mine:
                     mine = self._materialize(u, mine, param_init_fn)
                     self.flats[u].append(self._make_flat(mine))
-                    self._free(self.flats[u][0], keep_shapes=True)
+                    self._free(self.flats[u][0])  # (a later unit's init reads it as empty)
         except BaseException:
             self.empty_params()  # (an init that failed: no view of freed memory is left)
             raise
@@ -297,11 +297,19 @@ class ShardedParams:
         self.empty_params()
 
     def empty_params(self) -> None:
-        """Construction's end (or its failure): every packed unit's parameters read as empty,
-        not as their views of the freed buffers, whose reads would touch freed memory."""
+        """Every packed unit's parameters read as empty, not as their views of the freed
+        buffers, whose reads would touch freed memory (after :meth:`shapes_for_buckets`)."""
         for fl in self.flats.values():
             for f in fl:
                 self._free(f)
+
+    def shapes_for_buckets(self) -> None:
+        """Every parameter as its view of its (freed) buffer, for the gradient buckets to read
+        their shapes; :meth:`attach` (or :meth:`empty_params`, if they fail) ends it."""
+        for fl in self.flats.values():
+            for f in fl:
+                for p, v in zip(f.params, f.views, strict=True):
+                    p.data = v
 
     # --- gather / free -------------------------------------------------------------------
     @torch.no_grad()
@@ -330,13 +338,10 @@ class ShardedParams:
             if f.state == "full":
                 self._free(f)
 
-    def _free(self, f: _Flat, keep_shapes: bool = False) -> None:
-        """Free ``f``'s full buffer. Its parameters then read as empty, never as freed memory;
-        ``keep_shapes``: still as their views of it (construction, before :meth:`attach`)."""
+    def _free(self, f: _Flat) -> None:
         f.full.untyped_storage().resize_(0)
-        if not keep_shapes:
-            for p in f.params:
-                p.data = self._empty
+        for p in f.params:  # a sharded parameter reads as empty, never as freed memory
+            p.data = self._empty
         f.state = "sharded"
 
     def reshard_all(self) -> None:

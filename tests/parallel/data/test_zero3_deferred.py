@@ -146,11 +146,12 @@ def _failing_init_rank():
     dims = ParallelDims(tp=1, pp=1, dp=2)
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
-    calls = []
+    calls, seen = [], []
 
     def init(unit, params):
         calls.append(unit)
-        if len(calls) == 2:
+        if len(calls) == 2:  # the first unit, already packed, reads as empty here
+            seen.extend([model[0].weight.numel(), float(model[0].weight.sum())])
             raise RuntimeError("the second unit's init failed")
         for p in params:
             p.fill_(1.0)
@@ -160,7 +161,7 @@ def _failing_init_rank():
     except RuntimeError as e:
         msg = str(e)
     w = model[0].weight  # the unit packed before the failure: readable, and empty
-    out = [msg, w.numel(), float(w.sum()), model[2].weight.is_meta]
+    out = [msg, *seen, w.numel(), float(w.sum()), model[2].weight.is_meta]
     # a model on a real device whose wrap fails after its units were packed (the gradient
     # buckets refuse the argument)
     real = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
@@ -173,9 +174,10 @@ def _failing_init_rank():
 
 
 def test_a_failed_init_leaves_no_parameter_on_freed_memory():
-    """A ``param_init_fn`` that raises ends the construction with its error; the units packed
-    before it read as empty tensors afterwards (not as views of their freed buffers, which
-    crashed the process with a segmentation fault), and the units after it are still meta; so
-    does a real model whose wrap fails later, in the gradient buckets."""
+    """The units packed so far read as empty tensors while a later unit is initialised and
+    after a ``param_init_fn`` that raises (its error ends the construction), not as views of
+    their freed buffers, whose reads crashed the process with a segmentation fault; the units
+    after it are still meta. So does a real model whose wrap fails later, in the gradient
+    buckets."""
     got = run_distributed(_failing_init_rank, 2, timeout=120)
-    assert got == [["the second unit's init failed", 0, 0.0, True, True, 0.0]] * 2
+    assert got == [["the second unit's init failed", 0, 0.0, 0, 0.0, True, True, 0.0]] * 2
