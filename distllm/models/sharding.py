@@ -200,11 +200,8 @@ def init_params(model, params: Iterable[nn.Parameter], seed: int) -> None:
     parameters of one ZeRO-3 unit, materialised from the meta device): each layer involved is
     drawn once on its canonical shapes (:func:`init_canonical`), so every parameter gets the
     value :meth:`distllm.models.GPT.reset_parameters` gives it."""
-    where = {}
-    for i in model.layer_ids:
-        layer = model.layers[str(i)]
-        for name, (path, kind) in param_table(model.cfg, i, model.vocab_parallel).items():
-            where[_get(layer, path)] = (i, name, kind)
+    where = {dst: (i, name, kind) for i in model.layer_ids
+             for name, kind, dst in _layer_slots(model, i)}
     todo: dict[int, list] = {}
     for p in params:
         if p not in where:
@@ -218,15 +215,20 @@ def init_params(model, params: Iterable[nn.Parameter], seed: int) -> None:
             p.copy_(shard_full(model.cfg, model.dims, kind, full[name]))
 
 
+def _layer_slots(model, i: int) -> list[tuple[str, str, nn.Parameter]]:
+    """Layer ``i`` of ``model``: ``(canonical name, TP split, its parameter)`` of each."""
+    layer = model.layers[str(i)]
+    return [(name, kind, _get(layer, path))
+            for name, (path, kind) in param_table(model.cfg, i, model.vocab_parallel).items()]
+
+
 @torch.no_grad()
 def load_layer(model, i: int, full: dict[str, torch.Tensor]) -> None:
     """Copy canonical tensors ``full`` into layer ``i`` of ``model`` (this rank's TP shard)."""
-    layer = model.layers[str(i)]
     cfg, dims = model.cfg, model.dims
-    for name, (path, kind) in param_table(cfg, i, model.vocab_parallel).items():
+    for name, kind, dst in _layer_slots(model, i):
         if name not in full:
             raise KeyError(f"layer {i}: canonical tensor {name!r} is missing")
-        dst = _get(layer, path)
         src = shard_full(cfg, dims, kind, full[name])
         if tuple(src.shape) != tuple(dst.shape):
             raise ValueError(f"layer {i} {name}: shard shape {tuple(src.shape)} does not fit "
